@@ -1,0 +1,13 @@
+"""Exceptions of the model side. The CLI maps UsageError to exit code 2 and every other PreinferError to 1."""
+
+
+class PreinferError(Exception):
+    """A failure the user can act on; the message says what and where."""
+
+
+class UsageError(PreinferError):
+    """Bad input from the user: a flag, a file, a model or a config value that cannot be used."""
+
+
+class UnsupportedModelError(UsageError):
+    """A model whose structure no adapter recognises."""

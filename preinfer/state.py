@@ -1,0 +1,50 @@
+"""The boundary state: what layer k needs to continue, as a plain dataclass of tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass
+class BoundaryState:
+    """Hidden states at one boundary plus the per-sample side tensors the layers and the loss need.
+
+    `attention_mask` is bool `[B, T]` (True at real tokens; right padding), `position_ids` int64 `[B, T]`,
+    `labels` int64 `[B, T]` in the Hugging Face convention (unshifted, -100 ignored) or None.
+    Rotary tables and causal masks are recomputed from these, never carried.
+    """
+
+    hidden: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.hidden.shape[0]
+
+    def __getitem__(self, index) -> BoundaryState:
+        """Select samples (an int, a slice or an index tensor); the sample axis is kept."""
+        if isinstance(index, int):
+            index = slice(index, index + 1)
+        return BoundaryState(**{k: None if v is None else v[index] for k, v in self._items()})
+
+    def to_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self._items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, tensors: dict[str, torch.Tensor]) -> BoundaryState:
+        names = {f.name for f in fields(cls)}
+        unknown = set(tensors) - names
+        if unknown:
+            raise KeyError(f"unknown boundary-state fields {sorted(unknown)}; expected {sorted(names)}")
+        return cls(**tensors)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> BoundaryState:
+        return BoundaryState(
+            **{k: None if v is None else v.to(device, non_blocking=non_blocking) for k, v in self._items()}
+        )
+
+    def _items(self):
+        return ((f.name, getattr(self, f.name)) for f in fields(self))
