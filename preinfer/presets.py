@@ -1,0 +1,88 @@
+"""Built-in model presets (random initialisation from a seed) and loading a model from a local directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrainedConfig
+
+from preinfer.errors import UsageError
+
+# Vocabulary of the built-in byte-level tokenizer: 256 byte values, then <pad> and <eos>.
+BYTE_VOCAB_SIZE = 258
+BYTE_PAD_ID, BYTE_EOS_ID = 256, 257
+
+PRESETS: dict[str, tuple[type[PreTrainedConfig], dict]] = {
+    "tiny-gpt2": (GPT2Config, dict(vocab_size=BYTE_VOCAB_SIZE, n_positions=512, n_embd=64, n_layer=4, n_head=4)),
+    "tiny-llama": (
+        LlamaConfig,
+        dict(
+            vocab_size=BYTE_VOCAB_SIZE, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        ),
+    ),
+    "small-llama": (
+        LlamaConfig,
+        dict(
+            vocab_size=BYTE_VOCAB_SIZE, hidden_size=256, intermediate_size=688, num_hidden_layers=6,
+            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
+        ),
+    ),
+    "medium-llama": (
+        LlamaConfig,
+        dict(
+            vocab_size=BYTE_VOCAB_SIZE, hidden_size=384, intermediate_size=1024, num_hidden_layers=12,
+            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
+        ),
+    ),
+}
+
+
+def preset_config(name: str) -> PreTrainedConfig:
+    """The Hugging Face config of a preset, in float32 with eager attention."""
+    if name not in PRESETS:
+        raise UsageError(f"unknown model preset '{name}'; presets are {', '.join(PRESETS)} (or give a local directory)")
+    cls, kwargs = PRESETS[name]
+    config = cls(
+        **kwargs, tie_word_embeddings=cls is GPT2Config,
+        bos_token_id=BYTE_EOS_ID, eos_token_id=BYTE_EOS_ID, pad_token_id=BYTE_PAD_ID,
+    )
+    config._attn_implementation = "eager"
+    return config
+
+
+def build_preset(name: str, seed: int = 0) -> torch.nn.Module:
+    """A preset model, randomly initialised from `seed` (the same seed gives the same weights)."""
+    config = preset_config(name)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    return model.float()
+
+
+def load_model(spec: str, seed: int = 0) -> torch.nn.Module:
+    """A model from a preset name or a local directory written by `save_pretrained` (never the network)."""
+    path = Path(spec)
+    if spec in PRESETS:
+        return build_preset(spec, seed)
+    if not path.exists():
+        raise UsageError(
+            f"--model '{spec}' is neither a preset ({', '.join(PRESETS)}) nor an existing local directory"
+        )
+    if not (path / "config.json").is_file():
+        raise UsageError(f"--model directory '{spec}' has no config.json (expected a save_pretrained directory)")
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, attn_implementation="eager").float()
+    except (OSError, ValueError) as err:
+        raise UsageError(f"cannot load the model in '{spec}': {err}") from err
+
+
+def local_config(spec: str) -> PreTrainedConfig:
+    """The config of a preset or of a local model directory, without building the model."""
+    if spec in PRESETS:
+        return preset_config(spec)
+    try:
+        return AutoConfig.from_pretrained(spec, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"cannot read a model config from '{spec}': {err}") from err
