@@ -14,7 +14,14 @@ BYTE_VOCAB_SIZE = 258
 BYTE_PAD_ID, BYTE_EOS_ID = 256, 257
 
 PRESETS: dict[str, tuple[type[PreTrainedConfig], dict]] = {
-    "tiny-gpt2": (GPT2Config, dict(vocab_size=BYTE_VOCAB_SIZE, n_positions=512, n_embd=64, n_layer=4, n_head=4)),
+    "tiny-gpt2": (
+        GPT2Config,
+        dict(
+            vocab_size=BYTE_VOCAB_SIZE, n_positions=512, n_embd=64, n_layer=4, n_head=4,
+            # No dropout: a frozen prefix must give the same boundary state live and from a store.
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        ),
+    ),
     "tiny-llama": (
         LlamaConfig,
         dict(

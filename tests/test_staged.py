@@ -1,0 +1,128 @@
+"""Invariant 1: split forward through every boundary equals the framework's own forward."""
+
+import pytest
+import torch
+from torch import nn
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+import preinfer
+from preinfer.errors import UnsupportedModelError
+
+VOCAB, T, B = 97, 12, 3
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4)
+CONFIGS = {
+    "gpt2": lambda: GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=4, n_positions=64),
+    "llama": lambda: LlamaConfig(**SMALL, num_key_value_heads=4),
+    "mistral": lambda: MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=None),
+    "mistral-sliding": lambda: MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=5),
+    "qwen2-gqa": lambda: Qwen2Config(**SMALL, num_key_value_heads=2),
+    "qwen3-gqa": lambda: Qwen3Config(**SMALL, num_key_value_heads=1, head_dim=8),
+}
+
+
+def hf_model(name: str) -> nn.Module:
+    config = CONFIGS[name]()
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).float().eval()
+
+
+def batch(padded: bool):
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (B, T), generator=gen)
+    mask = torch.ones(B, T, dtype=torch.long)
+    if padded:
+        mask[1, 7:] = 0
+        mask[2, 3:] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "right-padded"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_composition_through_every_boundary(name, padded):
+    model = hf_model(name)
+    staged = preinfer.stage(model)
+    ids, mask = batch(padded)
+    real = mask.bool()
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).logits
+        for k in range(staged.num_layers + 1):
+            state = staged.embed(ids, mask)
+            state = staged.run(staged.run(state, 0, k), k, staged.num_layers)
+            got = staged.logits(state)
+            assert (got[real] - expected[real]).abs().max().item() <= 1e-5, f"boundary {k}"
+
+
+def test_padding_never_changes_real_positions():
+    model = hf_model("llama")
+    staged = preinfer.stage(model)
+    ids, mask = batch(padded=True)
+    noisy = ids.clone()
+    noisy[~mask.bool()] = (noisy[~mask.bool()] + 1) % VOCAB
+    with torch.no_grad():
+        a = staged.logits(staged.run(staged.embed(ids, mask), 0, staged.num_layers))
+        b = staged.logits(staged.run(staged.embed(noisy, mask), 0, staged.num_layers))
+    assert torch.equal(a[mask.bool()], b[mask.bool()])
+
+
+def test_loss_matches_hf_loss():
+    model = hf_model("gpt2")
+    staged = preinfer.stage(model)
+    ids, mask = batch(padded=True)
+    labels = ids.masked_fill(mask == 0, -100)
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        got = staged.loss(staged.run(staged.embed(ids, mask, labels), 0, staged.num_layers))
+    assert abs(got.item() - expected.item()) <= 1e-5
+
+
+def sequential_lm() -> nn.Sequential:
+    torch.manual_seed(0)
+    layer = lambda: nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16), nn.GELU())  # noqa: E731
+    return nn.Sequential(nn.Embedding(VOCAB, 16), layer(), layer(), layer(), nn.Linear(16, VOCAB))
+
+
+def test_sequential_composition():
+    model = sequential_lm()
+    staged = preinfer.stage(model)
+    ids, _ = batch(padded=False)
+    assert staged.num_layers == 3
+    with torch.no_grad():
+        expected = model(ids)
+        for k in range(4):
+            state = staged.run(staged.run(staged.embed(ids), 0, k), k, 3)
+            assert (staged.logits(state) - expected).abs().max().item() <= 1e-5
+
+
+def test_units_cover_every_parameter_once_except_ties():
+    model = hf_model("gpt2")
+    units = preinfer.stage(model).units()
+    assert [u.name for u in units] == ["embed", "layer.0", "layer.1", "layer.2", "head"]
+    seen = {id(p) for u in units for p in u.parameters()}
+    assert seen == {id(p) for p in model.parameters()}
+    # GPT-2 ties lm_head to wte: the same tensor appears in the embed and head units.
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_state_slices_and_round_trips_through_a_dict():
+    staged = preinfer.stage(hf_model("llama"))
+    ids, mask = batch(padded=True)
+    state = staged.embed(ids, mask, labels=ids)
+    one = state[1]
+    assert len(one) == 1 and torch.equal(one.hidden[0], state.hidden[1])
+    again = preinfer.BoundaryState.from_dict(state.to_dict())
+    assert all(torch.equal(a, b) for a, b in zip(again.to_dict().values(), state.to_dict().values()))
+    with pytest.raises(KeyError, match="unknown"):
+        preinfer.BoundaryState.from_dict({**state.to_dict(), "extra": ids})
+
+
+def test_unsupported_model_names_the_expected_structure():
+    with pytest.raises(UnsupportedModelError, match="model.embed_tokens"):
+        preinfer.stage(nn.Linear(2, 2))
