@@ -107,11 +107,16 @@ class StagedModel(ABC):
     def _head(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross entropy of position t's logits against label t+1, averaged over labels that are not -100."""
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross entropy of position t's logits against label t+1 over the labels that are not -100."""
     shifted = logits[:, :-1].flatten(0, 1).float()
     targets = labels[:, 1:].flatten()
-    return F.cross_entropy(shifted, targets, ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(shifted, targets, ignore_index=IGNORE_INDEX, reduction=reduction)
+
+
+def supervised_tokens(labels: torch.Tensor) -> int:
+    """How many positions `causal_lm_loss` averages over."""
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())
 
 
 def _causal_mask(config, hidden: torch.Tensor, state: BoundaryState, sliding: bool):

@@ -1,0 +1,95 @@
+"""Run checkpoints without pickle: weights and tensors in safetensors, everything else in JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, load_model, save_file, save_model
+from torch import nn
+
+from preinfer.errors import PreinferError
+
+WEIGHTS, TENSORS, STATE = "model.safetensors", "state.safetensors", "state.json"
+
+
+def save_checkpoint(path: Path, model: nn.Module, optimizers: dict[int, dict], trainer_state: dict) -> None:
+    """Write weights, optimizer states (by block), trainer state and RNG states; atomically replaces `path`."""
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_model(model, str(tmp / WEIGHTS))
+    tensors, optim_meta = {}, {}
+    for block, state in optimizers.items():
+        optim_meta[str(block)] = _flatten_optimizer(state, f"optim.{block}", tensors)
+    tensors["rng.torch"] = torch.get_rng_state()
+    save_file(tensors, str(tmp / TENSORS))
+    meta = {"trainer": trainer_state, "optimizers": optim_meta, "rng": _host_rng_state()}
+    (tmp / STATE).write_text(json.dumps(meta, indent=1))
+    _fsync_dir(tmp)
+    old = path.with_name(path.name + ".old")
+    if path.exists():
+        path.rename(old)
+    tmp.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(path: Path, model: nn.Module) -> tuple[dict[int, dict], dict]:
+    """Load weights into `model` and restore RNG states; returns (optimizer states by block, trainer state)."""
+    if not (path / STATE).is_file():
+        raise PreinferError(f"no checkpoint in {path} (expected {STATE}); start without --resume")
+    load_model(model, str(path / WEIGHTS))
+    tensors = load_file(str(path / TENSORS))
+    meta = json.loads((path / STATE).read_text())
+    torch.set_rng_state(tensors["rng.torch"])
+    _restore_host_rng(meta["rng"])
+    optimizers = {int(b): _unflatten_optimizer(m, f"optim.{b}", tensors) for b, m in meta["optimizers"].items()}
+    return optimizers, meta["trainer"]
+
+
+def _flatten_optimizer(state_dict: dict, prefix: str, tensors: dict[str, torch.Tensor]) -> dict:
+    """Move the tensors of an optimizer state dict into `tensors`; returns the JSON-able rest."""
+    scalars: dict[str, dict] = {}
+    for index, entries in state_dict["state"].items():
+        for key, value in entries.items():
+            if torch.is_tensor(value):
+                tensors[f"{prefix}.{index}.{key}"] = value.detach().contiguous()
+            else:
+                scalars.setdefault(str(index), {})[key] = value
+    return {"param_groups": state_dict["param_groups"], "scalars": scalars, "indices": list(state_dict["state"])}
+
+
+def _unflatten_optimizer(meta: dict, prefix: str, tensors: dict[str, torch.Tensor]) -> dict:
+    state: dict[int, dict] = {int(i): dict(meta["scalars"].get(str(i), {})) for i in meta["indices"]}
+    for name, value in tensors.items():
+        if name.startswith(prefix + "."):
+            index, key = name[len(prefix) + 1 :].split(".", 1)
+            state[int(index)][key] = value
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def _host_rng_state() -> dict:
+    version, internal, gauss = random.getstate()
+    np_state = np.random.get_state()
+    return {
+        "python": [version, list(internal), gauss],
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+    }
+
+
+def _restore_host_rng(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+
+
+def _fsync_dir(path: Path) -> None:
+    for child in path.iterdir():
+        with child.open("rb") as f:
+            os.fsync(f.fileno())

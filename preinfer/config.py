@@ -1,0 +1,153 @@
+"""The run configuration: one typed dataclass per section, loaded from TOML, overridden by flags."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from preinfer.errors import UsageError
+
+
+@dataclass
+class ModelConfig:
+    name: str = "small-llama"  # a preset, a save_pretrained directory, or a run directory
+    tokenizer: str = "byte"  # the built-in byte tokenizer, or a local Hugging Face tokenizer directory
+
+
+@dataclass
+class DataConfig:
+    path: str = "builtin:pydoc"  # a .txt/.jsonl file, or builtin:pydoc (Python's own docs)
+    seq_len: int = 128
+    batch_size: int = 8
+    eval_fraction: float = 0.1
+    eval_batches: int = 0  # 0: the whole eval split
+
+
+@dataclass
+class BlockConfig:
+    ufp: str | None = "1/3"  # unfrozen parameter fraction per block; or blocks / ranges
+    blocks: int | None = None
+    ranges: str | None = None
+    separate_ends: bool = False  # embedding and head as blocks of their own
+    order: str = "ascending"  # ascending, descending, random, fixed
+    fixed_order: str | None = None  # e.g. "2,0,1" with order = "fixed"
+    start_block: int = 0
+    sweeps: int = 1
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adam"  # adam, adamw, sgd
+    lr: float | None = None  # None: the paper's default (sgd 0.1, adam/adamw 5e-5)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    momentum: float = 0.9
+    weight_decay: float | None = None  # None: sgd 1e-5, adam 0, adamw 0.01
+    warmup_steps: int = 0  # linear warmup at the start of every visit
+    grad_clip: float = 0.0  # max gradient norm of the active block; 0 disables
+    grad_accum: int = 1  # micro-batches per optimizer step
+    keep_state: bool = False  # keep each block's optimizer state between its visits (costs its memory)
+
+
+@dataclass
+class StopConfig:
+    steps_per_visit: int | None = None
+    epochs_per_visit: float | None = None
+    patience: int | None = None  # plateau: smoothed loss not improved by min_delta for this many steps
+    min_delta: float = 0.0
+    smoothing: float = 0.9  # exponential smoothing of the training loss for the plateau rule
+
+
+@dataclass
+class RunConfig:
+    out: str = "runs/bcd"
+    mode: str = "bcd"  # bcd, or full (full-parameter baseline: one block)
+    seed: int = 0
+    checkpoint_every: int = 0  # optimizer steps between checkpoints; 0: after every visit only
+    device: str = "cpu"
+    pre_inference: str = "off"  # off, on, auto (training from stores; see pipelines)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    blocks: BlockConfig = field(default_factory=BlockConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    stop: StopConfig = field(default_factory=StopConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return asdict(self)
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> Config:
+    """Defaults, then the TOML file's values, then `overrides` ({section: {key: value}}, None values skipped)."""
+    config = Config()
+    if path is not None:
+        _apply(config, _read_toml(Path(path)), source=str(path))
+    _apply(config, overrides or {}, source="flags")
+    return config
+
+
+def _read_toml(path: Path) -> dict:
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise UsageError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as err:
+        raise UsageError(f"config file {path} is not valid TOML: {err}") from None
+
+
+def _apply(config: Config, values: dict, source: str) -> None:
+    for section, entries in values.items():
+        target = getattr(config, section, None)
+        if not is_dataclass(target) or not isinstance(entries, dict):
+            raise UsageError(f"{source}: unknown config section [{section}]")
+        hints = get_type_hints(type(target))
+        for key, value in entries.items():
+            if key not in hints:
+                raise UsageError(f"{source}: unknown key '{key}' in [{section}]")
+            if value is not None:
+                setattr(target, key, _coerce(value, hints[key], f"{source}: [{section}] {key}"))
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    """Check a TOML value against the field's type; ints are accepted for floats."""
+    allowed = getattr(hint, "__args__", (hint,))
+    for kind in allowed:
+        base = getattr(kind, "__origin__", kind)
+        if base is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if base is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if base in (str, bool, list) and isinstance(value, base):
+            return value
+    names = " or ".join(getattr(k, "__name__", str(k)) for k in allowed if k is not type(None))
+    raise UsageError(f"{where} = {value!r}: expected {names}")
+
+
+def dump_toml(config: Config) -> str:
+    """The fully resolved config as TOML (None values are left out: they mean 'default')."""
+    lines = []
+    for section in fields(config):
+        lines.append(f"[{section.name}]")
+        for key, value in asdict(getattr(config, section.name)).items():
+            if value is not None:
+                lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")

@@ -1,0 +1,80 @@
+"""A visit's optimizer, its learning-rate warmup and its stopping rule."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from preinfer.config import OptimConfig, StopConfig
+from preinfer.errors import UsageError
+
+# The reference paper's defaults.
+DEFAULT_LR = {"sgd": 0.1, "adam": 5e-5, "adamw": 5e-5}
+DEFAULT_WEIGHT_DECAY = {"sgd": 1e-5, "adam": 0.0, "adamw": 0.01}
+
+
+def build_optimizer(params: list[nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """SGD with momentum, Adam or AdamW over `params`, with the paper's defaults where cfg leaves them open."""
+    name = cfg.name.lower()
+    if name not in DEFAULT_LR:
+        raise UsageError(f"--optimizer '{cfg.name}' is not one of {', '.join(DEFAULT_LR)}")
+    lr = cfg.lr if cfg.lr is not None else DEFAULT_LR[name]
+    wd = cfg.weight_decay if cfg.weight_decay is not None else DEFAULT_WEIGHT_DECAY[name]
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=wd)
+    cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
+    return cls(params, lr=lr, betas=tuple(cfg.betas), weight_decay=wd)
+
+
+def warmup_factor(step: int, warmup_steps: int) -> float:
+    """Linear warmup: step 0 runs at 1/warmup of the rate, reaching the full rate after `warmup_steps`."""
+    return 1.0 if warmup_steps <= 0 else min(1.0, (step + 1) / warmup_steps)
+
+
+@dataclass
+class StopRule:
+    """Ends a visit at a step budget, an epoch budget or a plateau of the smoothed loss, whichever comes first."""
+
+    max_steps: int | None
+    patience: int | None
+    min_delta: float
+    smoothing: float
+    smoothed: float | None = None
+    best: float = math.inf
+    since_best: int = 0
+    steps: int = 0
+
+    @classmethod
+    def for_visit(cls, cfg: StopConfig, steps_per_epoch: int) -> StopRule:
+        budgets = [b for b in (cfg.steps_per_visit, _epoch_steps(cfg.epochs_per_visit, steps_per_epoch)) if b]
+        if not budgets and cfg.patience is None:
+            raise UsageError("a visit needs a stopping rule: --steps-per-visit, --epochs-per-visit or --patience")
+        return cls(min(budgets) if budgets else None, cfg.patience, cfg.min_delta, cfg.smoothing)
+
+    def update(self, loss: float) -> str | None:
+        """Record one step's loss; returns why the visit ends ('steps', 'plateau') or None to go on."""
+        self.steps += 1
+        self.smoothed = loss if self.smoothed is None else self.smoothing * self.smoothed + (1 - self.smoothing) * loss
+        if self.smoothed < self.best - self.min_delta:
+            self.best, self.since_best = self.smoothed, 0
+        else:
+            self.since_best += 1
+        if self.max_steps is not None and self.steps >= self.max_steps:
+            return "steps"
+        if self.patience is not None and self.since_best >= self.patience:
+            return "plateau"
+        return None
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+def _epoch_steps(epochs: float | None, steps_per_epoch: int) -> int | None:
+    return None if epochs is None else max(1, math.ceil(epochs * steps_per_epoch))

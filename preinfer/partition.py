@@ -1,0 +1,207 @@
+"""Partitions: the model's units (embed, layers, head) grouped into contiguous blocks trained one at a time."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+from torch import nn
+
+from preinfer.errors import UsageError
+from preinfer.staged import StagedModel, Unit
+
+
+@dataclass(frozen=True)
+class Block:
+    """Consecutive units trained together. `start` is the boundary the block's input comes from:
+    its first layer, 0 when it holds the embedding, `num_layers` for a block that holds only the head."""
+
+    index: int
+    units: tuple[str, ...]
+    start: int
+    stop: int
+    params: tuple[nn.Parameter, ...]
+
+    @property
+    def has_embed(self) -> bool:
+        return "embed" in self.units
+
+    @property
+    def has_head(self) -> bool:
+        return "head" in self.units
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    @property
+    def label(self) -> str:
+        parts = ["embed"] if self.has_embed else []
+        if self.stop - self.start == 1:
+            parts.append(f"layer {self.start}")
+        elif self.stop > self.start:
+            parts.append(f"layers {self.start}-{self.stop - 1}")
+        return "+".join(parts + (["head"] if self.has_head else []))
+
+
+@dataclass(frozen=True)
+class Partition:
+    blocks: tuple[Block, ...]
+    total_params: int
+    tied: tuple[tuple[str, int], ...]  # (names of one tied tensor, index of the block that owns it)
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def report(self) -> str:
+        """A human-readable table of blocks, their parameter share, and who owns each tied weight."""
+        lines = [f"{len(self.blocks)} blocks over {self.total_params:,} parameters"]
+        for b in self.blocks:
+            share = b.num_params / self.total_params
+            lines.append(f"  block {b.index}: {b.label:<28} {b.num_params:>12,} params  UFP {share:.3f}")
+        lines += [f"  tied weight {names} is owned by block {owner}" for names, owner in self.tied]
+        return "\n".join(lines)
+
+
+def parse_ufp(text: str) -> float:
+    """`1/3`, `0.25` or `1` -> a float in (0, 1]."""
+    try:
+        value = float(Fraction(text.strip()))
+    except (ValueError, ZeroDivisionError):
+        raise UsageError(f"--ufp '{text}' is not a number or fraction such as 1/3") from None
+    if not 0 < value <= 1:
+        raise UsageError(f"--ufp {text} is outside (0, 1]")
+    return value
+
+
+def parse_ranges(text: str, num_layers: int) -> list[tuple[int, int]]:
+    """`0-3,4-7` (inclusive layer ranges) -> [(0, 4), (4, 8)]; they must cover every layer exactly once."""
+    ranges = []
+    for part in text.split(","):
+        first, sep, last = part.strip().partition("-")
+        try:
+            lo, hi = int(first), int(last if sep else first)
+        except ValueError:
+            raise UsageError(f"--ranges part '{part}' is not a layer range such as 0-3") from None
+        if lo > hi:
+            raise UsageError(f"--ranges part '{part}' ends before it starts")
+        ranges.append((lo, hi + 1))
+    ranges.sort()
+    expected = 0
+    for lo, hi in ranges:
+        if lo < expected:
+            raise UsageError(f"--ranges '{text}': layer {lo} is in two ranges")
+        if lo > expected:
+            raise UsageError(f"--ranges '{text}' skips layer {expected}")
+        expected = hi
+    if expected != num_layers:
+        raise UsageError(f"--ranges '{text}' must cover layers 0-{num_layers - 1}; it ends at layer {expected - 1}")
+    return ranges
+
+
+def balanced_ranges(sizes: list[int], parts: int) -> list[tuple[int, int]]:
+    """Split `sizes` into `parts` contiguous runs minimising the largest run's sum (linear partition DP)."""
+    n = len(sizes)
+    prefix = [0]
+    for s in sizes:
+        prefix.append(prefix[-1] + s)
+    # best[j][i]: smallest max-sum splitting sizes[:i] into j runs; cut[j][i]: where the last run starts.
+    best = [[math.inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for j in range(1, parts + 1):
+        for i in range(j, n + 1):
+            for k in range(j - 1, i):
+                cost = max(best[j - 1][k], prefix[i] - prefix[k])
+                if cost < best[j][i]:
+                    best[j][i], cut[j][i] = cost, k
+    bounds, i = [], n
+    for j in range(parts, 0, -1):
+        bounds.append((cut[j][i], i))
+        i = cut[j][i]
+    return bounds[::-1]
+
+
+def make_partition(
+    staged: StagedModel,
+    ufp: float | None = None,
+    num_blocks: int | None = None,
+    ranges: str | None = None,
+    separate_ends: bool = False,
+) -> Partition:
+    """Blocks by UFP (about that fraction of the parameters each), by count, or by explicit layer ranges.
+
+    The embedding joins the first block and the head the last unless `separate_ends`, which makes them blocks
+    of their own (then `ufp`/`num_blocks` split the layers alone). A tied weight belongs to the first block
+    that uses it (GPT-2's `wte`/`lm_head`: the block holding the embedding).
+    """
+    if sum(x is not None for x in (ufp, num_blocks, ranges)) != 1:
+        raise UsageError("give exactly one of --ufp, --blocks, --ranges")
+    units = staged.units()
+    owned = _owned_params(units)
+    sizes = [sum(p.numel() for p in params) for params in owned]
+    L = staged.num_layers
+    if ranges is not None:
+        layer_ranges = parse_ranges(ranges, L)
+    else:
+        count = num_blocks if num_blocks is not None else math.ceil(1 / ufp - 1e-9)
+        if not 1 <= count <= L:
+            raise UsageError(f"cannot make {count} blocks from {L} layers (blocks are whole layers)")
+        layer_sizes = sizes[1:-1]
+        if not separate_ends:
+            layer_sizes[0] += sizes[0]
+            layer_sizes[-1] += sizes[-1]
+        layer_ranges = balanced_ranges(layer_sizes, count)
+    groups = [list(range(lo + 1, hi + 1)) for lo, hi in layer_ranges]
+    if separate_ends:
+        groups = [[0], *groups, [L + 1]]
+    else:
+        groups[0].insert(0, 0)
+        groups[-1].append(L + 1)
+    blocks = tuple(_block(index, group, units, owned, L) for index, group in enumerate(groups))
+    block_of_unit = {unit: b for b, group in enumerate(groups) for unit in group}
+    return Partition(blocks, sum(sizes), _tied(staged.model, units, block_of_unit))
+
+
+def _block(index: int, group: list[int], units: list[Unit], owned: list[list[nn.Parameter]], L: int) -> Block:
+    layers = [u - 1 for u in group if 1 <= u <= L]
+    if 0 in group:
+        start = 0
+    else:
+        start = layers[0] if layers else L
+    stop = layers[-1] + 1 if layers else start
+    params = tuple(p for u in group for p in owned[u])
+    return Block(index, tuple(units[u].name for u in group), start, stop, params)
+
+
+def _owned_params(units: list[Unit]) -> list[list[nn.Parameter]]:
+    """Each unit's parameters, a shared (tied) tensor listed only under the first unit that uses it."""
+    seen: set[int] = set()
+    owned = []
+    for unit in units:
+        mine = []
+        for p in unit.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                mine.append(p)
+        owned.append(mine)
+    return owned
+
+
+def _tied(model: nn.Module, units: list[Unit], block_of_unit: dict[int, int]) -> tuple[tuple[str, int], ...]:
+    """For each tensor used by more than one unit: its names and the block that owns (trains) it."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    first_unit: dict[int, int] = {}
+    users: dict[int, set[int]] = {}
+    for u, unit in enumerate(units):
+        for p in unit.parameters():
+            first_unit.setdefault(id(p), u)
+            users.setdefault(id(p), set()).add(u)
+    return tuple(
+        (" = ".join(names.get(pid, ["?"])), block_of_unit[first_unit[pid]])
+        for pid, used_by in users.items()
+        if len(used_by) > 1
+    )

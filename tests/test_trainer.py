@@ -1,0 +1,135 @@
+"""The live BCD trainer: what a visit may and may not touch, stopping rules, orders, resume."""
+
+import pytest
+import torch
+
+import preinfer
+from preinfer.config import Config
+from preinfer.partition import make_partition
+from preinfer.presets import build_preset
+from preinfer.schedule import sweep_order
+from preinfer.sources import TokenBatches, seeded_permutation
+from preinfer.trainer import LiveSources, Trainer
+
+
+class RandomTokens:
+    """A token dataset of random sequences with some right padding."""
+
+    def __init__(self, n=24, t=16, vocab=258, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        self.input_ids = torch.randint(0, vocab, (n, t), generator=gen)
+        lengths = torch.randint(t // 2, t + 1, (n,), generator=gen)
+        self.attention_mask = torch.arange(t) < lengths[:, None]
+        self.labels = self.input_ids.masked_fill(~self.attention_mask, -100)
+
+    def __len__(self):
+        return len(self.input_ids)
+
+    def __getitem__(self, index):
+        return {"input_ids": self.input_ids[index], "attention_mask": self.attention_mask[index],
+                "labels": self.labels[index]}
+
+
+def make_trainer(preset="tiny-llama", run_dir=None, **overrides):
+    config = Config()
+    config.optim.lr = 1e-3
+    config.stop.steps_per_visit = 3
+    config.data.batch_size = 4
+    for key, value in overrides.items():
+        section, name = key.split("__")
+        setattr(getattr(config, section), name, value)
+    staged = preinfer.stage(build_preset(preset, seed=0))
+    partition = make_partition(staged, num_blocks=config.blocks.blocks or 3)
+    train = TokenBatches(RandomTokens(), config.data.batch_size, seeded_permutation(config.run.seed))
+    evaluation = TokenBatches(RandomTokens(n=8, seed=1), 4)
+    return Trainer(staged, partition, config, LiveSources(train, evaluation), run_dir=run_dir)
+
+
+def snapshot(model):
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])
+@pytest.mark.parametrize("block_index", [0, 1, 2])
+def test_a_visit_touches_only_its_block(preset, block_index):
+    trainer = make_trainer(preset)
+    block = trainer.partition.blocks[block_index]
+    model = trainer.staged.model
+    mine = {id(p) for p in block.params}
+    before = snapshot(model)
+
+    saved_by_layer = {}
+    current = {"layer": None}
+    hooks = [layer.register_forward_pre_hook(lambda m, a, i=i: current.update(layer=i))
+             for i, layer in enumerate(trainer.staged.layers)]
+
+    def pack(tensor):
+        if current["layer"] is not None:
+            saved_by_layer[current["layer"]] = saved_by_layer.get(current["layer"], 0) + 1
+        return tensor
+
+    seen_state = {}
+    real_step = torch.optim.Adam.step
+
+    def spy_step(self, *args, **kwargs):
+        out = real_step(self, *args, **kwargs)
+        seen_state["params"] = {id(p) for p in self.state}
+        seen_state["grads"] = {id(p) for p in model.parameters() if p.grad is not None}
+        return out
+
+    torch.optim.Adam.step = spy_step
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            trainer._visit(block, None)
+    finally:
+        torch.optim.Adam.step = real_step
+        for h in hooks:
+            h.remove()
+
+    after = dict(model.named_parameters())
+    for name, p in after.items():
+        if id(p) in mine:
+            assert not torch.equal(before[name], p), f"{name} of the active block did not change"
+        else:
+            assert torch.equal(before[name], p), f"frozen {name} changed"
+    assert seen_state["params"] == mine
+    assert seen_state["grads"] <= mine
+    assert all(p.grad is None for p in model.parameters())
+    assert all(saved_by_layer.get(i, 0) == 0 for i in range(block.start)), saved_by_layer
+    assert all(saved_by_layer.get(i, 0) > 0 for i in range(block.start, trainer.staged.num_layers))
+
+
+@pytest.mark.parametrize("order", ["ascending", "descending", "random", "fixed"])
+@pytest.mark.parametrize("start", [0, 2])
+def test_every_order_visits_every_block_once_per_sweep(order, start):
+    for sweep in range(4):
+        visits = sweep_order(order, 4, sweep, seed=7, start_block=start, fixed=[3, 1, 0, 2])
+        assert sorted(visits) == [0, 1, 2, 3]
+        assert visits[0] == start
+
+
+def test_random_order_reshuffles_per_sweep_and_is_seeded():
+    orders = [tuple(sweep_order("random", 6, s, seed=1)) for s in range(6)]
+    assert len(set(orders)) > 1
+    assert orders == [tuple(sweep_order("random", 6, s, seed=1)) for s in range(6)]
+
+
+def test_plateau_rule_stops_a_visit():
+    trainer = make_trainer(stop__steps_per_visit=1000, stop__patience=3, stop__min_delta=10.0, optim__lr=1e-6)
+    visits = trainer.fit()
+    assert [v["stop_reason"] for v in visits] == ["plateau"] * 3
+    assert all(v["steps"] == 4 for v in visits)  # the first step sets the best; 3 without improvement
+
+
+def test_resume_is_bit_identical(tmp_path):
+    overrides = dict(blocks__sweeps=2, optim__warmup_steps=2, stop__steps_per_visit=4)
+    reference = make_trainer(run_dir=tmp_path / "a", **overrides)
+    reference.fit()
+    halted = make_trainer(run_dir=tmp_path / "b", **overrides)
+    halted.fit(max_total_steps=6)  # mid-visit: block 1, step 2 of 4
+    resumed = make_trainer(run_dir=tmp_path / "b", **overrides)
+    resumed.resume()
+    resumed.fit()
+    ref, got = snapshot(reference.staged.model), snapshot(resumed.staged.model)
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    assert [v["eval_loss"] for v in resumed.progress.visits] == [v["eval_loss"] for v in reference.progress.visits]
