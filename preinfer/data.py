@@ -109,9 +109,9 @@ class TokenDataset:
         digest = hashlib.sha256()
         header = {"version": _FINGERPRINT_VERSION, "shape": list(self.input_ids.shape), "split": self.split}
         digest.update(json.dumps(header, sort_keys=True).encode())
-        digest.update(self.input_ids.numpy().astype("<i8").tobytes())
-        digest.update(self.attention_mask.numpy().astype(np.uint8).tobytes())
-        digest.update(self.labels.numpy().astype("<i8").tobytes())
+        digest.update(self.input_ids.cpu().numpy().astype("<i8").tobytes())
+        digest.update(self.attention_mask.cpu().numpy().astype(np.uint8).tobytes())
+        digest.update(self.labels.cpu().numpy().astype("<i8").tobytes())
         return digest.hexdigest()
 
 

@@ -72,12 +72,19 @@ class HFTokenizer:
         except (OSError, ValueError, KeyError, TypeError) as error:
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise UsageError(f"no usable tokenizer in directory '{directory}': {first_line}") from None
+        if not self._tokenizer_files(Path(directory)):
+            raise UsageError(f"no tokenizer files (tokenizer.json or a vocabulary) in directory '{directory}'")
         if self._tok.eos_token_id is None:
             raise UsageError(f"tokenizer in '{directory}' has no eos token (needed to end documents and responses)")
         self.name = directory
         self.vocab_size = len(self._tok)
         self.eos_id = int(self._tok.eos_token_id)
         self.pad_id = int(self._tok.pad_token_id) if self._tok.pad_token_id is not None else self.eos_id
+
+    def _tokenizer_files(self, directory: Path) -> list[Path]:
+        """The files in `directory` that define the tokenizer (transformers builds an empty one without them)."""
+        names = {"tokenizer.json", *(name for name in self._tok.vocab_files_names.values() if isinstance(name, str))}
+        return [directory / name for name in sorted(names) if (directory / name).is_file()]
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False, verbose=False)
@@ -87,14 +94,23 @@ class HFTokenizer:
 
     def _files_digest(self) -> dict[str, str]:
         """sha256 of each tokenizer file in the directory (for tokenizers without a `tokenizers` backend)."""
-        names = {*self._tok.vocab_files_names.values(), "tokenizer_config.json", "special_tokens_map.json"}
-        files = [Path(self.name) / name for name in sorted(names)]
-        return {file.name: hashlib.sha256(file.read_bytes()).hexdigest() for file in files if file.is_file()}
+        directory = Path(self.name)
+        configs = [directory / name for name in ("tokenizer_config.json", "special_tokens_map.json")]
+        files = self._tokenizer_files(directory) + [file for file in configs if file.is_file()]
+        return {file.name: hashlib.sha256(file.read_bytes()).hexdigest() for file in files}
 
     def fingerprint(self) -> str:
-        """Hash of the backend's full serialisation (normaliser, pre-tokeniser, model, added tokens) and pad/eos."""
+        """Hash of the backend's serialisation (normaliser, pre-tokeniser, model, added tokens) and pad/eos.
+
+        The backend's truncation and padding settings are left out: they are per-call state, not tokenisation.
+        """
         backend = getattr(self._tok, "backend_tokenizer", None)
-        description = backend.to_str() if backend is not None else self._files_digest()
+        if backend is None:
+            description = self._files_digest()
+        else:
+            description = json.loads(backend.to_str())
+            description.pop("truncation", None)
+            description.pop("padding", None)
         return _sha256_json(
             {
                 "kind": "hf",

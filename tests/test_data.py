@@ -260,6 +260,9 @@ def test_hf_tokenizer_directory(tmp_path):
     assert len(ids) == 3 and tok.eos_id not in ids
     assert tok.decode(ids + [tok.eos_id]) == "the cat ran"
     assert load_tokenizer(str(directory)).fingerprint() == tok.fingerprint()
+    fingerprint = tok.fingerprint()
+    tok._tok("the cat sat on the mat", truncation=True, max_length=2)  # per-call state must not change it
+    assert tok.fingerprint() == fingerprint
     other = load_tokenizer(str(save_word_tokenizer(tmp_path / "other", CORPUS[:2])))
     assert other.fingerprint() != tok.fingerprint()
 
@@ -289,6 +292,10 @@ def test_tokenizer_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with raises_one_line(f"no usable tokenizer in directory '{tmp_path / 'empty'}'"):
         load_tokenizer(str(tmp_path / "empty"))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "gpt2"}', encoding="utf-8")
+    with raises_one_line("no tokenizer files"):
+        load_tokenizer(str(tmp_path / "model"))
 
 
 # ---- bad input ----
