@@ -84,7 +84,7 @@ class TokenDataset:
         return self.input_ids.shape[0]
 
     def __getitem__(self, index: int | slice | torch.Tensor) -> dict[str, torch.Tensor]:
-        """The samples at `index` (int, slice, list or index tensor); the batch axis is always kept ([1, T] for an int)."""
+        """The samples at `index` (int, slice, list or index tensor); the batch axis is kept ([1, T] for an int)."""
         if isinstance(index, torch.Tensor) and index.ndim == 0:
             index = int(index)
         if not isinstance(index, (slice, list, torch.Tensor)):
@@ -93,7 +93,11 @@ class TokenDataset:
                 raise IndexError(f"sample {position} out of range for {len(self)} samples")
             position %= len(self)
             index = slice(position, position + 1)
-        return {"input_ids": self.input_ids[index], "attention_mask": self.attention_mask[index], "labels": self.labels[index]}
+        return {
+            "input_ids": self.input_ids[index],
+            "attention_mask": self.attention_mask[index],
+            "labels": self.labels[index],
+        }
 
     @property
     def seq_len(self) -> int:
@@ -179,15 +183,16 @@ def _directory_documents(directory: Path) -> Documents:
     if not files:
         raise UsageError(f"directory {directory} holds no {' or '.join(DATA_SUFFIXES)} files")
     documents: list = []
-    first_kind = None
+    first: tuple[str, Path] | None = None  # (kind, file) of the first non-empty file
     for file in files:
         file_documents = _file_documents(file)
         if not file_documents:
             continue
         kind = _kind_name(file_documents)
-        if first_kind is not None and kind != first_kind[0]:
-            raise UsageError(f"{file} holds {kind}, but {first_kind[1]} holds {first_kind[0]}; a directory mixes no kinds")
-        first_kind = first_kind or (kind, file)
+        if first is None:
+            first = (kind, file)
+        elif kind != first[0]:
+            raise UsageError(f"{file} holds {kind}, but {first[1]} holds {first[0]}; a directory must not mix them")
         documents.extend(file_documents)
     return documents
 

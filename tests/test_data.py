@@ -91,7 +91,8 @@ def test_text_jsonl_and_directory_sources(tmp_path):
     assert read_documents(str(tmp_path / "b.jsonl")) == ["second file"]
     assert read_documents(str(tmp_path)) == ["first file", "second file"]
     data = load_data(str(tmp_path), BYTE, seq_len=4, eval_fraction=0.0)
-    assert data.input_ids.reshape(-1).tolist() == (byte_ids("first file") + [EOS] + byte_ids("second file") + [EOS])[:20]
+    stream = byte_ids("first file") + [EOS] + byte_ids("second file") + [EOS]
+    assert data.input_ids.reshape(-1).tolist() == stream[:20]
 
 
 def test_pydoc_has_train_and_eval_at_default_lengths():
