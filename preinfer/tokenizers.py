@@ -1,0 +1,133 @@
+"""Tokenizers: the built-in byte-level one (no files) and a local Hugging Face tokenizer directory."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from preinfer.errors import UsageError
+from preinfer.presets import BYTE_EOS_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE
+
+
+class Tokenizer(Protocol):
+    """What the data side needs from a tokenizer."""
+
+    name: str
+    vocab_size: int
+    pad_id: int
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without any special tokens."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`, special tokens left out."""
+        ...
+
+    def fingerprint(self) -> str:
+        """sha256 hex of everything that determines tokenisation."""
+        ...
+
+
+def _sha256_json(obj: object) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, then <pad> (256) and <eos> (257)."""
+
+    name = "byte"
+    vocab_size = BYTE_VOCAB_SIZE
+    pad_id = BYTE_PAD_ID
+    eos_id = BYTE_EOS_ID
+
+    def encode(self, text: str) -> list[int]:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).tolist()
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The UTF-8 text of the byte ids; pad, eos and out-of-range ids are skipped, bad UTF-8 is replaced."""
+        array = np.asarray(ids, dtype=np.int64).reshape(-1)
+        return array[(array >= 0) & (array < 256)].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+    def fingerprint(self) -> str:
+        return _sha256_json(
+            {"kind": "byte", "encoding": "utf-8", "vocab_size": self.vocab_size, "pad": self.pad_id, "eos": self.eos_id}
+        )
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer loaded from a local directory; encodes without special tokens (no BOS)."""
+
+    def __init__(self, directory: str) -> None:
+        from transformers import AutoTokenizer
+
+        try:
+            self._tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise UsageError(f"no usable tokenizer in directory '{directory}': {first_line}") from None
+        if not self._tokenizer_files(Path(directory)):
+            raise UsageError(f"no tokenizer files (tokenizer.json or a vocabulary) in directory '{directory}'")
+        if self._tok.eos_token_id is None:
+            raise UsageError(f"tokenizer in '{directory}' has no eos token (needed to end documents and responses)")
+        self.name = directory
+        self.vocab_size = len(self._tok)
+        self.eos_id = int(self._tok.eos_token_id)
+        self.pad_id = int(self._tok.pad_token_id) if self._tok.pad_token_id is not None else self.eos_id
+
+    def _tokenizer_files(self, directory: Path) -> list[Path]:
+        """The files in `directory` that define the tokenizer (transformers builds an empty one without them)."""
+        names = {"tokenizer.json", *(name for name in self._tok.vocab_files_names.values() if isinstance(name, str))}
+        return [directory / name for name in sorted(names) if (directory / name).is_file()]
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False, verbose=False)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def _files_digest(self) -> dict[str, str]:
+        """sha256 of each tokenizer file in the directory (for tokenizers without a `tokenizers` backend)."""
+        directory = Path(self.name)
+        configs = [directory / name for name in ("tokenizer_config.json", "special_tokens_map.json")]
+        files = self._tokenizer_files(directory) + [file for file in configs if file.is_file()]
+        return {file.name: hashlib.sha256(file.read_bytes()).hexdigest() for file in files}
+
+    def fingerprint(self) -> str:
+        """Hash of the backend's serialisation (normaliser, pre-tokeniser, model, added tokens) and pad/eos.
+
+        The backend's truncation and padding settings are left out: they are per-call state, not tokenisation.
+        """
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        if backend is None:
+            description = self._files_digest()
+        else:
+            description = json.loads(backend.to_str())
+            description.pop("truncation", None)
+            description.pop("padding", None)
+        return _sha256_json(
+            {
+                "kind": "hf",
+                "class": type(self._tok).__name__,
+                "backend": description,
+                "vocab_size": self.vocab_size,
+                "pad": self.pad_id,
+                "eos": self.eos_id,
+                "add_special_tokens": False,
+            }
+        )
+
+
+def load_tokenizer(spec: str = "byte") -> Tokenizer:
+    """`byte` for the built-in byte-level tokenizer, or a local directory holding a Hugging Face tokenizer."""
+    if spec == "byte":
+        return ByteTokenizer()
+    if not Path(spec).is_dir():
+        raise UsageError(f"tokenizer '{spec}' is neither 'byte' nor an existing local directory")
+    return HFTokenizer(spec)
