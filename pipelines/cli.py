@@ -10,7 +10,11 @@ from preinfer.errors import PreinferError, UsageError
 from storage import StorageError
 
 # Subcommand name -> module in `pipelines.commands` defining `add_arguments(parser)` and `run(args) -> int`.
-COMMANDS = {}
+COMMANDS = {
+    "bcd": ("bcd", "train a model by block coordinate descent (or --mode full)"),
+    "eval": ("eval", "evaluate a model or run directory on a dataset's eval split"),
+    "demo": ("demo", "the main job on the built-in defaults: BCD of small-llama on Python's docs"),
+}
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import tomllib
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, get_type_hints
+from types import UnionType
+from typing import Any, get_args, get_type_hints
 
 from preinfer.errors import UsageError
 
@@ -116,7 +117,7 @@ def _apply(config: Config, values: dict, source: str) -> None:
 
 def _coerce(value: Any, hint: Any, where: str) -> Any:
     """Check a TOML value against the field's type; ints are accepted for floats."""
-    allowed = getattr(hint, "__args__", (hint,))
+    allowed = get_args(hint) if isinstance(hint, UnionType) else (hint,)
     for kind in allowed:
         base = getattr(kind, "__origin__", kind)
         if base is float and isinstance(value, (int, float)) and not isinstance(value, bool):

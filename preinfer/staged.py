@@ -41,6 +41,11 @@ class StagedModel(ABC):
     def num_layers(self) -> int:
         return len(self.layers)
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the head's weights: what hidden states are cast to when read from a store."""
+        return next(p for m in self.head_modules() for p in m.parameters()).dtype
+
     def embed(
         self,
         input_ids: torch.Tensor,

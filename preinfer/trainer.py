@@ -79,12 +79,11 @@ class Trainer:
         plan: SourcePlan,
         run_dir: Path | None = None,
         meter=None,
-        on_step: Callable[[dict], None] | None = None,
+        on_record: Callable[[dict], None] | None = None,
     ):
         self.staged, self.partition, self.config, self.plan = staged, partition, config, plan
-        self.run_dir, self.meter, self.on_step = run_dir, meter, on_step
+        self.run_dir, self.meter, self.on_record = run_dir, meter, on_record
         self.device = torch.device(config.run.device)
-        self.compute_dtype = next(staged.model.parameters()).dtype
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.log = MetricsLog(run_dir / "metrics.jsonl" if run_dir and self.rank == 0 else None)
@@ -151,9 +150,7 @@ class Trainer:
                 "visit_step": p.visit_step, "loss": loss, "lr": optimizer.param_groups[0]["lr"],
                 "tokens": p.tokens, "tokens_per_s": tokens / max(wait["step_s"], 1e-9), "wait_s": wait["wait_s"],
             }
-            self.log.write(record)
-            if self.on_step is not None:
-                self.on_step(record)
+            self._emit(record)
             every = cfg.run.checkpoint_every
             if every and p.global_step % every == 0 and reason is None:
                 self._save_visit_state(train, optimizer, block, stop)
@@ -161,7 +158,7 @@ class Trainer:
         if cfg.optim.keep_state:
             self.optimizer_states[block.index] = optimizer.state_dict()
         self._deactivate(block)
-        eval_loss = self.evaluate(evaluation, block.start if evaluation.boundary else 0)
+        eval_loss = self.evaluate(evaluation)
         visit = {
             "kind": "visit", "sweep": p.sweep, "block": block.index, "label": block.label, "steps": stop.steps,
             "stop_reason": reason, "eval_loss": eval_loss, "wall_s": wall, "tokens": p.tokens,
@@ -169,9 +166,14 @@ class Trainer:
             "memory": self.meter.report() if self.meter is not None else {},
         }
         p.visits.append(visit)
-        self.log.write(visit)
+        self._emit(visit)
         self.plan.visit_finished(block)
         return True
+
+    def _emit(self, record: dict) -> None:
+        self.log.write(record)
+        if self.on_record is not None:
+            self.on_record(record)
 
     def _activate(self, block: Block) -> torch.optim.Optimizer:
         """Freeze everything, unfreeze `block`, set train/eval modes, and build (or restore) its optimizer."""
@@ -243,33 +245,11 @@ class Trainer:
         if boundary == 0 and block.has_embed:
             return self.staged.embed(batch["input_ids"], batch["attention_mask"], batch["labels"])
         with torch.no_grad():
-            state = self._boundary_state(batch, boundary)
+            state = batch_state(self.staged, batch, boundary)
             return self.staged.run(state, boundary, block.start)
 
-    def _boundary_state(self, batch: dict, boundary: int) -> BoundaryState:
-        if boundary == 0:
-            return self.staged.embed(batch["input_ids"], batch["attention_mask"], batch["labels"])
-        state = BoundaryState.from_dict(batch)
-        state.hidden = state.hidden.to(self.compute_dtype)
-        return state
-
-    @torch.no_grad()
-    def evaluate(self, source: BatchSource, boundary: int = 0) -> float:
-        """Mean next-token loss over the source's eval pass (capped at `data.eval_batches` batches)."""
-        was_training = self.staged.model.training
-        self.staged.model.eval()
-        total, count = 0.0, 0
-        limit = self.config.data.eval_batches or None
-        for index, batch in enumerate(source.one_pass()):
-            if limit is not None and index >= limit:
-                break
-            batch = _to_device(batch, self.device)
-            state = self._boundary_state(batch, source.boundary)
-            out = self.staged.run(state, source.boundary, self.staged.num_layers)
-            total += causal_lm_loss(self.staged.logits(out), out.labels, reduction="sum").item()
-            count += supervised_tokens(out.labels)
-        self.staged.model.train(was_training)
-        return total / max(count, 1)
+    def evaluate(self, source: BatchSource) -> float:
+        return evaluate(self.staged, source, self.device, self.config.data.eval_batches or None)
 
     def _save_visit_state(self, train: BatchSource, optimizer, block: Block, stop: StopRule) -> None:
         """Checkpoint mid-visit: the active block's optimizer state travels with the others."""
@@ -282,6 +262,33 @@ class Trainer:
             return
         states = self.optimizer_states if optimizers is None else optimizers
         save_checkpoint(self.checkpoint_dir, self.staged.model, states, vars(self.progress))
+
+
+def batch_state(staged: StagedModel, batch: dict[str, torch.Tensor], boundary: int) -> BoundaryState:
+    """The boundary state a batch stands for: token batches are embedded, stored states cast to the model's
+    compute dtype."""
+    if boundary == 0:
+        return staged.embed(batch["input_ids"], batch["attention_mask"], batch["labels"])
+    state = BoundaryState.from_dict(batch)
+    state.hidden = state.hidden.to(staged.compute_dtype)
+    return state
+
+
+@torch.no_grad()
+def evaluate(staged: StagedModel, source: BatchSource, device: torch.device, max_batches: int | None = None) -> float:
+    """Mean next-token loss over every supervised token of the source's eval pass (or its first batches)."""
+    was_training = staged.model.training
+    staged.model.eval()
+    total, count = 0.0, 0
+    for index, batch in enumerate(source.one_pass()):
+        if max_batches is not None and index >= max_batches:
+            break
+        state = batch_state(staged, _to_device(batch, device), source.boundary)
+        out = staged.run(state, source.boundary, staged.num_layers)
+        total += causal_lm_loss(staged.logits(out), out.labels, reduction="sum").item()
+        count += supervised_tokens(out.labels)
+    staged.model.train(was_training)
+    return total / max(count, 1)
 
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

@@ -1,0 +1,49 @@
+"""`preinfer eval`: the loss and perplexity of a model on a dataset's eval split."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+import preinfer
+from preinfer.config import Config
+from preinfer.data import load_data
+from preinfer.sources import TokenBatches
+from preinfer.tokenizers import load_tokenizer
+from preinfer.trainer import evaluate
+from pipelines.flags import positive_int
+from pipelines.models import is_run_dir, resolve_model, run_config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="a run directory, a save_pretrained directory or a preset")
+    parser.add_argument("--data", help="dataset as in `bcd --data` [the run's, else builtin:pydoc]")
+    parser.add_argument("--tokenizer", help="[the run's, else byte]")
+    parser.add_argument("--seq-len", type=positive_int, help="[the run's, else 128]")
+    parser.add_argument("--batch-size", type=positive_int, default=16, help="[16]")
+    parser.add_argument("--split", choices=["eval", "train"], default="eval", help="[eval]")
+    parser.add_argument("--eval-fraction", type=float, help="[the run's, else 0.1]")
+    parser.add_argument("--device", default="cpu", help="[cpu]")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    base = run_config(args.model) if is_run_dir(args.model) else Config()
+    data_path = args.data or base.data.path
+    seq_len = args.seq_len or base.data.seq_len
+    fraction = args.eval_fraction if args.eval_fraction is not None else base.data.eval_fraction
+    tokenizer = load_tokenizer(args.tokenizer or base.model.tokenizer)
+    dataset = load_data(data_path, tokenizer, seq_len, args.split, fraction)
+    staged = preinfer.stage(resolve_model(args.model).to(args.device))
+    loss = evaluate(staged, TokenBatches(dataset, args.batch_size), torch.device(args.device))
+    result = {"model": args.model, "data": data_path, "split": args.split, "samples": len(dataset),
+              "tokens": dataset.num_tokens, "loss": loss, "ppl": math.exp(min(loss, 50.0))}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{args.model} on {data_path} ({args.split}, {len(dataset)} samples of {seq_len} tokens): "
+              f"loss {loss:.4f}, perplexity {result['ppl']:.2f}")
+    return 0

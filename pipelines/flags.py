@@ -1,0 +1,111 @@
+"""The training flags shared by `bcd` and `train`: each maps to one field of the typed config."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from preinfer.config import Config, load_config
+from preinfer.errors import UsageError
+
+PARTITION_KEYS = ("ufp", "blocks", "ranges")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    return value
+
+
+def float_pair(text: str) -> list[float]:
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"expected two numbers such as 0.9,0.95, got {text}")
+    return [float(p) for p in parts]
+
+
+# (flag, section, key, argparse keywords)
+TRAINING_FLAGS: list[tuple[str, str, str, dict[str, Any]]] = [
+    ("--model", "model", "name", dict(help="preset (tiny-gpt2, tiny-llama, small-llama, medium-llama), a "
+                                           "save_pretrained directory, or a run directory [small-llama]")),
+    ("--tokenizer", "model", "tokenizer", dict(help="'byte' (built-in) or a local HF tokenizer directory [byte]")),
+    ("--data", "data", "path", dict(help="a .txt or .jsonl file (text or instruction records), a directory of "
+                                         "them, or builtin:pydoc [builtin:pydoc]")),
+    ("--seq-len", "data", "seq_len", dict(type=positive_int, help="tokens per sample [128]")),
+    ("--batch-size", "data", "batch_size", dict(type=positive_int, help="samples per micro-batch [8]")),
+    ("--eval-fraction", "data", "eval_fraction", dict(type=float, help="share of documents held out [0.1]")),
+    ("--eval-batches", "data", "eval_batches", dict(type=non_negative_int, help="cap on eval batches; 0 = all [0]")),
+    ("--ufp", "blocks", "ufp", dict(help="unfrozen parameter fraction per block, e.g. 1/3 [1/3]")),
+    ("--blocks", "blocks", "blocks", dict(type=positive_int, help="number of blocks (instead of --ufp)")),
+    ("--ranges", "blocks", "ranges", dict(help="explicit inclusive layer ranges, e.g. 0-3,4-7")),
+    ("--separate-ends", "blocks", "separate_ends",
+     dict(action="store_const", const=True, help="embedding and head form blocks of their own")),
+    ("--order", "blocks", "order", dict(choices=["ascending", "descending", "random", "fixed"],
+                                        help="block order within a sweep [ascending]")),
+    ("--fixed-order", "blocks", "fixed_order", dict(help="block order for --order fixed, e.g. 2,0,1")),
+    ("--start-block", "blocks", "start_block", dict(type=non_negative_int, help="block each sweep begins with [0]")),
+    ("--sweeps", "blocks", "sweeps", dict(type=positive_int, help="passes over all blocks [1]")),
+    ("--optimizer", "optim", "name", dict(choices=["adam", "adamw", "sgd"], help="[adam]")),
+    ("--lr", "optim", "lr", dict(type=positive_float, help="learning rate [sgd 0.1, adam/adamw 5e-5]")),
+    ("--betas", "optim", "betas", dict(type=float_pair, help="Adam betas [0.9,0.95]")),
+    ("--momentum", "optim", "momentum", dict(type=float, help="SGD momentum [0.9]")),
+    ("--weight-decay", "optim", "weight_decay", dict(type=float, help="[sgd 1e-5, adam 0, adamw 0.01]")),
+    ("--warmup-steps", "optim", "warmup_steps", dict(type=non_negative_int, help="linear warmup per visit [0]")),
+    ("--grad-clip", "optim", "grad_clip", dict(type=float, help="max gradient norm; 0 = off [0]")),
+    ("--grad-accum", "optim", "grad_accum", dict(type=positive_int, help="micro-batches per step [1]")),
+    ("--keep-optimizer-state", "optim", "keep_state",
+     dict(action="store_const", const=True,
+          help="keep each block's optimizer state between its visits (costs that state's memory for every "
+               "block: 2x the model's weights for Adam) instead of dropping it after each visit")),
+    ("--steps-per-visit", "stop", "steps_per_visit", dict(type=positive_int, help="step budget per visit")),
+    ("--epochs-per-visit", "stop", "epochs_per_visit", dict(type=positive_float, help="epoch budget per visit")),
+    ("--patience", "stop", "patience", dict(type=positive_int, help="plateau rule: steps without improvement")),
+    ("--min-delta", "stop", "min_delta", dict(type=float, help="plateau rule: improvement that counts [0]")),
+    ("--out", "run", "out", dict(help="run directory [runs/bcd]")),
+    ("--mode", "run", "mode", dict(choices=["bcd", "full"], help="bcd, or full-parameter training [bcd]")),
+    ("--seed", "run", "seed", dict(type=int, help="seed of initialisation, data order and block order [0]")),
+    ("--checkpoint-every", "run", "checkpoint_every",
+     dict(type=non_negative_int, help="steps between checkpoints; 0 = after every visit [0]")),
+    ("--device", "run", "device", dict(help="cpu, cuda, cuda:1 ... [cpu]")),
+]
+
+
+def add_training_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """Every training flag, defaulting to None so that the config file and the defaults show through."""
+    parser.add_argument("--config", help="a TOML config file; flags override its values")
+    for flag, section, key, kwargs in TRAINING_FLAGS:
+        if flag not in skip:
+            parser.add_argument(flag, dest=f"{section}__{key}", default=None, **kwargs)
+
+
+def config_from_args(args: argparse.Namespace, path: str | None = None) -> Config:
+    """Defaults, then the config file (`path`, or --config), then the flags given."""
+    overrides: dict[str, dict[str, Any]] = {}
+    for name, value in vars(args).items():
+        if "__" in name and value is not None:
+            section, key = name.split("__", 1)
+            overrides.setdefault(section, {})[key] = value
+    chosen = [k for k in PARTITION_KEYS if k in overrides.get("blocks", {})]
+    if len(chosen) > 1:
+        raise UsageError(f"give only one of --ufp, --blocks, --ranges (got {', '.join('--' + k for k in chosen)})")
+    config = load_config(path or args.config, overrides)
+    if chosen:
+        for key in PARTITION_KEYS:
+            if key != chosen[0]:
+                setattr(config.blocks, key, None)
+    return config

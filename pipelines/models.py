@@ -1,0 +1,30 @@
+"""Resolving `--model`: a preset, a `save_pretrained` directory, or a BCD run directory (its current weights)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from safetensors.torch import load_model as load_weights
+from torch import nn
+
+from preinfer.checkpoint import WEIGHTS
+from preinfer.config import Config, load_config
+from preinfer.presets import load_model
+
+
+def is_run_dir(spec: str) -> bool:
+    return (Path(spec) / "config.toml").is_file() and (Path(spec) / "checkpoint" / WEIGHTS).is_file()
+
+
+def run_config(run_dir: str) -> Config:
+    return load_config(Path(run_dir) / "config.toml")
+
+
+def resolve_model(spec: str, seed: int = 0) -> nn.Module:
+    """The model `spec` names; a run directory gives its base model with the checkpoint's current weights."""
+    if is_run_dir(spec):
+        config = run_config(spec)
+        model = load_model(config.model.name, seed=config.run.seed)
+        load_weights(model, str(Path(spec) / "checkpoint" / WEIGHTS))
+        return model
+    return load_model(spec, seed=seed)
