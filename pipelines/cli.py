@@ -10,7 +10,9 @@ from preinfer.errors import PreinferError, UsageError
 from storage import StorageError
 
 # Subcommand name -> module in `pipelines.commands` defining `add_arguments(parser)` and `run(args) -> int`.
-COMMANDS = {}
+COMMANDS = {
+    "plan": ("plan", "memory per GPU, automatic UFP, store size, pre-inference break-even and cost for a model"),
+}
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -357,6 +357,7 @@ class Settings:
     mfu: float = 0.4  # model-FLOPs utilisation: fraction of peak FLOPs a training step achieves (assumption)
     compression: float | None = None  # store codec ratio; None: COMPRESSION of the store dtype
     pipeline: int | None = None  # pipeline degree for the traffic comparison; None: the plan's own (at least 2)
+    epochs_per_visit: float = 1.0  # epochs each visit trains over the dataset (one caching pass serves them all)
 
     def capacity(self) -> int:
         """Bytes a training process can fill on one GPU."""
@@ -474,12 +475,13 @@ def traffic(m: ModelShape, settings: Settings, degree: int) -> dict:
     c = DTYPES[settings.dtype]["act"]
     pipeline = 2 * (degree - 1) * m.hidden * c
     store = store_bytes_per_token(m, settings)
-    break_even = store / (pipeline - store) if pipeline > store else math.inf
+    break_even = store / (pipeline - store) if pipeline > store else None  # None: never breaks even
     result = dict(
         pipeline_degree=degree, pipeline_bytes_per_token=pipeline,
         pipeline_bytes_per_step=pipeline * settings.seq_len * settings.micro_batch,
         cache_write_bytes_per_token=store, cache_read_bytes_per_token_per_epoch=store,
-        break_even_epochs=break_even, pays_off=break_even <= 1.0,  # one epoch per visit is the least BCD trains
+        break_even_epochs=break_even,
+        pays_off=break_even is not None and break_even <= settings.epochs_per_visit,
     )
     if settings.tokens:
         link = settings.bandwidth_gbps * 1e9 / 8  # bytes per second on one link
@@ -488,13 +490,13 @@ def traffic(m: ModelShape, settings: Settings, degree: int) -> dict:
     return result
 
 
-def flops_per_token(m: ModelShape, blocks: list[Block]) -> dict:
+def flops_per_token(m: ModelShape, blocks: list[Block], epochs_per_visit: float) -> dict:
     """Training FLOPs per token: 6N for full Adam (2N forward, 4N backward; attention's s^2 terms neglected).
 
     N counts matmul parameters (layers and the LM head; an embedding lookup costs nothing). For a visit of
     block k: forward 2N; backward 2N_above + 4N_k (input gradients above and in the block, weight gradients in
-    it). From a store, the forward skips the prefix but one caching pass runs it once per visit (2N_below).
-    Averaged over visits of equal token counts.
+    it). From a store, the forward skips the prefix but one caching pass per visit runs it over the dataset
+    once (2N_below / epochs per visit, per trained token). Averaged over visits of equal token counts.
     """
     head = m.vocab * m.hidden
     per_block = [(b.stop - b.start) * m.layer_params() + (head if b.head else 0) for b in blocks]
@@ -503,12 +505,15 @@ def flops_per_token(m: ModelShape, blocks: list[Block]) -> dict:
     for k, own in enumerate(per_block):
         below, above = sum(per_block[:k]), sum(per_block[k + 1:])
         live += 2 * n + 2 * above + 4 * own
-        store += 2 * (own + above) + 2 * above + 4 * own + 2 * below
+        store += 2 * (own + above) + 2 * above + 4 * own + 2 * below / epochs_per_visit
     return dict(full=6.0 * n, bcd_live=live / len(blocks), bcd_store=store / len(blocks))
 
 
 def cost(m: ModelShape, settings: Settings, blocks: list[Block]) -> dict | None:
-    """GPU-hours and dollars to train on `tokens` tokens: FLOPs / (peak x MFU), at the hourly price."""
+    """GPU-hours and dollars to train on `tokens` tokens: FLOPs / (peak x MFU), at the hourly price.
+
+    GPU-hours do not depend on the number of GPUs (ideal scaling; pipeline bubbles neglected).
+    """
     if not settings.tokens:
         return None
     gpu = GPUS.get(settings.gpu, {})
@@ -517,7 +522,7 @@ def cost(m: ModelShape, settings: Settings, blocks: list[Block]) -> dict | None:
     if peak is None:
         return dict(note="no peak FLOPs for a --gpu-mem GPU; give --gpu for the cost estimate")
     out = dict(peak_tflops=peak, mfu=settings.mfu, price_per_hour=price)
-    for mode, flops in flops_per_token(m, blocks).items():
+    for mode, flops in flops_per_token(m, blocks, settings.epochs_per_visit).items():
         hours = settings.tokens * flops / (peak * 1e12 * settings.mfu) / 3600
         out[mode] = dict(gpu_hours=hours, dollars=None if price is None else hours * price)
     return out

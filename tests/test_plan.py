@@ -125,3 +125,65 @@ def test_plan_matches_meter_bcd_store(name, k):
     shape = resolve_shape(name)
     predicted = bcd_memory(shape, SETTINGS, partition(shape, BLOCKS), k, store=True).total
     assert predicted == pytest.approx(measure_store(name, k), rel=0.15)
+
+
+def test_preset_shapes_count_the_real_parameters():
+    for name in ("tiny-llama", "small-llama", "tiny-gpt2"):
+        model = build_preset(name)
+        assert resolve_shape(name).total_params() == sum(p.numel() for p in model.parameters())
+
+
+def test_7b_llama_float32_is_4w_plus_stated_activations():
+    shape = shape_for_size("7b")
+    settings = Settings(seq_len=1024, micro_batch=1, dtype="float32", gpu="4090", blocks=3)
+    result = plan(shape, settings)
+    full, weights = result.memory["full_adam"], result.weight_bytes
+    assert weights == 4 * shape.total_params()
+    assert full.weights + full.grads + full.optimizer == 4 * weights  # weight + gradient + Adam m and v
+    assert 0.5 * weights < full.activations < 0.75 * weights  # the paper's total is 4.7 W
+    assert result.memory["full_adam_recompute"].activations < 0.05 * weights  # about 4 W with recomputation
+    assert not full.fits and not result.memory["full_adam_recompute"].fits
+    auto = result.auto  # float32 7B weights alone (27 GB) exceed a 4090: a pipeline is needed
+    assert auto["pipeline_degree"] > 1 and auto["per_gpu_bytes"] <= result.capacity_bytes
+    assert result.full_adam_pipeline_degree > auto["pipeline_degree"]
+
+
+def test_7b_llama_bf16_mixed_is_16_bytes_per_parameter():
+    shape = shape_for_size("7b")
+    result = plan(shape, Settings(dtype="bf16-mixed", gpu="a800", blocks=3))
+    full = result.memory["full_adam"]
+    assert sum(DTYPES["bf16-mixed"][k] for k in ("weight", "grad", "master", "moments")) == 16  # 2+2+4+4+4
+    assert full.weights + full.grads + full.optimizer == 16 * shape.total_params()
+    assert not full.fits and result.memory["bcd_live"].fits
+    assert (result.auto["blocks"], result.auto["pipeline_degree"]) == (3, 1)  # largest UFP fitting one A800: 1/3
+
+
+def test_cli_json_for_7b_on_4090(capsys):
+    assert main(["plan", "--model", "7b", "--gpu", "4090", "--ufp", "1/3", "--tokens", "1000000", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["memory"]["full_adam"]["fits"] is False
+    assert out["settings"]["blocks"] == 3 and out["cost"]["full"]["dollars"] > 0
+    assert main(["plan", "--model", "small-llama", "--ufp", "0.25", "--gpu", "a100-80"]) == 0
+    assert "automatic UFP" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [
+    ["--model", "7b", "--gpu", "h100"],
+    ["--model", "7b", "--seq-len", "-5"],
+    ["--model", "7b", "--micro-batch", "0"],
+    ["--model", "7b", "--gpu-mem", "-24"],
+    ["--model", "7b", "--ufp", "1.5"],
+    ["--model", "7b", "--ufp", "0"],
+    ["--model", "7b", "--ufp", "-1/3"],
+    ["--model", "7b", "--ufp", "abc"],
+    ["--model", "7b", "--blocks", "64"],
+    ["--model", "nonexistent-model"],
+    ["--model", "7b", "--mfu", "2"],
+])
+def test_bad_input_is_one_line_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        code = main(["plan", *argv])
+        raise SystemExit(code)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "error" in err and "Traceback" not in err
