@@ -1,0 +1,182 @@
+"""`preinfer plan`: memory per GPU, the automatic UFP, store size, pre-inference break-even and cost, before renting GPUs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from fractions import Fraction
+
+from preinfer.errors import UsageError
+from preinfer.memory_model import DTYPES, GIB, GPUS, Plan, Settings, blocks_for_ufp, plan, resolve_shape
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer > 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got '{text}'") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
+def _ufp(text: str) -> float:
+    """argparse type: an unfrozen parameter fraction in (0, 1], as a fraction (1/3) or a decimal (0.25)."""
+    try:
+        value = Fraction(text.strip())
+    except (ValueError, ZeroDivisionError):
+        raise argparse.ArgumentTypeError(f"expected a fraction such as 1/3 or 0.25, got '{text}'") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"UFP must be in (0, 1], got {text}")
+    return float(value)
+
+
+def _mfu(text: str) -> float:
+    """argparse type: a model-FLOPs utilisation in (0, 1]."""
+    value = _positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"MFU must be in (0, 1], got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `preinfer plan`."""
+    parser.add_argument("--model", required=True,
+                        help="a preset (tiny-llama, small-llama, ...), a local model directory, a config.json, "
+                             "or a size: 1.5b, 7b, 13b, 20b (standard shapes)")
+    parser.add_argument("--arch", choices=["llama", "gpt2"], default="llama",
+                        help="shape family for a size given to --model (default: llama)")
+    parser.add_argument("--gpu", choices=list(GPUS), default="4090",
+                        help="GPU type: memory, peak FLOPs and default price (default: 4090)")
+    parser.add_argument("--gpu-mem", type=_positive_float, metavar="GB",
+                        help="GPU memory in GB, overriding the --gpu table's")
+    parser.add_argument("--seq-len", type=_positive_int, default=1024, help="tokens per sequence (default: 1024)")
+    parser.add_argument("--micro-batch", type=_positive_int, default=1,
+                        help="sequences per micro-batch step (default: 1)")
+    split = parser.add_mutually_exclusive_group()
+    split.add_argument("--ufp", type=_ufp, default=None,
+                       help="unfrozen parameter fraction per visit, e.g. 1/3 or 0.25: ceil(1/UFP) blocks "
+                            "(default: 1/3)")
+    split.add_argument("--blocks", type=_positive_int, help="number of blocks (instead of --ufp)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                        help="float32; bf16-mixed (bf16 weights and gradients, float32 master weights and Adam "
+                             "moments: 16 bytes/parameter); bf16 (everything bf16) (default: float32)")
+    parser.add_argument("--recompute", action="store_true",
+                        help="activation recomputation for the BCD rows (the full-Adam row is shown both ways)")
+    parser.add_argument("--tokens", type=_positive_int,
+                        help="dataset / training token budget: store size on disk, transfer times and cost")
+    parser.add_argument("--bandwidth-gbps", type=_positive_float, default=25.0,
+                        help="inter-GPU link bandwidth in Gbit/s for the traffic comparison (default: 25)")
+    parser.add_argument("--pipeline", type=_positive_int,
+                        help="pipeline degree for the traffic comparison (default: the plan's own, at least 2)")
+    parser.add_argument("--epochs-per-visit", type=_positive_float, default=1.0,
+                        help="epochs each BCD visit trains; one caching pass serves them all (default: 1)")
+    parser.add_argument("--compression", type=_positive_float,
+                        help="store codec ratio (default: 1.46 for bf16 stores, measured; 1.0 for float32)")
+    parser.add_argument("--price-per-hour", type=_positive_float, metavar="USD",
+                        help="GPU price per hour (default: the paper's: 4090 $0.29, A100 $1.20, A800 $0.69)")
+    parser.add_argument("--mfu", type=_mfu, default=0.4,
+                        help="assumed model-FLOPs utilisation for the cost estimate (default: 0.4)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+
+
+def settings_from_args(args: argparse.Namespace, layers: int) -> Settings:
+    """Settings from parsed flags; the number of blocks from --blocks or --ufp (default 1/3)."""
+    if args.blocks is not None and args.blocks > layers:
+        raise UsageError(f"--blocks {args.blocks} exceeds the model's {layers} layers")
+    blocks = args.blocks or blocks_for_ufp(args.ufp if args.ufp is not None else 1 / 3, layers)
+    return Settings(
+        seq_len=args.seq_len, micro_batch=args.micro_batch, dtype=args.dtype, recompute=args.recompute,
+        gpu=args.gpu, gpu_mem_gb=args.gpu_mem, blocks=blocks, tokens=args.tokens,
+        bandwidth_gbps=args.bandwidth_gbps, price_per_hour=args.price_per_hour, mfu=args.mfu,
+        compression=args.compression, pipeline=args.pipeline, epochs_per_visit=args.epochs_per_visit,
+    )
+
+
+def _gib(n: float | None) -> str:
+    """Bytes as GiB with two decimals."""
+    return "-" if n is None else f"{n / GIB:.2f}"
+
+
+def _money(value: float | None) -> str:
+    """Dollars, or a dash when no price is known."""
+    return "-" if value is None else f"${value:,.2f}"
+
+
+def render(result: Plan) -> str:
+    """A readable table of a plan."""
+    m, s = result.model, result.settings
+    lines = [
+        f"model {m['name']} ({m['arch']}, {m['params'] / 1e9:.3g}B parameters, {m['layers']} layers); "
+        f"{s['dtype']}, seq {s['seq_len']} x micro-batch {s['micro_batch']}, {s['blocks']} blocks (UFP 1/{s['blocks']})",
+        f"GPU {s['gpu'] if s['gpu_mem_gb'] is None else str(s['gpu_mem_gb']) + ' GB'}: "
+        f"{_gib(result.capacity_bytes)} GiB usable; W (weight bytes) = {_gib(result.weight_bytes)} GiB",
+        "",
+        f"{'memory per GPU (GiB)':<24}{'weights':>9}{'grads':>9}{'optim':>9}{'activ':>9}{'total':>9}"
+        f"{'x W':>7}  fits  visit",
+    ]
+    for name, mem in result.memory.items():
+        ratio = mem.total / result.weight_bytes
+        lines.append(
+            f"{name:<24}{_gib(mem.weights):>9}{_gib(mem.grads):>9}{_gib(mem.optimizer):>9}{_gib(mem.activations):>9}"
+            f"{_gib(mem.total):>9}{ratio:>7.2f}  {'yes' if mem.fits else 'no':<4}  {mem.note}"
+        )
+    auto = result.auto
+    lines.append("")
+    if auto["blocks"] is None:
+        lines.append("automatic UFP: nothing fits, even one layer per GPU")
+    else:
+        lines.append(
+            f"automatic UFP: 1/{auto['blocks']} ({auto['blocks']} blocks) on {auto['pipeline_degree']} GPU(s) "
+            f"in a pipeline, {_gib(auto['per_gpu_bytes'])} GiB per GPU; full Adam needs "
+            f"{result.full_adam_pipeline_degree or 'more than one layer per'} GPU(s)"
+        )
+    store = result.store
+    size = "" if store["bytes_per_boundary"] is None else f", {_gib(store['bytes_per_boundary'])} GiB per boundary"
+    lines.append(f"store: {store['dtype']}, {store['bytes_per_token']:.0f} bytes/token on disk{size}")
+    t = result.traffic
+    lines.append(
+        f"pre-inference: pipeline of {t['pipeline_degree']} moves {t['pipeline_bytes_per_token']:.0f} bytes/token "
+        f"per epoch; caching writes {t['cache_write_bytes_per_token']:.0f} once and reads as much per epoch; "
+        + (f"break-even after {t['break_even_epochs']:.2f} epochs" if t["break_even_epochs"] is not None
+           else "never breaks even") + f" ({'pays off' if t['pays_off'] else 'does not pay off'} at {s['epochs_per_visit']:g} epoch(s) per visit)"
+    )
+    if "pipeline_seconds_per_epoch" in t:
+        lines.append(f"  at {s['bandwidth_gbps']:g} Gbps: pipeline {t['pipeline_seconds_per_epoch']:.0f} s/epoch, "
+                     f"store reads {t['cache_seconds_per_epoch']:.0f} s/epoch")
+    if result.cost is None:
+        lines.append("cost: give --tokens for a cost estimate")
+    elif "note" in result.cost:
+        lines.append(f"cost: {result.cost['note']}")
+    else:
+        c = result.cost
+        parts = [f"{mode} {c[mode]['gpu_hours']:,.1f} GPU-h {_money(c[mode]['dollars'])}"
+                 for mode in ("full", "bcd_live", "bcd_store")]
+        lines.append(f"cost for {s['tokens']:,} tokens at {c['peak_tflops']:g} TFLOPS x MFU {c['mfu']:g}, "
+                     f"{_money(c['price_per_hour'])}/h: " + "; ".join(parts))
+    lines += [f"note: {note}" for note in result.notes]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the plan as a table or JSON."""
+    shape = resolve_shape(args.model, args.arch)
+    result = plan(shape, settings_from_args(args, shape.layers))
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(render(result))
+    return 0

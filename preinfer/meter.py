@@ -1,0 +1,142 @@
+"""Memory meter: peak bytes of parameters, gradients, optimizer state and saved activations of one model.
+
+How the peaks are measured (and why `tracked_peak` is coherent with the planner in `preinfer.memory_model`):
+
+- parameters: every parameter of the model (trainable or frozen), counted once per tensor, at every `sample()`.
+- gradients: every `.grad` present in the model, at every `sample()` (call it after `backward()`, where the
+  gradients of one step are all present, and after `optimizer.step()`).
+- optimizer state: every tensor in `optimizer.state`, at every `sample()` after `optimizer.step()`.
+- saved activations: inside `track()`, every tensor autograd saves for backward is seen by a
+  `saved_tensors_hooks` pack hook. Each distinct storage is counted once (its full size, since a saved view keeps
+  its whole storage alive); storages of model parameters (and views of them) are skipped because they are
+  counted as parameters. Autograd frees saved tensors only during backward, so the running total at the end of
+  forward is the step's activation peak. One `track()` covers one step (forward + backward); each starts at 0.
+- `tracked_peak`: the maximum over `sample()` calls of parameters + gradients + optimizer state present at that
+  call + the activation peak of the latest tracked step. It is the footprint of a step whose gradients from the
+  previous step and whose optimizer state are still resident while the next forward saves its activations: an
+  upper bound of the true peak of a framework that frees activations as backward proceeds, and exactly the sum
+  the planner models (weights + gradients + optimizer state + activations).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of a tensor's elements (numel x element size), not of the storage behind it."""
+    return t.numel() * t.element_size()
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
+    """Identity of a tensor's storage (device, data pointer), or None for tensors without one."""
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return str(t.device), storage.data_ptr()
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    """Bytes of the whole storage behind a tensor (what a saved view keeps alive)."""
+    try:
+        return t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return tensor_bytes(t)
+
+
+def rss_peak_bytes() -> int:
+    """Peak resident set size of this process in bytes (VmHWM on Linux, getrusage elsewhere)."""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def cuda_peak_bytes() -> int:
+    """`torch.cuda.max_memory_allocated()` where CUDA is initialised, else 0."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_allocated())
+    return 0
+
+
+class MemoryMeter:
+    """Peak bytes of parameters, gradients, optimizer state and saved activations of one model."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every peak (the process RSS peak cannot be reset; the CUDA peak is reset where present)."""
+        self._grads = self._optimizer = self._activations = self._tracked = 0
+        self._step_activations = 0
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.reset_peak_memory_stats()
+
+    def param_bytes(self) -> int:
+        """Bytes of every parameter of the model (tied parameters once)."""
+        return sum(tensor_bytes(p) for p in self.model.parameters())
+
+    def grad_bytes(self) -> int:
+        """Bytes of every `.grad` present in the model now."""
+        return sum(tensor_bytes(p.grad) for p in self.model.parameters() if p.grad is not None)
+
+    @staticmethod
+    def optimizer_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+        """Bytes of every tensor in `optimizer.state` (moments, step counters kept as tensors)."""
+        if optimizer is None:
+            return 0
+        return sum(
+            tensor_bytes(value)
+            for state in optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        )
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        """Count the tensors saved for backward during one step (forward + backward) and keep the running peak."""
+        param_keys = {_storage_key(p) for p in self.model.parameters()}
+        seen: set[tuple[str, int]] = set()
+        self._step_activations = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = _storage_key(t)
+            if key is not None and key not in param_keys and key not in seen and t.numel() > 0:
+                seen.add(key)
+                self._step_activations += _storage_bytes(t)
+                self._activations = max(self._activations, self._step_activations)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+
+    def sample(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Update the peaks of gradient and optimizer-state bytes and of the tracked total."""
+        grads, state = self.grad_bytes(), self.optimizer_bytes(optimizer)
+        self._grads = max(self._grads, grads)
+        self._optimizer = max(self._optimizer, state)
+        total = self.param_bytes() + grads + state + self._step_activations
+        self._tracked = max(self._tracked, total)
+
+    def report(self) -> dict[str, int]:
+        """Peak bytes by component, the tracked total, the process RSS peak and the CUDA peak."""
+        return {
+            "params": self.param_bytes(),
+            "grads": self._grads,
+            "optimizer": self._optimizer,
+            "activations": self._activations,
+            "tracked_peak": self._tracked,
+            "rss_peak": rss_peak_bytes(),
+            "cuda_peak": cuda_peak_bytes(),
+        }

@@ -1,0 +1,189 @@
+"""The planner (`preinfer.memory_model`, `preinfer plan`) against the meter on real CPU steps, and its 7B figures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pipelines.cli import main
+from preinfer.memory_model import (
+    DTYPES, Settings, bcd_memory, full_memory, partition, plan, resolve_shape, shape_for_size,
+)
+from preinfer.meter import MemoryMeter
+from preinfer.presets import build_preset
+
+SEQ, BATCH, BLOCKS = 128, 4, 3
+SETTINGS = Settings(seq_len=SEQ, micro_batch=BATCH, dtype="float32", gpu="4090", blocks=BLOCKS)
+
+
+def _batch(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids, shared position ids and an additive causal mask for one micro-batch."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (BATCH, SEQ), generator=generator)
+    positions = torch.arange(SEQ).unsqueeze(0)
+    mask = torch.full((SEQ, SEQ), float("-inf")).triu(1)[None, None]
+    return ids, positions, mask
+
+
+def _run_layers(model, hidden: torch.Tensor, start: int, stop: int, positions, mask) -> torch.Tensor:
+    """Layers [start, stop) of a HF Llama model, boundary to boundary."""
+    rotary = model.model.rotary_emb(hidden, positions)
+    for layer in model.model.layers[start:stop]:
+        hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
+    return hidden
+
+
+def _loss(model, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Final norm, LM head and the model's own causal-LM loss."""
+    logits = model.lm_head(model.model.norm(hidden))
+    return model.loss_function(logits=logits, labels=ids, vocab_size=model.config.vocab_size)
+
+
+def _step(meter: MemoryMeter, params: list[torch.nn.Parameter], forward) -> dict[str, int]:
+    """One metered training step (forward, backward, Adam step) of `params`; the meter's report."""
+    optimizer = torch.optim.Adam(params, lr=1e-3)
+    with meter.track():
+        forward().backward()
+    meter.sample(optimizer)
+    optimizer.step()
+    meter.sample(optimizer)
+    return meter.report()
+
+
+def measure_full(name: str) -> int:
+    """tracked_peak of one full-parameter Adam step on a preset."""
+    model = build_preset(name).train()
+    ids, positions, mask = _batch(model)
+
+    def forward():
+        hidden = _run_layers(model, model.model.embed_tokens(ids), 0, len(model.model.layers), positions, mask)
+        return _loss(model, hidden, ids)
+
+    return _step(MemoryMeter(model), list(model.parameters()), forward)["tracked_peak"]
+
+
+def _freeze_all_but(model, block) -> list[torch.nn.Parameter]:
+    """Freeze the model except `block`'s parameters; those parameters."""
+    model.requires_grad_(False)
+    modules = list(model.model.layers[block.start:block.stop])
+    modules += [model.model.embed_tokens] if block.embed else []
+    modules += [model.model.norm, model.lm_head] if block.head else []
+    for module in modules:
+        module.requires_grad_(True)
+    return [p for module in modules for p in module.parameters()]
+
+
+def measure_live(name: str, k: int) -> int:
+    """tracked_peak of one BCD-Adam step on block k, the layers below it run under no_grad."""
+    model = build_preset(name).train()
+    block = partition(resolve_shape(name), BLOCKS)[k]
+    params = _freeze_all_but(model, block)
+    ids, positions, mask = _batch(model)
+
+    def forward():
+        with torch.set_grad_enabled(block.embed):
+            hidden = _run_layers(model, model.model.embed_tokens(ids), 0, block.start, positions, mask)
+        hidden = _run_layers(model, hidden, block.start, len(model.model.layers), positions, mask)
+        return _loss(model, hidden, ids)
+
+    return _step(MemoryMeter(model), params, forward)["tracked_peak"]
+
+
+def measure_store(name: str, k: int) -> int:
+    """tracked_peak of one BCD-Adam step on block k fed stored (here random) boundary states; suffix resident."""
+    model = build_preset(name).train()
+    block = partition(resolve_shape(name), BLOCKS)[k]
+    params = _freeze_all_but(model, block)
+    ids, positions, mask = _batch(model)
+    suffix = torch.nn.ModuleList([*model.model.layers[block.start:], model.model.norm, model.lm_head])
+    boundary = torch.randn(BATCH, SEQ, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+
+    def forward():
+        hidden = _run_layers(model, boundary, block.start, len(model.model.layers), positions, mask)
+        return _loss(model, hidden, ids)
+
+    return _step(MemoryMeter(suffix), params, forward)["tracked_peak"]
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "small-llama"])
+def test_plan_matches_meter_full_adam(name):
+    predicted = full_memory(resolve_shape(name), SETTINGS, recompute=False).total
+    assert predicted == pytest.approx(measure_full(name), rel=0.15)
+
+
+@pytest.mark.parametrize("name,k", [("tiny-llama", 0), ("tiny-llama", 2), ("small-llama", 1), ("small-llama", 2)])
+def test_plan_matches_meter_bcd_live(name, k):
+    shape = resolve_shape(name)
+    predicted = bcd_memory(shape, SETTINGS, partition(shape, BLOCKS), k, store=False).total
+    assert predicted == pytest.approx(measure_live(name, k), rel=0.15)
+
+
+@pytest.mark.parametrize("name,k", [("tiny-llama", 1), ("small-llama", 1), ("small-llama", 2)])
+def test_plan_matches_meter_bcd_store(name, k):
+    shape = resolve_shape(name)
+    predicted = bcd_memory(shape, SETTINGS, partition(shape, BLOCKS), k, store=True).total
+    assert predicted == pytest.approx(measure_store(name, k), rel=0.15)
+
+
+def test_preset_shapes_count_the_real_parameters():
+    for name in ("tiny-llama", "small-llama", "tiny-gpt2"):
+        model = build_preset(name)
+        assert resolve_shape(name).total_params() == sum(p.numel() for p in model.parameters())
+
+
+def test_7b_llama_float32_is_4w_plus_stated_activations():
+    shape = shape_for_size("7b")
+    settings = Settings(seq_len=1024, micro_batch=1, dtype="float32", gpu="4090", blocks=3)
+    result = plan(shape, settings)
+    full, weights = result.memory["full_adam"], result.weight_bytes
+    assert weights == 4 * shape.total_params()
+    assert full.weights + full.grads + full.optimizer == 4 * weights  # weight + gradient + Adam m and v
+    assert 0.5 * weights < full.activations < 0.75 * weights  # the paper's total is 4.7 W
+    assert result.memory["full_adam_recompute"].activations < 0.05 * weights  # about 4 W with recomputation
+    assert not full.fits and not result.memory["full_adam_recompute"].fits
+    auto = result.auto  # float32 7B weights alone (27 GB) exceed a 4090: a pipeline is needed
+    assert auto["pipeline_degree"] > 1 and auto["per_gpu_bytes"] <= result.capacity_bytes
+    assert result.full_adam_pipeline_degree > auto["pipeline_degree"]
+
+
+def test_7b_llama_bf16_mixed_is_16_bytes_per_parameter():
+    shape = shape_for_size("7b")
+    result = plan(shape, Settings(dtype="bf16-mixed", gpu="a800", blocks=3))
+    full = result.memory["full_adam"]
+    assert sum(DTYPES["bf16-mixed"][k] for k in ("weight", "grad", "master", "moments")) == 16  # 2+2+4+4+4
+    assert full.weights + full.grads + full.optimizer == 16 * shape.total_params()
+    assert not full.fits and result.memory["bcd_live"].fits
+    assert (result.auto["blocks"], result.auto["pipeline_degree"]) == (3, 1)  # largest UFP fitting one A800: 1/3
+
+
+def test_cli_json_for_7b_on_4090(capsys):
+    assert main(["plan", "--model", "7b", "--gpu", "4090", "--ufp", "1/3", "--tokens", "1000000", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["memory"]["full_adam"]["fits"] is False
+    assert out["settings"]["blocks"] == 3 and out["cost"]["full"]["dollars"] > 0
+    assert main(["plan", "--model", "small-llama", "--ufp", "0.25", "--gpu", "a100-80"]) == 0
+    assert "automatic UFP" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [
+    ["--model", "7b", "--gpu", "h100"],
+    ["--model", "7b", "--seq-len", "-5"],
+    ["--model", "7b", "--micro-batch", "0"],
+    ["--model", "7b", "--gpu-mem", "-24"],
+    ["--model", "7b", "--ufp", "1.5"],
+    ["--model", "7b", "--ufp", "0"],
+    ["--model", "7b", "--ufp", "-1/3"],
+    ["--model", "7b", "--ufp", "abc"],
+    ["--model", "7b", "--blocks", "64"],
+    ["--model", "nonexistent-model"],
+    ["--model", "7b", "--mfu", "2"],
+])
+def test_bad_input_is_one_line_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        code = main(["plan", *argv])
+        raise SystemExit(code)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "error" in err and "Traceback" not in err
