@@ -11,12 +11,10 @@ from storage import StorageError
 
 # Subcommand name -> module in `pipelines.commands` defining `add_arguments(parser)` and `run(args) -> int`.
 COMMANDS = {
-COMMANDS = {
     "bcd": ("bcd", "train a model by block coordinate descent (or --mode full)"),
     "eval": ("eval", "evaluate a model or run directory on a dataset's eval split"),
     "demo": ("demo", "the main job on the built-in defaults: BCD of small-llama on Python's docs"),
     "plan": ("plan", "memory per GPU, automatic UFP, store size, pre-inference break-even and cost for a model"),
-}
 }
 
 

@@ -26,7 +26,7 @@ def run_cli(argv, capsys):
 
 def test_bcd_writes_the_run_directory_and_a_loadable_export(tmp_path, capsys):
     out = tmp_path / "run"
-    code, stdout, _ = run_cli(["bcd", *TINY, "--out", str(out), "--blocks", "2"], capsys)
+    code, stdout, _ = run_cli(["bcd", *TINY, "--out", str(out), "--blocks", "2", "--eval-batches", "0"], capsys)
     assert code == 0, stdout
     for name in ("config.toml", "metrics.jsonl", "loss.png", "summary.json", "checkpoint", "export"):
         assert (out / name).exists(), name
