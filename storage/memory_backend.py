@@ -11,6 +11,7 @@ class MemoryStore(Store):
     """Shards held as tensor dicts in the store's MemoryBlobs (no files, no compression)."""
 
     backend = "memory"
+    check_decoded = False  # tensors never leave this process's memory
 
     def _write_data(self, i: int, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
         self._blobs.tensors[i] = {name: tensor.clone() for name, tensor in tensors.items()}
