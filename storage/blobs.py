@@ -61,6 +61,9 @@ class Blobs:
         """Delete every blob under the root."""
         raise NotImplementedError
 
+    def will_need(self, key: str) -> None:
+        """Hint that `key` will be read soon (starts OS readahead where there is one)."""
+
     def lock(self, key: str) -> contextlib.AbstractContextManager:
         """Exclusive writer lock on `key`; raises StorageError at once if another writer holds it."""
         return _process_lock(self.location, key)
@@ -116,6 +119,16 @@ class LocalBlobs(Blobs):
 
     def remove_all(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+    def will_need(self, key: str) -> None:
+        try:
+            fd = os.open(self.root / key, os.O_RDONLY)
+        except OSError:
+            return  # a missing file is reported when it is read
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
 
     @contextlib.contextmanager
     def lock(self, key: str) -> Iterator[None]:

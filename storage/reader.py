@@ -11,6 +11,7 @@ reads about 1/W of the shards; a shard cut by a slice border is read by both nei
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import warnings
@@ -142,7 +143,8 @@ class Reader:
         """Yield the remaining batches of the current epoch; the epoch counter advances after its last batch."""
         epoch, first, total = self.epoch, self._batch, len(self)
         if self.prefetch == 0:
-            batches: Iterator = (self._assemble(p, self._load_now) for p in self._batches(epoch, first))
+            load = functools.lru_cache(maxsize=2)(self._load_now)  # a batch spans at most two shards in a row
+            batches: Iterator = (self._assemble(p, load) for p in self._batches(epoch, first))
         else:
             batches = self._prefetched(epoch, first)
         for number, batch in enumerate(batches, start=first + 1):
@@ -191,12 +193,11 @@ class Reader:
             ahead = max(self.threads, 2)
 
             def load(shard: int) -> dict[str, torch.Tensor]:
-                while shard not in loading:
+                while shard not in loading or (len(loading) < ahead + 1 and upcoming):
                     nxt = upcoming.pop(0)
                     loading[nxt] = pool.submit(self._load_now, nxt)
-                while len(loading) < ahead + 1 and upcoming:
-                    nxt = upcoming.pop(0)
-                    loading[nxt] = pool.submit(self._load_now, nxt)
+                    if len(upcoming) > ahead:  # readahead of the files decoded after the ones in flight
+                        self.store.will_read(upcoming[ahead])
                 return loading[shard].result()
 
             seen: set[int] = set()

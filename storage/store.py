@@ -53,7 +53,7 @@ class Store:
     # ---- description -------------------------------------------------------------------------------------------
     @property
     def manifest(self) -> dict[str, Any]:
-        """The manifest as written (a copy), plus completion records written since."""
+        """The manifest as last written (a copy); completion records fold into it at finalize()."""
         return json.loads(json.dumps(self._manifest))
 
     @property
@@ -171,7 +171,13 @@ class Store:
                     f"store {self.path}: shard {i} (samples {start}..{stop}) is already complete with different "
                     f"content; a store is written once per fingerprint (rebuild it with overwrite=True)"
                 )
-            files = self._write_data(i, tensors)
+            try:
+                files = self._write_data(i, tensors)
+            except Exception as err:  # disk full, permissions, a vanished directory: the shard stays incomplete
+                raise StorageError(
+                    f"store {self.path}: writing shard {i} (samples {start}..{stop}) failed ({type(err).__name__}: "
+                    f"{err}); the shard is not marked complete, fix the cause and write it again"
+                ) from err
             record = {"shard": i, "samples": [start, stop], "fields": fields, "files": files}
             self._blobs.write(self._marker(i), json.dumps(record).encode())
             self._records[i] = record
@@ -237,6 +243,12 @@ class Store:
             if check and self.check_decoded and crc32c_tensor(tensor) != record["fields"][name]["crc32c"]:
                 raise self._corrupt(i, "checksum of the decoded data differs from the one recorded at write", name)
         return data
+
+    def will_read(self, i: int) -> None:
+        """Hint that complete shard `i` is read soon, so that the OS reads its files ahead (cold reads)."""
+        record = self._record(i)
+        for key in record["files"] if record else ():
+            self._blobs.will_need(key)
 
     def reader(self, batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1, **options: Any) -> Reader:
         """A shuffling, resumable, prefetching batch reader over the whole store (see storage.reader.Reader)."""

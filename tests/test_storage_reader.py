@@ -151,3 +151,15 @@ def test_pin_memory_without_accelerator_warns(store):
     else:
         with pytest.warns(UserWarning, match="pin_memory=True ignored"):
             store.reader(4, pin_memory=True)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("batch_size", [3, 12])  # within a shard, and spanning several shards
+def test_each_shard_is_read_once_per_epoch(monkeypatch, prefetch, batch_size):
+    store = make_store()
+    reads = []
+    real = type(store).read_shard
+    monkeypatch.setattr(type(store), "read_shard", lambda self, i, *a, **k: reads.append(i) or real(self, i, *a, **k))
+    reader = store.reader(batch_size, seed=2, prefetch=prefetch, rank=1, world_size=2)
+    order = indices(reader)
+    assert sorted(reads) == sorted(set(reads)) and len(reads) == len({i // S for i in order})
