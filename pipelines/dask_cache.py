@@ -1,0 +1,217 @@
+"""The Dask side of the caching job: one task per shard that computes and writes its own shard.
+
+Workers keep the model in a per-process cache keyed by (spec, seed, device), so each worker loads it once, not
+once per task; a task checks the cached model's prefix digest against the one the client computed from its
+in-memory model and reloads a run directory once if its checkpoint moved on, else fails (the store would lie).
+At most `2 x workers` tasks are in flight, so the token tensors a task carries never pile up in the scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from preinfer.errors import UsageError
+from preinfer.fingerprint import prefix_digest
+
+_LOCK = threading.Lock()
+_MODELS: dict[tuple, Any] = {}
+_DIGESTS: dict[tuple, dict[int, str]] = {}
+_STORES: dict[tuple[str, str], Any] = {}
+_STATS = {"loads": 0, "threads_set": False}
+
+
+@dataclass
+class ShardTask:
+    """Everything one task needs, picklable and small: the shard's inputs travel only as token tensors."""
+
+    split: str
+    store_path: str
+    store_digest: str
+    shard: int
+    lo: int
+    hi: int
+    boundary: int
+    start_layer: int
+    batch_size: int
+    model_spec: str
+    model_seed: int
+    device: str
+    prefix: str  # prefix digest at `boundary` of the client's model
+    inputs: dict[str, torch.Tensor] | None = None  # tokens of samples [lo, hi) (from the input)
+    source_path: str | None = None  # or the store at `start_layer` to roll forward from
+    source_digest: str | None = None
+    torch_threads: int | None = None
+
+
+def _worker_name() -> str:
+    try:
+        from distributed import get_worker
+
+        return get_worker().address
+    except (ImportError, ValueError):
+        return f"pid {os.getpid()}"
+
+
+def worker_model(spec: str, seed: int, device: str, boundary: int, expected: str):
+    """The staged model of `spec` in this worker process, loaded once, whose prefix at `boundary` is `expected`."""
+    import preinfer
+    from pipelines.models import is_run_dir, resolve_model
+
+    key = (spec, seed, device)
+    with _LOCK:
+        for attempt in range(2):
+            if key not in _MODELS:
+                model = resolve_model(spec, seed=seed).to(device).eval()
+                _MODELS[key] = preinfer.stage(model)
+                _DIGESTS[key] = {}
+                _STATS["loads"] += 1
+            staged = _MODELS[key]
+            digests = _DIGESTS[key]
+            if boundary not in digests:
+                digests[boundary] = prefix_digest(staged, boundary)
+            if digests[boundary] == expected:
+                return staged
+            if attempt == 0 and is_run_dir(spec):
+                del _MODELS[key]  # the run's checkpoint moved on since this worker loaded it
+                continue
+            break
+    raise RuntimeError(
+        f"worker {_worker_name()}: the model loaded from {spec!r} has another prefix [0, {boundary}) than the "
+        f"client's (digest {digests[boundary][:12]} != {expected[:12]}); workers must load the same weights "
+        f"(save them to a directory or checkpoint the run first)"
+    )
+
+
+def _store(path: str, digest: str):
+    from storage import open_store
+
+    key = (path, digest)
+    with _LOCK:
+        if key not in _STORES:
+            _STORES[key] = open_store(path, expect_fingerprint=digest, check_files=False)
+        return _STORES[key]
+
+
+def run_task(task: ShardTask) -> dict[str, Any]:
+    """Compute shard `task.shard` and write it; returns what the client counts."""
+    from pipelines.caching import (
+        DatasetInputs, HostStager, StoreInputs, compute_dtype, compute_shard, shard_bytes, write_shard,
+    )
+    from storage.dtypes import torch_dtype
+
+    if task.torch_threads and not _STATS["threads_set"]:
+        torch.set_num_threads(task.torch_threads)
+        _STATS["threads_set"] = True
+    staged = worker_model(task.model_spec, task.model_seed, task.device, task.boundary, task.prefix)
+    store = _store(task.store_path, task.store_digest)
+    if task.inputs is not None:
+        inputs = DatasetInputs(staged, task.inputs, task.device, offset=task.lo)
+    else:
+        inputs = StoreInputs(_store(task.source_path, task.source_digest), task.start_layer, task.device,
+                             compute_dtype(staged))
+    fields = {n: (s.shape, torch_dtype(s.dtype)) for n, s in store.fields.items()}
+    stager = HostStager(task.device)
+    buffers, fence = compute_shard(staged, inputs, task.start_layer, task.boundary, task.lo, task.hi,
+                                   task.batch_size, fields, stager)
+    fence.synchronize()
+    write_shard(store, task.split, task.shard, buffers)
+    return {"split": task.split, "shard": task.shard, "bytes": shard_bytes(store, task.shard),
+            "worker": _worker_name(), "loads": _STATS["loads"]}
+
+
+def connect(dask: Any):
+    """(client, close) for "local:N", "tcp://host:port" or an existing `distributed.Client`."""
+    from distributed import Client, LocalCluster
+
+    if not isinstance(dask, str):
+        return dask, lambda: None, None
+    if dask.startswith("local:"):
+        try:
+            workers = int(dask.removeprefix("local:"))
+            if workers < 1:
+                raise ValueError
+        except ValueError:
+            raise UsageError(f"--dask {dask!r}: expected local:N with N >= 1 workers") from None
+        cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None,
+                               silence_logs=logging.ERROR)
+        client = Client(cluster)
+
+        def close() -> None:
+            client.close()
+            cluster.close()
+
+        return client, close, max(1, (os.cpu_count() or 1) // workers)
+    if "://" not in dask:
+        raise UsageError(f"--dask {dask!r}: expected local:N or a scheduler address such as tcp://host:8786")
+    try:
+        client = Client(dask, timeout="20s")
+    except (OSError, TimeoutError) as err:
+        raise UsageError(f"--dask {dask}: cannot reach the Dask scheduler ({err})") from None
+    return client, client.close, None
+
+
+def run(staged, jobs, boundary: int, opts, bar):
+    """Run the shards of `jobs` as Dask tasks; returns (failed, fatal, model loads per worker)."""
+    from distributed import as_completed
+
+    from pipelines.caching import _one_line, is_disk_full
+
+    logging.getLogger("distributed").setLevel(logging.ERROR)
+    client, close, threads = connect(opts.dask)
+    failed: list[tuple[str, int, str]] = []
+    fatal: BaseException | None = None
+    loads: dict[str, int] = {}
+    try:
+        prefix = prefix_digest(staged, boundary)
+        pending = [(job, shard) for job in jobs for shard in job.todo]
+        window = max(4, 2 * len(client.scheduler_info().get("workers", {}) or [None]))
+        run_id = uuid.uuid4().hex[:8]
+        owners: dict[Any, tuple[Any, int]] = {}
+
+        def submit(job, shard):
+            lo, hi = job.store.shard_range(shard)
+            inputs = None
+            if job.dataset is not None:
+                inputs = {k: v.clone() for k, v in job.dataset[lo:hi].items()}
+            task = ShardTask(
+                job.name, str(job.store.path), job.store.fingerprint.digest, shard, lo, hi, boundary,
+                job.inputs.start_layer, opts.batch_size, opts.model_name, opts.model_seed, str(opts.device), prefix,
+                inputs, None if job.source_path is None else str(job.source_path), job.source_digest, threads,
+            )
+            future = client.submit(run_task, task, key=f"preinfer-cache-{job.name or 'store'}-{shard}-{run_id}",
+                                   retries=opts.retries, pure=False)
+            owners[future] = (job, shard)
+            return future
+
+        queue = iter(pending)
+        futures = as_completed([submit(*item) for _, item in zip(range(window), queue)])
+        for future in futures:
+            job, shard = owners.pop(future)
+            if future.status == "error":
+                err = future.exception()
+                failed.append((job.name, shard, _one_line(err)))
+                if is_disk_full(err):
+                    fatal = err
+                    for other in list(owners):
+                        other.cancel()
+                    break
+            else:
+                result = future.result()
+                lo, hi = job.store.shard_range(shard)
+                job.result.shards_computed += 1
+                job.result.bytes_written += result["bytes"]
+                loads[result["worker"]] = result["loads"]
+                bar.shard_done(job.name, hi - lo, result["bytes"])
+            following = next(queue, None)
+            if following is not None:
+                futures.add(submit(*following))
+    finally:
+        close()
+    return failed, fatal, loads
