@@ -43,8 +43,10 @@ writing its own shard, retried `retries` times. Workers load the model themselve
 a save_pretrained directory or a BCD run directory, with `model_seed` for presets) once per worker, and check
 that its prefix digest equals the one the client expects (a run directory whose checkpoint moved on is
 reloaded once; otherwise the task fails). `local:N` starts N worker processes with one Dask thread each and
-`max(1, cores // N)` torch threads. Remote workers need this package installed and the store path (and a
-roll-forward's source) on a shared filesystem.
+`max(1, cores // N)` torch threads; the cluster stays up for the next `local:N` job of the same process (so a
+BCD run that caches after every visit starts it, and loads the model in it, once) until exit or
+`pipelines.dask_cache.shutdown_local_clusters()`. Remote workers need this package installed and the store path
+(and a roll-forward's source) on a shared filesystem.
 
 Test hooks (environment variables, read where shards are written, Dask workers included): PREINFER_CACHE_FAULTS
 = "train/3,eval/0" makes those shards fail when written; with PREINFER_CACHE_FAULT_ONCE_DIR set each fails only

@@ -8,6 +8,7 @@ At most `2 x workers` tasks are in flight, so the token tensors a task carries n
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -126,9 +127,41 @@ def run_task(task: ShardTask) -> dict[str, Any]:
             "worker": _worker_name(), "loads": _STATS["loads"]}
 
 
-def connect(dask: Any):
-    """(client, close) for "local:N", "tcp://host:port" or an existing `distributed.Client`."""
+# "local:N" clusters of this process, kept for the next job (a BCD run caches after every visit): started once,
+# their workers keep the model loaded; closed at exit or by shutdown_local_clusters().
+_LOCAL_CLUSTERS: dict[int, tuple[Any, Any]] = {}
+
+
+def shutdown_local_clusters() -> None:
+    """Close the LocalClusters that `local:N` jobs of this process started."""
+    while _LOCAL_CLUSTERS:
+        _, (cluster, client) = _LOCAL_CLUSTERS.popitem()
+        try:
+            client.close()
+            cluster.close()
+        except Exception:  # noqa: BLE001 - closing at exit; nothing left to report to
+            pass
+
+
+def local_client(workers: int):
+    """The client of this process's LocalCluster of `workers` worker processes (started on first use)."""
     from distributed import Client, LocalCluster
+
+    cached = _LOCAL_CLUSTERS.get(workers)
+    if cached is not None and cached[1].status == "running":
+        return cached[1]
+    if not _LOCAL_CLUSTERS:
+        atexit.register(shutdown_local_clusters)
+    cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None,
+                           silence_logs=logging.ERROR)
+    client = Client(cluster)
+    _LOCAL_CLUSTERS[workers] = (cluster, client)
+    return client
+
+
+def connect(dask: Any):
+    """(client, close, torch threads per worker) for "local:N", "tcp://host:port" or a `distributed.Client`."""
+    from distributed import Client
 
     if not isinstance(dask, str):
         return dask, lambda: None, None
@@ -139,15 +172,7 @@ def connect(dask: Any):
                 raise ValueError
         except ValueError:
             raise UsageError(f"--dask {dask!r}: expected local:N with N >= 1 workers") from None
-        cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None,
-                               silence_logs=logging.ERROR)
-        client = Client(cluster)
-
-        def close() -> None:
-            client.close()
-            cluster.close()
-
-        return client, close, max(1, (os.cpu_count() or 1) // workers)
+        return local_client(workers), lambda: None, max(1, (os.cpu_count() or 1) // workers)
     if "://" not in dask:
         raise UsageError(f"--dask {dask!r}: expected local:N or a scheduler address such as tcp://host:8786")
     try:
