@@ -94,7 +94,8 @@ def format_description(info: dict[str, Any]) -> str:
         state = "all shards written, not finalized (rerun the cache job to finalize)"
     tokens = f"{info['tokens']:,}" if info["tokens"] is not None else "?"
     if info["real_tokens"] is not None:
-        tokens += f" ({info['real_tokens']:,} real, the rest padding)"
+        real = info["real_tokens"]
+        tokens += " (all real, no padding)" if real == info["tokens"] else f" ({real:,} real, the rest padding)"
     ratio = f"{info['compression_ratio']:.2f}x" if info["compression_ratio"] else "-"
     lines = [
         f"{info['split'] + ': ' if info['split'] else ''}{info['path']}",
