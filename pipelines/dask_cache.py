@@ -24,7 +24,6 @@ from preinfer.fingerprint import prefix_digest
 _LOCK = threading.Lock()
 _MODELS: dict[tuple, Any] = {}
 _DIGESTS: dict[tuple, dict[int, str]] = {}
-_STORES: dict[tuple[str, str], Any] = {}
 _STATS = {"loads": 0, "threads_set": False}
 
 
@@ -91,13 +90,11 @@ def worker_model(spec: str, seed: int, device: str, boundary: int, expected: str
 
 
 def _store(path: str, digest: str):
+    """The store at `path`, opened afresh by every task: a cached Store would keep the completion records of a
+    store since deleted and recreated at the same path (an overwrite), and skip its writes."""
     from storage import open_store
 
-    key = (path, digest)
-    with _LOCK:
-        if key not in _STORES:
-            _STORES[key] = open_store(path, expect_fingerprint=digest, check_files=False)
-        return _STORES[key]
+    return open_store(path, expect_fingerprint=digest, check_files=False)
 
 
 def run_task(task: ShardTask) -> dict[str, Any]:

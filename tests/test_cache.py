@@ -262,13 +262,13 @@ def test_roll_forward_equals_a_fresh_run_store_and_fingerprint(corpus, tmp_path,
     assert_same_cache(tmp_path / "rolled", tmp_path / "fresh")
     # the CLI, from the stored weights of a preset: a fresh cache at 2 and a roll 2 -> 4 against a fresh 4
     common = ["--model", "tiny-llama", "--data", corpus, "--seq-len", str(SEQ), "--samples-per-shard",
-              str(PER_SHARD), "--batch-size", str(BATCH), "--quiet"]
+              str(PER_SHARD), "--batch-size", str(BATCH), "--splits", "eval", "--quiet"]
     for boundary, out, extra in ((2, "k2", []), (4, "k4", []), (4, "r4", ["--from-store", str(tmp_path / "k2")])):
         code, stdout, err = run_cli(["cache", *common, "--boundary", str(boundary), "--out", str(tmp_path / out),
                                      *extra], capsys)
         assert code == 0, err
     assert "rolled forward 2->4" in stdout
-    assert_same_cache(tmp_path / "r4", tmp_path / "k4")
+    assert_same_cache(tmp_path / "r4", tmp_path / "k4", splits=("eval",))
 
 
 def test_roll_forward_refuses_a_stale_or_lossy_source(corpus, tmp_path):

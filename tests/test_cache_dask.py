@@ -108,3 +108,12 @@ def test_workers_refuse_a_model_other_than_the_clients(workers, corpus, tmp_path
     staged = staged_model(seed=1)  # the workers load tiny-llama with seed 0
     with pytest.raises(caching.CacheJobError, match="another prefix"):
         cache(staged, {"eval": datasets_for(corpus)["eval"]}, 2, tmp_path / "c", dask=workers, retries=0)
+
+
+def test_an_overwrite_on_dask_rewrites_every_shard(workers, corpus, reference, tmp_path):
+    """Workers must not trust what they knew about a store that was deleted and recreated at the same path."""
+    data = {"eval": datasets_for(corpus)["eval"]}
+    for _ in range(2):
+        result = cache(staged_model(), data, 2, tmp_path / "c", dask=workers, mode="overwrite")
+        assert result.shards_computed == result.splits["eval"].num_shards
+    assert_same_cache(tmp_path / "c", reference, splits=("eval",))
