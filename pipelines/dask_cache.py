@@ -11,7 +11,9 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +27,8 @@ _LOCK = threading.Lock()
 _MODELS: dict[tuple, Any] = {}
 _DIGESTS: dict[tuple, dict[int, str]] = {}
 _STATS = {"loads": 0, "threads_set": False}
+# What the tasks of the last run in this (client) process reported: worker, compute_s, write_s, bytes...
+LAST_RUN_TASKS: list[dict[str, Any]] = []
 
 
 @dataclass
@@ -97,6 +101,22 @@ def _store(path: str, digest: str):
     return open_store(path, expect_fingerprint=digest, check_files=False)
 
 
+def _tune_malloc() -> None:
+    """Undo the cost of Dask's default MALLOC_TRIM_THRESHOLD_=65536 for tensor work (measured: the prefix forward
+    of small-llama at half speed): a fixed trim threshold also freezes glibc's mmap threshold at 128 KiB, so every
+    activation buffer is mmapped, page-faulted and unmapped again. Raise both (glibc only; elsewhere a no-op)."""
+    if not os.environ.get("MALLOC_TRIM_THRESHOLD_") or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: glibc's maximum
+        libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def run_task(task: ShardTask) -> dict[str, Any]:
     """Compute shard `task.shard` and write it; returns what the client counts."""
     from pipelines.caching import (
@@ -104,8 +124,10 @@ def run_task(task: ShardTask) -> dict[str, Any]:
     )
     from storage.dtypes import torch_dtype
 
-    if task.torch_threads and not _STATS["threads_set"]:
-        torch.set_num_threads(task.torch_threads)
+    if not _STATS["threads_set"]:
+        if task.torch_threads:
+            torch.set_num_threads(task.torch_threads)
+        _tune_malloc()
         _STATS["threads_set"] = True
     staged = worker_model(task.model_spec, task.model_seed, task.device, task.boundary, task.prefix)
     store = _store(task.store_path, task.store_digest)
@@ -116,12 +138,15 @@ def run_task(task: ShardTask) -> dict[str, Any]:
                              compute_dtype(staged))
     fields = {n: (s.shape, torch_dtype(s.dtype)) for n, s in store.fields.items()}
     stager = HostStager(task.device)
+    started = time.perf_counter()
     buffers, fence = compute_shard(staged, inputs, task.start_layer, task.boundary, task.lo, task.hi,
                                    task.batch_size, fields, stager)
     fence.synchronize()
+    computed = time.perf_counter()
     write_shard(store, task.split, task.shard, buffers)
     return {"split": task.split, "shard": task.shard, "bytes": shard_bytes(store, task.shard),
-            "worker": _worker_name(), "loads": _STATS["loads"]}
+            "worker": _worker_name(), "loads": _STATS["loads"], "compute_s": computed - started,
+            "write_s": time.perf_counter() - computed, "torch_threads": torch.get_num_threads()}
 
 
 # "local:N" clusters of this process, kept for the next job (a BCD run caches after every visit): started once,
@@ -149,8 +174,12 @@ def local_client(workers: int):
         return cached[1]
     if not _LOCAL_CLUSTERS:
         atexit.register(shutdown_local_clusters)
-    cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None,
-                           silence_logs=logging.ERROR)
+    import dask
+
+    # Dask's default MALLOC_TRIM_THRESHOLD_ halves PyTorch's CPU speed (see _tune_malloc): leave it unset.
+    with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}):
+        cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None,
+                               silence_logs=logging.ERROR)
     client = Client(cluster)
     _LOCAL_CLUSTERS[workers] = (cluster, client)
     return client
@@ -187,6 +216,7 @@ def run(staged, jobs, boundary: int, opts, bar):
 
     logging.getLogger("distributed").setLevel(logging.ERROR)
     client, close, threads = connect(opts.dask)
+    LAST_RUN_TASKS.clear()
     failed: list[tuple[str, int, str]] = []
     fatal: BaseException | None = None
     loads: dict[str, int] = {}
@@ -226,6 +256,7 @@ def run(staged, jobs, boundary: int, opts, bar):
                     break
             else:
                 result = future.result()
+                LAST_RUN_TASKS.append(result)
                 lo, hi = job.store.shard_range(shard)
                 job.result.shards_computed += 1
                 job.result.bytes_written += result["bytes"]
