@@ -84,10 +84,13 @@ def main() -> None:
                 staged, {"train": data}, tokenizer, BOUNDARY, out, fmt=fmt, batch_size=args.batch_size,
                 samples_per_shard=args.samples_per_shard, progress=False, dask=dask, model_name=MODEL,
                 mode="overwrite")
-            sizes[fmt if not dask else "dask"] = result.splits["train"].stored_bytes
+            name = fmt if not dask else "dask"
+            sizes[name] = result.splits["train"].stored_bytes
+            parts.setdefault(name, []).append((result.forward_seconds, result.write_seconds, result.blocked_seconds))
         return run
 
     sizes: dict[str, int] = {}
+    parts: dict[str, list[tuple[float, float, float]]] = {}
     variants = {"forward": forward, "zarr": job("zarr"), "safetensors": job("safetensors"),
                 "dask": job("zarr", "local:2")}
     chosen = [v for v in args.variants.split(",") if v]
@@ -96,6 +99,7 @@ def main() -> None:
         warm = time.perf_counter()
         variants["dask"]()  # starts the cluster and loads the model in its workers
         dask_warmup_s = time.perf_counter() - warm
+        parts.pop("dask")
     else:
         dask_warmup_s = None
     forward()  # warm-up (allocator, kernels)
@@ -107,19 +111,27 @@ def main() -> None:
             times[name].append(time.perf_counter() - t0)
     dask_cache.shutdown_local_clusters()
     base = statistics.median(times["forward"]) if "forward" in times else None
+    best_base = min(times["forward"]) if "forward" in times else None
     rows = []
     for name in chosen:
         seconds = statistics.median(times[name])
+        split = [statistics.median(p[k] for p in parts[name]) for k in range(3)] if name in parts else [0, 0, 0]
         rows.append({
             "variant": name, "seconds": seconds, "tokens_per_s": tokens / seconds,
             "ratio_to_forward": base / seconds if base else float("nan"),
+            "best_ratio": best_base / min(times[name]) if best_base else float("nan"),
             "stored_MiB": sizes.get(name, 0) / 2**20,
+            "forward_s": split[0], "write_s": split[1], "blocked_s": split[2],
             "runs": " ".join(f"{t:.1f}" for t in times[name]),
         })
     print(f"{MODEL}, boundary {BOUNDARY}, {n} samples x {SEQ_LEN} tokens ({tokens:,} tokens), batch "
           f"{args.batch_size}, {args.samples_per_shard} samples/shard, torch threads {torch.get_num_threads()}, "
           f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
-    print(table(rows, ["variant", "seconds", "tokens_per_s", "ratio_to_forward", "stored_MiB", "runs"]))
+    print(table(rows, ["variant", "seconds", "tokens_per_s", "ratio_to_forward", "best_ratio", "stored_MiB",
+                       "forward_s", "write_s", "blocked_s", "runs"]))
+    print("seconds: median wall time; ratio_to_forward: median (a) / median (this); best_ratio: fastest (a) / fastest "
+          "(this); forward_s / write_s: time in the forward / in writing, summed over shards (Dask: over tasks on "
+          "all workers); blocked_s: the forward waiting on a full write queue")
     if dask_warmup_s is not None:
         print(f"dask warm-up (cluster start + model load in 2 workers + one job): {dask_warmup_s:.1f} s")
     path = write_json("cache", {

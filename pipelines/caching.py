@@ -135,6 +135,12 @@ class CacheResult:
     fmt: str = ""
     workers: str = "1"
     model_loads: dict[str, int] = field(default_factory=dict)  # Dask: model loads per worker
+    # Where the time went (summed over shards; with Dask, over tasks on all workers): the forward and host copies,
+    # writing (encode, checksum, fsync, publish), and the forward thread blocked on a full queue (writing slower
+    # than computing). The measured throughputs a cost model needs.
+    forward_seconds: float = 0.0
+    write_seconds: float = 0.0
+    blocked_seconds: float = 0.0
 
     @property
     def fingerprints(self) -> dict[str, Fingerprint]:
@@ -704,15 +710,16 @@ def _run_jobs(staged: StagedModel, jobs: list[_SplitJob], out: Path, boundary: i
     if not single and any(job.todo for job in jobs) and index.exists():
         index.unlink()  # the index describes only finished caches
     model_loads: dict[str, int] = {}
+    timing = {"forward": 0.0, "write": 0.0, "blocked": 0.0}
     failed: list[tuple[str, int, str]] = []
     fatal: BaseException | None = None
     if any(job.todo for job in jobs):
         bar = _Progress(jobs, opts.progress)
         try:
             if opts.dask is not None:
-                failed, fatal, model_loads = _run_dask(staged, jobs, boundary, opts, bar)
+                failed, fatal, model_loads = _run_dask(staged, jobs, boundary, opts, bar, timing)
             else:
-                failed, fatal = _run_local(staged, jobs, boundary, opts, bar)
+                failed, fatal = _run_local(staged, jobs, boundary, opts, bar, timing)
         finally:
             bar.close()
     if fatal is not None or failed:
@@ -727,6 +734,7 @@ def _run_jobs(staged: StagedModel, jobs: list[_SplitJob], out: Path, boundary: i
         shards_computed=sum(j.result.shards_computed for j in jobs),
         shards_skipped=sum(j.result.shards_skipped for j in jobs), source_boundary=source_boundary,
         dtype=dtype_name(opts.dtype), fmt=opts.fmt, workers=_describe_workers(opts.dask), model_loads=model_loads,
+        forward_seconds=timing["forward"], write_seconds=timing["write"], blocked_seconds=timing["blocked"],
     )
     if not single:
         _write_index(index, result)
@@ -819,7 +827,8 @@ class _Progress:
 # ---- single process: forward on this thread, writing on another ------------------------------------------------
 
 
-def _run_local(staged: StagedModel, jobs: list[_SplitJob], boundary: int, opts: _Options, bar: _Progress):
+def _run_local(staged: StagedModel, jobs: list[_SplitJob], boundary: int, opts: _Options, bar: _Progress,
+               timing: dict[str, float]):
     stager = HostStager(opts.device, max_pooled=QUEUE_DEPTH + 2)
     work: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
     failed: list[tuple[str, int, str]] = []
@@ -837,7 +846,9 @@ def _run_local(staged: StagedModel, jobs: list[_SplitJob], boundary: int, opts: 
                 if state["fatal"] is not None:
                     continue  # drain: the job is stopping
                 fence.synchronize()
+                began = time.perf_counter()
                 write_shard(job.store, job.name, shard, buffers, opts.retries)
+                timing["write"] += time.perf_counter() - began
                 lo, hi = job.store.shard_range(shard)
                 nbytes = shard_bytes(job.store, shard)
                 job.result.shards_computed += 1
@@ -859,8 +870,11 @@ def _run_local(staged: StagedModel, jobs: list[_SplitJob], boundary: int, opts: 
                 if state["fatal"] is not None:
                     break
                 lo, hi = job.store.shard_range(shard)
+                began = time.perf_counter()
                 buffers, fence = compute_shard(staged, job.inputs, job.inputs.start_layer, boundary, lo, hi,
                                                opts.batch_size, fields, stager)
+                computed = time.perf_counter()
+                timing["forward"] += computed - began
                 while True:  # a bounded put that notices a writer that stopped
                     try:
                         work.put((job, shard, buffers, fence), timeout=0.5)
@@ -868,6 +882,7 @@ def _run_local(staged: StagedModel, jobs: list[_SplitJob], boundary: int, opts: 
                     except queue.Full:
                         if not thread.is_alive():
                             raise RuntimeError("the cache writer thread stopped") from None
+                timing["blocked"] += time.perf_counter() - computed
     finally:
         work.put(None)
         thread.join()
@@ -884,13 +899,14 @@ def _torch_dtype(name: str) -> torch.dtype:
 # ---- Dask ------------------------------------------------------------------------------------------------------
 
 
-def _run_dask(staged: StagedModel, jobs: list[_SplitJob], boundary: int, opts: _Options, bar: _Progress):
+def _run_dask(staged: StagedModel, jobs: list[_SplitJob], boundary: int, opts: _Options, bar: _Progress,
+              timing: dict[str, float]):
     from pipelines import dask_cache
 
     if not opts.model_name:
         raise UsageError("Dask workers load the model themselves: give its spec (a preset, a directory or a run "
                          "directory) as model_name / --model")
-    return dask_cache.run(staged, jobs, boundary, opts, bar)
+    return dask_cache.run(staged, jobs, boundary, opts, bar, timing)
 
 
 def remove_cache(path: str | os.PathLike) -> None:

@@ -208,7 +208,7 @@ def connect(dask: Any):
     return client, client.close, None
 
 
-def run(staged, jobs, boundary: int, opts, bar):
+def run(staged, jobs, boundary: int, opts, bar, timing: dict[str, float] | None = None):
     """Run the shards of `jobs` as Dask tasks; returns (failed, fatal, model loads per worker)."""
     from distributed import as_completed
 
@@ -257,6 +257,9 @@ def run(staged, jobs, boundary: int, opts, bar):
             else:
                 result = future.result()
                 LAST_RUN_TASKS.append(result)
+                if timing is not None:
+                    timing["forward"] += result["compute_s"]
+                    timing["write"] += result["write_s"]
                 lo, hi = job.store.shard_range(shard)
                 job.result.shards_computed += 1
                 job.result.bytes_written += result["bytes"]
