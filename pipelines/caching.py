@@ -692,14 +692,21 @@ def roll_forward(
         fp = _fingerprint(prefixes[boundary], boundary, data_fp, token_fp, seq_len, dtype_name(opts.dtype), model_name)
         fields = store_fields(seq_len, hidden_size(staged), opts.dtype)
         target = out if name == "" else out / name
-        tokens = _stored_tokens(src)
+        tokens = _stored_tokens(src, source, name)
         jobs.append(_plan_split(name, target, fields, src.num_samples, tokens, fp, opts,
                                 StoreInputs(src, k, opts.device, compute), source_path=path,
                                 source_digest=src.fingerprint.digest))
     return _run_jobs(staged, jobs, out, boundary, source_boundary, opts, started)
 
 
-def _stored_tokens(store: Store) -> int:
+def _stored_tokens(store: Store, source: Path, split: str) -> int:
+    """Real tokens of a store: from its cache index when the index describes this very store, else counted."""
+    try:
+        entry = json.loads((source / CACHE_INDEX).read_text())["splits"][split]
+        if entry["fingerprint"] == store.fingerprint.digest:
+            return int(entry["tokens"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
     return sum(int(store.read_shard(i, ["attention_mask"])["attention_mask"].sum()) for i in range(store.num_shards))
 
 
@@ -724,9 +731,12 @@ def _run_jobs(staged: StagedModel, jobs: list[_SplitJob], out: Path, boundary: i
             bar.close()
     if fatal is not None or failed:
         _raise_failure(jobs, failed, fatal)
-    for job in jobs:
-        job.store.finalize()  # folds completion records into the manifest; a no-op rewrite when complete
-        job.result.stored_bytes = job.store.size_info()["stored_bytes"]
+    try:
+        for job in jobs:
+            job.store.finalize()  # folds completion records into the manifest; a no-op rewrite when complete
+            job.result.stored_bytes = job.store.size_info()["stored_bytes"]
+    except OSError as err:
+        _raise_failure(jobs, [], err)
     result = CacheResult(
         path=out, boundary=boundary, splits={job.name: job.result for job in jobs},
         samples=sum(j.result.samples for j in jobs), tokens=sum(j.result.tokens for j in jobs),
@@ -737,7 +747,10 @@ def _run_jobs(staged: StagedModel, jobs: list[_SplitJob], out: Path, boundary: i
         forward_seconds=timing["forward"], write_seconds=timing["write"], blocked_seconds=timing["blocked"],
     )
     if not single:
-        _write_index(index, result)
+        try:
+            _write_index(index, result)
+        except OSError as err:
+            _raise_failure(jobs, [], err)
     return result
 
 
@@ -871,8 +884,17 @@ def _run_local(staged: StagedModel, jobs: list[_SplitJob], boundary: int, opts: 
                     break
                 lo, hi = job.store.shard_range(shard)
                 began = time.perf_counter()
-                buffers, fence = compute_shard(staged, job.inputs, job.inputs.start_layer, boundary, lo, hi,
-                                               opts.batch_size, fields, stager)
+                for attempt in range(opts.retries + 1):
+                    try:
+                        buffers, fence = compute_shard(staged, job.inputs, job.inputs.start_layer, boundary, lo, hi,
+                                                       opts.batch_size, fields, stager)
+                        break
+                    except Exception as err:  # noqa: BLE001 - named in the job's error; the other shards go on
+                        if attempt == opts.retries:
+                            failed.append((job.name, shard, f"computing it failed: {_one_line(err)}"))
+                            buffers = None
+                if buffers is None:
+                    continue
                 computed = time.perf_counter()
                 timing["forward"] += computed - began
                 while True:  # a bounded put that notices a writer that stopped

@@ -447,3 +447,19 @@ def test_asynchronous_host_staging_path_runs_on_cpu_and_reuses_buffers(corpus, t
     result = caching.cache_boundary(staged, {"eval": data["eval"]}, load_tokenizer("byte"), 2, tmp_path / "c",
                                     samples_per_shard=PER_SHARD, batch_size=BATCH, progress=False)
     assert event.waited == result.shards_computed > 0
+
+
+def test_a_shard_whose_forward_fails_is_named_and_the_others_are_written(corpus, tmp_path, monkeypatch):
+    staged, data = staged_model(), datasets_for(corpus)
+    original = caching.DatasetInputs.__call__
+
+    def broken(self, a, b):
+        if a <= 20 < b:  # a sample of train shard 1
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return original(self, a, b)
+
+    monkeypatch.setattr(caching.DatasetInputs, "__call__", broken)
+    with pytest.raises(caching.CacheJobError, match=r"train shard 1 \(samples 16..32\).*illegal memory access"):
+        cache(staged, {"train": data["train"]}, 2, tmp_path / "c", retries=1)
+    store = open_store(tmp_path / "c" / "train")
+    assert store.missing_shards() == [1] and len(store.completed_shards()) == store.num_shards - 1

@@ -77,18 +77,22 @@ def run(args: argparse.Namespace) -> int:
         codec=args.codec, mode="overwrite" if args.overwrite else "resume", model_name=args.model,
         model_seed=seed, progress=not args.quiet, dask=dask, retries=args.retries, device=args.device,
     )
-    if args.from_store:
-        result = caching.roll_forward(staged, args.from_store, args.boundary, out,
-                                      splits=None if args.splits == ",".join(caching.DEFAULT_SPLITS) else splits,
-                                      **options)
-    else:
-        caching.check_boundary(staged, args.boundary)
-        tokenizer = load_tokenizer(args.tokenizer or base.model.tokenizer)
-        data = args.data or base.data.path
-        seq_len = args.seq_len or base.data.seq_len
-        fraction = args.eval_fraction if args.eval_fraction is not None else base.data.eval_fraction
-        datasets = {split: _load(data, tokenizer, seq_len, split, fraction) for split in splits}
-        result = caching.cache_boundary(staged, datasets, tokenizer, args.boundary, out, **options)
+    try:
+        if args.from_store:
+            chosen = None if args.splits == ",".join(caching.DEFAULT_SPLITS) else splits
+            result = caching.roll_forward(staged, args.from_store, args.boundary, out, splits=chosen, **options)
+        else:
+            caching.check_boundary(staged, args.boundary)
+            tokenizer = load_tokenizer(args.tokenizer or base.model.tokenizer)
+            data = args.data or base.data.path
+            seq_len = args.seq_len or base.data.seq_len
+            fraction = args.eval_fraction if args.eval_fraction is not None else base.data.eval_fraction
+            datasets = {split: _load(data, tokenizer, seq_len, split, fraction) for split in splits}
+            result = caching.cache_boundary(staged, datasets, tokenizer, args.boundary, out, **options)
+    except (PermissionError, NotADirectoryError, FileExistsError) as err:
+        raise UsageError(f"--out {out}: {err.strerror or err} ({err.filename or out})") from None
+    except OSError as err:  # a full disk or a failing device outside a shard write
+        raise caching.CacheJobError(f"writing the cache in {out} failed: {err}") from None
     if args.json:
         print(json.dumps(result_json(result)))
     else:
