@@ -16,8 +16,6 @@ import os
 import pathlib
 import platform
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
