@@ -42,8 +42,9 @@ class ReaderBatches:
         raise RuntimeError(f"store {self.store.path} yields no batches")
 
     def one_pass(self) -> Iterator[dict[str, torch.Tensor]]:
-        """Every sample once in stored order, with a reader of its own (the training cursor is untouched)."""
-        yield from self.store.reader(shuffle=False, **self.options)
+        """Every sample once in stored order, on every rank, with a reader of its own (the training cursor is
+        untouched)."""
+        yield from self.store.reader(self.options["batch_size"], shuffle=False)
 
     def state_dict(self) -> dict:
         return self.reader.state_dict()

@@ -91,6 +91,22 @@ def load_suffix(spec: str, boundary: int, seed: int = 0) -> Suffix:
     return Suffix(model, boundary, _file_digest(staged, boundary, files, aliases), files)
 
 
+def to_device(model: nn.Module, device: str | torch.device) -> nn.Module:
+    """Move the resident tensors (not the meta prefix) to `device`, keeping tied weights tied."""
+    moved: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for registry in (module._parameters, module._buffers):
+            for key, tensor in registry.items():
+                if tensor is None or tensor.is_meta:
+                    continue
+                if id(tensor) not in moved:
+                    data = tensor.data.to(device)
+                    is_param = isinstance(tensor, nn.Parameter)
+                    moved[id(tensor)] = nn.Parameter(data, tensor.requires_grad) if is_param else data
+                registry[key] = moved[id(tensor)]
+    return model
+
+
 def export_full(suffix: Suffix, out: Path) -> bool:
     """Write a complete save_pretrained directory: trained suffix from memory, prefix copied from the source
     files. False (nothing written) when the prefix is not available."""

@@ -79,8 +79,9 @@ def parse_ufp(text: str) -> float:
     return value
 
 
-def parse_ranges(text: str, num_layers: int, first: int = 0) -> list[tuple[int, int]]:
-    """`0-3,4-7` (inclusive layer ranges) -> [(0, 4), (4, 8)]; they must cover layers `first`.. exactly once."""
+def parse_ranges(text: str, num_layers: int, first: int = 0, cover: bool = True) -> list[tuple[int, int]]:
+    """`0-3,4-7` (inclusive layer ranges) -> [(0, 4), (4, 8)] within layers `first`..; with `cover` they must
+    cover those layers exactly once."""
     ranges = []
     for part in text.split(","):
         head, sep, tail = part.strip().partition("-")
@@ -90,8 +91,12 @@ def parse_ranges(text: str, num_layers: int, first: int = 0) -> list[tuple[int, 
             raise UsageError(f"--ranges part '{part}' is not a layer range such as 0-3") from None
         if lo > hi:
             raise UsageError(f"--ranges part '{part}' ends before it starts")
+        if lo < first or hi >= num_layers:
+            raise UsageError(f"layer range '{part}' is outside layers {first}-{num_layers - 1}")
         ranges.append((lo, hi + 1))
     ranges.sort()
+    if not cover:
+        return ranges
     expected = first
     for lo, hi in ranges:
         if lo < expected:

@@ -38,7 +38,15 @@ class SourcePlan(Protocol):
         ...
 
     def visit_finished(self, block: Block) -> None:
-        """Called after each visit (e.g. to roll a store forward past the block just trained)."""
+        """Called after each visit (e.g. to drop stores the block made stale)."""
+        ...
+
+    def sweep_started(self, blocks: list[Block]) -> None:
+        """Called before the first visit of each sweep with the blocks it will visit, in order."""
+        ...
+
+    def attach(self, emit: Callable[[dict], None]) -> None:
+        """Receive the trainer's record writer (metrics.jsonl and progress display)."""
         ...
 
 
@@ -53,6 +61,12 @@ class LiveSources:
         return self.train, self.eval
 
     def visit_finished(self, block: Block) -> None:
+        pass
+
+    def sweep_started(self, blocks: list[Block]) -> None:
+        pass
+
+    def attach(self, emit: Callable[[dict], None]) -> None:
         pass
 
 
@@ -80,6 +94,7 @@ class Trainer:
         run_dir: Path | None = None,
         meter=None,
         on_record: Callable[[dict], None] | None = None,
+        active_block: int | None = None,
     ):
         self.staged, self.partition, self.config, self.plan = staged, partition, config, plan
         self.run_dir, self.meter, self.on_record = run_dir, meter, on_record
@@ -90,10 +105,15 @@ class Trainer:
         self.fixed = parse_fixed_order(config.blocks.fixed_order, len(partition)) if config.blocks.fixed_order else None
         self.optimizer_states: dict[int, dict] = {}  # kept per block with optim.keep_state
         self.progress = Progress()
+        self.active_block = active_block
+        self.wall_s = 0.0  # time spent in fit()
+        plan.attach(self.emit)
 
     def order(self, sweep: int) -> list[int]:
+        """The blocks this sweep visits (with `active_block` set, only that one)."""
         b = self.config.blocks
-        return sweep_order(b.order, len(self.partition), sweep, self.config.run.seed, b.start_block, self.fixed)
+        order = sweep_order(b.order, len(self.partition), sweep, self.config.run.seed, b.start_block, self.fixed)
+        return [i for i in order if self.active_block is None or i == self.active_block]
 
     def resume(self) -> None:
         """Continue from the run directory's checkpoint."""
@@ -112,6 +132,8 @@ class Trainer:
         p = self.progress
         while p.sweep < self.config.blocks.sweeps:
             order = self.order(p.sweep)
+            if p.visit == 0:
+                self.plan.sweep_started([self.partition.blocks[i] for i in order])
             while p.visit < len(order):
                 block = self.partition.blocks[order[p.visit]]
                 if not self._visit(block, max_total_steps):
@@ -151,7 +173,7 @@ class Trainer:
                 "visit_step": p.visit_step, "loss": loss, "lr": optimizer.param_groups[0]["lr"],
                 "tokens": p.tokens, "tokens_per_s": tokens / max(wait["step_s"], 1e-9), "wait_s": wait["wait_s"],
             }
-            self._emit(record)
+            self.emit(record)
             every = cfg.run.checkpoint_every
             if every and p.global_step % every == 0 and reason is None:
                 self._save_visit_state(train, optimizer, block, stop)
@@ -167,11 +189,11 @@ class Trainer:
             "memory": self.meter.report() if self.meter is not None else {},
         }
         p.visits.append(visit)
-        self._emit(visit)
+        self.emit(visit)
         self.plan.visit_finished(block)
         return True
 
-    def _emit(self, record: dict) -> None:
+    def emit(self, record: dict) -> None:
         self.log.write(record)
         if self.on_record is not None:
             self.on_record(record)
