@@ -6,6 +6,7 @@ import math
 import sys
 from dataclasses import dataclass
 
+import google_crc32c
 import numcodecs.blosc
 import numcodecs.zstd
 import numpy as np
@@ -13,7 +14,6 @@ import torch
 import zarr
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec, ShardingCodecIndexLocation, ZstdCodec
 
-from storage.checksums import crc32c_bytes
 from storage.codecs import zarr_compressors
 from storage.dtypes import from_numpy, numpy_dtype, to_numpy, torch_dtype
 from storage.errors import CorruptStoreError
@@ -27,6 +27,12 @@ def chunk_samples(samples_per_shard: int, sample_bytes: int, target: int = CHUNK
     """The largest divisor of `samples_per_shard` whose chunk stays within `target` bytes (at least 1)."""
     fitting = [c for c in range(1, samples_per_shard + 1) if samples_per_shard % c == 0 and c * sample_bytes <= target]
     return max(fitting, default=1)
+
+
+def layout_chunk_samples(codec: str, samples_per_shard: int, sample_bytes: int) -> int:
+    """Samples per chunk of a new array: codec none keeps one chunk per shard (its data is then one contiguous run
+    of the shard file, read without a copy); compressed codecs use ~CHUNK_BYTES chunks."""
+    return samples_per_shard if codec == "none" else chunk_samples(samples_per_shard, sample_bytes)
 
 
 # An index entry of a chunk the shard does not hold (zarr writes no chunk that equals the fill value).
@@ -87,9 +93,7 @@ class ZarrStore(Store):
         per_shard = self.samples_per_shard
         for name, spec in self.fields.items():
             dtype = numpy_dtype(spec.dtype)
-            # Codec none: one chunk per shard, so that a shard's data is one contiguous run of its file.
-            none = self.codec["name"] == "none"
-            chunk = per_shard if none else chunk_samples(per_shard, spec.sample_bytes)
+            chunk = layout_chunk_samples(self.codec["name"], per_shard, spec.sample_bytes)
             zarr.create_array(
                 zstore, name=name, shape=(self.num_samples, *spec.shape), dtype=dtype,
                 chunks=(chunk, *spec.shape), shards=(per_shard, *spec.shape),
@@ -114,7 +118,9 @@ class ZarrStore(Store):
                     f"store {self.path}: zarr array {name!r} has shape {array.shape} and dtype {array.dtype}, the "
                     f"manifest says {expected[0]} and {expected[1]}; rebuild the store"
                 )
-            self._arrays[name] = array
+            # Every chunk is stored, also one that equals the fill value: zarr would otherwise write no file at all
+            # for a shard of zeros (an all-False mask), and a shard must have its files to be complete.
+            self._arrays[name] = array.with_config({"write_empty_chunks": True})
         self._layouts = {name: shard_layout(array) for name, array in self._arrays.items()}
 
     def _shard_key(self, name: str, i: int) -> str:
@@ -128,43 +134,37 @@ class ZarrStore(Store):
             self._arrays[name][start:stop] = to_numpy(tensor)
             key = self._shard_key(name, i)
             self._blobs.sync(key)
-            # The CRC32C of the whole shard file (read back from the page cache) lets a read check every stored
-            # byte with one pass and decode the file itself (see _read_direct).
-            data = self._blobs.read_buffer(key)
-            files[key] = {"size": len(data), "crc32c": crc32c_bytes(data)}
+            files[key] = {"size": self._blobs.size(key)}
         return files
-
-    def _direct(self, i: int, name: str) -> bool:
-        """Whether field `name` of shard `i` is read by _read_direct: its layout is known and its file has a CRC."""
-        record = self._record(i)
-        return self._layouts[name] is not None and "crc32c" in record["files"][self._shard_key(name, i)]
-
-    def _needs_decoded_check(self, i: int, names: list[str]) -> bool:
-        # Direct reads check the file CRC32C of every byte they decode; zarr reads check each chunk's CRC32C, and
-        # the decoded data is checked once more against the write-time checksum (catches swapped shard files).
-        return not all(self._direct(i, name) for name in names)
 
     def _read_data(self, i: int, names: list[str]) -> dict[str, torch.Tensor]:
         start, stop = self.shard_range(i)
         return {
-            name: self._read_direct(i, name) if self._direct(i, name)
+            name: self._read_direct(i, name) if self._layouts[name] is not None
             else from_numpy(self._arrays[name][start:stop], self.fields[name].dtype)
             for name in names
         }
 
     def _read_direct(self, i: int, name: str) -> torch.Tensor:
-        """Field `name` of shard `i` from one sequential read of its zarr shard file, decoded here.
+        """Field `name` of shard `i` from one sequential read of its zarr shard file, decoded here (zarr's format:
+        chunks, each followed by its CRC32C, then the index of (offset, nbytes) and the index's CRC32C).
 
-        The file's CRC32C recorded at write covers every byte (chunks, their CRC32Cs and the index), so the chunk
-        CRC32Cs are not checked again. Codec none with one chunk per shard returns a view of the read buffer."""
+        Every byte used is checked as zarr would: the index and each chunk against their CRC32C. (A CRC32C over the
+        whole file would not do: a CRC over data followed by its own CRC is a constant, so such a file CRC only
+        depends on the index.) Codec none with one chunk per shard returns a view of the read buffer."""
         start, stop = self.shard_range(i)
         spec, layout, key = self.fields[name], self._layouts[name], self._shard_key(name, i)
         buf = self._blobs.read_buffer(key)
         info = self._record(i)["files"][key]
         if len(buf) != info["size"]:
             raise self._corrupt(i, f"file {key} has {len(buf)} bytes, expected {info['size']} (truncated)", name)
-        if crc32c_bytes(buf) != info["crc32c"]:
-            raise self._corrupt(i, f"file {key} fails its CRC32C (stored bytes changed since it was written)", name)
+
+        def crc_ok(data: np.ndarray, trailer: np.ndarray) -> bool:
+            return google_crc32c.value(data) == int.from_bytes(trailer.tobytes(), "little")
+
+        n, size = layout.chunks_per_shard, layout.chunk_bytes
+        if len(buf) < 16 * n + 4 or not crc_ok(buf[len(buf) - 4 - 16 * n : -4], buf[-4:]):
+            raise self._corrupt(i, f"the shard index of file {key} fails its CRC32C", name)
         n, size = layout.chunks_per_shard, layout.chunk_bytes
         index = buf[len(buf) - 4 - 16 * n : len(buf) - 4].view("<u8").reshape(n, 2)
         dtype, shape = torch_dtype(spec.dtype), (layout.chunk_samples * n, *spec.shape)
@@ -173,6 +173,8 @@ class ZarrStore(Store):
             offset, nbytes = int(index[0, 0]), int(index[0, 1])
             if nbytes != size + 4 or offset + nbytes > len(buf):
                 raise self._corrupt(i, f"chunk of {nbytes} bytes in {key}, expected {size + 4}", name)
+            if not crc_ok(buf[offset : offset + size], buf[offset + size : offset + nbytes]):
+                raise self._corrupt(i, f"chunk 0 of file {key} fails its CRC32C", name)
             return torch.from_numpy(buf[offset : offset + size]).view(dtype).view(shape)[:count]
         out = torch.empty(shape, dtype=dtype)
         dest = out.view(-1).view(torch.uint8).numpy()
@@ -185,6 +187,8 @@ class ZarrStore(Store):
             if offset + nbytes > len(buf) or nbytes < 4:
                 raise self._corrupt(i, f"chunk {j} of {key} lies outside the file", name)
             raw = buf[offset : offset + nbytes - 4]
+            if not crc_ok(raw, buf[offset + nbytes - 4 : offset + nbytes]):
+                raise self._corrupt(i, f"chunk {j} of file {key} fails its CRC32C", name)
             if layout.compressor == "none":
                 if len(raw) != size:
                     raise self._corrupt(i, f"chunk {j} of {key} has {len(raw)} bytes, expected {size}", name)
