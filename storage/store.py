@@ -236,12 +236,11 @@ class Store:
             raise
         except Exception as err:  # any decoder failure (zarr, numcodecs, safetensors) means damaged bytes
             raise self._corrupt(i, f"cannot decode it ({type(err).__name__}: {err})") from None
-        checked = self._needs_decoded_check(i, names)
         for name in names:
             spec, tensor = self.fields[name], data[name]
             if tuple(tensor.shape) != (stop - start, *spec.shape) or tensor.dtype != torch_dtype(spec.dtype):
                 raise self._corrupt(i, f"decoded shape {list(tensor.shape)} / {tensor.dtype}", name)
-            if check and checked and crc32c_tensor(tensor) != record["fields"][name]["crc32c"]:
+            if check and self.check_decoded and crc32c_tensor(tensor) != record["fields"][name]["crc32c"]:
                 raise self._corrupt(i, "checksum of the decoded data differs from the one recorded at write", name)
         return data
 
@@ -281,10 +280,6 @@ class Store:
     def _read_data(self, i: int, names: list[str]) -> dict[str, torch.Tensor]:
         """Decode the named fields of shard `i`."""
         raise NotImplementedError
-
-    def _needs_decoded_check(self, i: int, names: list[str]) -> bool:
-        """Whether read_shard must re-checksum the decoded data of shard `i` (no file checksum covered its bytes)."""
-        return self.check_decoded
 
     def _finalize_layout(self) -> None:
         """Backend work at finalize (e.g. an index file)."""
