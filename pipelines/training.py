@@ -19,10 +19,10 @@ from preinfer.errors import UsageError
 from preinfer.meter import MemoryMeter
 from preinfer.metrics import plot_losses, read_metrics
 from preinfer.partition import Partition, make_partition, parse_ufp
-from preinfer.sources import TokenBatches, seeded_permutation
 from preinfer.tokenizers import load_tokenizer
 from preinfer.trainer import LiveSources, SourcePlan, Trainer
 from pipelines.models import resolve_model
+from pipelines.sources import ReaderBatches, token_store
 
 
 @dataclass
@@ -51,11 +51,23 @@ def partition_for(staged: preinfer.StagedModel, config: Config) -> Partition:
     return make_partition(staged, ufp=parse_ufp(b.ufp), separate_ends=b.separate_ends)
 
 
-def live_sources(data: Datasets, config: Config) -> LiveSources:
-    order = seeded_permutation(config.run.seed)
+SHARD_BYTES = 64 * 2**20
+
+
+def samples_per_shard(config: Config, staged: preinfer.StagedModel) -> int:
+    """The configured shard size, or about SHARD_BYTES of hidden states in the compute dtype."""
+    if config.data.samples_per_shard:
+        return config.data.samples_per_shard
+    sample_bytes = config.data.seq_len * staged.hidden_size * staged.compute_dtype.itemsize
+    return max(1, SHARD_BYTES // sample_bytes)
+
+
+def live_sources(data: Datasets, config: Config, shard: int) -> LiveSources:
+    """Token batches read through the same reader (and so in the same order) as boundary stores would be."""
+    batch, seed = config.data.batch_size, config.run.seed
     return LiveSources(
-        TokenBatches(data.train, config.data.batch_size, order),
-        TokenBatches(data.eval, config.data.batch_size),
+        ReaderBatches(token_store(data.train, shard), 0, batch, seed),
+        ReaderBatches(token_store(data.eval, shard), 0, batch, seed, shuffle=False),
     )
 
 
@@ -84,7 +96,8 @@ def run_bcd(config: Config, resume: bool = False, plan: SourcePlan | None = None
     partition = partition_for(staged, config)
     ui = ProgressUI(config, quiet)
     ui.note(partition.report())
-    trainer = Trainer(staged, partition, config, plan or live_sources(data, config), out, MemoryMeter(model),
+    plan = plan or live_sources(data, config, samples_per_shard(config, staged))
+    trainer = Trainer(staged, partition, config, plan, out, MemoryMeter(model),
                       on_record=ui.record)
     if resume:
         trainer.resume()

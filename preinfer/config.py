@@ -24,6 +24,7 @@ class DataConfig:
     batch_size: int = 8
     eval_fraction: float = 0.1
     eval_batches: int = 0  # 0: the whole eval split
+    samples_per_shard: int = 0  # shard size of stores, which also shapes the sample order; 0: ~64 MiB of states
 
 
 @dataclass

@@ -42,6 +42,10 @@ class StagedModel(ABC):
         return len(self.layers)
 
     @property
+    def hidden_size(self) -> int:
+        return self.embed_modules()[0].weight.shape[1]
+
+    @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype of the head's weights: what hidden states are cast to when read from a store."""
         return next(p for m in self.head_modules() for p in m.parameters()).dtype

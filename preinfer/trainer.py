@@ -65,7 +65,7 @@ class Progress:
     visit_step: int = 0
     global_step: int = 0
     tokens: int = 0
-    cursor: dict = field(default_factory=lambda: {"epoch": 0, "position": 0})
+    cursor: dict | None = None  # the training source's state_dict; None: the start of the data
     stop: dict | None = None
     visits: list[dict] = field(default_factory=list)  # one record per finished visit
 
@@ -126,7 +126,8 @@ class Trainer:
         """Train `block` until its stopping rule fires; False if the run was halted by `max_total_steps`."""
         p, cfg = self.progress, self.config
         train, evaluation = self.plan.sources(block)
-        train.load_state_dict(p.cursor)
+        if p.cursor is not None:
+            train.load_state_dict(p.cursor)
         optimizer = self._activate(block)
         stop = StopRule.for_visit(cfg.stop, -(-train.batches_per_epoch // cfg.optim.grad_accum))
         if p.stop is not None:

@@ -15,3 +15,7 @@ class CorruptStoreError(StorageError):
 
 class IncompleteStoreError(StorageError):
     """Some shards are not written yet; the store can be resumed but not read."""
+
+
+class UnsupportedFormatError(StorageError):
+    """The store was written in a format version (or by a backend) this tool cannot read."""

@@ -1,0 +1,40 @@
+"""Small helpers shared by benchmark scripts: median timing, a plain-text table, JSON output under bench/out/."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import statistics
+import time
+from collections.abc import Callable
+
+OUT = pathlib.Path(__file__).resolve().parent / "out"
+
+
+def median_seconds(run: Callable[[], object], repeats: int, before: Callable[[], object] | None = None) -> float:
+    """Median wall time of `run` over `repeats` runs; `before` runs untimed before each one."""
+    times = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    """Rows of dicts as an aligned text table (floats with 2 decimals)."""
+    cells = [[f"{row[c]:.2f}" if isinstance(row[c], float) else str(row[c]) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in cells]
+    return "\n".join(lines)
+
+
+def write_json(name: str, payload: dict) -> pathlib.Path:
+    """Write `payload` to bench/out/<name>.json and return the path."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    path = OUT / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=1))
+    return path

@@ -1,0 +1,171 @@
+"""Benchmark of the activation stores on real activations: compression, write and read speed per backend/codec.
+
+Hidden states of `small-llama` over byte-tokenised `pydoc_data.topics` (every layer's output is a sample), in
+bfloat16 and float32. Each variant is written, then read back through the trainer's reader (shuffled, prefetching),
+and compared with a raw safetensors write/read (`save_file` + fsync per shard; `load` of each file's bytes) of the same
+bytes in the same run. Reads are cold (page cache dropped) when the OS allows it. Prints a table, writes
+bench/out/storage.json.
+
+    python bench/storage.py [--sequences 256] [--repeats 3] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import platform
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+import numcodecs
+import safetensors.torch
+import torch
+import zarr
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from bench.common import median_seconds, table, write_json  # noqa: E402
+from storage import Fingerprint, create_store, open_store  # noqa: E402
+
+VARIANTS = [("zarr", "blosc-zstd"), ("zarr", "zstd"), ("zarr", "none"), ("safetensors", "none")]
+SEQ_LEN = 256
+
+
+def activations(sequences: int, seed: int = 0) -> torch.Tensor:
+    """Float32 hidden states [sequences * layers, SEQ_LEN, hidden] of small-llama over the default corpus."""
+    from pydoc_data.topics import topics
+
+    from preinfer.presets import build_preset
+
+    text = "\n".join(topics[key] for key in sorted(topics)).encode("utf-8")
+    needed = sequences * SEQ_LEN
+    text = (text * (needed // len(text) + 1))[:needed]
+    tokens = torch.tensor(list(text), dtype=torch.long).view(sequences, SEQ_LEN)
+    model = build_preset("small-llama", seed).eval()
+    states = []
+    with torch.inference_mode():
+        for batch in tokens.split(16):
+            hidden = model(input_ids=batch, output_hidden_states=True).hidden_states
+            states.append(torch.cat(hidden[1:]))  # every decoder layer's output (not the embedding)
+    return torch.cat(states)
+
+
+def drop_caches() -> bool:
+    """Flush and drop the OS page cache; False when not permitted (not root, or a container forbids it)."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+class Case:
+    """One dtype's data cut into shards, and the stores and raw files written from it."""
+
+    def __init__(self, data: torch.Tensor, per_shard: int, root: pathlib.Path) -> None:
+        self.data, self.per_shard, self.root = data, per_shard, root
+        self.shards = [data[i : i + per_shard].contiguous() for i in range(0, len(data), per_shard)]
+        self.nbytes = data.numel() * data.element_size()
+
+    def write_raw(self) -> None:
+        raw = self.root / "raw"
+        shutil.rmtree(raw, ignore_errors=True)
+        raw.mkdir(parents=True)
+        for i, shard in enumerate(self.shards):
+            path = raw / f"{i:06d}.safetensors"
+            safetensors.torch.save_file({"hidden": shard}, path)
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+
+    def read_raw(self, seed: int) -> None:
+        for i in np.random.default_rng(seed).permutation(len(self.shards)):
+            safetensors.torch.load((self.root / "raw" / f"{i:06d}.safetensors").read_bytes())
+
+    def write_store(self, backend: str, codec: str) -> None:
+        store = create_store(
+            self.root / f"{backend}-{codec}", fields={"hidden": (tuple(self.data.shape[1:]), self.data.dtype)},
+            num_samples=len(self.data), samples_per_shard=self.per_shard, fingerprint=Fingerprint("bench"),
+            backend=backend, codec=codec, overwrite=True,
+        )
+        for i, shard in enumerate(self.shards):
+            store.write_shard(i, {"hidden": shard})
+        store.finalize()
+
+    def read_store(self, backend: str, codec: str, batch_size: int, threads: int, seed: int) -> None:
+        store = open_store(self.root / f"{backend}-{codec}")
+        for _ in store.reader(batch_size, seed=seed, threads=threads, prefetch=4):
+            pass
+
+    def stored_bytes(self, name: str) -> int:
+        return sum(p.stat().st_size for p in (self.root / name).rglob("*") if p.is_file())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sequences", type=int, default=256, help="sequences of 256 tokens (6 samples each)")
+    parser.add_argument("--samples-per-shard", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="reader threads")
+    parser.add_argument("--dir", default=None, help="scratch directory on the disk to measure (default: a temp dir)")
+    args = parser.parse_args()
+
+    # Concurrency: zarr decodes chunks on its thread pool; blosc itself stays single-threaded inside those threads.
+    zarr.config.set({"async.concurrency": 64, "threading.max_workers": args.threads})
+    numcodecs.blosc.set_nthreads(1)
+    torch.set_num_threads(os.cpu_count() or 2)
+
+    start = time.perf_counter()
+    hidden = activations(args.sequences)
+    print(f"activations: {tuple(hidden.shape)} float32 in {time.perf_counter() - start:.1f} s")
+    cold = drop_caches()
+    rows, scratch = [], pathlib.Path(tempfile.mkdtemp(prefix="storage-bench-", dir=args.dir))
+    try:
+        for dtype in (torch.bfloat16, torch.float32):
+            case = Case(hidden.to(dtype), args.samples_per_shard, scratch / str(dtype).removeprefix("torch."))
+            prep = drop_caches if cold else None
+            raw_write = median_seconds(case.write_raw, args.repeats)
+            raw_read = median_seconds(lambda: case.read_raw(seed=1), args.repeats, prep)
+            raw_mb = case.nbytes / 1e6
+            for backend, codec in VARIANTS:
+                write = median_seconds(lambda: case.write_store(backend, codec), args.repeats)
+                read = median_seconds(
+                    lambda: case.read_store(backend, codec, args.batch_size, args.threads, seed=1), args.repeats, prep
+                )
+                warm = median_seconds(
+                    lambda: case.read_store(backend, codec, args.batch_size, args.threads, seed=1), args.repeats
+                )
+                rows.append({
+                    "dtype": str(dtype).removeprefix("torch."), "backend": backend, "codec": codec, "MB": raw_mb,
+                    "ratio": case.nbytes / case.stored_bytes(f"{backend}-{codec}"),
+                    "write_MB/s": raw_mb / write, "write_x_raw": raw_write / write,
+                    "read_MB/s": raw_mb / read, "read_x_raw": raw_read / read,
+                    "warm_read_MB/s": raw_mb / warm, "raw_write_MB/s": raw_mb / raw_write,
+                    "raw_read_MB/s": raw_mb / raw_read,
+                })
+                print(table(rows[-1:], list(rows[-1])).splitlines()[-1], flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    columns = ["dtype", "backend", "codec", "MB", "ratio", "write_MB/s", "write_x_raw", "read_MB/s", "read_x_raw",
+               "warm_read_MB/s", "raw_write_MB/s", "raw_read_MB/s"]
+    print(table(rows, columns))
+    print(f"cold reads (page cache dropped): {cold}; medians of {args.repeats} runs; reader threads {args.threads}")
+    path = write_json("storage", {
+        "rows": rows, "cold_reads": cold, "repeats": args.repeats, "threads": args.threads,
+        "samples": len(hidden), "sample_shape": list(hidden.shape[1:]), "samples_per_shard": args.samples_per_shard,
+        "batch_size": args.batch_size, "cpus": os.cpu_count(), "platform": platform.platform(),
+        "versions": {"torch": torch.__version__, "zarr": zarr.__version__, "numcodecs": numcodecs.__version__},
+        "medians": "each speed is total bytes / median time; x_raw = raw time / variant time (same run)",
+        "raw": "safetensors.torch.save_file + fsync per shard; safetensors.torch.load(file bytes) per shard in shuffled order (load_file alone maps the file lazily and reads nothing)",
+    })
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Fingerprints: content hashes of everything a boundary state depends on.
+
+The prefix digest covers exactly the parameters and buffers that the embedding and layers `[0, k)` use (a tied
+weight and shared modules such as the rotary embedding included), tensor by tensor, so hashing a large prefix
+never needs a second copy of it in memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from preinfer.staged import StagedModel
+
+FINGERPRINT_VERSION = 1
+
+
+def named_prefix_tensors(staged: StagedModel, boundary: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """(qualified name, tensor) of every parameter and buffer the state at `boundary` depends on, each once,
+    in a fixed order."""
+    names: dict[int, str] = {}
+    for name, t in _named_tensors(staged.model):
+        names.setdefault(id(t), name)  # a tied tensor goes by its first name
+    seen: set[int] = set()
+    for module in staged.prefix_modules(boundary):
+        for tensor in _module_tensors(module):
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                yield names.get(id(tensor), "?"), tensor
+
+
+def hash_tensors(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """sha256 over each tensor's name, dtype, shape and raw bytes, streamed one tensor at a time."""
+    h = hashlib.sha256()
+    for name, tensor in tensors:
+        h.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\n".encode())
+        h.update(_raw_bytes(tensor))
+    return h.hexdigest()
+
+
+def prefix_digest(staged: StagedModel, boundary: int) -> str:
+    return hash_tensors(named_prefix_tensors(staged, boundary))
+
+
+def boundary_fingerprint(
+    prefix: str,
+    boundary: int,
+    dataset: str,
+    tokenizer: str,
+    seq_len: int,
+    dtype: str,
+    model: str = "",
+) -> tuple[str, dict[str, str | int]]:
+    """(digest, readable parts) of a boundary state; `prefix`, `dataset` and `tokenizer` are content hashes,
+    `model` a readable name only (it does not enter the digest: equal weights under another name are equal)."""
+    parts: dict[str, str | int] = {
+        "prefix": prefix, "boundary": boundary, "dataset": dataset, "tokenizer": tokenizer,
+        "seq_len": seq_len, "dtype": dtype, "version": FINGERPRINT_VERSION,
+    }
+    digest = hashlib.sha256(repr(sorted(parts.items())).encode()).hexdigest()
+    return digest, {"model": model, **parts}
+
+
+def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from model.named_parameters(remove_duplicate=False)
+    yield from model.named_buffers(remove_duplicate=False)
+
+
+def _module_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
+    yield from module.parameters()
+    yield from module.buffers()
+
+
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
