@@ -69,7 +69,7 @@ def run_method(args: argparse.Namespace, name: str, steps: int, run_dir: Path) -
     """Train one method with the real Trainer, evaluating on the whole eval split every `eval_every` steps."""
     import preinfer
     from pipelines.models import resolve_model
-    from pipelines.training import live_sources, load_datasets, partition_for, prepare_run_dir
+    from pipelines.training import live_sources, load_datasets, partition_for, prepare_run_dir, samples_per_shard
     from preinfer.config import load_config
     from preinfer.meter import MemoryMeter
     from preinfer.trainer import Trainer, evaluate
@@ -86,7 +86,7 @@ def run_method(args: argparse.Namespace, name: str, steps: int, run_dir: Path) -
     model = resolve_model(config.model.name, seed=config.run.seed)
     staged = preinfer.stage(model)
     partition = partition_for(staged, config)
-    sources = live_sources(data, config)
+    sources = live_sources(data, config, samples_per_shard(config, staged))
     device = torch.device("cpu")
     tokens_per_epoch = len(data.train) * config.data.seq_len
     curve: list[dict] = []
