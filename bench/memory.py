@@ -10,7 +10,7 @@ full Adam, beside the planner's prediction (`preinfer.memory_model`) and the ref
 and the prefix (embedding and layers < k) is not in memory at all. See `--help` and `store_worker` for how that
 row is produced.
 
-    python bench/memory.py                 # small-llama and medium-llama, seq 256, batch 8 (a few minutes)
+    python bench/memory.py                 # small-llama and medium-llama at 256x8 and 128x1 (4.5 min of CPU)
     python bench/memory.py --quick         # tiny-llama, seq 32, batch 2, one step per visit (seconds)
 """
 

@@ -14,7 +14,7 @@ to reach full Adam's final eval loss (the paper reports 2.2x at UFP 1/3). Its eq
 the budget. The eval loss is measured on the whole held-out split every --eval-every optimizer steps (a whole
 visit for BCD); evaluation time is excluded from the wall times.
 
-    python bench/quality.py            # about 12 minutes on 2 cores
+    python bench/quality.py            # 27 min of CPU: about 14 min on 2 free cores (40 min on a loaded machine)
     python bench/quality.py --quick    # tiny-llama, a few steps (seconds)
 """
 
