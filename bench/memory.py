@@ -42,7 +42,7 @@ from preinfer.config import Config, load_config  # noqa: E402
 from preinfer.meter import MemoryMeter  # noqa: E402
 from preinfer.partition import Block, Partition, make_partition  # noqa: E402
 from preinfer.presets import build_preset  # noqa: E402
-from preinfer.trainer import LiveSources, Trainer  # noqa: E402
+from preinfer.trainer import Trainer  # noqa: E402
 
 # The reference paper's peak-memory reduction of BCD against full-parameter Adam, by UFP ("about 45% less on
 # average"): the expected ratio to full Adam is 1 - reduction.

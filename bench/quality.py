@@ -276,10 +276,6 @@ def launch(args: argparse.Namespace, name: str, steps: int, run_dir: Path) -> di
     return data
 
 
-def fmt(x: float | None, spec: str = ".4f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def table(summary: dict) -> str:
     lines = ["| method | eval loss at budget | PPL | vs full Adam | best eval loss (epoch) | tokens | epochs "
              "| train wall s | epochs to full-Adam final | plateau at epoch |",
