@@ -84,7 +84,7 @@ def visit_row(visit: dict, block: Block) -> dict:
 
 def live_worker(args: argparse.Namespace, mode: str, ufp: str | None) -> dict:
     """Full Adam (mode full) or live BCD-Adam at `ufp`: every block visited once, the whole model resident."""
-    from pipelines.training import live_sources, load_datasets, partition_for, samples_per_shard
+    from pipelines.training import live_sources, load_datasets, samples_per_shard
 
     config = worker_config(args, mode, ufp)
     torch.manual_seed(0)
@@ -92,7 +92,10 @@ def live_worker(args: argparse.Namespace, mode: str, ufp: str | None) -> dict:
     rss_start = rss_now()
     model = build_preset(args.model, seed=0)
     staged = preinfer.stage(model)
-    partition = partition_for(staged, config)
+    if mode == "full":
+        partition = make_partition(staged, num_blocks=1)
+    else:
+        partition = make_partition(staged, ufp=float(Fraction(ufp)))
     trainer = Trainer(staged, partition, config, live_sources(data, config, samples_per_shard(config, staged)), None,
                       MemoryMeter(model))
     visits = trainer.fit()
@@ -155,6 +158,12 @@ class StoreOnly:
         return self.train, self.eval
 
     def visit_finished(self, block: Block) -> None:
+        pass
+
+    def sweep_started(self, blocks: list[Block]) -> None:
+        pass
+
+    def attach(self, emit) -> None:
         pass
 
 

@@ -69,9 +69,10 @@ def run_method(args: argparse.Namespace, name: str, steps: int, run_dir: Path) -
     """Train one method with the real Trainer, evaluating on the whole eval split every `eval_every` steps."""
     import preinfer
     from pipelines.models import resolve_model
-    from pipelines.training import live_sources, load_datasets, partition_for, prepare_run_dir, samples_per_shard
+    from pipelines.training import live_sources, load_datasets, prepare_run_dir, samples_per_shard
     from preinfer.config import load_config
     from preinfer.meter import MemoryMeter
+    from preinfer.partition import make_partition, parse_ufp
     from preinfer.trainer import Trainer, evaluate
 
     overrides = method_overrides(name, args, steps)
@@ -85,7 +86,10 @@ def run_method(args: argparse.Namespace, name: str, steps: int, run_dir: Path) -
     data = load_datasets(config)
     model = resolve_model(config.model.name, seed=config.run.seed)
     staged = preinfer.stage(model)
-    partition = partition_for(staged, config)
+    if config.run.mode == "full":
+        partition = make_partition(staged, num_blocks=1)
+    else:
+        partition = make_partition(staged, ufp=parse_ufp(config.blocks.ufp))
     sources = live_sources(data, config, samples_per_shard(config, staged))
     device = torch.device("cpu")
     tokens_per_epoch = len(data.train) * config.data.seq_len
