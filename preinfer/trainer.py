@@ -300,7 +300,7 @@ def batch_state(staged: StagedModel, batch: dict[str, torch.Tensor], boundary: i
 @torch.no_grad()
 def evaluate(staged: StagedModel, source: BatchSource, device: torch.device, max_batches: int | None = None) -> float:
     """Mean next-token loss over every supervised token of the source's eval pass (or its first batches)."""
-    was_training = staged.model.training
+    modes = [(module, module.training) for module in staged.model.modules()]
     staged.model.eval()
     total, count = 0.0, 0
     for index, batch in enumerate(source.one_pass()):
@@ -310,7 +310,8 @@ def evaluate(staged: StagedModel, source: BatchSource, device: torch.device, max
         out = staged.run(state, source.boundary, staged.num_layers)
         total += causal_lm_loss(staged.logits(out), out.labels, reduction="sum").item()
         count += supervised_tokens(out.labels)
-    staged.model.train(was_training)
+    for module, training in modes:  # mid-visit, the frozen prefix stays in eval mode
+        module.training = training
     return total / max(count, 1)
 
 
