@@ -15,6 +15,9 @@ COMMANDS = {
     "eval": ("eval", "evaluate a model or run directory on a dataset's eval split"),
     "demo": ("demo", "the main job on the built-in defaults: BCD of small-llama on Python's docs"),
     "plan": ("plan", "memory per GPU, automatic UFP, store size, pre-inference break-even and cost for a model"),
+    "cache": ("cache", "pre-inference: run the frozen prefix once and store the boundary states (or roll forward)"),
+    "inspect": ("inspect", "describe an activation store or cache directory: samples, fields, size, fingerprint"),
+    "verify": ("verify", "check every shard of a store; with --model and --data, recompute samples and compare"),
 }
 
 

@@ -1,0 +1,232 @@
+"""`inspect` and `verify` of activation caches: the manifest in human terms, and integrity plus recomputation.
+
+    describe(path) -> list[dict]            one dict per store (a cache directory's splits, or the single store)
+    format_description(info) -> str
+    verify_cache(path, staged=None, datasets=None, tokenizer=None, samples=8, seed=0) -> list[StoreCheck]
+        every shard's integrity (storage.verify); with a model and data, the store's fingerprint against them and
+        `samples` randomly chosen samples recomputed (batch of one) and compared with what is stored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipelines.caching import CACHE_INDEX, DatasetInputs, cache_fingerprint, cache_splits
+from preinfer.data import TokenDataset
+from preinfer.staged import StagedModel
+from storage import Store, StorageError, open_store, verify
+
+
+def _disk_bytes(path: Path) -> int:
+    total = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _index(path: Path) -> dict:
+    try:
+        return json.loads((path / CACHE_INDEX).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _real_tokens(store: Store, done: list[int]) -> int | None:
+    if store.backend == "safetensors":
+        return None  # would read every file whole; the cache index has the count
+    return sum(int(store.read_shard(i, ["attention_mask"], check=False)["attention_mask"].sum()) for i in done)
+
+
+def describe(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """What `preinfer inspect` shows, per store."""
+    path = Path(path)
+    found = cache_splits(path)
+    if not found:
+        raise StorageError(f"no activation store or cache directory at {path} (no manifest.json there or in its "
+                           f"subdirectories)")
+    index = _index(path)
+    infos = []
+    for split, store_path in found.items():
+        store = open_store(store_path, check_files=False)
+        manifest = store.manifest
+        done = store.completed_shards()
+        size = store.size_info()
+        seq_len = store.fields["hidden"].shape[0] if "hidden" in store.fields else None
+        real = index.get("splits", {}).get(split, {}).get("tokens") if split else None
+        if real is None:
+            real = _real_tokens(store, done) if done and "attention_mask" in store.fields else None
+        infos.append({
+            "split": split, "path": str(store_path), "backend": store.backend, "codec": store.codec,
+            "samples": store.num_samples, "seq_len": seq_len,
+            "tokens": store.num_samples * seq_len if seq_len else None, "real_tokens": real,
+            "shards": store.num_shards, "samples_per_shard": store.samples_per_shard,
+            "complete_shards": len(done), "missing_shards": store.num_shards - len(done),
+            "finalized": bool(manifest.get("complete")),
+            "fields": {n: {"shape": list(s.shape), "dtype": s.dtype} for n, s in store.fields.items()},
+            "raw_bytes": size["raw_bytes"], "stored_bytes": size["stored_bytes"], "disk_bytes": _disk_bytes(store_path),
+            "compression_ratio": size["ratio"], "fingerprint": store.fingerprint.to_json(),
+            "created": manifest.get("created"), "tool": manifest.get("tool"),
+        })
+    return infos
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def format_description(info: dict[str, Any]) -> str:
+    codec = info["codec"]
+    codec_text = codec.get("name", "?") + (f" level {codec['level']}" if codec.get("name") != "none" else "")
+    state = ("complete" if info["missing_shards"] == 0 else
+             f"INCOMPLETE: {info['missing_shards']} of {info['shards']} shards missing (resume the cache job)")
+    if info["missing_shards"] == 0 and not info["finalized"]:
+        state = "all shards written, not finalized (rerun the cache job to finalize)"
+    tokens = f"{info['tokens']:,}" if info["tokens"] is not None else "?"
+    if info["real_tokens"] is not None:
+        real = info["real_tokens"]
+        tokens += " (all real, no padding)" if real == info["tokens"] else f" ({real:,} real, the rest padding)"
+    ratio = f"{info['compression_ratio']:.2f}x" if info["compression_ratio"] else "-"
+    lines = [
+        f"{info['split'] + ': ' if info['split'] else ''}{info['path']}",
+        f"  status        {state}",
+        f"  samples       {info['samples']:,} of {info['seq_len']} tokens, in {info['shards']} shards of "
+        f"{info['samples_per_shard']} ({info['complete_shards']} complete)",
+        f"  tokens        {tokens}",
+        f"  backend       {info['backend']}, codec {codec_text}",
+        "  fields        " + ", ".join(f"{n} {s['shape']} {s['dtype']}" for n, s in info["fields"].items()),
+        f"  size          {_mib(info['raw_bytes'])} raw, {_mib(info['stored_bytes'])} stored "
+        f"({_mib(info['disk_bytes'])} on disk), compression {ratio}",
+        f"  fingerprint   {info['fingerprint']['digest']}",
+    ]
+    lines += [f"    {key:<12}{value}" for key, value in info["fingerprint"]["parts"].items()]
+    return "\n".join(lines)
+
+
+@dataclass
+class StoreCheck:
+    """The outcome of verifying one store."""
+
+    split: str
+    path: str
+    integrity: str  # storage.verify's report
+    integrity_ok: bool
+    fingerprint_problem: str | None = None
+    samples: list[int] = field(default_factory=list)
+    mismatches: list[str] = field(default_factory=list)
+    max_abs_diff: float = 0.0
+    bit_exact: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.integrity_ok and self.fingerprint_problem is None and not self.mismatches
+
+    def __str__(self) -> str:
+        lines = [self.integrity]
+        if self.fingerprint_problem:
+            lines.append(f"  STALE: {self.fingerprint_problem}")
+        if self.samples:
+            verdict = "OK" if not self.mismatches else "MISMATCH"
+            lines.append(f"  recomputed {len(self.samples)} samples {self.samples[:12]}"
+                         f"{' ...' if len(self.samples) > 12 else ''}: {verdict}, {self.bit_exact} bit-exact, max "
+                         f"abs difference {self.max_abs_diff:.3g}")
+            lines += [f"    {m}" for m in self.mismatches[:10]]
+        return "\n".join(lines)
+
+
+def _tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """(rtol, atol relative to the sample's largest value) for a recomputed sample in batch of one."""
+    return (1e-4, 1e-5) if dtype == torch.float32 else (2e-2, 1e-2)
+
+
+def _matching_dataset(store: Store, datasets: Mapping[str, TokenDataset], split: str) -> TokenDataset | None:
+    if split in datasets:
+        return datasets[split]
+    wanted = store.fingerprint.parts.get("dataset")
+    return next((d for d in datasets.values() if d.fingerprint() == wanted), None)
+
+
+def verify_cache(path: str | os.PathLike, staged: StagedModel | None = None,
+                 datasets: Mapping[str, TokenDataset] | None = None, tokenizer: Any = None, samples: int = 8,
+                 seed: int = 0, device: str | torch.device = "cpu") -> list[StoreCheck]:
+    found = cache_splits(path)
+    if not found:
+        raise StorageError(f"no activation store or cache directory at {path}")
+    checks = []
+    for split, store_path in found.items():
+        report = verify(store_path)
+        check = StoreCheck(split, str(store_path), f"{split + ': ' if split else ''}{report}", report.ok)
+        checks.append(check)
+        if staged is None or report.manifest_error:
+            continue
+        store = open_store(store_path, check_files=False)
+        parts = store.fingerprint.parts
+        dataset = _matching_dataset(store, datasets or {}, split)
+        if dataset is None:
+            check.fingerprint_problem = "none of the given data splits has the content this store was made from"
+            continue
+        boundary, dtype = int(parts.get("boundary", 0)), str(parts.get("dtype", "auto"))
+        if not 1 <= boundary <= staged.num_layers:
+            check.fingerprint_problem = f"boundary {boundary} is outside the model's [1, {staged.num_layers}]"
+            continue
+        expected = cache_fingerprint(staged, dataset, tokenizer, boundary, dtype, str(parts.get("model", "")))
+        if expected.digest != store.fingerprint.digest:
+            check.fingerprint_problem = ("built for another model, data or settings: "
+                                         + "; ".join(store.fingerprint.differences(expected)))
+        _recompute(check, store, staged, dataset, boundary, samples, seed, device)
+    return checks
+
+
+def _recompute(check: StoreCheck, store: Store, staged: StagedModel, dataset: TokenDataset, boundary: int,
+               samples: int, seed: int, device) -> None:
+    if len(dataset) != store.num_samples or dataset.seq_len != store.fields["hidden"].shape[0]:
+        check.mismatches.append(f"the data has {len(dataset)} samples of {dataset.seq_len} tokens, the store "
+                                f"{store.num_samples} of {store.fields['hidden'].shape[0]}")
+        return
+    done = set(store.completed_shards())
+    candidates = [i for i in range(store.num_samples) if i // store.samples_per_shard in done]
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(candidates), generator=generator)[:samples].tolist()
+    check.samples = sorted(candidates[j] for j in order)
+    inputs = DatasetInputs(staged, dataset, device)
+    was_training = staged.model.training
+    staged.model.eval()
+    try:
+        with torch.inference_mode():
+            for i in check.samples:
+                shard = i // store.samples_per_shard
+                offset = i - store.shard_range(shard)[0]
+                stored = {k: v[offset:offset + 1] for k, v in store.read_shard(shard).items()}
+                fresh = staged.run(inputs(i, i + 1), 0, boundary).to_dict()
+                fresh = {k: v.cpu() for k, v in fresh.items()}
+                fresh["hidden"] = fresh["hidden"].to(stored["hidden"].dtype)
+                _compare(check, i, stored, fresh)
+    finally:
+        staged.model.train(was_training)
+
+
+def _compare(check: StoreCheck, i: int, stored: dict, fresh: dict) -> None:
+    problems = [f"sample {i}: {name} differs" for name in ("attention_mask", "position_ids", "labels")
+                if name in stored and not torch.equal(stored[name], fresh[name].to(stored[name].dtype))]
+    a, b = stored["hidden"].float(), fresh["hidden"].float()
+    if torch.equal(stored["hidden"], fresh["hidden"]):
+        check.bit_exact += 1
+    else:
+        diff = (a - b).abs()
+        scale = max(float(b.abs().max()), 1e-30)
+        rtol, atol = _tolerance(stored["hidden"].dtype)
+        worst = float(diff.max())
+        check.max_abs_diff = max(check.max_abs_diff, worst)
+        if not bool((diff <= atol * scale + rtol * b.abs()).all()) or not bool(torch.isfinite(a).all()):
+            problems.append(f"sample {i}: hidden states differ by up to {worst:.3g} (largest value {scale:.3g})")
+    check.mismatches += problems

@@ -1,0 +1,903 @@
+"""The pre-inference caching job: run the frozen prefix once over a dataset and store the boundary states.
+
+Python API (what `preinfer cache` and `bcd --pre-inference` call; the model is already in memory)::
+
+    cache_boundary(staged, datasets, tokenizer, boundary, out, *, fmt="zarr", dtype="auto", batch_size=16,
+                   samples_per_shard=None, codec=None, mode="resume", model_name="", model_seed=0,
+                   progress=True, dask=None, retries=2, device=None) -> CacheResult
+        Embedding + layers [0, boundary) over every sample of each split in `datasets` ({"train": ds, ...}),
+        written to the cache directory `out`: one complete `storage` store per split, `out/<split>/`, plus
+        `out/cache.json` (an index written last, once every split is finalized).
+    roll_forward(staged, source, boundary, out, *, <same options>) -> CacheResult
+        Only layers [K, boundary) over the store(s) at boundary K in `source` (a cache directory, or a single
+        store, then `out` is a single store too). The source must match `staged`'s current prefix [0, K) and
+        hold the compute dtype (lossless); the result, store and fingerprint, equals a fresh cache_boundary at
+        `boundary` with the same weights, batch size and shard size.
+    cache_fingerprint(staged, dataset, tokenizer, boundary, dtype, model_name="") -> storage.Fingerprint
+        The fingerprint a store of `dataset`'s boundary states at `boundary` gets (`dtype`: the storage dtype,
+        "auto" meaning the compute dtype).
+    open_cache(path, splits=None) -> dict[str, storage.Store]
+        The stores of a cache directory (or {"": store} for a single store).
+
+What is stored, per sample i of a split's `TokenDataset` (store sample i = dataset sample i, dataset order):
+`hidden` [T, H] in the storage dtype, `attention_mask` [T] bool, `position_ids` [T] int64, `labels` [T] int64,
+i.e. `BoundaryState.to_dict()` of one sample. `dtype="auto"` stores the compute dtype bit for bit; a lower dtype
+(`bfloat16`, `float16`) is an explicit choice recorded in the fingerprint.
+
+Batches never straddle shards: shard i covers samples [i*S, (i+1)*S) and is computed in batches of
+`batch_size` from its first sample, so every way of running the job (resumed, rolled forward, on Dask) runs
+the same forward batches and writes identical bytes. The default shard size aims at 64 MiB of hidden states
+(`SHARD_TARGET_BYTES`), at least one sample.
+
+`mode`: "resume" (default) reuses a store with the same fingerprint and computes only its missing shards (a
+complete one is a no-op) and refuses a store with another fingerprint (StaleStoreError naming the differing
+parts); "overwrite" deletes what is there and rebuilds; "refuse" fails if anything is at `out` already.
+
+Single process: the forward runs on the calling thread; finished shards go through a bounded queue
+(`QUEUE_DEPTH`) to a writer thread, so compression and fsync overlap the next shard's forward. Host copies go
+into pooled buffers (`HostStager`); on CUDA these are pinned, filled by non_blocking device-to-host copies, and the
+writer waits on an event recorded after the last copy before it touches them.
+
+Dask (`dask="local:N"`, `"tcp://host:port"` or a `distributed.Client`): one task per shard, each computing and
+writing its own shard, retried `retries` times. Workers load the model themselves from `model_name` (a preset,
+a save_pretrained directory or a BCD run directory, with `model_seed` for presets) once per worker, and check
+that its prefix digest equals the one the client expects (a run directory whose checkpoint moved on is
+reloaded once; otherwise the task fails). `local:N` starts N worker processes with one Dask thread each and
+`max(1, cores // N)` torch threads; the cluster stays up for the next `local:N` job of the same process (so a
+BCD run that caches after every visit starts it, and loads the model in it, once) until exit or
+`pipelines.dask_cache.shutdown_local_clusters()`. Remote workers need this package installed and the store path
+(and a roll-forward's source) on a shared filesystem.
+
+Test hooks (environment variables, read where shards are written, Dask workers included): PREINFER_CACHE_FAULTS
+= "train/3,eval/0" makes those shards fail when written; with PREINFER_CACHE_FAULT_ONCE_DIR set each fails only
+once (a marker file there records it). PREINFER_CACHE_SHARD_DELAY = seconds slept before each shard is written.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import queue
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from preinfer.data import TokenDataset
+from preinfer.errors import PreinferError, UsageError
+from preinfer.fingerprint import boundary_fingerprint, prefix_digest
+from preinfer.staged import StagedModel
+from preinfer.state import BoundaryState
+from storage import Fingerprint, StaleStoreError, Store, StorageError, create_store, open_store
+from storage.codecs import codec_spec
+from storage.manifest import parse_manifest
+from storage.store import MANIFEST, format_ranges
+
+SHARD_TARGET_BYTES = 64 << 20
+QUEUE_DEPTH = 2
+CACHE_INDEX = "cache.json"
+CACHE_FORMAT = "preinfer-cache"
+DEFAULT_SPLITS = ("train", "eval")
+STORE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MODES = ("resume", "overwrite", "refuse")
+FORMATS = ("zarr", "safetensors")
+
+FAULT_ENV = "PREINFER_CACHE_FAULTS"
+FAULT_ONCE_ENV = "PREINFER_CACHE_FAULT_ONCE_DIR"
+DELAY_ENV = "PREINFER_CACHE_SHARD_DELAY"
+
+
+class CacheJobError(PreinferError):
+    """Shards failed at run time; every shard finished before stays intact, and rerunning resumes the job."""
+
+    def __init__(self, message: str, failed: list[tuple[str, int]] | None = None):
+        super().__init__(message)
+        self.failed = failed or []
+
+
+@dataclass
+class SplitResult:
+    """The outcome of one split: its store, size and what this run did."""
+
+    name: str
+    path: Path
+    fingerprint: Fingerprint
+    samples: int
+    tokens: int
+    num_shards: int
+    shards_computed: int = 0
+    shards_skipped: int = 0
+    bytes_written: int = 0
+    stored_bytes: int = 0
+
+
+@dataclass
+class CacheResult:
+    """The outcome of a caching job over all its splits."""
+
+    path: Path
+    boundary: int
+    splits: dict[str, SplitResult]
+    samples: int
+    tokens: int
+    bytes_written: int
+    seconds: float
+    shards_computed: int
+    shards_skipped: int
+    source_boundary: int = 0  # 0: from the input; K: rolled forward from a store at boundary K
+    dtype: str = ""
+    fmt: str = ""
+    workers: str = "1"
+    model_loads: dict[str, int] = field(default_factory=dict)  # Dask: model loads per worker
+
+    @property
+    def fingerprints(self) -> dict[str, Fingerprint]:
+        return {name: split.fingerprint for name, split in self.splits.items()}
+
+    @property
+    def tokens_per_s(self) -> float:
+        computed = sum(s.tokens * s.shards_computed / s.num_shards for s in self.splits.values())
+        return computed / self.seconds if self.seconds > 0 else 0.0
+
+    def summary(self) -> str:
+        what = f"rolled forward {self.source_boundary}->{self.boundary}" if self.source_boundary else \
+            f"boundary {self.boundary}"
+        if not self.shards_computed:
+            return (f"{self.path}: {what} already complete ({self.samples:,} samples, "
+                    f"{self.shards_skipped} shards), nothing to do")
+        skipped = f", {self.shards_skipped} already done" if self.shards_skipped else ""
+        return (
+            f"{self.path}: {what}, {self.samples:,} samples ({self.tokens:,} tokens) in "
+            f"{', '.join(self.splits) or '-'}; {self.shards_computed} shards computed{skipped}; "
+            f"{self.bytes_written / 2**20:.1f} MiB written ({self.fmt}, {self.dtype}) in {self.seconds:.1f} s, "
+            f"{self.tokens_per_s:,.0f} tokens/s"
+        )
+
+
+# ---- fingerprints, dtypes, layout ----------------------------------------------------------------------------
+
+
+def compute_dtype(staged: StagedModel) -> torch.dtype:
+    """The dtype the prefix computes hidden states in (its embedding's)."""
+    for module in staged.embed_modules():
+        for p in module.parameters():
+            return p.dtype
+    return staged.compute_dtype
+
+
+def storage_dtype(staged: StagedModel, dtype: str | torch.dtype) -> torch.dtype:
+    """The dtype hidden states are stored in: `auto` is the compute dtype."""
+    if dtype in (None, "auto"):
+        return compute_dtype(staged)
+    if isinstance(dtype, torch.dtype):
+        if dtype in STORE_DTYPES.values():
+            return dtype
+    elif dtype in STORE_DTYPES:
+        return STORE_DTYPES[dtype]
+    raise UsageError(f"--dtype {dtype!r} is not one of auto, {', '.join(STORE_DTYPES)}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def check_boundary(staged: StagedModel, boundary: int, above: int = 0) -> None:
+    if not isinstance(boundary, int) or not max(1, above + 1) <= boundary <= staged.num_layers:
+        low = max(1, above + 1)
+        why = f" (above the source store's boundary {above})" if above else ""
+        raise UsageError(
+            f"--boundary {boundary} is outside [{low}, {staged.num_layers}]{why}: the model has "
+            f"{staged.num_layers} layers and boundary k stores the input of layer k"
+        )
+
+
+def _fingerprint(prefix: str, boundary: int, dataset: str, tokenizer: str, seq_len: int, dtype: str,
+                 model_name: str) -> Fingerprint:
+    digest, parts = boundary_fingerprint(prefix, boundary, dataset, tokenizer, seq_len, dtype, model=model_name)
+    return Fingerprint(digest, parts)
+
+
+def cache_fingerprint(staged: StagedModel, dataset: TokenDataset, tokenizer: Any, boundary: int,
+                      dtype: str | torch.dtype = "auto", model_name: str = "") -> Fingerprint:
+    """The fingerprint of `dataset`'s boundary states at `boundary` stored in `dtype`."""
+    return _fingerprint(prefix_digest(staged, boundary), boundary, dataset.fingerprint(), tokenizer.fingerprint(),
+                        dataset.seq_len, dtype_name(storage_dtype(staged, dtype)), model_name)
+
+
+def default_samples_per_shard(seq_len: int, hidden_size: int, dtype: torch.dtype,
+                              target: int = SHARD_TARGET_BYTES) -> int:
+    """Samples per shard so that a shard holds about `target` bytes of hidden states (at least 1)."""
+    sample_bytes = seq_len * hidden_size * torch.empty((), dtype=dtype).element_size()
+    return max(1, target // sample_bytes)
+
+
+def store_fields(seq_len: int, hidden_size: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], Any]]:
+    return {
+        "hidden": ((seq_len, hidden_size), dtype),
+        "attention_mask": ((seq_len,), torch.bool),
+        "position_ids": ((seq_len,), torch.int64),
+        "labels": ((seq_len,), torch.int64),
+    }
+
+
+def hidden_size(staged: StagedModel) -> int:
+    config = getattr(staged.model, "config", None)
+    for name in ("hidden_size", "n_embd"):
+        if config is not None and getattr(config, name, None):
+            return int(getattr(config, name))
+    return int(staged.embed_modules()[0].weight.shape[1])
+
+
+def is_store(path: Path) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+def cache_splits(path: str | os.PathLike) -> dict[str, Path]:
+    """{split: store path} of a cache directory, or {"": path} for a single store; {} if neither."""
+    path = Path(path)
+    if is_store(path):
+        return {"": path}
+    if not path.is_dir():
+        return {}
+    names = sorted((p.name for p in path.iterdir() if is_store(p)),
+                   key=lambda n: (DEFAULT_SPLITS.index(n) if n in DEFAULT_SPLITS else len(DEFAULT_SPLITS), n))
+    return {name: path / name for name in names}
+
+
+def open_cache(path: str | os.PathLike, splits: list[str] | None = None,
+               expect: Mapping[str, Fingerprint] | None = None) -> dict[str, Store]:
+    """The stores of a cache directory (or {"": store} for a single store), checked against `expect`."""
+    found = cache_splits(path)
+    if not found:
+        raise StorageError(f"no activation store or cache directory at {path}")
+    if splits is not None:
+        missing = [s for s in splits if s not in found]
+        if missing and "" not in found:
+            raise StorageError(f"cache {path} has no split {', '.join(missing)} (it has {', '.join(found)})")
+        found = found if "" in found else {s: found[s] for s in splits}
+    return {name: open_store(p, expect_fingerprint=(expect or {}).get(name)) for name, p in found.items()}
+
+
+# ---- host staging (device-to-host copies) ---------------------------------------------------------------------
+
+
+class _Ready:
+    """The event of a copy that has already finished (CPU)."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+class HostStager:
+    """Host buffers that finished boundary states are copied into, pooled and reused once written.
+
+    With `asynchronous` (the default on CUDA) copies are `non_blocking` into pinned buffers and `fence()` records
+    an event the writer waits on before it reads them; without CUDA the same code path runs with pageable
+    buffers and an event that is already done, so it is exercised on CPU too.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", asynchronous: bool | None = None, max_pooled: int = 4):
+        self.device = torch.device(device)
+        self.asynchronous = self.device.type == "cuda" if asynchronous is None else asynchronous
+        self.pin = self.asynchronous and self.device.type == "cuda" and torch.cuda.is_available()
+        self.max_pooled = max_pooled
+        self._pool: list[dict[str, torch.Tensor]] = []
+        self._lock = threading.Lock()
+        self.allocated = 0
+
+    def acquire(self, fields: Mapping[str, tuple[tuple[int, ...], torch.dtype]], samples: int) -> dict[str, torch.Tensor]:
+        """Buffers {name: [samples, *shape]} (reused from the pool when one fits)."""
+        want = {name: ((samples, *shape), dtype) for name, (shape, dtype) in fields.items()}
+        with self._lock:
+            for i, buffers in enumerate(self._pool):
+                if {n: (tuple(t.shape), t.dtype) for n, t in buffers.items()} == want:
+                    return self._pool.pop(i)
+        self.allocated += 1
+        return {name: torch.empty(shape, dtype=dtype, pin_memory=self.pin) for name, (shape, dtype) in want.items()}
+
+    def copy(self, destination: torch.Tensor, source: torch.Tensor) -> None:
+        destination.copy_(source, non_blocking=self.asynchronous)
+
+    def fence(self):
+        """An event that completes when every copy issued so far has landed in host memory."""
+        if self.asynchronous and self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            return event
+        return _Ready()
+
+    def release(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Give written buffers back for reuse."""
+        with self._lock:
+            if len(self._pool) < self.max_pooled:
+                self._pool.append(buffers)
+
+
+# ---- inputs and the forward of one shard ----------------------------------------------------------------------
+
+
+class DatasetInputs:
+    """Boundary-0 states of dataset samples [a, b) on `device`."""
+
+    start_layer = 0
+
+    def __init__(self, staged: StagedModel, dataset: TokenDataset | Mapping[str, torch.Tensor], device, offset=0):
+        self.staged, self.dataset, self.device, self.offset = staged, dataset, torch.device(device), offset
+
+    def __call__(self, a: int, b: int) -> BoundaryState:
+        if isinstance(self.dataset, TokenDataset):
+            batch = self.dataset[a:b]
+        else:  # the tensors of one shard (a Dask task), indexed from `offset`
+            batch = {k: v[a - self.offset:b - self.offset] for k, v in self.dataset.items()}
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        return self.staged.embed(batch["input_ids"], batch["attention_mask"], batch["labels"])
+
+
+class StoreInputs:
+    """Stored boundary states of samples [a, b) on `device`, hidden states in the compute dtype."""
+
+    def __init__(self, store: Store, start_layer: int, device, dtype: torch.dtype):
+        self.store, self.start_layer, self.device, self.dtype = store, start_layer, torch.device(device), dtype
+        self._cached: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    def _shard(self, i: int) -> dict[str, torch.Tensor]:
+        if self._cached is None or self._cached[0] != i:
+            self._cached = (i, self.store.read_shard(i))
+        return self._cached[1]
+
+    def __call__(self, a: int, b: int) -> BoundaryState:
+        per = self.store.samples_per_shard
+        pieces: dict[str, list[torch.Tensor]] = {}
+        for i in range(a // per, (b - 1) // per + 1):
+            lo, _ = self.store.shard_range(i)
+            tensors = self._shard(i)
+            for name, t in tensors.items():
+                pieces.setdefault(name, []).append(t[max(a, lo) - lo:b - lo])
+        tensors = {k: (v[0] if len(v) == 1 else torch.cat(v)).to(self.device) for k, v in pieces.items()}
+        tensors["hidden"] = tensors["hidden"].to(self.dtype)
+        return BoundaryState.from_dict(tensors)
+
+
+def compute_shard(staged: StagedModel, inputs: Callable[[int, int], BoundaryState], start_layer: int, boundary: int,
+                  lo: int, hi: int, batch_size: int, fields: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+                  stager: HostStager):
+    """Boundary states at `boundary` of samples [lo, hi), in batches of `batch_size` from `lo`, copied into host
+    buffers; returns (buffers, fence)."""
+    buffers = stager.acquire(fields, hi - lo)
+    with torch.inference_mode():
+        for a in range(lo, hi, batch_size):
+            b = min(a + batch_size, hi)
+            state = staged.run(inputs(a, b), start_layer, boundary)
+            out = state.to_dict()
+            out["hidden"] = out["hidden"].to(fields["hidden"][1])
+            for name, tensor in out.items():
+                stager.copy(buffers[name][a - lo:b - lo], tensor)
+    return buffers, stager.fence()
+
+
+# ---- writing one shard (fault hooks, retries) -----------------------------------------------------------------
+
+
+def is_disk_full(err: BaseException | None) -> bool:
+    """Whether `err` (or what caused it; or its text, for an exception that crossed a process) is a full disk."""
+    seen = 0
+    while err is not None and seen < 20:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "[Errno 28]" in str(err) or "No space left on device" in str(err):
+            return True
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return False
+
+
+def _fault_hook(split: str, shard: int) -> None:
+    delay = os.environ.get(DELAY_ENV)
+    if delay:
+        time.sleep(float(delay))
+    faults = {f.strip() for f in os.environ.get(FAULT_ENV, "").split(",") if f.strip()}
+    name = f"{split}/{shard}" if split else str(shard)
+    if name not in faults:
+        return
+    once_dir = os.environ.get(FAULT_ONCE_ENV)
+    if once_dir:
+        marker = Path(once_dir) / f"fault-{name.replace('/', '-')}"
+        try:
+            with open(marker, "x"):
+                pass
+        except FileExistsError:
+            return
+    raise RuntimeError(f"injected fault ({FAULT_ENV}) on shard {name}")
+
+
+def write_shard(store: Store, split: str, shard: int, tensors: dict[str, torch.Tensor], retries: int = 0) -> int:
+    """Write one shard, retrying a failure `retries` times (never a full disk); returns the attempts made."""
+    for attempt in range(retries + 1):
+        try:
+            _fault_hook(split, shard)
+            store.write_shard(shard, tensors)
+            return attempt + 1
+        except Exception as err:
+            if attempt == retries or is_disk_full(err):
+                raise
+    raise AssertionError("unreachable")
+
+
+def shard_bytes(store: Store, shard: int) -> int:
+    """Bytes on disk of a complete shard (from its completion record)."""
+    record = store._record(shard)  # noqa: SLF001 - the completion record is the only place sizes live
+    return sum(f["size"] for f in record["files"].values()) if record else 0
+
+
+# ---- the job --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _SplitJob:
+    name: str
+    store: Store
+    inputs: Callable[[int, int], BoundaryState]
+    result: SplitResult
+    todo: list[int]
+    source_path: Path | None = None  # roll-forward (Dask tasks read it themselves)
+    source_digest: str | None = None
+    dataset: TokenDataset | None = None
+
+
+@dataclass
+class _Options:
+    fmt: str
+    dtype: torch.dtype
+    batch_size: int
+    samples_per_shard: int | None
+    codec: str | None
+    mode: str
+    model_name: str
+    model_seed: int
+    progress: bool
+    dask: Any
+    retries: int
+    device: torch.device
+
+
+def _options(staged, fmt, dtype, batch_size, samples_per_shard, codec, mode, model_name, model_seed, progress,
+             dask, retries, device) -> _Options:
+    if fmt not in FORMATS:
+        raise UsageError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
+    if mode not in MODES:
+        raise UsageError(f"mode {mode!r} is not one of {', '.join(MODES)}")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise UsageError(f"--batch-size must be a positive integer, got {batch_size!r}")
+    if samples_per_shard is not None and (not isinstance(samples_per_shard, int) or samples_per_shard < 1):
+        raise UsageError(f"--samples-per-shard must be a positive integer, got {samples_per_shard!r}")
+    if not isinstance(retries, int) or retries < 0:
+        raise UsageError(f"--retries must be an integer >= 0, got {retries!r}")
+    try:
+        codec_spec(fmt, codec, None)
+    except StorageError as err:
+        raise UsageError(f"--codec: {err}") from None
+    check_dask(dask)
+    if device is None:
+        device = next(iter(staged.model.parameters())).device
+    return _Options(fmt, storage_dtype(staged, dtype), batch_size, samples_per_shard, codec, mode, model_name,
+                    model_seed, progress, dask, retries, torch.device(device))
+
+
+def check_dask(dask: Any) -> None:
+    """Refuse a malformed `dask` before anything is created: None, "local:N", "tcp://..." or a Client."""
+    if dask is None or not isinstance(dask, str):
+        return
+    if dask.startswith("local:"):
+        count = dask.removeprefix("local:")
+        if not count.isdigit() or int(count) < 1:
+            raise UsageError(f"--dask {dask!r}: expected local:N with N >= 1 workers")
+    elif "://" not in dask:
+        raise UsageError(f"--dask {dask!r}: expected local:N or a scheduler address such as tcp://host:8786")
+
+
+def _check_out(out: Path, names: list[str], mode: str) -> None:
+    """Refuse an `--out` that is a file, or a directory holding something other than this cache."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file, not a directory")
+    if not out.is_dir():
+        return
+    if names == [""]:
+        return  # a single store: create_store refuses a foreign directory itself
+    foreign = sorted(p.name for p in out.iterdir() if not p.name.startswith(".") and not _is_ours(p, names))
+    if foreign:
+        raise UsageError(
+            f"--out {out} is not a cache directory (it holds {foreign[0]!r}{' ...' if len(foreign) > 1 else ''}); "
+            f"choose an empty or new directory, nothing was deleted"
+        )
+    if mode == "refuse" and any((out / n).exists() for n in names):
+        raise UsageError(f"--out {out} already holds a cache; choose another directory or rebuild it")
+
+
+# What a store directory holds (storage's own entries): a split directory with only these is ours, even one a
+# killed job left before its manifest was written.
+_STORE_ENTRIES = {MANIFEST, "data", "shards", "done", "locks", "shards.safetensors.index.json"}
+
+
+def _is_ours(entry: Path, names: list[str]) -> bool:
+    if entry.name == CACHE_INDEX:
+        return entry.is_file()
+    if entry.name not in set(names) | set(DEFAULT_SPLITS) or not entry.is_dir():
+        return False
+    return all(p.name in _STORE_ENTRIES or p.name.startswith(".") for p in entry.iterdir())
+
+
+def _prepare_store(path: Path, split: str, fields, num_samples: int, per_shard: int, fingerprint: Fingerprint,
+                   opts: _Options) -> Store:
+    """Create the store of one split, or reopen the one there to resume it (refusing another fingerprint)."""
+    where = f"{split} store {path}" if split else f"store {path}"
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--out {path} is a file, not a directory")
+    if opts.mode == "overwrite":
+        if path.is_dir() and not all(p.name in _STORE_ENTRIES or p.name.startswith(".") for p in path.iterdir()):
+            raise UsageError(f"{path} is not an activation store; not deleting it (choose another --out)")
+        return create_store(path, fields, num_samples, per_shard, fingerprint, backend=opts.fmt, codec=opts.codec,
+                            overwrite=True)
+    if is_store(path):
+        manifest = parse_manifest((path / MANIFEST).read_bytes(), str(path / MANIFEST))
+        stored = Fingerprint.coerce(manifest["fingerprint"])
+        if stored.digest != fingerprint.digest:
+            raise StaleStoreError(
+                f"{where} was built for another fingerprint ({'; '.join(stored.differences(fingerprint))}); "
+                f"pass --overwrite to rebuild it, or choose another --out"
+            )
+        wanted = {"backend": opts.fmt, "codec": codec_spec(opts.fmt, opts.codec, None), "samples_per_shard": per_shard}
+        differs = [f"{k} {manifest[k]!r} (now {v!r})" for k, v in wanted.items() if manifest[k] != v]
+        if differs:
+            raise UsageError(
+                f"{where} has the same fingerprint but another layout: {', '.join(differs)}; resume it with the "
+                f"options it was made with, or pass --overwrite to rebuild it"
+            )
+    return create_store(path, fields, num_samples, per_shard, fingerprint, backend=opts.fmt, codec=opts.codec)
+
+
+def _plan_split(name: str, path: Path, fields, num_samples: int, tokens: int, fingerprint: Fingerprint,
+                opts: _Options, inputs, **extra) -> _SplitJob:
+    per_shard = opts.samples_per_shard or default_samples_per_shard(fields["hidden"][0][0], fields["hidden"][0][1],
+                                                                    opts.dtype)
+    store = _prepare_store(path, name, fields, num_samples, per_shard, fingerprint, opts)
+    todo = store.missing_shards()
+    result = SplitResult(name, path, fingerprint, num_samples, tokens, store.num_shards,
+                         shards_skipped=store.num_shards - len(todo))
+    return _SplitJob(name, store, inputs, result, todo, **extra)
+
+
+def cache_boundary(
+    staged: StagedModel,
+    datasets: Mapping[str, TokenDataset],
+    tokenizer: Any,
+    boundary: int,
+    out: str | os.PathLike,
+    *,
+    fmt: str = "zarr",
+    dtype: str | torch.dtype = "auto",
+    batch_size: int = 16,
+    samples_per_shard: int | None = None,
+    codec: str | None = None,
+    mode: str = "resume",
+    model_name: str = "",
+    model_seed: int = 0,
+    progress: bool = True,
+    dask: Any = None,
+    retries: int = 2,
+    device: torch.device | str | None = None,
+) -> CacheResult:
+    """Store the boundary states at `boundary` of every sample of each split in `datasets` under `out/<split>/`."""
+    started = time.perf_counter()
+    check_boundary(staged, boundary)
+    opts = _options(staged, fmt, dtype, batch_size, samples_per_shard, codec, mode, model_name, model_seed, progress,
+                    dask, retries, device)
+    if not datasets:
+        raise UsageError("no splits to cache")
+    out = Path(out)
+    _check_out(out, list(datasets), mode)
+    prefix = prefix_digest(staged, boundary)
+    token_fp = tokenizer.fingerprint()
+    jobs = []
+    for name, dataset in datasets.items():
+        fp = _fingerprint(prefix, boundary, dataset.fingerprint(), token_fp, dataset.seq_len, dtype_name(opts.dtype),
+                          model_name)
+        fields = store_fields(dataset.seq_len, hidden_size(staged), opts.dtype)
+        jobs.append(_plan_split(name, out / name, fields, len(dataset), dataset.num_tokens, fp, opts,
+                                DatasetInputs(staged, dataset, opts.device), dataset=dataset))
+    return _run_jobs(staged, jobs, out, boundary, 0, opts, started)
+
+
+def roll_forward(
+    staged: StagedModel,
+    source: str | os.PathLike,
+    boundary: int,
+    out: str | os.PathLike,
+    *,
+    splits: list[str] | None = None,
+    fmt: str = "zarr",
+    dtype: str | torch.dtype = "auto",
+    batch_size: int = 16,
+    samples_per_shard: int | None = None,
+    codec: str | None = None,
+    mode: str = "resume",
+    model_name: str = "",
+    model_seed: int = 0,
+    progress: bool = True,
+    dask: Any = None,
+    retries: int = 2,
+    device: torch.device | str | None = None,
+) -> CacheResult:
+    """The stores at `boundary` made from the stores at boundary K in `source` by running only layers [K, boundary)."""
+    started = time.perf_counter()
+    opts = _options(staged, fmt, dtype, batch_size, samples_per_shard, codec, mode, model_name, model_seed, progress,
+                    dask, retries, device)
+    source, out = Path(source), Path(out)
+    found = cache_splits(source)
+    if not found:
+        raise UsageError(f"--from-store {source}: no activation store or cache directory there")
+    if splits is not None and "" not in found:
+        missing = [s for s in splits if s not in found]
+        if missing:
+            raise UsageError(f"--from-store {source} has no split {', '.join(missing)} (it has {', '.join(found)})")
+        found = {s: found[s] for s in splits}
+    if source.resolve() == out.resolve() or any(p.resolve() == out.resolve() for p in found.values()):
+        raise UsageError("--out must differ from --from-store (a roll-forward writes a new store)")
+    compute = compute_dtype(staged)
+    jobs = []
+    source_boundary = None
+    _check_out(out, list(found), mode)
+    prefixes: dict[int, str] = {}
+    for name, path in found.items():
+        src = open_store(path)
+        parts = src.fingerprint.parts
+        try:
+            k, data_fp, token_fp, seq_len, src_dtype = (int(parts["boundary"]), parts["dataset"], parts["tokenizer"],
+                                                        int(parts["seq_len"]), parts["dtype"])
+        except (KeyError, TypeError, ValueError):
+            raise UsageError(f"--from-store {path}: not a boundary-state store (its fingerprint has no boundary, "
+                             f"dataset, tokenizer, seq_len and dtype parts)") from None
+        if source_boundary is not None and k != source_boundary:
+            raise UsageError(f"--from-store {source}: its splits are at different boundaries ({source_boundary}, {k})")
+        source_boundary = k
+        check_boundary(staged, boundary, above=k)
+        if src_dtype != dtype_name(compute):
+            raise UsageError(
+                f"--from-store {path} holds {src_dtype} hidden states but the model computes in "
+                f"{dtype_name(compute)}: rolling forward from a lossy store would not equal a fresh run; cache "
+                f"boundary {boundary} from the input instead"
+            )
+        if k not in prefixes:
+            prefixes[k] = prefix_digest(staged, k)
+        expected = _fingerprint(prefixes[k], k, data_fp, token_fp, seq_len, src_dtype, str(parts.get("model", "")))
+        if expected.digest != src.fingerprint.digest:
+            raise StaleStoreError(
+                f"--from-store {path} does not match the model's current prefix [0, {k}) "
+                f"({'; '.join(src.fingerprint.differences(expected)) or 'digest differs'}); it cannot be rolled "
+                f"forward, cache boundary {boundary} from the input instead"
+            )
+        src.require_complete()
+        if boundary not in prefixes:
+            prefixes[boundary] = prefix_digest(staged, boundary)
+        fp = _fingerprint(prefixes[boundary], boundary, data_fp, token_fp, seq_len, dtype_name(opts.dtype), model_name)
+        fields = store_fields(seq_len, hidden_size(staged), opts.dtype)
+        target = out if name == "" else out / name
+        tokens = _stored_tokens(src)
+        jobs.append(_plan_split(name, target, fields, src.num_samples, tokens, fp, opts,
+                                StoreInputs(src, k, opts.device, compute), source_path=path,
+                                source_digest=src.fingerprint.digest))
+    return _run_jobs(staged, jobs, out, boundary, source_boundary, opts, started)
+
+
+def _stored_tokens(store: Store) -> int:
+    return sum(int(store.read_shard(i, ["attention_mask"])["attention_mask"].sum()) for i in range(store.num_shards))
+
+
+def _run_jobs(staged: StagedModel, jobs: list[_SplitJob], out: Path, boundary: int, source_boundary: int,
+              opts: _Options, started: float) -> CacheResult:
+    single = len(jobs) == 1 and jobs[0].name == ""
+    index = out / CACHE_INDEX
+    if not single and any(job.todo for job in jobs) and index.exists():
+        index.unlink()  # the index describes only finished caches
+    model_loads: dict[str, int] = {}
+    failed: list[tuple[str, int, str]] = []
+    fatal: BaseException | None = None
+    if any(job.todo for job in jobs):
+        bar = _Progress(jobs, opts.progress)
+        try:
+            if opts.dask is not None:
+                failed, fatal, model_loads = _run_dask(staged, jobs, boundary, opts, bar)
+            else:
+                failed, fatal = _run_local(staged, jobs, boundary, opts, bar)
+        finally:
+            bar.close()
+    if fatal is not None or failed:
+        _raise_failure(jobs, failed, fatal)
+    for job in jobs:
+        job.store.finalize()  # folds completion records into the manifest; a no-op rewrite when complete
+        job.result.stored_bytes = job.store.size_info()["stored_bytes"]
+    result = CacheResult(
+        path=out, boundary=boundary, splits={job.name: job.result for job in jobs},
+        samples=sum(j.result.samples for j in jobs), tokens=sum(j.result.tokens for j in jobs),
+        bytes_written=sum(j.result.bytes_written for j in jobs), seconds=time.perf_counter() - started,
+        shards_computed=sum(j.result.shards_computed for j in jobs),
+        shards_skipped=sum(j.result.shards_skipped for j in jobs), source_boundary=source_boundary,
+        dtype=dtype_name(opts.dtype), fmt=opts.fmt, workers=_describe_workers(opts.dask), model_loads=model_loads,
+    )
+    if not single:
+        _write_index(index, result)
+    return result
+
+
+def _describe_workers(dask: Any) -> str:
+    if dask is None:
+        return "1"
+    return dask if isinstance(dask, str) else f"dask {getattr(dask, 'scheduler', None) and dask.scheduler.address}"
+
+
+def _write_index(index: Path, result: CacheResult) -> None:
+    payload = {
+        "format": CACHE_FORMAT, "version": 1, "boundary": result.boundary, "dtype": result.dtype,
+        "backend": result.fmt, "complete": True,
+        "splits": {name: {"path": name, "fingerprint": s.fingerprint.digest, "samples": s.samples,
+                          "tokens": s.tokens, "shards": s.num_shards, "stored_bytes": s.stored_bytes}
+                   for name, s in result.splits.items()},
+    }
+    tmp = index.with_name(f".{index.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(payload, indent=1))
+    os.replace(tmp, index)
+
+
+def _raise_failure(jobs: list[_SplitJob], failed: list[tuple[str, int, str]], fatal: BaseException | None) -> None:
+    done = sum(len(job.store.completed_shards()) for job in jobs)
+    total = sum(job.store.num_shards for job in jobs)
+    intact = f"{done} of {total} shards are finished and intact; rerun the same command to resume"
+    by_name = {job.name: job for job in jobs}
+    if fatal is not None:
+        if is_disk_full(fatal):
+            raise CacheJobError(f"disk full while writing the cache in {jobs[0].store.path}: {_one_line(fatal)}. "
+                                f"Free space, then {intact[0].lower()}{intact[1:]}",
+                                [(s, i) for s, i, _ in failed]) from None
+        raise CacheJobError(f"{_one_line(fatal)}. {intact}", [(s, i) for s, i, _ in failed]) from None
+    names = []
+    for split, shard, _ in failed:
+        lo, hi = by_name[split].store.shard_range(shard)
+        names.append(f"{split + ' ' if split else ''}shard {shard} (samples {lo}..{hi})")
+    first = failed[0][2]
+    raise CacheJobError(
+        f"{len(failed)} shard{'s' if len(failed) > 1 else ''} failed: {', '.join(names[:10])}"
+        f"{' ...' if len(names) > 10 else ''} ({first}); {intact}", [(s, i) for s, i, _ in failed])
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err) or type(err).__name__
+    return " ".join(text.split())
+
+
+# ---- progress -------------------------------------------------------------------------------------------------
+
+
+class _Progress:
+    """A tqdm bar (stderr) over the samples still to compute: samples/s, tokens/s, MB written."""
+
+    def __init__(self, jobs: list[_SplitJob], enabled: bool):
+        self.total = sum(self._todo_samples(job) for job in jobs)
+        self.seq_len = {job.name: job.store.fields["hidden"].shape[0] for job in jobs}
+        self.bytes = 0
+        self.tokens = 0
+        self.started = time.perf_counter()
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, unit="sample", desc="cache", dynamic_ncols=True, leave=False)
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _todo_samples(job: _SplitJob) -> int:
+        return sum(hi - lo for lo, hi in map(job.store.shard_range, job.todo))
+
+    def shard_done(self, split: str, samples: int, nbytes: int) -> None:
+        with self._lock:
+            self.bytes += nbytes
+            self.tokens += samples * self.seq_len[split]
+            if self.bar is not None:
+                elapsed = max(time.perf_counter() - self.started, 1e-9)
+                self.bar.set_postfix_str(f"{self.tokens / elapsed:,.0f} tok/s, {self.bytes / 2**20:,.1f} MB",
+                                         refresh=False)
+                self.bar.update(samples)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ---- single process: forward on this thread, writing on another ------------------------------------------------
+
+
+def _run_local(staged: StagedModel, jobs: list[_SplitJob], boundary: int, opts: _Options, bar: _Progress):
+    stager = HostStager(opts.device, max_pooled=QUEUE_DEPTH + 2)
+    work: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
+    failed: list[tuple[str, int, str]] = []
+    state: dict[str, BaseException | None] = {"fatal": None}
+    was_training = staged.model.training
+    staged.model.eval()
+
+    def writer() -> None:
+        while True:
+            item = work.get()
+            if item is None:
+                return
+            job, shard, buffers, fence = item
+            try:
+                if state["fatal"] is not None:
+                    continue  # drain: the job is stopping
+                fence.synchronize()
+                write_shard(job.store, job.name, shard, buffers, opts.retries)
+                lo, hi = job.store.shard_range(shard)
+                nbytes = shard_bytes(job.store, shard)
+                job.result.shards_computed += 1
+                job.result.bytes_written += nbytes
+                bar.shard_done(job.name, hi - lo, nbytes)
+            except BaseException as err:  # noqa: BLE001 - reported after the queue drains
+                if is_disk_full(err) or not isinstance(err, Exception):
+                    state["fatal"] = err
+                failed.append((job.name, shard, _one_line(err)))
+            finally:
+                stager.release(buffers)
+
+    thread = threading.Thread(target=writer, name="preinfer-cache-writer", daemon=True)
+    thread.start()
+    try:
+        for job in jobs:
+            fields = {n: (s.shape, _torch_dtype(s.dtype)) for n, s in job.store.fields.items()}
+            for shard in job.todo:
+                if state["fatal"] is not None:
+                    break
+                lo, hi = job.store.shard_range(shard)
+                buffers, fence = compute_shard(staged, job.inputs, job.inputs.start_layer, boundary, lo, hi,
+                                               opts.batch_size, fields, stager)
+                while True:  # a bounded put that notices a writer that stopped
+                    try:
+                        work.put((job, shard, buffers, fence), timeout=0.5)
+                        break
+                    except queue.Full:
+                        if not thread.is_alive():
+                            raise RuntimeError("the cache writer thread stopped") from None
+    finally:
+        work.put(None)
+        thread.join()
+        staged.model.train(was_training)
+    return failed, state["fatal"]
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    from storage.dtypes import torch_dtype
+
+    return torch_dtype(name)
+
+
+# ---- Dask ------------------------------------------------------------------------------------------------------
+
+
+def _run_dask(staged: StagedModel, jobs: list[_SplitJob], boundary: int, opts: _Options, bar: _Progress):
+    from pipelines import dask_cache
+
+    if not opts.model_name:
+        raise UsageError("Dask workers load the model themselves: give its spec (a preset, a directory or a run "
+                         "directory) as model_name / --model")
+    return dask_cache.run(staged, jobs, boundary, opts, bar)
+
+
+def remove_cache(path: str | os.PathLike) -> None:
+    """Delete a cache directory (or a single store) made by this module; refuses anything else."""
+    path = Path(path)
+    if not path.exists():
+        return
+    if not cache_splits(path) and not (path / CACHE_INDEX).exists():
+        raise UsageError(f"{path} is not an activation cache; not deleting it")
+    shutil.rmtree(path)

@@ -1,0 +1,117 @@
+"""`preinfer cache`: run the frozen prefix once over a dataset and store the boundary states (see
+`pipelines.caching`), from the input or rolled forward from a store at a lower boundary."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import preinfer
+from preinfer.config import Config
+from preinfer.data import load_data
+from preinfer.errors import UsageError
+from preinfer.tokenizers import load_tokenizer
+from pipelines import caching
+from pipelines.flags import non_negative_int, positive_int
+from pipelines.models import is_run_dir, resolve_model, run_config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True,
+                        help="a preset, a save_pretrained directory, or a BCD run directory (its current weights)")
+    parser.add_argument("--boundary", type=int, required=True,
+                        help="K in [1, layers]: store the input of layer K (embedding and layers [0, K) are run)")
+    parser.add_argument("--out", required=True,
+                        help="cache directory: one store per split in OUT/<split>/ and an index OUT/cache.json")
+    parser.add_argument("--data", help="dataset as in `bcd --data` [the run's, else builtin:pydoc]")
+    parser.add_argument("--tokenizer", help="[the run's, else byte]")
+    parser.add_argument("--seq-len", type=positive_int, help="tokens per sample [the run's, else 128]")
+    parser.add_argument("--eval-fraction", type=float, help="share of documents held out [the run's, else 0.1]")
+    parser.add_argument("--splits", default=",".join(caching.DEFAULT_SPLITS),
+                        help="comma-separated splits to cache [train,eval]")
+    parser.add_argument("--from-store", metavar="STORE_K",
+                        help="roll forward: run only layers [K, --boundary) over the cache (or store) at boundary K")
+    parser.add_argument("--format", choices=caching.FORMATS, default="zarr", help="store backend [zarr]")
+    parser.add_argument("--codec", help="zarr codec: blosc-zstd, blosc-lz4, zstd, none [blosc-zstd; none for "
+                                        "safetensors]")
+    parser.add_argument("--dtype", choices=["auto", *caching.STORE_DTYPES], default="auto",
+                        help="storage dtype of hidden states; auto = the compute dtype, bit-exact [auto]")
+    parser.add_argument("--batch-size", type=positive_int, default=16, help="forward batch [16]")
+    parser.add_argument("--samples-per-shard", type=positive_int,
+                        help="samples per shard (the unit of writing, resuming and Dask tasks) [about 64 MiB of "
+                             "hidden states per shard, at least 1]")
+    workers = parser.add_mutually_exclusive_group()
+    workers.add_argument("--workers", type=positive_int, default=1,
+                         help="1: one process, writing overlapped with compute; N > 1 is --dask local:N [1]")
+    workers.add_argument("--dask", help="local:N (a LocalCluster of N worker processes, one Dask thread and "
+                                        "cores/N torch threads each) or tcp://HOST:PORT (an existing scheduler)")
+    parser.add_argument("--retries", type=non_negative_int, default=2,
+                        help="times a failed shard is retried before the job gives up on it [2]")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true",
+                      help="compute only the shards missing from the store at --out (the default)")
+    mode.add_argument("--overwrite", action="store_true",
+                      help="replace a store with another fingerprint (or layout) at --out")
+    parser.add_argument("--seed", type=int, help="initialisation seed of a preset [the run's, else 0]")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ... [cpu]")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a summary line")
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file, not a directory")
+    splits = [s.strip() for s in args.splits.split(",") if s.strip()]
+    unknown = [s for s in splits if s not in caching.DEFAULT_SPLITS]
+    if not splits or unknown:
+        raise UsageError(f"--splits {args.splits!r}: choose from {', '.join(caching.DEFAULT_SPLITS)}")
+    dask = args.dask or (f"local:{args.workers}" if args.workers > 1 else None)
+    base = run_config(args.model) if is_run_dir(args.model) else Config()
+    seed = base.run.seed if args.seed is None else args.seed
+    model = resolve_model(args.model, seed=seed).to(args.device).eval()
+    staged = preinfer.stage(model)
+    options = dict(
+        fmt=args.format, dtype=args.dtype, batch_size=args.batch_size, samples_per_shard=args.samples_per_shard,
+        codec=args.codec, mode="overwrite" if args.overwrite else "resume", model_name=args.model,
+        model_seed=seed, progress=not args.quiet, dask=dask, retries=args.retries, device=args.device,
+    )
+    if args.from_store:
+        result = caching.roll_forward(staged, args.from_store, args.boundary, out,
+                                      splits=None if args.splits == ",".join(caching.DEFAULT_SPLITS) else splits,
+                                      **options)
+    else:
+        caching.check_boundary(staged, args.boundary)
+        tokenizer = load_tokenizer(args.tokenizer or base.model.tokenizer)
+        data = args.data or base.data.path
+        seq_len = args.seq_len or base.data.seq_len
+        fraction = args.eval_fraction if args.eval_fraction is not None else base.data.eval_fraction
+        datasets = {split: _load(data, tokenizer, seq_len, split, fraction) for split in splits}
+        result = caching.cache_boundary(staged, datasets, tokenizer, args.boundary, out, **options)
+    if args.json:
+        print(json.dumps(result_json(result)))
+    else:
+        print(result.summary())
+    return 0
+
+
+def _load(data: str, tokenizer, seq_len: int, split: str, fraction: float):
+    try:
+        return load_data(data, tokenizer, seq_len, split, fraction)
+    except OSError as err:
+        raise UsageError(f"cannot read --data {data}: {err.strerror or err}") from None
+
+
+def result_json(result: caching.CacheResult) -> dict:
+    return {
+        "path": str(result.path), "boundary": result.boundary, "source_boundary": result.source_boundary,
+        "samples": result.samples, "tokens": result.tokens, "bytes_written": result.bytes_written,
+        "seconds": result.seconds, "tokens_per_s": result.tokens_per_s, "shards_computed": result.shards_computed,
+        "shards_skipped": result.shards_skipped, "dtype": result.dtype, "format": result.fmt,
+        "workers": result.workers, "model_loads": result.model_loads,
+        "splits": {name: {"path": str(s.path), "samples": s.samples, "tokens": s.tokens, "shards": s.num_shards,
+                          "computed": s.shards_computed, "skipped": s.shards_skipped,
+                          "stored_bytes": s.stored_bytes, "fingerprint": s.fingerprint.digest}
+                   for name, s in result.splits.items()},
+    }

@@ -1,0 +1,59 @@
+"""`preinfer verify`: every shard's integrity; with --model and data, samples recomputed and compared."""
+
+from __future__ import annotations
+
+import argparse
+
+import preinfer
+from preinfer.config import Config
+from preinfer.data import load_data
+from preinfer.errors import UsageError
+from preinfer.tokenizers import load_tokenizer
+from pipelines.cache_report import verify_cache
+from pipelines.caching import DEFAULT_SPLITS, cache_splits
+from pipelines.flags import non_negative_int
+from pipelines.models import is_run_dir, resolve_model, run_config
+from storage import open_store
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", metavar="STORE", help="a cache directory (all its splits) or a single store")
+    parser.add_argument("--model", help="recompute samples with this model (preset, directory or run directory)")
+    parser.add_argument("--data", help="the dataset the store was made from [the run's, else builtin:pydoc]")
+    parser.add_argument("--tokenizer", help="[the run's, else byte]")
+    parser.add_argument("--eval-fraction", type=float, help="[the run's, else 0.1]")
+    parser.add_argument("--sample", type=non_negative_int, default=8,
+                        help="samples per store to recompute and compare, chosen at random [8]")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sample choice [0]")
+    parser.add_argument("--model-seed", type=int, help="initialisation seed of a preset [the run's, else 0]")
+    parser.add_argument("--device", default="cpu", help="[cpu]")
+
+
+def run(args: argparse.Namespace) -> int:
+    if (args.data or args.tokenizer) and not args.model:
+        raise UsageError("--data and --tokenizer need --model (to recompute samples)")
+    found = cache_splits(args.path)
+    if not found:
+        raise UsageError(f"no activation store or cache directory at {args.path}")
+    staged = datasets = tokenizer = None
+    if args.model:
+        base = run_config(args.model) if is_run_dir(args.model) else Config()
+        seed = base.run.seed if args.model_seed is None else args.model_seed
+        staged = preinfer.stage(resolve_model(args.model, seed=seed).to(args.device).eval())
+        tokenizer = load_tokenizer(args.tokenizer or base.model.tokenizer)
+        data = args.data or base.data.path
+        fraction = args.eval_fraction if args.eval_fraction is not None else base.data.eval_fraction
+        seq_len = int(open_store(next(iter(found.values())), check_files=False).fingerprint.parts.get(
+            "seq_len", base.data.seq_len))
+        names = [s for s in found if s] or list(DEFAULT_SPLITS)
+        try:
+            datasets = {s: load_data(data, tokenizer, seq_len, s, fraction) for s in names}
+        except OSError as err:
+            raise UsageError(f"cannot read --data {data}: {err.strerror or err}") from None
+    checks = verify_cache(args.path, staged, datasets, tokenizer, samples=args.sample, seed=args.seed,
+                          device=args.device)
+    for check in checks:
+        print(check)
+    bad = [c.split or c.path for c in checks if not c.ok]
+    print(f"verify: {'OK' if not bad else 'FAILED (' + ', '.join(bad) + ')'}")
+    return 0 if not bad else 1

@@ -1,0 +1,270 @@
+"""The Dask side of the caching job: one task per shard that computes and writes its own shard.
+
+Workers keep the model in a per-process cache keyed by (spec, seed, device), so each worker loads it once, not
+once per task; a task checks the cached model's prefix digest against the one the client computed from its
+in-memory model and reloads a run directory once if its checkpoint moved on, else fails (the store would lie).
+At most `2 x workers` tasks are in flight, so the token tensors a task carries never pile up in the scheduler.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from preinfer.errors import UsageError
+from preinfer.fingerprint import prefix_digest
+
+_LOCK = threading.Lock()
+_MODELS: dict[tuple, Any] = {}
+_DIGESTS: dict[tuple, dict[int, str]] = {}
+_STATS = {"loads": 0, "threads_set": False}
+# What the tasks of the last run in this (client) process reported: worker, compute_s, write_s, bytes...
+LAST_RUN_TASKS: list[dict[str, Any]] = []
+
+
+@dataclass
+class ShardTask:
+    """Everything one task needs, picklable and small: the shard's inputs travel only as token tensors."""
+
+    split: str
+    store_path: str
+    store_digest: str
+    shard: int
+    lo: int
+    hi: int
+    boundary: int
+    start_layer: int
+    batch_size: int
+    model_spec: str
+    model_seed: int
+    device: str
+    prefix: str  # prefix digest at `boundary` of the client's model
+    inputs: dict[str, torch.Tensor] | None = None  # tokens of samples [lo, hi) (from the input)
+    source_path: str | None = None  # or the store at `start_layer` to roll forward from
+    source_digest: str | None = None
+    torch_threads: int | None = None
+
+
+def _worker_name() -> str:
+    try:
+        from distributed import get_worker
+
+        return get_worker().address
+    except (ImportError, ValueError):
+        return f"pid {os.getpid()}"
+
+
+def worker_model(spec: str, seed: int, device: str, boundary: int, expected: str):
+    """The staged model of `spec` in this worker process, loaded once, whose prefix at `boundary` is `expected`."""
+    import preinfer
+    from pipelines.models import is_run_dir, resolve_model
+
+    key = (spec, seed, device)
+    with _LOCK:
+        for attempt in range(2):
+            if key not in _MODELS:
+                model = resolve_model(spec, seed=seed).to(device).eval()
+                _MODELS[key] = preinfer.stage(model)
+                _DIGESTS[key] = {}
+                _STATS["loads"] += 1
+            staged = _MODELS[key]
+            digests = _DIGESTS[key]
+            if boundary not in digests:
+                digests[boundary] = prefix_digest(staged, boundary)
+            if digests[boundary] == expected:
+                return staged
+            if attempt == 0 and is_run_dir(spec):
+                del _MODELS[key]  # the run's checkpoint moved on since this worker loaded it
+                continue
+            break
+    raise RuntimeError(
+        f"worker {_worker_name()}: the model loaded from {spec!r} has another prefix [0, {boundary}) than the "
+        f"client's (digest {digests[boundary][:12]} != {expected[:12]}); workers must load the same weights "
+        f"(save them to a directory or checkpoint the run first)"
+    )
+
+
+def _store(path: str, digest: str):
+    """The store at `path`, opened afresh by every task: a cached Store would keep the completion records of a
+    store since deleted and recreated at the same path (an overwrite), and skip its writes."""
+    from storage import open_store
+
+    return open_store(path, expect_fingerprint=digest, check_files=False)
+
+
+def _tune_malloc() -> None:
+    """Undo the cost of Dask's default MALLOC_TRIM_THRESHOLD_=65536 for tensor work (measured: the prefix forward
+    of small-llama at half speed): a fixed trim threshold also freezes glibc's mmap threshold at 128 KiB, so every
+    activation buffer is mmapped, page-faulted and unmapped again. Raise both (glibc only; elsewhere a no-op)."""
+    if not os.environ.get("MALLOC_TRIM_THRESHOLD_") or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: glibc's maximum
+        libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def run_task(task: ShardTask) -> dict[str, Any]:
+    """Compute shard `task.shard` and write it; returns what the client counts."""
+    from pipelines.caching import (
+        DatasetInputs, HostStager, StoreInputs, compute_dtype, compute_shard, shard_bytes, write_shard,
+    )
+    from storage.dtypes import torch_dtype
+
+    if not _STATS["threads_set"]:
+        if task.torch_threads:
+            torch.set_num_threads(task.torch_threads)
+        _tune_malloc()
+        _STATS["threads_set"] = True
+    staged = worker_model(task.model_spec, task.model_seed, task.device, task.boundary, task.prefix)
+    store = _store(task.store_path, task.store_digest)
+    if task.inputs is not None:
+        inputs = DatasetInputs(staged, task.inputs, task.device, offset=task.lo)
+    else:
+        inputs = StoreInputs(_store(task.source_path, task.source_digest), task.start_layer, task.device,
+                             compute_dtype(staged))
+    fields = {n: (s.shape, torch_dtype(s.dtype)) for n, s in store.fields.items()}
+    stager = HostStager(task.device)
+    started = time.perf_counter()
+    buffers, fence = compute_shard(staged, inputs, task.start_layer, task.boundary, task.lo, task.hi,
+                                   task.batch_size, fields, stager)
+    fence.synchronize()
+    computed = time.perf_counter()
+    write_shard(store, task.split, task.shard, buffers)
+    return {"split": task.split, "shard": task.shard, "bytes": shard_bytes(store, task.shard),
+            "worker": _worker_name(), "loads": _STATS["loads"], "compute_s": computed - started,
+            "write_s": time.perf_counter() - computed, "torch_threads": torch.get_num_threads()}
+
+
+# "local:N" clusters of this process, kept for the next job (a BCD run caches after every visit): started once,
+# their workers keep the model loaded; closed at exit or by shutdown_local_clusters().
+_LOCAL_CLUSTERS: dict[int, tuple[Any, Any]] = {}
+
+
+def shutdown_local_clusters() -> None:
+    """Close the LocalClusters that `local:N` jobs of this process started."""
+    while _LOCAL_CLUSTERS:
+        _, (cluster, client) = _LOCAL_CLUSTERS.popitem()
+        try:
+            client.close()
+            cluster.close()
+        except Exception:  # noqa: BLE001 - closing at exit; nothing left to report to
+            pass
+
+
+def local_client(workers: int):
+    """The client of this process's LocalCluster of `workers` worker processes (started on first use)."""
+    from distributed import Client, LocalCluster
+
+    cached = _LOCAL_CLUSTERS.get(workers)
+    if cached is not None and cached[1].status == "running":
+        return cached[1]
+    if not _LOCAL_CLUSTERS:
+        atexit.register(shutdown_local_clusters)
+    import dask
+
+    # Dask's default MALLOC_TRIM_THRESHOLD_ halves PyTorch's CPU speed (see _tune_malloc): leave it unset.
+    with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}):
+        cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None,
+                               silence_logs=logging.ERROR)
+    client = Client(cluster)
+    _LOCAL_CLUSTERS[workers] = (cluster, client)
+    return client
+
+
+def connect(dask: Any):
+    """(client, close, torch threads per worker) for "local:N", "tcp://host:port" or a `distributed.Client`."""
+    from distributed import Client
+
+    if not isinstance(dask, str):
+        return dask, lambda: None, None
+    if dask.startswith("local:"):
+        try:
+            workers = int(dask.removeprefix("local:"))
+            if workers < 1:
+                raise ValueError
+        except ValueError:
+            raise UsageError(f"--dask {dask!r}: expected local:N with N >= 1 workers") from None
+        return local_client(workers), lambda: None, max(1, (os.cpu_count() or 1) // workers)
+    if "://" not in dask:
+        raise UsageError(f"--dask {dask!r}: expected local:N or a scheduler address such as tcp://host:8786")
+    try:
+        client = Client(dask, timeout="20s")
+    except (OSError, TimeoutError) as err:
+        raise UsageError(f"--dask {dask}: cannot reach the Dask scheduler ({err})") from None
+    return client, client.close, None
+
+
+def run(staged, jobs, boundary: int, opts, bar):
+    """Run the shards of `jobs` as Dask tasks; returns (failed, fatal, model loads per worker)."""
+    from distributed import as_completed
+
+    from pipelines.caching import _one_line, is_disk_full
+
+    logging.getLogger("distributed").setLevel(logging.ERROR)
+    client, close, threads = connect(opts.dask)
+    LAST_RUN_TASKS.clear()
+    failed: list[tuple[str, int, str]] = []
+    fatal: BaseException | None = None
+    loads: dict[str, int] = {}
+    try:
+        prefix = prefix_digest(staged, boundary)
+        pending = [(job, shard) for job in jobs for shard in job.todo]
+        window = max(4, 2 * len(client.scheduler_info().get("workers", {}) or [None]))
+        run_id = uuid.uuid4().hex[:8]
+        owners: dict[Any, tuple[Any, int]] = {}
+
+        def submit(job, shard):
+            lo, hi = job.store.shard_range(shard)
+            inputs = None
+            if job.dataset is not None:
+                inputs = {k: v.clone() for k, v in job.dataset[lo:hi].items()}
+            task = ShardTask(
+                job.name, str(job.store.path), job.store.fingerprint.digest, shard, lo, hi, boundary,
+                job.inputs.start_layer, opts.batch_size, opts.model_name, opts.model_seed, str(opts.device), prefix,
+                inputs, None if job.source_path is None else str(job.source_path), job.source_digest, threads,
+            )
+            future = client.submit(run_task, task, key=f"preinfer-cache-{job.name or 'store'}-{shard}-{run_id}",
+                                   retries=opts.retries, pure=False)
+            owners[future] = (job, shard)
+            return future
+
+        queue = iter(pending)
+        futures = as_completed([submit(*item) for _, item in zip(range(window), queue)])
+        for future in futures:
+            job, shard = owners.pop(future)
+            if future.status == "error":
+                err = future.exception()
+                failed.append((job.name, shard, _one_line(err)))
+                if is_disk_full(err):
+                    fatal = err
+                    for other in list(owners):
+                        other.cancel()
+                    break
+            else:
+                result = future.result()
+                LAST_RUN_TASKS.append(result)
+                lo, hi = job.store.shard_range(shard)
+                job.result.shards_computed += 1
+                job.result.bytes_written += result["bytes"]
+                loads[result["worker"]] = result["loads"]
+                bar.shard_done(job.name, hi - lo, result["bytes"])
+            following = next(queue, None)
+            if following is not None:
+                futures.add(submit(*following))
+    finally:
+        close()
+    return failed, fatal, loads

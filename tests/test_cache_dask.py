@@ -1,0 +1,119 @@
+"""The caching job on Dask: one LocalCluster of 2 worker processes for the whole module (`--dask local:2` jobs of
+one process share it), identical stores, the model loaded once per worker, retried and failing shards."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from pipelines import caching, dask_cache
+from storage import open_store
+from test_cache import PER_SHARD, BATCH, SEQ, assert_same_cache, cache, datasets_for, run_cli, staged_model, write_corpus
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("data") / "corpus.txt")
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    """The single-process store (`--workers 1`) the Dask runs must equal."""
+    out = tmp_path_factory.mktemp("ref") / "c"
+    torch.set_num_threads(1)
+    cache(staged_model(), datasets_for(corpus), 2, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def workers():
+    """The client of this process's `local:2` cluster; the env hooks are cleared on its workers afterwards."""
+    client = dask_cache.local_client(2)
+    yield client
+    dask_cache.shutdown_local_clusters()
+
+
+def set_worker_env(client, **env):
+    def apply(values):
+        for key, value in values.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+    client.run(apply, env)
+
+
+def cli_args(corpus, out, *extra):
+    return ["cache", "--model", "tiny-llama", "--data", corpus, "--seq-len", str(SEQ), "--boundary", "2", "--out",
+            str(out), "--samples-per-shard", str(PER_SHARD), "--batch-size", str(BATCH), "--quiet", *extra]
+
+
+def test_dask_local_2_gives_the_store_of_one_worker_and_loads_the_model_once_per_worker(
+        workers, corpus, reference, tmp_path, capsys):
+    code, stdout, err = run_cli(cli_args(corpus, tmp_path / "c", "--dask", "local:2", "--json"), capsys)
+    assert code == 0, err
+    result = json.loads(stdout)
+    assert result["workers"] == "local:2" and result["shards_computed"] > 4
+    loads = result["model_loads"]
+    assert len(loads) == 2 and set(loads.values()) == {1}  # both workers took shards, each loaded the model once
+    assert_same_cache(tmp_path / "c", reference)
+    # a second job in the same process reuses the cluster and the loaded models (a roll-forward, say)
+    staged = staged_model()
+    rolled = caching.roll_forward(staged, tmp_path / "c", 3, tmp_path / "r3", samples_per_shard=PER_SHARD,
+                                  batch_size=BATCH, progress=False, model_name="tiny-llama", dask="local:2")
+    assert set(rolled.model_loads.values()) == {1}
+    fresh = cache(staged, datasets_for(corpus), 3, tmp_path / "f3")
+    assert_same_cache(tmp_path / "r3", tmp_path / "f3")
+
+
+def test_a_dask_task_that_fails_once_is_retried(workers, corpus, reference, tmp_path):
+    set_worker_env(workers, **{caching.FAULT_ENV: "train/2,eval/1", caching.FAULT_ONCE_ENV: str(tmp_path)})
+    try:
+        result = cache(staged_model(), datasets_for(corpus), 2, tmp_path / "c", dask=workers, retries=1)
+    finally:
+        set_worker_env(workers, **{caching.FAULT_ENV: None, caching.FAULT_ONCE_ENV: None})
+    assert (tmp_path / "fault-train-2").exists() and (tmp_path / "fault-eval-1").exists()
+    assert result.shards_computed == sum(s.num_shards for s in result.splits.values())
+    assert_same_cache(tmp_path / "c", reference)
+
+
+def test_a_dask_shard_that_always_fails_is_named_and_the_rest_stay_intact(workers, corpus, reference, tmp_path,
+                                                                        capsys):
+    set_worker_env(workers, **{caching.FAULT_ENV: "train/3"})
+    address = workers.scheduler.address
+    try:
+        code, _, err = run_cli(cli_args(corpus, tmp_path / "c", "--dask", address, "--retries", "1"), capsys)
+    finally:
+        set_worker_env(workers, **{caching.FAULT_ENV: None})
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "train shard 3 (samples 48..64)" in err and "injected fault" in err
+    store, ref = open_store(tmp_path / "c" / "train"), open_store(reference / "train")
+    assert store.missing_shards() == [3] and not store.manifest["complete"]
+    for i in store.completed_shards():
+        assert all(torch.equal(a, b) for a, b in zip(store.read_shard(i).values(), ref.read_shard(i).values()))
+    assert not (tmp_path / "c" / "cache.json").exists()
+
+
+def test_workers_refuse_a_model_other_than_the_clients(workers, corpus, tmp_path):
+    staged = staged_model(seed=1)  # the workers load tiny-llama with seed 0
+    with pytest.raises(caching.CacheJobError, match="another prefix"):
+        cache(staged, {"eval": datasets_for(corpus)["eval"]}, 2, tmp_path / "c", dask=workers, retries=0)
+
+
+def test_an_overwrite_on_dask_rewrites_every_shard(workers, corpus, reference, tmp_path):
+    """Workers must not trust what they knew about a store that was deleted and recreated at the same path."""
+    data = {"eval": datasets_for(corpus)["eval"]}
+    for _ in range(2):
+        result = cache(staged_model(), data, 2, tmp_path / "c", dask=workers, mode="overwrite")
+        assert result.shards_computed == result.splits["eval"].num_shards
+    assert_same_cache(tmp_path / "c", reference, splits=("eval",))

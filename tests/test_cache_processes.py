@@ -1,0 +1,49 @@
+"""A caching job killed with SIGKILL in the middle (a real subprocess) resumes to the store of an uninterrupted run."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from pipelines import caching
+from storage import open_store
+from test_cache import BATCH, PER_SHARD, SEQ, assert_same_cache, cache, datasets_for, run_cli, staged_model, write_corpus
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_a_job_killed_with_sigkill_resumes_to_an_identical_store(tmp_path, capsys):
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    out = tmp_path / "c"
+    args = ["cache", "--model", "tiny-llama", "--data", corpus, "--seq-len", str(SEQ), "--boundary", "2", "--out",
+            str(out), "--samples-per-shard", str(PER_SHARD), "--batch-size", str(BATCH), "--quiet"]
+    env = {**os.environ, caching.DELAY_ENV: "0.2", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", *args], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    done_dir = out / "train" / "done"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if done_dir.is_dir() and len(list(done_dir.glob("shard-*.json"))) >= 3:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, f"the job ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+    store = open_store(out / "train", check_files=False)
+    finished = len(store.completed_shards())
+    assert 3 <= finished < store.num_shards and not store.manifest["complete"]
+    assert not (out / "cache.json").exists()
+
+    torch.set_num_threads(1)
+    code, stdout, err = run_cli(args, capsys)  # the same command again
+    assert code == 0, err
+    assert f"{finished} already done" in stdout
+    cache(staged_model(), datasets_for(corpus), 2, tmp_path / "ref")
+    assert_same_cache(out, tmp_path / "ref")
