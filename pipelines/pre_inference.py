@@ -28,6 +28,7 @@ from preinfer.config import Config
 from preinfer.partition import Block
 from preinfer.sources import BatchSource
 from preinfer.staged import StagedModel
+from storage import StorageError
 from pipelines.caching import cache_boundary, cache_fingerprint, open_cache, roll_forward
 from pipelines.sources import ReaderBatches
 
@@ -161,7 +162,7 @@ class PreInference:
                                      self.config.run.store_dtype)
         try:
             stores = open_cache(self.stores[boundary], splits=["train"])
-        except Exception:  # noqa: BLE001 - a store that cannot be opened is simply not usable
+        except StorageError:  # damaged or half-deleted: not usable, rebuilt on demand
             return False
         return stores["train"].fingerprint.digest == expected.digest
 
