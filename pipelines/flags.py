@@ -113,6 +113,8 @@ def add_training_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = 
     parser.add_argument("--config", help="a TOML config file; flags override its values")
     for flag, section, key, kwargs in TRAINING_FLAGS + (PRE_INFERENCE_FLAGS if pre_inference else []):
         if flag not in skip:
+            if "action" not in kwargs and "choices" not in kwargs:
+                kwargs = {"metavar": flag.lstrip("-").upper().replace("-", "_"), **kwargs}
             parser.add_argument(flag, dest=f"{section}__{key}", default=None, **kwargs)
 
 

@@ -10,7 +10,7 @@ from pipelines.training import run_from_store
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--store", dest="run__store",
+    parser.add_argument("--store", dest="run__store", metavar="CACHE",
                         help="cache directory written by `preinfer cache` (its train and eval stores); its "
                              "boundary K is where the trained suffix begins")
     add_training_flags(parser, skip=("--data", "--tokenizer", "--seq-len", "--eval-fraction", "--max-samples",
