@@ -47,6 +47,7 @@ class Estimate:
     steps: int
     prefix_per_step: float
     read_per_step: float
+    eval_prefix: float  # the prefix forward the visit's evaluation skips when it reads the eval store
     build: float
     build_from: int
     store_bytes: int
@@ -54,7 +55,7 @@ class Estimate:
 
     @property
     def saving(self) -> float:
-        return self.steps * (self.prefix_per_step - self.read_per_step) - self.build
+        return self.steps * (self.prefix_per_step - self.read_per_step) + self.eval_prefix - self.build
 
     @property
     def use_store(self) -> bool:
@@ -122,6 +123,9 @@ class PreInference:
                                stop.epochs_per_visit and int(stop.epochs_per_visit * steps_per_epoch)) if s]
         steps = min(budgets) if budgets else steps_per_epoch
         samples_per_step = self.config.data.batch_size * optim.grad_accum
+        eval_samples = len(self.datasets["eval"])
+        if self.config.data.eval_batches:
+            eval_samples = min(eval_samples, self.config.data.eval_batches * self.config.data.batch_size)
         sample_bytes = train.seq_len * self.staged.hidden_size * self.staged.compute_dtype.itemsize
         total = sum(len(d) for d in self.datasets.values())
         source = max((b for b in self._valid_stores() if b < k), default=0)
@@ -132,6 +136,7 @@ class PreInference:
             steps=steps,
             prefix_per_step=k * per_layer * samples_per_step,
             read_per_step=samples_per_step * sample_bytes / self.read_bps,
+            eval_prefix=eval_samples * (k * per_layer - sample_bytes / self.read_bps),
             build=0.0 if k in self._valid_stores() else build,
             build_from=source,
             store_bytes=total * sample_bytes,

@@ -19,7 +19,7 @@ def demo_config(out: Path, pre_inference: str) -> Config:
     config.model.name = "small-llama"
     config.data.seq_len = 128
     config.data.batch_size = 8
-    config.data.max_samples = 384
+    config.data.max_samples = 256
     config.data.samples_per_shard = 64
     config.blocks.ufp = "1/3"
     config.blocks.sweeps = 2
@@ -27,7 +27,7 @@ def demo_config(out: Path, pre_inference: str) -> Config:
     config.optim.lr = 2e-3
     config.optim.warmup_steps = 10
     config.optim.grad_clip = 1.0
-    config.stop.epochs_per_visit = 1.5
+    config.stop.epochs_per_visit = 2.0
     config.run.pre_inference = pre_inference
     config.run.out = str(out / pre_inference)
     return config
