@@ -68,15 +68,18 @@ def comparison(runs: dict[str, tuple[dict, list[dict]]]) -> str:
     modes = list(runs)
     lines = [f"{'':<28}" + "".join(f"{m:>14}" for m in modes)]
     lines += [f"{name:<28}" + "".join(f"{cell(*runs[m]):>14}" for m in modes) for name, cell in rows.items()]
-    visits = zip(*(summary["visits"] for summary, _ in runs.values()))
-    for index, pair in enumerate(visits):
-        label = f"visit {index} (b{pair[0]['block']}) tok/s"
-        cells = []
-        for (summary, records), visit in zip(runs.values(), pair):
-            steps = [r for r in records if r["kind"] == "step" and r["sweep"] == visit["sweep"]
-                     and r["block"] == visit["block"]]
-            tokens = sum(r["tokens_per_s"] for r in steps) / max(len(steps), 1)
-            source = "store" if visit["source_boundary"] else "live"
-            cells.append(f"{tokens:,.0f} {source}")
-        lines.append(f"{label:<28}" + "".join(f"{c:>14}" for c in cells))
+    per_run = [_visit_rates(summary["visits"]) for summary, _ in runs.values()]
+    for index, pair in enumerate(zip(*per_run)):
+        label = f"visit {index} (block {pair[0][0]}) tok/s"
+        lines.append(f"{label:<28}" + "".join(f"{rate:>8,.0f} {source:>5}" for _, rate, source in pair))
     return "\n".join(lines)
+
+
+def _visit_rates(visits: list[dict]) -> list[tuple[int, float, str]]:
+    """(block, training tokens/s, live or store) of each visit."""
+    rates, before = [], 0
+    for visit in visits:
+        rates.append((visit["block"], (visit["tokens"] - before) / max(visit["wall_s"], 1e-9),
+                      "store" if visit["source_boundary"] else "live"))
+        before = visit["tokens"]
+    return rates
