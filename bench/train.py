@@ -74,8 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5, help="unmeasured steps before them [5]")
     p.add_argument("--repeats", type=int, default=3, help="live/store throughput repetitions [3]")
     p.add_argument("--piece-repeats", type=int, default=60, help="timings of each piece of one step [60]")
-    p.add_argument("--bcd-samples", type=int, default=400, help="max_samples of each split in the bcd runs [400]")
-    p.add_argument("--bcd-epochs", type=float, default=2.0, help="epochs_per_visit of the bcd runs [2]")
+    p.add_argument("--bcd-samples", type=int, default=200, help="max_samples of each split in the bcd runs [200]")
+    p.add_argument("--bcd-epochs", type=float, default=3.0,
+                   help="epochs_per_visit of the bcd runs [3]: long enough that auto picks stores")
     p.add_argument("--sweeps", type=int, default=2, help="sweeps of the bcd runs [2]")
     p.add_argument("--bcd-repeats", type=int, default=1, help="off/auto pairs of bcd runs [1]; 0 skips them")
     p.add_argument("--samples", type=int, default=0, help="max_samples of each split in part 1 (0: all) [0]")
