@@ -25,7 +25,7 @@ Everything in one run of one process, on `small-llama`, `builtin:pydoc`, seq 128
 
 Prints a table and writes bench/out/train.json.
 
-    python bench/train.py              # about 12 min on 2 shared cores
+    python bench/train.py              # about 8 min on 2 shared cores
     python bench/train.py --quick      # tiny-llama, seq 32, a few steps (seconds): a smoke test
 """
 
