@@ -59,3 +59,22 @@ def test_quality_quick(tmp_path):
         assert curve[0]["tokens"] == 0 and curve[-1]["tokens"] == result["runs"][name]["tokens"]
     assert result["runs"]["bcd-adam"]["tokens"] == 2 * budget  # --bcd-adam-factor 2
     assert rows["full-adam"]["rel_to_full"] == 0
+
+
+def test_train_quick(tmp_path):
+    out = tmp_path / "train.json"
+    assert _load("train").main(["--quick", "--out", str(out), "--dir", str(tmp_path / "work")]) == 0
+    result = json.loads(out.read_text())
+    assert {"command", "machine", "settings", "targets", "throughput", "pieces", "achieved_over_ideal", "bcd",
+            "targets_met"} <= set(result)
+    t, p = result["throughput"], result["pieces"]
+    assert t["boundary"] == 3 and t["active"] == "3-3"  # tiny-llama: 4 layers, the top block of UFP 1/3
+    for name in ("live", "store"):
+        assert all(r["steps"] == 3 and r["steps_per_s"] > 0 for r in t["runs"][name])
+    assert t["max_rel_loss_diff"] < 1e-5  # the same samples in the same order, live and from the store
+    assert 0 <= t["wait_fraction"] <= 1 and t["store"]["stored_MiB"] > 0
+    assert p["ideal"] > 1 and p["prefix_s"] > 0 and p["suffix_s"] > 0
+    b = result["bcd"]
+    assert set(b["runs"]) == {"off", "auto"}
+    assert all(d["decision"] in ("store", "live") for d in b["runs"]["auto"][0]["decisions"])
+    assert b["max_rel_eval_loss_diff"] < 1e-4
