@@ -11,13 +11,14 @@ from storage import StorageError
 
 # Subcommand name -> module in `pipelines.commands` defining `add_arguments(parser)` and `run(args) -> int`.
 COMMANDS = {
-    "bcd": ("bcd", "train a model by block coordinate descent (or --mode full)"),
-    "eval": ("eval", "evaluate a model or run directory on a dataset's eval split"),
-    "demo": ("demo", "the main job on the built-in defaults: BCD of small-llama on Python's docs"),
-    "plan": ("plan", "memory per GPU, automatic UFP, store size, pre-inference break-even and cost for a model"),
+    "bcd": ("bcd", "train a model by block coordinate descent (or --mode full), with pre-inference"),
     "cache": ("cache", "pre-inference: run the frozen prefix once and store the boundary states (or roll forward)"),
+    "train": ("train", "train the blocks above a cache's boundary from its stores, never loading the prefix"),
     "inspect": ("inspect", "describe an activation store or cache directory: samples, fields, size, fingerprint"),
     "verify": ("verify", "check every shard of a store; with --model and --data, recompute samples and compare"),
+    "eval": ("eval", "evaluate a model or run directory on a dataset's eval split"),
+    "plan": ("plan", "memory per GPU, automatic UFP, store size, pre-inference break-even and cost for a model"),
+    "demo": ("demo", "the main job on the built-in defaults: BCD of small-llama, prefix live against pre-inference"),
 }
 
 

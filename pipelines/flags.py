@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from preinfer.config import Config, load_config
@@ -50,15 +51,22 @@ TRAINING_FLAGS: list[tuple[str, str, str, dict[str, Any]]] = [
     ("--batch-size", "data", "batch_size", dict(type=positive_int, help="samples per micro-batch [8]")),
     ("--eval-fraction", "data", "eval_fraction", dict(type=float, help="share of documents held out [0.1]")),
     ("--eval-batches", "data", "eval_batches", dict(type=non_negative_int, help="cap on eval batches; 0 = all [0]")),
+    ("--max-samples", "data", "max_samples",
+     dict(type=non_negative_int, help="use only the first N samples of each split; 0 = all [0]")),
+    ("--samples-per-shard", "data", "samples_per_shard",
+     dict(type=non_negative_int, help="samples per store shard, which also shapes the sample order; "
+                                      "0 = about 64 MiB of boundary states [0]")),
     ("--ufp", "blocks", "ufp", dict(help="unfrozen parameter fraction per block, e.g. 1/3 [1/3]")),
     ("--blocks", "blocks", "blocks", dict(type=positive_int, help="number of blocks (instead of --ufp)")),
     ("--ranges", "blocks", "ranges", dict(help="explicit inclusive layer ranges, e.g. 0-3,4-7")),
     ("--separate-ends", "blocks", "separate_ends",
      dict(action="store_const", const=True, help="embedding and head form blocks of their own")),
+    ("--active", "blocks", "active",
+     dict(help="train only this inclusive layer range as one block, e.g. 4-5; every other layer stays frozen")),
     ("--order", "blocks", "order", dict(choices=["ascending", "descending", "random", "fixed"],
                                         help="block order within a sweep [ascending]")),
     ("--fixed-order", "blocks", "fixed_order", dict(help="block order for --order fixed, e.g. 2,0,1")),
-    ("--start-block", "blocks", "start_block", dict(type=non_negative_int, help="block each sweep begins with [0]")),
+    ("--start-block", "blocks", "start_block", dict(type=non_negative_int, help="block each sweep begins with [the order's first]")),
     ("--sweeps", "blocks", "sweeps", dict(type=positive_int, help="passes over all blocks [1]")),
     ("--optimizer", "optim", "name", dict(choices=["adam", "adamw", "sgd"], help="[adam]")),
     ("--lr", "optim", "lr", dict(type=positive_float, help="learning rate [sgd 0.1, adam/adamw 5e-5]")),
@@ -84,12 +92,29 @@ TRAINING_FLAGS: list[tuple[str, str, str, dict[str, Any]]] = [
     ("--device", "run", "device", dict(help="cpu, cuda, cuda:1 ... [cpu]")),
 ]
 
+# Flags of `bcd` only: where visits above the input get their boundary states.
+PRE_INFERENCE_FLAGS: list[tuple[str, str, str, dict[str, Any]]] = [
+    ("--pre-inference", "run", "pre_inference",
+     dict(choices=["auto", "on", "off"],
+          help="train blocks above the input from stores of boundary states: on; never: off; auto decides per "
+               "visit by a cost model (store build + reads against the prefix compute saved) [auto]")),
+    ("--store-dir", "run", "store_dir", dict(help="where the run keeps its stores [<out>/stores]")),
+    ("--store-format", "run", "store_format", dict(choices=["zarr", "safetensors"], help="[zarr]")),
+    ("--store-dtype", "run", "store_dtype", dict(choices=["auto", "float32", "bfloat16", "float16"],
+                                                 help="auto = the compute dtype, bit-exact [auto]")),
+    ("--keep-stores", "run", "keep_stores",
+     dict(action="store_const", const=True, help="keep stores that are no longer usable")),
+    ("--dask", "run", "dask", dict(help="build stores on Dask: local:N (N worker processes) or tcp://HOST:PORT")),
+]
 
-def add_training_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+
+def add_training_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (), pre_inference: bool = False) -> None:
     """Every training flag, defaulting to None so that the config file and the defaults show through."""
     parser.add_argument("--config", help="a TOML config file; flags override its values")
-    for flag, section, key, kwargs in TRAINING_FLAGS:
+    for flag, section, key, kwargs in TRAINING_FLAGS + (PRE_INFERENCE_FLAGS if pre_inference else []):
         if flag not in skip:
+            if "action" not in kwargs and "choices" not in kwargs:
+                kwargs = {"metavar": flag.lstrip("-").upper().replace("-", "_"), **kwargs}
             parser.add_argument(flag, dest=f"{section}__{key}", default=None, **kwargs)
 
 
@@ -109,3 +134,20 @@ def config_from_args(args: argparse.Namespace, path: str | None = None) -> Confi
             if key != chosen[0]:
                 setattr(config.blocks, key, None)
     return config
+
+
+def config_for_command(args: argparse.Namespace) -> Config:
+    """The config of a `bcd` or `train` run: with --resume the run's own config.toml, else --config; then
+    the flags; a visit with no stopping rule gets one epoch."""
+    path = str(Path(args.run__out or Config().run.out) / "config.toml") if args.resume else None
+    config = config_from_args(args, path=path)
+    stop = config.stop
+    if stop.steps_per_visit is None and stop.epochs_per_visit is None and stop.patience is None:
+        stop.epochs_per_visit = 1.0
+    return config
+
+
+def summary_line(summary: dict, config: Config) -> str:
+    return (f"final eval loss {summary['final_eval_loss']:.4f} (ppl {summary['final_eval_ppl']:.2f}) after "
+            f"{summary['steps']} steps, {summary['tokens']:,} tokens, {summary['wall_s']:.1f} s; "
+            f"run in {config.run.out}")

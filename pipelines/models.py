@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from safetensors.torch import load_model as load_weights
+from safetensors.torch import load_file
 from torch import nn
 
-from preinfer.checkpoint import WEIGHTS
+from preinfer.checkpoint import WEIGHTS, load_resident_state
 from preinfer.config import Config, load_config
 from preinfer.presets import load_model
 
@@ -25,6 +25,7 @@ def resolve_model(spec: str, seed: int = 0) -> nn.Module:
     if is_run_dir(spec):
         config = run_config(spec)
         model = load_model(config.model.name, seed=config.run.seed)
-        load_weights(model, str(Path(spec) / "checkpoint" / WEIGHTS))
+        weights = Path(spec) / "checkpoint" / WEIGHTS
+        load_resident_state(model, load_file(str(weights)), weights)
         return model
     return load_model(spec, seed=seed)

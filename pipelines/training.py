@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
+
+import storage
 
 import preinfer
 from preinfer.config import Config, dump_toml
@@ -18,44 +23,75 @@ from preinfer.data import TokenDataset, load_data
 from preinfer.errors import UsageError
 from preinfer.meter import MemoryMeter
 from preinfer.metrics import plot_losses, read_metrics
-from preinfer.partition import Partition, make_partition, parse_ufp
-from preinfer.sources import TokenBatches, seeded_permutation
-from preinfer.tokenizers import load_tokenizer
+from preinfer.partition import Partition, make_partition, parse_ranges, parse_ufp
+from preinfer.tokenizers import Tokenizer, load_tokenizer
 from preinfer.trainer import LiveSources, SourcePlan, Trainer
+from pipelines.caching import default_samples_per_shard, open_cache
 from pipelines.models import resolve_model
+from pipelines.pre_inference import PreInference
+from pipelines.sources import ReaderBatches, token_store
+from pipelines.suffix import Suffix, export_full, load_suffix, to_device
 
 
 @dataclass
 class Datasets:
     train: TokenDataset
     eval: TokenDataset
+    tokenizer: Tokenizer
 
 
 def load_datasets(config: Config) -> Datasets:
     tokenizer = load_tokenizer(config.model.tokenizer)
     d = config.data
-    return Datasets(*(load_data(d.path, tokenizer, d.seq_len, split, d.eval_fraction) for split in ("train", "eval")))
+    splits = [load_data(d.path, tokenizer, d.seq_len, split, d.eval_fraction) for split in ("train", "eval")]
+    if d.max_samples:
+        splits = [split.head(d.max_samples) for split in splits]
+    return Datasets(*splits, tokenizer)
 
 
-def partition_for(staged: preinfer.StagedModel, config: Config) -> Partition:
-    """Full mode is one block; otherwise ranges, then a block count, then UFP, whichever is set first."""
+def partition_for(staged: preinfer.StagedModel, config: Config, first_layer: int = 0) -> tuple[Partition, int | None]:
+    """The blocks of the run and the one to train alone (`blocks.active`) or None. Full mode is one block;
+    otherwise ranges, then a block count, then UFP, whichever is set first."""
     b = config.blocks
-    if config.run.mode == "full":
-        return make_partition(staged, num_blocks=1)
-    if config.run.mode != "bcd":
+    if config.run.mode not in ("bcd", "full"):
         raise UsageError(f"--mode '{config.run.mode}' is not one of bcd, full")
+    if b.active is not None:
+        ranges, active = _active_ranges(b.active, first_layer, staged.num_layers)
+        return make_partition(staged, ranges=ranges, first_layer=first_layer), active
+    if config.run.mode == "full":
+        return make_partition(staged, num_blocks=1, first_layer=first_layer), None
+    common = dict(separate_ends=b.separate_ends, first_layer=first_layer)
     if b.ranges is not None:
-        return make_partition(staged, ranges=b.ranges, separate_ends=b.separate_ends)
+        return make_partition(staged, ranges=b.ranges, **common), None
     if b.blocks is not None:
-        return make_partition(staged, num_blocks=b.blocks, separate_ends=b.separate_ends)
-    return make_partition(staged, ufp=parse_ufp(b.ufp), separate_ends=b.separate_ends)
+        return make_partition(staged, num_blocks=b.blocks, **common), None
+    return make_partition(staged, ufp=parse_ufp(b.ufp), **common), None
 
 
-def live_sources(data: Datasets, config: Config) -> LiveSources:
-    order = seeded_permutation(config.run.seed)
+def _active_ranges(active: str, first: int, num_layers: int) -> tuple[str, int]:
+    """`--active a-b` as a partition of layers [first, L) whose block number `index` is exactly a..b."""
+    found = parse_ranges(active, num_layers, first=first, cover=False)
+    if len(found) != 1:
+        raise UsageError(f"--active '{active}' must be one layer range such as 4-5")
+    lo, hi = found[0]
+    pieces = [(a, b) for a, b in ((first, lo), (lo, hi), (hi, num_layers)) if b > a]
+    return ",".join(f"{a}-{b - 1}" for a, b in pieces), pieces.index((lo, hi))
+
+
+def samples_per_shard(config: Config, staged: preinfer.StagedModel) -> int:
+    """The configured shard size, or the caching job's default for boundary states in the compute dtype (the
+    same as `preinfer cache` picks, so live and stored runs read in the same order)."""
+    if config.data.samples_per_shard:
+        return config.data.samples_per_shard
+    return default_samples_per_shard(config.data.seq_len, staged.hidden_size, staged.compute_dtype)
+
+
+def live_sources(data: Datasets, config: Config, shard: int, rank: int = 0, world: int = 1) -> LiveSources:
+    """Token batches read through the same reader (and so in the same order) as boundary stores would be."""
+    batch, seed = config.data.batch_size, config.run.seed
     return LiveSources(
-        TokenBatches(data.train, config.data.batch_size, order),
-        TokenBatches(data.eval, config.data.batch_size),
+        ReaderBatches(token_store(data.train, shard), 0, batch, seed, rank, world),
+        ReaderBatches(token_store(data.eval, shard), 0, batch, seed, shuffle=False),
     )
 
 
@@ -73,34 +109,93 @@ def prepare_run_dir(out: Path, config: Config, resume: bool) -> None:
     (out / "config.toml").write_text(dump_toml(config))
 
 
-def run_bcd(config: Config, resume: bool = False, plan: SourcePlan | None = None, quiet: bool = False) -> dict:
-    """Train as configured and write the run directory; returns the summary."""
-    torch.manual_seed(config.run.seed)
+def init_distributed(device: str) -> tuple[int, int]:
+    """(rank, world size); under torchrun, joins the process group (NCCL on GPUs, gloo on CPU)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def run_bcd(config: Config, resume: bool = False, quiet: bool = False) -> dict:
+    """Train a whole model as configured (prefix live, or from stores with pre-inference) and write the run
+    directory; returns the summary."""
     out = Path(config.run.out)
-    prepare_run_dir(out, config, resume)
+    rank, world = init_distributed(config.run.device)
+    if rank == 0:
+        prepare_run_dir(out, config, resume)
     data = load_datasets(config)
     model = resolve_model(config.model.name, seed=config.run.seed).to(config.run.device)
     staged = preinfer.stage(model)
-    partition = partition_for(staged, config)
+    partition, active = partition_for(staged, config)
+    shard = samples_per_shard(config, staged)
+    plan = live_sources(data, config, shard, rank, world)
+    if config.run.pre_inference != "off":
+        datasets = {"train": data.train, "eval": data.eval}
+        plan = PreInference(staged, datasets, data.tokenizer, config, plan, shard, rank, world)
+    trainer = train(config, staged, partition, active, plan, resume, quiet)
+    return finish_run(trainer, out, lambda directory: model.save_pretrained(directory))
+
+
+def run_from_store(config: Config, resume: bool = False, quiet: bool = False) -> dict:
+    """Train the blocks above a cache's boundary from its stores; the prefix is never loaded."""
+    out = Path(config.run.out)
+    rank, world = init_distributed(config.run.device)
+    if rank == 0:
+        prepare_run_dir(out, config, resume)
+    stores = open_cache(config.run.store, splits=["train", "eval"])
+    boundary = int(stores["train"].fingerprint.parts["boundary"])
+    suffix = load_suffix(config.model.name, boundary, seed=config.run.seed)
+    notes = [check_prefix(stores["train"], suffix, config)]
+    staged = preinfer.stage(to_device(suffix.model, config.run.device))
+    partition, active = partition_for(staged, config, first_layer=boundary)
+    batch, seed = config.data.batch_size, config.run.seed
+    plan = LiveSources(
+        ReaderBatches(stores["train"], boundary, batch, seed, rank, world),
+        ReaderBatches(stores["eval"], boundary, batch, seed, shuffle=False),
+    )
+    trainer = train(config, staged, partition, active, plan, resume, quiet, notes)
+    return finish_run(trainer, out, lambda directory: export_full(suffix, directory))
+
+
+def check_prefix(store: storage.Store, suffix: Suffix, config: Config) -> str:
+    """Refuse a store made from other prefix weights than the model's (unless run.trust_store); says why it
+    was accepted."""
+    made_from = str(store.fingerprint.parts.get("prefix", ""))
+    model = config.model.name
+    if suffix.prefix_digest is None:
+        return (f"{model} holds no weights below boundary {suffix.boundary}: the store {store.path} stands in for "
+                f"them on its own fingerprint")
+    if suffix.prefix_digest == made_from:
+        return f"store {store.path} matches {model}'s layers below boundary {suffix.boundary}"
+    message = (f"store {store.path} was made from other weights than {model}'s layers below boundary "
+               f"{suffix.boundary} (prefix digest {made_from[:12]} in the store, {suffix.prefix_digest[:12]} in "
+               f"the model)")
+    if not config.run.trust_store:
+        raise storage.StaleStoreError(f"{message}; rebuild it with `preinfer cache`, or pass --trust-store")
+    return f"{message}; used anyway (--trust-store)"
+
+
+def train(config: Config, staged: preinfer.StagedModel, partition: Partition, active: int | None,
+          plan: SourcePlan, resume: bool, quiet: bool, notes: list[str] = ()) -> Trainer:
+    """Build the trainer (with its memory meter and progress display), resume if asked, and run it."""
+    torch.manual_seed(config.run.seed)
     ui = ProgressUI(config, quiet)
-    ui.note(partition.report())
-    trainer = Trainer(staged, partition, config, plan or live_sources(data, config), out, MemoryMeter(model),
-                      on_record=ui.record)
+    for note in [partition.report(), *notes]:
+        ui.note(note)
+    trainer = Trainer(staged, partition, config, plan, Path(config.run.out), MemoryMeter(staged.model),
+                      on_record=ui.record, active_block=active)
     if resume:
         trainer.resume()
     started = time.perf_counter()
     trainer.fit()
+    trainer.wall_s = time.perf_counter() - started
     ui.close()
-    return finish_run(trainer, out, time.perf_counter() - started)
+    return trainer
 
 
-def finish_run(trainer: Trainer, out: Path, wall_s: float) -> dict:
-    """Export, plot and summarise a finished run."""
-    model = trainer.staged.model
-    if hasattr(model, "save_pretrained"):
-        model.save_pretrained(out / "export")
-    records = read_metrics(out / "metrics.jsonl")
-    plot_losses({"BCD": records}, out / "loss.png", title=f"{trainer.config.model.name}: {out.name}")
+def finish_run(trainer: Trainer, out: Path, export: Callable[[Path], object]) -> dict:
+    """Export, plot and summarise a finished run (rank 0 writes; other ranks return the summary only)."""
     visits = trainer.progress.visits
     final = visits[-1]["eval_loss"] if visits else math.nan
     summary = {
@@ -108,10 +203,15 @@ def finish_run(trainer: Trainer, out: Path, wall_s: float) -> dict:
         "final_eval_ppl": math.exp(final) if final < 50 else math.inf,
         "tokens": trainer.progress.tokens,
         "steps": trainer.progress.global_step,
-        "wall_s": wall_s,
+        "wall_s": trainer.wall_s,
         "peak_memory": {k: max(v["memory"].get(k, 0) for v in visits) for k in visits[0]["memory"]} if visits else {},
         "visits": visits,
     }
+    if trainer.rank != 0:
+        return summary
+    export(out / "export")
+    records = read_metrics(out / "metrics.jsonl")
+    plot_losses({"BCD": records}, out / "loss.png", title=f"{trainer.config.model.name}: {out.name}")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
@@ -131,6 +231,18 @@ class ProgressUI:
 
     def record(self, record: dict) -> None:
         if self.quiet:
+            return
+        if record["kind"] == "cache":
+            self.close()
+            if record["how"] in ("input", "roll_forward"):
+                source = "the input" if record["how"] == "input" else f"the store at boundary {record['from']}"
+                tqdm.write(f"store at boundary {record['boundary']}: made from {source} in "
+                           f"{record['seconds']:.1f} s ({record['bytes'] / 2**20:.1f} MiB)")
+            return
+        if record["kind"] == "pre_inference":
+            self.close()
+            tqdm.write(f"block {record['block']}: {record['decision']} (pre-inference would save "
+                       f"{record['saving_s']:.1f} s over {record['steps']} steps)")
             return
         if record["kind"] == "visit":
             self.close()

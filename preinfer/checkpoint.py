@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, load_model, save_file, save_model
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from preinfer.errors import PreinferError
@@ -23,7 +23,7 @@ def save_checkpoint(path: Path, model: nn.Module, optimizers: dict[int, dict], t
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_model(model, str(tmp / WEIGHTS))
+    save_file(resident_state(model), str(tmp / WEIGHTS), metadata={"format": "pt"})
     tensors, optim_meta = {}, {}
     for block, state in optimizers.items():
         optim_meta[str(block)] = _flatten_optimizer(state, f"optim.{block}", tensors)
@@ -43,13 +43,42 @@ def load_checkpoint(path: Path, model: nn.Module) -> tuple[dict[int, dict], dict
     """Load weights into `model` and restore RNG states; returns (optimizer states by block, trainer state)."""
     if not (path / STATE).is_file():
         raise PreinferError(f"no checkpoint in {path} (expected {STATE}); start without --resume")
-    load_model(model, str(path / WEIGHTS))
+    load_resident_state(model, load_file(str(path / WEIGHTS)), path / WEIGHTS)
     tensors = load_file(str(path / TENSORS))
     meta = json.loads((path / STATE).read_text())
     torch.set_rng_state(tensors["rng.torch"])
     _restore_host_rng(meta["rng"])
     optimizers = {int(b): _unflatten_optimizer(m, f"optim.{b}", tensors) for b, m in meta["optimizers"].items()}
     return optimizers, meta["trainer"]
+
+
+def resident_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every stored tensor of the model that has storage (a suffix-only model's meta prefix is left out), each
+    once under its first name (a tied weight is saved once)."""
+    return {name: tensor.detach().contiguous() for name, tensor in _resident(model).items()}
+
+
+def _resident(model: nn.Module) -> dict[str, torch.Tensor]:
+    keys = set(model.state_dict().keys())
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    state: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in named:
+        if name in keys and id(tensor) not in seen and not tensor.is_meta:
+            seen.add(id(tensor))
+            state[name] = tensor
+    return state
+
+
+def load_resident_state(model: nn.Module, tensors: dict[str, torch.Tensor], source: Path) -> None:
+    """Copy saved tensors into the model in place; the saved names must be exactly the model's resident ones."""
+    expected = _resident(model)
+    if set(expected) != set(tensors):
+        extra, missing = sorted(set(tensors) - set(expected)), sorted(set(expected) - set(tensors))
+        raise PreinferError(f"{source} does not fit this model (unexpected {extra[:3]}, missing {missing[:3]})")
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            expected[name].copy_(tensor)
 
 
 def _flatten_optimizer(state_dict: dict, prefix: str, tensors: dict[str, torch.Tensor]) -> dict:

@@ -24,6 +24,8 @@ class DataConfig:
     batch_size: int = 8
     eval_fraction: float = 0.1
     eval_batches: int = 0  # 0: the whole eval split
+    max_samples: int = 0  # use only the first N samples of each split; 0: all
+    samples_per_shard: int = 0  # shard size of stores, which also shapes the sample order; 0: ~64 MiB of states
 
 
 @dataclass
@@ -34,8 +36,9 @@ class BlockConfig:
     separate_ends: bool = False  # embedding and head as blocks of their own
     order: str = "ascending"  # ascending, descending, random, fixed
     fixed_order: str | None = None  # e.g. "2,0,1" with order = "fixed"
-    start_block: int = 0
+    start_block: int | None = None  # the block every sweep begins with; None: the order's own first block
     sweeps: int = 1
+    active: str | None = None  # train only this inclusive layer range, e.g. "4-5"; the other blocks stay frozen
 
 
 @dataclass
@@ -67,7 +70,14 @@ class RunConfig:
     seed: int = 0
     checkpoint_every: int = 0  # optimizer steps between checkpoints; 0: after every visit only
     device: str = "cpu"
-    pre_inference: str = "off"  # off, on, auto (training from stores; see pipelines)
+    pre_inference: str = "auto"  # off, on, auto: train blocks above the input from stores of boundary states
+    store_dir: str | None = None  # where bcd keeps its stores; None: <out>/stores
+    store_format: str = "zarr"  # zarr or safetensors
+    store_dtype: str = "auto"  # auto (the compute dtype, bit-exact), float32, bfloat16, float16
+    keep_stores: bool = False  # keep stores that are no longer usable
+    dask: str | None = None  # build stores on a Dask cluster: local:N or tcp://host:port
+    store: str | None = None  # train from this cache directory (`preinfer train`)
+    trust_store: bool = False  # use the store even if the model's prefix differs from the one it was made from
 
 
 @dataclass

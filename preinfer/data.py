@@ -103,6 +103,10 @@ class TokenDataset:
     def seq_len(self) -> int:
         return self.input_ids.shape[1]
 
+    def head(self, n: int) -> TokenDataset:
+        """The first `n` samples as a dataset of their own (quick experiments, demos)."""
+        return TokenDataset(self.input_ids[:n], self.attention_mask[:n], self.labels[:n], self.source, self.split)
+
     @property
     def num_tokens(self) -> int:
         """Real (unpadded) tokens."""

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from preinfer.errors import UsageError
+from preinfer.partition import balanced_ranges
 
 GB = 10**9  # GPU memory is sold in decimal gigabytes (a "24 GB" RTX 4090 has 24e9 bytes, about 22.4 GiB)
 GIB = 2**30
@@ -264,14 +265,15 @@ class Block:
 
 
 def partition(m: ModelShape, blocks: int) -> list[Block]:
-    """`blocks` contiguous blocks of layers, sizes differing by at most one (the lower blocks get the extra)."""
+    """`blocks` contiguous blocks of layers balanced by parameter count, the embedding joining the first and the
+    head the last: the same blocks `preinfer bcd` trains (`preinfer.partition.balanced_ranges`)."""
     if not 1 <= blocks <= m.layers:
         raise UsageError(f"number of blocks must be between 1 and the model's {m.layers} layers, got {blocks}")
-    base, extra = divmod(m.layers, blocks)
-    bounds = [0]
-    for k in range(blocks):
-        bounds.append(bounds[-1] + base + (1 if k < extra else 0))
-    return [Block(bounds[k], bounds[k + 1], k == 0, k == blocks - 1) for k in range(blocks)]
+    sizes = [m.layer_params()] * m.layers
+    sizes[0] += m.embed_params()
+    sizes[-1] += m.head_params()
+    ranges = balanced_ranges(sizes, blocks)
+    return [Block(lo, hi, k == 0, k == blocks - 1) for k, (lo, hi) in enumerate(ranges)]
 
 
 def blocks_for_ufp(ufp: float, layers: int) -> int:

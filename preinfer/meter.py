@@ -84,8 +84,9 @@ class MemoryMeter:
             torch.cuda.reset_peak_memory_stats()
 
     def param_bytes(self) -> int:
-        """Bytes of every parameter of the model (tied parameters once)."""
-        return sum(tensor_bytes(p) for p in self.model.parameters())
+        """Bytes of every resident parameter of the model (tied parameters once; the meta-device prefix of a
+        suffix-only model has no storage and is not counted)."""
+        return sum(tensor_bytes(p) for p in self.model.parameters() if not p.is_meta)
 
     def grad_bytes(self) -> int:
         """Bytes of every `.grad` present in the model now."""

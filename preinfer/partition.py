@@ -49,7 +49,7 @@ class Block:
 class Partition:
     blocks: tuple[Block, ...]
     total_params: int
-    tied: tuple[tuple[str, int], ...]  # (names of one tied tensor, index of the block that owns it)
+    tied: tuple[tuple[str, int | None], ...]  # (names of a tied tensor, its block; None: frozen below the blocks)
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -60,7 +60,11 @@ class Partition:
         for b in self.blocks:
             share = b.num_params / self.total_params
             lines.append(f"  block {b.index}: {b.label:<28} {b.num_params:>12,} params  UFP {share:.3f}")
-        lines += [f"  tied weight {names} is owned by block {owner}" for names, owner in self.tied]
+        lines += [
+            f"  tied weight {names} is owned by block {owner}" if owner is not None
+            else f"  tied weight {names} belongs to the frozen prefix: it stays frozen in every block"
+            for names, owner in self.tied
+        ]
         return "\n".join(lines)
 
 
@@ -75,20 +79,25 @@ def parse_ufp(text: str) -> float:
     return value
 
 
-def parse_ranges(text: str, num_layers: int) -> list[tuple[int, int]]:
-    """`0-3,4-7` (inclusive layer ranges) -> [(0, 4), (4, 8)]; they must cover every layer exactly once."""
+def parse_ranges(text: str, num_layers: int, first: int = 0, cover: bool = True) -> list[tuple[int, int]]:
+    """`0-3,4-7` (inclusive layer ranges) -> [(0, 4), (4, 8)] within layers `first`..; with `cover` they must
+    cover those layers exactly once."""
     ranges = []
     for part in text.split(","):
-        first, sep, last = part.strip().partition("-")
+        head, sep, tail = part.strip().partition("-")
         try:
-            lo, hi = int(first), int(last if sep else first)
+            lo, hi = int(head), int(tail if sep else head)
         except ValueError:
             raise UsageError(f"--ranges part '{part}' is not a layer range such as 0-3") from None
         if lo > hi:
             raise UsageError(f"--ranges part '{part}' ends before it starts")
+        if lo < first or hi >= num_layers:
+            raise UsageError(f"layer range '{part}' is outside layers {first}-{num_layers - 1}")
         ranges.append((lo, hi + 1))
     ranges.sort()
-    expected = 0
+    if not cover:
+        return ranges
+    expected = first
     for lo, hi in ranges:
         if lo < expected:
             raise UsageError(f"--ranges '{text}': layer {lo} is in two ranges")
@@ -96,7 +105,7 @@ def parse_ranges(text: str, num_layers: int) -> list[tuple[int, int]]:
             raise UsageError(f"--ranges '{text}' skips layer {expected}")
         expected = hi
     if expected != num_layers:
-        raise UsageError(f"--ranges '{text}' must cover layers 0-{num_layers - 1}; it ends at layer {expected - 1}")
+        raise UsageError(f"--ranges '{text}' must cover layers {first}-{num_layers - 1}; it ends at layer {expected - 1}")
     return ranges
 
 
@@ -129,39 +138,46 @@ def make_partition(
     num_blocks: int | None = None,
     ranges: str | None = None,
     separate_ends: bool = False,
+    first_layer: int = 0,
 ) -> Partition:
     """Blocks by UFP (about that fraction of the parameters each), by count, or by explicit layer ranges.
 
     The embedding joins the first block and the head the last unless `separate_ends`, which makes them blocks
     of their own (then `ufp`/`num_blocks` split the layers alone). A tied weight belongs to the first block
-    that uses it (GPT-2's `wte`/`lm_head`: the block holding the embedding).
+    that uses it (GPT-2's `wte`/`lm_head`: the block holding the embedding). With `first_layer = k > 0` only
+    layers >= k and the head are partitioned (training from a store at boundary k): everything below, a tied
+    embedding included, stays frozen.
     """
     if sum(x is not None for x in (ufp, num_blocks, ranges)) != 1:
         raise UsageError("give exactly one of --ufp, --blocks, --ranges")
     units = staged.units()
     owned = _owned_params(units)
     sizes = [sum(p.numel() for p in params) for params in owned]
-    L = staged.num_layers
+    L, lo = staged.num_layers, first_layer
     if ranges is not None:
-        layer_ranges = parse_ranges(ranges, L)
+        layer_ranges = parse_ranges(ranges, L, first=lo)
+    elif lo == L:
+        layer_ranges = []
     else:
         count = num_blocks if num_blocks is not None else math.ceil(1 / ufp - 1e-9)
-        if not 1 <= count <= L:
-            raise UsageError(f"cannot make {count} blocks from {L} layers (blocks are whole layers)")
-        layer_sizes = sizes[1:-1]
+        if not 1 <= count <= L - lo:
+            raise UsageError(f"cannot make {count} blocks from {L - lo} layers (blocks are whole layers)")
+        layer_sizes = sizes[lo + 1 : L + 1]
         if not separate_ends:
-            layer_sizes[0] += sizes[0]
+            layer_sizes[0] += sizes[0] if lo == 0 else 0
             layer_sizes[-1] += sizes[-1]
-        layer_ranges = balanced_ranges(layer_sizes, count)
-    groups = [list(range(lo + 1, hi + 1)) for lo, hi in layer_ranges]
-    if separate_ends:
-        groups = [[0], *groups, [L + 1]]
+        layer_ranges = [(a + lo, b + lo) for a, b in balanced_ranges(layer_sizes, count)]
+    groups = [list(range(a + 1, b + 1)) for a, b in layer_ranges]
+    if separate_ends or not groups:
+        groups = ([[0]] if lo == 0 else []) + groups + [[L + 1]]
     else:
-        groups[0].insert(0, 0)
+        if lo == 0:
+            groups[0].insert(0, 0)
         groups[-1].append(L + 1)
     blocks = tuple(_block(index, group, units, owned, L) for index, group in enumerate(groups))
     block_of_unit = {unit: b for b, group in enumerate(groups) for unit in group}
-    return Partition(blocks, sum(sizes), _tied(staged.model, units, block_of_unit))
+    total = sum(sizes[u] for group in groups for u in group)
+    return Partition(blocks, total, _tied(staged.model, units, block_of_unit))
 
 
 def _block(index: int, group: list[int], units: list[Unit], owned: list[list[nn.Parameter]], L: int) -> Block:
@@ -189,7 +205,7 @@ def _owned_params(units: list[Unit]) -> list[list[nn.Parameter]]:
     return owned
 
 
-def _tied(model: nn.Module, units: list[Unit], block_of_unit: dict[int, int]) -> tuple[tuple[str, int], ...]:
+def _tied(model: nn.Module, units: list[Unit], block_of_unit: dict[int, int]) -> tuple[tuple[str, int | None], ...]:
     """For each tensor used by more than one unit: its names and the block that owns (trains) it."""
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -201,7 +217,7 @@ def _tied(model: nn.Module, units: list[Unit], block_of_unit: dict[int, int]) ->
             first_unit.setdefault(id(p), u)
             users.setdefault(id(p), set()).add(u)
     return tuple(
-        (" = ".join(names.get(pid, ["?"])), block_of_unit[first_unit[pid]])
+        (" = ".join(names.get(pid, ["?"])), block_of_unit.get(first_unit[pid]))
         for pid, used_by in users.items()
         if len(used_by) > 1
     )

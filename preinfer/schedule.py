@@ -25,15 +25,15 @@ def sweep_order(
     num_blocks: int,
     sweep: int,
     seed: int = 0,
-    start_block: int = 0,
+    start_block: int | None = None,
     fixed: list[int] | None = None,
 ) -> list[int]:
-    """The blocks visited in sweep number `sweep`, every block once, beginning with `start_block`.
+    """The blocks visited in sweep number `sweep`, every block once, beginning with `start_block` if given.
 
     ascending / descending / fixed orders are rotated to begin at the start block; random reshuffles every
     sweep (seeded by `seed` and the sweep number) and then moves the start block to the front.
     """
-    if not 0 <= start_block < num_blocks:
+    if start_block is not None and not 0 <= start_block < num_blocks:
         raise UsageError(f"--start-block {start_block} is outside blocks 0-{num_blocks - 1}")
     if order == "ascending":
         base = list(range(num_blocks))
@@ -46,9 +46,11 @@ def sweep_order(
     elif order == "random":
         base = list(range(num_blocks))
         random.Random(f"{seed}:{sweep}").shuffle(base)
+        if start_block is None:
+            return base
         base.remove(start_block)
         return [start_block, *base]
     else:
         raise UsageError(f"--order '{order}' is not one of {', '.join(ORDERS)}")
-    at = base.index(start_block)
+    at = 0 if start_block is None else base.index(start_block)
     return base[at:] + base[:at]

@@ -42,6 +42,10 @@ class StagedModel(ABC):
         return len(self.layers)
 
     @property
+    def hidden_size(self) -> int:
+        return self.embed_modules()[0].weight.shape[1]
+
+    @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype of the head's weights: what hidden states are cast to when read from a store."""
         return next(p for m in self.head_modules() for p in m.parameters()).dtype
@@ -95,6 +99,10 @@ class StagedModel(ABC):
     def shared_modules(self) -> tuple[nn.Module, ...]:
         """Modules every layer uses (e.g. the rotary embedding), owned by no block."""
         return ()
+
+    def rebuild_shared_modules(self) -> None:
+        """Recompute shared modules from the config (after building on the meta device); their tensors are
+        derived, not stored."""
 
     @abstractmethod
     def embed_modules(self) -> tuple[nn.Module, ...]: ...
@@ -161,6 +169,10 @@ class LlamaFamily(StagedModel):
 
     def shared_modules(self) -> tuple[nn.Module, ...]:
         return (self.model.model.rotary_emb,)
+
+    def rebuild_shared_modules(self) -> None:
+        rotary = self.model.model.rotary_emb
+        self.model.model.rotary_emb = type(rotary)(config=self.config)
 
     def _embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         return self.model.model.embed_tokens(input_ids)

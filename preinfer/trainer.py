@@ -38,7 +38,15 @@ class SourcePlan(Protocol):
         ...
 
     def visit_finished(self, block: Block) -> None:
-        """Called after each visit (e.g. to roll a store forward past the block just trained)."""
+        """Called after each visit (e.g. to drop stores the block made stale)."""
+        ...
+
+    def sweep_started(self, blocks: list[Block]) -> None:
+        """Called before the first visit of each sweep with the blocks it will visit, in order."""
+        ...
+
+    def attach(self, emit: Callable[[dict], None]) -> None:
+        """Receive the trainer's record writer (metrics.jsonl and progress display)."""
         ...
 
 
@@ -55,6 +63,12 @@ class LiveSources:
     def visit_finished(self, block: Block) -> None:
         pass
 
+    def sweep_started(self, blocks: list[Block]) -> None:
+        pass
+
+    def attach(self, emit: Callable[[dict], None]) -> None:
+        pass
+
 
 @dataclass
 class Progress:
@@ -65,7 +79,7 @@ class Progress:
     visit_step: int = 0
     global_step: int = 0
     tokens: int = 0
-    cursor: dict = field(default_factory=lambda: {"epoch": 0, "position": 0})
+    cursor: dict | None = None  # the training source's state_dict; None: the start of the data
     stop: dict | None = None
     visits: list[dict] = field(default_factory=list)  # one record per finished visit
 
@@ -80,6 +94,7 @@ class Trainer:
         run_dir: Path | None = None,
         meter=None,
         on_record: Callable[[dict], None] | None = None,
+        active_block: int | None = None,
     ):
         self.staged, self.partition, self.config, self.plan = staged, partition, config, plan
         self.run_dir, self.meter, self.on_record = run_dir, meter, on_record
@@ -90,10 +105,15 @@ class Trainer:
         self.fixed = parse_fixed_order(config.blocks.fixed_order, len(partition)) if config.blocks.fixed_order else None
         self.optimizer_states: dict[int, dict] = {}  # kept per block with optim.keep_state
         self.progress = Progress()
+        self.active_block = active_block
+        self.wall_s = 0.0  # time spent in fit()
+        plan.attach(self.emit)
 
     def order(self, sweep: int) -> list[int]:
+        """The blocks this sweep visits (with `active_block` set, only that one)."""
         b = self.config.blocks
-        return sweep_order(b.order, len(self.partition), sweep, self.config.run.seed, b.start_block, self.fixed)
+        order = sweep_order(b.order, len(self.partition), sweep, self.config.run.seed, b.start_block, self.fixed)
+        return [i for i in order if self.active_block is None or i == self.active_block]
 
     def resume(self) -> None:
         """Continue from the run directory's checkpoint."""
@@ -112,6 +132,8 @@ class Trainer:
         p = self.progress
         while p.sweep < self.config.blocks.sweeps:
             order = self.order(p.sweep)
+            if p.visit == 0:
+                self.plan.sweep_started([self.partition.blocks[i] for i in order])
             while p.visit < len(order):
                 block = self.partition.blocks[order[p.visit]]
                 if not self._visit(block, max_total_steps):
@@ -126,7 +148,8 @@ class Trainer:
         """Train `block` until its stopping rule fires; False if the run was halted by `max_total_steps`."""
         p, cfg = self.progress, self.config
         train, evaluation = self.plan.sources(block)
-        train.load_state_dict(p.cursor)
+        if p.cursor is not None:
+            train.load_state_dict(p.cursor)
         optimizer = self._activate(block)
         stop = StopRule.for_visit(cfg.stop, -(-train.batches_per_epoch // cfg.optim.grad_accum))
         if p.stop is not None:
@@ -150,7 +173,7 @@ class Trainer:
                 "visit_step": p.visit_step, "loss": loss, "lr": optimizer.param_groups[0]["lr"],
                 "tokens": p.tokens, "tokens_per_s": tokens / max(wait["step_s"], 1e-9), "wait_s": wait["wait_s"],
             }
-            self._emit(record)
+            self.emit(record)
             every = cfg.run.checkpoint_every
             if every and p.global_step % every == 0 and reason is None:
                 self._save_visit_state(train, optimizer, block, stop)
@@ -166,11 +189,11 @@ class Trainer:
             "memory": self.meter.report() if self.meter is not None else {},
         }
         p.visits.append(visit)
-        self._emit(visit)
+        self.emit(visit)
         self.plan.visit_finished(block)
         return True
 
-    def _emit(self, record: dict) -> None:
+    def emit(self, record: dict) -> None:
         self.log.write(record)
         if self.on_record is not None:
             self.on_record(record)
@@ -277,7 +300,7 @@ def batch_state(staged: StagedModel, batch: dict[str, torch.Tensor], boundary: i
 @torch.no_grad()
 def evaluate(staged: StagedModel, source: BatchSource, device: torch.device, max_batches: int | None = None) -> float:
     """Mean next-token loss over every supervised token of the source's eval pass (or its first batches)."""
-    was_training = staged.model.training
+    modes = [(module, module.training) for module in staged.model.modules()]
     staged.model.eval()
     total, count = 0.0, 0
     for index, batch in enumerate(source.one_pass()):
@@ -287,7 +310,8 @@ def evaluate(staged: StagedModel, source: BatchSource, device: torch.device, max
         out = staged.run(state, source.boundary, staged.num_layers)
         total += causal_lm_loss(staged.logits(out), out.labels, reduction="sum").item()
         count += supervised_tokens(out.labels)
-    staged.model.train(was_training)
+    for module, training in modes:  # mid-visit, the frozen prefix stays in eval mode
+        module.training = training
     return total / max(count, 1)
 
 

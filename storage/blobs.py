@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import fsspec
+import numpy as np
 
 from storage.errors import StorageError
 
@@ -41,6 +42,10 @@ class Blobs:
     def read(self, key: str) -> bytes:
         """The bytes of `key` (FileNotFoundError if absent)."""
         raise NotImplementedError
+
+    def read_buffer(self, key: str) -> np.ndarray:
+        """The bytes of `key` as a writable uint8 array that the caller owns (tensors may view it without a copy)."""
+        return np.frombuffer(bytearray(self.read(key)), dtype=np.uint8)
 
     def write(self, key: str, data: bytes) -> None:
         """Publish `data` under `key` atomically: readers see the old blob, or all of the new one."""
@@ -82,6 +87,19 @@ class LocalBlobs(Blobs):
 
     def read(self, key: str) -> bytes:
         return (self.root / key).read_bytes()
+
+    def read_buffer(self, key: str) -> np.ndarray:
+        """One sequential read straight into a fresh (not zero-filled) buffer: no intermediate bytes object."""
+        with open(self.root / key, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            buf = np.empty(size, dtype=np.uint8)
+            view, done = memoryview(buf), 0
+            while done < size:
+                got = f.readinto(view[done:])
+                if not got:  # the file shrank under us: hand back what is there, the size check reports it
+                    return buf[:done]
+                done += got
+        return buf
 
     def write(self, key: str, data: bytes) -> None:
         path = self.root / key

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import numpy as np
 import torch
 
+from storage.dtypes import to_numpy
 from storage.errors import StorageError
 
 if TYPE_CHECKING:
@@ -161,15 +162,31 @@ class Reader:
         parts = [(load(shard), idx) for shard, idx in pieces]
         batch = {}
         for name in self.fields:
-            chunks = [self._take(data[name], idx) for data, idx in parts]
-            tensor = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+            tensor = self._gather([(data[name], idx) for data, idx in parts])
             batch[name] = tensor.pin_memory() if self.pin_memory else tensor
         return batch
 
-    def _take(self, tensor: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
-        if not self.shuffle:  # sequential order: indices are a contiguous range, take a view
+    def _gather(self, parts: list[tuple[torch.Tensor, np.ndarray]]) -> torch.Tensor:
+        """The rows `idx` of each tensor, concatenated into one new tensor (a view for one sequential piece).
+
+        Rows are copied by numpy straight into the batch (one thread, GIL released): torch's index_select and
+        cat run on the intra-op thread pool, which fights the decoding threads and the trainer for the cores."""
+        if not self.shuffle and len(parts) == 1:  # sequential order: indices are a contiguous range, take a view
+            tensor, idx = parts[0]
             return tensor[int(idx[0]) : int(idx[-1]) + 1]
-        return tensor.index_select(0, torch.from_numpy(idx))
+        first = parts[0][0]
+        if not all(t.is_contiguous() and t.device.type == "cpu" for t, _ in parts):
+            chunks = [t.index_select(0, torch.from_numpy(idx)) for t, idx in parts]
+            return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+        out = torch.empty((sum(len(idx) for _, idx in parts), *first.shape[1:]), dtype=first.dtype)
+        target, row = to_numpy(out), 0
+        for tensor, idx in parts:
+            if len(idx) and not 0 <= int(idx.min()) <= int(idx.max()) < len(tensor):
+                raise StorageError(f"reader of {self.store.path}: sample index out of range of its shard")
+            # mode="clip" (indices checked above): with mode="raise", numpy copies through a temporary buffer.
+            np.take(to_numpy(tensor), idx, axis=0, out=target[row : row + len(idx)], mode="clip")
+            row += len(idx)
+        return out
 
     def _prefetched(self, epoch: int, first: int) -> Iterator[dict[str, torch.Tensor]]:
         """Batches assembled by a background thread; shards decoded `threads` at a time, ahead of use."""

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import math
+import sys
+from dataclasses import dataclass
+
+import google_crc32c
+import numcodecs.blosc
+import numcodecs.zstd
+import numpy as np
 import torch
 import zarr
+from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec, ShardingCodecIndexLocation, ZstdCodec
 
 from storage.codecs import zarr_compressors
-from storage.dtypes import from_numpy, numpy_dtype, to_numpy
+from storage.dtypes import from_numpy, numpy_dtype, to_numpy, torch_dtype
 from storage.errors import CorruptStoreError
 from storage.store import Store
 
@@ -20,6 +29,59 @@ def chunk_samples(samples_per_shard: int, sample_bytes: int, target: int = CHUNK
     return max(fitting, default=1)
 
 
+def layout_chunk_samples(codec: str, samples_per_shard: int, sample_bytes: int) -> int:
+    """Samples per chunk of a new array: codec none keeps one chunk per shard (its data is then one contiguous run
+    of the shard file, read without a copy); compressed codecs use ~CHUNK_BYTES chunks."""
+    return samples_per_shard if codec == "none" else chunk_samples(samples_per_shard, sample_bytes)
+
+
+# An index entry of a chunk the shard does not hold (zarr writes no chunk that equals the fill value).
+_NO_CHUNK = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """What reading a zarr shard file directly needs: chunk grid, inner compressor, item layout."""
+
+    chunk_samples: int
+    chunks_per_shard: int
+    chunk_bytes: int
+    compressor: str  # "none", "blosc" or "zstd"
+
+
+def shard_layout(array: zarr.Array) -> ShardLayout | None:
+    """The layout of `array`'s shards if it is one this module decodes itself (the one create_store writes:
+    sharding with an index at the end, chunks split along samples only, bytes -> [blosc | zstd] -> crc32c,
+    fill value 0, little-endian host), else None (such arrays are read through zarr)."""
+    meta = array.metadata
+    codecs = getattr(meta, "codecs", ())
+    if sys.byteorder != "little" or len(codecs) != 1 or not isinstance(codecs[0], ShardingCodec):
+        return None
+    sharding = codecs[0]
+    inner, index = list(sharding.codecs), list(sharding.index_codecs)
+    little = ("little", None)
+    if (
+        sharding.index_location != ShardingCodecIndexLocation.end
+        or len(index) != 2 or not isinstance(index[0], BytesCodec) or not isinstance(index[1], Crc32cCodec)
+        or not 2 <= len(inner) <= 3 or not isinstance(inner[0], BytesCodec) or not isinstance(inner[-1], Crc32cCodec)
+        or getattr(inner[0].endian, "value", inner[0].endian) not in little
+        or not np.all(np.asarray(array.fill_value) == 0)
+    ):
+        return None
+    compressor = "none"
+    if len(inner) == 3:
+        if not isinstance(inner[1], (BloscCodec, ZstdCodec)):
+            return None
+        compressor = "blosc" if isinstance(inner[1], BloscCodec) else "zstd"
+    shard_shape, chunk_shape = tuple(meta.chunk_grid.chunk_shape), tuple(sharding.chunk_shape)
+    if chunk_shape[1:] != shard_shape[1:] or shard_shape[0] % chunk_shape[0]:
+        return None
+    return ShardLayout(
+        chunk_samples=chunk_shape[0], chunks_per_shard=shard_shape[0] // chunk_shape[0],
+        chunk_bytes=math.prod(chunk_shape) * array.dtype.itemsize, compressor=compressor,
+    )
+
+
 class ZarrStore(Store):
     """Fields as zarr v3 arrays under `data/`, sharded by store shard, every chunk CRC32C-checked."""
 
@@ -31,7 +93,7 @@ class ZarrStore(Store):
         per_shard = self.samples_per_shard
         for name, spec in self.fields.items():
             dtype = numpy_dtype(spec.dtype)
-            chunk = chunk_samples(per_shard, spec.sample_bytes)
+            chunk = layout_chunk_samples(self.codec["name"], per_shard, spec.sample_bytes)
             zarr.create_array(
                 zstore, name=name, shape=(self.num_samples, *spec.shape), dtype=dtype,
                 chunks=(chunk, *spec.shape), shards=(per_shard, *spec.shape),
@@ -56,7 +118,10 @@ class ZarrStore(Store):
                     f"store {self.path}: zarr array {name!r} has shape {array.shape} and dtype {array.dtype}, the "
                     f"manifest says {expected[0]} and {expected[1]}; rebuild the store"
                 )
-            self._arrays[name] = array
+            # Every chunk is stored, also one that equals the fill value: zarr would otherwise write no file at all
+            # for a shard of zeros (an all-False mask), and a shard must have its files to be complete.
+            self._arrays[name] = array.with_config({"write_empty_chunks": True})
+        self._layouts = {name: shard_layout(array) for name, array in self._arrays.items()}
 
     def _shard_key(self, name: str, i: int) -> str:
         coords = (i,) + (0,) * len(self.fields[name].shape)
@@ -74,4 +139,64 @@ class ZarrStore(Store):
 
     def _read_data(self, i: int, names: list[str]) -> dict[str, torch.Tensor]:
         start, stop = self.shard_range(i)
-        return {name: from_numpy(self._arrays[name][start:stop], self.fields[name].dtype) for name in names}
+        return {
+            name: self._read_direct(i, name) if self._layouts[name] is not None
+            else from_numpy(self._arrays[name][start:stop], self.fields[name].dtype)
+            for name in names
+        }
+
+    def _read_direct(self, i: int, name: str) -> torch.Tensor:
+        """Field `name` of shard `i` from one sequential read of its zarr shard file, decoded here (zarr's format:
+        chunks, each followed by its CRC32C, then the index of (offset, nbytes) and the index's CRC32C).
+
+        Every byte used is checked as zarr would: the index and each chunk against their CRC32C. (A CRC32C over the
+        whole file would not do: a CRC over data followed by its own CRC is a constant, so such a file CRC only
+        depends on the index.) Codec none with one chunk per shard returns a view of the read buffer."""
+        start, stop = self.shard_range(i)
+        spec, layout, key = self.fields[name], self._layouts[name], self._shard_key(name, i)
+        buf = self._blobs.read_buffer(key)
+        info = self._record(i)["files"][key]
+        if len(buf) != info["size"]:
+            raise self._corrupt(i, f"file {key} has {len(buf)} bytes, expected {info['size']} (truncated)", name)
+
+        def crc_ok(data: np.ndarray, trailer: np.ndarray) -> bool:
+            return google_crc32c.value(data) == int.from_bytes(trailer.tobytes(), "little")
+
+        n, size = layout.chunks_per_shard, layout.chunk_bytes
+        if len(buf) < 16 * n + 4 or not crc_ok(buf[len(buf) - 4 - 16 * n : -4], buf[-4:]):
+            raise self._corrupt(i, f"the shard index of file {key} fails its CRC32C", name)
+        n, size = layout.chunks_per_shard, layout.chunk_bytes
+        index = buf[len(buf) - 4 - 16 * n : len(buf) - 4].view("<u8").reshape(n, 2)
+        dtype, shape = torch_dtype(spec.dtype), (layout.chunk_samples * n, *spec.shape)
+        count = stop - start
+        if layout.compressor == "none" and n == 1 and index[0, 0] != _NO_CHUNK:
+            offset, nbytes = int(index[0, 0]), int(index[0, 1])
+            if nbytes != size + 4 or offset + nbytes > len(buf):
+                raise self._corrupt(i, f"chunk of {nbytes} bytes in {key}, expected {size + 4}", name)
+            if not crc_ok(buf[offset : offset + size], buf[offset + size : offset + nbytes]):
+                raise self._corrupt(i, f"chunk 0 of file {key} fails its CRC32C", name)
+            return torch.from_numpy(buf[offset : offset + size]).view(dtype).view(shape)[:count]
+        out = torch.empty(shape, dtype=dtype)
+        dest = out.view(-1).view(torch.uint8).numpy()
+        for j in range(min(n, -(-count // layout.chunk_samples))):  # chunks past the array's end are never written
+            target = dest[j * size : (j + 1) * size]
+            offset, nbytes = int(index[j, 0]), int(index[j, 1])
+            if offset == _NO_CHUNK:
+                target.fill(0)  # a chunk equal to the fill value (0) is not stored
+                continue
+            if offset + nbytes > len(buf) or nbytes < 4:
+                raise self._corrupt(i, f"chunk {j} of {key} lies outside the file", name)
+            raw = buf[offset : offset + nbytes - 4]
+            if not crc_ok(raw, buf[offset + nbytes - 4 : offset + nbytes]):
+                raise self._corrupt(i, f"chunk {j} of file {key} fails its CRC32C", name)
+            if layout.compressor == "none":
+                if len(raw) != size:
+                    raise self._corrupt(i, f"chunk {j} of {key} has {len(raw)} bytes, expected {size}", name)
+                target[:] = raw
+            elif layout.compressor == "blosc":
+                if len(raw) < 16 or int.from_bytes(raw[4:8].tobytes(), "little") != size:
+                    raise self._corrupt(i, f"chunk {j} of {key} does not decode to {size} bytes", name)
+                numcodecs.blosc.decompress(raw, target)
+            else:
+                numcodecs.zstd.decompress(raw, target)
+        return out[:count]

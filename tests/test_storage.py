@@ -339,3 +339,80 @@ def test_storage_is_model_free_and_pickle_free():
         text = source.read_text()
         for forbidden in (r"\b(import|from) (preinfer|pipelines)\b", r"pickle", r"(?<![\w.])torch\.load\("):
             assert not re.search(forbidden, text), (source.name, forbidden)
+
+
+# ---- direct reads of zarr shard files (one sequential read, whole-file CRC32C, decoded by storage) ----------------
+def _wide_store(path: str, codec, num_samples: int = 11) -> storage.Store:
+    fields = {"bf16": ((3, 5), torch.bfloat16), "f32": ((2,), torch.float32), "b": ((3,), torch.bool)}
+    return create_store(path, fields=fields, num_samples=num_samples, samples_per_shard=4, fingerprint=FP,
+                        codec=codec)
+
+
+@pytest.mark.parametrize("where", ["local", "url"])
+@pytest.mark.parametrize("codec", [None, "zstd", "none", "blosc-lz4"])
+@pytest.mark.parametrize("chunk", [None, 1, 2])  # None: the layout create_store picks; 1, 2: several chunks a shard
+def test_zarr_direct_read_equals_zarr(tmp_path, monkeypatch, where, codec, chunk):
+    import zarr
+
+    import storage.zarr_backend as zb
+
+    if chunk is not None:  # also how stores made with another chunking (e.g. older ones) are laid out
+        monkeypatch.setattr(zb, "layout_chunk_samples", lambda codec, per_shard, sample_bytes: chunk)
+    store = _wide_store(make_path(tmp_path, "zarr", where), codec)
+    fill(store, [0, 2])
+    zeros = {name: torch.zeros_like(t) for name, t in shard_data(store, 1).items()}
+    store.write_shard(1, zeros)  # every chunk equals the fill value: still stored, still read back
+    store.finalize()
+    reopened = open_store(store.path)
+    for i in range(3):
+        assert all(reopened._layouts[name] is not None for name in reopened.fields)  # read by _read_direct
+        got = reopened.read_shard(i)
+        start, stop = reopened.shard_range(i)
+        expected = zeros if i == 1 else shard_data(reopened, i)
+        for name in reopened.fields:
+            assert bits_equal(got[name], expected[name]), (codec, chunk, name, i)
+            plain = zarr.open_array(reopened._blobs.zarr_store("data"), path=name, mode="r")[start:stop]
+            assert bits_equal(storage.dtypes.from_numpy(plain, reopened.fields[name].dtype), got[name])
+    assert verify(store.path).ok
+
+
+def test_codec_none_has_one_chunk_per_shard_and_reads_without_a_copy(tmp_path):
+    import zarr
+
+    path, store = finished(tmp_path, "zarr", "none")
+    array = zarr.open_array(str(tmp_path / "s" / "data"), path="hidden", mode="r")
+    assert array.metadata.to_dict()["codecs"][0]["configuration"]["chunk_shape"][0] == store.samples_per_shard
+    reopened, buffers = open_store(path), []
+    read_buffer = reopened._blobs.read_buffer
+    reopened._blobs.read_buffer = lambda key: buffers.append(read_buffer(key)) or buffers[-1]
+    got = reopened.read_shard(0, ["hidden"])["hidden"]
+    assert got.data_ptr() == buffers[0].ctypes.data  # a view of the file's bytes as read
+
+
+def test_swapped_zarr_shard_files_are_caught(tmp_path):
+    path, _ = finished(tmp_path, "zarr", "none")
+    shard_file(path, "zarr", 1).write_bytes(shard_file(path, "zarr", 0).read_bytes())  # same size, valid chunk CRCs
+    with pytest.raises(CorruptStoreError, match=r"shard 1 \(samples 4\.\.8\) is corrupt: checksum of the decoded"):
+        open_store(path).read_shard(1)
+    assert [p.shard for p in verify(path).bad] == [1]
+
+
+@pytest.mark.parametrize("codec", [None, "none"])
+@pytest.mark.parametrize("offset", [0, 40, -30, -2])  # first chunk, inside data, the index, the index's CRC32C
+def test_flipped_byte_names_the_failing_crc(tmp_path, codec, offset):
+    path, _ = finished(tmp_path, "zarr", codec)
+    target = shard_file(path, "zarr", 1)
+    raw = bytearray(target.read_bytes())
+    raw[offset] ^= 0x01
+    target.write_bytes(bytes(raw))
+    with pytest.raises(CorruptStoreError, match=r"field 'hidden' of shard 1 \(samples 4\.\.8\) is corrupt: .*fails its CRC32C"):
+        open_store(path).read_shard(1)
+
+
+def test_all_zero_shard_is_written_on_zarr(tmp_path):
+    store = small_store(str(tmp_path / "s"))
+    fill(store, [0, 2])
+    zeros = {name: torch.zeros_like(t) for name, t in shard_data(store, 1).items()}
+    store.write_shard(1, zeros)  # zarr skips chunks equal to the fill value unless told otherwise
+    store.finalize()
+    assert all(torch.equal(t, zeros[k]) for k, t in open_store(store.path).read_shard(1).items())

@@ -1,0 +1,387 @@
+"""Quality of BCD against full-parameter Adam: eval loss and perplexity on the default corpus, small-llama, one seed.
+
+Methods (each in its own subprocess, trained with the real `preinfer.trainer.Trainer` on live token batches):
+  full-adam  full-parameter Adam, lr 2e-3, betas (0.9, 0.95), 40 warmup steps, gradient clipping at 1.0
+  bcd-adam   BCD-Adam at UFP 1/3 (3 blocks, ascending sweeps), the same Adam settings, 10 warmup steps per visit
+             (each visit builds a fresh optimizer, as the paper's BCD does)
+  bcd-sgd    BCD-SGD at UFP 1/3 with the paper's defaults: lr 0.1, momentum 0.9, weight decay 1e-5, no warmup,
+             no clipping
+  (optional, --sgd-lr X) bcd-sgd-tuned: the same with lr X
+
+Fairness: every method gets the same token budget (--epochs, default 2 epochs of the training split);
+bcd-adam then continues to --bcd-adam-factor times that budget (default 2x) to measure how many epochs it needs
+to reach full Adam's final eval loss (the paper reports 2.2x at UFP 1/3). Its equal-budget figures are read at
+the budget. The eval loss is measured on the whole held-out split every --eval-every optimizer steps (a whole
+visit for BCD); evaluation time is excluded from the wall times.
+
+    python bench/quality.py            # 27 min of CPU: about 14 min on 2 free cores (40 min on a loaded machine)
+    python bench/quality.py --quick    # tiny-llama, a few steps (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+TARGET_REL = 0.03  # BCD-Adam's final eval loss within 3% of full Adam's
+PAPER = dict(ppl_full_adam=6.59, ppl_bcd_adam=6.62, epochs_ratio_ufp_1_3=2.2)
+ADAM = dict(name="adam", lr=2e-3, betas=[0.9, 0.95], weight_decay=0.0, grad_clip=1.0)
+SGD = dict(name="sgd", lr=0.1, momentum=0.9, weight_decay=1e-5, grad_clip=0.0)  # the paper's defaults
+
+
+def method_overrides(name: str, args: argparse.Namespace, steps: int) -> dict:
+    """Config overrides of one method trained for `steps` optimizer steps."""
+    per_visit = args.steps_per_visit
+    if name == "full-adam":
+        return dict(optim=dict(**ADAM, warmup_steps=args.full_warmup), stop=dict(steps_per_visit=steps),
+                    blocks=dict(ufp="1", sweeps=1), run=dict(mode="full"))
+    sweeps = max(1, round(steps / (3 * per_visit)))
+    bcd = dict(blocks=dict(ufp="1/3", sweeps=sweeps, order="ascending"), stop=dict(steps_per_visit=per_visit),
+               run=dict(mode="bcd"))
+    if name == "bcd-adam":
+        return dict(optim=dict(**ADAM, warmup_steps=args.visit_warmup), **bcd)
+    if name == "bcd-sgd":
+        return dict(optim=dict(**SGD, warmup_steps=0), **bcd)
+    if name == "bcd-sgd-tuned":
+        return dict(optim=dict(**{**SGD, "lr": args.sgd_lr}, warmup_steps=0), **bcd)
+    raise SystemExit(f"unknown method '{name}'")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The worker: one method in one process.
+
+
+def run_method(args: argparse.Namespace, name: str, steps: int, run_dir: Path) -> dict:
+    """Train one method with the real Trainer, evaluating on the whole eval split every `eval_every` steps."""
+    import preinfer
+    from pipelines.models import resolve_model
+    from pipelines.training import live_sources, load_datasets, prepare_run_dir, samples_per_shard
+    from preinfer.config import load_config
+    from preinfer.meter import MemoryMeter
+    from preinfer.partition import make_partition, parse_ufp
+    from preinfer.trainer import Trainer, evaluate
+
+    overrides = method_overrides(name, args, steps)
+    overrides["model"] = dict(name=args.model)
+    overrides["data"] = dict(seq_len=args.seq_len, batch_size=args.batch_size, eval_batches=1)
+    overrides["run"] = {**overrides["run"], "seed": args.seed, "out": str(run_dir)}
+    config = load_config(overrides=overrides)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    prepare_run_dir(run_dir, config, resume=False)
+    torch.manual_seed(config.run.seed)
+    data = load_datasets(config)
+    model = resolve_model(config.model.name, seed=config.run.seed)
+    staged = preinfer.stage(model)
+    if config.run.mode == "full":
+        partition = make_partition(staged, num_blocks=1)
+    else:
+        partition = make_partition(staged, ufp=parse_ufp(config.blocks.ufp))
+    sources = live_sources(data, config, samples_per_shard(config, staged))
+    device = torch.device("cpu")
+    tokens_per_epoch = len(data.train) * config.data.seq_len
+    curve: list[dict] = []
+    clock = dict(start=time.perf_counter(), eval_s=0.0)
+
+    def measure(step: int, tokens: int) -> None:
+        t0 = time.perf_counter()
+        train_wall = t0 - clock["start"] - clock["eval_s"]
+        loss = evaluate(staged, sources.eval, device, args.eval_batches or None)  # 0: the whole eval split
+        clock["eval_s"] += time.perf_counter() - t0
+        curve.append(dict(step=step, tokens=tokens, epochs=tokens / tokens_per_epoch, eval_loss=loss,
+                          train_wall_s=train_wall))
+        print(f"[{name}] step {step} tokens {tokens} eval {loss:.4f}", flush=True)
+
+    def on_record(record: dict) -> None:
+        if record["kind"] == "step" and record["step"] % args.eval_every == 0:
+            measure(record["step"], record["tokens"])
+
+    measure(0, 0)
+    trainer = Trainer(staged, partition, config, sources, run_dir, MemoryMeter(model), on_record=on_record)
+    trainer.fit()
+    p = trainer.progress
+    if not curve or curve[-1]["step"] != p.global_step:
+        measure(p.global_step, p.tokens)
+    (run_dir / "eval.jsonl").write_text("".join(json.dumps(c) + "\n" for c in curve))
+    return dict(method=name, config=config.to_dict(), partition=partition.report(), steps=p.global_step,
+                tokens=p.tokens, tokens_per_epoch=tokens_per_epoch, curve=curve,
+                train_wall_s=time.perf_counter() - clock["start"] - clock["eval_s"], eval_s=clock["eval_s"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Analysis of the eval curves.
+
+
+def at_budget(curve: list[dict], tokens: int) -> dict:
+    """The last eval point at or before `tokens`."""
+    return [c for c in curve if c["tokens"] <= tokens][-1]
+
+
+def first_reaching(curve: list[dict], loss: float) -> dict | None:
+    """The first eval point whose loss is at or below `loss`, linearly interpolated in tokens, epochs, wall."""
+    for before, after in zip(curve, curve[1:]):
+        if after["eval_loss"] <= loss:
+            span = before["eval_loss"] - after["eval_loss"]
+            f = 1.0 if span <= 0 else min(1.0, max(0.0, (before["eval_loss"] - loss) / span))
+            return {k: before[k] + f * (after[k] - before[k]) for k in ("tokens", "epochs", "train_wall_s")}
+    return None
+
+
+def plateau_point(curve: list[dict], rel: float, window: int) -> dict | None:
+    """The first eval point after which the best eval loss improves by less than `rel` (relative) over the next
+    `window` evaluations; None if the curve still improves at its end."""
+    for i in range(len(curve) - window):
+        best_now = min(c["eval_loss"] for c in curve[: i + 1])
+        best_later = min(c["eval_loss"] for c in curve[: i + 1 + window])
+        if best_later > best_now * (1 - rel):
+            return curve[i]
+    return None
+
+
+def trend(curve: list[dict], points: int = 4) -> dict | None:
+    """Least-squares fit of eval loss = a + b * log(tokens) over the last `points` evaluations."""
+    tail = [c for c in curve if c["tokens"] > 0][-points:]
+    if len(tail) < 3:
+        return None
+    xs = [math.log(c["tokens"]) for c in tail]
+    ys = [c["eval_loss"] for c in tail]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    return dict(intercept=my - slope * mx, slope_per_log_token=slope)
+
+
+def tokens_to_reach(fit: dict | None, loss: float) -> float | None:
+    """Tokens at which a fitted log trend reaches `loss` (None when the trend does not fall)."""
+    if fit is None or fit["slope_per_log_token"] >= 0:
+        return None
+    return math.exp((loss - fit["intercept"]) / fit["slope_per_log_token"])
+
+
+def summarise(runs: dict[str, dict], budget_tokens: int, args: argparse.Namespace) -> dict:
+    """Per method: equal-budget figures, best loss, plateau; and the epochs ratio against the paper's 2.2x."""
+    rows = {}
+    for name, run in runs.items():
+        curve = run["curve"]
+        end = at_budget(curve, budget_tokens)
+        best = min((c for c in curve if c["tokens"] <= budget_tokens), key=lambda c: c["eval_loss"])
+        plateau = plateau_point(curve, args.plateau_rel, args.plateau_window)
+        rows[name] = dict(
+            final_eval_loss=end["eval_loss"], final_ppl=math.exp(end["eval_loss"]), tokens=end["tokens"],
+            epochs=end["epochs"], train_wall_s=end["train_wall_s"],
+            best_eval_loss=best["eval_loss"], best_at_tokens=best["tokens"], best_at_epochs=best["epochs"],
+            plateau=plateau, run_tokens=run["tokens"], run_epochs=run["tokens"] / run["tokens_per_epoch"],
+            run_final_eval_loss=curve[-1]["eval_loss"], trend_last_4=trend(curve),
+            run_train_wall_s=run["train_wall_s"], eval_s=run["eval_s"],
+        )
+    full = rows["full-adam"]
+    target = full["final_eval_loss"]
+    for name, row in rows.items():
+        row["rel_to_full"] = row["final_eval_loss"] / target - 1
+        reach = first_reaching(runs[name]["curve"], target)
+        row["reach_full_final"] = reach
+        if reach is None and name != "full-adam":
+            fit = trend(runs[name]["curve"])
+            estimate = tokens_to_reach(fit, target)
+            tokens_per_epoch = runs[name]["tokens_per_epoch"]
+            row["reach_full_final_extrapolated_epochs"] = None if estimate is None else estimate / tokens_per_epoch
+    bcd = rows.get("bcd-adam")
+    epochs_ratio = None
+    if bcd is not None:
+        reach = bcd["reach_full_final"]
+        epochs_ratio = dict(
+            full_adam_epochs=full["epochs"],
+            bcd_adam_epochs_to_full_final=reach["epochs"] if reach else None,
+            ratio=(reach["epochs"] / full["epochs"]) if reach else None,
+            extrapolated_ratio=(bcd.get("reach_full_final_extrapolated_epochs") or math.nan) / full["epochs"]
+            if not reach else None,
+            paper=PAPER["epochs_ratio_ufp_1_3"],
+        )
+        target_check = dict(rel=bcd["rel_to_full"], limit=TARGET_REL, holds=bcd["rel_to_full"] <= TARGET_REL,
+                            best_rel=bcd["best_eval_loss"] / full["best_eval_loss"] - 1)
+    else:
+        target_check = None
+    return dict(rows=rows, epochs_ratio=epochs_ratio, target=target_check)
+
+
+def plot(runs: dict[str, dict], budget_tokens: int, out: Path, title: str) -> None:
+    """Eval loss against tokens for every method, the budget and full Adam's final loss marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, run in runs.items():
+        curve = [c for c in run["curve"] if c["tokens"] > 0]
+        ax.plot([c["tokens"] for c in curve], [c["eval_loss"] for c in curve], "o-", ms=3, label=name)
+    full = at_budget(runs["full-adam"]["curve"], budget_tokens)["eval_loss"]
+    ax.axhline(full, color="grey", ls=":", lw=1, label=f"full Adam final ({full:.3f})")
+    ax.axvline(budget_tokens, color="grey", ls="--", lw=1, label="equal token budget")
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("eval loss (nats/token)")
+    ax.set_title(title)
+    losses = [c["eval_loss"] for r in runs.values() for c in r["curve"] if c["tokens"] > 0]
+    ax.set_ylim(min(losses) - 0.05, min(max(losses), full + 1.5))
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The driver.
+
+
+def machine() -> dict:
+    """Where the benchmark ran."""
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    mem = next((int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+                if line.startswith("MemTotal:")), 0)
+    return dict(nproc=os.cpu_count(), cpu=cpu, ram_gib=round(mem / 2**30, 1), torch=torch.__version__,
+                python=platform.python_version())
+
+
+def steps_per_epoch(args: argparse.Namespace) -> int:
+    """Optimizer steps in one epoch of the training split at this sequence length and batch size."""
+    from pipelines.training import load_datasets
+    from preinfer.config import load_config
+
+    config = load_config(overrides=dict(model=dict(name=args.model),
+                                        data=dict(seq_len=args.seq_len, batch_size=args.batch_size)))
+    return -(-len(load_datasets(config).train) // args.batch_size)
+
+
+def launch(args: argparse.Namespace, name: str, steps: int, run_dir: Path) -> dict:
+    """Run one method in a fresh process (or in this one with --in-process); its result dict."""
+    result = run_dir.parent / f"_{name}.json"
+    if args.in_process:
+        data = run_method(args, name, steps, run_dir)
+    else:
+        command = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--worker-steps", str(steps),
+                   "--result", str(result), "--run-dir", str(run_dir), *args.passthrough]
+        subprocess.run(command, check=True, cwd=ROOT)
+        data = json.loads(result.read_text())
+        result.unlink()
+    return data
+
+
+def table(summary: dict) -> str:
+    lines = ["| method | eval loss at budget | PPL | vs full Adam | best eval loss (epoch) | tokens | epochs "
+             "| train wall s | epochs to full-Adam final | plateau at epoch |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in summary["rows"].items():
+        reach = r["reach_full_final"]
+        if reach:
+            to_full = f"{reach['epochs']:.2f}"
+        elif r.get("reach_full_final_extrapolated_epochs"):
+            to_full = f"not reached in {r['run_epochs']:.1f} (trend: ~{r['reach_full_final_extrapolated_epochs']:.1f})"
+        else:
+            to_full = f"not reached in {r['run_epochs']:.1f}"
+        plateau = f"{r['plateau']['epochs']:.2f}" if r["plateau"] else "still improving"
+        lines.append(
+            f"| {name} | {r['final_eval_loss']:.4f} | {r['final_ppl']:.3f} | {r['rel_to_full']:+.2%} "
+            f"| {r['best_eval_loss']:.4f} ({r['best_at_epochs']:.2f}) | {r['tokens']:,} | {r['epochs']:.2f} "
+            f"| {r['train_wall_s']:.0f} | {to_full} | {plateau} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="small-llama")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--epochs", type=float, default=2.0, help="the equal token budget, in epochs of the train split")
+    p.add_argument("--bcd-adam-factor", type=float, default=2.0,
+                   help="bcd-adam trains this many times the budget (to measure epochs to full Adam's loss)")
+    p.add_argument("--steps-per-visit", type=int, default=68, help="BCD visit length in optimizer steps")
+    p.add_argument("--eval-every", type=int, default=68, help="optimizer steps between evaluations")
+    p.add_argument("--eval-batches", type=int, default=0, help="eval batches per evaluation (0: the whole split)")
+    p.add_argument("--full-warmup", type=int, default=40, help="warmup steps of full Adam")
+    p.add_argument("--visit-warmup", type=int, default=10, help="warmup steps of each BCD-Adam visit")
+    p.add_argument("--sgd-lr", type=float, default=None, help="also run BCD-SGD with this lr (bcd-sgd-tuned)")
+    p.add_argument("--methods", default="full-adam,bcd-adam,bcd-sgd")
+    p.add_argument("--plateau-rel", type=float, default=0.005,
+                   help="plateau: the best eval loss improves by less than this fraction ...")
+    p.add_argument("--plateau-window", type=int, default=3, help="... over this many further evaluations")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "quality.json")
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny-llama, seq 32, a few steps (seconds)")
+    p.add_argument("--in-process", action="store_true", help="run every method in this process (smoke tests)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--worker-steps", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.model, args.seq_len, args.batch_size = "tiny-llama", 32, 4
+        args.epochs, args.steps_per_visit, args.eval_every, args.full_warmup, args.visit_warmup = 0.004, 2, 2, 2, 1
+        args.eval_batches = 4
+    if args.sgd_lr is not None and "bcd-sgd-tuned" not in args.methods:
+        args.methods += ",bcd-sgd-tuned"
+    args.passthrough = [a for a in (argv if argv is not None else sys.argv[1:])
+                        if a not in ("--in-process",)]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.worker:
+        data = run_method(args, args.worker, args.worker_steps, args.run_dir)
+        Path(args.result).write_text(json.dumps(data))
+        return 0
+    started = time.perf_counter()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    runs_dir = args.out.parent / "quality_runs"
+    per_epoch = steps_per_epoch(args)
+    budget_steps = max(1, round(args.epochs * per_epoch / (3 * args.steps_per_visit))) * 3 * args.steps_per_visit
+    runs: dict[str, dict] = {}
+    for name in args.methods.split(","):
+        steps = round(budget_steps * args.bcd_adam_factor) if name == "bcd-adam" else budget_steps
+        print(f"[quality] {name}: {steps} steps", flush=True)
+        runs[name] = launch(args, name, steps, runs_dir / name)
+    budget_tokens = runs["full-adam"]["tokens"]
+    summary = summarise(runs, budget_tokens, args)
+    png = args.out.with_suffix(".png")
+    plot(runs, budget_tokens, png, f"{args.model}, builtin:pydoc, seq {args.seq_len}, batch {args.batch_size}, "
+                                   f"seed {args.seed}")
+    result = dict(
+        benchmark="quality", command=" ".join(["python", "bench/quality.py", *args.passthrough]),
+        machine=machine(), settings=dict(model=args.model, data="builtin:pydoc", seq_len=args.seq_len,
+                                         batch_size=args.batch_size, seed=args.seed, budget_steps=budget_steps,
+                                         budget_tokens=budget_tokens, steps_per_epoch=per_epoch,
+                                         bcd_adam_factor=args.bcd_adam_factor, steps_per_visit=args.steps_per_visit,
+                                         eval_every=args.eval_every, adam=ADAM, sgd=SGD, full_warmup=args.full_warmup,
+                                         visit_warmup=args.visit_warmup, sgd_tuned_lr=args.sgd_lr),
+        paper=PAPER, plot=str(png), **summary,
+        runs={name: {k: v for k, v in run.items() if k != "config"} | {"config": run["config"]}
+              for name, run in runs.items()},
+        wall_s=time.perf_counter() - started,
+    )
+    args.out.write_text(json.dumps(result, indent=1))
+    print(table(summary))
+    print(json.dumps(dict(target=summary["target"], epochs_ratio=summary["epochs_ratio"]), indent=1))
+    print(f"wrote {args.out} and {png} in {result['wall_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,396 @@
+"""Training from a store of boundary states against training live (issue 5's training benchmark).
+
+Everything in one run of one process, on `small-llama`, `builtin:pydoc`, seq 128, batch 8, float32, Adam lr 2e-3:
+
+1. Steps/s training the top block of a UFP 1/3 partition (layers [k, L), k = 4 of 6 for small-llama) with the
+   real `preinfer.trainer.Trainer`, (a) live: token batches from a `ReaderBatches` over the token store
+   (boundary 0), the prefix (embedding + layers [0, k)) under `no_grad` every step; (b) from a store: a
+   `ReaderBatches` over a zarr store at boundary k (built once with `pipelines.caching.cache_boundary`, dtype
+   `auto` = float32, default codec; its build time is reported apart), the model a suffix from
+   `pipelines.suffix.load_suffix` (the prefix is not in memory). The two alternate (live, store, live, store,
+   ...) for --repeats repetitions, each a fresh trainer and reader for --warmup + --steps steps; steps/s is
+   --steps over the summed step times of the steps after the warm-up ones; medians over repetitions. Both read
+   the same samples in the same order, so their losses agree step by step (checked, reported).
+2. The ideal speedup from the pieces of one step timed directly (alternating, medians over --piece-repeats):
+   prefix forward under no_grad (embed + layers [0, k)) and suffix forward + backward (layers [k, L) + head +
+   loss + backward of the active block); ideal = (prefix + suffix) / suffix. Achieved = store steps/s / live
+   steps/s. Target: achieved >= 0.9 x ideal. (The Adam step is timed too and shown; it is not in the ideal.)
+3. The share of the store runs' step time spent waiting for the reader (the trainer's per-step `wait_s` over
+   the step time), over the measured steps; the first step of each visit (when the reader decodes its first
+   shard) is shown apart. Target: <= 2%.
+4. Whole `bcd` runs (`pipelines.training.run_bcd`) with `--pre-inference off` and `auto`, alternating, each
+   --bcd-repeats times: UFP 1/3, --sweeps ascending sweeps, --bcd-samples samples per split, --bcd-epochs
+   epochs per visit. Wall time, caching time (the `cache` records of metrics.jsonl), the auto rule's decisions
+   with their numbers, the final eval losses (equal up to float noise: same sample order live and from stores).
+
+Prints a table and writes bench/out/train.json.
+
+    python bench/train.py              # about 8 min on 2 shared cores
+    python bench/train.py --quick      # tiny-llama, seq 32, a few steps (seconds): a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import preinfer  # noqa: E402
+from bench.common import table  # noqa: E402
+from pipelines.caching import cache_boundary, open_cache  # noqa: E402
+from pipelines.models import resolve_model  # noqa: E402
+from pipelines.sources import ReaderBatches  # noqa: E402
+from pipelines.suffix import load_suffix, to_device  # noqa: E402
+from pipelines.training import live_sources, load_datasets, partition_for, run_bcd, samples_per_shard  # noqa: E402
+from preinfer.config import Config, load_config  # noqa: E402
+from preinfer.metrics import read_metrics  # noqa: E402
+from preinfer.optim import build_optimizer  # noqa: E402
+from preinfer.staged import causal_lm_loss, supervised_tokens  # noqa: E402
+from preinfer.trainer import LiveSources, Trainer  # noqa: E402
+
+TARGETS = {"achieved_over_ideal": ">= 0.9", "wait_fraction": "<= 0.02"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--model", default="small-llama", help="[small-llama]")
+    p.add_argument("--seq-len", type=int, default=128, help="[128]")
+    p.add_argument("--batch-size", type=int, default=8, help="[8]")
+    p.add_argument("--steps", type=int, default=60, help="measured steps per throughput run [60]")
+    p.add_argument("--warmup", type=int, default=5, help="unmeasured steps before them [5]")
+    p.add_argument("--repeats", type=int, default=3, help="live/store throughput repetitions [3]")
+    p.add_argument("--piece-repeats", type=int, default=60, help="timings of each piece of one step [60]")
+    p.add_argument("--bcd-samples", type=int, default=200, help="max_samples of each split in the bcd runs [200]")
+    p.add_argument("--bcd-epochs", type=float, default=3.0,
+                   help="epochs_per_visit of the bcd runs [3]: long enough that auto picks stores")
+    p.add_argument("--sweeps", type=int, default=2, help="sweeps of the bcd runs [2]")
+    p.add_argument("--bcd-repeats", type=int, default=1, help="off/auto pairs of bcd runs [1]; 0 skips them")
+    p.add_argument("--samples", type=int, default=0, help="max_samples of each split in part 1 (0: all) [0]")
+    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                   help="torch intra-op threads [half the cores: the other half is left to the reader's decoding "
+                        "threads; see docs/results.md for why not all of them]")
+    p.add_argument("--dir", default=None, help="where stores and run directories go [a temporary directory]")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "train.json")
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny-llama, seq 32, batch 2, a few steps")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.model, args.seq_len, args.batch_size = "tiny-llama", 32, 2
+        args.steps, args.warmup, args.repeats, args.piece_repeats, args.samples = 3, 1, 1, 3, 64
+        args.bcd_samples, args.bcd_epochs, args.sweeps = 16, 1.0, 2
+    return args
+
+
+def machine() -> dict:
+    """Where the benchmark ran."""
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    mem = next((int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+                if line.startswith("MemTotal:")), 0)
+    return dict(nproc=os.cpu_count(), cpu=cpu, ram_gib=round(mem / 2**30, 1), torch=torch.__version__,
+                python=platform.python_version(), torch_threads=torch.get_num_threads())
+
+
+def base_config(args: argparse.Namespace, **sections) -> Config:
+    overrides = dict(
+        model=dict(name=args.model),
+        data=dict(seq_len=args.seq_len, batch_size=args.batch_size),
+        blocks=dict(ufp="1/3"),
+        optim=dict(name="adam", lr=2e-3),
+        run=dict(seed=0),
+    )
+    for section, values in sections.items():
+        overrides[section] = {**overrides.get(section, {}), **values}
+    return load_config(overrides=overrides)
+
+
+# ---- 1 and 3: steps/s live and from a store ------------------------------------------------------------------
+
+
+class Run:
+    """One trainer visit of the top block; collects its step records."""
+
+    def __init__(self):
+        self.steps: list[dict] = []
+        self.visit: dict | None = None
+        self.tokens = 0
+
+    def record(self, record: dict) -> None:
+        if record["kind"] == "step":
+            tokens = record["tokens"] - self.tokens
+            self.tokens = record["tokens"]
+            self.steps.append(dict(loss=record["loss"], wait_s=record["wait_s"],
+                                   step_s=tokens / record["tokens_per_s"]))
+        elif record["kind"] == "visit":
+            self.visit = record
+
+    def summary(self, warmup: int) -> dict:
+        measured = self.steps[warmup:]
+        step_s = sum(s["step_s"] for s in measured)
+        wait_s = sum(s["wait_s"] for s in measured)
+        return dict(steps=len(measured), step_s=step_s, steps_per_s=len(measured) / step_s, wait_s=wait_s,
+                    wait_fraction=wait_s / step_s, first_step_s=self.steps[0]["step_s"],
+                    first_wait_s=self.steps[0]["wait_s"], visit_wall_s=self.visit["wall_s"],
+                    losses=[s["loss"] for s in self.steps])
+
+
+def train_once(staged, partition, active: int, config: Config, plan: LiveSources) -> Run:
+    run = Run()
+    torch.manual_seed(config.run.seed)
+    trainer = Trainer(staged, partition, config, plan, None, None, on_record=run.record, active_block=active)
+    try:
+        trainer.fit()
+    finally:
+        for source in (plan.train, plan.eval):
+            source.close()
+    return run
+
+
+def throughput(args: argparse.Namespace, root: Path) -> dict:
+    config = base_config(args, data=dict(eval_batches=1, max_samples=args.samples), stop=dict(steps_per_visit=args.warmup + args.steps),
+                         run=dict(pre_inference="off"))
+    data = load_datasets(config)
+    model = resolve_model(args.model, seed=0)
+    staged = preinfer.stage(model)
+    ufp_partition, _ = partition_for(staged, config)
+    top = ufp_partition.blocks[-1]
+    k, num_layers = top.start, staged.num_layers
+    config.blocks.active = f"{k}-{num_layers - 1}"
+    partition, active = partition_for(staged, config)
+    shard = samples_per_shard(config, staged)
+
+    started = time.perf_counter()
+    built = cache_boundary(staged, {"train": data.train, "eval": data.eval}, data.tokenizer, k, root / f"store-{k}",
+                           samples_per_shard=shard, mode="overwrite", progress=False, model_name=args.model)
+    build_s = time.perf_counter() - started
+    stores = open_cache(root / f"store-{k}", splits=["train", "eval"])
+    store_bytes = sum(s.stored_bytes for s in built.splits.values())
+
+    suffix = load_suffix(args.model, k, seed=0)
+    suffix_staged = preinfer.stage(to_device(suffix.model, "cpu"))
+    suffix_partition, suffix_active = partition_for(suffix_staged, config, first_layer=k)
+
+    def store_plan() -> LiveSources:
+        b, seed = config.data.batch_size, config.run.seed
+        return LiveSources(ReaderBatches(stores["train"], k, b, seed),
+                           ReaderBatches(stores["eval"], k, b, seed, shuffle=False))
+
+    runs: dict[str, list[dict]] = {"live": [], "store": []}
+    for rep in range(args.repeats):
+        for name in ("live", "store"):
+            if name == "live":
+                run = train_once(staged, partition, active, config, live_sources(data, config, shard))
+            else:
+                run = train_once(suffix_staged, suffix_partition, suffix_active, config, store_plan())
+            runs[name].append(run.summary(args.warmup))
+            r = runs[name][-1]
+            print(f"[train] rep {rep} {name}: {r['steps_per_s']:.2f} steps/s, wait {100 * r['wait_fraction']:.2f}%,"
+                  f" first step {r['first_step_s']:.3f} s (wait {r['first_wait_s']:.3f} s)", flush=True)
+    loss_diff = max(abs(a - b) / abs(a) for live, store in zip(runs["live"], runs["store"])
+                    for a, b in zip(live["losses"], store["losses"]))
+    median = {name: statistics.median(r["steps_per_s"] for r in rs) for name, rs in runs.items()}
+    store_runs = runs["store"]
+    return dict(
+        boundary=k, num_layers=num_layers, active=config.blocks.active, samples_per_shard=shard,
+        train_samples=len(data.train), eval_samples=len(data.eval),
+        store=dict(build_s=build_s, job_seconds=built.seconds, stored_MiB=store_bytes / 2**20),
+        live_steps_per_s=median["live"], store_steps_per_s=median["store"],
+        achieved=median["store"] / median["live"],
+        wait_fraction=statistics.median(r["wait_fraction"] for r in store_runs),
+        wait_fraction_with_first=statistics.median(
+            (r["wait_s"] + r["first_wait_s"]) / (r["step_s"] + r["first_step_s"]) for r in store_runs),
+        live_wait_fraction=statistics.median(r["wait_fraction"] for r in runs["live"]),
+        max_rel_loss_diff=loss_diff, runs={n: [{k2: v for k2, v in r.items() if k2 != "losses"} for r in rs]
+                                           for n, rs in runs.items()},
+        staged=staged, partition=partition, active_index=active, data=data,
+    )
+
+
+# ---- 2: the pieces of one step -------------------------------------------------------------------------------
+
+
+def pieces(args: argparse.Namespace, staged, partition, active: int, data) -> dict:
+    """Median seconds of the prefix forward (no_grad), the suffix forward + backward and the Adam step."""
+    block = partition.blocks[active]
+    k, num_layers = block.start, staged.num_layers
+    model = staged.model
+    model.requires_grad_(False)
+    for param in block.params:
+        param.requires_grad_(True)
+    model.train()
+    for module in staged.prefix_modules(k):
+        module.eval()
+    optimizer = build_optimizer(list(block.params), base_config(args).optim)
+    rows = data.train[: args.batch_size]
+    ids, mask, labels = rows["input_ids"], rows["attention_mask"], rows["labels"]
+    count = supervised_tokens(labels)
+
+    def prefix():
+        with torch.no_grad():
+            return staged.run(staged.embed(ids, mask, labels), 0, k)
+
+    state = prefix()
+
+    def suffix():
+        out = staged.run(state, k, num_layers)
+        loss = causal_lm_loss(staged.logits(out), out.labels, reduction="sum") / count
+        loss.backward()
+        loss.item()
+
+    def step():
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    times: dict[str, list[float]] = {"prefix": [], "suffix": [], "adam": []}
+    for index in range(args.piece_repeats + 3):  # 3 warm-up rounds
+        for name, fn in (("prefix", prefix), ("suffix", suffix), ("adam", step)):
+            t0 = time.perf_counter()
+            fn()
+            if index >= 3:
+                times[name].append(time.perf_counter() - t0)
+    model.requires_grad_(False)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    return dict(prefix_s=med["prefix"], suffix_s=med["suffix"], adam_s=med["adam"],
+                ideal=(med["prefix"] + med["suffix"]) / med["suffix"],
+                ideal_with_adam=(med["prefix"] + med["suffix"] + med["adam"]) / (med["suffix"] + med["adam"]),
+                repeats=args.piece_repeats)
+
+
+# ---- 4: whole bcd runs ---------------------------------------------------------------------------------------
+
+
+def bcd_run(args: argparse.Namespace, mode: str, out: Path) -> dict:
+    config = base_config(args, data=dict(max_samples=args.bcd_samples),
+                         blocks=dict(sweeps=args.sweeps, order="ascending"),
+                         stop=dict(epochs_per_visit=args.bcd_epochs),
+                         run=dict(out=str(out), pre_inference=mode, store_dir=str(out.parent / f"{out.name}-stores")))
+    started = time.perf_counter()
+    summary = run_bcd(config, quiet=True)
+    wall = time.perf_counter() - started
+    records = read_metrics(out / "metrics.jsonl")
+    caches = [r for r in records if r["kind"] == "cache"]
+    decisions = [{k: r[k] for k in ("block", "boundary", "decision", "steps", "prefix_per_step", "read_per_step",
+                                   "build", "build_from", "saving_s")} for r in records if r["kind"] == "pre_inference"]
+    visits = [dict(sweep=v["sweep"], block=v["block"], steps=v["steps"], source_boundary=v["source_boundary"],
+                   eval_loss=v["eval_loss"], wall_s=v["wall_s"]) for v in summary["visits"]]
+    return dict(mode=mode, wall_s=wall, fit_s=summary["wall_s"], steps=summary["steps"],
+                caching_s=sum(r["seconds"] for r in caches),
+                caches=[{k: r.get(k) for k in ("boundary", "how", "from", "seconds", "bytes")} for r in caches
+                        if r["how"] != "deleted"],
+                decisions=decisions, visits=visits, final_eval_loss=summary["final_eval_loss"])
+
+
+def bcd(args: argparse.Namespace, root: Path) -> dict:
+    runs: dict[str, list[dict]] = {"off": [], "auto": []}
+    for rep in range(args.bcd_repeats):
+        for mode in ("off", "auto"):
+            result = bcd_run(args, mode, root / f"bcd-{mode}-{rep}")
+            runs[mode].append(result)
+            print(f"[train] bcd rep {rep} {mode}: {result['wall_s']:.1f} s wall, caching {result['caching_s']:.1f} s, "
+                  f"final eval loss {result['final_eval_loss']:.6f}, decisions "
+                  f"{[(d['block'], d['decision']) for d in result['decisions']]}", flush=True)
+    off_wall = statistics.median(r["wall_s"] for r in runs["off"])
+    auto_wall = statistics.median(r["wall_s"] for r in runs["auto"])
+    losses = [(a["final_eval_loss"], b["final_eval_loss"]) for a, b in zip(runs["off"], runs["auto"])]
+    return dict(off_wall_s=off_wall, auto_wall_s=auto_wall, speedup=off_wall / auto_wall,
+                max_rel_eval_loss_diff=max(abs(a - b) / abs(a) for a, b in losses), runs=runs,
+                settings=dict(max_samples=args.bcd_samples, epochs_per_visit=args.bcd_epochs, sweeps=args.sweeps,
+                              ufp="1/3", optimizer="adam", lr=2e-3, order="ascending"))
+
+
+# ---- report --------------------------------------------------------------------------------------------------
+
+
+def report(result: dict) -> str:
+    t, p = result["throughput"], result["pieces"]
+    rows = [
+        dict(quantity="live steps/s (median)", value=f"{t['live_steps_per_s']:.2f}", target=""),
+        dict(quantity=f"store steps/s (median, boundary {t['boundary']})", value=f"{t['store_steps_per_s']:.2f}",
+             target=""),
+        dict(quantity="prefix forward, no_grad (ms)", value=f"{1e3 * p['prefix_s']:.1f}", target=""),
+        dict(quantity="suffix forward+backward (ms)", value=f"{1e3 * p['suffix_s']:.1f}", target=""),
+        dict(quantity="Adam step of the block (ms, not in ideal)", value=f"{1e3 * p['adam_s']:.1f}", target=""),
+        dict(quantity="ideal speedup", value=f"{p['ideal']:.3f}", target=""),
+        dict(quantity="achieved speedup (store / live)", value=f"{t['achieved']:.3f}", target=""),
+        dict(quantity="achieved / ideal", value=f"{result['achieved_over_ideal']:.3f}", target=">= 0.9"),
+        dict(quantity="reader wait, store runs (measured steps)", value=f"{100 * t['wait_fraction']:.2f}%",
+             target="<= 2%"),
+        dict(quantity="reader wait incl. each visit's first step", value=f"{100 * t['wait_fraction_with_first']:.2f}%",
+             target=""),
+        dict(quantity="store build, train+eval (s)", value=f"{t['store']['build_s']:.1f}", target=""),
+        dict(quantity="store size (MiB)", value=f"{t['store']['stored_MiB']:.0f}", target=""),
+        dict(quantity="max rel. loss diff live vs store, per step", value=f"{t['max_rel_loss_diff']:.1e}", target=""),
+    ]
+    text = table(rows, ["quantity", "value", "target"])
+    if "bcd" in result:
+        b = result["bcd"]
+        bcd_rows = []
+        for mode in ("off", "auto"):
+            for i, r in enumerate(b["runs"][mode]):
+                bcd_rows.append(dict(
+                    run=f"{mode} #{i}", wall_s=r["wall_s"], caching_s=r["caching_s"], steps=r["steps"],
+                    decisions=" ".join(f"b{d['block']}:{d['decision']}" for d in r["decisions"]) or "-",
+                    final_eval_loss=f"{r['final_eval_loss']:.6f}"))
+        text += "\n\n" + table(bcd_rows, ["run", "wall_s", "caching_s", "steps", "decisions", "final_eval_loss"])
+        text += (f"\nbcd wall time off / auto (medians): {b['off_wall_s']:.1f} / {b['auto_wall_s']:.1f} s = "
+                 f"{b['speedup']:.3f}x; max rel. final eval loss difference {b['max_rel_eval_loss_diff']:.1e}")
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="preinfer-bench-train-"))
+    root.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    load = [os.getloadavg()[0]]
+    try:
+        t = throughput(args, root)
+        p = pieces(args, t.pop("staged"), t.pop("partition"), t.pop("active_index"), t.pop("data"))
+        load.append(os.getloadavg()[0])
+        result = dict(
+            benchmark="train", command=" ".join(["python", "bench/train.py", *(argv if argv is not None else sys.argv[1:])]),
+            machine=machine(),
+            settings=dict(model=args.model, data="builtin:pydoc", seq_len=args.seq_len, batch_size=args.batch_size,
+                          dtype="float32", store="zarr, dtype auto, default codec", optimizer="adam", lr=2e-3,
+                          steps=args.steps, warmup=args.warmup, repeats=args.repeats, samples=args.samples,
+                          threads=torch.get_num_threads(),
+                          omp_wait_policy=os.environ.get("OMP_WAIT_POLICY")),
+            targets=TARGETS, throughput=t, pieces=p, achieved_over_ideal=t["achieved"] / p["ideal"],
+        )
+        if args.bcd_repeats > 0:
+            result["bcd"] = bcd(args, root)
+            load.append(os.getloadavg()[0])
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    result["targets_met"] = dict(achieved_over_ideal=result["achieved_over_ideal"] >= 0.9,
+                                 wait_fraction=t["wait_fraction"] <= 0.02)
+    result["load_average"] = load
+    result["wall_s"] = time.perf_counter() - started
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"{args.model}, seq {args.seq_len}, batch {args.batch_size}, torch threads {torch.get_num_threads()}, "
+          f"{os.cpu_count()} cores, load average {' '.join(f'{x:.1f}' for x in load)}")
+    print(report(result))
+    print(f"targets met: {result['targets_met']}")
+    print(f"wrote {args.out} in {result['wall_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

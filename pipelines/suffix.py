@@ -1,0 +1,205 @@
+"""Suffix-only models: everything from boundary k on is loaded, the prefix never is.
+
+The model is built on the meta device (no storage), then only the tensors that layers >= k, the head, shared
+modules (rotary tables) and a tied embedding use are read from the weight files, one by one. The prefix's
+fingerprint is hashed by streaming its tensors from the same files without keeping them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import preinfer
+from preinfer.checkpoint import WEIGHTS
+from preinfer.errors import UsageError
+from preinfer.fingerprint import hash_tensors, named_prefix_tensors
+from preinfer.presets import PRESETS, build_preset, preset_config
+from pipelines.models import is_run_dir, run_config
+
+
+class TensorFiles:
+    """Read-only access by name to the tensors of one or more safetensors files."""
+
+    def __init__(self, files: list[Path]):
+        self.files = files
+        self.where: dict[str, Path] = {}
+        for file in files:
+            with safe_open(str(file), "pt") as f:
+                for key in f.keys():
+                    self.where[key] = file
+
+    @classmethod
+    def of_directory(cls, directory: Path) -> TensorFiles:
+        """The weight files of a save_pretrained directory (single file or sharded with an index)."""
+        index = directory / "model.safetensors.index.json"
+        if index.is_file():
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            return cls([directory / name for name in names])
+        if (directory / "model.safetensors").is_file():
+            return cls([directory / "model.safetensors"])
+        raise UsageError(f"{directory} holds no model.safetensors (or index): cannot load a suffix from it")
+
+    def find(self, aliases: list[str]) -> str | None:
+        return next((name for name in aliases if name in self.where), None)
+
+    def get(self, name: str) -> torch.Tensor:
+        with safe_open(str(self.where[name]), "pt") as f:
+            return f.get_tensor(name)
+
+
+@dataclass
+class Suffix:
+    model: nn.Module
+    boundary: int
+    prefix_digest: str | None  # None: the prefix's tensors are not in the model files
+    files: TensorFiles | None  # where the prefix lives, for a full export; None for presets
+
+
+def load_suffix(spec: str, boundary: int, seed: int = 0) -> Suffix:
+    """The model `spec` (preset, save_pretrained directory or run directory) with only the suffix from
+    `boundary` in memory. A preset is built whole from its seed and then loses its prefix."""
+    if spec in PRESETS:
+        model = build_preset(spec, seed)
+        staged = preinfer.stage(model)
+        digest = hash_tensors(named_prefix_tensors(staged, boundary))
+        _drop(model, _prefix_only(staged, boundary))
+        return Suffix(model, boundary, digest, None)
+    config, files = _config_and_files(spec)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    staged = preinfer.stage(model)
+    aliases = _aliases(model)
+    stored = {id(t) for _, t in _persistent_tensors(model)}
+    for tensor in _tensors_of(staged.suffix_modules(boundary)):
+        if id(tensor) not in stored:
+            continue  # derived from the config (rotary tables): rebuilt below
+        name = files.find(aliases[id(tensor)])
+        if name is None:
+            raise UsageError(f"the weights of {spec} lack {aliases[id(tensor)][0]}, which boundary {boundary} "
+                             f"onwards needs")
+        _replace(model, tensor, files.get(name).to(tensor.dtype))
+    staged.rebuild_shared_modules()
+    return Suffix(model, boundary, _file_digest(staged, boundary, files, aliases), files)
+
+
+def to_device(model: nn.Module, device: str | torch.device) -> nn.Module:
+    """Move the resident tensors (not the meta prefix) to `device`, keeping tied weights tied."""
+    moved: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for registry in (module._parameters, module._buffers):
+            for key, tensor in registry.items():
+                if tensor is None or tensor.is_meta:
+                    continue
+                if id(tensor) not in moved:
+                    data = tensor.data.to(device)
+                    is_param = isinstance(tensor, nn.Parameter)
+                    moved[id(tensor)] = nn.Parameter(data, tensor.requires_grad) if is_param else data
+                registry[key] = moved[id(tensor)]
+    return model
+
+
+def export_full(suffix: Suffix, out: Path) -> bool:
+    """Write a complete save_pretrained directory: trained suffix from memory, prefix copied from the source
+    files. False (nothing written) when the prefix is not available."""
+    model = suffix.model
+    tensors: dict[str, torch.Tensor] = {}
+    aliases = _aliases(model)
+    seen: set[int] = set()
+    for name, tensor in _persistent_tensors(model):
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        if not tensor.is_meta:
+            tensors[name] = tensor.detach().contiguous()
+            continue
+        source = suffix.files.find(aliases[id(tensor)]) if suffix.files is not None else None
+        if source is None:
+            return False
+        tensors[name] = suffix.files.get(source)
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(out)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return True
+
+
+def _config_and_files(spec: str):
+    path = Path(spec)
+    if is_run_dir(spec):
+        base = run_config(spec).model.name
+        config = preset_config(base) if base in PRESETS else AutoConfig.from_pretrained(base, local_files_only=True)
+        return config, TensorFiles([path / "checkpoint" / WEIGHTS])
+    if not (path / "config.json").is_file():
+        raise UsageError(f"--model '{spec}' is neither a preset ({', '.join(PRESETS)}), a run directory nor a "
+                         f"save_pretrained directory")
+    return AutoConfig.from_pretrained(path, local_files_only=True), TensorFiles.of_directory(path)
+
+
+def _file_digest(staged, boundary: int, files: TensorFiles, aliases: dict[int, list[str]]) -> str | None:
+    """The prefix digest from the files, tensor by tensor; None if any prefix tensor is missing."""
+    missing = []
+
+    def stream() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in named_prefix_tensors(staged, boundary):
+            if not tensor.is_meta:
+                yield name, tensor
+                continue
+            source = files.find(aliases[id(tensor)])
+            if source is None:
+                missing.append(name)
+                return
+            yield name, files.get(source).to(tensor.dtype)
+
+    digest = hash_tensors(stream())
+    return None if missing else digest
+
+
+def _aliases(model: nn.Module) -> dict[int, list[str]]:
+    """Tensor id -> every name it goes by (tied weights have several), first name first."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(tensor), []).append(name)
+    return names
+
+
+def _tensors_of(modules: list[nn.Module]) -> list[torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for module in modules:
+        for tensor in [*module.parameters(), *module.buffers()]:
+            seen.setdefault(id(tensor), tensor)
+    return list(seen.values())
+
+
+def _prefix_only(staged, boundary: int) -> list[torch.Tensor]:
+    needed = {id(t) for t in _tensors_of(staged.suffix_modules(boundary))}
+    return [t for t in _tensors_of(staged.prefix_modules(boundary)) if id(t) not in needed]
+
+
+def _drop(model: nn.Module, tensors: list[torch.Tensor]) -> None:
+    for tensor in tensors:
+        _replace(model, tensor, torch.empty_like(tensor, device="meta"))
+
+
+def _replace(model: nn.Module, old: torch.Tensor, value: torch.Tensor) -> None:
+    """Put `value` wherever `old` is registered (every alias of a tied weight, so the tie holds), as a frozen
+    parameter or a buffer."""
+    new = nn.Parameter(value, requires_grad=False) if isinstance(old, nn.Parameter) else value
+    for module in model.modules():
+        for registry in (module._parameters, module._buffers):
+            for key, current in registry.items():
+                if current is old:
+                    registry[key] = new
+
+
+def _persistent_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    keys = set(model.state_dict().keys())
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    return [(name, t) for name, t in named if name in keys]

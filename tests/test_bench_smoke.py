@@ -1,0 +1,80 @@
+"""Smoke tests of the benchmark scripts: `--quick --in-process` runs in seconds and writes the expected JSON.
+
+No timing assertions: only the JSON's shape and values that hold on any machine."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_memory_quick(tmp_path):
+    out = tmp_path / "memory.json"
+    assert _load("memory").main(["--quick", "--in-process", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert {"command", "machine", "settings", "paper", "targets", "rows"} <= set(result)
+    rows = {r["config"]: r for r in result["rows"]}
+    assert set(rows) == {"full", "live:1/2", "live:1/3", "live:1/4", "store:1/3"}
+    full = rows["full"]
+    assert full["ratio_tracked"] == 1.0
+    # Full Adam: one block, gradients as big as the parameters, Adam's two moments (plus step counters).
+    c = full["components"]
+    assert c["grads"] == c["params"] and 2 * c["params"] <= c["optimizer"] < 2.01 * c["params"]
+    for r in rows.values():
+        assert r["tracked_peak"] == sum(r["components"].values())
+        assert r["rss_peak"] > 0 and r["planner_total"] > 0
+        assert abs(r["planner_error"]) < 0.15  # the planner's own acceptance bound
+    for name in ("live:1/2", "live:1/3", "live:1/4", "store:1/3"):
+        assert 0 < rows[name]["ratio_tracked"] < 1
+    store, live = rows["store:1/3"], rows["live:1/3"]
+    assert store["components"]["params"] < live["components"]["params"]  # the prefix is not resident
+    assert all(v["source_boundary"] == v["start"] > 0 for v in store["visits"])
+    assert store["tracked_peak"] < live["tracked_peak_above_0"]
+
+
+def test_quality_quick(tmp_path):
+    out = tmp_path / "quality.json"
+    assert _load("quality").main(["--quick", "--in-process", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert {"command", "machine", "settings", "rows", "epochs_ratio", "target", "runs", "plot"} <= set(result)
+    assert Path(result["plot"]).is_file()
+    rows = result["rows"]
+    assert set(rows) == {"full-adam", "bcd-adam", "bcd-sgd"}
+    budget = result["settings"]["budget_tokens"]
+    for name, row in rows.items():
+        assert math.isfinite(row["final_eval_loss"]) and row["final_ppl"] == math.exp(row["final_eval_loss"])
+        assert row["tokens"] == budget
+        curve = result["runs"][name]["curve"]
+        assert curve[0]["tokens"] == 0 and curve[-1]["tokens"] == result["runs"][name]["tokens"]
+    assert result["runs"]["bcd-adam"]["tokens"] == 2 * budget  # --bcd-adam-factor 2
+    assert rows["full-adam"]["rel_to_full"] == 0
+
+
+def test_train_quick(tmp_path):
+    out = tmp_path / "train.json"
+    assert _load("train").main(["--quick", "--out", str(out), "--dir", str(tmp_path / "work")]) == 0
+    result = json.loads(out.read_text())
+    assert {"command", "machine", "settings", "targets", "throughput", "pieces", "achieved_over_ideal", "bcd",
+            "targets_met"} <= set(result)
+    t, p = result["throughput"], result["pieces"]
+    assert t["boundary"] == 3 and t["active"] == "3-3"  # tiny-llama: 4 layers, the top block of UFP 1/3
+    for name in ("live", "store"):
+        assert all(r["steps"] == 3 and r["steps_per_s"] > 0 for r in t["runs"][name])
+    assert t["max_rel_loss_diff"] < 1e-5  # the same samples in the same order, live and from the store
+    assert 0 <= t["wait_fraction"] <= 1 and t["store"]["stored_MiB"] > 0
+    assert p["ideal"] > 1 and p["prefix_s"] > 0 and p["suffix_s"] > 0
+    b = result["bcd"]
+    assert set(b["runs"]) == {"off", "auto"}
+    assert all(d["decision"] in ("store", "live") for d in b["runs"]["auto"][0]["decisions"])
+    assert b["max_rel_eval_loss_diff"] < 1e-4

@@ -1,0 +1,232 @@
+"""Training from stored boundary states: equal to live training, never touching the prefix, never stale."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import preinfer
+from pipelines.caching import open_cache
+from pipelines.cli import main
+from pipelines.sources import ReaderBatches
+from pipelines.suffix import load_suffix
+from pipelines.training import partition_for, run_bcd, train
+from preinfer.config import Config
+from preinfer.trainer import LiveSources
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    """A small text corpus: 24 paragraphs, enough for a few dozen samples of 32 tokens in each split."""
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    paragraphs = [f"Paragraph {i}: " + " ".join(f"word{(i * 7 + j) % 23}" for j in range(30)) for i in range(24)]
+    path.write_text("\n\n".join(paragraphs))
+    return str(path)
+
+
+def config_for(tmp_path: Path, corpus: str, name: str, preset="tiny-llama", **run) -> Config:
+    config = Config()
+    config.model.name = preset
+    config.data.path = corpus
+    config.data.seq_len = 32
+    config.data.batch_size = 4
+    config.data.samples_per_shard = 8
+    config.data.eval_fraction = 0.2
+    config.blocks.ufp = None
+    config.blocks.blocks = 3
+    config.optim.lr = 1e-3
+    config.stop.steps_per_visit = 4
+    config.run.out = str(tmp_path / name)
+    for key, value in run.items():
+        setattr(config.run, key, value)
+    return config
+
+
+def weights(run_dir: str) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(run_dir) / "checkpoint" / "model.safetensors"))
+
+
+def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Every tensor within relative 1e-5 (Frobenius norm of the difference over the norm of the reference)."""
+    assert set(a) <= set(b)
+    for name in a:
+        relative = (a[name] - b[name]).norm() / b[name].norm().clamp_min(1e-12)
+        assert relative.item() <= 1e-5, (name, relative.item())
+
+
+def records(run_dir: str) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])
+def test_bcd_on_and_off_end_with_the_same_weights(tmp_path, corpus, preset):
+    off_config = config_for(tmp_path, corpus, "off", preset, pre_inference="off")
+    on_config = config_for(tmp_path, corpus, "on", preset, pre_inference="on")
+    off_config.blocks.sweeps = on_config.blocks.sweeps = 2
+    off, on = run_bcd(off_config, quiet=True), run_bcd(on_config, quiet=True)
+    assert_close(weights(on_config.run.out), weights(off_config.run.out))
+    assert [v["eval_loss"] for v in on["visits"]] == pytest.approx([v["eval_loss"] for v in off["visits"]], rel=1e-5)
+    assert all(v["source_boundary"] == 0 for v in off["visits"])
+    assert [v["source_boundary"] > 0 for v in on["visits"]] == [False, True, True] * 2
+
+
+def test_an_ascending_sweep_runs_the_prefix_from_the_input_once(tmp_path, corpus):
+    config = config_for(tmp_path, corpus, "asc", pre_inference="on")
+    config.blocks.blocks = 4
+    config.blocks.sweeps = 2
+    run_bcd(config, quiet=True)
+    made = [(r["boundary"], r["how"]) for r in records(config.run.out) if r["kind"] == "cache"
+            and r["how"] in ("input", "roll_forward")]
+    per_sweep = len(made) // 2
+    assert per_sweep == 3  # blocks 1, 2, 3 start above the input
+    for sweep in (made[:per_sweep], made[per_sweep:]):
+        assert [how for _, how in sweep] == ["input", "roll_forward", "roll_forward"]
+
+
+def test_a_stale_store_is_rebuilt_not_used(tmp_path, corpus, monkeypatch):
+    """Descending `on` builds its stores at the sweep start; a prefix weight changed between visits makes the
+    next visit rebuild its store instead of reusing it."""
+    from pipelines.pre_inference import PreInference
+
+    config = config_for(tmp_path, corpus, "stale", pre_inference="on")
+    config.blocks.order = "descending"
+    original = PreInference.sources
+
+    def sources(self, block):
+        if block.index == 1:
+            with torch.no_grad():
+                self.staged.embed_modules()[0].weight.add_(0.01)  # below every boundary
+        return original(self, block)
+
+    monkeypatch.setattr(PreInference, "sources", sources)
+    summary = run_bcd(config, quiet=True)
+    k1, k2 = (v["source_boundary"] for v in summary["visits"][1::-1])
+    events = [(r["boundary"], r["how"]) for r in records(config.run.out) if r["kind"] == "cache"
+              and r["how"] != "deleted"]
+    assert events == [(k1, "input"), (k2, "roll_forward"), (k2, "reuse"), (k1, "input")]
+
+
+def cache_and_model(tmp_path: Path, corpus: str, boundary: int = 2) -> tuple[str, str]:
+    """A save_pretrained model directory and a cache of its boundary states at `boundary`."""
+    from preinfer.presets import build_preset
+
+    model_dir = tmp_path / "model"
+    build_preset("tiny-llama", seed=3).save_pretrained(model_dir)
+    store = tmp_path / "cache"
+    code = main(["cache", "--model", str(model_dir), "--data", corpus, "--boundary", str(boundary),
+                 "--out", str(store), "--seq-len", "32", "--samples-per-shard", "8", "--eval-fraction", "0.2"])
+    assert code == 0
+    return str(model_dir), str(store)
+
+
+TRAIN = ["--batch-size", "4", "--steps-per-visit", "4", "--lr", "1e-3", "--blocks", "2", "--seed", "0"]
+
+
+def rewrite_prefix(model_dir: str, out: Path, how: str) -> str:
+    """A copy of the model directory whose layers below 2 are removed, poisoned with NaN, or nudged."""
+    out.mkdir()
+    for name in os.listdir(model_dir):
+        if name != "model.safetensors":
+            (out / name).write_bytes((Path(model_dir) / name).read_bytes())
+    tensors = load_file(str(Path(model_dir) / "model.safetensors"))
+    prefix = [k for k in tensors if k.startswith(("model.embed_tokens", "model.layers.0.", "model.layers.1."))]
+    for key in prefix:
+        if how == "missing":
+            del tensors[key]
+        elif how == "nan":
+            tensors[key] = torch.full_like(tensors[key], float("nan"))
+    if how == "nudged":
+        tensors[prefix[-1]] = tensors[prefix[-1]] + 1e-3
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return str(out)
+
+
+def test_train_never_loads_the_prefix(tmp_path, corpus):
+    model_dir, store = cache_and_model(tmp_path, corpus)
+    assert main(["train", "--store", store, "--model", model_dir, "--out", str(tmp_path / "ref"), *TRAIN]) == 0
+    reference = weights(str(tmp_path / "ref"))
+    missing = rewrite_prefix(model_dir, tmp_path / "missing", "missing")
+    assert main(["train", "--store", store, "--model", missing, "--out", str(tmp_path / "a"), *TRAIN]) == 0
+    assert_close(weights(str(tmp_path / "a")), reference)
+    poisoned = rewrite_prefix(model_dir, tmp_path / "nan", "nan")
+    assert main(["train", "--store", store, "--model", poisoned, "--out", str(tmp_path / "b"), *TRAIN]) == 1
+    assert main(["train", "--store", store, "--model", poisoned, "--out", str(tmp_path / "c"), "--trust-store",
+                 *TRAIN]) == 0
+    trained = weights(str(tmp_path / "c"))
+    assert all(torch.isfinite(t).all() for t in trained.values())
+    assert_close(trained, reference)
+    assert not any(k.startswith(("model.layers.0.", "model.layers.1.")) for k in reference)
+
+
+def test_train_refuses_a_stale_store(tmp_path, corpus, capsys):
+    model_dir, store = cache_and_model(tmp_path, corpus)
+    nudged = rewrite_prefix(model_dir, tmp_path / "nudged", "nudged")
+    code = main(["train", "--store", store, "--model", nudged, "--out", str(tmp_path / "run"), *TRAIN])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "other weights" in err and "below boundary 2" in err
+
+
+def test_train_from_store_equals_live_training_of_the_same_block(tmp_path, corpus):
+    """Invariant 3 through the CLI: `train --active` from a store against `bcd --active` live."""
+    model_dir, store = cache_and_model(tmp_path, corpus)
+    common = ["--batch-size", "4", "--steps-per-visit", "5", "--lr", "1e-3", "--active", "2-3", "--seed", "0"]
+    assert main(["train", "--store", store, "--model", model_dir, "--out", str(tmp_path / "s"), *common]) == 0
+    assert main(["bcd", "--model", model_dir, "--data", corpus, "--seq-len", "32", "--eval-fraction", "0.2",
+                 "--samples-per-shard", "8", "--pre-inference", "off", "--out", str(tmp_path / "l"), *common]) == 0
+    assert_close(weights(str(tmp_path / "s")), weights(str(tmp_path / "l")))
+
+
+class BothRanks:
+    """One process reading what two data-parallel ranks read: batch i is rank 0's batch i then rank 1's."""
+
+    def __init__(self, store, boundary, batch_size, seed):
+        self.boundary = boundary
+        self.ranks = [ReaderBatches(store, boundary, batch_size, seed, rank, 2) for rank in range(2)]
+        self.batches_per_epoch = self.ranks[0].batches_per_epoch
+
+    def __next__(self):
+        parts = [next(r) for r in self.ranks]
+        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+    def state_dict(self):
+        return [r.state_dict() for r in self.ranks]
+
+    def load_state_dict(self, state):
+        for r, s in zip(self.ranks, state):
+            r.load_state_dict(s)
+
+
+@pytest.mark.timeout(600)
+def test_torchrun_two_ranks_equal_one_process_with_the_same_global_batch(tmp_path, corpus):
+    model_dir, store = cache_and_model(tmp_path, corpus)
+    out = tmp_path / "two"
+    two = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
+         "-m", "pipelines.cli", "train", "--store", store, "--model", model_dir, "--steps-per-visit", "3",
+         "--lr", "1e-3", "--blocks", "2", "--seed", "0", "--batch-size", "2", "--out", str(out)],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=500,
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+
+    config = Config()
+    config.model.name = model_dir
+    config.data.batch_size = 4
+    config.blocks.ufp, config.blocks.blocks = None, 2
+    config.optim.lr = 1e-3
+    config.stop.steps_per_visit = 3
+    config.run.out = str(tmp_path / "one")
+    stores = open_cache(store, splits=["train", "eval"])
+    suffix = load_suffix(model_dir, 2)
+    staged = preinfer.stage(suffix.model)
+    partition, _ = partition_for(staged, config, first_layer=2)
+    plan = LiveSources(BothRanks(stores["train"], 2, 2, 0), ReaderBatches(stores["eval"], 2, 4, 0, shuffle=False))
+    train(config, staged, partition, None, plan, resume=False, quiet=True)
+    assert_close(weights(str(tmp_path / "one")), weights(str(out)))
