@@ -186,8 +186,8 @@ class PreInference:
         else:
             result = cache_boundary(self.staged, self.datasets, self.tokenizer, boundary, out, **options)
         self.stores[boundary] = out
-        if result.seconds > 0:
-            self.write_bps = max(result.bytes_written / result.seconds, 1.0)
+        if result.write_seconds > 0:  # the writer's own time: the forward is estimated separately
+            self.write_bps = max(result.bytes_written / result.write_seconds, 1.0)
         self.emit({"kind": "cache", "boundary": boundary, "how": "roll_forward" if source else "input",
                    "from": source, "seconds": result.seconds, "bytes": result.bytes_written})
         if source and not any(b.start == source for b in self.remaining):
