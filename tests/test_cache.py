@@ -33,15 +33,6 @@ def write_corpus(path: Path, paragraphs: int = 60) -> str:
     return str(path)
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """One intra-op thread: on 2 shared cores, OpenMP's second thread makes tiny forwards 10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("data") / "corpus.txt")

@@ -12,14 +12,6 @@ from storage import open_store
 from test_cache import PER_SHARD, BATCH, SEQ, assert_same_cache, cache, datasets_for, run_cli, staged_model, write_corpus
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("data") / "corpus.txt")
@@ -29,7 +21,6 @@ def corpus(tmp_path_factory):
 def reference(corpus, tmp_path_factory):
     """The single-process store (`--workers 1`) the Dask runs must equal."""
     out = tmp_path_factory.mktemp("ref") / "c"
-    torch.set_num_threads(1)
     cache(staged_model(), datasets_for(corpus), 2, out)
     return out
 

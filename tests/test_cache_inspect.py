@@ -3,17 +3,8 @@
 import json
 
 import pytest
-import torch
 
 from test_cache import PER_SHARD, SEQ, cache, datasets_for, run_cli, staged_model, write_corpus
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +12,6 @@ def made(tmp_path_factory):
     """(corpus, cache directory) of tiny-llama at boundary 2, float32, zarr."""
     root = tmp_path_factory.mktemp("inspect")
     corpus = write_corpus(root / "corpus.txt")
-    torch.set_num_threads(1)
     cache(staged_model(), datasets_for(corpus), 2, root / "c")
     return corpus, root / "c"
 

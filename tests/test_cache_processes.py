@@ -41,7 +41,6 @@ def test_a_job_killed_with_sigkill_resumes_to_an_identical_store(tmp_path, capsy
     assert 3 <= finished < store.num_shards and not store.manifest["complete"]
     assert not (out / "cache.json").exists()
 
-    torch.set_num_threads(1)
     code, stdout, err = run_cli(args, capsys)  # the same command again
     assert code == 0, err
     assert f"{finished} already done" in stdout
