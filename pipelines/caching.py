@@ -77,7 +77,7 @@ from preinfer.state import BoundaryState
 from storage import Fingerprint, StaleStoreError, Store, StorageError, create_store, open_store
 from storage.codecs import codec_spec
 from storage.manifest import parse_manifest
-from storage.store import MANIFEST, format_ranges
+from storage.store import MANIFEST
 
 SHARD_TARGET_BYTES = 64 << 20
 QUEUE_DEPTH = 2

@@ -12,7 +12,6 @@ import preinfer
 from pipelines import caching
 from pipelines.cli import main
 from preinfer.data import TokenDataset, load_data
-from preinfer.fingerprint import prefix_digest
 from preinfer.presets import build_preset
 from preinfer.tokenizers import load_tokenizer
 from storage import StaleStoreError, open_store

@@ -63,7 +63,7 @@ def test_dask_local_2_gives_the_store_of_one_worker_and_loads_the_model_once_per
     rolled = caching.roll_forward(staged, tmp_path / "c", 3, tmp_path / "r3", samples_per_shard=PER_SHARD,
                                   batch_size=BATCH, progress=False, model_name="tiny-llama", dask="local:2")
     assert set(rolled.model_loads.values()) == {1}
-    fresh = cache(staged, datasets_for(corpus), 3, tmp_path / "f3")
+    cache(staged, datasets_for(corpus), 3, tmp_path / "f3")
     assert_same_cache(tmp_path / "r3", tmp_path / "f3")
 
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from test_cache import PER_SHARD, SEQ, cache, datasets_for, run_cli, staged_model, write_corpus
+from test_cache import SEQ, cache, datasets_for, run_cli, staged_model, write_corpus
 
 
 @pytest.fixture(scope="module")

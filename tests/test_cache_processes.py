@@ -7,7 +7,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
 from pipelines import caching
 from storage import open_store
