@@ -471,8 +471,23 @@ class _Options:
     device: torch.device
 
 
-def _options(staged, fmt, dtype, batch_size, samples_per_shard, codec, mode, model_name, model_seed, progress,
-             dask, retries, device) -> _Options:
+def _options(
+    staged: StagedModel,
+    *,
+    fmt: str = "zarr",
+    dtype: str | torch.dtype = "auto",
+    batch_size: int = 16,
+    samples_per_shard: int | None = None,
+    codec: str | None = None,
+    mode: str = "resume",
+    model_name: str = "",
+    model_seed: int = 0,
+    progress: bool = True,
+    dask: Any = None,
+    retries: int = 2,
+    device: torch.device | str | None = None,
+) -> _Options:
+    """The job's options, checked: every one a user can get wrong gets a one-line UsageError."""
     if fmt not in FORMATS:
         raise UsageError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
     if mode not in MODES:
@@ -583,35 +598,23 @@ def cache_boundary(
     tokenizer: Any,
     boundary: int,
     out: str | os.PathLike,
-    *,
-    fmt: str = "zarr",
-    dtype: str | torch.dtype = "auto",
-    batch_size: int = 16,
-    samples_per_shard: int | None = None,
-    codec: str | None = None,
-    mode: str = "resume",
-    model_name: str = "",
-    model_seed: int = 0,
-    progress: bool = True,
-    dask: Any = None,
-    retries: int = 2,
-    device: torch.device | str | None = None,
+    **options: Any,
 ) -> CacheResult:
-    """Store the boundary states at `boundary` of every sample of each split in `datasets` under `out/<split>/`."""
+    """Store the boundary states at `boundary` of every sample of each split in `datasets` under `out/<split>/`
+    (`options`: those of `_options`)."""
     started = time.perf_counter()
     check_boundary(staged, boundary)
-    opts = _options(staged, fmt, dtype, batch_size, samples_per_shard, codec, mode, model_name, model_seed, progress,
-                    dask, retries, device)
+    opts = _options(staged, **options)
     if not datasets:
         raise UsageError("no splits to cache")
     out = Path(out)
-    _check_out(out, list(datasets), mode)
+    _check_out(out, list(datasets), opts.mode)
     prefix = prefix_digest(staged, boundary)
     token_fp = tokenizer.fingerprint()
     jobs = []
     for name, dataset in datasets.items():
         fp = _fingerprint(prefix, boundary, dataset.fingerprint(), token_fp, dataset.seq_len, dtype_name(opts.dtype),
-                          model_name)
+                          opts.model_name)
         fields = store_fields(dataset.seq_len, hidden_size(staged), opts.dtype)
         jobs.append(_plan_split(name, out / name, fields, len(dataset), dataset.num_tokens, fp, opts,
                                 DatasetInputs(staged, dataset, opts.device), dataset=dataset))
@@ -625,23 +628,12 @@ def roll_forward(
     out: str | os.PathLike,
     *,
     splits: list[str] | None = None,
-    fmt: str = "zarr",
-    dtype: str | torch.dtype = "auto",
-    batch_size: int = 16,
-    samples_per_shard: int | None = None,
-    codec: str | None = None,
-    mode: str = "resume",
-    model_name: str = "",
-    model_seed: int = 0,
-    progress: bool = True,
-    dask: Any = None,
-    retries: int = 2,
-    device: torch.device | str | None = None,
+    **options: Any,
 ) -> CacheResult:
-    """The stores at `boundary` made from the stores at boundary K in `source` by running only layers [K, boundary)."""
+    """The stores at `boundary` made from the stores at boundary K in `source` by running only layers [K, boundary)
+    (`options`: those of `_options`)."""
     started = time.perf_counter()
-    opts = _options(staged, fmt, dtype, batch_size, samples_per_shard, codec, mode, model_name, model_seed, progress,
-                    dask, retries, device)
+    opts = _options(staged, **options)
     source, out = Path(source), Path(out)
     found = cache_splits(source)
     if not found:
@@ -656,7 +648,7 @@ def roll_forward(
     compute = compute_dtype(staged)
     jobs = []
     source_boundary = None
-    _check_out(out, list(found), mode)
+    _check_out(out, list(found), opts.mode)
     prefixes: dict[int, str] = {}
     for name, path in found.items():
         src = open_store(path)
@@ -689,7 +681,8 @@ def roll_forward(
         src.require_complete()
         if boundary not in prefixes:
             prefixes[boundary] = prefix_digest(staged, boundary)
-        fp = _fingerprint(prefixes[boundary], boundary, data_fp, token_fp, seq_len, dtype_name(opts.dtype), model_name)
+        fp = _fingerprint(prefixes[boundary], boundary, data_fp, token_fp, seq_len, dtype_name(opts.dtype),
+                          opts.model_name)
         fields = store_fields(seq_len, hidden_size(staged), opts.dtype)
         target = out if name == "" else out / name
         tokens = _stored_tokens(src, source, name)
