@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import platform
 import statistics
 import time
 from collections.abc import Callable
+
+import torch
 
 OUT = pathlib.Path(__file__).resolve().parent / "out"
 
@@ -38,3 +42,13 @@ def write_json(name: str, payload: dict) -> pathlib.Path:
     path = OUT / f"{name}.json"
     path.write_text(json.dumps(payload, indent=1))
     return path
+
+
+def machine() -> dict:
+    """Where the benchmark ran."""
+    cpu = next((line.split(":", 1)[1].strip() for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    mem = next((int(line.split()[1]) * 1024 for line in pathlib.Path("/proc/meminfo").read_text().splitlines()
+                if line.startswith("MemTotal:")), 0)
+    return dict(nproc=os.cpu_count(), cpu=cpu, ram_gib=round(mem / 2**30, 1), torch=torch.__version__,
+                python=platform.python_version(), torch_threads=torch.get_num_threads())

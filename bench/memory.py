@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -34,6 +32,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+
+from bench.common import machine  # noqa: E402
 from torch import nn  # noqa: E402
 
 import preinfer  # noqa: E402
@@ -376,14 +376,6 @@ def label(r: dict) -> str:
     return f"BCD-Adam UFP {r['ufp']} {'from a store' if r['source'] == 'store' else 'live'}"
 
 
-def machine() -> dict:
-    """Where the benchmark ran."""
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    mem = next((int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
-                if line.startswith("MemTotal:")), 0)
-    return dict(nproc=os.cpu_count(), cpu=cpu, ram_gib=round(mem / 2**30, 1), torch=torch.__version__,
-                python=platform.python_version())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -36,6 +34,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+
+from bench.common import machine  # noqa: E402
 
 TARGET_REL = 0.03  # BCD-Adam's final eval loss within 3% of full Adam's
 PAPER = dict(ppl_full_adam=6.59, ppl_bcd_adam=6.62, epochs_ratio_ufp_1_3=2.2)
@@ -246,14 +246,6 @@ def plot(runs: dict[str, dict], budget_tokens: int, out: Path, title: str) -> No
 # The driver.
 
 
-def machine() -> dict:
-    """Where the benchmark ran."""
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    mem = next((int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
-                if line.startswith("MemTotal:")), 0)
-    return dict(nproc=os.cpu_count(), cpu=cpu, ram_gib=round(mem / 2**30, 1), torch=torch.__version__,
-                python=platform.python_version())
 
 
 def steps_per_epoch(args: argparse.Namespace) -> int:

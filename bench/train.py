@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -49,7 +48,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 import preinfer  # noqa: E402
-from bench.common import table  # noqa: E402
+from bench.common import machine, table  # noqa: E402
 from pipelines.caching import cache_boundary, open_cache  # noqa: E402
 from pipelines.models import resolve_model  # noqa: E402
 from pipelines.sources import ReaderBatches  # noqa: E402
@@ -94,14 +93,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def machine() -> dict:
-    """Where the benchmark ran."""
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    mem = next((int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
-                if line.startswith("MemTotal:")), 0)
-    return dict(nproc=os.cpu_count(), cpu=cpu, ram_gib=round(mem / 2**30, 1), torch=torch.__version__,
-                python=platform.python_version(), torch_threads=torch.get_num_threads())
 
 
 def base_config(args: argparse.Namespace, **sections) -> Config:
