@@ -46,7 +46,7 @@ def plot_losses(runs: dict[str, list[dict]], out: Path, title: str = "") -> None
                 label=f"{name}: eval loss after each visit")
     ax.set_xlabel("tokens")
     ax.set_ylabel("loss (nats/token)")
-    ax.set_title(title or "BCD training")
+    ax.set_title(title or "BCD training", pad=14)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
