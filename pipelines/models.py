@@ -21,7 +21,11 @@ def run_config(run_dir: str) -> Config:
 
 
 def resolve_model(spec: str, seed: int = 0) -> nn.Module:
-    """The model `spec` names; a run directory gives its base model with the checkpoint's current weights."""
+    """The model `spec` names; a run directory gives its current weights: its export when that is up to date
+    (a finished run, also one trained from a store), else its base model with the checkpoint's weights."""
+    export, checkpoint = Path(spec) / "export" / "config.json", Path(spec) / "checkpoint" / WEIGHTS
+    if is_run_dir(spec) and export.is_file() and export.stat().st_mtime >= checkpoint.stat().st_mtime:
+        return load_model(str(export.parent), seed=seed)
     if is_run_dir(spec):
         config = run_config(spec)
         model = load_model(config.model.name, seed=config.run.seed)

@@ -174,7 +174,7 @@ def test_train_refuses_a_stale_store(tmp_path, corpus, capsys):
     assert "other weights" in err and "below boundary 2" in err
 
 
-def test_train_from_store_equals_live_training_of_the_same_block(tmp_path, corpus):
+def test_train_from_store_equals_live_training_of_the_same_block(tmp_path, corpus, capsys):
     """Invariant 3 through the CLI: `train --active` from a store against `bcd --active` live."""
     model_dir, store = cache_and_model(tmp_path, corpus)
     common = ["--batch-size", "4", "--steps-per-visit", "5", "--lr", "1e-3", "--active", "2-3", "--seed", "0"]
@@ -182,6 +182,11 @@ def test_train_from_store_equals_live_training_of_the_same_block(tmp_path, corpu
     assert main(["bcd", "--model", model_dir, "--data", corpus, "--seq-len", "32", "--eval-fraction", "0.2",
                  "--samples-per-shard", "8", "--pre-inference", "off", "--out", str(tmp_path / "l"), *common]) == 0
     assert_close(weights(str(tmp_path / "s")), weights(str(tmp_path / "l")))
+    evaluate = ["eval", "--data", corpus, "--seq-len", "32", "--eval-fraction", "0.2", "--json"]
+    assert main([*evaluate, "--model", str(tmp_path / "s")]) == 0  # the full model: store-trained suffix + prefix
+    assert main([*evaluate, "--model", str(tmp_path / "l")]) == 0
+    losses = [json.loads(line)["loss"] for line in capsys.readouterr().out.strip().splitlines()[-2:]]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
 
 
 class BothRanks:
