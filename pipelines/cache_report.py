@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from pipelines.caching import CACHE_INDEX, DatasetInputs, cache_fingerprint, cache_splits
+from pipelines.caching import CACHE_INDEX, cache_fingerprint, cache_splits
+from pipelines.shards import DatasetInputs
 from preinfer.data import TokenDataset
 from preinfer.staged import StagedModel
 from storage import Store, StorageError, open_store, verify

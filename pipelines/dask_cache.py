@@ -119,9 +119,8 @@ def _tune_malloc() -> None:
 
 def run_task(task: ShardTask) -> dict[str, Any]:
     """Compute shard `task.shard` and write it; returns what the client counts."""
-    from pipelines.caching import (
-        DatasetInputs, HostStager, StoreInputs, compute_dtype, compute_shard, shard_bytes, write_shard,
-    )
+    from pipelines.caching import compute_dtype
+    from pipelines.shards import DatasetInputs, HostStager, StoreInputs, compute_shard, shard_bytes, write_shard
     from storage.dtypes import torch_dtype
 
     if not _STATS["threads_set"]:
@@ -212,7 +211,8 @@ def run(staged, jobs, boundary: int, opts, bar, timing: dict[str, float] | None 
     """Run the shards of `jobs` as Dask tasks; returns (failed, fatal, model loads per worker)."""
     from distributed import as_completed
 
-    from pipelines.caching import _one_line, is_disk_full
+    from pipelines.caching import _one_line
+    from pipelines.shards import is_disk_full
 
     logging.getLogger("distributed").setLevel(logging.ERROR)
     client, close, threads = connect(opts.dask)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import preinfer
-from pipelines import caching
+from pipelines import caching, shards
 from pipelines.cli import main
 from preinfer.data import TokenDataset, load_data
 from preinfer.presets import build_preset
@@ -283,11 +283,11 @@ def test_roll_forward_refuses_a_stale_or_lossy_source(corpus, tmp_path):
 
 def test_a_shard_that_fails_once_is_retried(corpus, tmp_path, monkeypatch):
     staged, data = staged_model(), datasets_for(corpus)
-    monkeypatch.setenv(caching.FAULT_ENV, "train/1,eval/0")
-    monkeypatch.setenv(caching.FAULT_ONCE_ENV, str(tmp_path))
+    monkeypatch.setenv(shards.FAULT_ENV, "train/1,eval/0")
+    monkeypatch.setenv(shards.FAULT_ONCE_ENV, str(tmp_path))
     result = cache(staged, data, 2, tmp_path / "c", retries=1)
     assert (tmp_path / "fault-train-1").exists() and (tmp_path / "fault-eval-0").exists()
-    monkeypatch.delenv(caching.FAULT_ENV)
+    monkeypatch.delenv(shards.FAULT_ENV)
     cache(staged, data, 2, tmp_path / "ref")
     assert result.shards_computed == result.splits["train"].num_shards + result.splits["eval"].num_shards
     assert_same_cache(tmp_path / "c", tmp_path / "ref")
@@ -297,7 +297,7 @@ def test_a_shard_that_always_fails_names_itself_and_leaves_finished_shards_intac
                                                                                  capsys):
     staged, data = staged_model(), datasets_for(corpus)
     cache(staged, data, 2, tmp_path / "ref")
-    monkeypatch.setenv(caching.FAULT_ENV, "train/1")
+    monkeypatch.setenv(shards.FAULT_ENV, "train/1")
     argv = ["cache", "--model", "tiny-llama", "--data", corpus, "--seq-len", str(SEQ), "--boundary", "2",
             "--out", str(tmp_path / "c"), "--samples-per-shard", str(PER_SHARD), "--batch-size", str(BATCH),
             "--retries", "1", "--quiet"]
@@ -310,7 +310,7 @@ def test_a_shard_that_always_fails_names_itself_and_leaves_finished_shards_intac
         assert all(torch.equal(a, b) for a, b in zip(store.read_shard(i).values(), reference.read_shard(i).values()))
     assert open_store(tmp_path / "c" / "eval").is_complete  # the other split went on
     assert not (tmp_path / "c" / "cache.json").exists()  # nothing claims the cache is complete
-    monkeypatch.delenv(caching.FAULT_ENV)
+    monkeypatch.delenv(shards.FAULT_ENV)
     assert run_cli(argv, capsys)[0] == 0  # rerunning finishes it
     assert_same_cache(tmp_path / "c", tmp_path / "ref")
 
@@ -411,17 +411,17 @@ def test_asynchronous_host_staging_path_runs_on_cpu_and_reuses_buffers(corpus, t
     staged, data = staged_model(), datasets_for(corpus)
     dataset = data["train"]
     fields = {n: (shape, dtype) for n, (shape, dtype) in caching.store_fields(SEQ, 64, torch.float32).items()}
-    stager = caching.HostStager("cpu", asynchronous=True, max_pooled=1)
+    stager = shards.HostStager("cpu", asynchronous=True, max_pooled=1)
     assert stager.asynchronous and not stager.pin  # pinned memory only where CUDA is
     copies = []
-    original_copy = caching.HostStager.copy
+    original_copy = shards.HostStager.copy
 
     def spy_copy(self, destination, source):
         copies.append(source.shape[0])
         return original_copy(self, destination, source)
 
-    monkeypatch.setattr(caching.HostStager, "copy", spy_copy)
-    inputs = caching.DatasetInputs(staged, dataset, "cpu")
+    monkeypatch.setattr(shards.HostStager, "copy", spy_copy)
+    inputs = shards.DatasetInputs(staged, dataset, "cpu")
     buffers, fence = caching.compute_shard(staged, inputs, 0, 2, 0, PER_SHARD, BATCH, fields, stager)
     fence.synchronize()
     expected = direct_prefix(staged, dataset, 2, 0, PER_SHARD)
@@ -432,7 +432,7 @@ def test_asynchronous_host_staging_path_runs_on_cpu_and_reuses_buffers(corpus, t
     assert again["hidden"].data_ptr() == buffers["hidden"].data_ptr() and stager.allocated == 1
     # the writer waits on the fence before it touches the buffers
     event = CountingEvent()
-    monkeypatch.setattr(caching.HostStager, "fence", lambda self: event)
+    monkeypatch.setattr(shards.HostStager, "fence", lambda self: event)
     monkeypatch.setattr(caching, "HostStager", lambda device, **kw: stager)
     result = caching.cache_boundary(staged, {"eval": data["eval"]}, load_tokenizer("byte"), 2, tmp_path / "c",
                                     samples_per_shard=PER_SHARD, batch_size=BATCH, progress=False)
@@ -441,14 +441,14 @@ def test_asynchronous_host_staging_path_runs_on_cpu_and_reuses_buffers(corpus, t
 
 def test_a_shard_whose_forward_fails_is_named_and_the_others_are_written(corpus, tmp_path, monkeypatch):
     staged, data = staged_model(), datasets_for(corpus)
-    original = caching.DatasetInputs.__call__
+    original = shards.DatasetInputs.__call__
 
     def broken(self, a, b):
         if a <= 20 < b:  # a sample of train shard 1
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         return original(self, a, b)
 
-    monkeypatch.setattr(caching.DatasetInputs, "__call__", broken)
+    monkeypatch.setattr(shards.DatasetInputs, "__call__", broken)
     with pytest.raises(caching.CacheJobError, match=r"train shard 1 \(samples 16..32\).*illegal memory access"):
         cache(staged, {"train": data["train"]}, 2, tmp_path / "c", retries=1)
     store = open_store(tmp_path / "c" / "train")

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from pipelines import caching, dask_cache
+from pipelines import caching, dask_cache, shards
 from storage import open_store
 from test_cache import PER_SHARD, BATCH, SEQ, assert_same_cache, cache, datasets_for, run_cli, staged_model, write_corpus
 
@@ -68,11 +68,11 @@ def test_dask_local_2_gives_the_store_of_one_worker_and_loads_the_model_once_per
 
 
 def test_a_dask_task_that_fails_once_is_retried(workers, corpus, reference, tmp_path):
-    set_worker_env(workers, **{caching.FAULT_ENV: "train/2,eval/1", caching.FAULT_ONCE_ENV: str(tmp_path)})
+    set_worker_env(workers, **{shards.FAULT_ENV: "train/2,eval/1", shards.FAULT_ONCE_ENV: str(tmp_path)})
     try:
         result = cache(staged_model(), datasets_for(corpus), 2, tmp_path / "c", dask=workers, retries=1)
     finally:
-        set_worker_env(workers, **{caching.FAULT_ENV: None, caching.FAULT_ONCE_ENV: None})
+        set_worker_env(workers, **{shards.FAULT_ENV: None, shards.FAULT_ONCE_ENV: None})
     assert (tmp_path / "fault-train-2").exists() and (tmp_path / "fault-eval-1").exists()
     assert result.shards_computed == sum(s.num_shards for s in result.splits.values())
     assert_same_cache(tmp_path / "c", reference)
@@ -80,12 +80,12 @@ def test_a_dask_task_that_fails_once_is_retried(workers, corpus, reference, tmp_
 
 def test_a_dask_shard_that_always_fails_is_named_and_the_rest_stay_intact(workers, corpus, reference, tmp_path,
                                                                         capsys):
-    set_worker_env(workers, **{caching.FAULT_ENV: "train/3"})
+    set_worker_env(workers, **{shards.FAULT_ENV: "train/3"})
     address = workers.scheduler.address
     try:
         code, _, err = run_cli(cli_args(corpus, tmp_path / "c", "--dask", address, "--retries", "1"), capsys)
     finally:
-        set_worker_env(workers, **{caching.FAULT_ENV: None})
+        set_worker_env(workers, **{shards.FAULT_ENV: None})
     assert code == 1 and len(err.strip().splitlines()) == 1, err
     assert "train shard 3 (samples 48..64)" in err and "injected fault" in err
     store, ref = open_store(tmp_path / "c" / "train"), open_store(reference / "train")

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 
-from pipelines import caching
+from pipelines import shards
 from storage import open_store
 from test_cache import BATCH, PER_SHARD, SEQ, assert_same_cache, cache, datasets_for, run_cli, staged_model, write_corpus
 
@@ -20,7 +20,7 @@ def test_a_job_killed_with_sigkill_resumes_to_an_identical_store(tmp_path, capsy
     out = tmp_path / "c"
     args = ["cache", "--model", "tiny-llama", "--data", corpus, "--seq-len", str(SEQ), "--boundary", "2", "--out",
             str(out), "--samples-per-shard", str(PER_SHARD), "--batch-size", str(BATCH), "--quiet"]
-    env = {**os.environ, caching.DELAY_ENV: "0.2", "OMP_NUM_THREADS": "1",
+    env = {**os.environ, shards.DELAY_ENV: "0.2", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", *args], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -1,0 +1,193 @@
+"""The work on one shard of a caching job, shared by the local job and Dask workers: device-to-host staging, a
+shard's inputs (dataset tokens, or the states of a lower store), its forward, and writing it (with the test hooks
+that inject faults and delays, read from the environment)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+
+from preinfer.data import TokenDataset
+from preinfer.staged import StagedModel
+from preinfer.state import BoundaryState
+from storage import Store
+
+FAULT_ENV = "PREINFER_CACHE_FAULTS"
+FAULT_ONCE_ENV = "PREINFER_CACHE_FAULT_ONCE_DIR"
+DELAY_ENV = "PREINFER_CACHE_SHARD_DELAY"
+
+
+# ---- host staging (device-to-host copies) ---------------------------------------------------------------------
+
+
+class _Ready:
+    """The event of a copy that has already finished (CPU)."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+class HostStager:
+    """Host buffers that finished boundary states are copied into, pooled and reused once written.
+
+    With `asynchronous` (the default on CUDA) copies are `non_blocking` into pinned buffers and `fence()` records
+    an event the writer waits on before it reads them; without CUDA the same code path runs with pageable
+    buffers and an event that is already done, so it is exercised on CPU too.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", asynchronous: bool | None = None, max_pooled: int = 4):
+        self.device = torch.device(device)
+        self.asynchronous = self.device.type == "cuda" if asynchronous is None else asynchronous
+        self.pin = self.asynchronous and self.device.type == "cuda" and torch.cuda.is_available()
+        self.max_pooled = max_pooled
+        self._pool: list[dict[str, torch.Tensor]] = []
+        self._lock = threading.Lock()
+        self.allocated = 0
+
+    def acquire(self, fields: Mapping[str, tuple[tuple[int, ...], torch.dtype]], samples: int) -> dict[str, torch.Tensor]:
+        """Buffers {name: [samples, *shape]} (reused from the pool when one fits)."""
+        want = {name: ((samples, *shape), dtype) for name, (shape, dtype) in fields.items()}
+        with self._lock:
+            for i, buffers in enumerate(self._pool):
+                if {n: (tuple(t.shape), t.dtype) for n, t in buffers.items()} == want:
+                    return self._pool.pop(i)
+        self.allocated += 1
+        return {name: torch.empty(shape, dtype=dtype, pin_memory=self.pin) for name, (shape, dtype) in want.items()}
+
+    def copy(self, destination: torch.Tensor, source: torch.Tensor) -> None:
+        destination.copy_(source, non_blocking=self.asynchronous)
+
+    def fence(self):
+        """An event that completes when every copy issued so far has landed in host memory."""
+        if self.asynchronous and self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            return event
+        return _Ready()
+
+    def release(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Give written buffers back for reuse."""
+        with self._lock:
+            if len(self._pool) < self.max_pooled:
+                self._pool.append(buffers)
+
+
+# ---- inputs and the forward of one shard ----------------------------------------------------------------------
+
+
+class DatasetInputs:
+    """Boundary-0 states of dataset samples [a, b) on `device`."""
+
+    start_layer = 0
+
+    def __init__(self, staged: StagedModel, dataset: TokenDataset | Mapping[str, torch.Tensor], device, offset=0):
+        self.staged, self.dataset, self.device, self.offset = staged, dataset, torch.device(device), offset
+
+    def __call__(self, a: int, b: int) -> BoundaryState:
+        if isinstance(self.dataset, TokenDataset):
+            batch = self.dataset[a:b]
+        else:  # the tensors of one shard (a Dask task), indexed from `offset`
+            batch = {k: v[a - self.offset:b - self.offset] for k, v in self.dataset.items()}
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        return self.staged.embed(batch["input_ids"], batch["attention_mask"], batch["labels"])
+
+
+class StoreInputs:
+    """Stored boundary states of samples [a, b) on `device`, hidden states in the compute dtype."""
+
+    def __init__(self, store: Store, start_layer: int, device, dtype: torch.dtype):
+        self.store, self.start_layer, self.device, self.dtype = store, start_layer, torch.device(device), dtype
+        self._cached: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    def _shard(self, i: int) -> dict[str, torch.Tensor]:
+        if self._cached is None or self._cached[0] != i:
+            self._cached = (i, self.store.read_shard(i))
+        return self._cached[1]
+
+    def __call__(self, a: int, b: int) -> BoundaryState:
+        per = self.store.samples_per_shard
+        pieces: dict[str, list[torch.Tensor]] = {}
+        for i in range(a // per, (b - 1) // per + 1):
+            lo, _ = self.store.shard_range(i)
+            tensors = self._shard(i)
+            for name, t in tensors.items():
+                pieces.setdefault(name, []).append(t[max(a, lo) - lo:b - lo])
+        tensors = {k: (v[0] if len(v) == 1 else torch.cat(v)).to(self.device) for k, v in pieces.items()}
+        tensors["hidden"] = tensors["hidden"].to(self.dtype)
+        return BoundaryState.from_dict(tensors)
+
+
+def compute_shard(staged: StagedModel, inputs: Callable[[int, int], BoundaryState], start_layer: int, boundary: int,
+                  lo: int, hi: int, batch_size: int, fields: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+                  stager: HostStager):
+    """Boundary states at `boundary` of samples [lo, hi), in batches of `batch_size` from `lo`, copied into host
+    buffers; returns (buffers, fence)."""
+    buffers = stager.acquire(fields, hi - lo)
+    with torch.inference_mode():
+        for a in range(lo, hi, batch_size):
+            b = min(a + batch_size, hi)
+            state = staged.run(inputs(a, b), start_layer, boundary)
+            out = state.to_dict()
+            out["hidden"] = out["hidden"].to(fields["hidden"][1])
+            for name, tensor in out.items():
+                stager.copy(buffers[name][a - lo:b - lo], tensor)
+    return buffers, stager.fence()
+
+
+# ---- writing one shard (fault hooks, retries) -----------------------------------------------------------------
+
+
+def is_disk_full(err: BaseException | None) -> bool:
+    """Whether `err` (or what caused it; or its text, for an exception that crossed a process) is a full disk."""
+    seen = 0
+    while err is not None and seen < 20:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "[Errno 28]" in str(err) or "No space left on device" in str(err):
+            return True
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return False
+
+
+def _fault_hook(split: str, shard: int) -> None:
+    delay = os.environ.get(DELAY_ENV)
+    if delay:
+        time.sleep(float(delay))
+    faults = {f.strip() for f in os.environ.get(FAULT_ENV, "").split(",") if f.strip()}
+    name = f"{split}/{shard}" if split else str(shard)
+    if name not in faults:
+        return
+    once_dir = os.environ.get(FAULT_ONCE_ENV)
+    if once_dir:
+        marker = Path(once_dir) / f"fault-{name.replace('/', '-')}"
+        try:
+            with open(marker, "x"):
+                pass
+        except FileExistsError:
+            return
+    raise RuntimeError(f"injected fault ({FAULT_ENV}) on shard {name}")
+
+
+def write_shard(store: Store, split: str, shard: int, tensors: dict[str, torch.Tensor], retries: int = 0) -> int:
+    """Write one shard, retrying a failure `retries` times (never a full disk); returns the attempts made."""
+    for attempt in range(retries + 1):
+        try:
+            _fault_hook(split, shard)
+            store.write_shard(shard, tensors)
+            return attempt + 1
+        except Exception as err:
+            if attempt == retries or is_disk_full(err):
+                raise
+    raise AssertionError("unreachable")
+
+
+def shard_bytes(store: Store, shard: int) -> int:
+    """Bytes on disk of a complete shard (from its completion record)."""
+    record = store._record(shard)  # noqa: SLF001 - the completion record is the only place sizes live
+    return sum(f["size"] for f in record["files"].values()) if record else 0
