@@ -131,7 +131,6 @@ class PreInference:
         source = max((b for b in self._valid_stores() if b < k), default=0)
         build = (k - source) * per_layer * total + total * sample_bytes * (
             1 / self.write_bps + (1 / self.read_bps if source else 0))
-        self.root.mkdir(parents=True, exist_ok=True)
         return Estimate(
             steps=steps,
             prefix_per_step=k * per_layer * samples_per_step,
@@ -140,7 +139,7 @@ class PreInference:
             build=0.0 if k in self._valid_stores() else build,
             build_from=source,
             store_bytes=total * sample_bytes,
-            free_bytes=shutil.disk_usage(self.root).free,
+            free_bytes=shutil.disk_usage(next(p for p in (self.root, *self.root.parents) if p.exists())).free,
         )
 
     @torch.no_grad()
