@@ -175,18 +175,10 @@ class CacheResult:
 # ---- fingerprints, dtypes, layout ----------------------------------------------------------------------------
 
 
-def compute_dtype(staged: StagedModel) -> torch.dtype:
-    """The dtype the prefix computes hidden states in (its embedding's)."""
-    for module in staged.embed_modules():
-        for p in module.parameters():
-            return p.dtype
-    return staged.compute_dtype
-
-
 def storage_dtype(staged: StagedModel, dtype: str | torch.dtype) -> torch.dtype:
     """The dtype hidden states are stored in: `auto` is the compute dtype."""
     if dtype in (None, "auto"):
-        return compute_dtype(staged)
+        return staged.compute_dtype
     if isinstance(dtype, torch.dtype):
         if dtype in STORE_DTYPES.values():
             return dtype
@@ -236,14 +228,6 @@ def store_fields(seq_len: int, hidden_size: int, dtype: torch.dtype) -> dict[str
         "position_ids": ((seq_len,), torch.int64),
         "labels": ((seq_len,), torch.int64),
     }
-
-
-def hidden_size(staged: StagedModel) -> int:
-    config = getattr(staged.model, "config", None)
-    for name in ("hidden_size", "n_embd"):
-        if config is not None and getattr(config, name, None):
-            return int(getattr(config, name))
-    return int(staged.embed_modules()[0].weight.shape[1])
 
 
 def is_store(path: Path) -> bool:
@@ -451,7 +435,7 @@ def cache_boundary(
     for name, dataset in datasets.items():
         fp = _fingerprint(prefix, boundary, dataset.fingerprint(), token_fp, dataset.seq_len, dtype_name(opts.dtype),
                           opts.model_name)
-        fields = store_fields(dataset.seq_len, hidden_size(staged), opts.dtype)
+        fields = store_fields(dataset.seq_len, staged.hidden_size, opts.dtype)
         jobs.append(_plan_split(name, out / name, fields, len(dataset), dataset.num_tokens, fp, opts,
                                 DatasetInputs(staged, dataset, opts.device), dataset=dataset))
     return _run_jobs(staged, jobs, out, boundary, 0, opts, started)
@@ -481,7 +465,7 @@ def roll_forward(
         found = {s: found[s] for s in splits}
     if source.resolve() == out.resolve() or any(p.resolve() == out.resolve() for p in found.values()):
         raise UsageError("--out must differ from --from-store (a roll-forward writes a new store)")
-    compute = compute_dtype(staged)
+    compute = staged.compute_dtype
     jobs = []
     source_boundary = None
     _check_out(out, list(found), opts.mode)
@@ -519,7 +503,7 @@ def roll_forward(
             prefixes[boundary] = prefix_digest(staged, boundary)
         fp = _fingerprint(prefixes[boundary], boundary, data_fp, token_fp, seq_len, dtype_name(opts.dtype),
                           opts.model_name)
-        fields = store_fields(seq_len, hidden_size(staged), opts.dtype)
+        fields = store_fields(seq_len, staged.hidden_size, opts.dtype)
         target = out if name == "" else out / name
         tokens = _stored_tokens(src, source, name)
         jobs.append(_plan_split(name, target, fields, src.num_samples, tokens, fp, opts,

@@ -119,7 +119,6 @@ def _tune_malloc() -> None:
 
 def run_task(task: ShardTask) -> dict[str, Any]:
     """Compute shard `task.shard` and write it; returns what the client counts."""
-    from pipelines.caching import compute_dtype
     from pipelines.shards import DatasetInputs, HostStager, StoreInputs, compute_shard, shard_bytes, write_shard
     from storage.dtypes import torch_dtype
 
@@ -134,7 +133,7 @@ def run_task(task: ShardTask) -> dict[str, Any]:
         inputs = DatasetInputs(staged, task.inputs, task.device, offset=task.lo)
     else:
         inputs = StoreInputs(_store(task.source_path, task.source_digest), task.start_layer, task.device,
-                             compute_dtype(staged))
+                             staged.compute_dtype)
     fields = {n: (s.shape, torch_dtype(s.dtype)) for n, s in store.fields.items()}
     stager = HostStager(task.device)
     started = time.perf_counter()

@@ -47,8 +47,10 @@ class StagedModel(ABC):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The dtype of the head's weights: what hidden states are cast to when read from a store."""
-        return next(p for m in self.head_modules() for p in m.parameters()).dtype
+        """The dtype hidden states are computed in (the embedding's): what `auto` stores keep and what states
+        read from a store are cast to."""
+        modules = (*self.embed_modules(), *self.head_modules())
+        return next(p for m in modules for p in m.parameters()).dtype
 
     def embed(
         self,

@@ -23,16 +23,21 @@ def test_tensor_bytes():
     assert tensor_bytes(torch.zeros(7, dtype=torch.bfloat16)) == 14
 
 
-def test_params_grads_optimizer_state_exact():
-    model = _mlp()
-    optimizer = torch.optim.Adam(model.parameters())
+def _one_step(model, optimizer) -> dict[str, int]:
+    """The meter's report over one tracked forward/backward and optimizer step."""
     meter = MemoryMeter(model)
     with meter.track():
         model(torch.randn(5, 8)).sum().backward()
     meter.sample(optimizer)
     optimizer.step()
     meter.sample(optimizer)
-    report = meter.report()
+    return meter.report()
+
+
+def test_params_grads_optimizer_state_exact():
+    model = _mlp()
+    optimizer = torch.optim.Adam(model.parameters())
+    report = _one_step(model, optimizer)
     assert report["params"] == _nbytes(model.parameters()) == 4 * (8 * 16 + 16 + 16 * 4 + 4)
     assert report["grads"] == _nbytes(p.grad for p in model.parameters())
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
@@ -82,13 +87,7 @@ def test_frozen_parameters_have_no_grad_bytes():
     model = _mlp()
     model[0].requires_grad_(False)
     optimizer = torch.optim.Adam(model[2].parameters())
-    meter = MemoryMeter(model)
-    with meter.track():
-        model(torch.randn(5, 8)).sum().backward()
-    meter.sample(optimizer)
-    optimizer.step()
-    meter.sample(optimizer)
-    report = meter.report()
+    report = _one_step(model, optimizer)
     assert report["grads"] == _nbytes(model[2].parameters())
     assert report["optimizer"] == 2 * _nbytes(model[2].parameters()) + 4 * 2
     # Frozen first linear: its output needs no grad, so neither it nor GELU saves anything; only the second
