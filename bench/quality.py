@@ -8,13 +8,20 @@ Methods (each in its own subprocess, trained with the real `preinfer.trainer.Tra
              no clipping
   (optional, --sgd-lr X) bcd-sgd-tuned: the same with lr X
 
-Fairness: every method gets the same token budget (--epochs, default 2 epochs of the training split);
-bcd-adam then continues to --bcd-adam-factor times that budget (default 2x) to measure how many epochs it needs
-to reach full Adam's final eval loss (the paper reports 2.2x at UFP 1/3). Its equal-budget figures are read at
-the budget. The eval loss is measured on the whole held-out split every --eval-every optimizer steps (a whole
-visit for BCD); evaluation time is excluded from the wall times.
+Two comparisons:
+  equal budget (default)  every method gets the same token budget (--epochs, default 2 epochs of the training
+                          split); bcd-adam then continues to --bcd-adam-factor times that budget (default 2x) to
+                          measure how many epochs it needs to reach full Adam's final eval loss (the paper reports
+                          2.2x at UFP 1/3). Its equal-budget figures are read at the budget.
+  --until-plateau         every method trains until its eval loss plateaus (the best eval loss improves by less
+                          than --plateau-rel over --plateau-window evaluations) or --max-epochs; each is compared
+                          at its best eval loss (early stopping), and the epochs ratio is of the epochs at which
+                          each method reached its plateau.
+The eval loss is measured on the whole held-out split every --eval-every optimizer steps (a whole visit for BCD);
+evaluation time is excluded from the wall times.
 
     python bench/quality.py            # 27 min of CPU: about 14 min on 2 free cores (40 min on a loaded machine)
+    python bench/quality.py --until-plateau --plateau-window 6   # each method to its plateau (about an hour)
     python bench/quality.py --quick    # tiny-llama, a few steps (seconds)
 """
 
@@ -65,6 +72,10 @@ def method_overrides(name: str, args: argparse.Namespace, steps: int) -> dict:
 # The worker: one method in one process.
 
 
+class Plateaued(Exception):
+    """Raised from the evaluation callback to end a run whose eval loss has plateaued (--until-plateau)."""
+
+
 def run_method(args: argparse.Namespace, name: str, steps: int, run_dir: Path) -> dict:
     """Train one method with the real Trainer, evaluating on the whole eval split every `eval_every` steps."""
     import preinfer
@@ -108,10 +119,15 @@ def run_method(args: argparse.Namespace, name: str, steps: int, run_dir: Path) -
     def on_record(record: dict) -> None:
         if record["kind"] == "step" and record["step"] % args.eval_every == 0:
             measure(record["step"], record["tokens"])
+            if args.until_plateau and plateau_point(curve, args.plateau_rel, args.plateau_window) is not None:
+                raise Plateaued
 
     measure(0, 0)
     trainer = Trainer(staged, partition, config, sources, run_dir, MemoryMeter(model), on_record=on_record)
-    trainer.fit()
+    try:
+        trainer.fit()
+    except Plateaued:
+        print(f"[{name}] plateaued at step {curve[-1]['step']}", flush=True)
     p = trainer.progress
     if not curve or curve[-1]["step"] != p.global_step:
         measure(p.global_step, p.tokens)
@@ -172,12 +188,13 @@ def tokens_to_reach(fit: dict | None, loss: float) -> float | None:
 
 
 def summarise(runs: dict[str, dict], budget_tokens: int, args: argparse.Namespace) -> dict:
-    """Per method: equal-budget figures, best loss, plateau; and the epochs ratio against the paper's 2.2x."""
+    """Per method: equal-budget (or best, --until-plateau) figures, best loss, plateau; and the epochs ratio
+    against the paper's 2.2x."""
     rows = {}
     for name, run in runs.items():
         curve = run["curve"]
-        end = at_budget(curve, budget_tokens)
         best = min((c for c in curve if c["tokens"] <= budget_tokens), key=lambda c: c["eval_loss"])
+        end = best if args.until_plateau else at_budget(curve, budget_tokens)
         plateau = plateau_point(curve, args.plateau_rel, args.plateau_window)
         rows[name] = dict(
             final_eval_loss=end["eval_loss"], final_ppl=math.exp(end["eval_loss"]), tokens=end["tokens"],
@@ -210,6 +227,10 @@ def summarise(runs: dict[str, dict], budget_tokens: int, args: argparse.Namespac
             if not reach else None,
             paper=PAPER["epochs_ratio_ufp_1_3"],
         )
+        if bcd["plateau"] and full["plateau"]:
+            full_at, bcd_at = full["plateau"]["epochs"], bcd["plateau"]["epochs"]
+            epochs_ratio["plateau_epochs"] = dict(full_adam=full_at, bcd_adam=bcd_at,
+                                                  ratio=bcd_at / full_at if full_at else None)
         target_check = dict(rel=bcd["rel_to_full"], limit=TARGET_REL, holds=bcd["rel_to_full"] <= TARGET_REL,
                             best_rel=bcd["best_eval_loss"] / full["best_eval_loss"] - 1)
     else:
@@ -217,8 +238,8 @@ def summarise(runs: dict[str, dict], budget_tokens: int, args: argparse.Namespac
     return dict(rows=rows, epochs_ratio=epochs_ratio, target=target_check)
 
 
-def plot(runs: dict[str, dict], budget_tokens: int, out: Path, title: str) -> None:
-    """Eval loss against tokens for every method, the budget and full Adam's final loss marked."""
+def plot(runs: dict[str, dict], budget_tokens: int, out: Path, title: str, until_plateau: bool) -> None:
+    """Eval loss against tokens for every method, the budget and full Adam's final (or best) loss marked."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -228,9 +249,14 @@ def plot(runs: dict[str, dict], budget_tokens: int, out: Path, title: str) -> No
     for name, run in runs.items():
         curve = [c for c in run["curve"] if c["tokens"] > 0]
         ax.plot([c["tokens"] for c in curve], [c["eval_loss"] for c in curve], "o-", ms=3, label=name)
-    full = at_budget(runs["full-adam"]["curve"], budget_tokens)["eval_loss"]
-    ax.axhline(full, color="grey", ls=":", lw=1, label=f"full Adam final ({full:.3f})")
-    ax.axvline(budget_tokens, color="grey", ls="--", lw=1, label="equal token budget")
+    full_curve = runs["full-adam"]["curve"]
+    if until_plateau:
+        full = min(c["eval_loss"] for c in full_curve)
+        ax.axhline(full, color="grey", ls=":", lw=1, label=f"full Adam best ({full:.3f})")
+    else:
+        full = at_budget(full_curve, budget_tokens)["eval_loss"]
+        ax.axhline(full, color="grey", ls=":", lw=1, label=f"full Adam final ({full:.3f})")
+        ax.axvline(budget_tokens, color="grey", ls="--", lw=1, label="equal token budget")
     ax.set_xlabel("training tokens")
     ax.set_ylabel("eval loss (nats/token)")
     ax.set_title(title)
@@ -244,8 +270,6 @@ def plot(runs: dict[str, dict], budget_tokens: int, out: Path, title: str) -> No
 
 # ---------------------------------------------------------------------------------------------------------------
 # The driver.
-
-
 
 
 def steps_per_epoch(args: argparse.Namespace) -> int:
@@ -272,8 +296,9 @@ def launch(args: argparse.Namespace, name: str, steps: int, run_dir: Path) -> di
     return data
 
 
-def table(summary: dict) -> str:
-    lines = ["| method | eval loss at budget | PPL | vs full Adam | best eval loss (epoch) | tokens | epochs "
+def table(summary: dict, until_plateau: bool) -> str:
+    compared = "best eval loss" if until_plateau else "eval loss at budget"
+    lines = [f"| method | {compared} | PPL | vs full Adam | best eval loss (epoch) | tokens | epochs "
              "| train wall s | epochs to full-Adam final | plateau at epoch |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in summary["rows"].items():
@@ -310,6 +335,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--visit-warmup", type=int, default=10, help="warmup steps of each BCD-Adam visit")
     p.add_argument("--sgd-lr", type=float, default=None, help="also run BCD-SGD with this lr (bcd-sgd-tuned)")
     p.add_argument("--methods", default="full-adam,bcd-adam,bcd-sgd")
+    p.add_argument("--until-plateau", action="store_true",
+                   help="train every method until its eval loss plateaus (or --max-epochs); compare best losses")
+    p.add_argument("--max-epochs", type=float, default=8.0, help="with --until-plateau: the cap per method")
     p.add_argument("--plateau-rel", type=float, default=0.005,
                    help="plateau: the best eval loss improves by less than this fraction ...")
     p.add_argument("--plateau-window", type=int, default=3, help="... over this many further evaluations")
@@ -344,17 +372,19 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     runs_dir = args.out.parent / "quality_runs"
     per_epoch = steps_per_epoch(args)
-    budget_steps = max(1, round(args.epochs * per_epoch / (3 * args.steps_per_visit))) * 3 * args.steps_per_visit
+    epochs = args.max_epochs if args.until_plateau else args.epochs
+    budget_steps = max(1, round(epochs * per_epoch / (3 * args.steps_per_visit))) * 3 * args.steps_per_visit
     runs: dict[str, dict] = {}
     for name in args.methods.split(","):
-        steps = round(budget_steps * args.bcd_adam_factor) if name == "bcd-adam" else budget_steps
-        print(f"[quality] {name}: {steps} steps", flush=True)
+        extend = name == "bcd-adam" and not args.until_plateau
+        steps = round(budget_steps * args.bcd_adam_factor) if extend else budget_steps
+        print(f"[quality] {name}: up to {steps} steps", flush=True)
         runs[name] = launch(args, name, steps, runs_dir / name)
-    budget_tokens = runs["full-adam"]["tokens"]
+    budget_tokens = max(run["tokens"] for run in runs.values()) if args.until_plateau else runs["full-adam"]["tokens"]
     summary = summarise(runs, budget_tokens, args)
     png = args.out.with_suffix(".png")
     plot(runs, budget_tokens, png, f"{args.model}, builtin:pydoc, seq {args.seq_len}, batch {args.batch_size}, "
-                                   f"seed {args.seed}")
+                                   f"seed {args.seed}", args.until_plateau)
     result = dict(
         benchmark="quality", command=" ".join(["python", "bench/quality.py", *args.passthrough]),
         machine=machine(), settings=dict(model=args.model, data="builtin:pydoc", seq_len=args.seq_len,
@@ -362,14 +392,16 @@ def main(argv: list[str] | None = None) -> int:
                                          budget_tokens=budget_tokens, steps_per_epoch=per_epoch,
                                          bcd_adam_factor=args.bcd_adam_factor, steps_per_visit=args.steps_per_visit,
                                          eval_every=args.eval_every, adam=ADAM, sgd=SGD, full_warmup=args.full_warmup,
-                                         visit_warmup=args.visit_warmup, sgd_tuned_lr=args.sgd_lr),
+                                         visit_warmup=args.visit_warmup, sgd_tuned_lr=args.sgd_lr,
+                                         until_plateau=args.until_plateau, max_epochs=args.max_epochs,
+                                         plateau_rel=args.plateau_rel, plateau_window=args.plateau_window),
         paper=PAPER, plot=str(png), **summary,
         runs={name: {k: v for k, v in run.items() if k != "config"} | {"config": run["config"]}
               for name, run in runs.items()},
         wall_s=time.perf_counter() - started,
     )
     args.out.write_text(json.dumps(result, indent=1))
-    print(table(summary))
+    print(table(summary, args.until_plateau))
     print(json.dumps(dict(target=summary["target"], epochs_ratio=summary["epochs_ratio"]), indent=1))
     print(f"wrote {args.out} and {png} in {result['wall_s']:.0f} s")
     return 0

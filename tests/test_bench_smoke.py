@@ -61,6 +61,21 @@ def test_quality_quick(tmp_path):
     assert rows["full-adam"]["rel_to_full"] == 0
 
 
+def test_quality_until_plateau_stops_each_method_early(tmp_path):
+    out = tmp_path / "quality.json"
+    # A plateau tolerance of 100%: every run counts as plateaued once `window` evaluations follow its first.
+    args = ["--quick", "--in-process", "--out", str(out), "--until-plateau", "--max-epochs", "0.01",
+            "--plateau-rel", "1.0", "--plateau-window", "1"]
+    assert _load("quality").main(args) == 0
+    result = json.loads(out.read_text())
+    cap = result["settings"]["budget_steps"]
+    for name, row in result["rows"].items():
+        run = result["runs"][name]
+        assert run["steps"] == result["settings"]["eval_every"] < cap  # stopped at the first evaluation after 0
+        assert row["final_eval_loss"] == min(c["eval_loss"] for c in run["curve"])  # compared at its best
+    assert result["epochs_ratio"]["plateau_epochs"]["bcd_adam"] == 0  # the plateau began at the first point
+
+
 def test_train_quick(tmp_path):
     out = tmp_path / "train.json"
     assert _load("train").main(["--quick", "--out", str(out), "--dir", str(tmp_path / "work")]) == 0
