@@ -10,6 +10,10 @@ full Adam, beside the planner's prediction (`preinfer.memory_model`) and the ref
 and the prefix (embedding and layers < k) is not in memory at all. See `--help` and `store_worker` for how that
 row is produced.
 
+"+ recompute": the same configuration trained with `run.recompute` (activation checkpointing of every layer in
+the gradient path). Full Adam with recomputation is the paper's baseline ("even with recomputation, about 4 W");
+each row is given as a ratio to full Adam without and with it.
+
     python bench/memory.py                 # small-llama and medium-llama at 256x8 and 128x1 (4.5 min of CPU)
     python bench/memory.py --quick         # tiny-llama, seq 32, batch 2, one step per visit (seconds)
 """
@@ -64,7 +68,7 @@ def rss_now() -> int:
     return 0
 
 
-def worker_config(args: argparse.Namespace, mode: str, ufp: str | None) -> Config:
+def worker_config(args: argparse.Namespace, mode: str, ufp: str | None, recompute: bool) -> Config:
     """The training config of one memory run: Adam, a few steps per visit, one sweep, one eval batch."""
     return load_config(overrides=dict(
         model=dict(name=args.model),
@@ -72,7 +76,7 @@ def worker_config(args: argparse.Namespace, mode: str, ufp: str | None) -> Confi
         blocks=dict(ufp=ufp or "1", sweeps=1, order="ascending"),
         optim=dict(name="adam", lr=1e-4),
         stop=dict(steps_per_visit=args.steps),
-        run=dict(mode=mode, seed=0),
+        run=dict(mode=mode, seed=0, recompute=recompute),
     ))
 
 
@@ -82,11 +86,11 @@ def visit_row(visit: dict, block: Block) -> dict:
                 source_boundary=visit["source_boundary"], num_params=block.num_params, memory=visit["memory"])
 
 
-def live_worker(args: argparse.Namespace, mode: str, ufp: str | None) -> dict:
+def live_worker(args: argparse.Namespace, mode: str, ufp: str | None, recompute: bool) -> dict:
     """Full Adam (mode full) or live BCD-Adam at `ufp`: every block visited once, the whole model resident."""
     from pipelines.training import live_sources, load_datasets, samples_per_shard
 
-    config = worker_config(args, mode, ufp)
+    config = worker_config(args, mode, ufp, recompute)
     torch.manual_seed(0)
     data = load_datasets(config)
     rss_start = rss_now()
@@ -123,7 +127,7 @@ def cache_worker(args: argparse.Namespace, ufp: str) -> dict:
     from pipelines.training import load_datasets, samples_per_shard
     from preinfer.fingerprint import boundary_fingerprint, prefix_digest
 
-    config = worker_config(args, "bcd", ufp)
+    config = worker_config(args, "bcd", ufp, recompute=False)
     data = load_datasets(config)
     model = build_preset(args.model, seed=0).eval()
     staged = preinfer.stage(model)
@@ -176,7 +180,7 @@ def drop_prefix(model: nn.Module, staged: preinfer.StagedModel, boundary: int) -
     gc.collect()
 
 
-def store_worker(args: argparse.Namespace, ufp: str) -> dict:
+def store_worker(args: argparse.Namespace, ufp: str, recompute: bool) -> dict:
     """BCD-Adam from a store: for each block above boundary 0 in ascending order, the prefix below the block's
     start boundary k is deleted from the model (it is never used again), the visit reads boundary states at k
     from the store the caching worker wrote (through `storage`'s reader, as training from pre-inference does),
@@ -186,7 +190,7 @@ def store_worker(args: argparse.Namespace, ufp: str) -> dict:
     import storage
     from pipelines.sources import ReaderBatches
 
-    config = worker_config(args, "bcd", ufp)
+    config = worker_config(args, "bcd", ufp, recompute)
     torch.manual_seed(0)
     rss_start = rss_now()
     model = build_preset(args.model, seed=0)
@@ -212,15 +216,23 @@ def store_worker(args: argparse.Namespace, ufp: str) -> dict:
                       "ReaderBatches); prefix modules deleted from the model before each visit")
 
 
+def parse_configuration(name: str) -> tuple[str, str | None, bool]:
+    """'live:1/3+recompute' -> ('live', '1/3', True); 'full' -> ('full', None, False)."""
+    base, _, extra = name.partition("+")
+    kind, _, ufp = base.partition(":")
+    return kind, ufp or None, extra == "recompute"
+
+
 def run_worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    if args.worker == "full":
-        result = live_worker(args, "full", None)
-    elif args.worker.startswith("live:"):
-        result = live_worker(args, "bcd", args.worker.split(":", 1)[1])
-    elif args.worker.startswith("store:"):
-        result = store_worker(args, args.worker.split(":", 1)[1])
+    kind, ufp, recompute = parse_configuration(args.worker)
+    if kind == "full":
+        result = live_worker(args, "full", None, recompute)
+    elif kind == "live":
+        result = live_worker(args, "bcd", ufp, recompute)
+    elif kind == "store":
+        result = store_worker(args, ufp, recompute)
     elif args.worker.startswith("cache:"):
         Path(args.result).write_text(json.dumps(cache_worker(args, args.worker.split(":", 1)[1])))
         return
@@ -235,13 +247,15 @@ def run_worker(args: argparse.Namespace) -> None:
 # Planner predictions.
 
 
-def predict(model: str, seq_len: int, batch: int, rows: list[dict], num_layers: int, store: bool | None) -> list[int]:
+def predict(model: str, seq_len: int, batch: int, rows: list[dict], num_layers: int, store: bool | None,
+            recompute: bool) -> list[int]:
     """The planner's total bytes for each measured visit (store None: full Adam), on the real partition's layer
     ranges (not the planner's even split)."""
     shape = mm.resolve_shape(model)
-    settings = mm.Settings(seq_len=seq_len, micro_batch=batch, dtype="float32", blocks=max(len(rows), 1))
+    settings = mm.Settings(seq_len=seq_len, micro_batch=batch, dtype="float32", blocks=max(len(rows), 1),
+                           recompute=recompute)
     if store is None:
-        return [mm.full_memory(shape, settings, recompute=False).total]
+        return [mm.full_memory(shape, settings, recompute=recompute).total]
     all_blocks = full_blocks(shape, rows, num_layers)
     by_start = {b.start: i for i, b in enumerate(all_blocks)}
     return [mm.bcd_memory(shape, settings, all_blocks, by_start[r["start"]], store).total for r in rows]
@@ -260,16 +274,18 @@ def full_blocks(shape: mm.ModelShape, rows: list[dict], num_layers: int) -> list
 # The driver.
 
 
-def configurations(ufps: list[str], store_ufps: list[str]) -> list[str]:
-    return ["full", *[f"live:{u}" for u in ufps], *[f"store:{u}" for u in store_ufps]]
+def configurations(ufps: list[str], store_ufps: list[str], recomputed: list[str]) -> list[str]:
+    return ["full", *[f"live:{u}" for u in ufps], *[f"store:{u}" for u in store_ufps],
+            *[f"{name}+recompute" for name in recomputed]]
 
 
 def run_configuration(args: argparse.Namespace, model: str, name: str, out: Path) -> dict:
     """Run one configuration in a fresh Python process (or in this one with --in-process); its result dict.
     A store configuration first runs the caching worker in a process of its own."""
-    if name.startswith("store:"):
-        run_configuration(args, model, "cache:" + name.split(":", 1)[1], out)
-    result = out / f"_{model}_{name.replace(':', '_').replace('/', '-')}.json"
+    kind, ufp, _ = parse_configuration(name)
+    if kind == "store":
+        run_configuration(args, model, f"cache:{ufp}", out)
+    result = out / f"_{model}_{name.replace(':', '_').replace('/', '-').replace('+', '_')}.json"
     if args.in_process:
         run_worker(argparse.Namespace(**{**vars(args), "worker": name, "result": str(result), "model": model}))
     else:
@@ -286,9 +302,10 @@ def run_configuration(args: argparse.Namespace, model: str, name: str, out: Path
 def summarise(model: str, name: str, data: dict, args: argparse.Namespace) -> dict:
     """Peaks of one configuration (worst visit, and worst visit above boundary 0), with the planner's figures."""
     num_layers = mm.resolve_shape(model).layers
-    store = None if name == "full" else name.startswith("store:")
+    kind, ufp, recompute = parse_configuration(name)
+    store = None if kind == "full" else kind == "store"
     visits = data["visits"]
-    predictions = predict(model, args.seq_len, args.batch_size, visits, num_layers, store)
+    predictions = predict(model, args.seq_len, args.batch_size, visits, num_layers, store, recompute)
     for visit, predicted in zip(visits, predictions):
         visit["planner_total"] = predicted
     worst = max(visits, key=lambda v: v["memory"]["tracked_peak"])
@@ -296,8 +313,8 @@ def summarise(model: str, name: str, data: dict, args: argparse.Namespace) -> di
     worst_upper = max(upper, key=lambda v: v["memory"]["tracked_peak"]) if upper else None
     return dict(
         model=model, regime=f"{args.seq_len}x{args.batch_size}", seq_len=args.seq_len, batch_size=args.batch_size,
-        config=name, mode="full" if name == "full" else "bcd",
-        ufp=None if name == "full" else name.split(":", 1)[1], source="store" if store else "live",
+        config=name, mode="full" if kind == "full" else "bcd", ufp=ufp, recompute=recompute,
+        source="store" if store else "live",
         tracked_peak=worst["memory"]["tracked_peak"], worst_block=worst["block"],
         components={k: worst["memory"][k] for k in COMPONENTS},
         planner_total=worst["planner_total"],
@@ -310,10 +327,15 @@ def summarise(model: str, name: str, data: dict, args: argparse.Namespace) -> di
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """Each row's peaks as ratios to full Adam on the same model and regime (sequence length x batch)."""
+    """Each row's peaks as ratios to full Adam on the same model and regime (sequence length x batch), and to
+    full Adam with recomputation where it was measured."""
     full = {(r["model"], r["regime"]): r for r in rows if r["config"] == "full"}
+    full_recompute = {(r["model"], r["regime"]): r for r in rows if r["config"] == "full+recompute"}
     for r in rows:
         base = full[(r["model"], r["regime"])]
+        base_recompute = full_recompute.get((r["model"], r["regime"]))
+        r["ratio_tracked_to_full_recompute"] = (r["tracked_peak"] / base_recompute["tracked_peak"]
+                                                if base_recompute else None)
         r["activation_share_of_full"] = base["components"]["activations"] / base["tracked_peak"]
         r["ratio_tracked"] = r["tracked_peak"] / base["tracked_peak"]
         r["ratio_tracked_above_0"] = (r["tracked_peak_above_0"] / base["tracked_peak"]
@@ -327,20 +349,25 @@ def add_ratios(rows: list[dict]) -> None:
 
 def check_targets(rows: list[dict]) -> dict:
     """The issue's targets per model and regime: live BCD at 1/3 <= 0.55x full Adam's tracked peak; from a
-    store <= 0.45x (with live BCD over the same blocks, above boundary 0, beside it)."""
+    store <= 0.45x (with live BCD over the same blocks, above boundary 0, beside it); each without and with
+    recomputation (`+recompute`, also as a ratio to full Adam with recomputation)."""
     out = {}
     for key in sorted({(r["model"], r["regime"]) for r in rows}):
         mine = {r["config"]: r for r in rows if (r["model"], r["regime"]) == key}
-        live, store = mine.get("live:1/3"), mine.get("store:1/3")
-        out[f"{key[0]} {key[1]}"] = dict(
-            activation_share_of_full=mine["full"]["activation_share_of_full"],
-            bcd_live_1_3=None if live is None else dict(ratio=live["ratio_tracked"], target=TARGETS["bcd_live_1/3"],
-                                                        holds=live["ratio_tracked"] <= TARGETS["bcd_live_1/3"]),
-            bcd_store_1_3=None if store is None else dict(
+        checks = dict(activation_share_of_full=mine["full"]["activation_share_of_full"])
+        for suffix in ("", "+recompute"):
+            live, store = mine.get("live:1/3" + suffix), mine.get("store:1/3" + suffix)
+            tag = suffix.replace("+", "_")
+            checks["bcd_live_1_3" + tag] = None if live is None else dict(
+                ratio=live["ratio_tracked"], target=TARGETS["bcd_live_1/3"],
+                holds=live["ratio_tracked"] <= TARGETS["bcd_live_1/3"],
+                ratio_to_full_recompute=live["ratio_tracked_to_full_recompute"])
+            checks["bcd_store_1_3" + tag] = None if store is None else dict(
                 ratio=store["ratio_tracked"], target=TARGETS["bcd_store"],
                 holds=store["ratio_tracked"] <= TARGETS["bcd_store"],
-                live_same_blocks_ratio=live["ratio_tracked_above_0"] if live else None),
-        )
+                ratio_to_full_recompute=store["ratio_tracked_to_full_recompute"],
+                live_same_blocks_ratio=live["ratio_tracked_above_0"] if live else None)
+        out[f"{key[0]} {key[1]}"] = checks
     return out
 
 
@@ -355,15 +382,15 @@ def ratio(x: float | None) -> str:
 def table(rows: list[dict]) -> str:
     """A Markdown table of every configuration."""
     head = ("| model | seq x batch | configuration | worst block | tracked peak MiB | params | grads | optimizer | activations "
-            "| x full (tracked) | planner MiB | planner x full | planner error | paper x full | blocks > 0: x full "
-            "| RSS peak MiB | x full (RSS) | x full (RSS above start) |")
+            "| x full (tracked) | x full + recompute | planner MiB | planner x full | planner error | paper x full "
+            "| blocks > 0: x full | RSS peak MiB | x full (RSS) | x full (RSS above start) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         c = r["components"]
         lines.append(
             f"| {r['model']} | {r['regime']} | {label(r)} | {r['worst_block']} | {mib(r['tracked_peak'])} | {mib(c['params'])} "
             f"| {mib(c['grads'])} | {mib(c['optimizer'])} | {mib(c['activations'])} | {ratio(r['ratio_tracked'])} "
-            f"| {mib(r['planner_total'])} | {ratio(r['ratio_planner'])} | {r['planner_error']:+.1%} "
+            f"| {ratio(r['ratio_tracked_to_full_recompute'])} | {mib(r['planner_total'])} | {ratio(r['ratio_planner'])} | {r['planner_error']:+.1%} "
             f"| {ratio(r['paper_ratio'])} | {ratio(r['ratio_tracked_above_0'])} | {mib(r['rss_peak'])} "
             f"| {ratio(r['ratio_rss'])} | {ratio(r['ratio_rss_above_start'])} |"
         )
@@ -371,11 +398,9 @@ def table(rows: list[dict]) -> str:
 
 
 def label(r: dict) -> str:
-    if r["config"] == "full":
-        return "full Adam"
-    return f"BCD-Adam UFP {r['ufp']} {'from a store' if r['source'] == 'store' else 'live'}"
-
-
+    name = "full Adam" if r["mode"] == "full" else \
+        f"BCD-Adam UFP {r['ufp']} {'from a store' if r['source'] == 'store' else 'live'}"
+    return name + (" + recompute" if r["recompute"] else "")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -384,6 +409,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", default="small-llama,medium-llama", help="comma-separated presets")
     p.add_argument("--ufps", default="1/2,1/3,1/4", help="UFPs of the live BCD rows")
     p.add_argument("--store-ufps", default="1/3", help="UFPs of the from-a-store rows (the target is at 1/3)")
+    p.add_argument("--recomputed", default="full,live:1/3,store:1/3",
+                   help="configurations also measured with recomputation (activation checkpointing); '' for none")
     p.add_argument("--regimes", default="256x8,128x1",
                    help="sequence length x micro-batch pairs: 256x8 (activations dominate these small models), "
                         "128x1 (activations about 0.7 W of full Adam's 4.7 W, the share of the paper's 7B accounting)")
@@ -419,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     rows = []
-    names = configurations(args.ufps.split(","), [u for u in args.store_ufps.split(",") if u])
+    names = configurations(args.ufps.split(","), [u for u in args.store_ufps.split(",") if u],
+                           [c for c in args.recomputed.split(",") if c])
     for seq_len, batch_size in parse_regimes(args.regimes):
         args.seq_len, args.batch_size = seq_len, batch_size
         for model in args.models.split(","):

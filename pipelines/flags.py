@@ -90,6 +90,11 @@ TRAINING_FLAGS: list[tuple[str, str, str, dict[str, Any]]] = [
     ("--checkpoint-every", "run", "checkpoint_every",
      dict(type=non_negative_int, help="steps between checkpoints; 0 = after every visit [0]")),
     ("--device", "run", "device", dict(help="cpu, cuda, cuda:1 ... [cpu]")),
+    ("--recompute", "run", "recompute",
+     dict(action="store_const", const=True,
+          help="activation checkpointing: every layer in the gradient path (the active block and the frozen "
+               "layers above it) keeps only its input and runs again in backward; saves most activation "
+               "memory for about one more forward of those layers [off]")),
 ]
 
 # Flags of `bcd` only: where visits above the input get their boundary states.

@@ -70,6 +70,7 @@ class RunConfig:
     seed: int = 0
     checkpoint_every: int = 0  # optimizer steps between checkpoints; 0: after every visit only
     device: str = "cpu"
+    recompute: bool = False  # keep one hidden state per layer in the gradient path; run the layer again in backward
     pre_inference: str = "auto"  # off, on, auto: train blocks above the input from stores of boundary states
     store_dir: str | None = None  # where bcd keeps its stores; None: <out>/stores
     store_format: str = "zarr"  # zarr or safetensors

@@ -296,10 +296,15 @@ class StepActs:
     layers: tuple[int, ...]
     input_side: int
     output_side: int
+    recomputed: tuple[int, ...] = ()  # with recomputation: each layer's full set, held while it runs again
 
     def total(self, start: int = 0, stop: int | None = None, inputs: bool = True, outputs: bool = True) -> int:
-        """Bytes of layers [start, stop), plus the input and output sides where asked."""
-        return sum(self.layers[start:stop]) + (self.input_side if inputs else 0) + (self.output_side if outputs else 0)
+        """Peak bytes of layers [start, stop), plus the input and output sides where asked.
+
+        With recomputation the peak is the larger of two moments: the end of forward (the output side held) and
+        a layer's recomputation in backward (the output side already freed, that layer's full set held)."""
+        held = sum(self.layers[start:stop]) + (self.input_side if inputs else 0)
+        return held + max(self.output_side if outputs else 0, max(self.recomputed[start:stop], default=0))
 
 
 def step_activations(m: ModelShape, b: int, s: int, c: int, active: Block | None, recompute: bool) -> StepActs:
@@ -307,7 +312,7 @@ def step_activations(m: ModelShape, b: int, s: int, c: int, active: Block | None
 
     Layers below the active block run without grad (or are not resident, from a store): they save nothing.
     Recomputation (activation checkpointing of every layer in the gradient path) keeps each layer's 16/32-bit
-    input and, during backward, one layer's full saved set at a time (counted on the largest layer).
+    input and, during backward, one layer's full saved set at a time.
     """
     train = range(m.layers) if active is None else range(active.start, active.stop)
     embed_trains = active is None or active.embed
@@ -316,16 +321,16 @@ def step_activations(m: ModelShape, b: int, s: int, c: int, active: Block | None
     for layer in range(m.layers):
         per_layer.append(layer_activation_bytes(m, b, s, c, layer in train, input_grad))
         input_grad = input_grad or layer in train
+    recomputed = ()
     if recompute:
-        full = list(per_layer)
-        per_layer = [b * s * m.hidden * c if full_bytes else 0 for full_bytes in full]
-        top = max(range(m.layers), key=lambda k: full[k])
-        per_layer[top] += full[top]
+        recomputed = tuple(per_layer)
+        per_layer = [b * s * m.hidden * c if full_bytes else 0 for full_bytes in recomputed]
     tied_trains = m.tied and embed_trains
     return StepActs(
         tuple(per_layer),
         input_side_bytes(m, b, s, embed_trains, input_grad, c),
         output_side_bytes(m, b, s, c, head_trains, input_grad, tied_trains),
+        recomputed,
     )
 
 

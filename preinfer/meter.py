@@ -7,10 +7,12 @@ How the peaks are measured (and why `tracked_peak` is coherent with the planner 
   gradients of one step are all present, and after `optimizer.step()`).
 - optimizer state: every tensor in `optimizer.state`, at every `sample()` after `optimizer.step()`.
 - saved activations: inside `track()`, every tensor autograd saves for backward is seen by a
-  `saved_tensors_hooks` pack hook. Each distinct storage is counted once (its full size, since a saved view keeps
+  `saved_tensors_hooks` pack hook, and released when autograd lets go of it (after its node ran in backward, or
+  when the graph is dropped). Each distinct storage held is counted once (its full size, since a saved view keeps
   its whole storage alive); storages of model parameters (and views of them) are skipped because they are
-  counted as parameters. Autograd frees saved tensors only during backward, so the running total at the end of
-  forward is the step's activation peak. One `track()` covers one step (forward + backward); each starts at 0.
+  counted as parameters. The step's activation peak is the maximum of the bytes held: the end of forward, or,
+  with recomputation, a moment in backward when a layer's recomputed tensors join the checkpointed inputs.
+  One `track()` covers one step (forward + backward); each starts at 0.
 - `tracked_peak`: the maximum over `sample()` calls of parameters + gradients + optimizer state present at that
   call + the activation peak of the latest tracked step. It is the footprint of a step whose gradients from the
   previous step and whose optimizer state are still resident while the next forward saves its activations: an
@@ -23,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import resource
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -69,6 +71,22 @@ def cuda_peak_bytes() -> int:
     return 0
 
 
+class _Held:
+    """A tensor autograd saved, as the meter's pack hook hands it over: tells the meter when autograd lets go."""
+
+    __slots__ = ("tensor", "key", "release")
+
+    def __init__(self, tensor: torch.Tensor, key: tuple[str, int], release: Callable[[tuple[str, int]], None]):
+        self.tensor, self.key, self.release = tensor, key, release
+
+    def __del__(self) -> None:
+        self.release(self.key)
+
+
+def _unpack(saved: torch.Tensor | _Held) -> torch.Tensor:
+    return saved.tensor if isinstance(saved, _Held) else saved
+
+
 class MemoryMeter:
     """Peak bytes of parameters, gradients, optimizer state and saved activations of one model."""
 
@@ -106,20 +124,34 @@ class MemoryMeter:
 
     @contextlib.contextmanager
     def track(self) -> Iterator[None]:
-        """Count the tensors saved for backward during one step (forward + backward) and keep the running peak."""
+        """Count the tensors held for backward during one step (forward + backward) and keep their peak."""
         param_keys = {_storage_key(p) for p in self.model.parameters()}
-        seen: set[tuple[str, int]] = set()
+        held: dict[tuple[str, int], list[int]] = {}  # storage -> [saved tensors holding it, its bytes]
+        current = 0
         self._step_activations = 0
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            key = _storage_key(t)
-            if key is not None and key not in param_keys and key not in seen and t.numel() > 0:
-                seen.add(key)
-                self._step_activations += _storage_bytes(t)
-                self._activations = max(self._activations, self._step_activations)
-            return t
+        def release(key: tuple[str, int]) -> None:
+            nonlocal current
+            entry = held[key]
+            entry[0] -= 1
+            if entry[0] == 0:
+                current -= entry[1]
+                del held[key]
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        def pack(t: torch.Tensor) -> torch.Tensor | _Held:
+            nonlocal current
+            key = _storage_key(t)
+            if key is None or key in param_keys or t.numel() == 0:
+                return t
+            if key not in held:
+                held[key] = [0, _storage_bytes(t)]
+                current += held[key][1]
+                self._step_activations = max(self._step_activations, current)
+                self._activations = max(self._activations, current)
+            held[key][0] += 1
+            return _Held(t, key, release)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             yield
 
     def sample(self, optimizer: torch.optim.Optimizer | None = None) -> None:

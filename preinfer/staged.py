@@ -2,16 +2,21 @@
 
 `stage(model)` picks an adapter by structure. Boundary k is the point just before layer k; boundary 0 is the
 embedding output. Rotary tables and causal masks are recomputed inside `run` from the state's side tensors.
+With `recompute`, each layer run with autograd keeps only its input for backward and runs again there
+(activation checkpointing).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from preinfer.errors import UnsupportedModelError
 from preinfer.state import BoundaryState
@@ -66,13 +71,16 @@ class StagedModel(ABC):
         hidden = self._embed(input_ids, position_ids)
         return BoundaryState(hidden, attention_mask, position_ids, labels)
 
-    def run(self, state: BoundaryState, start: int, stop: int) -> BoundaryState:
-        """Run layers `[start, stop)` on a state at boundary `start`; returns the state at boundary `stop`."""
+    def run(self, state: BoundaryState, start: int, stop: int, recompute: bool = False) -> BoundaryState:
+        """Run layers `[start, stop)` on a state at boundary `start`; returns the state at boundary `stop`.
+
+        `recompute`: under autograd, each layer saves only its input and is run again during backward."""
         if not 0 <= start <= stop <= self.num_layers:
             raise ValueError(f"layer range [{start}, {stop}) is outside [0, {self.num_layers}]")
         if start == stop:
             return state
-        hidden = self._run(state, start, stop)
+        layer = _recomputed if recompute and torch.is_grad_enabled() else _direct
+        hidden = self._run(state, start, stop, layer)
         return BoundaryState(hidden, state.attention_mask, state.position_ids, state.labels)
 
     def logits(self, state: BoundaryState) -> torch.Tensor:
@@ -116,10 +124,27 @@ class StagedModel(ABC):
     def _embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor: ...
 
     @abstractmethod
-    def _run(self, state: BoundaryState, start: int, stop: int) -> torch.Tensor: ...
+    def _run(self, state: BoundaryState, start: int, stop: int, layer: LayerCall) -> torch.Tensor:
+        """Layers `[start, stop)`, each applied as `layer(module, hidden, **kwargs)`."""
 
     @abstractmethod
     def _head(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+LayerCall = Callable[..., torch.Tensor]
+
+
+def _direct(module: nn.Module, hidden: torch.Tensor, **kwargs) -> torch.Tensor:
+    return module(hidden, **kwargs)
+
+
+def _recomputed(module: nn.Module, hidden: torch.Tensor, **kwargs) -> torch.Tensor:
+    """`module(hidden, **kwargs)` keeping only `hidden` for backward, where the layer runs again (with the same
+    random state, so dropout masks repeat). A layer whose input carries no graph (the first of an active block
+    above the embedding) gets one, so that its parameters' gradients flow through the recomputation."""
+    if not hidden.requires_grad:
+        hidden = hidden.detach().requires_grad_()
+    return checkpoint(partial(module, **kwargs), hidden, use_reentrant=True)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -179,7 +204,7 @@ class LlamaFamily(StagedModel):
     def _embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         return self.model.model.embed_tokens(input_ids)
 
-    def _run(self, state: BoundaryState, start: int, stop: int) -> torch.Tensor:
+    def _run(self, state: BoundaryState, start: int, stop: int, layer: LayerCall) -> torch.Tensor:
         hidden = state.hidden
         masks = {
             kind: _causal_mask(self.config, hidden, state, sliding=kind == "sliding_attention")
@@ -187,7 +212,8 @@ class LlamaFamily(StagedModel):
         }
         rotary = self.model.model.rotary_emb(hidden, position_ids=state.position_ids)
         for index in range(start, stop):
-            hidden = self.layers[index](
+            hidden = layer(
+                self.layers[index],
                 hidden,
                 attention_mask=masks[self.layer_kinds[index]],
                 position_ids=state.position_ids,
@@ -217,11 +243,11 @@ class GPT2(StagedModel):
         transformer = self.model.transformer
         return transformer.drop(transformer.wte(input_ids) + transformer.wpe(position_ids))
 
-    def _run(self, state: BoundaryState, start: int, stop: int) -> torch.Tensor:
+    def _run(self, state: BoundaryState, start: int, stop: int, layer: LayerCall) -> torch.Tensor:
         hidden = state.hidden
         mask = _causal_mask(self.config, hidden, state, sliding=False)
         for index in range(start, stop):
-            hidden = self.layers[index](hidden, attention_mask=mask, position_ids=state.position_ids)
+            hidden = layer(self.layers[index], hidden, attention_mask=mask, position_ids=state.position_ids)
         return hidden
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -244,10 +270,10 @@ class SequentialLM(StagedModel):
     def _embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         return self.model[0](input_ids)
 
-    def _run(self, state: BoundaryState, start: int, stop: int) -> torch.Tensor:
+    def _run(self, state: BoundaryState, start: int, stop: int, layer: LayerCall) -> torch.Tensor:
         hidden = state.hidden
-        for layer in self.layers[start:stop]:
-            hidden = layer(hidden)
+        for module in self.layers[start:stop]:
+            hidden = layer(module, hidden)
         return hidden
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 One step: take a batch from the visit's source (token ids, or boundary states at some boundary k), run the
 frozen layers up to the active block under `no_grad` (they save nothing for backward), run the active block and
-everything above it with autograd, and step the active block's optimizer. Backward stops at the active block
-because its input carries no graph.
+everything above it with autograd (with `run.recompute`, each of those layers keeps only its input and runs again
+in backward), and step the active block's optimizer. Backward stops at the active block because its input
+carries no graph.
 """
 
 from __future__ import annotations
@@ -237,7 +238,7 @@ class Trainer:
         with tracking:
             for batch in batches:
                 state = self._input_state(batch, block, train.boundary)
-                out = self.staged.run(state, block.start, self.staged.num_layers)
+                out = self.staged.run(state, block.start, self.staged.num_layers, self.config.run.recompute)
                 loss = causal_lm_loss(self.staged.logits(out), out.labels, reduction="sum") / count
                 loss.backward()
                 total += loss.item()

@@ -25,7 +25,8 @@ def test_memory_quick(tmp_path):
     result = json.loads(out.read_text())
     assert {"command", "machine", "settings", "paper", "targets", "rows"} <= set(result)
     rows = {r["config"]: r for r in result["rows"]}
-    assert set(rows) == {"full", "live:1/2", "live:1/3", "live:1/4", "store:1/3"}
+    assert set(rows) == {"full", "live:1/2", "live:1/3", "live:1/4", "store:1/3",
+                         "full+recompute", "live:1/3+recompute", "store:1/3+recompute"}
     full = rows["full"]
     assert full["ratio_tracked"] == 1.0
     # Full Adam: one block, gradients as big as the parameters, Adam's two moments (plus step counters).
@@ -37,6 +38,12 @@ def test_memory_quick(tmp_path):
         assert abs(r["planner_error"]) < 0.15  # the planner's own acceptance bound
     for name in ("live:1/2", "live:1/3", "live:1/4", "store:1/3"):
         assert 0 < rows[name]["ratio_tracked"] < 1
+    for name in ("full", "live:1/3", "store:1/3"):  # recomputation keeps fewer activations, nothing else changes
+        plain, recomputed = rows[name]["components"], rows[name + "+recompute"]["components"]
+        assert recomputed["activations"] < plain["activations"]
+        assert {k: v for k, v in recomputed.items() if k != "activations"} == \
+            {k: v for k, v in plain.items() if k != "activations"}
+    assert rows["full+recompute"]["ratio_tracked_to_full_recompute"] == 1.0
     store, live = rows["store:1/3"], rows["live:1/3"]
     assert store["components"]["params"] < live["components"]["params"]  # the prefix is not resident
     assert all(v["source_boundary"] == v["start"] > 0 for v in store["visits"])

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
+import preinfer
 from pipelines.cli import main
 from preinfer.memory_model import (
     DTYPES, Settings, bcd_memory, full_memory, partition, plan, resolve_shape, shape_for_size,
@@ -105,6 +107,37 @@ def measure_store(name: str, k: int) -> int:
         return _loss(model, hidden, ids)
 
     return _step(MemoryMeter(suffix), params, forward)["tracked_peak"]
+
+
+def measure_recomputed(name: str, k: int | None) -> int:
+    """tracked_peak of one step through the staged model with recomputation: full Adam (k None) or live BCD
+    on block k."""
+    model = build_preset(name).train()
+    staged = preinfer.stage(model)
+    ids, _, _ = _batch(model)
+    if k is None:
+        params, start, embed = list(model.parameters()), 0, True
+    else:
+        block = partition(resolve_shape(name), BLOCKS)[k]
+        params, start, embed = _freeze_all_but(model, block), block.start, block.embed
+
+    def forward():
+        with torch.set_grad_enabled(embed):
+            state = staged.run(staged.embed(ids, labels=ids), 0, start)
+        return staged.loss(staged.run(state, start, staged.num_layers, recompute=True))
+
+    return _step(MemoryMeter(model), params, forward)["tracked_peak"]
+
+
+@pytest.mark.parametrize("name,k", [("tiny-llama", None), ("small-llama", None), ("tiny-llama", 1),
+                                    ("small-llama", 0), ("small-llama", 2)])
+def test_plan_matches_meter_with_recomputation(name, k):
+    shape, settings = resolve_shape(name), replace(SETTINGS, recompute=True)
+    if k is None:
+        predicted = full_memory(shape, settings, recompute=True).total
+    else:
+        predicted = bcd_memory(shape, settings, partition(shape, BLOCKS), k, store=False).total
+    assert predicted == pytest.approx(measure_recomputed(name, k), rel=0.15)
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "small-llama"])
