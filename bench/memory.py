@@ -38,7 +38,6 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from bench.common import machine  # noqa: E402
-from torch import nn  # noqa: E402
 
 import preinfer  # noqa: E402
 from preinfer import memory_model as mm  # noqa: E402
@@ -171,49 +170,42 @@ class StoreOnly:
         pass
 
 
-def drop_prefix(model: nn.Module, staged: preinfer.StagedModel, boundary: int) -> None:
-    """Remove the embedding and layers < boundary from the module tree: their tensors are freed (not resident)
-    and no longer counted by the meter. Llama-family models only (the presets)."""
-    model.model.embed_tokens = nn.Identity()
-    for index in range(boundary):
-        staged.layers[index] = nn.Identity()
-    gc.collect()
-
-
 def store_worker(args: argparse.Namespace, ufp: str, recompute: bool) -> dict:
-    """BCD-Adam from a store: for each block above boundary 0 in ascending order, the prefix below the block's
-    start boundary k is deleted from the model (it is never used again), the visit reads boundary states at k
-    from the store the caching worker wrote (through `storage`'s reader, as training from pre-inference does),
-    and the real Trainer trains the block for a few steps. The model is built whole and then trimmed (the
-    project's suffix-only loading was not in main yet): the whole model's weights are briefly resident before
-    training starts, far below the training peak."""
+    """BCD-Adam from a store, as `preinfer train --store` runs it: for each block above boundary 0 in ascending
+    order, the model is loaded with only its suffix from the block's start boundary k in memory
+    (`pipelines.suffix.load_suffix`: the prefix's tensors are dropped, never used), the visit reads boundary
+    states at k from the store the caching worker wrote (through `storage`'s reader), and the real Trainer
+    trains the block for a few steps."""
     import storage
     from pipelines.sources import ReaderBatches
+    from pipelines.suffix import load_suffix
 
     config = worker_config(args, "bcd", ufp, recompute)
     torch.manual_seed(0)
     rss_start = rss_now()
-    model = build_preset(args.model, seed=0)
-    staged = preinfer.stage(model)
-    upper = upper_blocks(staged, ufp)
-    report = make_partition(staged, ufp=float(Fraction(ufp))).report()
+    whole = make_partition(preinfer.stage(build_preset(args.model, seed=0)), ufp=float(Fraction(ufp)))
+    report, starts = whole.report(), [block.start for block in whole.blocks if block.start > 0]
+    del whole
+    gc.collect()
     rows = []
-    while upper:
-        block = upper.pop(0)
-        drop_prefix(model, staged, block.start)
+    for start in starts:
+        model = load_suffix(args.model, start, seed=0).model
+        staged = preinfer.stage(model)
+        block = next(b for b in make_partition(staged, ufp=float(Fraction(ufp))).blocks if b.start == start)
         single = Partition((replace(block, index=0),), sum(p.numel() for p in model.parameters()), ())
-        store = storage.open_store(store_path(args, block.start))
-        train = ReaderBatches(store, block.start, args.batch_size, seed=0)
-        evaluation = ReaderBatches(store, block.start, args.batch_size, seed=0, shuffle=False)
+        store = storage.open_store(store_path(args, start))
+        train = ReaderBatches(store, start, args.batch_size, seed=0)
+        evaluation = ReaderBatches(store, start, args.batch_size, seed=0, shuffle=False)
         trainer = Trainer(staged, single, config, StoreOnly(train, evaluation), None, MemoryMeter(model))
         (visit,) = trainer.fit()
         train.close()
         visit["block"] = block.index
         rows.append(visit_row(visit, block))
-        del trainer, single, block, train, evaluation, store
+        del trainer, single, block, train, evaluation, store, model, staged
+        gc.collect()
     return dict(rss_start=rss_start, partition=report, visits=rows,
                 store="real zarr stores of real prefix states (storage.create_store, read by pipelines.sources."
-                      "ReaderBatches); prefix modules deleted from the model before each visit")
+                      "ReaderBatches); the suffix loaded by pipelines.suffix.load_suffix (prefix not resident)")
 
 
 def parse_configuration(name: str) -> tuple[str, str | None, bool]:
