@@ -34,9 +34,9 @@ complete one is a no-op) and refuses a store with another fingerprint (StaleStor
 parts); "overwrite" deletes what is there and rebuilds; "refuse" fails if anything is at `out` already.
 
 Single process: the forward runs on the calling thread; finished shards go through a bounded queue
-(`QUEUE_DEPTH`) to a writer thread, so compression and fsync overlap the next shard's forward. Host copies go
-into pooled buffers (`HostStager`); on CUDA these are pinned, filled by non_blocking device-to-host copies, and the
-writer waits on an event recorded after the last copy before it touches them.
+(`cache_runners.QUEUE_DEPTH`) to a writer thread, so compression and fsync overlap the next shard's forward. Host
+copies go into pooled buffers (`HostStager`); on CUDA these are pinned, filled by non_blocking device-to-host copies,
+and the writer waits on an event recorded after the last copy before it touches them.
 
 Dask (`dask="local:N"`, `"tcp://host:port"` or a `distributed.Client`): one task per shard, each computing and
 writing its own shard, retried `retries` times. Workers load the model themselves from `model_name` (a preset,
@@ -48,8 +48,10 @@ BCD run that caches after every visit starts it, and loads the model in it, once
 `pipelines.dask_cache.shutdown_local_clusters()`. Remote workers need this package installed and the store path
 (and a roll-forward's source) on a shared filesystem.
 
-The work on one shard (staging, inputs, forward, writing) is in `pipelines.shards`, shared with the Dask workers.
-Its test hooks are environment variables read where shards are written, Dask workers included:
+This module plans the job (checks, fingerprints, stores, the shards still to do), then finalizes the stores and
+writes the index; running the planned shards, here or on Dask, is in `pipelines.cache_runners`, and the work on
+one shard (staging, inputs, forward, writing) in `pipelines.shards`, shared with the Dask workers. The test
+hooks are environment variables read where shards are written, Dask workers included:
 PREINFER_CACHE_FAULTS = "train/3,eval/0" makes those shards fail when written; with
 PREINFER_CACHE_FAULT_ONCE_DIR set each fails only once (a marker file there records it);
 PREINFER_CACHE_SHARD_DELAY = seconds slept before each shard is written.
@@ -59,11 +61,9 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import shutil
-import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,23 +74,14 @@ from preinfer.data import TokenDataset
 from preinfer.errors import PreinferError, UsageError
 from preinfer.fingerprint import boundary_fingerprint, prefix_digest
 from preinfer.staged import StagedModel
-from preinfer.state import BoundaryState
 from storage import Fingerprint, StaleStoreError, Store, StorageError, create_store, open_store
 from storage.codecs import codec_spec
 from storage.manifest import parse_manifest
 from storage.store import MANIFEST
-from pipelines.shards import (
-    DatasetInputs,
-    HostStager,
-    StoreInputs,
-    compute_shard,
-    is_disk_full,
-    shard_bytes,
-    write_shard,
-)
+from pipelines.cache_runners import Options, SplitJob, SplitResult, describe_workers, one_line, run_shards
+from pipelines.shards import DatasetInputs, StoreInputs, is_disk_full
 
 SHARD_TARGET_BYTES = 64 << 20
-QUEUE_DEPTH = 2
 CACHE_INDEX = "cache.json"
 CACHE_FORMAT = "preinfer-cache"
 DEFAULT_SPLITS = ("train", "eval")
@@ -105,22 +96,6 @@ class CacheJobError(PreinferError):
     def __init__(self, message: str, failed: list[tuple[str, int]] | None = None):
         super().__init__(message)
         self.failed = failed or []
-
-
-@dataclass
-class SplitResult:
-    """The outcome of one split: its store, size and what this run did."""
-
-    name: str
-    path: Path
-    fingerprint: Fingerprint
-    samples: int
-    tokens: int
-    num_shards: int
-    shards_computed: int = 0
-    shards_skipped: int = 0
-    bytes_written: int = 0
-    stored_bytes: int = 0
 
 
 @dataclass
@@ -263,34 +238,6 @@ def open_cache(path: str | os.PathLike, splits: list[str] | None = None,
 # ---- the job --------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class _SplitJob:
-    name: str
-    store: Store
-    inputs: Callable[[int, int], BoundaryState]
-    result: SplitResult
-    todo: list[int]
-    source_path: Path | None = None  # roll-forward (Dask tasks read it themselves)
-    source_digest: str | None = None
-    dataset: TokenDataset | None = None
-
-
-@dataclass
-class _Options:
-    fmt: str
-    dtype: torch.dtype
-    batch_size: int
-    samples_per_shard: int | None
-    codec: str | None
-    mode: str
-    model_name: str
-    model_seed: int
-    progress: bool
-    dask: Any
-    retries: int
-    device: torch.device
-
-
 def _options(
     staged: StagedModel,
     *,
@@ -306,7 +253,7 @@ def _options(
     dask: Any = None,
     retries: int = 2,
     device: torch.device | str | None = None,
-) -> _Options:
+) -> Options:
     """The job's options, checked: every one a user can get wrong gets a one-line UsageError."""
     if fmt not in FORMATS:
         raise UsageError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
@@ -325,7 +272,7 @@ def _options(
     check_dask(dask)
     if device is None:
         device = next(iter(staged.model.parameters())).device
-    return _Options(fmt, storage_dtype(staged, dtype), batch_size, samples_per_shard, codec, mode, model_name,
+    return Options(fmt, storage_dtype(staged, dtype), batch_size, samples_per_shard, codec, mode, model_name,
                     model_seed, progress, dask, retries, torch.device(device))
 
 
@@ -373,7 +320,7 @@ def _is_ours(entry: Path, names: list[str]) -> bool:
 
 
 def _prepare_store(path: Path, split: str, fields, num_samples: int, per_shard: int, fingerprint: Fingerprint,
-                   opts: _Options) -> Store:
+                   opts: Options) -> Store:
     """Create the store of one split, or reopen the one there to resume it (refusing another fingerprint)."""
     where = f"{split} store {path}" if split else f"store {path}"
     if path.exists() and not path.is_dir():
@@ -402,14 +349,14 @@ def _prepare_store(path: Path, split: str, fields, num_samples: int, per_shard: 
 
 
 def _plan_split(name: str, path: Path, fields, num_samples: int, tokens: int, fingerprint: Fingerprint,
-                opts: _Options, inputs, **extra) -> _SplitJob:
+                opts: Options, inputs, **extra) -> SplitJob:
     per_shard = opts.samples_per_shard or default_samples_per_shard(fields["hidden"][0][0], fields["hidden"][0][1],
                                                                     opts.dtype)
     store = _prepare_store(path, name, fields, num_samples, per_shard, fingerprint, opts)
     todo = store.missing_shards()
     result = SplitResult(name, path, fingerprint, num_samples, tokens, store.num_shards,
                          shards_skipped=store.num_shards - len(todo))
-    return _SplitJob(name, store, inputs, result, todo, **extra)
+    return SplitJob(name, store, inputs, result, todo, **extra)
 
 
 def cache_boundary(
@@ -523,8 +470,8 @@ def _stored_tokens(store: Store, source: Path, split: str) -> int:
     return sum(int(store.read_shard(i, ["attention_mask"])["attention_mask"].sum()) for i in range(store.num_shards))
 
 
-def _run_jobs(staged: StagedModel, jobs: list[_SplitJob], out: Path, boundary: int, source_boundary: int,
-              opts: _Options, started: float) -> CacheResult:
+def _run_jobs(staged: StagedModel, jobs: list[SplitJob], out: Path, boundary: int, source_boundary: int,
+              opts: Options, started: float) -> CacheResult:
     single = len(jobs) == 1 and jobs[0].name == ""
     index = out / CACHE_INDEX
     if not single and any(job.todo for job in jobs) and index.exists():
@@ -534,14 +481,7 @@ def _run_jobs(staged: StagedModel, jobs: list[_SplitJob], out: Path, boundary: i
     failed: list[tuple[str, int, str]] = []
     fatal: BaseException | None = None
     if any(job.todo for job in jobs):
-        bar = _Progress(jobs, opts.progress)
-        try:
-            if opts.dask is not None:
-                failed, fatal, model_loads = _run_dask(staged, jobs, boundary, opts, bar, timing)
-            else:
-                failed, fatal = _run_local(staged, jobs, boundary, opts, bar, timing)
-        finally:
-            bar.close()
+        failed, fatal, model_loads = run_shards(staged, jobs, boundary, opts, timing)
     if fatal is not None or failed:
         _raise_failure(jobs, failed, fatal)
     try:
@@ -556,7 +496,7 @@ def _run_jobs(staged: StagedModel, jobs: list[_SplitJob], out: Path, boundary: i
         bytes_written=sum(j.result.bytes_written for j in jobs), seconds=time.perf_counter() - started,
         shards_computed=sum(j.result.shards_computed for j in jobs),
         shards_skipped=sum(j.result.shards_skipped for j in jobs), source_boundary=source_boundary,
-        dtype=dtype_name(opts.dtype), fmt=opts.fmt, workers=_describe_workers(opts.dask), model_loads=model_loads,
+        dtype=dtype_name(opts.dtype), fmt=opts.fmt, workers=describe_workers(opts.dask), model_loads=model_loads,
         forward_seconds=timing["forward"], write_seconds=timing["write"], blocked_seconds=timing["blocked"],
     )
     if not single:
@@ -565,12 +505,6 @@ def _run_jobs(staged: StagedModel, jobs: list[_SplitJob], out: Path, boundary: i
         except OSError as err:
             _raise_failure(jobs, [], err)
     return result
-
-
-def _describe_workers(dask: Any) -> str:
-    if dask is None:
-        return "1"
-    return dask if isinstance(dask, str) else f"dask {getattr(dask, 'scheduler', None) and dask.scheduler.address}"
 
 
 def _write_index(index: Path, result: CacheResult) -> None:
@@ -586,17 +520,17 @@ def _write_index(index: Path, result: CacheResult) -> None:
     os.replace(tmp, index)
 
 
-def _raise_failure(jobs: list[_SplitJob], failed: list[tuple[str, int, str]], fatal: BaseException | None) -> None:
+def _raise_failure(jobs: list[SplitJob], failed: list[tuple[str, int, str]], fatal: BaseException | None) -> None:
     done = sum(len(job.store.completed_shards()) for job in jobs)
     total = sum(job.store.num_shards for job in jobs)
     intact = f"{done} of {total} shards are finished and intact; rerun the same command to resume"
     by_name = {job.name: job for job in jobs}
     if fatal is not None:
         if is_disk_full(fatal):
-            raise CacheJobError(f"disk full while writing the cache in {jobs[0].store.path}: {_one_line(fatal)}. "
+            raise CacheJobError(f"disk full while writing the cache in {jobs[0].store.path}: {one_line(fatal)}. "
                                 f"Free space, then {intact[0].lower()}{intact[1:]}",
                                 [(s, i) for s, i, _ in failed]) from None
-        raise CacheJobError(f"{_one_line(fatal)}. {intact}", [(s, i) for s, i, _ in failed]) from None
+        raise CacheJobError(f"{one_line(fatal)}. {intact}", [(s, i) for s, i, _ in failed]) from None
     names = []
     for split, shard, _ in failed:
         lo, hi = by_name[split].store.shard_range(shard)
@@ -605,143 +539,6 @@ def _raise_failure(jobs: list[_SplitJob], failed: list[tuple[str, int, str]], fa
     raise CacheJobError(
         f"{len(failed)} shard{'s' if len(failed) > 1 else ''} failed: {', '.join(names[:10])}"
         f"{' ...' if len(names) > 10 else ''} ({first}); {intact}", [(s, i) for s, i, _ in failed])
-
-
-def _one_line(err: BaseException) -> str:
-    text = str(err) or type(err).__name__
-    return " ".join(text.split())
-
-
-# ---- progress -------------------------------------------------------------------------------------------------
-
-
-class _Progress:
-    """A tqdm bar (stderr) over the samples still to compute: samples/s, tokens/s, MB written."""
-
-    def __init__(self, jobs: list[_SplitJob], enabled: bool):
-        self.total = sum(self._todo_samples(job) for job in jobs)
-        self.seq_len = {job.name: job.store.fields["hidden"].shape[0] for job in jobs}
-        self.bytes = 0
-        self.tokens = 0
-        self.started = time.perf_counter()
-        self.bar = None
-        if enabled:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=self.total, unit="sample", desc="cache", dynamic_ncols=True, leave=False)
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def _todo_samples(job: _SplitJob) -> int:
-        return sum(hi - lo for lo, hi in map(job.store.shard_range, job.todo))
-
-    def shard_done(self, split: str, samples: int, nbytes: int) -> None:
-        with self._lock:
-            self.bytes += nbytes
-            self.tokens += samples * self.seq_len[split]
-            if self.bar is not None:
-                elapsed = max(time.perf_counter() - self.started, 1e-9)
-                self.bar.set_postfix_str(f"{self.tokens / elapsed:,.0f} tok/s, {self.bytes / 2**20:,.1f} MB",
-                                         refresh=False)
-                self.bar.update(samples)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-# ---- single process: forward on this thread, writing on another ------------------------------------------------
-
-
-def _run_local(staged: StagedModel, jobs: list[_SplitJob], boundary: int, opts: _Options, bar: _Progress,
-               timing: dict[str, float]):
-    stager = HostStager(opts.device, max_pooled=QUEUE_DEPTH + 2)
-    work: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
-    failed: list[tuple[str, int, str]] = []
-    state: dict[str, BaseException | None] = {"fatal": None}
-    was_training = staged.model.training
-    staged.model.eval()
-
-    def writer() -> None:
-        while True:
-            item = work.get()
-            if item is None:
-                return
-            job, shard, buffers, fence = item
-            try:
-                if state["fatal"] is not None:
-                    continue  # drain: the job is stopping
-                fence.synchronize()
-                began = time.perf_counter()
-                write_shard(job.store, job.name, shard, buffers, opts.retries)
-                timing["write"] += time.perf_counter() - began
-                lo, hi = job.store.shard_range(shard)
-                nbytes = shard_bytes(job.store, shard)
-                job.result.shards_computed += 1
-                job.result.bytes_written += nbytes
-                bar.shard_done(job.name, hi - lo, nbytes)
-            except BaseException as err:  # noqa: BLE001 - reported after the queue drains
-                if is_disk_full(err) or not isinstance(err, Exception):
-                    state["fatal"] = err
-                failed.append((job.name, shard, _one_line(err)))
-            finally:
-                stager.release(buffers)
-
-    thread = threading.Thread(target=writer, name="preinfer-cache-writer", daemon=True)
-    thread.start()
-    try:
-        for job in jobs:
-            fields = {n: (s.shape, _torch_dtype(s.dtype)) for n, s in job.store.fields.items()}
-            for shard in job.todo:
-                if state["fatal"] is not None:
-                    break
-                lo, hi = job.store.shard_range(shard)
-                began = time.perf_counter()
-                for attempt in range(opts.retries + 1):
-                    try:
-                        buffers, fence = compute_shard(staged, job.inputs, job.inputs.start_layer, boundary, lo, hi,
-                                                       opts.batch_size, fields, stager)
-                        break
-                    except Exception as err:  # noqa: BLE001 - named in the job's error; the other shards go on
-                        if attempt == opts.retries:
-                            failed.append((job.name, shard, f"computing it failed: {_one_line(err)}"))
-                            buffers = None
-                if buffers is None:
-                    continue
-                computed = time.perf_counter()
-                timing["forward"] += computed - began
-                while True:  # a bounded put that notices a writer that stopped
-                    try:
-                        work.put((job, shard, buffers, fence), timeout=0.5)
-                        break
-                    except queue.Full:
-                        if not thread.is_alive():
-                            raise RuntimeError("the cache writer thread stopped") from None
-                timing["blocked"] += time.perf_counter() - computed
-    finally:
-        work.put(None)
-        thread.join()
-        staged.model.train(was_training)
-    return failed, state["fatal"]
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    from storage.dtypes import torch_dtype
-
-    return torch_dtype(name)
-
-
-# ---- Dask ------------------------------------------------------------------------------------------------------
-
-
-def _run_dask(staged: StagedModel, jobs: list[_SplitJob], boundary: int, opts: _Options, bar: _Progress,
-              timing: dict[str, float]):
-    from pipelines import dask_cache
-
-    if not opts.model_name:
-        raise UsageError("Dask workers load the model themselves: give its spec (a preset, a directory or a run "
-                         "directory) as model_name / --model")
-    return dask_cache.run(staged, jobs, boundary, opts, bar, timing)
 
 
 def remove_cache(path: str | os.PathLike) -> None:

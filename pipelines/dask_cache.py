@@ -210,7 +210,7 @@ def run(staged, jobs, boundary: int, opts, bar, timing: dict[str, float] | None 
     """Run the shards of `jobs` as Dask tasks; returns (failed, fatal, model loads per worker)."""
     from distributed import as_completed
 
-    from pipelines.caching import _one_line
+    from pipelines.cache_runners import one_line
     from pipelines.shards import is_disk_full
 
     logging.getLogger("distributed").setLevel(logging.ERROR)
@@ -247,7 +247,7 @@ def run(staged, jobs, boundary: int, opts, bar, timing: dict[str, float] | None 
             job, shard = owners.pop(future)
             if future.status == "error":
                 err = future.exception()
-                failed.append((job.name, shard, _one_line(err)))
+                failed.append((job.name, shard, one_line(err)))
                 if is_disk_full(err):
                     fatal = err
                     for other in list(owners):

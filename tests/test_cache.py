@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import preinfer
-from pipelines import caching, shards
+from pipelines import cache_runners, caching, shards
 from pipelines.cli import main
 from preinfer.data import TokenDataset, load_data
 from preinfer.presets import build_preset
@@ -422,18 +422,18 @@ def test_asynchronous_host_staging_path_runs_on_cpu_and_reuses_buffers(corpus, t
 
     monkeypatch.setattr(shards.HostStager, "copy", spy_copy)
     inputs = shards.DatasetInputs(staged, dataset, "cpu")
-    buffers, fence = caching.compute_shard(staged, inputs, 0, 2, 0, PER_SHARD, BATCH, fields, stager)
+    buffers, fence = shards.compute_shard(staged, inputs, 0, 2, 0, PER_SHARD, BATCH, fields, stager)
     fence.synchronize()
     expected = direct_prefix(staged, dataset, 2, 0, PER_SHARD)
     assert all(torch.equal(buffers[k], expected[k]) for k in expected)
     assert copies == [b for b in (BATCH, BATCH, PER_SHARD - 2 * BATCH) for _ in range(4)]  # 4 fields per batch
     stager.release(buffers)
-    again, _ = caching.compute_shard(staged, inputs, 0, 2, PER_SHARD, 2 * PER_SHARD, BATCH, fields, stager)
+    again, _ = shards.compute_shard(staged, inputs, 0, 2, PER_SHARD, 2 * PER_SHARD, BATCH, fields, stager)
     assert again["hidden"].data_ptr() == buffers["hidden"].data_ptr() and stager.allocated == 1
     # the writer waits on the fence before it touches the buffers
     event = CountingEvent()
     monkeypatch.setattr(shards.HostStager, "fence", lambda self: event)
-    monkeypatch.setattr(caching, "HostStager", lambda device, **kw: stager)
+    monkeypatch.setattr(cache_runners, "HostStager", lambda device, **kw: stager)
     result = caching.cache_boundary(staged, {"eval": data["eval"]}, load_tokenizer("byte"), 2, tmp_path / "c",
                                     samples_per_shard=PER_SHARD, batch_size=BATCH, progress=False)
     assert event.waited == result.shards_computed > 0
