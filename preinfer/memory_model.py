@@ -301,10 +301,15 @@ class StepActs:
     def total(self, start: int = 0, stop: int | None = None, inputs: bool = True, outputs: bool = True) -> int:
         """Peak bytes of layers [start, stop), plus the input and output sides where asked.
 
-        With recomputation the peak is the larger of two moments: the end of forward (the output side held) and
-        a layer's recomputation in backward (the output side already freed, that layer's full set held)."""
-        held = sum(self.layers[start:stop]) + (self.input_side if inputs else 0)
-        return held + max(self.output_side if outputs else 0, max(self.recomputed[start:stop], default=0))
+        With recomputation the peak is the largest of: the end of forward (every layer's input and the output
+        side held), and each layer's recomputation in backward (the output side and the inputs of the layers
+        above it already freed; its own input and its full set held)."""
+        layers = self.layers[start:stop]
+        base = self.input_side if inputs else 0
+        peak = base + sum(layers) + (self.output_side if outputs else 0)
+        for j, full in enumerate(self.recomputed[start:stop]):
+            peak = max(peak, base + sum(layers[: j + 1]) + full)
+        return peak
 
 
 def step_activations(m: ModelShape, b: int, s: int, c: int, active: Block | None, recompute: bool) -> StepActs:
