@@ -14,14 +14,17 @@ Two comparisons:
                           measure how many epochs it needs to reach full Adam's final eval loss (the paper reports
                           2.2x at UFP 1/3). Its equal-budget figures are read at the budget.
   --until-plateau         every method trains until its eval loss plateaus (the best eval loss improves by less
-                          than --plateau-rel over --plateau-window evaluations) or --max-epochs; each is compared
-                          at its best eval loss (early stopping), and the epochs ratio is of the epochs at which
-                          each method reached its plateau.
+                          than --plateau-rel over --plateau-window evaluations) or --max-epochs (bcd-adam:
+                          --bcd-adam-factor times that, since BCD needs more epochs); each is compared at its best
+                          eval loss (early stopping), and the epochs ratio is of the epochs at which each method
+                          reached its plateau.
+Each method's result is kept in <out dir>/quality_runs/<method>.json; --reuse takes a method's result from there
+instead of training it again when it was measured with the same settings.
 The eval loss is measured on the whole held-out split every --eval-every optimizer steps (a whole visit for BCD);
 evaluation time is excluded from the wall times.
 
     python bench/quality.py            # 27 min of CPU: about 14 min on 2 free cores (40 min on a loaded machine)
-    python bench/quality.py --until-plateau --plateau-window 6   # each method to its plateau (about an hour)
+    python bench/quality.py --until-plateau --plateau-window 6   # each method to its plateau (1-2 hours)
     python bench/quality.py --quick    # tiny-llama, a few steps (seconds)
 """
 
@@ -272,6 +275,13 @@ def plot(runs: dict[str, dict], budget_tokens: int, out: Path, title: str, until
 # The driver.
 
 
+def method_settings(args: argparse.Namespace, name: str, steps: int) -> dict:
+    """Everything one method's result depends on (what --reuse compares)."""
+    keys = ("model", "seq_len", "batch_size", "seed", "steps_per_visit", "eval_every", "eval_batches", "full_warmup",
+            "visit_warmup", "sgd_lr", "until_plateau", "plateau_rel", "plateau_window")
+    return dict(method=name, steps=steps, **{k: getattr(args, k) for k in keys})
+
+
 def steps_per_epoch(args: argparse.Namespace) -> int:
     """Optimizer steps in one epoch of the training split at this sequence length and batch size."""
     from pipelines.training import load_datasets
@@ -282,9 +292,15 @@ def steps_per_epoch(args: argparse.Namespace) -> int:
     return -(-len(load_datasets(config).train) // args.batch_size)
 
 
-def launch(args: argparse.Namespace, name: str, steps: int, run_dir: Path) -> dict:
-    """Run one method in a fresh process (or in this one with --in-process); its result dict."""
-    result = run_dir.parent / f"_{name}.json"
+def launch(args: argparse.Namespace, name: str, steps: int, run_dir: Path, settings: dict) -> dict:
+    """Run one method in a fresh process (or in this one with --in-process), or with --reuse take its kept
+    result when it was measured with the same `settings`; its result dict."""
+    result = run_dir.parent / f"{name}.json"
+    if args.reuse and result.is_file():
+        kept = json.loads(result.read_text())
+        if kept.get("bench_settings") == settings:
+            print(f"[quality] {name}: reusing {result}", flush=True)
+            return kept
     if args.in_process:
         data = run_method(args, name, steps, run_dir)
     else:
@@ -292,7 +308,8 @@ def launch(args: argparse.Namespace, name: str, steps: int, run_dir: Path) -> di
                    "--result", str(result), "--run-dir", str(run_dir), *args.passthrough]
         subprocess.run(command, check=True, cwd=ROOT)
         data = json.loads(result.read_text())
-        result.unlink()
+    data["bench_settings"] = settings
+    result.write_text(json.dumps(data))
     return data
 
 
@@ -327,7 +344,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--epochs", type=float, default=2.0, help="the equal token budget, in epochs of the train split")
     p.add_argument("--bcd-adam-factor", type=float, default=2.0,
-                   help="bcd-adam trains this many times the budget (to measure epochs to full Adam's loss)")
+                   help="bcd-adam trains this many times the budget, or the cap with --until-plateau (to measure "
+                        "the epochs it needs to reach full Adam's loss)")
     p.add_argument("--steps-per-visit", type=int, default=68, help="BCD visit length in optimizer steps")
     p.add_argument("--eval-every", type=int, default=68, help="optimizer steps between evaluations")
     p.add_argument("--eval-batches", type=int, default=0, help="eval batches per evaluation (0: the whole split)")
@@ -337,7 +355,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--methods", default="full-adam,bcd-adam,bcd-sgd")
     p.add_argument("--until-plateau", action="store_true",
                    help="train every method until its eval loss plateaus (or --max-epochs); compare best losses")
-    p.add_argument("--max-epochs", type=float, default=8.0, help="with --until-plateau: the cap per method")
+    p.add_argument("--max-epochs", type=float, default=8.0,
+                   help="with --until-plateau: the cap per method (bcd-adam: --bcd-adam-factor times this)")
+    p.add_argument("--reuse", action="store_true",
+                   help="take each method's kept result (quality_runs/<method>.json) if measured with the same settings")
     p.add_argument("--plateau-rel", type=float, default=0.005,
                    help="plateau: the best eval loss improves by less than this fraction ...")
     p.add_argument("--plateau-window", type=int, default=3, help="... over this many further evaluations")
@@ -376,10 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     budget_steps = max(1, round(epochs * per_epoch / (3 * args.steps_per_visit))) * 3 * args.steps_per_visit
     runs: dict[str, dict] = {}
     for name in args.methods.split(","):
-        extend = name == "bcd-adam" and not args.until_plateau
-        steps = round(budget_steps * args.bcd_adam_factor) if extend else budget_steps
+        steps = round(budget_steps * args.bcd_adam_factor) if name == "bcd-adam" else budget_steps
         print(f"[quality] {name}: up to {steps} steps", flush=True)
-        runs[name] = launch(args, name, steps, runs_dir / name)
+        runs[name] = launch(args, name, steps, runs_dir / name, method_settings(args, name, steps))
     budget_tokens = max(run["tokens"] for run in runs.values()) if args.until_plateau else runs["full-adam"]["tokens"]
     summary = summarise(runs, budget_tokens, args)
     png = args.out.with_suffix(".png")

@@ -81,6 +81,13 @@ def test_quality_until_plateau_stops_each_method_early(tmp_path):
         assert run["steps"] == result["settings"]["eval_every"] < cap  # stopped at the first evaluation after 0
         assert row["final_eval_loss"] == min(c["eval_loss"] for c in run["curve"])  # compared at its best
     assert result["epochs_ratio"]["plateau_epochs"]["bcd_adam"] == 0  # the plateau began at the first point
+    # --reuse takes every method's kept result (nothing trains again), but not after a setting changed
+    quality = _load("quality")
+    assert quality.main([*args, "--reuse"]) == 0
+    assert json.loads(out.read_text())["runs"] == result["runs"]
+    kept = (tmp_path / "quality_runs" / "full-adam.json").stat().st_mtime_ns
+    assert quality.main([*args, "--reuse", "--plateau-window", "2"]) == 0
+    assert (tmp_path / "quality_runs" / "full-adam.json").stat().st_mtime_ns != kept
 
 
 def test_train_quick(tmp_path):
