@@ -19,7 +19,8 @@ Two comparisons:
                           eval loss (early stopping), and the epochs ratio is of the epochs at which each method
                           reached its plateau.
 Each method's result is kept in <out dir>/quality_runs/<method>.json; --reuse takes a method's result from there
-instead of training it again when it was measured with the same settings.
+instead of training it again when it was measured with the same settings (so methods can also be run in separate
+invocations, e.g. in parallel with --methods, and compared by a last run with --reuse).
 The eval loss is measured on the whole held-out split every --eval-every optimizer steps (a whole visit for BCD);
 evaluation time is excluded from the wall times.
 
@@ -400,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
         steps = round(budget_steps * args.bcd_adam_factor) if name == "bcd-adam" else budget_steps
         print(f"[quality] {name}: up to {steps} steps", flush=True)
         runs[name] = launch(args, name, steps, runs_dir / name, method_settings(args, name, steps))
+    if "full-adam" not in runs:
+        print("[quality] kept the results in quality_runs/; the comparison needs full-adam (add it, with --reuse)")
+        return 0
     budget_tokens = max(run["tokens"] for run in runs.values()) if args.until_plateau else runs["full-adam"]["tokens"]
     summary = summarise(runs, budget_tokens, args)
     png = args.out.with_suffix(".png")
