@@ -112,3 +112,15 @@ def test_help_documents_every_flag(capsys):
     for flag in ("--ufp", "--blocks", "--ranges", "--order", "--optimizer", "--lr", "--steps-per-visit",
                  "--epochs-per-visit", "--patience", "--sweeps", "--seq-len", "--batch-size", "--seed", "--resume"):
         assert flag in stdout
+
+
+def test_recompute_flag_reaches_the_run_and_lowers_its_activations(tmp_path, capsys):
+    memory = {}
+    for flags in ([], ["--recompute"]):
+        out = tmp_path / ("recompute" if flags else "plain")
+        code, stdout, _ = run_cli(["bcd", *TINY, "--out", str(out), "--blocks", "2", *flags], capsys)
+        assert code == 0, stdout
+        assert ("recompute = true" in (out / "config.toml").read_text()) == bool(flags)
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        memory[bool(flags)] = [r["memory"]["activations"] for r in records if r["kind"] == "visit"]
+    assert all(r < p for r, p in zip(memory[True], memory[False]))
