@@ -30,6 +30,7 @@ reference paper's figure is 4.7 W (4 W with recomputation).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -272,8 +273,14 @@ def partition(m: ModelShape, blocks: int) -> list[Block]:
     sizes = [m.layer_params()] * m.layers
     sizes[0] += m.embed_params()
     sizes[-1] += m.head_params()
-    ranges = balanced_ranges(sizes, blocks)
+    ranges = _balanced_ranges(tuple(sizes), blocks)
     return [Block(lo, hi, k == 0, k == blocks - 1) for k, (lo, hi) in enumerate(ranges)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _balanced_ranges(sizes: tuple[int, ...], blocks: int) -> tuple[tuple[int, int], ...]:
+    """`balanced_ranges`, remembered: the automatic choice asks for the same split at every pipeline degree."""
+    return tuple(balanced_ranges(list(sizes), blocks))
 
 
 def blocks_for_ufp(ufp: float, layers: int) -> int:
@@ -305,13 +312,15 @@ class StepActs:
         side held), and each layer's recomputation in backward (the output side and the inputs of the layers
         above it already freed; its own input and its full set held)."""
         layers = self.layers[start:stop]
-        base = self.input_side if inputs else 0
-        peak = base + sum(layers) + (self.output_side if outputs else 0)
-        for j, full in enumerate(self.recomputed[start:stop]):
-            peak = max(peak, base + sum(layers[: j + 1]) + full)
-        return peak
+        recomputed = self.recomputed[start:stop] or (0,) * len(layers)
+        held, peak = (self.input_side if inputs else 0), 0
+        for layer_input, full in zip(layers, recomputed):
+            held += layer_input
+            peak = max(peak, held + full)
+        return max(peak, held + (self.output_side if outputs else 0))
 
 
+@functools.lru_cache(maxsize=4096)
 def step_activations(m: ModelShape, b: int, s: int, c: int, active: Block | None, recompute: bool) -> StepActs:
     """Activations saved in one step with `active` training (None: every parameter trains, full Adam).
 
