@@ -93,8 +93,8 @@ TRAINING_FLAGS: list[tuple[str, str, str, dict[str, Any]]] = [
     ("--recompute", "run", "recompute",
      dict(action="store_const", const=True,
           help="activation checkpointing: every layer in the gradient path (the active block and the frozen "
-               "layers above it) keeps only its input and runs again in backward; saves most activation "
-               "memory for about one more forward of those layers [off]")),
+               "layers above it) keeps only its input and runs its forward again in backward: less "
+               "activation memory, a second forward of those layers [off]")),
 ]
 
 # Flags of `bcd` only: where visits above the input get their boundary states.
