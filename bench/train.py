@@ -140,14 +140,14 @@ class Run:
                     losses=[s["loss"] for s in self.steps])
 
 
-def train_once(staged, partition, active: int, config: Config, plan: LiveSources) -> Run:
+def train_once(staged, partition, active: int, config: Config, sources: LiveSources) -> Run:
     run = Run()
     torch.manual_seed(config.run.seed)
-    trainer = Trainer(staged, partition, config, plan, None, None, on_record=run.record, active_block=active)
+    trainer = Trainer(staged, partition, config, sources, None, None, on_record=run.record, active_block=active)
     try:
         trainer.fit()
     finally:
-        for source in (plan.train, plan.eval):
+        for source in (sources.train, sources.eval):
             source.close()
     return run
 
@@ -176,7 +176,7 @@ def throughput(args: argparse.Namespace, root: Path) -> dict:
     suffix_staged = preinfer.stage(to_device(suffix.model, "cpu"))
     suffix_partition, suffix_active = partition_for(suffix_staged, config, first_layer=k)
 
-    def store_plan() -> LiveSources:
+    def store_sources() -> LiveSources:
         b, seed = config.data.batch_size, config.run.seed
         return LiveSources(ReaderBatches(stores["train"], k, b, seed),
                            ReaderBatches(stores["eval"], k, b, seed, shuffle=False))
@@ -187,7 +187,7 @@ def throughput(args: argparse.Namespace, root: Path) -> dict:
             if name == "live":
                 run = train_once(staged, partition, active, config, live_sources(data, config, shard))
             else:
-                run = train_once(suffix_staged, suffix_partition, suffix_active, config, store_plan())
+                run = train_once(suffix_staged, suffix_partition, suffix_active, config, store_sources())
             runs[name].append(run.summary(args.warmup))
             r = runs[name][-1]
             print(f"[train] rep {rep} {name}: {r['steps_per_s']:.2f} steps/s, wait {100 * r['wait_fraction']:.2f}%,"

@@ -1,13 +1,5 @@
-"""The layout of a run directory: the one place that names its files.
-
-    config.toml     the run's resolved configuration (written before training starts)
-    metrics.jsonl   one JSON record per line (see `preinfer.metrics`)
-    checkpoint/     the latest checkpoint (weights, optimizer states, trainer state)
-    export/         the trained model as a save_pretrained directory, with its tokenizer
-    loss.png        training and eval loss against tokens
-    summary.json    the finished run's summary
-    stores/         pre-inference's stores of boundary states, unless `store_dir` puts them elsewhere
-"""
+"""The layout of a run directory: `RunDir` is the one place that names its files (config.toml, metrics.jsonl,
+checkpoint/, export/, loss.png, summary.json, stores/); everything else asks it for their paths."""
 
 from __future__ import annotations
 
@@ -17,48 +9,28 @@ from pathlib import Path
 from preinfer.checkpoint import WEIGHTS
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class RunDir:
-    """A run directory at `path` (which need not exist yet)."""
+    """A run directory at `path` (which need not exist yet) and the paths of its parts."""
 
     path: Path
+    config: Path  # config.toml: the resolved config, written once every input has been checked
+    metrics: Path  # metrics.jsonl: one record per line
+    checkpoint: Path  # the latest checkpoint
+    checkpoint_weights: Path  # its model weights (the resident tensors only, for a suffix-only run)
+    export: Path  # the trained model and its tokenizer, a save_pretrained directory
+    loss_plot: Path  # loss.png: training and eval loss against tokens
+    summary: Path  # summary.json: the finished run's summary
+    stores: Path  # where pre-inference keeps its stores by default
 
     def __init__(self, path: str | Path):
-        object.__setattr__(self, "path", Path(path))
-
-    @property
-    def config(self) -> Path:
-        return self.path / "config.toml"
-
-    @property
-    def metrics(self) -> Path:
-        return self.path / "metrics.jsonl"
-
-    @property
-    def checkpoint(self) -> Path:
-        return self.path / "checkpoint"
-
-    @property
-    def checkpoint_weights(self) -> Path:
-        """The model weights of the latest checkpoint (the resident tensors only for a suffix-only run)."""
-        return self.checkpoint / WEIGHTS
-
-    @property
-    def export(self) -> Path:
-        return self.path / "export"
-
-    @property
-    def loss_plot(self) -> Path:
-        return self.path / "loss.png"
-
-    @property
-    def summary(self) -> Path:
-        return self.path / "summary.json"
-
-    @property
-    def stores(self) -> Path:
-        """Where pre-inference keeps its stores by default."""
-        return self.path / "stores"
+        root = Path(path)
+        layout = dict(path=root, config=root / "config.toml", metrics=root / "metrics.jsonl",
+                      checkpoint=root / "checkpoint", checkpoint_weights=root / "checkpoint" / WEIGHTS,
+                      export=root / "export", loss_plot=root / "loss.png", summary=root / "summary.json",
+                      stores=root / "stores")
+        for name, value in layout.items():
+            object.__setattr__(self, name, value)
 
     def export_is_current(self) -> bool:
         """The export holds the checkpoint's weights (it was written after the latest checkpoint)."""

@@ -24,15 +24,6 @@ from preinfer.sources import LiveSources
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    """A small text corpus: 24 paragraphs, enough for a few dozen samples of 32 tokens in each split."""
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    paragraphs = [f"Paragraph {i}: " + " ".join(f"word{(i * 7 + j) % 23}" for j in range(30)) for i in range(24)]
-    path.write_text("\n\n".join(paragraphs))
-    return str(path)
-
-
 def config_for(tmp_path: Path, corpus: str, name: str, preset="tiny-llama", **run) -> Config:
     config = Config()
     config.model.name = preset
