@@ -45,6 +45,7 @@ from preinfer.config import Config, load_config  # noqa: E402
 from preinfer.meter import MemoryMeter  # noqa: E402
 from preinfer.partition import Block, Partition, make_partition  # noqa: E402
 from preinfer.presets import build_preset  # noqa: E402
+from preinfer.sources import LiveSources  # noqa: E402
 from preinfer.trainer import Trainer  # noqa: E402
 
 # The reference paper's peak-memory reduction of BCD against full-parameter Adam, by UFP ("about 45% less on
@@ -151,25 +152,6 @@ def cache_worker(args: argparse.Namespace, ufp: str) -> dict:
     return dict(stores=paths, samples=n)
 
 
-class StoreOnly:
-    """Every visit reads the store at the visited block's start boundary (a `SourcePlan`)."""
-
-    def __init__(self, train, evaluation):
-        self.train, self.eval = train, evaluation
-
-    def sources(self, block: Block):
-        return self.train, self.eval
-
-    def visit_finished(self, block: Block) -> None:
-        pass
-
-    def sweep_started(self, blocks: list[Block]) -> None:
-        pass
-
-    def attach(self, emit) -> None:
-        pass
-
-
 def store_worker(args: argparse.Namespace, ufp: str, recompute: bool) -> dict:
     """BCD-Adam from a store, as `preinfer train --store` runs it: for each block above boundary 0 in ascending
     order, the model is loaded with only its suffix from the block's start boundary k in memory
@@ -196,7 +178,8 @@ def store_worker(args: argparse.Namespace, ufp: str, recompute: bool) -> dict:
         store = storage.open_store(store_path(args, start))
         train = ReaderBatches(store, start, args.batch_size, seed=0)
         evaluation = ReaderBatches(store, start, args.batch_size, seed=0, shuffle=False)
-        trainer = Trainer(staged, single, config, StoreOnly(train, evaluation), None, MemoryMeter(model))
+        # every visit reads the store at the visited block's start boundary
+        trainer = Trainer(staged, single, config, LiveSources(train, evaluation), None, MemoryMeter(model))
         (visit,) = trainer.fit()
         train.close()
         visit["block"] = block.index

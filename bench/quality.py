@@ -87,7 +87,9 @@ def run_method(args: argparse.Namespace, name: str, steps: int, run_dir: Path) -
     from pipelines.training import live_sources, load_datasets, prepare_run_dir, samples_per_shard
     from preinfer.config import load_config
     from preinfer.meter import MemoryMeter
+    from preinfer.metrics import Record, StepRecord
     from preinfer.partition import make_partition, parse_ufp
+    from preinfer.run_dir import RunDir
     from preinfer.trainer import Trainer, evaluate
 
     overrides = method_overrides(name, args, steps)
@@ -96,7 +98,8 @@ def run_method(args: argparse.Namespace, name: str, steps: int, run_dir: Path) -
     overrides["run"] = {**overrides["run"], "seed": args.seed, "out": str(run_dir)}
     config = load_config(overrides=overrides)
     shutil.rmtree(run_dir, ignore_errors=True)
-    prepare_run_dir(run_dir, config, resume=False)
+    run = RunDir(run_dir)
+    prepare_run_dir(run, config, resume=False)
     torch.manual_seed(config.run.seed)
     data = load_datasets(config)
     model = resolve_model(config.model.name, seed=config.run.seed)
@@ -120,14 +123,14 @@ def run_method(args: argparse.Namespace, name: str, steps: int, run_dir: Path) -
                           train_wall_s=train_wall))
         print(f"[{name}] step {step} tokens {tokens} eval {loss:.4f}", flush=True)
 
-    def on_record(record: dict) -> None:
-        if record["kind"] == "step" and record["step"] % args.eval_every == 0:
-            measure(record["step"], record["tokens"])
+    def on_record(record: Record) -> None:
+        if isinstance(record, StepRecord) and record.step % args.eval_every == 0:
+            measure(record.step, record.tokens)
             if args.until_plateau and plateau_point(curve, args.plateau_rel, args.plateau_window) is not None:
                 raise Plateaued
 
     measure(0, 0)
-    trainer = Trainer(staged, partition, config, sources, run_dir, MemoryMeter(model), on_record=on_record)
+    trainer = Trainer(staged, partition, config, sources, run, MemoryMeter(model), on_record=on_record)
     try:
         trainer.fit()
     except Plateaued:

@@ -55,10 +55,13 @@ from pipelines.sources import ReaderBatches  # noqa: E402
 from pipelines.suffix import load_suffix, to_device  # noqa: E402
 from pipelines.training import live_sources, load_datasets, partition_for, run_bcd, samples_per_shard  # noqa: E402
 from preinfer.config import Config, load_config  # noqa: E402
-from preinfer.metrics import read_metrics  # noqa: E402
+from preinfer.metrics import (CacheRecord, PreInferenceRecord, Record, StepRecord, VisitRecord,  # noqa: E402
+                              read_metrics)
 from preinfer.optim import build_optimizer  # noqa: E402
+from preinfer.run_dir import RunDir  # noqa: E402
+from preinfer.sources import LiveSources  # noqa: E402
 from preinfer.staged import causal_lm_loss, supervised_tokens  # noqa: E402
-from preinfer.trainer import LiveSources, Trainer  # noqa: E402
+from preinfer.trainer import Trainer  # noqa: E402
 
 TARGETS = {"achieved_over_ideal": ">= 0.9", "wait_fraction": "<= 0.02"}
 
@@ -116,16 +119,15 @@ class Run:
 
     def __init__(self):
         self.steps: list[dict] = []
-        self.visit: dict | None = None
+        self.visit: VisitRecord | None = None
         self.tokens = 0
 
-    def record(self, record: dict) -> None:
-        if record["kind"] == "step":
-            tokens = record["tokens"] - self.tokens
-            self.tokens = record["tokens"]
-            self.steps.append(dict(loss=record["loss"], wait_s=record["wait_s"],
-                                   step_s=tokens / record["tokens_per_s"]))
-        elif record["kind"] == "visit":
+    def record(self, record: Record) -> None:
+        if isinstance(record, StepRecord):
+            tokens = record.tokens - self.tokens
+            self.tokens = record.tokens
+            self.steps.append(dict(loss=record.loss, wait_s=record.wait_s, step_s=tokens / record.tokens_per_s))
+        elif isinstance(record, VisitRecord):
             self.visit = record
 
     def summary(self, warmup: int) -> dict:
@@ -134,18 +136,18 @@ class Run:
         wait_s = sum(s["wait_s"] for s in measured)
         return dict(steps=len(measured), step_s=step_s, steps_per_s=len(measured) / step_s, wait_s=wait_s,
                     wait_fraction=wait_s / step_s, first_step_s=self.steps[0]["step_s"],
-                    first_wait_s=self.steps[0]["wait_s"], visit_wall_s=self.visit["wall_s"],
+                    first_wait_s=self.steps[0]["wait_s"], visit_wall_s=self.visit.wall_s,
                     losses=[s["loss"] for s in self.steps])
 
 
-def train_once(staged, partition, active: int, config: Config, plan: LiveSources) -> Run:
+def train_once(staged, partition, active: int, config: Config, sources: LiveSources) -> Run:
     run = Run()
     torch.manual_seed(config.run.seed)
-    trainer = Trainer(staged, partition, config, plan, None, None, on_record=run.record, active_block=active)
+    trainer = Trainer(staged, partition, config, sources, None, None, on_record=run.record, active_block=active)
     try:
         trainer.fit()
     finally:
-        for source in (plan.train, plan.eval):
+        for source in (sources.train, sources.eval):
             source.close()
     return run
 
@@ -174,7 +176,7 @@ def throughput(args: argparse.Namespace, root: Path) -> dict:
     suffix_staged = preinfer.stage(to_device(suffix.model, "cpu"))
     suffix_partition, suffix_active = partition_for(suffix_staged, config, first_layer=k)
 
-    def store_plan() -> LiveSources:
+    def store_sources() -> LiveSources:
         b, seed = config.data.batch_size, config.run.seed
         return LiveSources(ReaderBatches(stores["train"], k, b, seed),
                            ReaderBatches(stores["eval"], k, b, seed, shuffle=False))
@@ -185,7 +187,7 @@ def throughput(args: argparse.Namespace, root: Path) -> dict:
             if name == "live":
                 run = train_once(staged, partition, active, config, live_sources(data, config, shard))
             else:
-                run = train_once(suffix_staged, suffix_partition, suffix_active, config, store_plan())
+                run = train_once(suffix_staged, suffix_partition, suffix_active, config, store_sources())
             runs[name].append(run.summary(args.warmup))
             r = runs[name][-1]
             print(f"[train] rep {rep} {name}: {r['steps_per_s']:.2f} steps/s, wait {100 * r['wait_fraction']:.2f}%,"
@@ -271,10 +273,11 @@ def bcd_run(args: argparse.Namespace, mode: str, out: Path) -> dict:
     started = time.perf_counter()
     summary = run_bcd(config, quiet=True)
     wall = time.perf_counter() - started
-    records = read_metrics(out / "metrics.jsonl")
-    caches = [r for r in records if r["kind"] == "cache"]
-    decisions = [{k: r[k] for k in ("block", "boundary", "decision", "steps", "prefix_per_step", "read_per_step",
-                                   "build", "build_from", "saving_s")} for r in records if r["kind"] == "pre_inference"]
+    records = read_metrics(RunDir(out).metrics)
+    caches = [r.to_dict() for r in records if isinstance(r, CacheRecord)]
+    decisions = [{k: r.to_dict()[k] for k in ("block", "boundary", "decision", "steps", "prefix_per_step",
+                                             "read_per_step", "build", "build_from", "saving_s")}
+                 for r in records if isinstance(r, PreInferenceRecord)]
     visits = [dict(sweep=v["sweep"], block=v["block"], steps=v["steps"], source_boundary=v["source_boundary"],
                    eval_loss=v["eval_loss"], wall_s=v["wall_s"]) for v in summary["visits"]]
     return dict(mode=mode, wall_s=wall, fit_s=summary["wall_s"], steps=summary["steps"],

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 from preinfer.config import Config, load_config
 from preinfer.errors import UsageError
+from preinfer.run_dir import RunDir
 
 PARTITION_KEYS = ("ufp", "blocks", "ranges")
 
@@ -144,7 +144,7 @@ def config_from_args(args: argparse.Namespace, path: str | None = None) -> Confi
 def config_for_command(args: argparse.Namespace) -> Config:
     """The config of a `bcd` or `train` run: with --resume the run's own config.toml, else --config; then
     the flags; a visit with no stopping rule gets one epoch."""
-    path = str(Path(args.run__out or Config().run.out) / "config.toml") if args.resume else None
+    path = str(RunDir(args.run__out or Config().run.out).config) if args.resume else None
     config = config_from_args(args, path=path)
     stop = config.stop
     if stop.steps_per_visit is None and stop.epochs_per_visit is None and stop.patience is None:

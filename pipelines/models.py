@@ -1,35 +1,55 @@
-"""Resolving `--model`: a preset, a `save_pretrained` directory, or a BCD run directory (its current weights)."""
+"""Resolving `--model`: a preset, a `save_pretrained` directory, or a BCD run directory (its current weights).
+
+`model_source` is the one place that tells a run directory from the others: commands take their defaults (data,
+tokenizer, seed) from the run's config when `--model` names one.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
+from dataclasses import dataclass
 
 from safetensors.torch import load_file
 from torch import nn
 
-from preinfer.checkpoint import WEIGHTS, load_resident_state
+from preinfer.checkpoint import load_resident_state
 from preinfer.config import Config, load_config
 from preinfer.presets import load_model
+from preinfer.run_dir import RunDir
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model to load: `spec` as `--model` gave it, and the seed that initialises a preset."""
+
+    spec: str
+    seed: int
+
+    def load(self) -> nn.Module:
+        return resolve_model(self.spec, self.seed)
+
+
+def model_source(spec: str, seed: int | None = None) -> tuple[ModelSource, Config | None]:
+    """(the model to load, the run's config) for a run directory, else (the model, None); `seed` initialises a
+    preset (None: the run's seed, else 0)."""
+    run = load_config(RunDir(spec).config) if is_run_dir(spec) else None
+    chosen = seed if seed is not None else run.run.seed if run is not None else 0
+    return ModelSource(spec, chosen), run
 
 
 def is_run_dir(spec: str) -> bool:
-    return (Path(spec) / "config.toml").is_file() and (Path(spec) / "checkpoint" / WEIGHTS).is_file()
-
-
-def run_config(run_dir: str) -> Config:
-    return load_config(Path(run_dir) / "config.toml")
+    """`spec` is a run directory with a checkpoint."""
+    return RunDir(spec).is_resumable()
 
 
 def resolve_model(spec: str, seed: int = 0) -> nn.Module:
     """The model `spec` names; a run directory gives its current weights: its export when that is up to date
     (a finished run, also one trained from a store), else its base model with the checkpoint's weights."""
-    export, checkpoint = Path(spec) / "export" / "config.json", Path(spec) / "checkpoint" / WEIGHTS
-    if is_run_dir(spec) and export.is_file() and export.stat().st_mtime >= checkpoint.stat().st_mtime:
-        return load_model(str(export.parent), seed=seed)
-    if is_run_dir(spec):
-        config = run_config(spec)
+    run = RunDir(spec)
+    if run.export_is_current():
+        return load_model(str(run.export), seed=seed)
+    if run.is_resumable():
+        config = load_config(run.config)
         model = load_model(config.model.name, seed=config.run.seed)
-        weights = Path(spec) / "checkpoint" / WEIGHTS
-        load_resident_state(model, load_file(str(weights)), weights)
+        load_resident_state(model, load_file(str(run.checkpoint_weights)), run.checkpoint_weights)
         return model
     return load_model(spec, seed=seed)

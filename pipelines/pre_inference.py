@@ -25,7 +25,9 @@ from pathlib import Path
 import torch
 
 from preinfer.config import Config
+from preinfer.metrics import CacheRecord, PreInferenceRecord, Record
 from preinfer.partition import Block
+from preinfer.run_dir import RunDir
 from preinfer.sources import BatchSource
 from preinfer.staged import StagedModel
 from storage import StorageError
@@ -63,21 +65,21 @@ class Estimate:
 
 
 class PreInference:
-    """A `preinfer.trainer.SourcePlan` that trains blocks above the input from stores (mode `on` or `auto`)."""
+    """A `preinfer.sources.VisitSources` that trains blocks above the input from stores (mode `on` or `auto`)."""
 
     def __init__(self, staged: StagedModel, datasets: dict, tokenizer, config: Config, live, shard: int,
                  rank: int = 0, world: int = 1):
         self.staged, self.datasets, self.tokenizer, self.config = staged, datasets, tokenizer, config
         self.live, self.shard, self.rank, self.world = live, shard, rank, world
         self.mode = config.run.pre_inference
-        self.root = Path(config.run.store_dir or Path(config.run.out) / "stores")
+        self.root = Path(config.run.store_dir or RunDir(config.run.out).stores)
         self.stores: dict[int, Path] = {}  # boundary -> cache directory believed valid
-        self.emit: Callable[[dict], None] = lambda record: None
+        self.emit: Callable[[Record], None] = lambda record: None
         self.read_bps, self.write_bps = ASSUMED_READ_BPS, ASSUMED_WRITE_BPS
         self.layer_seconds: float | None = None  # no_grad forward of one layer over one sample
         self.remaining: list[Block] = []
 
-    def attach(self, emit: Callable[[dict], None]) -> None:
+    def attach(self, emit: Callable[[Record], None]) -> None:
         self.emit = emit
 
     def sweep_started(self, blocks: list[Block]) -> None:
@@ -110,8 +112,8 @@ class PreInference:
             return True
         estimate = self._estimate(block)
         use = estimate.use_store
-        self.emit({"kind": "pre_inference", "block": block.index, "boundary": block.start,
-                   "decision": "store" if use else "live", **vars(estimate), "saving_s": estimate.saving})
+        self.emit(PreInferenceRecord(block=block.index, boundary=block.start, decision="store" if use else "live",
+                                     **vars(estimate), saving_s=estimate.saving))
         return use
 
     def _estimate(self, block: Block) -> Estimate:
@@ -173,7 +175,7 @@ class PreInference:
     def _ensure(self, boundary: int) -> Path:
         """A valid store at `boundary`: reused, rolled forward from the nearest valid lower one, or made fresh."""
         if boundary in self.stores and self._is_valid(boundary):
-            self.emit({"kind": "cache", "boundary": boundary, "how": "reuse", "seconds": 0.0, "bytes": 0})
+            self.emit(CacheRecord(boundary=boundary, how="reuse", seconds=0.0, bytes=0))
             return self.stores[boundary]
         out = self.root / f"boundary-{boundary}"
         source = max((b for b in self._valid_stores() if b < boundary), default=0)
@@ -187,8 +189,8 @@ class PreInference:
         self.stores[boundary] = out
         if result.write_seconds > 0:  # the writer's own time: the forward is estimated separately
             self.write_bps = max(result.bytes_written / result.write_seconds, 1.0)
-        self.emit({"kind": "cache", "boundary": boundary, "how": "roll_forward" if source else "input",
-                   "from": source, "seconds": result.seconds, "bytes": result.bytes_written})
+        self.emit(CacheRecord(boundary=boundary, how="roll_forward" if source else "input", from_=source,
+                              seconds=result.seconds, bytes=result.bytes_written))
         if source and not any(b.start == source for b in self.remaining):
             self._delete(source, reason=f"rolled forward to boundary {boundary}")
         return out
@@ -197,5 +199,4 @@ class PreInference:
         path = self.stores.pop(boundary)
         if not self.config.run.keep_stores:
             shutil.rmtree(path, ignore_errors=True)
-            self.emit({"kind": "cache", "boundary": boundary, "how": "deleted", "reason": reason,
-                       "seconds": 0.0, "bytes": 0})
+            self.emit(CacheRecord(boundary=boundary, how="deleted", reason=reason, seconds=0.0, bytes=0))

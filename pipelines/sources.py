@@ -1,6 +1,7 @@
-"""Batch sources over stores. Live training reads its token batches from a memory store and training from
-pre-inference reads boundary states from a disk store, both through `storage`'s reader: with the same samples
-per shard they follow exactly the same sample order, and a cursor taken from one resumes the other."""
+"""Batch sources over stores: the one `preinfer.sources.BatchSource` every run, evaluation and test uses. Live
+training reads its token batches from a memory store and training from pre-inference reads boundary states from
+a disk store, both through `storage`'s reader: with the same samples per shard they follow exactly the same
+sample order, and a cursor taken from one resumes the other."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 import storage
 from preinfer.data import TokenDataset
+from preinfer.sources import LiveSources
 
 TOKEN_FIELDS = ("input_ids", "attention_mask", "labels")
 
@@ -73,3 +75,17 @@ def token_store(dataset: TokenDataset, samples_per_shard: int) -> storage.Store:
         store.write_shard(shard, {k: getattr(dataset, k)[start:stop] for k in TOKEN_FIELDS})
     store.finalize()
     return store
+
+
+def token_batches(dataset: TokenDataset, batch_size: int, samples_per_shard: int, seed: int = 0, rank: int = 0,
+                  world_size: int = 1, shuffle: bool = True) -> ReaderBatches:
+    """Token batches of `dataset` (boundary 0) through a memory token store."""
+    return ReaderBatches(token_store(dataset, samples_per_shard), 0, batch_size, seed, rank, world_size, shuffle)
+
+
+def live_sources(train: TokenDataset, evaluation: TokenDataset, batch_size: int, samples_per_shard: int,
+                 seed: int = 0, rank: int = 0, world_size: int = 1) -> LiveSources:
+    """Token batches read through the same reader (and so in the same order) as boundary stores would be: the
+    training split shuffled by `seed` and split across ranks, the eval split whole and in order."""
+    return LiveSources(token_batches(train, batch_size, samples_per_shard, seed, rank, world_size),
+                       token_batches(evaluation, batch_size, samples_per_shard, seed, shuffle=False))

@@ -19,11 +19,12 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import preinfer
-from preinfer.checkpoint import WEIGHTS
+from preinfer.config import load_config
 from preinfer.errors import UsageError
 from preinfer.fingerprint import hash_tensors, named_prefix_tensors
 from preinfer.presets import PRESETS, build_preset, preset_config
-from pipelines.models import is_run_dir, run_config
+from preinfer.run_dir import RunDir
+from pipelines.models import is_run_dir
 
 
 class TensorFiles:
@@ -134,9 +135,10 @@ def export_full(suffix: Suffix, out: Path) -> bool:
 def _config_and_files(spec: str):
     path = Path(spec)
     if is_run_dir(spec):
-        base = run_config(spec).model.name
+        run = RunDir(spec)
+        base = load_config(run.config).model.name
         config = preset_config(base) if base in PRESETS else AutoConfig.from_pretrained(base, local_files_only=True)
-        return config, TensorFiles([path / "checkpoint" / WEIGHTS])
+        return config, TensorFiles([run.checkpoint_weights])
     if not (path / "config.json").is_file():
         raise UsageError(f"--model '{spec}' is neither a preset ({', '.join(PRESETS)}), a run directory nor a "
                          f"save_pretrained directory")

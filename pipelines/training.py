@@ -1,5 +1,6 @@
 """A whole BCD run: resolve the config into model, data, partition and sources, train, then write the run
-directory (config.toml, metrics.jsonl, checkpoint/, export/, loss.png, summary.json)."""
+directory (its layout is `preinfer.run_dir.RunDir`). Everything a bad input can trip on is resolved before the
+run directory is created, so a refused run leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -22,14 +23,17 @@ from preinfer.config import Config, dump_toml
 from preinfer.data import TokenDataset, load_data
 from preinfer.errors import UsageError
 from preinfer.meter import MemoryMeter
-from preinfer.metrics import plot_losses, read_metrics
+from preinfer.metrics import CacheRecord, PreInferenceRecord, Record, VisitRecord, plot_losses, read_metrics
 from preinfer.partition import Partition, make_partition, parse_ranges, parse_ufp
+from preinfer.run_dir import RunDir
+from preinfer.sources import LiveSources, VisitSources
 from preinfer.tokenizers import Tokenizer, load_tokenizer
-from preinfer.trainer import LiveSources, SourcePlan, Trainer
+from preinfer.trainer import Trainer
+from pipelines import sources
 from pipelines.caching import default_samples_per_shard, open_cache
 from pipelines.models import resolve_model
 from pipelines.pre_inference import PreInference
-from pipelines.sources import ReaderBatches, token_store
+from pipelines.sources import ReaderBatches
 from pipelines.suffix import Suffix, export_full, load_suffix, to_device
 
 
@@ -87,26 +91,29 @@ def samples_per_shard(config: Config, staged: preinfer.StagedModel) -> int:
 
 
 def live_sources(data: Datasets, config: Config, shard: int, rank: int = 0, world: int = 1) -> LiveSources:
-    """Token batches read through the same reader (and so in the same order) as boundary stores would be."""
-    batch, seed = config.data.batch_size, config.run.seed
-    return LiveSources(
-        ReaderBatches(token_store(data.train, shard), 0, batch, seed, rank, world),
-        ReaderBatches(token_store(data.eval, shard), 0, batch, seed, shuffle=False),
-    )
+    """The run's token batches (see `pipelines.sources.live_sources`)."""
+    return sources.live_sources(data.train, data.eval, config.data.batch_size, shard, config.run.seed, rank, world)
 
 
-def prepare_run_dir(out: Path, config: Config, resume: bool) -> None:
-    """Create the run directory; refuse to overwrite another run unless resuming it."""
+def check_run_dir(run: RunDir, resume: bool) -> None:
+    """Refuse an --out that is a file, that holds another run (unless resuming it), or nothing to resume."""
+    out = run.path
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file, not a directory")
     if resume:
-        if not (out / "checkpoint").is_dir():
+        if not run.checkpoint.is_dir():
             raise UsageError(f"--resume: {out} holds no checkpoint to resume from")
         return
-    if (out / "config.toml").exists():
+    if run.holds_run():
         raise UsageError(f"--out {out} already holds a run; pass --resume to continue it or choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.toml").write_text(dump_toml(config))
+
+
+def prepare_run_dir(run: RunDir, config: Config, resume: bool) -> None:
+    """Create the run directory with its config (a resumed run keeps its own); refusals as `check_run_dir`."""
+    check_run_dir(run, resume)
+    if not resume:
+        run.path.mkdir(parents=True, exist_ok=True)
+        run.config.write_text(dump_toml(config))
 
 
 def init_distributed(device: str) -> tuple[int, int]:
@@ -120,42 +127,67 @@ def init_distributed(device: str) -> tuple[int, int]:
 def run_bcd(config: Config, resume: bool = False, quiet: bool = False) -> dict:
     """Train a whole model as configured (prefix live, or from stores with pre-inference) and write the run
     directory; returns the summary."""
-    out = Path(config.run.out)
+    run = RunDir(config.run.out)
     rank, world = init_distributed(config.run.device)
     if rank == 0:
-        prepare_run_dir(out, config, resume)
+        check_run_dir(run, resume)
     data = load_datasets(config)
     model = resolve_model(config.model.name, seed=config.run.seed).to(config.run.device)
     staged = preinfer.stage(model)
     partition, active = partition_for(staged, config)
     shard = samples_per_shard(config, staged)
-    plan = live_sources(data, config, shard, rank, world)
+    chosen: VisitSources = live_sources(data, config, shard, rank, world)
     if config.run.pre_inference != "off":
         datasets = {"train": data.train, "eval": data.eval}
-        plan = PreInference(staged, datasets, data.tokenizer, config, plan, shard, rank, world)
-    trainer = train(config, staged, partition, active, plan, resume, quiet)
-    return finish_run(trainer, out, lambda directory: model.save_pretrained(directory))
+        chosen = PreInference(staged, datasets, data.tokenizer, config, chosen, shard, rank, world)
+    trainer = train(config, staged, partition, active, chosen, resume, quiet)
+
+    def export(directory: Path) -> None:
+        model.save_pretrained(directory)
+        data.tokenizer.save(directory)
+
+    return finish_run(trainer, run, export)
 
 
 def run_from_store(config: Config, resume: bool = False, quiet: bool = False) -> dict:
     """Train the blocks above a cache's boundary from its stores; the prefix is never loaded."""
-    out = Path(config.run.out)
+    run = RunDir(config.run.out)
     rank, world = init_distributed(config.run.device)
     if rank == 0:
-        prepare_run_dir(out, config, resume)
+        check_run_dir(run, resume)
     stores = open_cache(config.run.store, splits=["train", "eval"])
     boundary = int(stores["train"].fingerprint.parts["boundary"])
+    tokenizer = load_tokenizer(config.model.tokenizer)
     suffix = load_suffix(config.model.name, boundary, seed=config.run.seed)
     notes = [check_prefix(stores["train"], suffix, config)]
     staged = preinfer.stage(to_device(suffix.model, config.run.device))
     partition, active = partition_for(staged, config, first_layer=boundary)
     batch, seed = config.data.batch_size, config.run.seed
-    plan = LiveSources(
+    chosen = LiveSources(
         ReaderBatches(stores["train"], boundary, batch, seed, rank, world),
         ReaderBatches(stores["eval"], boundary, batch, seed, shuffle=False),
     )
-    trainer = train(config, staged, partition, active, plan, resume, quiet, notes)
-    return finish_run(trainer, out, lambda directory: export_full(suffix, directory))
+    trainer = train(config, staged, partition, active, chosen, resume, quiet, notes)
+
+    def export(directory: Path) -> None:
+        if export_full(suffix, directory):
+            save_store_tokenizer(tokenizer, stores["train"], directory)
+
+    return finish_run(trainer, run, export)
+
+
+def save_store_tokenizer(tokenizer: Tokenizer, store: storage.Store, directory: Path) -> None:
+    """Save `tokenizer` beside an export trained from `store` if the store was made with it; otherwise say in
+    the export's README.md which tokenizer is missing."""
+    made_with = str(store.fingerprint.parts.get("tokenizer", ""))
+    if tokenizer.fingerprint() == made_with:
+        tokenizer.save(directory)
+        return
+    (directory / "README.md").write_text(
+        f"# No tokenizer saved\n\nThe store this model was trained from ({store.path}) was tokenised with a "
+        f"tokenizer other than `{tokenizer.name}` (tokenizer fingerprint {made_with[:12]} in the store). Save that "
+        f"tokenizer here (`tokenizer.save_pretrained(...)`) before loading this directory with `AutoTokenizer` or "
+        f"`pipeline`, or train with `preinfer train --tokenizer DIR` naming it.\n")
 
 
 def check_prefix(store: storage.Store, suffix: Suffix, config: Config) -> str:
@@ -177,14 +209,18 @@ def check_prefix(store: storage.Store, suffix: Suffix, config: Config) -> str:
 
 
 def train(config: Config, staged: preinfer.StagedModel, partition: Partition, active: int | None,
-          plan: SourcePlan, resume: bool, quiet: bool, notes: list[str] = ()) -> Trainer:
-    """Build the trainer (with its memory meter and progress display), resume if asked, and run it."""
+          chosen: VisitSources, resume: bool, quiet: bool, notes: list[str] = ()) -> Trainer:
+    """Build the trainer (with its memory meter and progress display; it checks the block order), create the
+    run directory (rank 0), resume if asked, and run it."""
     torch.manual_seed(config.run.seed)
     ui = ProgressUI(config, quiet)
+    run = RunDir(config.run.out)
+    trainer = Trainer(staged, partition, config, chosen, run, MemoryMeter(staged.model), on_record=ui.record,
+                      active_block=active)
+    if trainer.rank == 0:
+        prepare_run_dir(run, config, resume)
     for note in [partition.report(), *notes]:
         ui.note(note)
-    trainer = Trainer(staged, partition, config, plan, Path(config.run.out), MemoryMeter(staged.model),
-                      on_record=ui.record, active_block=active)
     if resume:
         trainer.resume()
     started = time.perf_counter()
@@ -194,7 +230,7 @@ def train(config: Config, staged: preinfer.StagedModel, partition: Partition, ac
     return trainer
 
 
-def finish_run(trainer: Trainer, out: Path, export: Callable[[Path], object]) -> dict:
+def finish_run(trainer: Trainer, run: RunDir, export: Callable[[Path], object]) -> dict:
     """Export, plot and summarise a finished run (rank 0 writes; other ranks return the summary only)."""
     visits = trainer.progress.visits
     final = visits[-1]["eval_loss"] if visits else math.nan
@@ -209,10 +245,10 @@ def finish_run(trainer: Trainer, out: Path, export: Callable[[Path], object]) ->
     }
     if trainer.rank != 0:
         return summary
-    export(out / "export")
-    records = read_metrics(out / "metrics.jsonl")
-    plot_losses({"BCD": records}, out / "loss.png", title=f"{trainer.config.model.name}: {out.name}")
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    export(run.export)
+    records = read_metrics(run.metrics)
+    plot_losses({"BCD": records}, run.loss_plot, title=f"{trainer.config.model.name}: {run.path.name}")
+    run.summary.write_text(json.dumps(summary, indent=1))
     return summary
 
 
@@ -229,37 +265,37 @@ class ProgressUI:
         if not self.quiet:
             tqdm.write(text)
 
-    def record(self, record: dict) -> None:
+    def record(self, record: Record) -> None:
         if self.quiet:
             return
-        if record["kind"] == "cache":
+        if isinstance(record, CacheRecord):
             self.close()
-            if record["how"] in ("input", "roll_forward"):
-                source = "the input" if record["how"] == "input" else f"the store at boundary {record['from']}"
-                tqdm.write(f"store at boundary {record['boundary']}: made from {source} in "
-                           f"{record['seconds']:.1f} s ({record['bytes'] / 2**20:.1f} MiB)")
+            if record.how in ("input", "roll_forward"):
+                source = "the input" if record.how == "input" else f"the store at boundary {record.from_}"
+                tqdm.write(f"store at boundary {record.boundary}: made from {source} in "
+                           f"{record.seconds:.1f} s ({record.bytes / 2**20:.1f} MiB)")
             return
-        if record["kind"] == "pre_inference":
+        if isinstance(record, PreInferenceRecord):
             self.close()
-            tqdm.write(f"block {record['block']}: {record['decision']} (pre-inference would save "
-                       f"{record['saving_s']:.1f} s over {record['steps']} steps)")
+            tqdm.write(f"block {record.block}: {record.decision} (pre-inference would save "
+                       f"{record.saving_s:.1f} s over {record.steps} steps)")
             return
-        if record["kind"] == "visit":
+        if isinstance(record, VisitRecord):
             self.close()
-            mem = record["memory"].get("tracked_peak", 0) / 2**20
+            mem = record.memory.get("tracked_peak", 0) / 2**20
             tqdm.write(
-                f"sweep {record['sweep']} block {record['block']} ({record['label']}): eval loss "
-                f"{record['eval_loss']:.4f} after {record['steps']} steps ({record['stop_reason']}), "
-                f"{record['wall_s']:.1f} s, peak tracked memory {mem:.1f} MiB"
+                f"sweep {record.sweep} block {record.block} ({record.label}): eval loss "
+                f"{record.eval_loss:.4f} after {record.steps} steps ({record.stop_reason}), "
+                f"{record.wall_s:.1f} s, peak tracked memory {mem:.1f} MiB"
             )
             return
-        key = (record["sweep"], record["block"])
+        key = (record.sweep, record.block)
         if key != self.key:
             self.close()
             self.key = key
             self.bar = tqdm(total=self.total, desc=f"sweep {key[0]} block {key[1]}", unit="step", leave=False)
         self.bar.update(1)
-        self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        self.bar.set_postfix(loss=f"{record.loss:.3f}", tok_s=f"{record.tokens_per_s:.0f}")
 
     def close(self) -> None:
         if self.bar is not None:

@@ -1,30 +1,138 @@
-"""The run's metrics log (JSON lines) and its loss plot."""
+"""The run's metrics log (JSON lines, one record per line) and its loss plot.
+
+Every record kind is one dataclass below; `to_dict` gives its JSON object (with `"kind"` first) and
+`parse_record` reads one back. README.md ("metrics.jsonl") documents the kinds for users who parse the file.
+"""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any, ClassVar
+
+from preinfer.errors import PreinferError
+
+
+@dataclass
+class Record:
+    """A metrics.jsonl record; a field named with a trailing underscore (a Python keyword) drops it in JSON,
+    and an optional field that is None is left out."""
+
+    kind: ClassVar[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        values = {f.name.rstrip("_"): getattr(self, f.name) for f in fields(self)}
+        return {"kind": self.kind, **{key: value for key, value in values.items() if value is not None}}
+
+
+@dataclass
+class StepRecord(Record):
+    """One optimizer step of a visit."""
+
+    kind: ClassVar[str] = "step"
+    sweep: int
+    block: int
+    step: int  # steps of the run so far, this one included
+    visit_step: int  # steps of this visit so far, this one included
+    loss: float  # mean loss over the step's supervised tokens (all micro-batches, all ranks)
+    lr: float
+    tokens: int  # real (unpadded) tokens trained on by this rank so far
+    tokens_per_s: float  # this step's tokens over its wall time
+    wait_s: float  # time spent waiting for the step's batches
+
+
+@dataclass
+class VisitRecord(Record):
+    """A finished visit of one block (also kept in the checkpoint and summary.json)."""
+
+    kind: ClassVar[str] = "visit"
+    sweep: int
+    block: int
+    label: str  # the block's parts, e.g. "embed+layers 0-1"
+    steps: int
+    stop_reason: str  # the stopping rule that ended the visit: steps (a step or epoch budget) or plateau
+    eval_loss: float  # mean loss over the eval split after the visit
+    wall_s: float
+    tokens: int  # as in the step records, at the end of the visit
+    source_boundary: int  # 0: token batches (prefix run live); k > 0: trained from a store at boundary k
+    memory: dict[str, int] = field(default_factory=dict)  # the memory meter's peaks in bytes; {} without a meter
+
+
+@dataclass
+class CacheRecord(Record):
+    """Pre-inference made, reused or deleted a store of boundary states."""
+
+    kind: ClassVar[str] = "cache"
+    boundary: int
+    how: str  # input (a fresh prefix run), roll_forward, reuse or deleted
+    seconds: float
+    bytes: int  # bytes written
+    from_: int | None = None  # input and roll_forward: the boundary the store was made from (0: the input)
+    reason: str | None = None  # deleted: why the store was no longer usable
+
+
+@dataclass
+class PreInferenceRecord(Record):
+    """The `auto` rule's decision for one visit, with its estimates (seconds, bytes)."""
+
+    kind: ClassVar[str] = "pre_inference"
+    block: int
+    boundary: int
+    decision: str  # store or live
+    steps: int  # expected steps of the visit
+    prefix_per_step: float  # the prefix forward a store saves per step
+    read_per_step: float  # reading a step's states from the store
+    eval_prefix: float  # the prefix forward the visit's evaluation saves
+    build: float  # making the store (0 when a valid one exists)
+    build_from: int  # the boundary it would be made from (0: the input)
+    store_bytes: int
+    free_bytes: int
+    saving_s: float  # the estimated saving; the store is used when positive and it fits on the disk
+
+
+RECORD_KINDS: dict[str, type[Record]] = {cls.kind: cls for cls in (StepRecord, VisitRecord, CacheRecord,
+                                                                   PreInferenceRecord)}
+
+
+def parse_record(data: dict[str, Any]) -> Record:
+    """The record a JSON object stands for; unknown kinds and missing fields are refused."""
+    cls = RECORD_KINDS.get(data.get("kind"))
+    if cls is None:
+        raise PreinferError(f"unknown metrics record kind {data.get('kind')!r} (known: {', '.join(RECORD_KINDS)})")
+    names = {f.name.rstrip("_"): f.name for f in fields(cls)}
+    try:
+        return cls(**{names[key]: value for key, value in data.items() if key in names})
+    except TypeError as error:
+        raise PreinferError(f"metrics record of kind {cls.kind!r}: {error}") from None
 
 
 class MetricsLog:
-    """Appends one JSON object per line; a None path discards (non-zero ranks, tests)."""
+    """Appends one JSON object per line; a None path discards (non-zero ranks, tests). The file and its
+    directory are created by the first record."""
 
     def __init__(self, path: Path | None):
         self.path = path
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
 
-    def write(self, record: dict) -> None:
+    def write(self, record: Record) -> None:
         if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps(record.to_dict()) + "\n")
 
 
-def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def read_metrics(path: Path) -> list[Record]:
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                records.append(parse_record(json.loads(line)))
+            except (PreinferError, json.JSONDecodeError) as error:
+                raise PreinferError(f"{path}, line {number}: {error}") from None
+    return records
 
 
-def plot_losses(runs: dict[str, list[dict]], out: Path, title: str = "") -> None:
+def plot_losses(runs: dict[str, list[Record]], out: Path, title: str = "") -> None:
     """Training loss (smoothed) and eval loss against tokens, one colour per run; the first run's visits are
     shaded by block."""
     import matplotlib
@@ -36,13 +144,13 @@ def plot_losses(runs: dict[str, list[dict]], out: Path, title: str = "") -> None
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for index, (name, records) in enumerate(runs.items()):
         colour = colours[index % len(colours)]
-        steps = [r for r in records if r["kind"] == "step"]
-        visits = [r for r in records if r["kind"] == "visit"]
+        steps = [r for r in records if isinstance(r, StepRecord)]
+        visits = [r for r in records if isinstance(r, VisitRecord)]
         if index == 0:
             _shade_visits(ax, steps, colours)
-        ax.plot([r["tokens"] for r in steps], _smooth([r["loss"] for r in steps]), color=colour, alpha=0.8,
+        ax.plot([r.tokens for r in steps], _smooth([r.loss for r in steps]), color=colour, alpha=0.8,
                 label=f"{name}: training loss (smoothed)")
-        ax.plot([r["tokens"] for r in visits], [r["eval_loss"] for r in visits], "o--", color=colour,
+        ax.plot([r.tokens for r in visits], [r.eval_loss for r in visits], "o--", color=colour,
                 label=f"{name}: eval loss after each visit")
     ax.set_xlabel("tokens")
     ax.set_ylabel("loss (nats/token)")
@@ -53,14 +161,14 @@ def plot_losses(runs: dict[str, list[dict]], out: Path, title: str = "") -> None
     plt.close(fig)
 
 
-def _shade_visits(ax, steps: list[dict], colours: list[str]) -> None:
+def _shade_visits(ax, steps: list[StepRecord], colours: list[str]) -> None:
     start = 0
     for i, r in enumerate(steps):
-        last = i + 1 == len(steps) or steps[i + 1]["block"] != r["block"] or steps[i + 1]["sweep"] != r["sweep"]
+        last = i + 1 == len(steps) or steps[i + 1].block != r.block or steps[i + 1].sweep != r.sweep
         if last:
-            lo = steps[start - 1]["tokens"] if start else 0
-            ax.axvspan(lo, r["tokens"], color=colours[r["block"] % len(colours)], alpha=0.08, lw=0)
-            ax.text((lo + r["tokens"]) / 2, 1.0, f"b{r['block']}", transform=ax.get_xaxis_transform(),
+            lo = steps[start - 1].tokens if start else 0
+            ax.axvspan(lo, r.tokens, color=colours[r.block % len(colours)], alpha=0.08, lw=0)
+            ax.text((lo + r.tokens) / 2, 1.0, f"b{r.block}", transform=ax.get_xaxis_transform(),
                     ha="center", va="bottom", fontsize=7)
             start = i + 1
 

@@ -34,13 +34,18 @@ class Tokenizer(Protocol):
         """sha256 hex of everything that determines tokenisation."""
         ...
 
+    def save(self, directory: Path) -> None:
+        """Write Hugging Face tokenizer files into `directory`: `AutoTokenizer.from_pretrained(directory)` then
+        encodes (without special tokens) exactly as `encode` does."""
+        ...
+
 
 def _sha256_json(obj: object) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as ids 0..255, then <pad> (256) and <eos> (257)."""
+    """UTF-8 bytes as ids 0..255, then <pad> (256) and <eos> (257); text never encodes to <pad> or <eos>."""
 
     name = "byte"
     vocab_size = BYTE_VOCAB_SIZE
@@ -59,6 +64,30 @@ class ByteTokenizer:
         return _sha256_json(
             {"kind": "byte", "encoding": "utf-8", "vocab_size": self.vocab_size, "pad": self.pad_id, "eos": self.eos_id}
         )
+
+    def save(self, directory: Path) -> None:
+        """The same tokenizer in Hugging Face's form: GPT-2's byte-to-character map without its splitting or
+        prefix space, one token per byte (id = byte), no merges; <pad> and <eos> are special tokens that text
+        never produces (`split_special_tokens`), and decoding replaces bad UTF-8 as `decode` does."""
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {char: byte for byte, char in enumerate(_byte_level_chars())}
+        backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        backend.decoder = decoders.ByteLevel()
+        specials = {self.pad_id: "<pad>", self.eos_id: "<eos>"}
+        backend.add_special_tokens([AddedToken(specials[i], special=True) for i in sorted(specials)])
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=specials[self.pad_id],
+                                            eos_token=specials[self.eos_id], split_special_tokens=True)
+        tokenizer.save_pretrained(directory)
+
+
+def _byte_level_chars() -> list[str]:
+    """GPT-2's printable stand-in character for each byte 0..255 (the `tokenizers` ByteLevel alphabet)."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    shifted = iter(range(256, 512))
+    return [chr(byte) if byte in printable else chr(next(shifted)) for byte in range(256)]
 
 
 class HFTokenizer:
@@ -88,6 +117,9 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False, verbose=False)
+
+    def save(self, directory: Path) -> None:
+        self._tok.save_pretrained(directory)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

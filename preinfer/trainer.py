@@ -14,7 +14,6 @@ from contextlib import nullcontext
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -22,53 +21,14 @@ import torch.distributed as dist
 from preinfer.checkpoint import load_checkpoint, save_checkpoint
 from preinfer.config import Config
 from preinfer.errors import PreinferError
-from preinfer.metrics import MetricsLog
+from preinfer.metrics import MetricsLog, Record, StepRecord, VisitRecord
 from preinfer.optim import StopRule, build_optimizer, warmup_factor
 from preinfer.partition import Block, Partition
+from preinfer.run_dir import RunDir
 from preinfer.schedule import parse_fixed_order, sweep_order
-from preinfer.sources import BatchSource
+from preinfer.sources import BatchSource, VisitSources
 from preinfer.staged import StagedModel, causal_lm_loss, supervised_tokens
 from preinfer.state import BoundaryState
-
-
-class SourcePlan(Protocol):
-    """Chooses each visit's batch sources; `pipelines` implements one that trains from stores."""
-
-    def sources(self, block: Block) -> tuple[BatchSource, BatchSource]:
-        """(train, eval) sources for a visit of `block`, at a boundary <= block.start."""
-        ...
-
-    def visit_finished(self, block: Block) -> None:
-        """Called after each visit (e.g. to drop stores the block made stale)."""
-        ...
-
-    def sweep_started(self, blocks: list[Block]) -> None:
-        """Called before the first visit of each sweep with the blocks it will visit, in order."""
-        ...
-
-    def attach(self, emit: Callable[[dict], None]) -> None:
-        """Receive the trainer's record writer (metrics.jsonl and progress display)."""
-        ...
-
-
-@dataclass
-class LiveSources:
-    """Every visit reads token batches and runs the frozen prefix live."""
-
-    train: BatchSource
-    eval: BatchSource
-
-    def sources(self, block: Block) -> tuple[BatchSource, BatchSource]:
-        return self.train, self.eval
-
-    def visit_finished(self, block: Block) -> None:
-        pass
-
-    def sweep_started(self, blocks: list[Block]) -> None:
-        pass
-
-    def attach(self, emit: Callable[[dict], None]) -> None:
-        pass
 
 
 @dataclass
@@ -82,7 +42,7 @@ class Progress:
     tokens: int = 0
     cursor: dict | None = None  # the training source's state_dict; None: the start of the data
     stop: dict | None = None
-    visits: list[dict] = field(default_factory=list)  # one record per finished visit
+    visits: list[dict] = field(default_factory=list)  # each finished visit's VisitRecord.to_dict()
 
 
 class Trainer:
@@ -91,24 +51,25 @@ class Trainer:
         staged: StagedModel,
         partition: Partition,
         config: Config,
-        plan: SourcePlan,
-        run_dir: Path | None = None,
+        sources: VisitSources,
+        run_dir: RunDir | None = None,
         meter=None,
-        on_record: Callable[[dict], None] | None = None,
+        on_record: Callable[[Record], None] | None = None,
         active_block: int | None = None,
     ):
-        self.staged, self.partition, self.config, self.plan = staged, partition, config, plan
+        self.staged, self.partition, self.config, self.visit_sources = staged, partition, config, sources
         self.run_dir, self.meter, self.on_record = run_dir, meter, on_record
         self.device = torch.device(config.run.device)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
-        self.log = MetricsLog(run_dir / "metrics.jsonl" if run_dir and self.rank == 0 else None)
+        self.log = MetricsLog(run_dir.metrics if run_dir and self.rank == 0 else None)
         self.fixed = parse_fixed_order(config.blocks.fixed_order, len(partition)) if config.blocks.fixed_order else None
         self.optimizer_states: dict[int, dict] = {}  # kept per block with optim.keep_state
         self.progress = Progress()
         self.active_block = active_block
         self.wall_s = 0.0  # time spent in fit()
-        plan.attach(self.emit)
+        self.order(0)  # a bad order, fixed order or start block is refused before anything runs
+        sources.attach(self.emit)
 
     def order(self, sweep: int) -> list[int]:
         """The blocks this sweep visits (with `active_block` set, only that one)."""
@@ -126,7 +87,7 @@ class Trainer:
     def checkpoint_dir(self) -> Path:
         if self.run_dir is None:
             raise PreinferError("this trainer has no run directory to checkpoint into")
-        return self.run_dir / "checkpoint"
+        return self.run_dir.checkpoint
 
     def fit(self, max_total_steps: int | None = None) -> list[dict]:
         """Run every remaining visit; stop early (after a checkpoint) once `max_total_steps` steps are done."""
@@ -134,7 +95,7 @@ class Trainer:
         while p.sweep < self.config.blocks.sweeps:
             order = self.order(p.sweep)
             if p.visit == 0:
-                self.plan.sweep_started([self.partition.blocks[i] for i in order])
+                self.visit_sources.sweep_started([self.partition.blocks[i] for i in order])
             while p.visit < len(order):
                 block = self.partition.blocks[order[p.visit]]
                 if not self._visit(block, max_total_steps):
@@ -148,7 +109,7 @@ class Trainer:
     def _visit(self, block: Block, max_total_steps: int | None) -> bool:
         """Train `block` until its stopping rule fires; False if the run was halted by `max_total_steps`."""
         p, cfg = self.progress, self.config
-        train, evaluation = self.plan.sources(block)
+        train, evaluation = self.visit_sources.sources(block)
         if p.cursor is not None:
             train.load_state_dict(p.cursor)
         optimizer = self._activate(block)
@@ -169,12 +130,11 @@ class Trainer:
             reason = stop.update(loss)
             p.stop = stop.state_dict()
             p.cursor = train.state_dict()
-            record = {
-                "kind": "step", "sweep": p.sweep, "block": block.index, "step": p.global_step,
-                "visit_step": p.visit_step, "loss": loss, "lr": optimizer.param_groups[0]["lr"],
-                "tokens": p.tokens, "tokens_per_s": tokens / max(wait["step_s"], 1e-9), "wait_s": wait["wait_s"],
-            }
-            self.emit(record)
+            self.emit(StepRecord(
+                sweep=p.sweep, block=block.index, step=p.global_step, visit_step=p.visit_step, loss=loss,
+                lr=optimizer.param_groups[0]["lr"], tokens=p.tokens,
+                tokens_per_s=tokens / max(wait["step_s"], 1e-9), wait_s=wait["wait_s"],
+            ))
             every = cfg.run.checkpoint_every
             if every and p.global_step % every == 0 and reason is None:
                 self._save_visit_state(train, optimizer, block, stop)
@@ -183,18 +143,17 @@ class Trainer:
             self.optimizer_states[block.index] = optimizer.state_dict()
         self._deactivate(block)
         eval_loss = self.evaluate(evaluation)
-        visit = {
-            "kind": "visit", "sweep": p.sweep, "block": block.index, "label": block.label, "steps": stop.steps,
-            "stop_reason": reason, "eval_loss": eval_loss, "wall_s": wall, "tokens": p.tokens,
-            "source_boundary": train.boundary,
-            "memory": self.meter.report() if self.meter is not None else {},
-        }
-        p.visits.append(visit)
+        visit = VisitRecord(
+            sweep=p.sweep, block=block.index, label=block.label, steps=stop.steps, stop_reason=reason,
+            eval_loss=eval_loss, wall_s=wall, tokens=p.tokens, source_boundary=train.boundary,
+            memory=self.meter.report() if self.meter is not None else {},
+        )
+        p.visits.append(visit.to_dict())
         self.emit(visit)
-        self.plan.visit_finished(block)
+        self.visit_sources.visit_finished(block)
         return True
 
-    def emit(self, record: dict) -> None:
+    def emit(self, record: Record) -> None:
         self.log.write(record)
         if self.on_record is not None:
             self.on_record(record)

@@ -1,9 +1,19 @@
 """Test-wide settings: one intra-op thread (the tests' tensors are tiny; on a busy 2-core machine more threads
-only contend), inherited by the subprocesses the tests start."""
+only contend), inherited by the subprocesses the tests start; a small shared corpus."""
 
 import os
 
+import pytest
 import torch
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    """A small text corpus: 24 paragraphs, enough for a few dozen samples of 32 tokens in each split."""
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    paragraphs = [f"Paragraph {i}: " + " ".join(f"word{(i * 7 + j) % 23}" for j in range(30)) for i in range(24)]
+    path.write_text("\n\n".join(paragraphs))
+    return str(path)

@@ -17,18 +17,11 @@ from pipelines.sources import ReaderBatches
 from pipelines.suffix import load_suffix
 from pipelines.training import partition_for, run_bcd, train
 from preinfer.config import Config
-from preinfer.trainer import LiveSources
+from preinfer.metrics import CacheRecord, read_metrics
+from preinfer.run_dir import RunDir
+from preinfer.sources import LiveSources
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    """A small text corpus: 24 paragraphs, enough for a few dozen samples of 32 tokens in each split."""
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    paragraphs = [f"Paragraph {i}: " + " ".join(f"word{(i * 7 + j) % 23}" for j in range(30)) for i in range(24)]
-    path.write_text("\n\n".join(paragraphs))
-    return str(path)
 
 
 def config_for(tmp_path: Path, corpus: str, name: str, preset="tiny-llama", **run) -> Config:
@@ -50,7 +43,7 @@ def config_for(tmp_path: Path, corpus: str, name: str, preset="tiny-llama", **ru
 
 
 def weights(run_dir: str) -> dict[str, torch.Tensor]:
-    return load_file(str(Path(run_dir) / "checkpoint" / "model.safetensors"))
+    return load_file(str(RunDir(run_dir).checkpoint_weights))
 
 
 def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -61,8 +54,8 @@ def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
         assert relative.item() <= 1e-5, (name, relative.item())
 
 
-def records(run_dir: str) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+def cache_records(run_dir: str) -> list[CacheRecord]:
+    return [r for r in read_metrics(RunDir(run_dir).metrics) if isinstance(r, CacheRecord)]
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])
@@ -82,8 +75,7 @@ def test_an_ascending_sweep_runs_the_prefix_from_the_input_once(tmp_path, corpus
     config.blocks.blocks = 4
     config.blocks.sweeps = 2
     run_bcd(config, quiet=True)
-    made = [(r["boundary"], r["how"]) for r in records(config.run.out) if r["kind"] == "cache"
-            and r["how"] in ("input", "roll_forward")]
+    made = [(r.boundary, r.how) for r in cache_records(config.run.out) if r.how in ("input", "roll_forward")]
     per_sweep = len(made) // 2
     assert per_sweep == 3  # blocks 1, 2, 3 start above the input
     for sweep in (made[:per_sweep], made[per_sweep:]):
@@ -108,8 +100,7 @@ def test_a_stale_store_is_rebuilt_not_used(tmp_path, corpus, monkeypatch):
     monkeypatch.setattr(PreInference, "sources", sources)
     summary = run_bcd(config, quiet=True)
     k1, k2 = (v["source_boundary"] for v in summary["visits"][1::-1])
-    events = [(r["boundary"], r["how"]) for r in records(config.run.out) if r["kind"] == "cache"
-              and r["how"] != "deleted"]
+    events = [(r.boundary, r.how) for r in cache_records(config.run.out) if r.how != "deleted"]
     assert events == [(k1, "input"), (k2, "roll_forward"), (k2, "reuse"), (k1, "input")]
 
 

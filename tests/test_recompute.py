@@ -14,8 +14,9 @@ from preinfer.meter import MemoryMeter
 from preinfer.partition import make_partition
 from preinfer.presets import build_preset
 from preinfer.data import TokenDataset
-from preinfer.sources import TokenBatches, seeded_permutation
-from preinfer.trainer import LiveSources, Trainer
+from preinfer.run_dir import RunDir
+from preinfer.trainer import Trainer
+from pipelines.sources import live_sources
 
 VOCAB, T, B = 97, 16, 3
 CONFIGS = {
@@ -101,9 +102,10 @@ def _run(tmp_path, recompute: bool) -> tuple[dict[str, torch.Tensor], dict]:
     staged = preinfer.stage(model)
     tokens = torch.randint(0, model.config.vocab_size, (24, 16), generator=torch.Generator().manual_seed(2))
     data = TokenDataset(tokens, torch.ones_like(tokens, dtype=torch.bool), tokens.clone(), "random", "train")
-    sources = LiveSources(TokenBatches(data, 4, seeded_permutation(0)), TokenBatches(data, 4))
+    sources = live_sources(data, data, 4, samples_per_shard=8, seed=0)
     meter = MemoryMeter(model)
-    Trainer(staged, make_partition(staged, ufp=1 / 3), config, sources, tmp_path / str(recompute), meter).fit()
+    run_dir = RunDir(tmp_path / str(recompute))
+    Trainer(staged, make_partition(staged, ufp=1 / 3), config, sources, run_dir, meter).fit()
     return {k: v.clone() for k, v in model.state_dict().items()}, meter.report()
 
 

@@ -1,33 +1,27 @@
-"""The live BCD trainer: what a visit may and may not touch, stopping rules, orders, resume."""
+"""The live BCD trainer: what a visit may and may not touch, stopping rules, orders, resume. Batches come from
+the reader-backed token source every run uses (`pipelines.sources`)."""
 
 import pytest
 import torch
 
 import preinfer
 from preinfer.config import Config
+from preinfer.data import TokenDataset
 from preinfer.partition import make_partition
 from preinfer.presets import build_preset
+from preinfer.run_dir import RunDir
 from preinfer.schedule import sweep_order
-from preinfer.sources import TokenBatches, seeded_permutation
-from preinfer.trainer import LiveSources, Trainer
+from preinfer.trainer import Trainer
+from pipelines.sources import live_sources
 
 
-class RandomTokens:
+def random_tokens(n=24, t=16, vocab=258, seed=0, split="train") -> TokenDataset:
     """A token dataset of random sequences with some right padding."""
-
-    def __init__(self, n=24, t=16, vocab=258, seed=0):
-        gen = torch.Generator().manual_seed(seed)
-        self.input_ids = torch.randint(0, vocab, (n, t), generator=gen)
-        lengths = torch.randint(t // 2, t + 1, (n,), generator=gen)
-        self.attention_mask = torch.arange(t) < lengths[:, None]
-        self.labels = self.input_ids.masked_fill(~self.attention_mask, -100)
-
-    def __len__(self):
-        return len(self.input_ids)
-
-    def __getitem__(self, index):
-        return {"input_ids": self.input_ids[index], "attention_mask": self.attention_mask[index],
-                "labels": self.labels[index]}
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab, (n, t), generator=gen)
+    lengths = torch.randint(t // 2, t + 1, (n,), generator=gen)
+    attention_mask = torch.arange(t) < lengths[:, None]
+    return TokenDataset(input_ids, attention_mask, input_ids.masked_fill(~attention_mask, -100), "random", split)
 
 
 def make_trainer(preset="tiny-llama", run_dir=None, **overrides):
@@ -40,9 +34,9 @@ def make_trainer(preset="tiny-llama", run_dir=None, **overrides):
         setattr(getattr(config, section), name, value)
     staged = preinfer.stage(build_preset(preset, seed=0))
     partition = make_partition(staged, num_blocks=config.blocks.blocks or 3)
-    train = TokenBatches(RandomTokens(), config.data.batch_size, seeded_permutation(config.run.seed))
-    evaluation = TokenBatches(RandomTokens(n=8, seed=1), 4)
-    return Trainer(staged, partition, config, LiveSources(train, evaluation), run_dir=run_dir)
+    sources = live_sources(random_tokens(), random_tokens(n=8, seed=1, split="eval"), config.data.batch_size,
+                           samples_per_shard=8, seed=config.run.seed)
+    return Trainer(staged, partition, config, sources, run_dir=run_dir and RunDir(run_dir))
 
 
 def snapshot(model):

@@ -14,7 +14,7 @@ from preinfer.errors import UsageError
 from preinfer.tokenizers import load_tokenizer
 from pipelines import caching
 from pipelines.flags import non_negative_int, positive_int
-from pipelines.models import is_run_dir, resolve_model, run_config
+from pipelines.models import model_source
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,9 +68,9 @@ def run(args: argparse.Namespace) -> int:
     if not splits or unknown:
         raise UsageError(f"--splits {args.splits!r}: choose from {', '.join(caching.DEFAULT_SPLITS)}")
     dask = args.dask or (f"local:{args.workers}" if args.workers > 1 else None)
-    base = run_config(args.model) if is_run_dir(args.model) else Config()
-    seed = base.run.seed if args.seed is None else args.seed
-    model = resolve_model(args.model, seed=seed).to(args.device).eval()
+    source, run_config = model_source(args.model, args.seed)
+    base, seed = run_config or Config(), source.seed
+    model = source.load().to(args.device).eval()
     staged = preinfer.stage(model)
     options = dict(
         fmt=args.format, dtype=args.dtype, batch_size=args.batch_size, samples_per_shard=args.samples_per_shard,

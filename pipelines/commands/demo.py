@@ -9,7 +9,8 @@ import shutil
 from pathlib import Path
 
 from preinfer.config import Config
-from preinfer.metrics import plot_losses, read_metrics
+from preinfer.metrics import CacheRecord, Record, plot_losses, read_metrics
+from preinfer.run_dir import RunDir
 from pipelines.training import run_bcd
 
 
@@ -44,10 +45,10 @@ def run(args: argparse.Namespace) -> int:
     runs = {}
     for mode in ("off", "auto"):
         config = demo_config(out, mode)
-        if Path(config.run.out, "config.toml").exists():
+        if RunDir(config.run.out).holds_run():
             shutil.rmtree(config.run.out)
         print(f"\n== BCD of small-llama with --pre-inference {mode} ==")
-        runs[mode] = (run_bcd(config), read_metrics(Path(config.run.out) / "metrics.jsonl"))
+        runs[mode] = (run_bcd(config), read_metrics(RunDir(config.run.out).metrics))
     print("\n" + comparison(runs))
     plot_losses({f"pre-inference {m}": records for m, (_, records) in runs.items()}, out / "demo.png",
                 title="small-llama, BCD UFP 1/3: prefix live (off) against pre-inference (auto)")
@@ -56,14 +57,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def comparison(runs: dict[str, tuple[dict, list[dict]]]) -> str:
+def comparison(runs: dict[str, tuple[dict, list[Record]]]) -> str:
     """The two runs side by side."""
     rows = {
         "final eval loss": lambda s, r: f"{s['final_eval_loss']:.5f}",
         "wall time (s)": lambda s, r: f"{s['wall_s']:.1f}",
-        "time caching (s)": lambda s, r: f"{sum(x['seconds'] for x in r if x['kind'] == 'cache'):.1f}",
+        "time caching (s)": lambda s, r: f"{sum(x.seconds for x in _caches(r)):.1f}",
         "peak tracked memory (MiB)": lambda s, r: f"{s['peak_memory'].get('tracked_peak', 0) / 2**20:.1f}",
-        "largest store (MiB)": lambda s, r: f"{max([x['bytes'] for x in r if x['kind'] == 'cache'] or [0]) / 2**20:.1f}",
+        "largest store (MiB)": lambda s, r: f"{max([x.bytes for x in _caches(r)] or [0]) / 2**20:.1f}",
     }
     modes = list(runs)
     lines = [f"{'':<28}" + "".join(f"{m:>14}" for m in modes)]
@@ -73,6 +74,10 @@ def comparison(runs: dict[str, tuple[dict, list[dict]]]) -> str:
         label = f"visit {index} (block {pair[0][0]}) tok/s"
         lines.append(f"{label:<28}" + "".join(f"{rate:>8,.0f} {source:>5}" for _, rate, source in pair))
     return "\n".join(lines)
+
+
+def _caches(records: list[Record]) -> list[CacheRecord]:
+    return [r for r in records if isinstance(r, CacheRecord)]
 
 
 def _visit_rates(visits: list[dict]) -> list[tuple[int, float, str]]:

@@ -11,11 +11,11 @@ import torch
 import preinfer
 from preinfer.config import Config
 from preinfer.data import load_data
-from preinfer.sources import TokenBatches
 from preinfer.tokenizers import load_tokenizer
 from preinfer.trainer import evaluate
 from pipelines.flags import positive_int
-from pipelines.models import is_run_dir, resolve_model, run_config
+from pipelines.models import model_source
+from pipelines.sources import token_batches
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,14 +31,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    base = run_config(args.model) if is_run_dir(args.model) else Config()
+    source, run_config = model_source(args.model)
+    base = run_config or Config()
     data_path = args.data or base.data.path
     seq_len = args.seq_len or base.data.seq_len
     fraction = args.eval_fraction if args.eval_fraction is not None else base.data.eval_fraction
     tokenizer = load_tokenizer(args.tokenizer or base.model.tokenizer)
     dataset = load_data(data_path, tokenizer, seq_len, args.split, fraction)
-    staged = preinfer.stage(resolve_model(args.model).to(args.device))
-    loss = evaluate(staged, TokenBatches(dataset, args.batch_size), torch.device(args.device))
+    staged = preinfer.stage(source.load().to(args.device))
+    batches = token_batches(dataset, args.batch_size, samples_per_shard=max(len(dataset), 1), shuffle=False)
+    loss = evaluate(staged, batches, torch.device(args.device))
     result = {"model": args.model, "data": data_path, "split": args.split, "samples": len(dataset),
               "tokens": dataset.num_tokens, "loss": loss, "ppl": math.exp(min(loss, 50.0))}
     if args.json:

@@ -13,7 +13,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", dest="run__store", metavar="CACHE",
                         help="cache directory written by `preinfer cache` (its train and eval stores); its "
                              "boundary K is where the trained suffix begins")
-    add_training_flags(parser, skip=("--data", "--tokenizer", "--seq-len", "--eval-fraction", "--max-samples",
+    add_training_flags(parser, skip=("--data", "--seq-len", "--eval-fraction", "--max-samples",
                                      "--samples-per-shard"))
     parser.add_argument("--trust-store", dest="run__trust_store", action="store_const", const=True,
                         help="use the store even if the model's weights below K differ from the ones it was "

@@ -12,7 +12,7 @@ from preinfer.tokenizers import load_tokenizer
 from pipelines.cache_report import verify_cache
 from pipelines.caching import DEFAULT_SPLITS, cache_splits
 from pipelines.flags import non_negative_int
-from pipelines.models import is_run_dir, resolve_model, run_config
+from pipelines.models import model_source
 from storage import open_store
 
 
@@ -37,9 +37,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"no activation store or cache directory at {args.path}")
     staged = datasets = tokenizer = None
     if args.model:
-        base = run_config(args.model) if is_run_dir(args.model) else Config()
-        seed = base.run.seed if args.model_seed is None else args.model_seed
-        staged = preinfer.stage(resolve_model(args.model, seed=seed).to(args.device).eval())
+        source, run_config = model_source(args.model, args.model_seed)
+        base = run_config or Config()
+        staged = preinfer.stage(source.load().to(args.device).eval())
         tokenizer = load_tokenizer(args.tokenizer or base.model.tokenizer)
         data = args.data or base.data.path
         fraction = args.eval_fraction if args.eval_fraction is not None else base.data.eval_fraction
