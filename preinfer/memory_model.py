@@ -560,7 +560,7 @@ def cost(m: ModelShape, settings: Settings, blocks: list[Block]) -> dict | None:
 
 
 @dataclass
-class Plan:
+class MemoryPlan:
     """Everything `preinfer plan` reports."""
 
     model: dict
@@ -580,7 +580,7 @@ class Plan:
         return asdict(self)
 
 
-def plan(m: ModelShape, settings: Settings) -> Plan:
+def plan_memory(m: ModelShape, settings: Settings) -> MemoryPlan:
     """The full plan for a model shape and settings."""
     if settings.gpu_mem_gb is None and settings.gpu not in GPUS:
         raise UsageError(f"unknown GPU '{settings.gpu}'; use one of {', '.join(GPUS)} or --gpu-mem GB")
@@ -598,7 +598,7 @@ def plan(m: ModelShape, settings: Settings) -> Plan:
     per_token = store_bytes_per_token(m, settings)
     store = dict(dtype=store_dtype(settings.dtype), bytes_per_token=per_token,
                  bytes_per_boundary=None if not settings.tokens else per_token * settings.tokens)
-    return Plan(
+    return MemoryPlan(
         model=asdict(m) | dict(params=m.total_params()),
         settings=asdict(settings) | dict(ufp=1 / settings.blocks),
         capacity_bytes=settings.capacity(),

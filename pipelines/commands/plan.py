@@ -8,7 +8,7 @@ import math
 from fractions import Fraction
 
 from preinfer.errors import UsageError
-from preinfer.memory_model import DTYPES, GIB, GPUS, Plan, Settings, blocks_for_ufp, plan, resolve_shape
+from preinfer.memory_model import DTYPES, GIB, GPUS, MemoryPlan, Settings, blocks_for_ufp, plan_memory, resolve_shape
 
 
 def _positive_int(text: str) -> int:
@@ -116,7 +116,7 @@ def _money(value: float | None) -> str:
     return "-" if value is None else f"${value:,.2f}"
 
 
-def render(result: Plan) -> str:
+def render(result: MemoryPlan) -> str:
     """A readable table of a plan."""
     m, s = result.model, result.settings
     lines = [
@@ -174,7 +174,7 @@ def render(result: Plan) -> str:
 def run(args: argparse.Namespace) -> int:
     """Print the plan as a table or JSON."""
     shape = resolve_shape(args.model, args.arch)
-    result = plan(shape, settings_from_args(args, shape.layers))
+    result = plan_memory(shape, settings_from_args(args, shape.layers))
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
