@@ -99,17 +99,17 @@ TRAINING_FLAGS: list[tuple[str, str, str, dict[str, Any]]] = [
 
 # Flags of `bcd` only: where visits above the input get their boundary states.
 PRE_INFERENCE_FLAGS: list[tuple[str, str, str, dict[str, Any]]] = [
-    ("--pre-inference", "run", "pre_inference",
+    ("--pre-inference", "pre_inference", "mode",
      dict(choices=["auto", "on", "off"],
           help="train blocks above the input from stores of boundary states: on; never: off; auto decides per "
                "visit by a cost model (store build + reads against the prefix compute saved) [auto]")),
-    ("--store-dir", "run", "store_dir", dict(help="where the run keeps its stores [<out>/stores]")),
-    ("--store-format", "run", "store_format", dict(choices=["zarr", "safetensors"], help="[zarr]")),
-    ("--store-dtype", "run", "store_dtype", dict(choices=["auto", "float32", "bfloat16", "float16"],
+    ("--store-dir", "pre_inference", "store_dir", dict(help="where the run keeps its stores [<out>/stores]")),
+    ("--store-format", "pre_inference", "store_format", dict(choices=["zarr", "safetensors"], help="[zarr]")),
+    ("--store-dtype", "pre_inference", "store_dtype", dict(choices=["auto", "float32", "bfloat16", "float16"],
                                                  help="auto = the compute dtype, bit-exact [auto]")),
-    ("--keep-stores", "run", "keep_stores",
+    ("--keep-stores", "pre_inference", "keep_stores",
      dict(action="store_const", const=True, help="keep stores that are no longer usable")),
-    ("--dask", "run", "dask", dict(help="build stores on Dask: local:N (N worker processes) or tcp://HOST:PORT")),
+    ("--dask", "pre_inference", "dask", dict(help="build stores on Dask: local:N (N worker processes) or tcp://HOST:PORT")),
 ]
 
 
