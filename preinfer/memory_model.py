@@ -165,11 +165,12 @@ def shape_for_size(size: str, arch: str = "llama") -> ModelShape:
 
 
 def resolve_shape(spec: str, arch: str = "llama") -> ModelShape:
-    """A shape from a size name, a preset, a model directory or a config.json file."""
-    from preinfer.presets import PRESETS, local_config
-
+    """A shape from a size name, a preset, a model directory or a config.json file. Only a preset or a model's
+    config loads torch and transformers."""
     if spec.lower() in SIZES["llama"]:
         return shape_for_size(spec, arch)
+    from preinfer.presets import PRESETS, local_config
+
     path = Path(spec)
     if path.is_file():
         from transformers import AutoConfig

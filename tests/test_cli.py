@@ -1,6 +1,7 @@
 """The `preinfer` command line: a small end-to-end run, its run directory and export, and bad input."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pipelines.cli import main
+from pipelines.cli import PROCESS_ENVIRONMENT, main
 from pipelines.models import resolve_model
 
 TINY = ["--model", "tiny-llama", "--seq-len", "32", "--batch-size", "4", "--steps-per-visit", "2",
@@ -124,3 +125,57 @@ def test_recompute_flag_reaches_the_run_and_lowers_its_activations(tmp_path, cap
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         memory[bool(flags)] = [r["memory"]["activations"] for r in records if r["kind"] == "visit"]
     assert all(r < p for r, p in zip(memory[True], memory[False]))
+
+
+def clean_environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in PROCESS_ENVIRONMENT}
+
+
+def test_importing_the_packages_changes_no_process_setting():
+    code = ("import os, pipelines, preinfer, storage, pipelines.cli, pipelines.flags, pipelines.training; "
+            "assert not {'OMP_WAIT_POLICY'} & set(os.environ), os.environ['OMP_WAIT_POLICY']")
+    proc = subprocess.run([sys.executable, "-c", code], env=clean_environment(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_command_line_sets_omp_wait_policy_unless_the_environment_does(monkeypatch, capsys):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert main(["plan", "--model", "7b"]) == 0
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert main(["plan", "--model", "7b"]) == 0
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def imported_modules(*argv: str) -> set[str]:
+    """The modules `python -X importtime -m pipelines.cli ARGV` imports."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "pipelines.cli", *argv],
+                          env=clean_environment(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    assert len(lines) > 20  # the report is there
+    return set(lines)
+
+
+HEAVY = ("torch", "transformers", "zarr", "dask", "storage")
+
+
+@pytest.mark.parametrize("argv", [("plan", "--model", "7b", "--gpu", "4090"), ("--help",), ("plan", "--help")])
+def test_plan_for_a_size_and_the_command_list_import_neither_torch_nor_transformers(argv):
+    modules = imported_modules(*argv)
+    assert ("preinfer.memory_model" in modules) == (argv[0] == "plan")
+    heavy = {m for m in modules if m.split(".")[0] in HEAVY}
+    assert not heavy, sorted(heavy)[:10]
+
+
+@pytest.mark.parametrize("argv", [("plan", "--model", "7b"), ("--help",)])
+def test_only_the_chosen_command_module_is_imported(argv):
+    code = ("import sys\nfrom pipelines.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "print(' '.join(sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], env=clean_environment(), capture_output=True,
+                          text=True, timeout=120)
+    modules = set(proc.stdout.split())
+    commands = {m for m in modules if m.startswith("pipelines.commands.")}
+    assert commands == ({"pipelines.commands.plan"} if argv[0] == "plan" else set())
+    assert not {m for m in modules if m.split(".")[0] in HEAVY}
