@@ -200,6 +200,12 @@ def test_cli_json_for_7b_on_4090(capsys):
     assert "automatic UFP" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("tokens", ["1e9", "1_000_000_000", "1.0e9"])
+def test_tokens_take_exponent_and_underscore_spellings(tokens, capsys):
+    assert main(["plan", "--model", "7b", "--tokens", tokens, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["settings"]["tokens"] == 1_000_000_000
+
+
 @pytest.mark.parametrize("argv", [
     ["--model", "7b", "--gpu", "h100"],
     ["--model", "7b", "--seq-len", "-5"],
@@ -212,6 +218,10 @@ def test_cli_json_for_7b_on_4090(capsys):
     ["--model", "7b", "--blocks", "64"],
     ["--model", "nonexistent-model"],
     ["--model", "7b", "--mfu", "2"],
+    ["--model", "7b", "--tokens", "1.5"],
+    ["--model", "7b", "--tokens", "-1e9"],
+    ["--model", "7b", "--tokens", "0"],
+    ["--model", "7b", "--tokens", "many"],
 ])
 def test_bad_input_is_one_line_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
