@@ -154,7 +154,7 @@ def train_once(staged, partition, active: int, config: Config, sources: LiveSour
 
 def throughput(args: argparse.Namespace, root: Path) -> dict:
     config = base_config(args, data=dict(eval_batches=1, max_samples=args.samples), stop=dict(steps_per_visit=args.warmup + args.steps),
-                         run=dict(pre_inference="off"))
+                         pre_inference=dict(mode="off"))
     data = load_datasets(config)
     model = resolve_model(args.model, seed=0)
     staged = preinfer.stage(model)
@@ -269,7 +269,7 @@ def bcd_run(args: argparse.Namespace, mode: str, out: Path) -> dict:
     config = base_config(args, data=dict(max_samples=args.bcd_samples),
                          blocks=dict(sweeps=args.sweeps, order="ascending"),
                          stop=dict(epochs_per_visit=args.bcd_epochs),
-                         run=dict(out=str(out), pre_inference=mode, store_dir=str(out.parent / f"{out.name}-stores")))
+                         run=dict(out=str(out)), pre_inference=dict(mode=mode, store_dir=str(out.parent / f"{out.name}-stores")))
     started = time.perf_counter()
     summary = run_bcd(config, quiet=True)
     wall = time.perf_counter() - started

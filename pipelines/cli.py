@@ -1,13 +1,18 @@
-"""The `preinfer` command line: one subcommand per job; errors become one line and an exit code."""
+"""The `preinfer` command line: one subcommand per job; errors become one line and an exit code.
+
+Only the chosen command's module is imported (`preinfer plan --model 7b` loads neither torch nor transformers),
+and process-wide settings are made here, before that module loads torch, never on import of a library module.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from preinfer.errors import PreinferError, UsageError
-from storage import StorageError
+from pipelines.arguments import DefaultsHelpFormatter
 
 # Subcommand name -> module in `pipelines.commands` defining `add_arguments(parser)` and `run(args) -> int`.
 COMMANDS = {
@@ -21,37 +26,75 @@ COMMANDS = {
     "demo": ("demo", "the main job on the built-in defaults: BCD of small-llama, prefix live against pre-inference"),
 }
 
+# Environment the command line sets for its own process (and the workers it starts) unless the user's
+# environment already does. OpenMP threads that sleep instead of spinning while they wait: on small machines
+# whose cores are shared with the store reader's threads or other jobs, spinning workers slowed a small-llama
+# forward 3-13x (bench/train.py, docs/results.md). OpenMP reads it when torch loads.
+PROCESS_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE"}
+
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with a one-line error (no usage dump) and exit code 2."""
+    """argparse with a one-line error (no usage dump), exit code 2, and each flag's default in its help."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+class CommandParser(ArgumentParser):
+    """A subcommand's parser: imports its module and adds its flags only when the command is chosen."""
+
+    def __init__(self, *args, module: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.module, self.loaded = module, False
+
+    def parse_known_args(self, args: list[str] | None = None, namespace: argparse.Namespace | None = None
+                         ) -> tuple[argparse.Namespace, list[str]]:
+        if not self.loaded:
+            command = importlib.import_module(f"pipelines.commands.{self.module}")
+            command.add_arguments(self)
+            self.set_defaults(run=command.run)
+            self.loaded = True
+        return super().parse_known_args(args, namespace)
+
+
 def build_parser() -> ArgumentParser:
+    """The `preinfer` parser; a command's module loads when its arguments are parsed."""
     parser = ArgumentParser(
         prog="preinfer",
         description="Block coordinate descent training with pre-inference (cached prefix activations).",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=ArgumentParser)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CommandParser)
     for name, (module_name, help_text) in COMMANDS.items():
-        module = importlib.import_module(f"pipelines.commands.{module_name}")
-        command = sub.add_parser(name, help=help_text, description=help_text)
-        module.add_arguments(command)
-        command.set_defaults(run=module.run)
+        sub.add_parser(name, module=module_name, help=help_text, description=help_text)
     return parser
 
 
+def set_process_environment() -> None:
+    """PROCESS_ENVIRONMENT, where the environment does not set it already."""
+    for key, value in PROCESS_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
+
+
+def _failures() -> tuple[type[Exception], ...]:
+    """The errors that end a command with one line and exit code 1: PreinferError, and StorageError once a
+    command has loaded `storage` (importing it only to catch its error would load it for every command)."""
+    storage_error = getattr(sys.modules.get("storage"), "StorageError", None)
+    return (PreinferError,) if storage_error is None else (PreinferError, storage_error)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    set_process_environment()
+    args = build_parser().parse_args(argv)
     try:
         return args.run(args) or 0
     except UsageError as err:
         print(f"preinfer {args.command}: error: {err}", file=sys.stderr)
         return 2
-    except (PreinferError, StorageError) as err:
+    except _failures() as err:
         print(f"preinfer {args.command}: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -1,126 +1,151 @@
-"""The training flags shared by `bcd` and `train`: each maps to one field of the typed config."""
+"""The training flags shared by `bcd` and `train`: each maps to one field of the typed config, whose default
+`--help` shows."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
 from typing import Any
 
 from preinfer.config import Config, load_config
 from preinfer.errors import UsageError
 from preinfer.run_dir import RunDir
+from preinfer.optim import DEFAULT_LR, DEFAULT_WEIGHT_DECAY
+from pipelines.arguments import (
+    device, device_problem, float_pair, non_negative_int, positive_float, positive_int, shown,
+)
 
 PARTITION_KEYS = ("ufp", "blocks", "ranges")
 
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
+# The stopping rule of a visit when the config gives none.
+DEFAULT_EPOCHS_PER_VISIT = 1.0
 
 
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
-    return value
+@dataclass(frozen=True)
+class Flag:
+    """A flag that sets `[section] key` of the config; `--help` appends the dataclass default, or `unset` (what
+    the default None means) where given."""
+
+    name: str
+    section: str
+    key: str
+    help: str
+    options: dict[str, Any] = field(default_factory=dict)  # argparse keywords: type, choices, action, metavar
+    unset: str | None = None
+
+    def default(self) -> Any:
+        """The config dataclass's default."""
+        return getattr(getattr(Config(), self.section), self.key)
+
+    def default_text(self) -> str | None:
+        """The default as --help shows it (nothing for a switch that is off)."""
+        value = self.default()
+        if value is None or value is False:
+            return self.unset
+        return shown(value)
+
+    def help_text(self) -> str:
+        """The help with the default appended."""
+        default = self.default_text()
+        return self.help if default is None else f"{self.help} [{default}]"
 
 
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
-    return value
+def per_optimizer(defaults: dict[str, float]) -> str:
+    """A per-optimizer default table as one phrase: 'sgd 0.1, adam 5e-05, adamw 5e-05'."""
+    return ", ".join(f"{name} {shown(value)}" for name, value in defaults.items())
 
 
-def float_pair(text: str) -> list[float]:
-    parts = text.split(",")
-    if len(parts) != 2:
-        raise argparse.ArgumentTypeError(f"expected two numbers such as 0.9,0.95, got {text}")
-    return [float(p) for p in parts]
+SWITCH = dict(action="store_const", const=True)
 
-
-# (flag, section, key, argparse keywords)
-TRAINING_FLAGS: list[tuple[str, str, str, dict[str, Any]]] = [
-    ("--model", "model", "name", dict(help="preset (tiny-gpt2, tiny-llama, small-llama, medium-llama), a "
-                                           "save_pretrained directory, or a run directory [small-llama]")),
-    ("--tokenizer", "model", "tokenizer", dict(help="'byte' (built-in) or a local HF tokenizer directory [byte]")),
-    ("--data", "data", "path", dict(help="a .txt or .jsonl file (text or instruction records), a directory of "
-                                         "them, or builtin:pydoc [builtin:pydoc]")),
-    ("--seq-len", "data", "seq_len", dict(type=positive_int, help="tokens per sample [128]")),
-    ("--batch-size", "data", "batch_size", dict(type=positive_int, help="samples per micro-batch [8]")),
-    ("--eval-fraction", "data", "eval_fraction", dict(type=float, help="share of documents held out [0.1]")),
-    ("--eval-batches", "data", "eval_batches", dict(type=non_negative_int, help="cap on eval batches; 0 = all [0]")),
-    ("--max-samples", "data", "max_samples",
-     dict(type=non_negative_int, help="use only the first N samples of each split; 0 = all [0]")),
-    ("--samples-per-shard", "data", "samples_per_shard",
-     dict(type=non_negative_int, help="samples per store shard, which also shapes the sample order; "
-                                      "0 = about 64 MiB of boundary states [0]")),
-    ("--ufp", "blocks", "ufp", dict(help="unfrozen parameter fraction per block, e.g. 1/3 [1/3]")),
-    ("--blocks", "blocks", "blocks", dict(type=positive_int, help="number of blocks (instead of --ufp)")),
-    ("--ranges", "blocks", "ranges", dict(help="explicit inclusive layer ranges, e.g. 0-3,4-7")),
-    ("--separate-ends", "blocks", "separate_ends",
-     dict(action="store_const", const=True, help="embedding and head form blocks of their own")),
-    ("--active", "blocks", "active",
-     dict(help="train only this inclusive layer range as one block, e.g. 4-5; every other layer stays frozen")),
-    ("--order", "blocks", "order", dict(choices=["ascending", "descending", "random", "fixed"],
-                                        help="block order within a sweep [ascending]")),
-    ("--fixed-order", "blocks", "fixed_order", dict(help="block order for --order fixed, e.g. 2,0,1")),
-    ("--start-block", "blocks", "start_block", dict(type=non_negative_int, help="block each sweep begins with [the order's first]")),
-    ("--sweeps", "blocks", "sweeps", dict(type=positive_int, help="passes over all blocks [1]")),
-    ("--optimizer", "optim", "name", dict(choices=["adam", "adamw", "sgd"], help="[adam]")),
-    ("--lr", "optim", "lr", dict(type=positive_float, help="learning rate [sgd 0.1, adam/adamw 5e-5]")),
-    ("--betas", "optim", "betas", dict(type=float_pair, help="Adam betas [0.9,0.95]")),
-    ("--momentum", "optim", "momentum", dict(type=float, help="SGD momentum [0.9]")),
-    ("--weight-decay", "optim", "weight_decay", dict(type=float, help="[sgd 1e-5, adam 0, adamw 0.01]")),
-    ("--warmup-steps", "optim", "warmup_steps", dict(type=non_negative_int, help="linear warmup per visit [0]")),
-    ("--grad-clip", "optim", "grad_clip", dict(type=float, help="max gradient norm; 0 = off [0]")),
-    ("--grad-accum", "optim", "grad_accum", dict(type=positive_int, help="micro-batches per step [1]")),
-    ("--keep-optimizer-state", "optim", "keep_state",
-     dict(action="store_const", const=True,
-          help="keep each block's optimizer state between its visits (costs that state's memory for every "
-               "block: 2x the model's weights for Adam) instead of dropping it after each visit")),
-    ("--steps-per-visit", "stop", "steps_per_visit", dict(type=positive_int, help="step budget per visit")),
-    ("--epochs-per-visit", "stop", "epochs_per_visit", dict(type=positive_float, help="epoch budget per visit")),
-    ("--patience", "stop", "patience", dict(type=positive_int, help="plateau rule: steps without improvement")),
-    ("--min-delta", "stop", "min_delta", dict(type=float, help="plateau rule: improvement that counts [0]")),
-    ("--out", "run", "out", dict(help="run directory [runs/bcd]")),
-    ("--mode", "run", "mode", dict(choices=["bcd", "full"], help="bcd, or full-parameter training [bcd]")),
-    ("--seed", "run", "seed", dict(type=int, help="seed of initialisation, data order and block order [0]")),
-    ("--checkpoint-every", "run", "checkpoint_every",
-     dict(type=non_negative_int, help="steps between checkpoints; 0 = after every visit [0]")),
-    ("--device", "run", "device", dict(help="cpu, cuda, cuda:1 ... [cpu]")),
-    ("--recompute", "run", "recompute",
-     dict(action="store_const", const=True,
-          help="activation checkpointing: every layer in the gradient path (the active block and the frozen "
-               "layers above it) keeps only its input and runs its forward again in backward: less "
-               "activation memory, a second forward of those layers [off]")),
+TRAINING_FLAGS: list[Flag] = [
+    Flag("--model", "model", "name", "preset (tiny-gpt2, tiny-llama, small-llama, medium-llama), a "
+                                     "save_pretrained directory, or a run directory"),
+    Flag("--tokenizer", "model", "tokenizer", "'byte' (built-in) or a local HF tokenizer directory"),
+    Flag("--data", "data", "path", "a .txt or .jsonl file (text or instruction records), a directory of them, "
+                                   "or builtin:pydoc"),
+    Flag("--seq-len", "data", "seq_len", "tokens per sample", dict(type=positive_int)),
+    Flag("--batch-size", "data", "batch_size", "samples per micro-batch", dict(type=positive_int)),
+    Flag("--eval-fraction", "data", "eval_fraction", "share of documents held out", dict(type=float)),
+    Flag("--eval-batches", "data", "eval_batches", "cap on eval batches; 0 = all", dict(type=non_negative_int)),
+    Flag("--max-samples", "data", "max_samples", "use only the first N samples of each split; 0 = all",
+         dict(type=non_negative_int)),
+    Flag("--samples-per-shard", "data", "samples_per_shard",
+         "samples per store shard, which also shapes the sample order; 0 = about 64 MiB of boundary states",
+         dict(type=non_negative_int)),
+    Flag("--ufp", "blocks", "ufp", "unfrozen parameter fraction per block, e.g. 1/3"),
+    Flag("--blocks", "blocks", "blocks", "number of blocks (instead of --ufp)", dict(type=positive_int)),
+    Flag("--ranges", "blocks", "ranges", "explicit inclusive layer ranges, e.g. 0-3,4-7"),
+    Flag("--separate-ends", "blocks", "separate_ends", "embedding and head form blocks of their own", SWITCH),
+    Flag("--active", "blocks", "active",
+         "train only this inclusive layer range as one block, e.g. 4-5; every other layer stays frozen"),
+    Flag("--order", "blocks", "order", "block order within a sweep",
+         dict(choices=["ascending", "descending", "random", "fixed"])),
+    Flag("--fixed-order", "blocks", "fixed_order", "block order for --order fixed, e.g. 2,0,1"),
+    Flag("--start-block", "blocks", "start_block", "block each sweep begins with", dict(type=non_negative_int),
+         unset="the order's first"),
+    Flag("--sweeps", "blocks", "sweeps", "passes over all blocks", dict(type=positive_int)),
+    Flag("--optimizer", "optim", "name", "optimizer", dict(choices=list(DEFAULT_LR))),
+    Flag("--lr", "optim", "lr", "learning rate", dict(type=positive_float), unset=per_optimizer(DEFAULT_LR)),
+    Flag("--betas", "optim", "betas", "Adam betas", dict(type=float_pair)),
+    Flag("--momentum", "optim", "momentum", "SGD momentum", dict(type=float)),
+    Flag("--weight-decay", "optim", "weight_decay", "weight decay", dict(type=float),
+         unset=per_optimizer(DEFAULT_WEIGHT_DECAY)),
+    Flag("--warmup-steps", "optim", "warmup_steps", "linear warmup per visit", dict(type=non_negative_int)),
+    Flag("--grad-clip", "optim", "grad_clip", "max gradient norm; 0 = off", dict(type=float)),
+    Flag("--grad-accum", "optim", "grad_accum", "micro-batches per step", dict(type=positive_int)),
+    Flag("--keep-optimizer-state", "optim", "keep_state",
+         "keep each block's optimizer state between its visits (costs that state's memory for every block: 2x "
+         "the model's weights for Adam) instead of dropping it after each visit", SWITCH),
+    Flag("--steps-per-visit", "stop", "steps_per_visit", "step budget per visit", dict(type=positive_int)),
+    Flag("--epochs-per-visit", "stop", "epochs_per_visit", "epoch budget per visit", dict(type=positive_float),
+         unset=f"{shown(DEFAULT_EPOCHS_PER_VISIT)} when no other stopping rule is given"),
+    Flag("--patience", "stop", "patience", "plateau rule: steps without improvement", dict(type=positive_int)),
+    Flag("--min-delta", "stop", "min_delta", "plateau rule: improvement that counts", dict(type=float)),
+    Flag("--out", "run", "out", "run directory"),
+    Flag("--mode", "run", "mode", "bcd, or full-parameter training", dict(choices=["bcd", "full"])),
+    Flag("--seed", "run", "seed", "seed of initialisation, data order and block order", dict(type=int)),
+    Flag("--checkpoint-every", "run", "checkpoint_every", "steps between checkpoints; 0 = after every visit",
+         dict(type=non_negative_int)),
+    Flag("--device", "run", "device", "cpu, cuda, cuda:1 ...", dict(type=device)),
+    Flag("--recompute", "run", "recompute",
+         "activation checkpointing: every layer in the gradient path (the active block and the frozen layers "
+         "above it) keeps only its input and runs its forward again in backward: less activation memory, a "
+         "second forward of those layers", SWITCH),
 ]
 
 # Flags of `bcd` only: where visits above the input get their boundary states.
-PRE_INFERENCE_FLAGS: list[tuple[str, str, str, dict[str, Any]]] = [
-    ("--pre-inference", "run", "pre_inference",
-     dict(choices=["auto", "on", "off"],
-          help="train blocks above the input from stores of boundary states: on; never: off; auto decides per "
-               "visit by a cost model (store build + reads against the prefix compute saved) [auto]")),
-    ("--store-dir", "run", "store_dir", dict(help="where the run keeps its stores [<out>/stores]")),
-    ("--store-format", "run", "store_format", dict(choices=["zarr", "safetensors"], help="[zarr]")),
-    ("--store-dtype", "run", "store_dtype", dict(choices=["auto", "float32", "bfloat16", "float16"],
-                                                 help="auto = the compute dtype, bit-exact [auto]")),
-    ("--keep-stores", "run", "keep_stores",
-     dict(action="store_const", const=True, help="keep stores that are no longer usable")),
-    ("--dask", "run", "dask", dict(help="build stores on Dask: local:N (N worker processes) or tcp://HOST:PORT")),
+PRE_INFERENCE_FLAGS: list[Flag] = [
+    Flag("--pre-inference", "pre_inference", "mode",
+         "train blocks above the input from stores of boundary states: on; never: off; auto decides per visit by "
+         "a cost model (store build + reads against the prefix compute saved)", dict(choices=["auto", "on", "off"])),
+    Flag("--store-dir", "pre_inference", "store_dir", "where the run keeps its stores", unset="<out>/stores"),
+    Flag("--store-format", "pre_inference", "store_format", "store backend", dict(choices=["zarr", "safetensors"])),
+    Flag("--store-dtype", "pre_inference", "store_dtype", "storage dtype; auto = the compute dtype, bit-exact",
+         dict(choices=["auto", "float32", "bfloat16", "float16"])),
+    Flag("--keep-stores", "pre_inference", "keep_stores", "keep stores that are no longer usable", SWITCH),
+    Flag("--dask", "pre_inference", "dask", "build stores on Dask: local:N (N worker processes) or tcp://HOST:PORT"),
+]
+
+# Flags of `train` only: the cache it trains from.
+STORE_FLAGS: list[Flag] = [
+    Flag("--store", "store", "path", "cache directory written by `preinfer cache` (its train and eval stores); "
+                                     "its boundary K is where the trained suffix begins", dict(metavar="CACHE")),
+    Flag("--trust-store", "store", "trust", "use the store even if the model's weights below K differ from the "
+                                            "ones it was made from", SWITCH),
 ]
 
 
-def add_training_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (), pre_inference: bool = False) -> None:
-    """Every training flag, defaulting to None so that the config file and the defaults show through."""
+def add_training_flags(parser: argparse.ArgumentParser, extra: list[Flag] = (), skip: tuple[str, ...] = ()) -> None:
+    """Every training flag and `extra`, defaulting to None so that the config file and the defaults show
+    through."""
     parser.add_argument("--config", help="a TOML config file; flags override its values")
-    for flag, section, key, kwargs in TRAINING_FLAGS + (PRE_INFERENCE_FLAGS if pre_inference else []):
-        if flag not in skip:
-            if "action" not in kwargs and "choices" not in kwargs:
-                kwargs = {"metavar": flag.lstrip("-").upper().replace("-", "_"), **kwargs}
-            parser.add_argument(flag, dest=f"{section}__{key}", default=None, **kwargs)
+    for flag in [*TRAINING_FLAGS, *extra]:
+        if flag.name not in skip:
+            options = flag.options
+            if "action" not in options and "choices" not in options:
+                options = {"metavar": flag.name.lstrip("-").upper().replace("-", "_"), **options}
+            parser.add_argument(flag.name, dest=f"{flag.section}__{flag.key}", default=None,
+                                help=flag.help_text(), **options)
 
 
 def config_from_args(args: argparse.Namespace, path: str | None = None) -> Config:
@@ -146,9 +171,12 @@ def config_for_command(args: argparse.Namespace) -> Config:
     the flags; a visit with no stopping rule gets one epoch."""
     path = str(RunDir(args.run__out or Config().run.out).config) if args.resume else None
     config = config_from_args(args, path=path)
+    problem = device_problem(config.run.device)
+    if problem:
+        raise UsageError(f"[run] device = {config.run.device!r}: {problem}")
     stop = config.stop
     if stop.steps_per_visit is None and stop.epochs_per_visit is None and stop.patience is None:
-        stop.epochs_per_visit = 1.0
+        stop.epochs_per_visit = DEFAULT_EPOCHS_PER_VISIT
     return config
 
 

@@ -71,8 +71,8 @@ class PreInference:
                  rank: int = 0, world: int = 1):
         self.staged, self.datasets, self.tokenizer, self.config = staged, datasets, tokenizer, config
         self.live, self.shard, self.rank, self.world = live, shard, rank, world
-        self.mode = config.run.pre_inference
-        self.root = Path(config.run.store_dir or RunDir(config.run.out).stores)
+        self.mode = config.pre_inference.mode
+        self.root = Path(config.pre_inference.store_dir or RunDir(config.run.out).stores)
         self.stores: dict[int, Path] = {}  # boundary -> cache directory believed valid
         self.emit: Callable[[Record], None] = lambda record: None
         self.read_bps, self.write_bps = ASSUMED_READ_BPS, ASSUMED_WRITE_BPS
@@ -165,7 +165,7 @@ class PreInference:
 
     def _is_valid(self, boundary: int) -> bool:
         expected = cache_fingerprint(self.staged, self.datasets["train"], self.tokenizer, boundary,
-                                     self.config.run.store_dtype)
+                                     self.config.pre_inference.store_dtype)
         try:
             stores = open_cache(self.stores[boundary], splits=["train"])
         except StorageError:  # damaged or half-deleted: not usable, rebuilt on demand
@@ -179,9 +179,9 @@ class PreInference:
             return self.stores[boundary]
         out = self.root / f"boundary-{boundary}"
         source = max((b for b in self._valid_stores() if b < boundary), default=0)
-        options = dict(fmt=self.config.run.store_format, dtype=self.config.run.store_dtype,
+        options = dict(fmt=self.config.pre_inference.store_format, dtype=self.config.pre_inference.store_dtype,
                        samples_per_shard=self.shard, mode="overwrite", progress=False,
-                       model_name=self.config.model.name, dask=self.config.run.dask)
+                       model_name=self.config.model.name, dask=self.config.pre_inference.dask)
         if source:
             result = roll_forward(self.staged, self.stores[source], boundary, out, **options)
         else:
@@ -197,6 +197,6 @@ class PreInference:
 
     def _delete(self, boundary: int, reason: str) -> None:
         path = self.stores.pop(boundary)
-        if not self.config.run.keep_stores:
+        if not self.config.pre_inference.keep_stores:
             shutil.rmtree(path, ignore_errors=True)
             self.emit(CacheRecord(boundary=boundary, how="deleted", reason=reason, seconds=0.0, bytes=0))

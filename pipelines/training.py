@@ -137,7 +137,7 @@ def run_bcd(config: Config, resume: bool = False, quiet: bool = False) -> dict:
     partition, active = partition_for(staged, config)
     shard = samples_per_shard(config, staged)
     chosen: VisitSources = live_sources(data, config, shard, rank, world)
-    if config.run.pre_inference != "off":
+    if config.pre_inference.mode != "off":
         datasets = {"train": data.train, "eval": data.eval}
         chosen = PreInference(staged, datasets, data.tokenizer, config, chosen, shard, rank, world)
     trainer = train(config, staged, partition, active, chosen, resume, quiet)
@@ -155,7 +155,7 @@ def run_from_store(config: Config, resume: bool = False, quiet: bool = False) ->
     rank, world = init_distributed(config.run.device)
     if rank == 0:
         check_run_dir(run, resume)
-    stores = open_cache(config.run.store, splits=["train", "eval"])
+    stores = open_cache(config.store.path, splits=["train", "eval"])
     boundary = int(stores["train"].fingerprint.parts["boundary"])
     tokenizer = load_tokenizer(config.model.tokenizer)
     suffix = load_suffix(config.model.name, boundary, seed=config.run.seed)
@@ -191,7 +191,7 @@ def save_store_tokenizer(tokenizer: Tokenizer, store: storage.Store, directory: 
 
 
 def check_prefix(store: storage.Store, suffix: Suffix, config: Config) -> str:
-    """Refuse a store made from other prefix weights than the model's (unless run.trust_store); says why it
+    """Refuse a store made from other prefix weights than the model's (unless store.trust); says why it
     was accepted."""
     made_from = str(store.fingerprint.parts.get("prefix", ""))
     model = config.model.name
@@ -203,7 +203,7 @@ def check_prefix(store: storage.Store, suffix: Suffix, config: Config) -> str:
     message = (f"store {store.path} was made from other weights than {model}'s layers below boundary "
                f"{suffix.boundary} (prefix digest {made_from[:12]} in the store, {suffix.prefix_digest[:12]} in "
                f"the model)")
-    if not config.run.trust_store:
+    if not config.store.trust:
         raise storage.StaleStoreError(f"{message}; rebuild it with `preinfer cache`, or pass --trust-store")
     return f"{message}; used anyway (--trust-store)"
 

@@ -71,14 +71,39 @@ class RunConfig:
     checkpoint_every: int = 0  # optimizer steps between checkpoints; 0: after every visit only
     device: str = "cpu"
     recompute: bool = False  # keep one hidden state per layer in the gradient path; run the layer again in backward
-    pre_inference: str = "auto"  # off, on, auto: train blocks above the input from stores of boundary states
+
+
+@dataclass
+class PreInferenceConfig:
+    """How `bcd` feeds visits above the input: from stores of boundary states it builds, or live."""
+
+    mode: str = "auto"  # off, on, auto: train blocks above the input from stores of boundary states
     store_dir: str | None = None  # where bcd keeps its stores; None: <out>/stores
     store_format: str = "zarr"  # zarr or safetensors
     store_dtype: str = "auto"  # auto (the compute dtype, bit-exact), float32, bfloat16, float16
     keep_stores: bool = False  # keep stores that are no longer usable
     dask: str | None = None  # build stores on a Dask cluster: local:N or tcp://host:port
-    store: str | None = None  # train from this cache directory (`preinfer train`)
-    trust_store: bool = False  # use the store even if the model's prefix differs from the one it was made from
+
+
+@dataclass
+class StoreConfig:
+    """The cache `preinfer train` trains from."""
+
+    path: str | None = None  # a cache directory written by `preinfer cache`
+    trust: bool = False  # use the store even if the model's prefix differs from the one it was made from
+
+
+# Keys of [run] in configs written before it was split: (section, key) they moved to.
+MOVED_RUN_KEYS = {
+    "pre_inference": ("pre_inference", "mode"),
+    "store_dir": ("pre_inference", "store_dir"),
+    "store_format": ("pre_inference", "store_format"),
+    "store_dtype": ("pre_inference", "store_dtype"),
+    "keep_stores": ("pre_inference", "keep_stores"),
+    "dask": ("pre_inference", "dask"),
+    "store": ("store", "path"),
+    "trust_store": ("store", "trust"),
+}
 
 
 @dataclass
@@ -89,6 +114,8 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     stop: StopConfig = field(default_factory=StopConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    pre_inference: PreInferenceConfig = field(default_factory=PreInferenceConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return asdict(self)
@@ -120,6 +147,9 @@ def _apply(config: Config, values: dict, source: str) -> None:
             raise UsageError(f"{source}: unknown config section [{section}]")
         hints = get_type_hints(type(target))
         for key, value in entries.items():
+            if section == "run" and key in MOVED_RUN_KEYS:
+                new_section, new_key = MOVED_RUN_KEYS[key]
+                raise UsageError(f"{source}: [run] {key} has moved: write it as {new_key} in [{new_section}]")
             if key not in hints:
                 raise UsageError(f"{source}: unknown key '{key}' in [{section}]")
             if value is not None:

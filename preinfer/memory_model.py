@@ -165,11 +165,12 @@ def shape_for_size(size: str, arch: str = "llama") -> ModelShape:
 
 
 def resolve_shape(spec: str, arch: str = "llama") -> ModelShape:
-    """A shape from a size name, a preset, a model directory or a config.json file."""
-    from preinfer.presets import PRESETS, local_config
-
+    """A shape from a size name, a preset, a model directory or a config.json file. Only a preset or a model's
+    config loads torch and transformers."""
     if spec.lower() in SIZES["llama"]:
         return shape_for_size(spec, arch)
+    from preinfer.presets import PRESETS, local_config
+
     path = Path(spec)
     if path.is_file():
         from transformers import AutoConfig
@@ -560,7 +561,7 @@ def cost(m: ModelShape, settings: Settings, blocks: list[Block]) -> dict | None:
 
 
 @dataclass
-class Plan:
+class MemoryPlan:
     """Everything `preinfer plan` reports."""
 
     model: dict
@@ -580,7 +581,7 @@ class Plan:
         return asdict(self)
 
 
-def plan(m: ModelShape, settings: Settings) -> Plan:
+def plan_memory(m: ModelShape, settings: Settings) -> MemoryPlan:
     """The full plan for a model shape and settings."""
     if settings.gpu_mem_gb is None and settings.gpu not in GPUS:
         raise UsageError(f"unknown GPU '{settings.gpu}'; use one of {', '.join(GPUS)} or --gpu-mem GB")
@@ -598,7 +599,7 @@ def plan(m: ModelShape, settings: Settings) -> Plan:
     per_token = store_bytes_per_token(m, settings)
     store = dict(dtype=store_dtype(settings.dtype), bytes_per_token=per_token,
                  bytes_per_boundary=None if not settings.tokens else per_token * settings.tokens)
-    return Plan(
+    return MemoryPlan(
         model=asdict(m) | dict(params=m.total_params()),
         settings=asdict(settings) | dict(ufp=1 / settings.blocks),
         capacity_bytes=settings.capacity(),

@@ -5,11 +5,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from preinfer.errors import UsageError
-from preinfer.staged import StagedModel, Unit
+
+if TYPE_CHECKING:  # annotations only: the planner imports this module without torch
+    from torch import nn
+
+    from preinfer.staged import StagedModel, Unit
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
 """The `preinfer` command line: a small end-to-end run, its run directory and export, and bad input."""
 
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -8,8 +10,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pipelines.cli import main
+from pipelines.arguments import shown
+from pipelines.cli import PROCESS_ENVIRONMENT, main
+from pipelines.flags import PRE_INFERENCE_FLAGS, STORE_FLAGS, TRAINING_FLAGS
 from pipelines.models import resolve_model
+from preinfer.config import BlockConfig
+from preinfer.memory_model import Settings
 
 TINY = ["--model", "tiny-llama", "--seq-len", "32", "--batch-size", "4", "--steps-per-visit", "2",
         "--eval-batches", "2", "--lr", "1e-3"]
@@ -124,3 +130,157 @@ def test_recompute_flag_reaches_the_run_and_lowers_its_activations(tmp_path, cap
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         memory[bool(flags)] = [r["memory"]["activations"] for r in records if r["kind"] == "visit"]
     assert all(r < p for r, p in zip(memory[True], memory[False]))
+
+
+def option_help(text: str) -> dict[str, str]:
+    """Each option's entry in a --help text, whitespace folded: {"--seq-len": "SEQ_LEN tokens per sample [128]"}."""
+    entries: dict[str, list[str]] = {}
+    current: list[str] = []
+    for line in text.split("options:", 1)[1].splitlines():
+        start = re.match(r"  (?:-\w, )?(--[a-z][a-z-]*)(.*)", line)
+        if start:
+            current = entries.setdefault(start.group(1), [])
+            line = start.group(2)
+        current.append(line)
+    return {flag: " ".join(" ".join(lines).split()) for flag, lines in entries.items()}
+
+
+@pytest.mark.parametrize("command, flags", [("bcd", TRAINING_FLAGS + PRE_INFERENCE_FLAGS),
+                                            ("train", TRAINING_FLAGS + STORE_FLAGS)])
+def test_help_shows_each_training_default_as_the_config_dataclass_has_it(command, flags, capsys):
+    code, stdout, _ = run_cli([command, "--help"], capsys)
+    assert code == 0
+    helps = option_help(stdout)
+    data_flags = {"--data", "--seq-len", "--eval-fraction", "--max-samples", "--samples-per-shard"}
+    assert {flag.name for flag in flags} - set(helps) == (data_flags if command == "train" else set())
+    for flag in (flag for flag in flags if flag.name in helps):
+        value = flag.default()
+        if value is None:
+            expected = f"[{flag.unset}]" if flag.unset else "["
+            assert (expected in helps[flag.name]) == bool(flag.unset), (flag.name, helps[flag.name])
+        elif value is not False:
+            assert helps[flag.name].endswith(f"[{shown(value)}]"), (flag.name, helps[flag.name])
+    assert helps["--batch-size"].endswith("[8]") and helps["--betas"].endswith("[0.9,0.95]")
+    assert helps["--lr"].endswith("[sgd 0.1, adam 5e-05, adamw 5e-05]")
+
+
+def test_plan_help_shows_the_planner_settings_defaults(capsys):
+    code, stdout, _ = run_cli(["plan", "--help"], capsys)
+    assert code == 0
+    helps = option_help(stdout)
+    for flag, value in [("--seq-len", Settings.seq_len), ("--micro-batch", Settings.micro_batch),
+                        ("--gpu", Settings.gpu), ("--dtype", Settings.dtype), ("--mfu", Settings.mfu),
+                        ("--bandwidth-gbps", Settings.bandwidth_gbps), ("--ufp", BlockConfig.ufp),
+                        ("--epochs-per-visit", Settings.epochs_per_visit)]:
+        assert helps[flag].endswith(f"[{shown(value)}]"), (flag, helps[flag])
+    assert "[25]" in helps["--bandwidth-gbps"] and "$0.29" in helps["--price-per-hour"]
+
+
+def test_a_default_appears_once_in_help(capsys):
+    for command in ("bcd", "cache", "eval", "verify", "plan"):
+        code, stdout, _ = run_cli([command, "--help"], capsys)
+        assert code == 0
+        for flag, text in option_help(stdout).items():
+            assert not re.search(r"\[[^][]*\] \[[^][]*\]$", text), (command, flag, text)
+
+
+CPU_ONLY = dict(cuda=None, hip=None)
+DEVICE_COMMANDS = [
+    ["bcd", "--out", "OUT"],
+    ["train", "--store", "OUT", "--out", "OUT"],
+    ["eval", "--model", "tiny-llama"],
+    ["cache", "--model", "tiny-llama", "--boundary", "1", "--out", "OUT"],
+    ["verify", "OUT"],
+]
+
+
+@pytest.mark.parametrize("argv", DEVICE_COMMANDS, ids=lambda argv: argv[0])
+def test_cuda_on_a_cpu_only_pytorch_is_one_line_naming_the_build(argv, tmp_path, capsys, monkeypatch):
+    for key, value in CPU_ONLY.items():
+        monkeypatch.setattr(torch.version, key, value)
+    argv = [str(tmp_path / "out") if a == "OUT" else a for a in argv]
+    code, _, err = run_cli([*argv, "--device", "cuda"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--device" in err and f"PyTorch {torch.__version__} is a CPU-only build" in err
+    assert "pip install" in err and "--index-url" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_cuda_device_and_a_bad_name_are_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    code, _, err = run_cli(["eval", "--model", "tiny-llama", "--device", "cuda:3"], capsys)
+    assert code == 2 and "cuda:3 does not exist" in err and "1 CUDA device" in err
+    code, _, err = run_cli(["eval", "--model", "tiny-llama", "--device", "gpu"], capsys)
+    assert code == 2 and "'gpu' is not a device" in err and len(err.strip().splitlines()) == 1
+
+
+def test_cuda_from_a_config_file_on_a_cpu_only_pytorch_is_refused(tmp_path, capsys, monkeypatch):
+    for key, value in CPU_ONLY.items():
+        monkeypatch.setattr(torch.version, key, value)
+    config = tmp_path / "run.toml"
+    config.write_text('[run]\ndevice = "cuda"\n')
+    code, _, err = run_cli(["bcd", "--config", str(config), "--out", str(tmp_path / "run")], capsys)
+    assert code == 2 and "[run] device" in err and "CPU-only build" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_cuda_through_the_console_entry_point_on_this_pytorch(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "pipelines.cli", "eval", "--model", "tiny-llama", "--device",
+                           "cuda:99"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert f"PyTorch {torch.__version__}" in proc.stderr
+
+
+def clean_environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in PROCESS_ENVIRONMENT}
+
+
+def test_importing_the_packages_changes_no_process_setting():
+    code = ("import os, pipelines, preinfer, storage, pipelines.cli, pipelines.flags, pipelines.training; "
+            "assert not {'OMP_WAIT_POLICY'} & set(os.environ), os.environ['OMP_WAIT_POLICY']")
+    proc = subprocess.run([sys.executable, "-c", code], env=clean_environment(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_command_line_sets_omp_wait_policy_unless_the_environment_does(monkeypatch, capsys):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert main(["plan", "--model", "7b"]) == 0
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert main(["plan", "--model", "7b"]) == 0
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def imported_modules(*argv: str) -> set[str]:
+    """The modules `python -X importtime -m pipelines.cli ARGV` imports."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "pipelines.cli", *argv],
+                          env=clean_environment(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    assert len(lines) > 20  # the report is there
+    return set(lines)
+
+
+HEAVY = ("torch", "transformers", "zarr", "dask", "storage")
+
+
+@pytest.mark.parametrize("argv", [("plan", "--model", "7b", "--gpu", "4090"), ("--help",), ("plan", "--help")])
+def test_plan_for_a_size_and_the_command_list_import_neither_torch_nor_transformers(argv):
+    modules = imported_modules(*argv)
+    assert ("preinfer.memory_model" in modules) == (argv[0] == "plan")
+    heavy = {m for m in modules if m.split(".")[0] in HEAVY}
+    assert not heavy, sorted(heavy)[:10]
+
+
+@pytest.mark.parametrize("argv", [("plan", "--model", "7b"), ("--help",)])
+def test_only_the_chosen_command_module_is_imported(argv):
+    code = ("import sys\nfrom pipelines.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "print(' '.join(sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], env=clean_environment(), capture_output=True,
+                          text=True, timeout=120)
+    modules = set(proc.stdout.split())
+    commands = {m for m in modules if m.startswith("pipelines.commands.")}
+    assert commands == ({"pipelines.commands.plan"} if argv[0] == "plan" else set())
+    assert not {m for m in modules if m.split(".")[0] in HEAVY}

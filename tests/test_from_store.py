@@ -24,7 +24,7 @@ from preinfer.sources import LiveSources
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def config_for(tmp_path: Path, corpus: str, name: str, preset="tiny-llama", **run) -> Config:
+def config_for(tmp_path: Path, corpus: str, name: str, preset="tiny-llama", **pre_inference) -> Config:
     config = Config()
     config.model.name = preset
     config.data.path = corpus
@@ -37,8 +37,8 @@ def config_for(tmp_path: Path, corpus: str, name: str, preset="tiny-llama", **ru
     config.optim.lr = 1e-3
     config.stop.steps_per_visit = 4
     config.run.out = str(tmp_path / name)
-    for key, value in run.items():
-        setattr(config.run, key, value)
+    for key, value in pre_inference.items():
+        setattr(config.pre_inference, key, value)
     return config
 
 
@@ -60,8 +60,8 @@ def cache_records(run_dir: str) -> list[CacheRecord]:
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])
 def test_bcd_on_and_off_end_with_the_same_weights(tmp_path, corpus, preset):
-    off_config = config_for(tmp_path, corpus, "off", preset, pre_inference="off")
-    on_config = config_for(tmp_path, corpus, "on", preset, pre_inference="on")
+    off_config = config_for(tmp_path, corpus, "off", preset, mode="off")
+    on_config = config_for(tmp_path, corpus, "on", preset, mode="on")
     off_config.blocks.sweeps = on_config.blocks.sweeps = 2
     off, on = run_bcd(off_config, quiet=True), run_bcd(on_config, quiet=True)
     assert_close(weights(on_config.run.out), weights(off_config.run.out))
@@ -71,7 +71,7 @@ def test_bcd_on_and_off_end_with_the_same_weights(tmp_path, corpus, preset):
 
 
 def test_an_ascending_sweep_runs_the_prefix_from_the_input_once(tmp_path, corpus):
-    config = config_for(tmp_path, corpus, "asc", pre_inference="on")
+    config = config_for(tmp_path, corpus, "asc", mode="on")
     config.blocks.blocks = 4
     config.blocks.sweeps = 2
     run_bcd(config, quiet=True)
@@ -87,7 +87,7 @@ def test_a_stale_store_is_rebuilt_not_used(tmp_path, corpus, monkeypatch):
     next visit rebuild its store instead of reusing it."""
     from pipelines.pre_inference import PreInference
 
-    config = config_for(tmp_path, corpus, "stale", pre_inference="on")
+    config = config_for(tmp_path, corpus, "stale", mode="on")
     config.blocks.order = "descending"
     original = PreInference.sources
 

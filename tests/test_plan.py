@@ -11,7 +11,7 @@ import torch
 import preinfer
 from pipelines.cli import main
 from preinfer.memory_model import (
-    DTYPES, Settings, bcd_memory, full_memory, partition, plan, resolve_shape, shape_for_size,
+    DTYPES, Settings, bcd_memory, full_memory, partition, plan_memory, resolve_shape, shape_for_size,
 )
 from preinfer.meter import MemoryMeter
 from preinfer.presets import build_preset
@@ -169,7 +169,7 @@ def test_preset_shapes_count_the_real_parameters():
 def test_7b_llama_float32_is_4w_plus_stated_activations():
     shape = shape_for_size("7b")
     settings = Settings(seq_len=1024, micro_batch=1, dtype="float32", gpu="4090", blocks=3)
-    result = plan(shape, settings)
+    result = plan_memory(shape, settings)
     full, weights = result.memory["full_adam"], result.weight_bytes
     assert weights == 4 * shape.total_params()
     assert full.weights + full.grads + full.optimizer == 4 * weights  # weight + gradient + Adam m and v
@@ -183,7 +183,7 @@ def test_7b_llama_float32_is_4w_plus_stated_activations():
 
 def test_7b_llama_bf16_mixed_is_16_bytes_per_parameter():
     shape = shape_for_size("7b")
-    result = plan(shape, Settings(dtype="bf16-mixed", gpu="a800", blocks=3))
+    result = plan_memory(shape, Settings(dtype="bf16-mixed", gpu="a800", blocks=3))
     full = result.memory["full_adam"]
     assert sum(DTYPES["bf16-mixed"][k] for k in ("weight", "grad", "master", "moments")) == 16  # 2+2+4+4+4
     assert full.weights + full.grads + full.optimizer == 16 * shape.total_params()
@@ -200,6 +200,12 @@ def test_cli_json_for_7b_on_4090(capsys):
     assert "automatic UFP" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("tokens", ["1e9", "1_000_000_000", "1.0e9"])
+def test_tokens_take_exponent_and_underscore_spellings(tokens, capsys):
+    assert main(["plan", "--model", "7b", "--tokens", tokens, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["settings"]["tokens"] == 1_000_000_000
+
+
 @pytest.mark.parametrize("argv", [
     ["--model", "7b", "--gpu", "h100"],
     ["--model", "7b", "--seq-len", "-5"],
@@ -212,6 +218,10 @@ def test_cli_json_for_7b_on_4090(capsys):
     ["--model", "7b", "--blocks", "64"],
     ["--model", "nonexistent-model"],
     ["--model", "7b", "--mfu", "2"],
+    ["--model", "7b", "--tokens", "1.5"],
+    ["--model", "7b", "--tokens", "-1e9"],
+    ["--model", "7b", "--tokens", "0"],
+    ["--model", "7b", "--tokens", "many"],
 ])
 def test_bad_input_is_one_line_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from pipelines.flags import add_training_flags, config_for_command, summary_line
+from pipelines.flags import PRE_INFERENCE_FLAGS, add_training_flags, config_for_command, summary_line
 from pipelines.training import run_bcd
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_training_flags(parser, pre_inference=True)
+    add_training_flags(parser, extra=PRE_INFERENCE_FLAGS)
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in --out from its last checkpoint (its config.toml, then flags)")
 

@@ -13,7 +13,7 @@ from preinfer.data import load_data
 from preinfer.errors import UsageError
 from preinfer.tokenizers import load_tokenizer
 from pipelines import caching
-from pipelines.flags import non_negative_int, positive_int
+from pipelines.arguments import device, non_negative_int, positive_int
 from pipelines.models import model_source
 
 
@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument("--overwrite", action="store_true",
                       help="replace a store with another fingerprint (or layout) at --out")
     parser.add_argument("--seed", type=int, help="initialisation seed of a preset [the run's, else 0]")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ... [cpu]")
+    parser.add_argument("--device", type=device, default="cpu", help="cpu, cuda, cuda:1 ... [cpu]")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a summary line")
 

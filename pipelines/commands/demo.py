@@ -29,7 +29,7 @@ def demo_config(out: Path, pre_inference: str) -> Config:
     config.optim.warmup_steps = 10
     config.optim.grad_clip = 1.0
     config.stop.epochs_per_visit = 2.0
-    config.run.pre_inference = pre_inference
+    config.pre_inference.mode = pre_inference
     config.run.out = str(out / pre_inference)
     return config
 

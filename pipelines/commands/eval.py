@@ -9,24 +9,25 @@ import math
 import torch
 
 import preinfer
-from preinfer.config import Config
+from preinfer.config import Config, DataConfig, ModelConfig, RunConfig
 from preinfer.data import load_data
 from preinfer.tokenizers import load_tokenizer
 from preinfer.trainer import evaluate
-from pipelines.flags import positive_int
+from pipelines.arguments import device, positive_int, run_or
 from pipelines.models import model_source
 from pipelines.sources import token_batches
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="a run directory, a save_pretrained directory or a preset")
-    parser.add_argument("--data", help="dataset as in `bcd --data` [the run's, else builtin:pydoc]")
-    parser.add_argument("--tokenizer", help="[the run's, else byte]")
-    parser.add_argument("--seq-len", type=positive_int, help="[the run's, else 128]")
-    parser.add_argument("--batch-size", type=positive_int, default=16, help="[16]")
-    parser.add_argument("--split", choices=["eval", "train"], default="eval", help="[eval]")
-    parser.add_argument("--eval-fraction", type=float, help="[the run's, else 0.1]")
-    parser.add_argument("--device", default="cpu", help="[cpu]")
+    parser.add_argument("--data", help=f"dataset as in `bcd --data` {run_or(DataConfig.path)}")
+    parser.add_argument("--tokenizer", help=f"tokenizer as in `bcd --tokenizer` {run_or(ModelConfig.tokenizer)}")
+    parser.add_argument("--seq-len", type=positive_int, help=f"tokens per sample {run_or(DataConfig.seq_len)}")
+    parser.add_argument("--batch-size", type=positive_int, default=16, help="samples per forward batch")
+    parser.add_argument("--split", choices=["eval", "train"], default="eval", help="the split to evaluate")
+    parser.add_argument("--eval-fraction", type=float,
+                        help=f"share of documents held out {run_or(DataConfig.eval_fraction)}")
+    parser.add_argument("--device", type=device, default=RunConfig.device, help="cpu, cuda, cuda:1 ...")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 

@@ -4,100 +4,66 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-from fractions import Fraction
 
+from preinfer.config import BlockConfig
 from preinfer.errors import UsageError
-from preinfer.memory_model import DTYPES, GIB, GPUS, Plan, Settings, blocks_for_ufp, plan, resolve_shape
+from preinfer.memory_model import (
+    COMPRESSION, DTYPES, GIB, GPUS, MemoryPlan, Settings, blocks_for_ufp, plan_memory, resolve_shape,
+)
+from pipelines.arguments import positive_float, positive_int, token_count, unit_fraction
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an integer > 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    """argparse type: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got '{text}'") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-    return value
-
-
-def _ufp(text: str) -> float:
-    """argparse type: an unfrozen parameter fraction in (0, 1], as a fraction (1/3) or a decimal (0.25)."""
-    try:
-        value = Fraction(text.strip())
-    except (ValueError, ZeroDivisionError):
-        raise argparse.ArgumentTypeError(f"expected a fraction such as 1/3 or 0.25, got '{text}'") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"UFP must be in (0, 1], got {text}")
-    return float(value)
-
-
-def _mfu(text: str) -> float:
-    """argparse type: a model-FLOPs utilisation in (0, 1]."""
-    value = _positive_float(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"MFU must be in (0, 1], got {text}")
-    return value
+def _prices() -> str:
+    """The GPU table's prices as one phrase."""
+    return ", ".join(f"{name} ${gpu['price']:.2f}" for name, gpu in GPUS.items() if gpu["price"] is not None)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `preinfer plan`."""
+    """Flags of `preinfer plan`; their defaults are `Settings`' (and the training default UFP)."""
     parser.add_argument("--model", required=True,
                         help="a preset (tiny-llama, small-llama, ...), a local model directory, a config.json, "
                              "or a size: 1.5b, 7b, 13b, 20b (standard shapes)")
     parser.add_argument("--arch", choices=["llama", "gpt2"], default="llama",
-                        help="shape family for a size given to --model (default: llama)")
-    parser.add_argument("--gpu", choices=list(GPUS), default="4090",
-                        help="GPU type: memory, peak FLOPs and default price (default: 4090)")
-    parser.add_argument("--gpu-mem", type=_positive_float, metavar="GB",
+                        help="shape family for a size given to --model")
+    parser.add_argument("--gpu", choices=list(GPUS), default=Settings.gpu,
+                        help="GPU type: memory, peak FLOPs and default price")
+    parser.add_argument("--gpu-mem", type=positive_float, metavar="GB",
                         help="GPU memory in GB, overriding the --gpu table's")
-    parser.add_argument("--seq-len", type=_positive_int, default=1024, help="tokens per sequence (default: 1024)")
-    parser.add_argument("--micro-batch", type=_positive_int, default=1,
-                        help="sequences per micro-batch step (default: 1)")
+    parser.add_argument("--seq-len", type=positive_int, default=Settings.seq_len, help="tokens per sequence")
+    parser.add_argument("--micro-batch", type=positive_int, default=Settings.micro_batch,
+                        help="sequences per micro-batch step")
     split = parser.add_mutually_exclusive_group()
-    split.add_argument("--ufp", type=_ufp, default=None,
-                       help="unfrozen parameter fraction per visit, e.g. 1/3 or 0.25: ceil(1/UFP) blocks "
-                            "(default: 1/3)")
-    split.add_argument("--blocks", type=_positive_int, help="number of blocks (instead of --ufp)")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="float32",
+    split.add_argument("--ufp", type=unit_fraction, default=BlockConfig.ufp,
+                       help="unfrozen parameter fraction per visit, e.g. 1/3 or 0.25: ceil(1/UFP) blocks")
+    split.add_argument("--blocks", type=positive_int, help="number of blocks (instead of --ufp)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=Settings.dtype,
                         help="float32; bf16-mixed (bf16 weights and gradients, float32 master weights and Adam "
-                             "moments: 16 bytes/parameter); bf16 (everything bf16) (default: float32)")
+                             "moments: 16 bytes/parameter); bf16 (everything bf16)")
     parser.add_argument("--recompute", action="store_true",
                         help="activation recomputation for the BCD rows (the full-Adam row is shown both ways)")
-    parser.add_argument("--tokens", type=_positive_int,
-                        help="dataset / training token budget: store size on disk, transfer times and cost")
-    parser.add_argument("--bandwidth-gbps", type=_positive_float, default=25.0,
-                        help="inter-GPU link bandwidth in Gbit/s for the traffic comparison (default: 25)")
-    parser.add_argument("--pipeline", type=_positive_int,
-                        help="pipeline degree for the traffic comparison (default: the plan's own, at least 2)")
-    parser.add_argument("--epochs-per-visit", type=_positive_float, default=1.0,
-                        help="epochs each BCD visit trains; one caching pass serves them all (default: 1)")
-    parser.add_argument("--compression", type=_positive_float,
-                        help="store codec ratio (default: 1.46 for bf16 stores, measured; 1.0 for float32)")
-    parser.add_argument("--price-per-hour", type=_positive_float, metavar="USD",
-                        help="GPU price per hour (default: the paper's: 4090 $0.29, A100 $1.20, A800 $0.69)")
-    parser.add_argument("--mfu", type=_mfu, default=0.4,
-                        help="assumed model-FLOPs utilisation for the cost estimate (default: 0.4)")
+    parser.add_argument("--tokens", type=token_count,
+                        help="dataset / training token budget, e.g. 1e9: store size on disk, transfer times and cost")
+    parser.add_argument("--bandwidth-gbps", type=positive_float, default=Settings.bandwidth_gbps,
+                        help="inter-GPU link bandwidth in Gbit/s for the traffic comparison")
+    parser.add_argument("--pipeline", type=positive_int,
+                        help="pipeline degree for the traffic comparison [the plan's own, at least 2]")
+    parser.add_argument("--epochs-per-visit", type=positive_float, default=Settings.epochs_per_visit,
+                        help="epochs each BCD visit trains; one caching pass serves them all")
+    parser.add_argument("--compression", type=positive_float,
+                        help="store codec ratio [" + ", ".join(f"{ratio:g} for {kind} stores"
+                                                             for kind, ratio in COMPRESSION.items()) + "]")
+    parser.add_argument("--price-per-hour", type=positive_float, metavar="USD",
+                        help=f"GPU price per hour [the paper's: {_prices()}]")
+    parser.add_argument("--mfu", type=unit_fraction, default=Settings.mfu,
+                        help="assumed model-FLOPs utilisation for the cost estimate")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
 
 
 def settings_from_args(args: argparse.Namespace, layers: int) -> Settings:
-    """Settings from parsed flags; the number of blocks from --blocks or --ufp (default 1/3)."""
+    """Settings from parsed flags; the number of blocks from --blocks or --ufp."""
     if args.blocks is not None and args.blocks > layers:
         raise UsageError(f"--blocks {args.blocks} exceeds the model's {layers} layers")
-    blocks = args.blocks or blocks_for_ufp(args.ufp if args.ufp is not None else 1 / 3, layers)
+    blocks = args.blocks or blocks_for_ufp(args.ufp, layers)
     return Settings(
         seq_len=args.seq_len, micro_batch=args.micro_batch, dtype=args.dtype, recompute=args.recompute,
         gpu=args.gpu, gpu_mem_gb=args.gpu_mem, blocks=blocks, tokens=args.tokens,
@@ -116,7 +82,7 @@ def _money(value: float | None) -> str:
     return "-" if value is None else f"${value:,.2f}"
 
 
-def render(result: Plan) -> str:
+def render(result: MemoryPlan) -> str:
     """A readable table of a plan."""
     m, s = result.model, result.settings
     lines = [
@@ -174,7 +140,7 @@ def render(result: Plan) -> str:
 def run(args: argparse.Namespace) -> int:
     """Print the plan as a table or JSON."""
     shape = resolve_shape(args.model, args.arch)
-    result = plan(shape, settings_from_args(args, shape.layers))
+    result = plan_memory(shape, settings_from_args(args, shape.layers))
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:

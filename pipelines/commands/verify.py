@@ -11,7 +11,7 @@ from preinfer.errors import UsageError
 from preinfer.tokenizers import load_tokenizer
 from pipelines.cache_report import verify_cache
 from pipelines.caching import DEFAULT_SPLITS, cache_splits
-from pipelines.flags import non_negative_int
+from pipelines.arguments import device, non_negative_int
 from pipelines.models import model_source
 from storage import open_store
 
@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="samples per store to recompute and compare, chosen at random [8]")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sample choice [0]")
     parser.add_argument("--model-seed", type=int, help="initialisation seed of a preset [the run's, else 0]")
-    parser.add_argument("--device", default="cpu", help="[cpu]")
+    parser.add_argument("--device", type=device, default="cpu", help="[cpu]")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,133 @@
+"""argparse pieces shared by every command: the types that turn a flag's text into a value (or say in one line
+what they expected), and the help formatter that shows each default. Torch-free at import, so that
+`preinfer plan` loads without torch."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from decimal import Decimal, InvalidOperation
+from fractions import Fraction
+from typing import Any
+
+# Where CUDA builds of PyTorch come from (the tag names the CUDA version; pytorch.org lists the current ones).
+CUDA_WHEELS = "https://download.pytorch.org/whl/cu128"
+
+
+def _number(text: str, kind: type, expected: str) -> int | float:
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got '{text}'") from None
+
+
+def positive_int(text: str) -> int:
+    """An integer > 0."""
+    value = _number(text, int, "a positive integer")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0."""
+    value = _number(text, int, "an integer >= 0")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (sizes such as GB, rates, ratios, epochs)."""
+    value = _number(text, float, "a positive number")
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
+def unit_fraction(text: str) -> float:
+    """A fraction in (0, 1], written as 1/3 or 0.25 (UFP, MFU)."""
+    try:
+        value = Fraction(text.strip())
+    except (ValueError, ZeroDivisionError):
+        raise argparse.ArgumentTypeError(f"expected a fraction such as 1/3 or 0.25, got '{text}'") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} is outside (0, 1]")
+    return float(value)
+
+
+def token_count(text: str) -> int:
+    """A whole number of tokens > 0: 1000000000, 1_000_000_000 or 1e9."""
+    try:
+        value = Decimal(text.strip())
+    except InvalidOperation:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens such as 1e9 or 1_000_000_000, "
+                                         f"got '{text}'") from None
+    if not (value.is_finite() and value > 0 and value == value.to_integral_value()):
+        raise argparse.ArgumentTypeError(f"expected a whole number of tokens > 0, got {text}")
+    return int(value)
+
+
+def float_pair(text: str) -> list[float]:
+    """Two numbers separated by a comma, such as 0.9,0.95."""
+    parts = text.split(",")
+    expected = "two numbers such as 0.9,0.95"
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
+    return [_number(p, float, expected) for p in parts]
+
+
+def device_problem(name: str) -> str | None:
+    """Why this PyTorch cannot run on device `name` (cpu, cuda, cuda:1, ...), or None when it can.
+    Imports torch: only the commands that run a model take --device."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        return f"'{name}' is not a device such as cpu, cuda or cuda:1"
+    if device.type != "cuda":
+        return None
+    if torch.version.cuda is None and torch.version.hip is None:
+        return (f"PyTorch {torch.__version__} is a CPU-only build; install a CUDA build, e.g. "
+                f"pip install --force-reinstall torch --index-url {CUDA_WHEELS} (see README: GPUs)")
+    count = torch.cuda.device_count()
+    if count == 0:
+        return f"PyTorch {torch.__version__} sees no CUDA device"
+    if device.index is not None and device.index >= count:
+        return f"{name} does not exist: PyTorch {torch.__version__} sees {count} CUDA device(s)"
+    return None
+
+
+def device(text: str) -> str:
+    """A device this PyTorch can run on."""
+    problem = device_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def shown(value: Any) -> str:
+    """A default as --help writes it: floats without trailing zeros, lists as the flag takes them (0.9,0.95)."""
+    if isinstance(value, list):
+        return ",".join(shown(v) for v in value)
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def run_or(default: Any) -> str:
+    """The help suffix of a flag that defaults to a run directory's value, else to `default`."""
+    return f"[the run's, else {shown(default)}]"
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Appends each flag's default to its help as [value], unless it has none (None, a switch that is off) or
+    its help already ends with one (a training flag's, from the config dataclass, or a phrase such as
+    [the run's, else 128])."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text, default = action.help or "", action.default
+        if not text or text.endswith("]") or default is None or default is False or default is argparse.SUPPRESS:
+            return text
+        return f"{text} [{shown(default).replace('%', '%%')}]"
