@@ -26,7 +26,7 @@ from preinfer.metrics import plot_losses, read_metrics
 from preinfer.partition import Partition, make_partition, parse_ranges, parse_ufp
 from preinfer.tokenizers import Tokenizer, load_tokenizer
 from preinfer.trainer import LiveSources, SourcePlan, Trainer
-from pipelines.caching import default_samples_per_shard, open_cache
+from pipelines.cache import default_samples_per_shard, open_cache
 from pipelines.models import resolve_model
 from pipelines.pre_inference import PreInference
 from pipelines.sources import ReaderBatches, token_store

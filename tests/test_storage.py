@@ -81,7 +81,7 @@ def fill(store: storage.Store, shards=None, seed: int = 0) -> None:
 def small_store(path: str, backend: str = "zarr", codec=None, num_samples: int = 10, **kw) -> storage.Store:
     fields = {"hidden": ((3, 8), torch.bfloat16), "index": ((), torch.int64), "mask": ((3,), torch.bool)}
     return create_store(path, fields=fields, num_samples=num_samples, samples_per_shard=4, fingerprint=FP,
-                        backend=backend, codec=codec, **kw)
+                        format=backend, codec=codec, **kw)
 
 
 @pytest.mark.parametrize("backend,codec", VARIANTS)
@@ -89,7 +89,7 @@ def test_round_trip_bit_exact_every_dtype(tmp_path, backend, codec):
     fields = {name: ((3, 5), dtype) for name, dtype in zip(["f32", "f16", "bf16", "i32", "i64", "b"], ALL_DTYPES)}
     path = make_path(tmp_path, backend)
     store = create_store(path, fields=fields, num_samples=11, samples_per_shard=4, fingerprint=FP,
-                         backend=backend, codec=codec)
+                         format=backend, codec=codec)
     assert (store.num_shards, store.shard_range(2)) == (3, (8, 11))  # last shard holds fewer samples
     fill(store)
     store.finalize()
@@ -168,7 +168,7 @@ def test_write_errors_are_clear(tmp_path, backend):
         store.write_shard(0, {"hidden": good["hidden"]})
     with pytest.raises(StorageError, match="unsupported dtype"):
         create_store(make_path(tmp_path, backend) + "x", fields={"a": ((2,), torch.complex64)}, num_samples=4,
-                     samples_per_shard=2, fingerprint=FP, backend=backend)
+                     samples_per_shard=2, fingerprint=FP, format=backend)
     assert store.missing_shards() == [0, 1, 2]
 
 
