@@ -13,8 +13,9 @@ import preinfer
 from pipelines.cache import (
     CacheOptions, cache_boundary, cache_fingerprint, default_samples_per_shard, roll_forward,
 )
-from pipelines.cache import local_runner, shards
+from pipelines.cache import local_runner, parse_dask, shards
 from pipelines.cache.fingerprints import store_fields
+from pipelines.cache.options import LocalWorkers, SchedulerAddress
 from pipelines.cache.result import CacheJobError
 from pipelines.cli import main
 from pipelines.commands import cache as cache_command
@@ -481,3 +482,46 @@ def test_a_shard_whose_forward_fails_is_named_and_the_others_are_written(corpus,
         cache(staged, {"train": data["train"]}, 2, tmp_path / "c", retries=1)
     store = open_store(tmp_path / "c" / "train")
     assert store.missing_shards() == [1] and len(store.completed_shards()) == store.num_shards - 1
+
+
+def test_the_old_flag_spellings_still_work_with_a_note(corpus, tmp_path, capsys):
+    argv = ["cache", "--model", "tiny-llama", "--data", corpus, "--seq-len", str(SEQ), "--boundary", "2", "--splits",
+            "eval", "--samples-per-shard", str(PER_SHARD), "--quiet"]
+    code, _, err = run_cli([*argv, "--out", str(tmp_path / "old"), "--dtype", "bfloat16", "--format",
+                            "safetensors"], capsys)
+    assert code == 0, err
+    assert "--dtype is deprecated, use --store-dtype" in err and "--format is deprecated, use --store-format" in err
+    code, _, err = run_cli([*argv, "--out", str(tmp_path / "new"), "--store-dtype", "bfloat16", "--store-format",
+                            "safetensors"], capsys)
+    assert code == 0 and err == ""
+    assert_same_cache(tmp_path / "old", tmp_path / "new", splits=("eval",))
+    assert open_store(tmp_path / "new" / "eval").format == "safetensors"
+
+
+def test_a_split_directory_given_as_the_cache_is_one_line_naming_the_root(corpus, tmp_path, capsys):
+    cache(staged_model(), datasets_for(corpus), 2, tmp_path / "c")
+    code, _, err = run_cli(["train", "--store", str(tmp_path / "c" / "train"), "--model", "tiny-llama", "--out",
+                            str(tmp_path / "run"), "--steps-per-visit", "1"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert f"pass the cache root {tmp_path / 'c'}" in err
+
+
+def test_cache_options_are_checked_when_made():
+    assert parse_dask("local:3") == LocalWorkers(3) and str(parse_dask("local:3")) == "local:3"
+    assert parse_dask("tcp://10.0.0.1:8786") == SchedulerAddress("tcp://10.0.0.1:8786")
+    for bad in ("local:0", "local:x", "10.0.0.1:8786"):
+        with pytest.raises(preinfer.errors.UsageError, match=f"--dask '{bad}': expected"):
+            parse_dask(bad)
+    assert CacheOptions(dask="local:2").dask == LocalWorkers(2) and CacheOptions().workers == "1"
+    assert CacheOptions(store_dtype=torch.bfloat16).store_dtype == "bfloat16"
+    for options, message in ((dict(batch_size=0), "--batch-size must be a positive integer"),
+                             (dict(retries=-1), "--retries must be an integer >= 0"),
+                             (dict(samples_per_shard=True), "--samples-per-shard"),
+                             (dict(store_format="hdf5"), "--store-format 'hdf5'"),
+                             (dict(store_dtype="int8"), "--store-dtype 'int8'"),
+                             (dict(mode="append"), "mode 'append'"),
+                             (dict(store_format="safetensors", codec="zstd"), "--codec: .*raw bytes")):
+        with pytest.raises(preinfer.errors.UsageError, match=message):
+            CacheOptions(**options)
+    resolved = CacheOptions().for_model(torch.float32, "cpu")
+    assert (resolved.store_dtype, resolved.dtype, resolved.device) == ("float32", torch.float32, "cpu")
