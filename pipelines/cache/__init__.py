@@ -1,20 +1,17 @@
 """The pre-inference caching job: run the frozen prefix once over a dataset and store the boundary states.
 
-Python API (what `preinfer cache` and `bcd --pre-inference` call; the model is already in memory)::
+The public surface (what `preinfer cache` and `bcd --pre-inference` use; the model is already in memory):
 
-    cache_boundary(staged, datasets, tokenizer, boundary, out, options=CacheOptions()) -> CacheResult
-        Embedding + layers [0, boundary) over every sample of each split in `datasets` ({"train": ds, ...}),
-        written to the cache directory `out`: one complete `storage` store per split, `out/<split>/`, plus
-        `out/cache.json` (an index written last, once every split is finalized).
-    roll_forward(staged, source, boundary, out, options=CacheOptions(), splits=None) -> CacheResult
-        Only layers [K, boundary) over the store(s) at boundary K in `source` (a cache directory, or a single
-        store, then `out` is a single store too). The source must match `staged`'s current prefix [0, K) and
-        hold the compute dtype (lossless); the result, store and fingerprint, equals a fresh cache_boundary at
-        `boundary` with the same weights, batch size and shard size.
-    cache_fingerprint(staged, dataset, tokenizer, boundary, dtype="auto", model_name="") -> storage.Fingerprint
-    open_cache(path, splits=None, expect=None) -> dict[str, storage.Store]
-        The stores of a cache directory (or {"": store} for a single store).
-    CacheOptions(...)      every option of a job, checked when made; `parse_dask` reads `--dask`.
+- `cache_boundary`: embedding + layers [0, boundary) over every sample of each split, written to a cache
+  directory: one complete `storage` store per split, `<out>/<split>/`, plus `<out>/cache.json` (an index
+  written last, once every split is finalized).
+- `roll_forward`: only layers [K, boundary) over the store(s) at boundary K of a cache directory (or of a
+  single store, whose result is a single store too). The source must match the model's current prefix [0, K)
+  and hold the compute dtype (lossless); the result, store and fingerprint, equals a fresh `cache_boundary`
+  with the same weights, batch size and shard size.
+- `CacheOptions`: every option of a job, checked when made (see its fields); `parse_dask` reads `--dask`.
+- `CacheResult`, `cache_fingerprint`, `default_samples_per_shard`, and `open_cache` (the stores of a cache
+  directory, or {"": store} for a single store).
 
 What is stored, per sample i of a split's `TokenDataset` (store sample i = dataset sample i, dataset order):
 `hidden` [T, H] in the storage dtype, `attention_mask` [T] bool, `position_ids` [T] int64, `labels` [T] int64,

@@ -14,10 +14,6 @@ from pipelines.cache.work import Failure, SplitJob, SplitResult
 class CacheJobError(PreinferError):
     """Shards failed at run time; every shard finished before stays intact, and rerunning resumes the job."""
 
-    def __init__(self, message: str, failed: list[tuple[str, int]] | None = None):
-        super().__init__(message)
-        self.failed = failed or []
-
 
 @dataclass
 class CacheResult:
@@ -73,12 +69,11 @@ def failure(jobs: list[SplitJob], failed: list[Failure], fatal: BaseException | 
     done = sum(len(job.store.completed_shards()) for job in jobs)
     total = sum(job.store.num_shards for job in jobs)
     intact = f"{done} of {total} shards are finished and intact; rerun the same command to resume"
-    shards = [(s, i) for s, i, _ in failed]
     if fatal is not None:
         if is_disk_full(fatal):
             return CacheJobError(f"disk full while writing the cache in {jobs[0].store.path}: {one_line(fatal)}. "
-                                 f"Free space, then {intact[0].lower()}{intact[1:]}", shards)
-        return CacheJobError(f"{one_line(fatal)}. {intact}", shards)
+                                 f"Free space, then {intact[0].lower()}{intact[1:]}")
+        return CacheJobError(f"{one_line(fatal)}. {intact}")
     by_name = {job.name: job for job in jobs}
     names = []
     for split, shard, _ in failed:
@@ -86,4 +81,4 @@ def failure(jobs: list[SplitJob], failed: list[Failure], fatal: BaseException | 
         names.append(f"{split + ' ' if split else ''}shard {shard} (samples {lo}..{hi})")
     return CacheJobError(
         f"{len(failed)} shard{'s' if len(failed) > 1 else ''} failed: {', '.join(names[:10])}"
-        f"{' ...' if len(names) > 10 else ''} ({failed[0][2]}); {intact}", shards)
+        f"{' ...' if len(names) > 10 else ''} ({failed[0][2]}); {intact}")
