@@ -53,7 +53,8 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     import preinfer
-    from pipelines import caching, dask_cache
+    from pipelines.cache import CacheOptions, cache_boundary
+    from pipelines.cache.dask_runner import shutdown_local_clusters
     from preinfer.data import TokenDataset, load_data
     from preinfer.presets import build_preset
     from preinfer.tokenizers import load_tokenizer
@@ -76,15 +77,15 @@ def main() -> None:
                 state = staged.embed(rows["input_ids"], rows["attention_mask"], rows["labels"])
                 staged.run(state, 0, BOUNDARY)
 
-    def job(fmt: str, dask=None):
+    def job(store_format: str, dask=None):
         def run() -> None:
-            out = root / f"{fmt}{'-dask' if dask else ''}"
+            out = root / f"{store_format}{'-dask' if dask else ''}"
             shutil.rmtree(out, ignore_errors=True)
-            result = caching.cache_boundary(
-                staged, {"train": data}, tokenizer, BOUNDARY, out, fmt=fmt, batch_size=args.batch_size,
-                samples_per_shard=args.samples_per_shard, progress=False, dask=dask, model_name=MODEL,
-                mode="overwrite")
-            name = fmt if not dask else "dask"
+            options = CacheOptions(store_format=store_format, batch_size=args.batch_size,
+                                   samples_per_shard=args.samples_per_shard, progress=False, dask=dask,
+                                   model_name=MODEL, mode="overwrite")
+            result = cache_boundary(staged, {"train": data}, tokenizer, BOUNDARY, out, options)
+            name = store_format if not dask else "dask"
             sizes[name] = result.splits["train"].stored_bytes
             parts.setdefault(name, []).append((result.forward_seconds, result.write_seconds, result.blocked_seconds))
         return run
@@ -109,7 +110,7 @@ def main() -> None:
             t0 = time.perf_counter()
             variants[name]()
             times[name].append(time.perf_counter() - t0)
-    dask_cache.shutdown_local_clusters()
+    shutdown_local_clusters()
     base = statistics.median(times["forward"]) if "forward" in times else None
     best_base = min(times["forward"]) if "forward" in times else None
     rows = []

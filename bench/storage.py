@@ -92,7 +92,7 @@ class Case:
         store = create_store(
             self.root / f"{backend}-{codec}", fields={"hidden": (tuple(self.data.shape[1:]), self.data.dtype)},
             num_samples=len(self.data), samples_per_shard=self.per_shard, fingerprint=Fingerprint("bench"),
-            backend=backend, codec=codec, overwrite=True,
+            format=backend, codec=codec, overwrite=True,
         )
         for i, shard in enumerate(self.shards):
             store.write_shard(i, {"hidden": shard})

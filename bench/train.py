@@ -5,7 +5,7 @@ Everything in one run of one process, on `small-llama`, `builtin:pydoc`, seq 128
 1. Steps/s training the top block of a UFP 1/3 partition (layers [k, L), k = 4 of 6 for small-llama) with the
    real `preinfer.trainer.Trainer`, (a) live: token batches from a `ReaderBatches` over the token store
    (boundary 0), the prefix (embedding + layers [0, k)) under `no_grad` every step; (b) from a store: a
-   `ReaderBatches` over a zarr store at boundary k (built once with `pipelines.caching.cache_boundary`, dtype
+   `ReaderBatches` over a zarr store at boundary k (built once with `pipelines.cache.cache_boundary`, dtype
    `auto` = float32, default codec; its build time is reported apart), the model a suffix from
    `pipelines.suffix.load_suffix` (the prefix is not in memory). The two alternate (live, store, live, store,
    ...) for --repeats repetitions, each a fresh trainer and reader for --warmup + --steps steps; steps/s is
@@ -49,7 +49,7 @@ import torch  # noqa: E402
 
 import preinfer  # noqa: E402
 from bench.common import machine, table  # noqa: E402
-from pipelines.caching import cache_boundary, open_cache  # noqa: E402
+from pipelines.cache import CacheOptions, cache_boundary, open_cache  # noqa: E402
 from pipelines.models import resolve_model  # noqa: E402
 from pipelines.sources import ReaderBatches  # noqa: E402
 from pipelines.suffix import load_suffix, to_device  # noqa: E402
@@ -167,7 +167,8 @@ def throughput(args: argparse.Namespace, root: Path) -> dict:
 
     started = time.perf_counter()
     built = cache_boundary(staged, {"train": data.train, "eval": data.eval}, data.tokenizer, k, root / f"store-{k}",
-                           samples_per_shard=shard, mode="overwrite", progress=False, model_name=args.model)
+                           CacheOptions(samples_per_shard=shard, mode="overwrite", progress=False,
+                                        model_name=args.model))
     build_s = time.perf_counter() - started
     stores = open_cache(root / f"store-{k}", splits=["train", "eval"])
     store_bytes = sum(s.stored_bytes for s in built.splits.values())

@@ -31,7 +31,7 @@ from preinfer.run_dir import RunDir
 from preinfer.sources import BatchSource
 from preinfer.staged import StagedModel
 from storage import StorageError
-from pipelines.caching import cache_boundary, cache_fingerprint, open_cache, roll_forward
+from pipelines.cache import CacheOptions, cache_boundary, cache_fingerprint, open_cache, roll_forward
 from pipelines.sources import ReaderBatches
 
 # Until a store has been read on this machine, assume this read speed (bytes/s) for the cost model.
@@ -179,13 +179,13 @@ class PreInference:
             return self.stores[boundary]
         out = self.root / f"boundary-{boundary}"
         source = max((b for b in self._valid_stores() if b < boundary), default=0)
-        options = dict(fmt=self.config.pre_inference.store_format, dtype=self.config.pre_inference.store_dtype,
-                       samples_per_shard=self.shard, mode="overwrite", progress=False,
-                       model_name=self.config.model.name, dask=self.config.pre_inference.dask)
+        options = CacheOptions(store_format=self.config.pre_inference.store_format, store_dtype=self.config.pre_inference.store_dtype,
+                               samples_per_shard=self.shard, mode="overwrite", progress=False,
+                               model_name=self.config.model.name, dask=self.config.pre_inference.dask)
         if source:
-            result = roll_forward(self.staged, self.stores[source], boundary, out, **options)
+            result = roll_forward(self.staged, self.stores[source], boundary, out, options)
         else:
-            result = cache_boundary(self.staged, self.datasets, self.tokenizer, boundary, out, **options)
+            result = cache_boundary(self.staged, self.datasets, self.tokenizer, boundary, out, options)
         self.stores[boundary] = out
         if result.write_seconds > 0:  # the writer's own time: the forward is estimated separately
             self.write_bps = max(result.bytes_written / result.write_seconds, 1.0)

@@ -69,7 +69,7 @@ def token_store(dataset: TokenDataset, samples_per_shard: int) -> storage.Store:
     name = f"tokens-{digest[:20]}-{samples_per_shard}"
     fields = {k: ((t,), getattr(dataset, k).dtype) for k in TOKEN_FIELDS}
     store = storage.create_store(name, fields, n, samples_per_shard, storage.Fingerprint(digest, {"dataset": digest}),
-                                 backend="memory")
+                                 format="memory")
     for shard in store.missing_shards():
         start, stop = store.shard_range(shard)
         store.write_shard(shard, {k: getattr(dataset, k)[start:stop] for k in TOKEN_FIELDS})

@@ -30,7 +30,7 @@ from preinfer.sources import LiveSources, VisitSources
 from preinfer.tokenizers import Tokenizer, load_tokenizer
 from preinfer.trainer import Trainer
 from pipelines import sources
-from pipelines.caching import default_samples_per_shard, open_cache
+from pipelines.cache import default_samples_per_shard, open_cache
 from pipelines.models import resolve_model
 from pipelines.pre_inference import PreInference
 from pipelines.sources import ReaderBatches

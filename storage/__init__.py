@@ -1,20 +1,24 @@
-"""Activation stores: sharded zarr v3 / safetensors / memory backends behind one small interface."""
+"""Activation stores: sharded zarr v3 / safetensors / memory formats behind one small interface.
 
-from storage.api import create_store, open_store
+Everything other packages use is named here; the submodules are this package's own business."""
+
+from storage.api import STORE_ENTRIES, create_store, is_store, open_store
+from storage.codecs import codec_spec
 from storage.errors import (
     CorruptStoreError,
     IncompleteStoreError,
+    LayoutMismatchError,
     StaleStoreError,
     StorageError,
     UnsupportedFormatError,
 )
-from storage.manifest import FORMAT_VERSION, FieldSpec, Fingerprint
+from storage.manifest import FORMAT_VERSION, FORMATS, MANIFEST, FieldSpec, Fingerprint
 from storage.reader import Reader
 from storage.store import Store
 from storage.verify import VerifyReport, verify
 
 __all__ = [
-    "create_store", "open_store", "verify", "Store", "Reader", "Fingerprint", "FieldSpec", "VerifyReport",
-    "FORMAT_VERSION", "StorageError", "StaleStoreError", "CorruptStoreError", "IncompleteStoreError",
-    "UnsupportedFormatError",
+    "create_store", "open_store", "is_store", "verify", "codec_spec", "Store", "Reader", "Fingerprint", "FieldSpec",
+    "VerifyReport", "FORMAT_VERSION", "FORMATS", "MANIFEST", "STORE_ENTRIES", "StorageError", "StaleStoreError",
+    "CorruptStoreError", "IncompleteStoreError", "LayoutMismatchError", "UnsupportedFormatError",
 ]

@@ -1,5 +1,5 @@
 """Named byte blobs under a store's root (local directory, fsspec URL, or process memory): atomic writes,
-listing with sizes, and one-writer-per-name locks."""
+listing with sizes, and one-writer-per-name locks (on a local disk, lock files under `locks/`)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import numpy as np
 
 from storage.errors import StorageError
 
+# Where LocalBlobs keeps its writers' lock files (removed again once the store is complete).
+LOCKS = "locks"
 _PROCESS_LOCKS: dict[tuple[str, str], threading.Lock] = {}
 _PROCESS_LOCKS_GUARD = threading.Lock()
 
@@ -65,6 +67,13 @@ class Blobs:
     def remove_all(self) -> None:
         """Delete every blob under the root."""
         raise NotImplementedError
+
+    def remove(self, prefix: str) -> None:
+        """Delete every blob under the directory `prefix` (nothing if there is none)."""
+        raise NotImplementedError
+
+    def clear_locks(self) -> None:
+        """Delete the writers' lock files, once no writer needs them (a complete store)."""
 
     def will_need(self, key: str) -> None:
         """Hint that `key` will be read soon (starts OS readahead where there is one)."""
@@ -138,6 +147,15 @@ class LocalBlobs(Blobs):
     def remove_all(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
 
+    def remove(self, prefix: str) -> None:
+        directory = self.root / prefix
+        if directory.is_dir():
+            shutil.rmtree(directory, ignore_errors=True)
+            self._sync_dir(self.root)
+
+    def clear_locks(self) -> None:
+        self.remove(LOCKS)
+
     def will_need(self, key: str) -> None:
         try:
             fd = os.open(self.root / key, os.O_RDONLY)
@@ -151,7 +169,7 @@ class LocalBlobs(Blobs):
     @contextlib.contextmanager
     def lock(self, key: str) -> Iterator[None]:
         """An OS file lock (released by the kernel if the writer dies), plus the in-process lock."""
-        path = self.root / "locks" / f"{key.replace('/', '_')}.lock"
+        path = self.root / LOCKS / f"{key.replace('/', '_')}.lock"
         path.parent.mkdir(parents=True, exist_ok=True)
         with _process_lock(self.location, key), open(path, "a+") as f:
             try:
@@ -219,6 +237,10 @@ class FsspecBlobs(Blobs):
         if self.fs.exists(self.root):
             self.fs.rm(self.root, recursive=True)
 
+    def remove(self, prefix: str) -> None:
+        if self.fs.exists(self._path(prefix)):
+            self.fs.rm(self._path(prefix), recursive=True)
+
     def zarr_store(self, prefix: str):
         from zarr.storage import FsspecStore
 
@@ -251,6 +273,10 @@ class MemoryBlobs(Blobs):
     def remove_all(self) -> None:
         self.blobs.clear()
         self.tensors.clear()
+
+    def remove(self, prefix: str) -> None:
+        for key in [k for k in self.blobs if k.startswith(prefix.rstrip("/") + "/")]:
+            del self.blobs[key]
 
 
 def is_url(path: str | os.PathLike) -> bool:

@@ -14,13 +14,13 @@ CODECS = {"blosc-zstd": 1, "blosc-lz4": 5, "zstd": 1, "none": 0}
 DEFAULT_CODEC = {"zarr": "blosc-zstd", "safetensors": "none", "memory": "none"}
 
 
-def codec_spec(backend: str, codec: str | None, level: int | None) -> dict[str, Any]:
-    """The manifest record of a codec choice, checked against what the backend can do."""
-    name = DEFAULT_CODEC[backend] if codec in (None, "default") else codec
+def codec_spec(format: str, codec: str | None, level: int | None = None) -> dict[str, Any]:
+    """The manifest record of a codec choice, checked against what the store format can do."""
+    name = DEFAULT_CODEC[format] if codec in (None, "default") else codec
     if name not in CODECS:
         raise StorageError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
-    if backend != "zarr" and name != "none":
-        raise StorageError(f"the {backend} backend stores raw bytes; codec must be 'none', not {name!r}")
+    if format != "zarr" and name != "none":
+        raise StorageError(f"the {format} backend stores raw bytes; codec must be 'none', not {name!r}")
     spec: dict[str, Any] = {"name": name, "level": CODECS[name] if level is None else int(level)}
     if name.startswith("blosc"):
         spec.update(shuffle="byte", blocksize=BLOSC_BLOCKSIZE)

@@ -19,3 +19,13 @@ class IncompleteStoreError(StorageError):
 
 class UnsupportedFormatError(StorageError):
     """The store was written in a format version (or by a backend) this tool cannot read."""
+
+
+class LayoutMismatchError(StorageError):
+    """A store exists with the same fingerprint but another layout; `differences` maps each differing entry
+    ("format", "codec", "num_samples", "samples_per_shard", "field NAME") to (stored, requested)."""
+
+    def __init__(self, message: str, differences: dict[str, tuple], remedy: str = "") -> None:
+        self.differences = differences
+        detail = ", ".join(f"{name} {stored!r} (requested {wanted!r})" for name, (stored, wanted) in differences.items())
+        super().__init__(f"{message}: another layout: {detail}" + (f"; {remedy}" if remedy else ""))

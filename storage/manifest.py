@@ -9,12 +9,16 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from storage.dtypes import dtype_name, numpy_dtype
+import torch
+
+from storage.dtypes import dtype_name, numpy_dtype, torch_dtype
 from storage.errors import CorruptStoreError, StaleStoreError, StorageError, UnsupportedFormatError
 
+MANIFEST = "manifest.json"
 FORMAT = "preinfer-activation-store"
 FORMAT_VERSION = 1
-BACKENDS = ("zarr", "safetensors", "memory")
+# Store formats (the manifest's "backend" entry).
+FORMATS = ("zarr", "safetensors", "memory")
 _FIELD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
@@ -76,6 +80,11 @@ class FieldSpec:
             count *= dim
         return count * numpy_dtype(self.dtype).itemsize
 
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype of this field's tensors."""
+        return torch_dtype(self.dtype)
+
 
 def tool_version() -> str:
     """The version of the package that writes stores."""
@@ -105,7 +114,7 @@ def parse_fields(fields: dict[str, Any]) -> dict[str, FieldSpec]:
 
 
 def new_manifest(
-    backend: str, fields: dict[str, FieldSpec], num_samples: int, samples_per_shard: int,
+    format: str, fields: dict[str, FieldSpec], num_samples: int, samples_per_shard: int,
     fingerprint: Fingerprint, codec: dict[str, Any],
 ) -> dict[str, Any]:
     """The manifest of a freshly created, still empty store."""
@@ -114,7 +123,7 @@ def new_manifest(
         "format_version": FORMAT_VERSION,
         "tool": {"name": "preinfer", "version": tool_version()},
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "backend": backend,
+        "backend": format,
         "codec": codec,
         "num_samples": num_samples,
         "samples_per_shard": samples_per_shard,
@@ -145,8 +154,8 @@ def parse_manifest(raw: bytes, where: str) -> dict[str, Any]:
             f"use a matching version of the tool or rebuild the store"
         )
     try:
-        if manifest["backend"] not in BACKENDS:
-            raise UnsupportedFormatError(f"{where} names unknown backend {manifest['backend']!r}; known: {BACKENDS}")
+        if manifest["backend"] not in FORMATS:
+            raise UnsupportedFormatError(f"{where} names unknown format {manifest['backend']!r}; known: {FORMATS}")
         num_samples, per_shard = int(manifest["num_samples"]), int(manifest["samples_per_shard"])
         if num_samples <= 0 or per_shard <= 0 or manifest["num_shards"] != -(-num_samples // per_shard):
             raise ValueError("inconsistent num_samples / samples_per_shard / num_shards")

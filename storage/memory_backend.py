@@ -10,7 +10,7 @@ from storage.store import Store
 class MemoryStore(Store):
     """Shards held as tensor dicts in the store's MemoryBlobs (no files, no compression)."""
 
-    backend = "memory"
+    format = "memory"
     check_decoded = False  # tensors never leave this process's memory
 
     def _write_data(self, i: int, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:

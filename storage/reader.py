@@ -17,16 +17,35 @@ import threading
 import warnings
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator, Protocol
 
 import numpy as np
 import torch
 
 from storage.dtypes import to_numpy
 from storage.errors import StorageError
+from storage.manifest import FieldSpec
 
-if TYPE_CHECKING:
-    from storage.store import Store
+
+class ShardedStore(Protocol):
+    """What the reader needs of a store (`storage.Store` has it; the store module imports this one)."""
+
+    path: str
+    fields: dict[str, FieldSpec]
+
+    @property
+    def num_samples(self) -> int: ...
+
+    @property
+    def num_shards(self) -> int: ...
+
+    def require_complete(self) -> None: ...
+
+    def shard_range(self, i: int) -> tuple[int, int]: ...
+
+    def read_shard(self, i: int, fields: list[str] | None = None, check: bool = True) -> dict[str, torch.Tensor]: ...
+
+    def will_read(self, i: int) -> None: ...
 
 _END = object()
 
@@ -41,7 +60,7 @@ class Reader:
 
     def __init__(
         self,
-        store: Store,
+        store: ShardedStore,
         batch_size: int,
         seed: int = 0,
         rank: int = 0,

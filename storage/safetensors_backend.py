@@ -17,7 +17,7 @@ INDEX = "shards.safetensors.index.json"
 class SafetensorsStore(Store):
     """Shards as `shards/shard-NNNNNN.safetensors`, each file's CRC32C recorded when it is published."""
 
-    backend = "safetensors"
+    format = "safetensors"
     data_prefix = "shards"
     check_decoded = False  # the CRC32C of the whole file is checked on every read
 

@@ -1,9 +1,15 @@
-"""The Store: one interface over every backend (manifest, completion records, checks, write/read/finalize)."""
+"""The Store: one interface over every backend (manifest, completion records, checks, write/read/finalize).
+
+While a store is written, each finished shard publishes a completion record (`done/shard-NNNNNN.json`) and local
+writers hold lock files (`locks/`); `finalize()` folds the records into the manifest and then deletes both, so a
+complete store holds its data files and its manifest only. A job killed before that leaves them behind, and its
+rerun resumes from them.
+"""
 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -11,12 +17,9 @@ from storage.blobs import Blobs
 from storage.checksums import crc32c_tensor
 from storage.dtypes import torch_dtype
 from storage.errors import CorruptStoreError, IncompleteStoreError, StorageError
-from storage.manifest import FieldSpec, Fingerprint
+from storage.manifest import MANIFEST, FieldSpec, Fingerprint
+from storage.reader import Reader
 
-if TYPE_CHECKING:
-    from storage.reader import Reader
-
-MANIFEST = "manifest.json"
 MARKERS = "done"
 
 
@@ -35,7 +38,7 @@ def format_ranges(indices: list[int], limit: int = 20) -> str:
 class Store:
     """A sharded activation store: fixed fields, `num_samples` samples in shards of `samples_per_shard`."""
 
-    backend = ""
+    format = ""
     data_prefix: str | None = None
     # Whether read_shard re-checksums decoded data (backends whose whole files carry a checksum need not).
     check_decoded = True
@@ -109,12 +112,25 @@ class Store:
             self._records[i] = record
         return self._records[i]
 
+    def _adopt_finalized(self) -> None:
+        """Take the shard records of the manifest on disk if another writer has finalized this very store since
+        (its completion records are gone then); read after the markers, so that one of the two has every record."""
+        try:
+            published = json.loads(self._blobs.read(MANIFEST))
+        except (OSError, ValueError):
+            return
+        layout = [k for k in self._manifest if k not in ("shards", "complete")]
+        if published.get("complete") and all(published.get(k) == self._manifest[k] for k in layout):
+            self._records.update({int(i): rec for i, rec in published["shards"].items()})
+
     def completed_shards(self) -> list[int]:
         """Indices of the shards that are complete (looking at markers other writers published since)."""
         for key in self._blobs.list(MARKERS + "/"):
             name = key.rsplit("/", 1)[-1]
             if name.startswith("shard-") and name.endswith(".json"):
                 self._record(int(name[6:-5]))
+        if len(self._records) < self.num_shards:
+            self._adopt_finalized()
         return sorted(i for i in self._records if 0 <= i < self.num_shards)
 
     def missing_shards(self) -> list[int]:
@@ -164,6 +180,9 @@ class Store:
         fields = {name: {"crc32c": crc32c_tensor(t), "bytes": t.nbytes} for name, t in tensors.items()}
         with self._blobs.lock(f"shard-{i:06d}"):
             existing = self._record(i)
+            if existing is None:
+                self._adopt_finalized()
+                existing = self._records.get(i)
             if existing is not None:
                 if existing["fields"] == fields:
                     return
@@ -183,12 +202,15 @@ class Store:
             self._records[i] = record
 
     def finalize(self) -> None:
-        """Check that every shard is complete and fold the completion records into the manifest."""
+        """Check that every shard is complete, fold the completion records into the manifest, then delete the
+        records and lock files (the manifest is published first: a crash in between leaves only extra files)."""
         self.require_complete()
         self._manifest["shards"] = {str(i): self._records[i] for i in range(self.num_shards)}
         self._manifest["complete"] = True
         self._finalize_layout()
         self._blobs.write(MANIFEST, json.dumps(self._manifest, indent=1).encode())
+        self._blobs.remove(MARKERS)
+        self._blobs.clear_locks()
 
     # ---- reading -----------------------------------------------------------------------------------------------
     def _corrupt(self, i: int, problem: str, field: str | None = None) -> CorruptStoreError:
@@ -252,9 +274,12 @@ class Store:
 
     def reader(self, batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1, **options: Any) -> Reader:
         """A shuffling, resumable, prefetching batch reader over the whole store (see storage.reader.Reader)."""
-        from storage.reader import Reader
-
         return Reader(self, batch_size, seed=seed, rank=rank, world_size=world_size, **options)
+
+    def shard_bytes(self, i: int) -> int:
+        """Bytes on disk of the files of shard `i` (0 while it is not complete)."""
+        record = self._record(i)
+        return sum(f["size"] for f in record["files"].values()) if record else 0
 
     def size_info(self) -> dict[str, Any]:
         """Raw and stored bytes of the complete shards and the compression ratio, for `inspect`."""

@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from storage.api import open_store
 from storage.errors import StorageError
+from storage.store import format_ranges
 
 
 @dataclass
@@ -34,8 +36,6 @@ class VerifyReport:
         return self.manifest_error is None and not self.missing and not self.bad
 
     def __str__(self) -> str:
-        from storage.store import format_ranges
-
         if self.manifest_error:
             return f"store {self.path}: BAD manifest: {self.manifest_error}"
         lines = [f"store {self.path}: {'OK' if self.ok else 'BAD'}, {self.checked} of {self.num_shards} shards checked"]
@@ -47,8 +47,6 @@ class VerifyReport:
 
 def verify(path: str | os.PathLike) -> VerifyReport:
     """Read and checksum every shard of the store at `path`; never raises for a damaged store."""
-    from storage.api import open_store
-
     report = VerifyReport(str(path))
     try:
         store = open_store(path, check_files=False)

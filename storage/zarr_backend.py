@@ -85,7 +85,7 @@ def shard_layout(array: zarr.Array) -> ShardLayout | None:
 class ZarrStore(Store):
     """Fields as zarr v3 arrays under `data/`, sharded by store shard, every chunk CRC32C-checked."""
 
-    backend = "zarr"
+    format = "zarr"
     data_prefix = "data"
 
     def _create_layout(self) -> None:

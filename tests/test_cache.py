@@ -1,7 +1,8 @@
-"""The caching job (`pipelines.caching`, `preinfer cache`): stored states, fingerprints, resume, roll-forward,
+"""The caching job (`pipelines.cache`, `preinfer cache`): stored states, fingerprints, resume, roll-forward,
 faults, bad input, and the CUDA staging path on CPU. Dask and SIGKILL tests are in the other test_cache_* files."""
 
 import errno
+import functools
 import json
 from pathlib import Path
 
@@ -9,12 +10,19 @@ import pytest
 import torch
 
 import preinfer
-from pipelines import cache_runners, caching, shards
+from pipelines.cache import (
+    CacheOptions, cache_boundary, cache_fingerprint, default_samples_per_shard, roll_forward,
+)
+from pipelines.cache import local_runner, parse_dask, shards
+from pipelines.cache.fingerprints import store_fields
+from pipelines.cache.options import LocalWorkers, SchedulerAddress
+from pipelines.cache.result import CacheJobError
 from pipelines.cli import main
+from pipelines.commands import cache as cache_command
 from preinfer.data import TokenDataset, load_data
 from preinfer.presets import build_preset
 from preinfer.tokenizers import load_tokenizer
-from storage import StaleStoreError, open_store
+from storage import StaleStoreError, create_store, open_store
 
 SEQ = 32
 PER_SHARD = 16
@@ -49,7 +57,29 @@ def staged_model(name: str = "tiny-llama", seed: int = 0):
 def cache(staged, datasets, boundary, out, **options):
     options = {"samples_per_shard": PER_SHARD, "batch_size": BATCH, "progress": False, "model_name": "tiny-llama",
                **options}
-    return caching.cache_boundary(staged, datasets, load_tokenizer("byte"), boundary, out, **options)
+    return cache_boundary(staged, datasets, load_tokenizer("byte"), boundary, out, CacheOptions(**options))
+
+
+def fail_shards(names: frozenset[str], split: str, shard: int) -> None:
+    """A `before_shard_write` hook: the shards `names` ("train/3") fail on every attempt."""
+    if f"{split}/{shard}" in names:
+        raise RuntimeError(f"injected fault on shard {split}/{shard}")
+
+
+def fail_once(marker_dir: str, names: frozenset[str], split: str, shard: int) -> None:
+    """A `before_shard_write` hook: the shards `names` fail once (a marker file in `marker_dir` records it)."""
+    if f"{split}/{shard}" in names:
+        try:
+            with open(Path(marker_dir) / f"fault-{split}-{shard}", "x"):
+                pass
+        except FileExistsError:
+            return
+        raise RuntimeError(f"injected fault on shard {split}/{shard}")
+
+
+def cli_hook(monkeypatch, hook) -> None:
+    """Make `preinfer cache` (run in this process) pass `hook` as its options' before_shard_write."""
+    monkeypatch.setattr(cache_command, "CacheOptions", functools.partial(CacheOptions, before_shard_write=hook))
 
 
 def store_tensors(path) -> list[dict[str, torch.Tensor]]:
@@ -120,7 +150,7 @@ def test_stored_states_equal_a_direct_prefix_forward_bit_exactly(model, corpus, 
             for name in expected:
                 assert torch.equal(stored[name], expected[name].to(stored[name].dtype)), (split, i, name)
         assert store.fingerprint == result.splits[split].fingerprint
-        assert store.fingerprint == caching.cache_fingerprint(staged, dataset, load_tokenizer("byte"), 2, "auto",
+        assert store.fingerprint == cache_fingerprint(staged, dataset, load_tokenizer("byte"), 2, "auto",
                                                               model)
     index = json.loads((tmp_path / "c" / "cache.json").read_text())
     assert index["boundary"] == 2 and set(index["splits"]) == {"train", "eval"}
@@ -128,18 +158,19 @@ def test_stored_states_equal_a_direct_prefix_forward_bit_exactly(model, corpus, 
 
 def test_a_lower_dtype_is_explicit_and_recorded(corpus, tmp_path):
     staged, data = staged_model(), datasets_for(corpus)
-    result = cache(staged, {"eval": data["eval"]}, 2, tmp_path / "c", dtype="bfloat16", fmt="safetensors")
+    result = cache(staged, {"eval": data["eval"]}, 2, tmp_path / "c", store_dtype="bfloat16",
+                   store_format="safetensors")
     store = open_store(tmp_path / "c" / "eval")
     assert store.fields["hidden"].dtype == "bfloat16" and store.fingerprint.parts["dtype"] == "bfloat16"
-    assert result.dtype == "bfloat16" and store.backend == "safetensors"
+    assert result.store_dtype == "bfloat16" and store.format == "safetensors"
     expected = direct_prefix(staged, data["eval"], 2, *store.shard_range(0))["hidden"].to(torch.bfloat16)
     assert torch.equal(store.read_shard(0)["hidden"], expected)
 
 
 def test_default_samples_per_shard_aims_at_64_mib():
-    assert caching.default_samples_per_shard(1024, 4096, torch.bfloat16) == 8  # 8 MiB per sample
-    assert caching.default_samples_per_shard(128, 256, torch.float32) == 512  # 128 KiB per sample
-    assert caching.default_samples_per_shard(8192, 8192, torch.float32) == 1  # never zero
+    assert default_samples_per_shard(1024, 4096, torch.bfloat16) == 8  # 8 MiB per sample
+    assert default_samples_per_shard(128, 256, torch.float32) == 512  # 128 KiB per sample
+    assert default_samples_per_shard(8192, 8192, torch.float32) == 1  # never zero
 
 
 # ---- fingerprints ---------------------------------------------------------------------------------------------
@@ -149,10 +180,10 @@ def test_fingerprint_changes_exactly_when_it_should(corpus):
     tokenizer = load_tokenizer("byte")
     staged, data = staged_model(), datasets_for(corpus)
     train = data["train"]
-    base = caching.cache_fingerprint(staged, train, tokenizer, 2, "auto", "tiny-llama")
+    base = cache_fingerprint(staged, train, tokenizer, 2, "auto", "tiny-llama")
 
     def fp(model=staged, dataset=train, boundary=2, dtype="auto", name="tiny-llama"):
-        return caching.cache_fingerprint(model, dataset, tokenizer, boundary, dtype, name)
+        return cache_fingerprint(model, dataset, tokenizer, boundary, dtype, name)
 
     assert fp() == base
     assert fp(name="elsewhere/tiny-llama").digest == base.digest  # the name is readable, not content
@@ -180,10 +211,10 @@ def test_a_tied_weight_changes_every_boundary_above_its_first_use():
     staged = staged_model("tiny-gpt2")
     dataset = TokenDataset(torch.zeros(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.bool),
                            torch.zeros(2, 8, dtype=torch.long), "x", "train")
-    before = caching.cache_fingerprint(staged, dataset, load_tokenizer("byte"), 1)
+    before = cache_fingerprint(staged, dataset, load_tokenizer("byte"), 1)
     with torch.no_grad():
         staged.model.lm_head.weight[7, 0] += 1.0  # tied to transformer.wte, used by the embedding
-    assert caching.cache_fingerprint(staged, dataset, load_tokenizer("byte"), 1).digest != before.digest
+    assert cache_fingerprint(staged, dataset, load_tokenizer("byte"), 1).digest != before.digest
 
 
 def test_another_fingerprint_at_out_is_refused_unless_overwrite(corpus, tmp_path, capsys):
@@ -223,9 +254,9 @@ def test_rerunning_a_completed_job_is_a_quick_no_op(corpus, tmp_path, monkeypatc
 def test_resume_computes_only_the_missing_shards(corpus, tmp_path):
     staged, data = staged_model(), datasets_for(corpus)
     cache(staged, data, 2, tmp_path / "ref")
-    store = caching.create_store(
-        tmp_path / "c" / "train", caching.store_fields(SEQ, 64, torch.float32), len(data["train"]), PER_SHARD,
-        caching.cache_fingerprint(staged, data["train"], load_tokenizer("byte"), 2, "auto", "tiny-llama"))
+    store = create_store(
+        tmp_path / "c" / "train", store_fields(SEQ, 64, torch.float32), len(data["train"]), PER_SHARD,
+        cache_fingerprint(staged, data["train"], load_tokenizer("byte"), 2, "auto", "tiny-llama"))
     reference = open_store(tmp_path / "ref" / "train")
     for i in (0, 2, 3):  # an interrupted run left these shards
         store.write_shard(i, reference.read_shard(i))
@@ -245,8 +276,8 @@ def test_roll_forward_equals_a_fresh_run_store_and_fingerprint(corpus, tmp_path,
         for p in staged.layers[1].parameters():
             p.mul_(1.01)
     fresh = cache(staged, data, 3, tmp_path / "fresh")
-    rolled = caching.roll_forward(staged, tmp_path / "k1", 3, tmp_path / "rolled", samples_per_shard=PER_SHARD,
-                                  batch_size=BATCH, progress=False, model_name="tiny-llama")
+    rolled = roll_forward(staged, tmp_path / "k1", 3, tmp_path / "rolled", CacheOptions(
+        samples_per_shard=PER_SHARD, batch_size=BATCH, progress=False, model_name="tiny-llama"))
     assert rolled.source_boundary == 1 and rolled.fingerprints == fresh.fingerprints
     assert rolled.tokens == fresh.tokens
     assert_same_cache(tmp_path / "rolled", tmp_path / "fresh")
@@ -265,16 +296,16 @@ def test_roll_forward_refuses_a_stale_or_lossy_source(corpus, tmp_path):
     staged, data = staged_model(), datasets_for(corpus)
     eval_only = {"eval": data["eval"]}
     cache(staged, eval_only, 1, tmp_path / "k1")
-    cache(staged, eval_only, 1, tmp_path / "bf16", dtype="bfloat16")
-    options = dict(samples_per_shard=PER_SHARD, progress=False)
+    cache(staged, eval_only, 1, tmp_path / "bf16", store_dtype="bfloat16")
+    options = CacheOptions(samples_per_shard=PER_SHARD, progress=False)
     with pytest.raises(preinfer.errors.UsageError, match="lossy"):
-        caching.roll_forward(staged, tmp_path / "bf16", 3, tmp_path / "x", **options)
+        roll_forward(staged, tmp_path / "bf16", 3, tmp_path / "x", options)
     with pytest.raises(preinfer.errors.UsageError, match=r"outside \[2, 4\]"):
-        caching.roll_forward(staged, tmp_path / "k1", 1, tmp_path / "x", **options)
+        roll_forward(staged, tmp_path / "k1", 1, tmp_path / "x", options)
     with torch.no_grad():
         staged.layers[0].input_layernorm.weight[0] += 1.0  # the source's prefix changed
     with pytest.raises(StaleStoreError, match="prefix"):
-        caching.roll_forward(staged, tmp_path / "k1", 3, tmp_path / "x", **options)
+        roll_forward(staged, tmp_path / "k1", 3, tmp_path / "x", options)
     assert not (tmp_path / "x" / "eval").exists()
 
 
@@ -283,11 +314,9 @@ def test_roll_forward_refuses_a_stale_or_lossy_source(corpus, tmp_path):
 
 def test_a_shard_that_fails_once_is_retried(corpus, tmp_path, monkeypatch):
     staged, data = staged_model(), datasets_for(corpus)
-    monkeypatch.setenv(shards.FAULT_ENV, "train/1,eval/0")
-    monkeypatch.setenv(shards.FAULT_ONCE_ENV, str(tmp_path))
-    result = cache(staged, data, 2, tmp_path / "c", retries=1)
+    hook = functools.partial(fail_once, str(tmp_path), frozenset({"train/1", "eval/0"}))
+    result = cache(staged, data, 2, tmp_path / "c", retries=1, before_shard_write=hook)
     assert (tmp_path / "fault-train-1").exists() and (tmp_path / "fault-eval-0").exists()
-    monkeypatch.delenv(shards.FAULT_ENV)
     cache(staged, data, 2, tmp_path / "ref")
     assert result.shards_computed == result.splits["train"].num_shards + result.splits["eval"].num_shards
     assert_same_cache(tmp_path / "c", tmp_path / "ref")
@@ -297,7 +326,7 @@ def test_a_shard_that_always_fails_names_itself_and_leaves_finished_shards_intac
                                                                                  capsys):
     staged, data = staged_model(), datasets_for(corpus)
     cache(staged, data, 2, tmp_path / "ref")
-    monkeypatch.setenv(shards.FAULT_ENV, "train/1")
+    cli_hook(monkeypatch, functools.partial(fail_shards, frozenset({"train/1"})))
     argv = ["cache", "--model", "tiny-llama", "--data", corpus, "--seq-len", str(SEQ), "--boundary", "2",
             "--out", str(tmp_path / "c"), "--samples-per-shard", str(PER_SHARD), "--batch-size", str(BATCH),
             "--retries", "1", "--quiet"]
@@ -310,7 +339,7 @@ def test_a_shard_that_always_fails_names_itself_and_leaves_finished_shards_intac
         assert all(torch.equal(a, b) for a, b in zip(store.read_shard(i).values(), reference.read_shard(i).values()))
     assert open_store(tmp_path / "c" / "eval").is_complete  # the other split went on
     assert not (tmp_path / "c" / "cache.json").exists()  # nothing claims the cache is complete
-    monkeypatch.delenv(shards.FAULT_ENV)
+    monkeypatch.undo()
     assert run_cli(argv, capsys)[0] == 0  # rerunning finishes it
     assert_same_cache(tmp_path / "c", tmp_path / "ref")
 
@@ -360,8 +389,8 @@ def not_utf8(tmp_path):
         (["--out", "A_FILE"], "is a file"),
         (["--out", "FOREIGN"], "not a cache directory"),
         (["--dtype", "int8"], "--dtype"),
-        (["--format", "zarr", "--codec", "lzma"], "unknown codec"),
-        (["--format", "safetensors", "--codec", "blosc-zstd"], "raw bytes"),
+        (["--store-format", "zarr", "--codec", "lzma"], "unknown codec"),
+        (["--store-format", "safetensors", "--codec", "blosc-zstd"], "raw bytes"),
         (["--splits", "test"], "--splits"),
         (["--dask", "nowhere"], "--dask"),
     ],
@@ -410,7 +439,7 @@ class CountingEvent:
 def test_asynchronous_host_staging_path_runs_on_cpu_and_reuses_buffers(corpus, tmp_path, monkeypatch):
     staged, data = staged_model(), datasets_for(corpus)
     dataset = data["train"]
-    fields = {n: (shape, dtype) for n, (shape, dtype) in caching.store_fields(SEQ, 64, torch.float32).items()}
+    fields = {n: (shape, dtype) for n, (shape, dtype) in store_fields(SEQ, 64, torch.float32).items()}
     stager = shards.HostStager("cpu", asynchronous=True, max_pooled=1)
     assert stager.asynchronous and not stager.pin  # pinned memory only where CUDA is
     copies = []
@@ -433,9 +462,9 @@ def test_asynchronous_host_staging_path_runs_on_cpu_and_reuses_buffers(corpus, t
     # the writer waits on the fence before it touches the buffers
     event = CountingEvent()
     monkeypatch.setattr(shards.HostStager, "fence", lambda self: event)
-    monkeypatch.setattr(cache_runners, "HostStager", lambda device, **kw: stager)
-    result = caching.cache_boundary(staged, {"eval": data["eval"]}, load_tokenizer("byte"), 2, tmp_path / "c",
-                                    samples_per_shard=PER_SHARD, batch_size=BATCH, progress=False)
+    monkeypatch.setattr(local_runner, "HostStager", lambda device, **kw: stager)
+    result = cache_boundary(staged, {"eval": data["eval"]}, load_tokenizer("byte"), 2, tmp_path / "c",
+                            CacheOptions(samples_per_shard=PER_SHARD, batch_size=BATCH, progress=False))
     assert event.waited == result.shards_computed > 0
 
 
@@ -449,7 +478,50 @@ def test_a_shard_whose_forward_fails_is_named_and_the_others_are_written(corpus,
         return original(self, a, b)
 
     monkeypatch.setattr(shards.DatasetInputs, "__call__", broken)
-    with pytest.raises(caching.CacheJobError, match=r"train shard 1 \(samples 16..32\).*illegal memory access"):
+    with pytest.raises(CacheJobError, match=r"train shard 1 \(samples 16..32\).*illegal memory access"):
         cache(staged, {"train": data["train"]}, 2, tmp_path / "c", retries=1)
     store = open_store(tmp_path / "c" / "train")
     assert store.missing_shards() == [1] and len(store.completed_shards()) == store.num_shards - 1
+
+
+def test_the_old_flag_spellings_still_work_with_a_note(corpus, tmp_path, capsys):
+    argv = ["cache", "--model", "tiny-llama", "--data", corpus, "--seq-len", str(SEQ), "--boundary", "2", "--splits",
+            "eval", "--samples-per-shard", str(PER_SHARD), "--quiet"]
+    code, _, err = run_cli([*argv, "--out", str(tmp_path / "old"), "--dtype", "bfloat16", "--format",
+                            "safetensors"], capsys)
+    assert code == 0, err
+    assert "--dtype is deprecated, use --store-dtype" in err and "--format is deprecated, use --store-format" in err
+    code, _, err = run_cli([*argv, "--out", str(tmp_path / "new"), "--store-dtype", "bfloat16", "--store-format",
+                            "safetensors"], capsys)
+    assert code == 0 and err == ""
+    assert_same_cache(tmp_path / "old", tmp_path / "new", splits=("eval",))
+    assert open_store(tmp_path / "new" / "eval").format == "safetensors"
+
+
+def test_a_split_directory_given_as_the_cache_is_one_line_naming_the_root(corpus, tmp_path, capsys):
+    cache(staged_model(), datasets_for(corpus), 2, tmp_path / "c")
+    code, _, err = run_cli(["train", "--store", str(tmp_path / "c" / "train"), "--model", "tiny-llama", "--out",
+                            str(tmp_path / "run"), "--steps-per-visit", "1"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert f"pass the cache root {tmp_path / 'c'}" in err
+
+
+def test_cache_options_are_checked_when_made():
+    assert parse_dask("local:3") == LocalWorkers(3) and str(parse_dask("local:3")) == "local:3"
+    assert parse_dask("tcp://10.0.0.1:8786") == SchedulerAddress("tcp://10.0.0.1:8786")
+    for bad in ("local:0", "local:x", "10.0.0.1:8786"):
+        with pytest.raises(preinfer.errors.UsageError, match=f"--dask '{bad}': expected"):
+            parse_dask(bad)
+    assert CacheOptions(dask="local:2").dask == LocalWorkers(2) and CacheOptions().workers == "1"
+    assert CacheOptions(store_dtype=torch.bfloat16).store_dtype == "bfloat16"
+    for options, message in ((dict(batch_size=0), "--batch-size must be a positive integer"),
+                             (dict(retries=-1), "--retries must be an integer >= 0"),
+                             (dict(samples_per_shard=True), "--samples-per-shard"),
+                             (dict(store_format="hdf5"), "--store-format 'hdf5'"),
+                             (dict(store_dtype="int8"), "--store-dtype 'int8'"),
+                             (dict(mode="append"), "mode 'append'"),
+                             (dict(store_format="safetensors", codec="zstd"), "--codec: .*raw bytes")):
+        with pytest.raises(preinfer.errors.UsageError, match=message):
+            CacheOptions(**options)
+    resolved = CacheOptions().for_model(torch.float32, "cpu")
+    assert (resolved.store_dtype, resolved.dtype, resolved.device) == ("float32", torch.float32, "cpu")

@@ -1,15 +1,20 @@
 """The caching job on Dask: one LocalCluster of 2 worker processes for the whole module (`--dask local:2` jobs of
 one process share it), identical stores, the model loaded once per worker, retried and failing shards."""
 
+import functools
 import json
-import os
 
 import pytest
 import torch
 
-from pipelines import caching, dask_cache, shards
+from pipelines.cache import CacheOptions, roll_forward
+from pipelines.cache.dask_runner import local_client, shutdown_local_clusters
+from pipelines.cache.result import CacheJobError
 from storage import open_store
-from test_cache import PER_SHARD, BATCH, SEQ, assert_same_cache, cache, datasets_for, run_cli, staged_model, write_corpus
+from test_cache import (
+    PER_SHARD, BATCH, SEQ, assert_same_cache, cache, cli_hook, datasets_for, fail_once, fail_shards, run_cli,
+    staged_model, write_corpus,
+)
 
 
 @pytest.fixture(scope="module")
@@ -27,21 +32,10 @@ def reference(corpus, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def workers():
-    """The client of this process's `local:2` cluster; the env hooks are cleared on its workers afterwards."""
-    client = dask_cache.local_client(2)
+    """The client of this process's `local:2` cluster."""
+    client = local_client(2)
     yield client
-    dask_cache.shutdown_local_clusters()
-
-
-def set_worker_env(client, **env):
-    def apply(values):
-        for key, value in values.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-    client.run(apply, env)
+    shutdown_local_clusters()
 
 
 def cli_args(corpus, out, *extra):
@@ -60,32 +54,27 @@ def test_dask_local_2_gives_the_store_of_one_worker_and_loads_the_model_once_per
     assert_same_cache(tmp_path / "c", reference)
     # a second job in the same process reuses the cluster and the loaded models (a roll-forward, say)
     staged = staged_model()
-    rolled = caching.roll_forward(staged, tmp_path / "c", 3, tmp_path / "r3", samples_per_shard=PER_SHARD,
-                                  batch_size=BATCH, progress=False, model_name="tiny-llama", dask="local:2")
+    rolled = roll_forward(staged, tmp_path / "c", 3, tmp_path / "r3", CacheOptions(
+        samples_per_shard=PER_SHARD, batch_size=BATCH, progress=False, model_name="tiny-llama", dask="local:2"))
     assert set(rolled.model_loads.values()) == {1}
     cache(staged, datasets_for(corpus), 3, tmp_path / "f3")
     assert_same_cache(tmp_path / "r3", tmp_path / "f3")
 
 
 def test_a_dask_task_that_fails_once_is_retried(workers, corpus, reference, tmp_path):
-    set_worker_env(workers, **{shards.FAULT_ENV: "train/2,eval/1", shards.FAULT_ONCE_ENV: str(tmp_path)})
-    try:
-        result = cache(staged_model(), datasets_for(corpus), 2, tmp_path / "c", dask=workers, retries=1)
-    finally:
-        set_worker_env(workers, **{shards.FAULT_ENV: None, shards.FAULT_ONCE_ENV: None})
+    hook = functools.partial(fail_once, str(tmp_path), frozenset({"train/2", "eval/1"}))
+    result = cache(staged_model(), datasets_for(corpus), 2, tmp_path / "c", dask=workers, retries=1,
+                   before_shard_write=hook)
     assert (tmp_path / "fault-train-2").exists() and (tmp_path / "fault-eval-1").exists()
     assert result.shards_computed == sum(s.num_shards for s in result.splits.values())
     assert_same_cache(tmp_path / "c", reference)
 
 
 def test_a_dask_shard_that_always_fails_is_named_and_the_rest_stay_intact(workers, corpus, reference, tmp_path,
-                                                                        capsys):
-    set_worker_env(workers, **{shards.FAULT_ENV: "train/3"})
+                                                                        capsys, monkeypatch):
+    cli_hook(monkeypatch, functools.partial(fail_shards, frozenset({"train/3"})))
     address = workers.scheduler.address
-    try:
-        code, _, err = run_cli(cli_args(corpus, tmp_path / "c", "--dask", address, "--retries", "1"), capsys)
-    finally:
-        set_worker_env(workers, **{shards.FAULT_ENV: None})
+    code, _, err = run_cli(cli_args(corpus, tmp_path / "c", "--dask", address, "--retries", "1"), capsys)
     assert code == 1 and len(err.strip().splitlines()) == 1, err
     assert "train shard 3 (samples 48..64)" in err and "injected fault" in err
     store, ref = open_store(tmp_path / "c" / "train"), open_store(reference / "train")
@@ -97,7 +86,7 @@ def test_a_dask_shard_that_always_fails_is_named_and_the_rest_stay_intact(worker
 
 def test_workers_refuse_a_model_other_than_the_clients(workers, corpus, tmp_path):
     staged = staged_model(seed=1)  # the workers load tiny-llama with seed 0
-    with pytest.raises(caching.CacheJobError, match="another prefix"):
+    with pytest.raises(CacheJobError, match="another prefix"):
         cache(staged, {"eval": datasets_for(corpus)["eval"]}, 2, tmp_path / "c", dask=workers, retries=0)
 
 

@@ -39,8 +39,11 @@ def test_inspect_shows_an_incomplete_store(made, tmp_path, capsys):
 
     _, out = made
     shutil.copytree(out / "train", tmp_path / "train")
-    (tmp_path / "train" / "done" / "shard-000001.json").unlink()
     manifest = json.loads((tmp_path / "train" / "manifest.json").read_text())
+    (tmp_path / "train" / "done").mkdir()  # what a killed job leaves: completion records, shard 1's missing
+    for i, record in manifest["shards"].items():
+        if i != "1":
+            (tmp_path / "train" / "done" / f"shard-{int(i):06d}.json").write_text(json.dumps(record))
     manifest["complete"], manifest["shards"] = False, {}
     (tmp_path / "train" / "manifest.json").write_text(json.dumps(manifest))
     code, stdout, _ = run_cli(["inspect", str(tmp_path / "train")], capsys)

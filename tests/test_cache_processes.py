@@ -8,11 +8,19 @@ import time
 from pathlib import Path
 
 
-from pipelines import shards
 from storage import open_store
 from test_cache import BATCH, PER_SHARD, SEQ, assert_same_cache, cache, datasets_for, run_cli, staged_model, write_corpus
 
 REPO = Path(__file__).resolve().parents[1]
+# `preinfer cache` with a pause before every shard write (so that it can be killed in the middle).
+SLOW_CACHE = """
+import functools, sys, time
+from pipelines.cli import main
+from pipelines.commands import cache
+
+cache.CacheOptions = functools.partial(cache.CacheOptions, before_shard_write=lambda split, shard: time.sleep(0.2))
+sys.exit(main(sys.argv[1:]))
+"""
 
 
 def test_a_job_killed_with_sigkill_resumes_to_an_identical_store(tmp_path, capsys):
@@ -20,9 +28,9 @@ def test_a_job_killed_with_sigkill_resumes_to_an_identical_store(tmp_path, capsy
     out = tmp_path / "c"
     args = ["cache", "--model", "tiny-llama", "--data", corpus, "--seq-len", str(SEQ), "--boundary", "2", "--out",
             str(out), "--samples-per-shard", str(PER_SHARD), "--batch-size", str(BATCH), "--quiet"]
-    env = {**os.environ, shards.DELAY_ENV: "0.2", "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", *args], cwd=REPO, env=env,
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_CACHE, *args], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     done_dir = out / "train" / "done"
     deadline = time.monotonic() + 120

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import preinfer
-from pipelines.caching import open_cache
+from pipelines.cache import open_cache
 from pipelines.cli import main
 from pipelines.sources import ReaderBatches
 from pipelines.suffix import load_suffix

@@ -15,6 +15,7 @@ from storage import (
     CorruptStoreError,
     Fingerprint,
     IncompleteStoreError,
+    LayoutMismatchError,
     StaleStoreError,
     StorageError,
     UnsupportedFormatError,
@@ -81,7 +82,7 @@ def fill(store: storage.Store, shards=None, seed: int = 0) -> None:
 def small_store(path: str, backend: str = "zarr", codec=None, num_samples: int = 10, **kw) -> storage.Store:
     fields = {"hidden": ((3, 8), torch.bfloat16), "index": ((), torch.int64), "mask": ((3,), torch.bool)}
     return create_store(path, fields=fields, num_samples=num_samples, samples_per_shard=4, fingerprint=FP,
-                        backend=backend, codec=codec, **kw)
+                        format=backend, codec=codec, **kw)
 
 
 @pytest.mark.parametrize("backend,codec", VARIANTS)
@@ -89,7 +90,7 @@ def test_round_trip_bit_exact_every_dtype(tmp_path, backend, codec):
     fields = {name: ((3, 5), dtype) for name, dtype in zip(["f32", "f16", "bf16", "i32", "i64", "b"], ALL_DTYPES)}
     path = make_path(tmp_path, backend)
     store = create_store(path, fields=fields, num_samples=11, samples_per_shard=4, fingerprint=FP,
-                         backend=backend, codec=codec)
+                         format=backend, codec=codec)
     assert (store.num_shards, store.shard_range(2)) == (3, (8, 11))  # last shard holds fewer samples
     fill(store)
     store.finalize()
@@ -168,7 +169,7 @@ def test_write_errors_are_clear(tmp_path, backend):
         store.write_shard(0, {"hidden": good["hidden"]})
     with pytest.raises(StorageError, match="unsupported dtype"):
         create_store(make_path(tmp_path, backend) + "x", fields={"a": ((2,), torch.complex64)}, num_samples=4,
-                     samples_per_shard=2, fingerprint=FP, backend=backend)
+                     samples_per_shard=2, fingerprint=FP, format=backend)
     assert store.missing_shards() == [0, 1, 2]
 
 
@@ -223,6 +224,56 @@ def test_create_store_resumes_identical_refuses_different(tmp_path):
     with pytest.raises(StorageError, match="not an activation store .* nothing was deleted"):
         small_store(str(foreign), overwrite=True)
     assert (foreign / "precious.txt").exists()
+
+
+def test_reopening_another_store_says_what_differs(tmp_path):
+    path = str(tmp_path / "s")
+    small_store(path)
+    with pytest.raises(LayoutMismatchError) as caught:
+        create_store(path, fields={"hidden": ((3, 9), torch.bfloat16), "index": ((), torch.int64),
+                                   "mask": ((3,), torch.bool)}, num_samples=12, samples_per_shard=4, fingerprint=FP)
+    assert caught.value.differences == {
+        "num_samples": (10, 12), "field hidden": ({"shape": [3, 8], "dtype": "bfloat16"},
+                                                 {"shape": [3, 9], "dtype": "bfloat16"})}
+    with pytest.raises(LayoutMismatchError) as caught:
+        small_store(path, backend="safetensors")
+    assert set(caught.value.differences) == {"format", "codec"}
+    assert caught.value.differences["format"] == ("zarr", "safetensors")
+    other = Fingerprint("digest-b", {**FP.parts, "boundary": 3})
+    with pytest.raises(StaleStoreError, match=r"a different store exists .*boundary: store has 2, expected 3"):
+        create_store(path, fields={"index": ((), torch.int64)}, num_samples=10, samples_per_shard=4,
+                     fingerprint=other)
+    assert storage.is_store(path) and not storage.is_store(tmp_path)
+
+
+def store_files(path: str) -> list[str]:
+    return sorted(p.relative_to(path).as_posix() for p in pathlib.Path(path).rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("backend", ["zarr", "safetensors"])
+def test_a_finished_store_holds_its_data_files_and_manifest_only(tmp_path, backend):
+    if backend == "zarr":
+        expected = ["data/zarr.json", *(f"data/{name}/zarr.json" for name in ("hidden", "index", "mask"))]
+        expected += [key for i in range(3) for key in (f"data/hidden/c/{i}/0/0", f"data/index/c/{i}",
+                                                         f"data/mask/c/{i}/0")]
+    else:
+        expected = ["shards.safetensors.index.json", *(f"shards/shard-{i:06d}.safetensors" for i in range(3))]
+    expected = sorted([*expected, "manifest.json"])
+    path = str(tmp_path / "s")
+    killed = small_store(path, backend)
+    fill(killed, [0, 2])  # a writer that died here leaves a completion record and a lock file per shard
+    left = store_files(path)
+    assert {"done/shard-000000.json", "done/shard-000002.json"} <= set(left)
+    assert "locks/shard-000000.lock" in left
+    resumed = small_store(path, backend)
+    assert resumed.missing_shards() == [1]
+    fill(resumed, [1])
+    resumed.finalize()
+    assert store_files(path) == expected
+    assert verify(path).ok and open_store(path).shard_bytes(1) > 0
+    assert [open_store(path).read_shard(i)["index"].tolist() for i in range(3)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    path, _ = finished(tmp_path / "again", backend)
+    assert store_files(path) == expected
 
 
 def test_bad_arguments(tmp_path):

@@ -55,7 +55,7 @@ def wait_for(path: pathlib.Path, proc: subprocess.Popen, timeout: float = 60) ->
 def test_two_processes_write_disjoint_shards(tmp_path):
     paths = {backend: str(tmp_path / backend) for backend in ("zarr", "safetensors")}
     stores = {backend: create_store(path, fields=FIELDS, num_samples=50, samples_per_shard=4, fingerprint="fp",
-                                    backend=backend) for backend, path in paths.items()}
+                                    format=backend) for backend, path in paths.items()}
     writer = """
         stores = [open_store(path, expect_fingerprint="fp") for path in sys.argv[2:]]
         for i in range(int(sys.argv[1]), stores[0].num_shards, 2):
@@ -80,7 +80,7 @@ def test_two_processes_write_disjoint_shards(tmp_path):
 @pytest.mark.parametrize("backend", ["zarr", "safetensors"])
 def test_writer_killed_inside_write_shard(tmp_path, backend):
     path = str(tmp_path / "s")
-    store = create_store(path, fields=FIELDS, num_samples=12, samples_per_shard=4, fingerprint="fp", backend=backend)
+    store = create_store(path, fields=FIELDS, num_samples=12, samples_per_shard=4, fingerprint="fp", format=backend)
     store.write_shard(0, content(store, 0))
     flag = tmp_path / "inside"
     # The child writes shard 1's data, then hangs inside write_shard before the completion record.

@@ -17,7 +17,7 @@ def make_store(backend: str = "memory", tmp_path=None, num_samples: int = N, sam
     path = str(tmp_path / "s") if tmp_path is not None else f"mem-{uuid.uuid4().hex}"
     store = create_store(
         path, fields={"index": ((), torch.int64), "hidden": ((2, 3), torch.bfloat16)}, num_samples=num_samples,
-        samples_per_shard=samples_per_shard, fingerprint=Fingerprint("d"), backend=backend,
+        samples_per_shard=samples_per_shard, fingerprint=Fingerprint("d"), format=backend,
     )
     for i in range(store.num_shards):
         start, stop = store.shard_range(i)

@@ -1,10 +1,11 @@
 """`preinfer cache`: run the frozen prefix once over a dataset and store the boundary states (see
-`pipelines.caching`), from the input or rolled forward from a store at a lower boundary."""
+`pipelines.cache`), from the input or rolled forward from a store at a lower boundary."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import preinfer
@@ -12,9 +13,23 @@ from preinfer.config import Config
 from preinfer.data import load_data
 from preinfer.errors import UsageError
 from preinfer.tokenizers import load_tokenizer
-from pipelines import caching
+from pipelines.cache import CacheOptions, CacheResult, cache_boundary, roll_forward
+from pipelines.cache.directory import DEFAULT_SPLITS
+from pipelines.cache.fingerprints import check_boundary
+from pipelines.cache.options import STORE_DTYPES, STORE_FORMATS
+from pipelines.cache.result import CacheJobError
 from pipelines.arguments import device, non_negative_int, positive_int
 from pipelines.models import model_source
+
+
+class _Renamed(argparse.Action):
+    """A flag with an old spelling that still works this version, with a note on stderr when it is used."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string != self.option_strings[0]:
+            print(f"preinfer cache: note: {option_string} is deprecated, use {self.option_strings[0]}",
+                  file=sys.stderr)
+        setattr(namespace, self.dest, values)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,15 +43,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", help="[the run's, else byte]")
     parser.add_argument("--seq-len", type=positive_int, help="tokens per sample [the run's, else 128]")
     parser.add_argument("--eval-fraction", type=float, help="share of documents held out [the run's, else 0.1]")
-    parser.add_argument("--splits", default=",".join(caching.DEFAULT_SPLITS),
+    parser.add_argument("--splits", default=",".join(DEFAULT_SPLITS),
                         help="comma-separated splits to cache [train,eval]")
     parser.add_argument("--from-store", metavar="STORE_K",
                         help="roll forward: run only layers [K, --boundary) over the cache (or store) at boundary K")
-    parser.add_argument("--format", choices=caching.FORMATS, default="zarr", help="store backend [zarr]")
+    parser.add_argument("--store-format", "--format", action=_Renamed, choices=STORE_FORMATS, default="zarr",
+                        help="store format (--format: the old spelling) [zarr]")
     parser.add_argument("--codec", help="zarr codec: blosc-zstd, blosc-lz4, zstd, none [blosc-zstd; none for "
                                         "safetensors]")
-    parser.add_argument("--dtype", choices=["auto", *caching.STORE_DTYPES], default="auto",
-                        help="storage dtype of hidden states; auto = the compute dtype, bit-exact [auto]")
+    parser.add_argument("--store-dtype", "--dtype", action=_Renamed, choices=["auto", *STORE_DTYPES],
+                        default="auto", help="storage dtype of hidden states; auto = the compute dtype, bit-exact "
+                                             "(--dtype: the old spelling) [auto]")
     parser.add_argument("--batch-size", type=positive_int, default=16, help="forward batch [16]")
     parser.add_argument("--samples-per-shard", type=positive_int,
                         help="samples per shard (the unit of writing, resuming and Dask tasks) [about 64 MiB of "
@@ -64,35 +81,35 @@ def run(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file, not a directory")
     splits = [s.strip() for s in args.splits.split(",") if s.strip()]
-    unknown = [s for s in splits if s not in caching.DEFAULT_SPLITS]
+    unknown = [s for s in splits if s not in DEFAULT_SPLITS]
     if not splits or unknown:
-        raise UsageError(f"--splits {args.splits!r}: choose from {', '.join(caching.DEFAULT_SPLITS)}")
+        raise UsageError(f"--splits {args.splits!r}: choose from {', '.join(DEFAULT_SPLITS)}")
     dask = args.dask or (f"local:{args.workers}" if args.workers > 1 else None)
     source, run_config = model_source(args.model, args.seed)
     base, seed = run_config or Config(), source.seed
-    model = source.load().to(args.device).eval()
-    staged = preinfer.stage(model)
-    options = dict(
-        fmt=args.format, dtype=args.dtype, batch_size=args.batch_size, samples_per_shard=args.samples_per_shard,
-        codec=args.codec, mode="overwrite" if args.overwrite else "resume", model_name=args.model,
-        model_seed=seed, progress=not args.quiet, dask=dask, retries=args.retries, device=args.device,
+    options = CacheOptions(
+        store_format=args.store_format, store_dtype=args.store_dtype, batch_size=args.batch_size,
+        samples_per_shard=args.samples_per_shard, codec=args.codec, mode="overwrite" if args.overwrite else "resume",
+        model_name=args.model, model_seed=seed, progress=not args.quiet, dask=dask, retries=args.retries,
+        device=args.device,
     )
+    staged = preinfer.stage(source.load().to(args.device).eval())
     try:
         if args.from_store:
-            chosen = None if args.splits == ",".join(caching.DEFAULT_SPLITS) else splits
-            result = caching.roll_forward(staged, args.from_store, args.boundary, out, splits=chosen, **options)
+            chosen = None if args.splits == ",".join(DEFAULT_SPLITS) else splits
+            result = roll_forward(staged, args.from_store, args.boundary, out, options, splits=chosen)
         else:
-            caching.check_boundary(staged, args.boundary)
+            check_boundary(staged, args.boundary)
             tokenizer = load_tokenizer(args.tokenizer or base.model.tokenizer)
             data = args.data or base.data.path
             seq_len = args.seq_len or base.data.seq_len
             fraction = args.eval_fraction if args.eval_fraction is not None else base.data.eval_fraction
             datasets = {split: _load(data, tokenizer, seq_len, split, fraction) for split in splits}
-            result = caching.cache_boundary(staged, datasets, tokenizer, args.boundary, out, **options)
+            result = cache_boundary(staged, datasets, tokenizer, args.boundary, out, options)
     except (PermissionError, NotADirectoryError, FileExistsError) as err:
         raise UsageError(f"--out {out}: {err.strerror or err} ({err.filename or out})") from None
     except OSError as err:  # a full disk or a failing device outside a shard write
-        raise caching.CacheJobError(f"writing the cache in {out} failed: {err}") from None
+        raise CacheJobError(f"writing the cache in {out} failed: {err}") from None
     if args.json:
         print(json.dumps(result_json(result)))
     else:
@@ -107,12 +124,12 @@ def _load(data: str, tokenizer, seq_len: int, split: str, fraction: float):
         raise UsageError(f"cannot read --data {data}: {err.strerror or err}") from None
 
 
-def result_json(result: caching.CacheResult) -> dict:
+def result_json(result: CacheResult) -> dict:
     return {
         "path": str(result.path), "boundary": result.boundary, "source_boundary": result.source_boundary,
         "samples": result.samples, "tokens": result.tokens, "bytes_written": result.bytes_written,
         "seconds": result.seconds, "tokens_per_s": result.tokens_per_s, "shards_computed": result.shards_computed,
-        "shards_skipped": result.shards_skipped, "dtype": result.dtype, "format": result.fmt,
+        "shards_skipped": result.shards_skipped, "dtype": result.store_dtype, "format": result.store_format,
         "workers": result.workers, "model_loads": result.model_loads,
         "splits": {name: {"path": str(s.path), "samples": s.samples, "tokens": s.tokens, "shards": s.num_shards,
                           "computed": s.shards_computed, "skipped": s.shards_skipped,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from pipelines.cache_report import describe, format_description
+from pipelines.cache.report import describe, format_description
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -9,8 +9,8 @@ from preinfer.config import Config
 from preinfer.data import load_data
 from preinfer.errors import UsageError
 from preinfer.tokenizers import load_tokenizer
-from pipelines.cache_report import verify_cache
-from pipelines.caching import DEFAULT_SPLITS, cache_splits
+from pipelines.cache.directory import DEFAULT_SPLITS, cache_splits
+from pipelines.cache.report import verify_cache
 from pipelines.arguments import device, non_negative_int
 from pipelines.models import model_source
 from storage import open_store

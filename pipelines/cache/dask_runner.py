@@ -4,6 +4,7 @@ Workers keep the model in a per-process cache keyed by (spec, seed, device), so 
 once per task; a task checks the cached model's prefix digest against the one the client computed from its
 in-memory model and reloads a run directory once if its checkpoint moved on, else fails (the store would lie).
 At most `2 x workers` tasks are in flight, so the token tensors a task carries never pile up in the scheduler.
+Before the first task, the client registers `worker_imports`' plugin on the cluster.
 """
 
 from __future__ import annotations
@@ -15,20 +16,30 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+import preinfer
 from preinfer.errors import UsageError
 from preinfer.fingerprint import prefix_digest
+from preinfer.staged import StagedModel
+from storage import Store, open_store
+from pipelines.cache.options import CacheOptions, LocalWorkers, SchedulerAddress
+from pipelines.cache.progress import Progress
+from pipelines.cache.shards import (
+    DatasetInputs, HostStager, StoreInputs, compute_shard, host_fields, is_disk_full, one_line, write_shard,
+)
+from pipelines.cache.work import Failure, SplitJob
+from pipelines.cache.worker_imports import worker_plugin
+from pipelines.models import is_run_dir, resolve_model
 
 _LOCK = threading.Lock()
-_MODELS: dict[tuple, Any] = {}
+_MODELS: dict[tuple, StagedModel] = {}
 _DIGESTS: dict[tuple, dict[int, str]] = {}
 _STATS = {"loads": 0, "threads_set": False}
-# What the tasks of the last run in this (client) process reported: worker, compute_s, write_s, bytes...
-LAST_RUN_TASKS: list[dict[str, Any]] = []
 
 
 @dataclass
@@ -52,6 +63,7 @@ class ShardTask:
     source_path: str | None = None  # or the store at `start_layer` to roll forward from
     source_digest: str | None = None
     torch_threads: int | None = None
+    before_write: Callable[[str, int], None] | None = None
 
 
 def _worker_name() -> str:
@@ -63,11 +75,8 @@ def _worker_name() -> str:
         return f"pid {os.getpid()}"
 
 
-def worker_model(spec: str, seed: int, device: str, boundary: int, expected: str):
+def worker_model(spec: str, seed: int, device: str, boundary: int, expected: str) -> StagedModel:
     """The staged model of `spec` in this worker process, loaded once, whose prefix at `boundary` is `expected`."""
-    import preinfer
-    from pipelines.models import is_run_dir, resolve_model
-
     key = (spec, seed, device)
     with _LOCK:
         for attempt in range(2):
@@ -93,11 +102,9 @@ def worker_model(spec: str, seed: int, device: str, boundary: int, expected: str
     )
 
 
-def _store(path: str, digest: str):
+def _store(path: str, digest: str) -> Store:
     """The store at `path`, opened afresh by every task: a cached Store would keep the completion records of a
     store since deleted and recreated at the same path (an overwrite), and skip its writes."""
-    from storage import open_store
-
     return open_store(path, expect_fingerprint=digest, check_files=False)
 
 
@@ -119,9 +126,6 @@ def _tune_malloc() -> None:
 
 def run_task(task: ShardTask) -> dict[str, Any]:
     """Compute shard `task.shard` and write it; returns what the client counts."""
-    from pipelines.shards import DatasetInputs, HostStager, StoreInputs, compute_shard, shard_bytes, write_shard
-    from storage.dtypes import torch_dtype
-
     if not _STATS["threads_set"]:
         if task.torch_threads:
             torch.set_num_threads(task.torch_threads)
@@ -134,15 +138,14 @@ def run_task(task: ShardTask) -> dict[str, Any]:
     else:
         inputs = StoreInputs(_store(task.source_path, task.source_digest), task.start_layer, task.device,
                              staged.compute_dtype)
-    fields = {n: (s.shape, torch_dtype(s.dtype)) for n, s in store.fields.items()}
     stager = HostStager(task.device)
     started = time.perf_counter()
     buffers, fence = compute_shard(staged, inputs, task.start_layer, task.boundary, task.lo, task.hi,
-                                   task.batch_size, fields, stager)
+                                   task.batch_size, host_fields(store), stager)
     fence.synchronize()
     computed = time.perf_counter()
-    write_shard(store, task.split, task.shard, buffers)
-    return {"split": task.split, "shard": task.shard, "bytes": shard_bytes(store, task.shard),
+    write_shard(store, task.split, task.shard, buffers, before_write=task.before_write)
+    return {"split": task.split, "shard": task.shard, "bytes": store.shard_bytes(task.shard),
             "worker": _worker_name(), "loads": _STATS["loads"], "compute_s": computed - started,
             "write_s": time.perf_counter() - computed, "torch_threads": torch.get_num_threads()}
 
@@ -183,40 +186,37 @@ def local_client(workers: int):
     return client
 
 
-def connect(dask: Any):
-    """(client, close, torch threads per worker) for "local:N", "tcp://host:port" or a `distributed.Client`."""
+def connect(dask: Any) -> tuple[Any, Callable[[], None], int | None]:
+    """(client, close, torch threads per worker) for a `LocalWorkers`, a `SchedulerAddress` or a
+    `distributed.Client`, with the import plugin registered."""
     from distributed import Client
 
-    if not isinstance(dask, str):
-        return dask, lambda: None, None
-    if dask.startswith("local:"):
+    if isinstance(dask, LocalWorkers):
+        client, close, threads = local_client(dask.workers), lambda: None, dask.torch_threads
+    elif isinstance(dask, SchedulerAddress):
         try:
-            workers = int(dask.removeprefix("local:"))
-            if workers < 1:
-                raise ValueError
-        except ValueError:
-            raise UsageError(f"--dask {dask!r}: expected local:N with N >= 1 workers") from None
-        return local_client(workers), lambda: None, max(1, (os.cpu_count() or 1) // workers)
-    if "://" not in dask:
-        raise UsageError(f"--dask {dask!r}: expected local:N or a scheduler address such as tcp://host:8786")
-    try:
-        client = Client(dask, timeout="20s")
-    except (OSError, TimeoutError) as err:
-        raise UsageError(f"--dask {dask}: cannot reach the Dask scheduler ({err})") from None
-    return client, client.close, None
+            client = Client(dask.address, timeout="20s")
+        except (OSError, TimeoutError) as err:
+            raise UsageError(f"--dask {dask}: cannot reach the Dask scheduler ({err})") from None
+        close, threads = client.close, None
+    else:
+        client, close, threads = dask, lambda: None, None
+    client.register_plugin(worker_plugin())  # idempotent: registered once per cluster
+    return client, close, threads
 
 
-def run(staged, jobs, boundary: int, opts, bar, timing: dict[str, float] | None = None):
-    """Run the shards of `jobs` as Dask tasks; returns (failed, fatal, model loads per worker)."""
+def run(staged: StagedModel, jobs: list[SplitJob], boundary: int, opts: CacheOptions, bar: Progress,
+        timing: dict[str, float]) -> tuple[list[Failure], BaseException | None, dict[str, int]]:
+    """Run the shards of `jobs` as Dask tasks, adding to `timing`; returns (the shards that failed, the error that
+    stopped the job or None, model loads per worker)."""
     from distributed import as_completed
 
-    from pipelines.cache_runners import one_line
-    from pipelines.shards import is_disk_full
-
+    if not opts.model_name:
+        raise UsageError("Dask workers load the model themselves: give its spec (a preset, a directory or a run "
+                         "directory) as model_name / --model")
     logging.getLogger("distributed").setLevel(logging.ERROR)
     client, close, threads = connect(opts.dask)
-    LAST_RUN_TASKS.clear()
-    failed: list[tuple[str, int, str]] = []
+    failed: list[Failure] = []
     fatal: BaseException | None = None
     loads: dict[str, int] = {}
     try:
@@ -226,15 +226,16 @@ def run(staged, jobs, boundary: int, opts, bar, timing: dict[str, float] | None 
         run_id = uuid.uuid4().hex[:8]
         owners: dict[Any, tuple[Any, int]] = {}
 
-        def submit(job, shard):
+        def submit(job: SplitJob, shard: int):
             lo, hi = job.store.shard_range(shard)
             inputs = None
             if job.dataset is not None:
                 inputs = {k: v.clone() for k, v in job.dataset[lo:hi].items()}
             task = ShardTask(
                 job.name, str(job.store.path), job.store.fingerprint.digest, shard, lo, hi, boundary,
-                job.inputs.start_layer, opts.batch_size, opts.model_name, opts.model_seed, str(opts.device), prefix,
+                job.start_layer, opts.batch_size, opts.model_name, opts.model_seed, str(opts.device), prefix,
                 inputs, None if job.source_path is None else str(job.source_path), job.source_digest, threads,
+                opts.before_shard_write,
             )
             future = client.submit(run_task, task, key=f"preinfer-cache-{job.name or 'store'}-{shard}-{run_id}",
                                    retries=opts.retries, pure=False)
@@ -255,15 +256,10 @@ def run(staged, jobs, boundary: int, opts, bar, timing: dict[str, float] | None 
                     break
             else:
                 result = future.result()
-                LAST_RUN_TASKS.append(result)
-                if timing is not None:
-                    timing["forward"] += result["compute_s"]
-                    timing["write"] += result["write_s"]
-                lo, hi = job.store.shard_range(shard)
-                job.result.shards_computed += 1
-                job.result.bytes_written += result["bytes"]
+                timing["forward"] += result["compute_s"]
+                timing["write"] += result["write_s"]
                 loads[result["worker"]] = result["loads"]
-                bar.shard_done(job.name, hi - lo, result["bytes"])
+                bar.shard_done(job.name, job.shard_done(shard, result["bytes"]), result["bytes"])
             following = next(queue, None)
             if following is not None:
                 futures.add(submit(*following))

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -18,11 +17,12 @@ from typing import Any
 
 import torch
 
-from pipelines.caching import CACHE_INDEX, cache_fingerprint, cache_splits
-from pipelines.shards import DatasetInputs
 from preinfer.data import TokenDataset
 from preinfer.staged import StagedModel
 from storage import Store, StorageError, open_store, verify
+from pipelines.cache.directory import cache_splits, read_index
+from pipelines.cache.fingerprints import cache_fingerprint
+from pipelines.cache.shards import DatasetInputs
 
 
 def _disk_bytes(path: Path) -> int:
@@ -36,15 +36,8 @@ def _disk_bytes(path: Path) -> int:
     return total
 
 
-def _index(path: Path) -> dict:
-    try:
-        return json.loads((path / CACHE_INDEX).read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def _real_tokens(store: Store, done: list[int]) -> int | None:
-    if store.backend == "safetensors":
+    if store.format == "safetensors":
         return None  # would read every file whole; the cache index has the count
     return sum(int(store.read_shard(i, ["attention_mask"], check=False)["attention_mask"].sum()) for i in done)
 
@@ -56,7 +49,7 @@ def describe(path: str | os.PathLike) -> list[dict[str, Any]]:
     if not found:
         raise StorageError(f"no activation store or cache directory at {path} (no manifest.json there or in its "
                            f"subdirectories)")
-    index = _index(path)
+    index = read_index(path)
     infos = []
     for split, store_path in found.items():
         store = open_store(store_path, check_files=False)
@@ -68,7 +61,7 @@ def describe(path: str | os.PathLike) -> list[dict[str, Any]]:
         if real is None:
             real = _real_tokens(store, done) if done and "attention_mask" in store.fields else None
         infos.append({
-            "split": split, "path": str(store_path), "backend": store.backend, "codec": store.codec,
+            "split": split, "path": str(store_path), "format": store.format, "codec": store.codec,
             "samples": store.num_samples, "seq_len": seq_len,
             "tokens": store.num_samples * seq_len if seq_len else None, "real_tokens": real,
             "shards": store.num_shards, "samples_per_shard": store.samples_per_shard,
@@ -104,7 +97,7 @@ def format_description(info: dict[str, Any]) -> str:
         f"  samples       {info['samples']:,} of {info['seq_len']} tokens, in {info['shards']} shards of "
         f"{info['samples_per_shard']} ({info['complete_shards']} complete)",
         f"  tokens        {tokens}",
-        f"  backend       {info['backend']}, codec {codec_text}",
+        f"  format        {info['format']}, codec {codec_text}",
         "  fields        " + ", ".join(f"{n} {s['shape']} {s['dtype']}" for n, s in info["fields"].items()),
         f"  size          {_mib(info['raw_bytes'])} raw, {_mib(info['stored_bytes'])} stored "
         f"({_mib(info['disk_bytes'])} on disk), compression {ratio}",

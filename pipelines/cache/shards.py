@@ -1,15 +1,12 @@
 """The work on one shard of a caching job, shared by the local job and Dask workers: device-to-host staging, a
-shard's inputs (dataset tokens, or the states of a lower store), its forward, and writing it (with the test hooks
-that inject faults and delays, read from the environment)."""
+shard's inputs (dataset tokens, or the states of a lower store), its forward, and writing it (with retries and
+the options' `before_shard_write` hook)."""
 
 from __future__ import annotations
 
 import errno
-import os
 import threading
-import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 
 import torch
 
@@ -18,9 +15,8 @@ from preinfer.staged import StagedModel
 from preinfer.state import BoundaryState
 from storage import Store
 
-FAULT_ENV = "PREINFER_CACHE_FAULTS"
-FAULT_ONCE_ENV = "PREINFER_CACHE_FAULT_ONCE_DIR"
-DELAY_ENV = "PREINFER_CACHE_SHARD_DELAY"
+# {field: (per-sample shape, torch dtype)} of the host buffers of one shard.
+HostFields = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 # ---- host staging (device-to-host copies) ---------------------------------------------------------------------
@@ -50,7 +46,7 @@ class HostStager:
         self._lock = threading.Lock()
         self.allocated = 0
 
-    def acquire(self, fields: Mapping[str, tuple[tuple[int, ...], torch.dtype]], samples: int) -> dict[str, torch.Tensor]:
+    def acquire(self, fields: HostFields, samples: int) -> dict[str, torch.Tensor]:
         """Buffers {name: [samples, *shape]} (reused from the pool when one fits)."""
         want = {name: ((samples, *shape), dtype) for name, (shape, dtype) in fields.items()}
         with self._lock:
@@ -123,9 +119,13 @@ class StoreInputs:
         return BoundaryState.from_dict(tensors)
 
 
+def host_fields(store: Store) -> HostFields:
+    """The host buffer layout of one shard of `store`."""
+    return {name: (spec.shape, spec.torch_dtype) for name, spec in store.fields.items()}
+
+
 def compute_shard(staged: StagedModel, inputs: Callable[[int, int], BoundaryState], start_layer: int, boundary: int,
-                  lo: int, hi: int, batch_size: int, fields: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-                  stager: HostStager):
+                  lo: int, hi: int, batch_size: int, fields: HostFields, stager: HostStager):
     """Boundary states at `boundary` of samples [lo, hi), in batches of `batch_size` from `lo`, copied into host
     buffers; returns (buffers, fence)."""
     buffers = stager.acquire(fields, hi - lo)
@@ -140,7 +140,7 @@ def compute_shard(staged: StagedModel, inputs: Callable[[int, int], BoundaryStat
     return buffers, stager.fence()
 
 
-# ---- writing one shard (fault hooks, retries) -----------------------------------------------------------------
+# ---- writing one shard (retries, the hook) --------------------------------------------------------------------
 
 
 def is_disk_full(err: BaseException | None) -> bool:
@@ -155,39 +155,23 @@ def is_disk_full(err: BaseException | None) -> bool:
     return False
 
 
-def _fault_hook(split: str, shard: int) -> None:
-    delay = os.environ.get(DELAY_ENV)
-    if delay:
-        time.sleep(float(delay))
-    faults = {f.strip() for f in os.environ.get(FAULT_ENV, "").split(",") if f.strip()}
-    name = f"{split}/{shard}" if split else str(shard)
-    if name not in faults:
-        return
-    once_dir = os.environ.get(FAULT_ONCE_ENV)
-    if once_dir:
-        marker = Path(once_dir) / f"fault-{name.replace('/', '-')}"
-        try:
-            with open(marker, "x"):
-                pass
-        except FileExistsError:
-            return
-    raise RuntimeError(f"injected fault ({FAULT_ENV}) on shard {name}")
+def one_line(err: BaseException) -> str:
+    """An error's message on one line (its type's name if it has none)."""
+    text = str(err) or type(err).__name__
+    return " ".join(text.split())
 
 
-def write_shard(store: Store, split: str, shard: int, tensors: dict[str, torch.Tensor], retries: int = 0) -> int:
-    """Write one shard, retrying a failure `retries` times (never a full disk); returns the attempts made."""
+def write_shard(store: Store, split: str, shard: int, tensors: dict[str, torch.Tensor], retries: int = 0,
+                before_write: Callable[[str, int], None] | None = None) -> int:
+    """Write one shard, retrying a failure `retries` times (never a full disk), calling `before_write(split,
+    shard)` before each attempt; returns the attempts made."""
     for attempt in range(retries + 1):
         try:
-            _fault_hook(split, shard)
+            if before_write is not None:
+                before_write(split, shard)
             store.write_shard(shard, tensors)
             return attempt + 1
         except Exception as err:
             if attempt == retries or is_disk_full(err):
                 raise
     raise AssertionError("unreachable")
-
-
-def shard_bytes(store: Store, shard: int) -> int:
-    """Bytes on disk of a complete shard (from its completion record)."""
-    record = store._record(shard)  # noqa: SLF001 - the completion record is the only place sizes live
-    return sum(f["size"] for f in record["files"].values()) if record else 0

@@ -1,0 +1,144 @@
+"""The import graph of `preinfer/`, `storage/` and `pipelines/`, read from the source with `ast` (imports inside
+functions and under TYPE_CHECKING included): no cycle, the fixed dependency direction, and `pipelines/` and `bench/`
+using only `storage`'s public names."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import storage
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("preinfer", "storage", "pipelines")
+# package -> the packages it may never import
+FORBIDDEN = {"storage": ("preinfer", "pipelines"), "preinfer": ("storage", "pipelines")}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    """{dotted name: file} of every module of our packages."""
+    return {module_name(p): p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
+
+
+def imported_names(path: Path, name: str) -> list[tuple[str, list[str]]]:
+    """(module, names imported from it) for every import statement in the file, relative ones resolved."""
+    is_package = path.name == "__init__.py"
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = name.split(".") if is_package else name.split(".")[:-1]
+                anchor = package[: len(package) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            found.append((base, [alias.name for alias in node.names]))
+    return found
+
+
+def targets(imported: str, names: list[str], known: dict[str, Path]) -> list[str]:
+    """The modules of ours an import statement loads: a `from m import sub` of a submodule loads `m.sub`."""
+    if imported.split(".")[0] not in PACKAGES:
+        return []
+    out = [f"{imported}.{n}" for n in names if f"{imported}.{n}" in known]
+    if len(out) < len(names) or not names:
+        out.append(imported)
+    return [t for t in out if t in known]
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: {t for imported, names in imported_names(path, name) for t in targets(imported, names, known)}
+            for name, path in known.items()}
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path [a, b, ..., a], or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_the_graph_is_read_from_every_module():
+    edges = graph()
+    assert {"storage.store", "storage.reader", "pipelines.cache.build", "preinfer.trainer"} <= set(edges)
+    assert "storage.reader" in edges["storage.store"]  # a plain import
+    assert "pipelines.cache.dask_runner" in edges["pipelines.cache.build"]  # `from pipelines.cache import dask_runner`
+
+
+def test_find_cycle_finds_one_through_a_function_level_import():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+    source = ROOT / "pipelines" / "cache" / "local_runner.py"
+    lazy = [imported for imported, _ in imported_names(source, "pipelines.cache.local_runner")]
+    assert "pipelines.cache.shards" in lazy
+
+
+def test_no_import_cycle_in_our_packages():
+    cycle = find_cycle(graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_dependency_direction():
+    wrong = [f"{source} imports {target}" for source, targets_ in graph().items() for target in targets_
+             if target.split(".")[0] in FORBIDDEN.get(source.split(".")[0], ())]
+    assert wrong == []
+
+
+def _private_store_names() -> set[str]:
+    """The private attributes of storage's Store: its private methods and the `self._x` it assigns."""
+    names = {n for n in dir(storage.Store) if n.startswith("_") and not n.startswith("__")}
+    for node in ast.walk(ast.parse((ROOT / "storage" / "store.py").read_text())):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            if node.attr.startswith("_") and not node.attr.startswith("__"):
+                names.add(node.attr)
+    return names
+
+
+def test_pipelines_and_bench_use_only_storage_public_names():
+    private = _private_store_names()
+    files = [*sorted((ROOT / "pipelines").rglob("*.py")), *sorted((ROOT / "bench").glob("*.py"))]
+    problems = []
+    for path in files:
+        where = path.relative_to(ROOT)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                problems += [f"{where}: import {a.name}" for a in node.names if a.name.startswith("storage.")]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("storage"):
+                if node.module != "storage":
+                    problems.append(f"{where}: from {node.module} import ...")
+                problems += [f"{where}: from storage import {a.name}" for a in node.names
+                             if a.name.startswith("_") or a.name not in storage.__all__]
+            elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                owner = node.value
+                if isinstance(owner, ast.Name) and owner.id == "storage":
+                    problems.append(f"{where}:{node.lineno}: storage.{node.attr}")
+                elif node.attr in private and not (isinstance(owner, ast.Name) and owner.id == "self"):
+                    problems.append(f"{where}:{node.lineno}: .{node.attr} (private to storage.Store)")
+    assert problems == []
