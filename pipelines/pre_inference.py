@@ -73,6 +73,10 @@ class PreInference:
         self.live, self.shard, self.rank, self.world = live, shard, rank, world
         self.mode = config.pre_inference.mode
         self.root = Path(config.pre_inference.store_dir or RunDir(config.run.out).stores)
+        settings = config.pre_inference  # checked here, before the run directory is made
+        self.options = CacheOptions(store_format=settings.store_format, store_dtype=settings.store_dtype,
+                                    samples_per_shard=shard, mode="overwrite", progress=False,
+                                    model_name=config.model.name, dask=settings.dask)
         self.stores: dict[int, Path] = {}  # boundary -> cache directory believed valid
         self.emit: Callable[[Record], None] = lambda record: None
         self.read_bps, self.write_bps = ASSUMED_READ_BPS, ASSUMED_WRITE_BPS
@@ -179,13 +183,10 @@ class PreInference:
             return self.stores[boundary]
         out = self.root / f"boundary-{boundary}"
         source = max((b for b in self._valid_stores() if b < boundary), default=0)
-        options = CacheOptions(store_format=self.config.pre_inference.store_format, store_dtype=self.config.pre_inference.store_dtype,
-                               samples_per_shard=self.shard, mode="overwrite", progress=False,
-                               model_name=self.config.model.name, dask=self.config.pre_inference.dask)
         if source:
-            result = roll_forward(self.staged, self.stores[source], boundary, out, options)
+            result = roll_forward(self.staged, self.stores[source], boundary, out, self.options)
         else:
-            result = cache_boundary(self.staged, self.datasets, self.tokenizer, boundary, out, options)
+            result = cache_boundary(self.staged, self.datasets, self.tokenizer, boundary, out, self.options)
         self.stores[boundary] = out
         if result.write_seconds > 0:  # the writer's own time: the forward is estimated separately
             self.write_bps = max(result.bytes_written / result.write_seconds, 1.0)

@@ -101,6 +101,7 @@ def test_a_run_writes_typed_records_and_resolves_as_a_model(tmp_path, capsys):
     (["--data", "/nonexistent/corpus.txt"], "/nonexistent/corpus.txt"),
     (["--model", "no-such-preset"], "no-such-preset"),
     (["--tokenizer", "/nonexistent/tokenizer"], "/nonexistent/tokenizer"),
+    (["--pre-inference", "on", "--dask", "local:zero"], "--dask"),
 ])
 def test_bad_input_leaves_no_run_directory(argv, message, tmp_path, capsys):
     out = tmp_path / "new" / "run"
