@@ -387,3 +387,20 @@ def test_lazy_reads_touch_only_the_shards_they_need(tmp_path):
     assert len(head) == 7 and torch.equal(head[:]["labels"], reference.labels[:7])
     assert head.num_tokens == 7 * 16 and head.fingerprint() != dataset.fingerprint()
     assert dataset.fingerprint() == TokenStoreDataset(tmp_path / "tokens", "train").fingerprint()
+
+
+def test_bench_data_runs_on_small_corpora(tmp_path):
+    """The benchmark's own machinery on tiny corpora (no speed or memory assertion: only what holds anywhere)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_data", REPO / "bench" / "data.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "data.json"
+    assert bench.main(["--sizes", "60k", "--hf-size", "60k", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [(row["tokenizer"], row["size"]) for row in result["rows"]] == [("byte", 60_000), ("hf-bpe", 60_000)]
+    byte, hf = result["rows"]
+    assert byte["tokens"] > 0.9 * 60_000 and 0 < hf["tokens"] < byte["tokens"]
+    assert all(row["peak_rss_mb"] > 0 and row["store_mb"] > 0 and row["mb_per_s"] > 0 for row in result["rows"])
+    assert set(result["targets"]) == {"byte_mb_per_s_per_process", "peak_rss_growth_mb"}
