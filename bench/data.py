@@ -134,7 +134,8 @@ def measure(corpus: pathlib.Path, text_bytes: int, tokenizer: str, name: str, wo
     seconds = run["result"]["seconds"]
     return {
         "tokenizer": name, "text_mb": round(text_bytes / MB, 1), "file_mb": round(corpus.stat().st_size / MB, 1),
-        "tokens": sum(split["tokens"] for split in splits.values()), "job_s": seconds, "wall_s": round(run["wall_s"], 2),
+        "tokens": sum(split["tokens"] for split in splits.values()), "job_s": seconds,
+        "wall_s": round(run["wall_s"], 2),
         "mb_per_s": round(text_bytes / MB / seconds, 2), "peak_rss_mb": round(run["peak_rss_mb"], 1),
         "sampled_tree_rss_mb": round(run["sampled_tree_rss_mb"], 1), "store_mb": round(run["store_mb"], 3),
     }

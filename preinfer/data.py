@@ -200,6 +200,11 @@ class SampleBlock:
     def __len__(self) -> int:
         return self.ids.shape[0]
 
+    @property
+    def tokens(self) -> int:
+        """Real (unpadded) tokens."""
+        return real_tokens(self.ids, self.lengths)
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """The trainer's tensors: input_ids int64, attention_mask bool (real tokens), labels int64 (-100 on prompt
         and padding)."""
@@ -222,6 +227,16 @@ class EncodedSplit:
     ids: np.ndarray
     lengths: np.ndarray | None
     documents: int  # documents (or examples, dropped ones included) of the split in the chunk
+
+    @property
+    def tokens(self) -> int:
+        """Real (unpadded) tokens."""
+        return real_tokens(self.ids, self.lengths)
+
+
+def real_tokens(ids: np.ndarray, lengths: np.ndarray | None) -> int:
+    """Real tokens of ids in compact form: all of them, or the sum of the lengths (instruction rows)."""
+    return ids.size if lengths is None else int(lengths[:, 1].sum())
 
 
 def encode_chunk(

@@ -7,7 +7,8 @@ import hashlib
 import json
 from pathlib import Path
 
-WORDS = ["alpha", "beta", "gamma", "delta", "épsilon", "zeta", "ēta", "θeta", "iota", "kappa", "λambda", "mu", "日本"]
+WORDS = ["alpha", "beta", "gamma", "delta", "épsilon", "zeta", "ēta", "θeta", "iota", "kappa", "λambda", "mu",
+         "日本"]
 # Paragraph separators, including ones that do not separate (a "\r\n" blank line, or no blank line at all).
 SEPARATORS = ["\n\n", "\n \t\n", "\n\n\n\n", "\n   \n  \n", "\r\n\r\n", "\n", "\n\t\n"]
 

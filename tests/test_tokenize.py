@@ -144,7 +144,8 @@ def test_compressed_and_parquet_inputs_give_the_samples_of_plain_jsonl(tmp_path)
     for kind, rows in records.items():
         plain = tmp_path / f"{kind}.jsonl"
         plain.write_text(jsonl_text(rows, blank_every=9), encoding="utf-8")
-        sources = [compressed(plain, ".gz"), compressed(plain, ".zst"), write_parquet(tmp_path / f"{kind}.parquet", rows)]
+        parquet = write_parquet(tmp_path / f"{kind}.parquet", rows)
+        sources = [compressed(plain, ".gz"), compressed(plain, ".zst"), parquet]
         seq_len = 24 if kind == "text" else 200
         reference = load_data(str(plain), BYTE, seq_len, "train", 0.2)
         for source in sources:
@@ -272,7 +273,8 @@ def test_bytes_are_the_same_across_reruns_and_worker_counts(tmp_path, capsys):
     assert tree(tmp_path / "again") == first
     build(path, tmp_path / "two", workers=2)
     assert tree(tmp_path / "two") == first
-    args = ["tokenize", "--data", str(path), "--seq-len", "16", "--eval-fraction", "0.2", "--out", str(tmp_path / "two")]
+    args = ["tokenize", "--data", str(path), "--seq-len", "16", "--eval-fraction", "0.2",
+            "--out", str(tmp_path / "two")]
     code, out, _ = cli(args, capsys)  # the same store again: found complete, nothing written
     assert code == 0 and "up to date" in out and tree(tmp_path / "two") == first
 
@@ -336,6 +338,10 @@ def test_out_directory_rules(tmp_path, capsys):
     with raises_one_line(r"holds the token store of another corpus or setting \(seq_len: store has 16, expected 20"):
         build(path, out, seq_len=20)
     assert tree(out) == before
+    assert build(path, out, seq_len=20, overwrite=True).seq_len == 20
+    (out / "token-store.json").write_text("{garbled", encoding="utf-8")
+    with raises_one_line(r"token-store\.json: unreadable .*pass --overwrite"):
+        build(path, out, seq_len=20)
     assert build(path, out, seq_len=20, overwrite=True).seq_len == 20
     with pytest.raises(UsageError, match=r"built for another corpus or setting \(seq_len"):
         TokenStoreDataset(out, "train", expect=token_fingerprint(str(path), BYTE, 16, 0.2))

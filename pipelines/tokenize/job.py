@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing
+import os
 import shutil
 import time
 from collections.abc import Iterable
@@ -35,7 +36,7 @@ from pipelines.tokenize.layout import (
     FORMAT_VERSION, INFO, STAGING, SplitInfo, TokenStoreInfo, default_samples_per_shard, pack_ids, read_info,
     store_fields, write_json,
 )
-from pipelines.tokenize.staging import Staging
+from pipelines.tokenize.staging import PLAN, Staging
 from preinfer.corpus import Document, corpus_fingerprint, iter_documents
 from preinfer.data import (
     CHUNK_CHARS, SPLITS, SampleBlock, SamplePacker, check_arguments, document_chunks, encode_chunk, id_dtype,
@@ -162,8 +163,8 @@ def _prepare(out: Path, fingerprint: storage.Fingerprint, overwrite: bool) -> To
     (refusing to replace another token store without `overwrite`, and anything else at all)."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file, not a directory")
-    info = read_info(out)
-    if info is not None and not overwrite:
+    info = None if overwrite else read_info(out)
+    if info is not None:
         if info.digest == fingerprint.digest:
             return info
         raise UsageError(
@@ -172,7 +173,7 @@ def _prepare(out: Path, fingerprint: storage.Fingerprint, overwrite: bool) -> To
             f"another --out"
         )
     if out.is_dir():
-        ours = info is not None or Staging(out / STAGING).plan() is not None
+        ours = (out / INFO).exists() or (out / STAGING / PLAN).exists()
         strangers = sorted(name for name in (entry.name for entry in out.iterdir()) if not (ours and _own(name)))
         if strangers:
             raise UsageError(
@@ -245,7 +246,7 @@ def encode_and_stage(
     """Tokenise chunk `index` and stage it; returns its tokens (both splits, padding left out)."""
     encoded = encode_chunk(chunk, tokenizer, options.seq_len, options.eval_fraction)
     staging.write_chunk(index, encoded)
-    return sum(int(part.lengths[:, 1].sum()) if part.lengths is not None else len(part.ids) for part in encoded.values())
+    return sum(part.tokens for part in encoded.values())
 
 
 # The worker process's tokenizer, options and staging directory (set once by `_start_worker`).
@@ -253,6 +254,7 @@ _WORKER: dict[str, Any] = {}
 
 
 def _start_worker(options: TokenizeOptions) -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker: no thread pool of its own
     _WORKER.update(
         options=options, tokenizer=load_tokenizer(options.tokenizer), staging=Staging(Path(options.out) / STAGING)
     )
@@ -334,7 +336,7 @@ class _Packing:
         packer = SamplePacker(self.options.seq_len, instruction, self.per_shard)
         tokens = 0
         for shard, block in enumerate(self._blocks(packer, split, counts)):
-            tokens += int(block.lengths[:, 1].sum()) if instruction else block.ids.size
+            tokens += block.tokens
             if shard not in done:
                 store.write_shard(shard, _shard_tensors(block))
                 self.shards_written += 1

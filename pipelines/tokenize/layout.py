@@ -126,7 +126,8 @@ def read_json(path: Path) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise UsageError(f"{path}: unreadable ({type(error).__name__}: {error}); delete it or pass --overwrite") from None
+        problem = f"{type(error).__name__}: {error}"
+        raise UsageError(f"{path}: unreadable ({problem}); delete it or pass --overwrite") from None
     if not isinstance(record, dict):
         raise UsageError(f"{path}: expected a JSON object; delete it or pass --overwrite")
     return record
