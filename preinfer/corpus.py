@@ -161,14 +161,13 @@ def _builtin_documents(spec: str) -> list[str]:
 
 
 def _file_documents(path: Path, text_column: str) -> Iterator[Document]:
+    """The documents of one data file (its suffix is one of DATA_SUFFIXES)."""
     suffix = data_suffix(path) or ""
     if suffix == ".parquet":
         return _parquet_documents(path, text_column)
     if suffix.startswith(".txt"):
         return _text_documents(path)
-    if suffix.startswith(".jsonl"):
-        return _jsonl_documents(path, text_column)
-    raise UsageError(f"{path}: unknown data file extension '{path.suffix}'; expected one of {', '.join(DATA_SUFFIXES)}")
+    return _jsonl_documents(path, text_column)
 
 
 @contextmanager

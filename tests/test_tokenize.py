@@ -234,6 +234,17 @@ def test_bad_bytes_and_records_in_compressed_files_name_the_place(tmp_path, monk
     records.write_bytes(b'{"text": "ok"}\n{"text": "\xc3("}\n')
     with raises_one_line(r"r\.jsonl: not UTF-8 text \(byte 25\)"):
         read_documents(str(records))
+    original = Path.open
+
+    def denied(self, *args, **kwargs):
+        if self == records:
+            raise PermissionError(13, "Permission denied")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", denied)
+    with raises_one_line(r"r\.jsonl: cannot read it \(PermissionError: \[Errno 13\] Permission denied\)"):
+        read_documents(str(records))
+    monkeypatch.setattr(Path, "open", original)
     broken = tmp_path / "b.jsonl.gz"
     broken.write_bytes(gzip.compress(b'{"text": "x"}\n' * 100)[:40])
     with raises_one_line(r"b\.jsonl\.gz: cannot read it"):
