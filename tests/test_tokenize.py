@@ -332,7 +332,7 @@ def test_a_job_killed_with_sigkill_resumes_to_the_same_bytes(tmp_path, target, a
     assert tree(out) == tree(tmp_path / "reference")
 
 
-def test_out_directory_rules(tmp_path, capsys):
+def test_out_directory_rules(tmp_path, capsys, monkeypatch):
     path = write_corpora(tmp_path / "corpora")["jsonl"]
     other = tmp_path / "other"
     other.mkdir()
@@ -356,6 +356,13 @@ def test_out_directory_rules(tmp_path, capsys):
     assert build(path, out, seq_len=20, overwrite=True).seq_len == 20
     with pytest.raises(UsageError, match=r"built for another corpus or setting \(seq_len"):
         TokenStoreDataset(out, "train", expect=token_fingerprint(str(path), BYTE, 16, 0.2))
+
+    with monkeypatch.context() as patch:  # a replacing run that stops after staging, then resumes
+        patch.setattr(Staging, "finish_encoding", lambda *args: (_ for _ in ()).throw(KeyboardInterrupt))
+        with pytest.raises(KeyboardInterrupt):
+            build(path, out, seq_len=12, overwrite=True)
+    assert TokenStoreDataset(out, "train").seq_len == 20  # still the old store
+    assert build(path, out, seq_len=12, overwrite=True).seq_len == 12
 
     code, _, err = cli(["tokenize", "--data", str(path), "--out", str(out), "--eval-fraction", "2"], capsys)
     assert code == 2 and re.fullmatch(r"preinfer tokenize: error: eval_fraction must be in \[0, 1\], got 2\.0\n", err)
@@ -385,6 +392,15 @@ def test_split_without_samples_and_empty_corpus(tmp_path):
     empty.write_text("\n \n", encoding="utf-8")
     with raises_one_line("no documents found"):
         build(empty, tmp_path / "none")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(jsonl_text(text_records(40)) + "{oops\n", encoding="utf-8")
+    with raises_one_line(r"bad\.jsonl:41: not valid JSON"):
+        build(bad, tmp_path / "bad-tokens")
+    before = tree(tmp_path / "tokens")
+    with raises_one_line(r"bad\.jsonl:41: not valid JSON"):
+        build(bad, tmp_path / "tokens", overwrite=True)
+    assert tree(tmp_path / "tokens") == before  # the store it was to replace is intact
+    assert not (tmp_path / "none").exists() and not (tmp_path / "bad-tokens").exists()  # bad input leaves nothing
 
 
 def test_lazy_reads_touch_only_the_shards_they_need(tmp_path):

@@ -128,23 +128,43 @@ def tokenize_corpus(options: TokenizeOptions) -> TokenizeResult:
         options.data, tokenizer, options.seq_len, options.eval_fraction, options.text_column
     )
     out = Path(options.out)
+    created = not out.exists()
     found = _prepare(out, fingerprint, options.overwrite)
     if found is not None:
         return TokenizeResult(out, found, True, 0, 0, time.perf_counter() - started)
+    try:
+        return _build(options, tokenizer, fingerprint, out, started)
+    except UsageError:
+        if created and not any(out.iterdir()):
+            out.rmdir()
+        raise
+
+
+def _build(
+    options: TokenizeOptions, tokenizer: Tokenizer, fingerprint: storage.Fingerprint, out: Path, started: float
+) -> TokenizeResult:
+    """Encode (what is not staged yet), pack, describe. A store being replaced (--overwrite) is removed only when
+    the new one is about to be written: a run that fails on bad input leaves it as it was."""
     dtype = id_dtype(tokenizer.vocab_size)
     per_shard = options.samples_per_shard or default_samples_per_shard(options.seq_len, dtype)
     staging = Staging(out / STAGING)
     plan = {"fingerprint": fingerprint.to_json(), "chunk_chars": options.chunk_chars, "samples_per_shard": per_shard}
-    _check_plan(staging, plan, out)
+    resumed = _check_plan(staging, plan, out, options.overwrite)
     staging.start(plan)
-    encoded, chunks_encoded = staging.encoded(), 0
-    if encoded is None:
-        chunks_encoded = _encode(options, staging, tokenizer)
-        encoded = staging.encoded()
-    packing = _Packing(options, fingerprint, staging, encoded, dtype, per_shard)
-    splits = {split: packing.pack(out / split, split) for split in SPLITS}
-    if not any(split.samples for split in splits.values()):
-        raise UsageError(splits["train"].problem)
+    try:
+        encoded, chunks_encoded = staging.encoded(), 0
+        if encoded is None:
+            chunks_encoded = _encode(options, staging, tokenizer)
+            encoded = staging.encoded()
+        packing = _Packing(options, fingerprint, staging, encoded, dtype, per_shard)
+        if packing.has_samples() and (not resumed or (out / INFO).exists()):  # what is there is the replaced store's
+            _remove_own(out, keep=STAGING)
+        splits = {split: packing.pack(out / split, split) for split in SPLITS}
+        if not any(split.samples for split in splits.values()):
+            raise UsageError(splits["train"].problem)
+    except UsageError:  # bad input: it must change before a run can succeed, so nothing staged for it is of use
+        staging.remove()
+        raise
     info = TokenStoreInfo(
         fingerprint=fingerprint.to_json(), kind=encoded["kind"], seq_len=options.seq_len, id_dtype=dtype.name,
         vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
@@ -159,8 +179,8 @@ def tokenize_corpus(options: TokenizeOptions) -> TokenizeResult:
 
 
 def _prepare(out: Path, fingerprint: storage.Fingerprint, overwrite: bool) -> TokenStoreInfo | None:
-    """The complete token store of `fingerprint` at `out` if there is one; otherwise make `out` ready for the job
-    (refusing to replace another token store without `overwrite`, and anything else at all)."""
+    """The complete token store of `fingerprint` at `out` if there is one (unless `overwrite`); otherwise check that
+    the job may write there (refusing another token store without `overwrite`, and anything else at all)."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file, not a directory")
     info = None if overwrite else read_info(out)
@@ -180,15 +200,20 @@ def _prepare(out: Path, fingerprint: storage.Fingerprint, overwrite: bool) -> To
                 f"--out {out} is not empty and is not a token store (it holds {strangers[0]!r} ...); choose another "
                 f"directory, nothing was deleted"
             )
-    if overwrite:
-        for name in _OWN_ENTRIES:
-            target = out / name
-            if target.is_dir():
-                shutil.rmtree(target)
-            elif target.exists():
-                target.unlink()
     out.mkdir(parents=True, exist_ok=True)
     return None
+
+
+def _remove_own(out: Path, keep: str = "") -> None:
+    """Delete the token store's own entries of `out` but `keep` (nothing else)."""
+    for name in _OWN_ENTRIES:
+        target = out / name
+        if name == keep:
+            continue
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
 
 
 def _own(name: str) -> bool:
@@ -196,11 +221,15 @@ def _own(name: str) -> bool:
     return name in _OWN_ENTRIES or any(name.startswith(f".{own}.tmp-") for own in _OWN_ENTRIES)
 
 
-def _check_plan(staging: Staging, plan: dict[str, Any], out: Path) -> None:
-    """Refuse to go on with the staged work of another fingerprint or setting (without --overwrite)."""
+def _check_plan(staging: Staging, plan: dict[str, Any], out: Path, overwrite: bool) -> bool:
+    """Whether `staging` holds this plan's work (to go on with). The work of another fingerprint or setting is
+    dropped with `overwrite`, else refused."""
     staged = staging.plan()
-    if staged is None or staged == plan:
-        return
+    if staged == plan:
+        return True
+    if staged is None or overwrite:
+        staging.remove()
+        return False
     what = "; ".join(
         f"{key}: {staged.get(key)!r} then, {plan[key]!r} now" for key in ("chunk_chars", "samples_per_shard")
         if staged.get(key) != plan[key]
@@ -322,18 +351,27 @@ class _Packing:
         self.dtype, self.per_shard = dtype, per_shard
         self.shards_written = 0
 
+    def _samples(self, counts: list[dict[str, int]]) -> int:
+        units = sum(count["units"] for count in counts)
+        return units if self.kind == "instruction" else units // self.options.seq_len
+
+    def has_samples(self) -> bool:
+        """Whether any split will have samples."""
+        return any(self._samples(self._counts(split)) for split in SPLITS)
+
+    def _counts(self, split: str) -> list[dict[str, int]]:
+        return [self.staging.counts(index)[split] for index in range(self.chunks)]
+
     def pack(self, path: Path, split: str) -> SplitInfo:
         """Write the store of `split` at `path` (the shards it lacks) and finalize it."""
-        counts = [self.staging.counts(index)[split] for index in range(self.chunks)]
-        instruction = self.kind == "instruction"
-        units = sum(count["units"] for count in counts)
-        samples = units if instruction else units // self.options.seq_len
+        counts = self._counts(split)
+        samples = self._samples(counts)
         store = None
         if samples:
             fields = store_fields(self.kind, self.options.seq_len, self.dtype)
             store = storage.create_store(path, fields, samples, self.per_shard, self.fingerprint, codec=CODEC)
         done = set(store.completed_shards()) if store is not None else set()
-        packer = SamplePacker(self.options.seq_len, instruction, self.per_shard)
+        packer = SamplePacker(self.options.seq_len, self.kind == "instruction", self.per_shard)
         tokens = 0
         for shard, block in enumerate(self._blocks(packer, split, counts)):
             tokens += block.tokens
