@@ -17,6 +17,7 @@ from pipelines.arguments import DefaultsHelpFormatter
 # Subcommand name -> module in `pipelines.commands` defining `add_arguments(parser)` and `run(args) -> int`.
 COMMANDS = {
     "bcd": ("bcd", "train a model by block coordinate descent (or --mode full), with pre-inference"),
+    "tokenize": ("tokenize", "tokenise a corpus once into a token store on disk (sharded, resumable, parallel)"),
     "cache": ("cache", "pre-inference: run the frozen prefix once and store the boundary states (or roll forward)"),
     "train": ("train", "train the blocks above a cache's boundary from its stores, never loading the prefix"),
     "inspect": ("inspect", "describe an activation store or cache directory: samples, fields, size, fingerprint"),

@@ -1,11 +1,6 @@
-"""Datasets: text and instruction data, tokenised into fixed-length training samples.
-
-Sources (`spec`):
-- `builtin:pydoc`: Python's own `pydoc_data.topics.topics` (ships with CPython); each topic is a document, in key order.
-- a `.txt` file: documents are its paragraphs (separated by one or more blank lines), so that it can be split.
-- a `.jsonl` file: LM text if the first record has a `text` field; instruction data if it has `instruction`
-  (optional `input`, required `output`). Every record must then be of the same kind.
-- a directory: every `.txt` and `.jsonl` file under it, in path order; all of one kind (LM text or instruction).
+"""Datasets: a corpus's documents tokenised into fixed-length training samples, whole in memory (`load_data`) or
+block by block with bounded memory (`sample_blocks`, and the token store built from `encode_chunk` and
+`SamplePacker`). Where documents come from: `preinfer.corpus`.
 
 LM text: each document is tokenised and followed by eos, all are concatenated and cut into sequences of `seq_len`
 tokens (the short tail is dropped); every position is attended and supervised (labels == input_ids).
@@ -17,6 +12,10 @@ and right-padded with pad; labels are -100 on the prompt and the padding. Exampl
 Train/eval split: by document (by example for instruction data), before packing. A document goes to eval when the
 first 8 bytes of the sha256 of its content, read as a fraction of 2**64, are below `eval_fraction`: deterministic,
 independent of order, and a document never lands in both splits.
+
+Compact form (`SampleBlock`): token ids in the smallest integer dtype of the vocabulary, plus, for instruction
+data, each sample's prompt length and length; `SampleBlock.tensors` recovers the exact int64 ids, bool mask and
+int64 labels.
 """
 
 from __future__ import annotations
@@ -25,14 +24,13 @@ import hashlib
 import json
 import logging
 import operator
-import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from preinfer.corpus import Document, InstructionExample, iter_documents
 from preinfer.errors import UsageError
 from preinfer.tokenizers import Tokenizer
 
@@ -40,26 +38,9 @@ logger = logging.getLogger(__name__)
 
 SPLITS = ("train", "eval")
 IGNORE_INDEX = -100
-BUILTIN_CORPORA = ("builtin:pydoc",)
-DATA_SUFFIXES = (".txt", ".jsonl")
-_PARAGRAPH_BREAK = re.compile(r"\n(?:[ \t]*\n)+")
+CHUNK_CHARS = 1 << 22  # characters of documents tokenised together (the unit of work of streaming and of workers)
+BLOCK_SAMPLES = 4096  # samples per block of `sample_blocks` by default
 _FINGERPRINT_VERSION = 1
-
-
-@dataclass(frozen=True)
-class InstructionExample:
-    """One instruction record; `input` is "" when the record has none."""
-
-    instruction: str
-    input: str
-    output: str
-
-    def key(self) -> str:
-        """The text whose hash places this example in a split."""
-        return json.dumps([self.instruction, self.input, self.output])
-
-
-Documents = list[str] | list[InstructionExample]
 
 
 def format_prompt(instruction: str, input_text: str = "") -> str:
@@ -124,23 +105,36 @@ class TokenDataset:
 
 
 def load_data(
-    spec: str, tokenizer: Tokenizer, seq_len: int, split: str = "train", eval_fraction: float = 0.1
+    spec: str, tokenizer: Tokenizer, seq_len: int, split: str = "train", eval_fraction: float = 0.1,
+    text_column: str = "text",
 ) -> TokenDataset:
-    """The `split` of the data at `spec`, tokenised into samples of `seq_len` tokens (see the module docstring)."""
-    _check_arguments(seq_len, split, eval_fraction)
-    documents = read_documents(spec)
-    if not documents:
+    """The `split` of the data at `spec`, tokenised into samples of `seq_len` tokens, as in-memory tensors."""
+    blocks = list(sample_blocks(spec, tokenizer, seq_len, split, eval_fraction, text_column=text_column))
+    ids = np.concatenate([block.ids for block in blocks])
+    lengths = None if blocks[0].lengths is None else np.concatenate([block.lengths for block in blocks])
+    tensors = SampleBlock(ids, lengths).tensors()
+    return TokenDataset(**tensors, source=spec, split=split)
+
+
+def sample_blocks(
+    spec: str, tokenizer: Tokenizer, seq_len: int, split: str = "train", eval_fraction: float = 0.1,
+    block_samples: int = BLOCK_SAMPLES, text_column: str = "text",
+) -> Iterator[SampleBlock]:
+    """The samples of `split`, in blocks of `block_samples` (the last may be shorter), read and tokenised one chunk
+    of documents at a time: the samples of `load_data`, in bounded memory."""
+    check_arguments(seq_len, split, eval_fraction)
+    packer = None
+    for chunk in document_chunks(iter_documents(spec, text_column)):
+        packer = packer or SamplePacker(seq_len, is_instruction(chunk[0]), block_samples)
+        yield from packer.add(encode_chunk(chunk, tokenizer, seq_len, eval_fraction, (split,))[split])
+    if packer is None:
         raise UsageError(f"{spec}: no documents found (empty dataset)")
-    chosen = [doc for doc in documents if in_eval_split(_split_key(doc), eval_fraction) == (split == "eval")]
-    if isinstance(documents[0], InstructionExample):
-        tensors = _instruction_samples(chosen, tokenizer, seq_len, f"{spec} ({split})")
-    else:
-        tensors = _packed_samples(chosen, tokenizer, seq_len, f"{spec} ({split})")
-    input_ids, attention_mask, labels = tensors
-    return TokenDataset(input_ids, attention_mask, labels, source=spec, split=split)
+    yield from packer.finish()
+    packer.check(f"{spec} ({split})")
 
 
-def _check_arguments(seq_len: int, split: str, eval_fraction: float) -> None:
+def check_arguments(seq_len: int, split: str, eval_fraction: float) -> None:
+    """Refuse a seq_len, split or eval_fraction that no dataset can have."""
     if seq_len < 2:
         raise UsageError(f"seq_len must be at least 2, got {seq_len}")
     if split not in SPLITS:
@@ -155,191 +149,211 @@ def in_eval_split(key: str, eval_fraction: float) -> bool:
     return head < eval_fraction * 2**64
 
 
-def _split_key(document: str | InstructionExample) -> str:
+def _split_key(document: Document) -> str:
     return document.key() if isinstance(document, InstructionExample) else document
 
 
-# ---- reading sources ----
+def is_instruction(document: Document) -> bool:
+    """Whether `document` is instruction data (else LM text)."""
+    return isinstance(document, InstructionExample)
 
 
-def read_documents(spec: str) -> Documents:
-    """The documents of a source, in a deterministic order: all strings (LM text) or all `InstructionExample`s."""
-    if spec.startswith("builtin:"):
-        return _builtin_documents(spec)
-    path = Path(spec)
-    if not path.exists():
-        raise UsageError(f"data file not found: {spec}")
-    if path.is_dir():
-        return _directory_documents(path)
-    return _file_documents(path)
+def _chars(document: Document) -> int:
+    if isinstance(document, InstructionExample):
+        return len(document.instruction) + len(document.input) + len(document.output)
+    return len(document)
 
 
-def _builtin_documents(spec: str) -> list[str]:
-    if spec != "builtin:pydoc":
-        raise UsageError(f"unknown built-in corpus '{spec}'; built-in corpora are {', '.join(BUILTIN_CORPORA)}")
-    from pydoc_data.topics import topics
-
-    return [topics[key] for key in sorted(topics)]
-
-
-def _directory_documents(directory: Path) -> Documents:
-    files = sorted(path for path in directory.rglob("*") if path.is_file() and path.suffix in DATA_SUFFIXES)
-    if not files:
-        raise UsageError(f"directory {directory} holds no {' or '.join(DATA_SUFFIXES)} files")
-    documents: list = []
-    first: tuple[str, Path] | None = None  # (kind, file) of the first non-empty file
-    for file in files:
-        file_documents = _file_documents(file)
-        if not file_documents:
-            continue
-        kind = _kind_name(file_documents)
-        if first is None:
-            first = (kind, file)
-        elif kind != first[0]:
-            raise UsageError(f"{file} holds {kind}, but {first[1]} holds {first[0]}; a directory must not mix them")
-        documents.extend(file_documents)
-    return documents
+def document_chunks(documents: Iterable[Document], chunk_chars: int = CHUNK_CHARS) -> Iterator[list[Document]]:
+    """Consecutive documents grouped into lists of about `chunk_chars` characters (the same lists on every run)."""
+    chunk: list[Document] = []
+    size = 0
+    for document in documents:
+        chunk.append(document)
+        size += _chars(document)
+        if size >= chunk_chars:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
 
 
-def _kind_name(documents: Documents) -> str:
-    return "instruction data" if isinstance(documents[0], InstructionExample) else "LM text"
+# ---- compact samples ----
 
 
-def _file_documents(path: Path) -> Documents:
-    if path.suffix == ".txt":
-        return _paragraphs(_read_text(path))
-    if path.suffix == ".jsonl":
-        return _jsonl_documents(path)
-    raise UsageError(f"{path}: unknown data file extension '{path.suffix}'; expected .txt or .jsonl (or builtin:pydoc)")
+def id_dtype(vocab_size: int) -> np.dtype:
+    """The smallest integer dtype that holds every id below `vocab_size` (uint8, uint16, else int32)."""
+    for dtype in (np.uint8, np.uint16):
+        if vocab_size <= np.iinfo(dtype).max + 1:
+            return np.dtype(dtype)
+    return np.dtype(np.int32)
 
 
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise UsageError(f"{path}: not UTF-8 text (byte {error.start})") from None
+@dataclass(frozen=True)
+class SampleBlock:
+    """Consecutive samples in compact form: ids [n, seq_len] in the vocabulary's id dtype; for instruction data also
+    `lengths` [n, 2] int32, each sample's (prompt length, length); LM text has neither padding nor prompt."""
+
+    ids: np.ndarray
+    lengths: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    @property
+    def tokens(self) -> int:
+        """Real (unpadded) tokens."""
+        return real_tokens(self.ids, self.lengths)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The trainer's tensors: input_ids int64, attention_mask bool (real tokens), labels int64 (-100 on prompt
+        and padding)."""
+        input_ids = torch.from_numpy(self.ids.astype(np.int64))
+        if self.lengths is None:
+            mask = torch.ones_like(input_ids, dtype=torch.bool)
+            return {"input_ids": input_ids, "attention_mask": mask, "labels": input_ids.clone()}
+        positions = torch.arange(input_ids.shape[1])
+        lengths = torch.from_numpy(self.lengths.astype(np.int64))
+        mask = positions < lengths[:, 1:]
+        labels = torch.where(mask & (positions >= lengths[:, :1]), input_ids, IGNORE_INDEX)
+        return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
 
 
-def _paragraphs(text: str) -> list[str]:
-    """The blank-line-separated paragraphs of `text`, without their surrounding newlines; empty ones dropped."""
-    return [part.strip("\n") for part in _PARAGRAPH_BREAK.split(text) if part.strip()]
+@dataclass(frozen=True)
+class EncodedSplit:
+    """One split's share of a chunk of documents, tokenised: LM text as one stream of ids (each document followed by
+    eos); instruction data as padded rows [kept, seq_len] with their (prompt length, length) [kept, 2]."""
+
+    ids: np.ndarray
+    lengths: np.ndarray | None
+    documents: int  # documents (or examples, dropped ones included) of the split in the chunk
+
+    @property
+    def tokens(self) -> int:
+        """Real (unpadded) tokens."""
+        return real_tokens(self.ids, self.lengths)
 
 
-def _jsonl_records(path: Path) -> Iterator[tuple[int, dict]]:
-    """(line number, record) for each non-blank line; every line must be a JSON object."""
-    for number, line in enumerate(_read_text(path).splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise UsageError(f"{path}:{number}: not valid JSON ({error.msg} at column {error.colno})") from None
-        if not isinstance(record, dict):
-            raise UsageError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
-        yield number, record
+def real_tokens(ids: np.ndarray, lengths: np.ndarray | None) -> int:
+    """Real tokens of ids in compact form: all of them, or the sum of the lengths (instruction rows)."""
+    return ids.size if lengths is None else int(lengths[:, 1].sum())
 
 
-def _jsonl_documents(path: Path) -> Documents:
-    """LM text or instruction examples, by the fields of the first record; every record must match it."""
-    documents: list = []
-    is_instruction = None
-    for number, record in _jsonl_records(path):
-        if is_instruction is None:
-            is_instruction = _detect_instruction(path, number, record)
-        if is_instruction:
-            documents.append(_instruction_record(path, number, record))
+def encode_chunk(
+    documents: Sequence[Document], tokenizer: Tokenizer, seq_len: int, eval_fraction: float,
+    splits: Sequence[str] = SPLITS,
+) -> dict[str, EncodedSplit]:
+    """The documents of each of `splits`, tokenised, in the dtype `id_dtype(tokenizer.vocab_size)`."""
+    dtype = id_dtype(tokenizer.vocab_size)
+    chosen: dict[str, list] = {split: [] for split in splits}
+    for document in documents:
+        split = "eval" if in_eval_split(_split_key(document), eval_fraction) else "train"
+        if split in chosen:
+            chosen[split].append(document)
+    instruction = bool(documents) and is_instruction(documents[0])
+    encoded = {}
+    for split, members in chosen.items():
+        if instruction:
+            ids, lengths = _instruction_rows(members, tokenizer, seq_len, dtype)
         else:
-            documents.append(_string_field(path, number, record, "text", "LM text (the first record has 'text')"))
-    return documents
+            ids, lengths = _packed_stream(members, tokenizer, dtype), None
+        encoded[split] = EncodedSplit(ids, lengths, len(members))
+    return encoded
 
 
-def _detect_instruction(path: Path, number: int, record: dict) -> bool:
-    if "text" in record:
-        return False
-    if "instruction" in record or "output" in record:
-        return True
-    raise UsageError(
-        f"{path}:{number}: record has neither a 'text' field (LM text) nor 'instruction'/'output' fields "
-        f"(instruction data); its fields are {sorted(record)}"
-    )
+def _packed_stream(documents: list[str], tokenizer: Tokenizer, dtype: np.dtype) -> np.ndarray:
+    """The documents' ids, each followed by eos, as one stream."""
+    eos = np.array([tokenizer.eos_id], dtype=dtype)
+    pieces = [piece for ids in tokenizer.encode_batch(documents) for piece in (ids, eos)]
+    return np.concatenate(pieces).astype(dtype, copy=False) if pieces else np.zeros(0, dtype)
 
 
-def _instruction_record(path: Path, number: int, record: dict) -> InstructionExample:
-    kind = "instruction data (the first record has 'instruction')"
-    instruction = _string_field(path, number, record, "instruction", kind)
-    output = _string_field(path, number, record, "output", kind)
-    input_text = record.get("input") or ""
-    if not isinstance(input_text, str):
-        raise UsageError(f"{path}:{number}: field 'input' must be a string, got {type(input_text).__name__}")
-    return InstructionExample(instruction, input_text, output)
+def _instruction_rows(
+    examples: list[InstructionExample], tokenizer: Tokenizer, seq_len: int, dtype: np.dtype
+) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt + response + eos per row, truncated to seq_len and right-padded; rows whose prompt fills seq_len are
+    left out. Returns (ids [kept, seq_len], (prompt length, length) [kept, 2])."""
+    prompts = tokenizer.encode_batch([format_prompt(example.instruction, example.input) for example in examples])
+    outputs = tokenizer.encode_batch([example.output for example in examples])
+    kept = [(prompt, output) for prompt, output in zip(prompts, outputs) if len(prompt) < seq_len]
+    ids = np.full((len(kept), seq_len), tokenizer.pad_id, dtype=dtype)
+    lengths = np.zeros((len(kept), 2), dtype=np.int32)
+    for row, (prompt, output) in enumerate(kept):
+        tokens = np.concatenate([prompt, output, [tokenizer.eos_id]])[:seq_len]
+        ids[row, : len(tokens)] = tokens
+        lengths[row] = len(prompt), len(tokens)
+    return ids, lengths
 
 
-def _string_field(path: Path, number: int, record: dict, field: str, kind: str) -> str:
-    if field not in record:
-        raise UsageError(f"{path}:{number}: record has no '{field}' field, expected in {kind}")
-    value = record[field]
-    if not isinstance(value, str):
-        raise UsageError(f"{path}:{number}: field '{field}' must be a string, got {type(value).__name__}")
-    return value
+class SamplePacker:
+    """Cuts one split's encoded chunks, added in corpus order, into samples handed out in blocks of `block_samples`:
+    LM streams packed across chunk ends, instruction rows as they are. Counts what it saw, for `check`."""
 
+    def __init__(self, seq_len: int, instruction: bool, block_samples: int) -> None:
+        self.seq_len, self.instruction, self.block_samples = seq_len, instruction, block_samples
+        self.documents = 0  # documents (examples) added
+        self.units = 0  # tokens of the LM stream, or rows of instruction data, added
+        self.samples = 0  # samples handed out
+        self._pending: list[EncodedSplit] = []
 
-# ---- tokenising ----
+    @property
+    def _units_per_sample(self) -> int:
+        return 1 if self.instruction else self.seq_len
 
+    def add(self, part: EncodedSplit) -> list[SampleBlock]:
+        """The blocks completed by `part`."""
+        self.documents += part.documents
+        self.units += len(part.ids)
+        self._pending.append(part)
+        return self._blocks(final=False)
 
-def _encode(tokenizer: Tokenizer, text: str) -> np.ndarray:
-    return np.asarray(tokenizer.encode(text), dtype=np.int64)
+    def finish(self) -> list[SampleBlock]:
+        """The last, shorter block (if any samples are left); an LM stream's tail shorter than seq_len is dropped."""
+        return self._blocks(final=True)
 
+    def _blocks(self, final: bool) -> list[SampleBlock]:
+        per_sample = self._units_per_sample
+        block_units = self.block_samples * per_sample
+        pending = sum(len(part.ids) for part in self._pending)
+        usable = pending // (per_sample if final else block_units) * (per_sample if final else block_units)
+        if not usable:
+            return []
+        ids = np.concatenate([part.ids for part in self._pending])
+        lengths = np.concatenate([part.lengths for part in self._pending]) if self.instruction else None
+        blocks = []
+        for start in range(0, usable, block_units):
+            stop = min(start + block_units, usable)
+            rows = None if lengths is None else lengths[start:stop]
+            blocks.append(SampleBlock(ids[start:stop].reshape(-1, self.seq_len), rows))
+        self._pending = [EncodedSplit(ids[usable:].copy(), None if lengths is None else lengths[usable:].copy(), 0)]
+        self.samples += sum(len(block) for block in blocks)
+        return blocks
 
-def _packed_samples(
-    documents: list[str], tokenizer: Tokenizer, seq_len: int, where: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Documents + eos, concatenated and cut into [N, seq_len]; the short tail is dropped."""
-    eos = np.array([tokenizer.eos_id], dtype=np.int64)
-    pieces = [piece for doc in documents for piece in (_encode(tokenizer, doc), eos)]
-    stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
-    count = len(stream) // seq_len
-    if count == 0:
-        raise UsageError(
-            f"{where}: {len(stream)} tokens in {len(documents)} documents, fewer than one full sequence of "
-            f"seq_len={seq_len}"
+    def report(self, where: str) -> str | None:
+        """Log a warning for dropped instruction examples; return why the split has no samples, in one line (None
+        when it has some)."""
+        if not self.instruction:
+            if self.samples:
+                return None
+            return (
+                f"{where}: {self.units} tokens in {self.documents} documents, fewer than one full sequence of "
+                f"seq_len={self.seq_len}"
+            )
+        dropped = self.documents - self.units
+        if dropped:
+            logger.warning(
+                "%s: dropped %d of %d instruction examples whose prompt fills all seq_len=%d tokens (no response "
+                "left)", where, dropped, self.documents, self.seq_len,
+            )
+        if self.samples:
+            return None
+        return (
+            f"{where}: no instruction example left ({self.documents} in this split, {dropped} dropped because the "
+            f"prompt fills seq_len={self.seq_len})"
         )
-    input_ids = torch.from_numpy(stream[: count * seq_len].reshape(count, seq_len).copy())
-    return input_ids, torch.ones_like(input_ids, dtype=torch.bool), input_ids.clone()
 
-
-def _instruction_samples(
-    examples: list[InstructionExample], tokenizer: Tokenizer, seq_len: int, where: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Prompt + response + eos per row, truncated and right-padded; labels only on the response."""
-    rows = [_instruction_tokens(example, tokenizer, seq_len) for example in examples]
-    kept = [row for row in rows if row is not None]
-    dropped = len(rows) - len(kept)
-    if dropped:
-        logger.warning(
-            "%s: dropped %d of %d instruction examples whose prompt fills all seq_len=%d tokens (no response left)",
-            where, dropped, len(rows), seq_len,
-        )
-    if not kept:
-        raise UsageError(
-            f"{where}: no instruction example left ({len(rows)} in this split, {dropped} dropped because the prompt "
-            f"fills seq_len={seq_len})"
-        )
-    input_ids = np.full((len(kept), seq_len), tokenizer.pad_id, dtype=np.int64)
-    labels = np.full((len(kept), seq_len), IGNORE_INDEX, dtype=np.int64)
-    attention_mask = np.zeros((len(kept), seq_len), dtype=bool)
-    for row, (prompt_len, tokens) in enumerate(kept):
-        input_ids[row, : len(tokens)] = tokens
-        labels[row, prompt_len : len(tokens)] = tokens[prompt_len:]
-        attention_mask[row, : len(tokens)] = True
-    return torch.from_numpy(input_ids), torch.from_numpy(attention_mask), torch.from_numpy(labels)
-
-
-def _instruction_tokens(
-    example: InstructionExample, tokenizer: Tokenizer, seq_len: int
-) -> tuple[int, np.ndarray] | None:
-    """(prompt length, tokens truncated to seq_len), or None when no response token fits."""
-    prompt = _encode(tokenizer, format_prompt(example.instruction, example.input))
-    if len(prompt) >= seq_len:
-        return None
-    response = np.concatenate([_encode(tokenizer, example.output), [tokenizer.eos_id]])
-    return len(prompt), np.concatenate([prompt, response])[:seq_len]
+    def check(self, where: str) -> None:
+        """Raise a one-line UsageError if the split has no samples (see `report`)."""
+        problem = self.report(where)
+        if problem:
+            raise UsageError(problem)

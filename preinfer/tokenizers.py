@@ -26,6 +26,10 @@ class Tokenizer(Protocol):
         """Token ids of `text`, without any special tokens."""
         ...
 
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """The ids of each text as an integer array (what `encode` gives, without a Python int per token)."""
+        ...
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`, special tokens left out."""
         ...
@@ -53,7 +57,10 @@ class ByteTokenizer:
     eos_id = BYTE_EOS_ID
 
     def encode(self, text: str) -> list[int]:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).tolist()
+        return self.encode_batch([text])[0].tolist()
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return [np.frombuffer(text.encode("utf-8"), dtype=np.uint8) for text in texts]
 
     def decode(self, ids: Sequence[int]) -> str:
         """The UTF-8 text of the byte ids; pad, eos and out-of-range ids are skipped, bad UTF-8 is replaced."""
@@ -120,6 +127,12 @@ class HFTokenizer:
 
     def save(self, directory: Path) -> None:
         self._tok.save_pretrained(directory)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        if not texts:
+            return []
+        batch = self._tok(list(texts), add_special_tokens=False, verbose=False, return_attention_mask=False)
+        return [np.asarray(ids, dtype=np.int64) for ids in batch["input_ids"]]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

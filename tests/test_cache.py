@@ -412,17 +412,17 @@ def test_bad_input_is_one_line_and_exit_code_2(extra, message, corpus, tmp_path,
 
 
 def test_an_unreadable_data_file_is_exit_code_2(corpus, tmp_path, monkeypatch, capsys):
-    original = Path.read_text
+    original = Path.open
 
     def denied(self, *args, **kwargs):
         if str(self) == corpus:
             raise PermissionError(errno.EACCES, "Permission denied", str(self))
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "read_text", denied)
+    monkeypatch.setattr(Path, "open", denied)
     code, _, err = run_cli(["cache", "--model", "tiny-llama", "--data", corpus, "--boundary", "2", "--out",
                             str(tmp_path / "c"), "--quiet"], capsys)
-    assert code == 2 and "cannot read --data" in err and "Permission denied" in err
+    assert code == 2 and f"{corpus}: cannot read it" in err and "Permission denied" in err
 
 
 # ---- the CUDA staging path, on CPU ----------------------------------------------------------------------------

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from preinfer.data import IGNORE_INDEX, TokenDataset, format_prompt, in_eval_split, load_data, read_documents
+from corpus_samples import CASES, write_corpora
+from preinfer.corpus import read_documents
+from preinfer.data import IGNORE_INDEX, TokenDataset, format_prompt, in_eval_split, load_data, sample_blocks
 from preinfer.errors import UsageError
 from preinfer.presets import BYTE_EOS_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE
 from preinfer.tokenizers import load_tokenizer
@@ -104,6 +106,38 @@ def test_pydoc_has_train_and_eval_at_default_lengths():
         assert len(train) > 0 and len(evaluation) > 0
         assert len(evaluation) < len(train)
         assert total - 2 * seq_len < train.num_tokens + evaluation.num_tokens <= total
+
+
+# Fingerprints and sample counts of load_data on the sample corpora, computed by the in-memory implementation that
+# read each file whole (commit f2ba3c1): the streaming readers and packer must give the very same samples.
+PINNED = {
+    ("txt", "train"): ("846ab8a18f92bf6c5e247c9352fa190ed4dd6300f7a9432ea49f0d6e4b1495ba", 214),
+    ("txt", "eval"): ("b2ec2dcb4f793b2a500b93744aed28e1dce7415cdfa449298d0baee5bb1351a2", 46),
+    ("jsonl", "train"): ("62682cf7ff48ea0144793a5abcdbe786a6e04ff5f52325de7cd07c3b5146cfbb", 315),
+    ("jsonl", "eval"): ("eb28da73a8f7b4915670282e018fa48901b47fb85fc91e7f4d47f687c268d9b8", 49),
+    ("instruction", "train"): ("5e17411c60f1b6fb8f6c5c8f1965a23fd495005f1d8a49ee915082656bf149ac", 50),
+    ("instruction", "eval"): ("e9a71511fb571524b2501822ba7b1f0e57a37e25763fc0f9e1c2d12a1f4d4306", 23),
+    ("directory", "train"): ("fe80cf78ea31434eb8ade23b2cdf82bbce8a6e1e746618409f852274af9ba757", 281),
+    ("directory", "eval"): ("6e2c203bb5744f484d808ed3263456479f60c5dda987e7aea26a7fcc26733a23", 150),
+}
+
+
+@pytest.mark.parametrize("name,seq_len,eval_fraction", CASES)
+def test_samples_are_those_of_the_whole_file_reader(tmp_path, name, seq_len, eval_fraction):
+    path = str(write_corpora(tmp_path)[name])
+    for split in ("train", "eval"):
+        data = load_data(path, BYTE, seq_len, split, eval_fraction)
+        assert (data.fingerprint(), len(data)) == PINNED[name, split]
+        blocks = list(sample_blocks(path, BYTE, seq_len, split, eval_fraction, block_samples=7))
+        assert [len(block) for block in blocks[:-1]] == [7] * (len(blocks) - 1) and 0 < len(blocks[-1]) <= 7
+        for key, tensor in data[:].items():
+            assert torch.equal(torch.cat([block.tensors()[key] for block in blocks]), tensor), key
+
+
+def test_pydoc_documents_are_its_topics_in_key_order():
+    from pydoc_data.topics import topics
+
+    assert read_documents("builtin:pydoc") == [topics[key] for key in sorted(topics)]
 
 
 # ---- train/eval split ----

@@ -1,0 +1,396 @@
+"""The tokenize job: a corpus tokenised once into a token store (see `pipelines.tokenize.layout`).
+
+1. Fingerprint: the sha256 of the corpus's content (`preinfer.corpus.corpus_fingerprint`), the tokenizer's
+   fingerprint, seq_len, eval_fraction and the text column. Not the corpus's path or file times: a copied corpus
+   keeps its token store, and an edited one never reuses a stale one.
+2. Encode: the document stream is cut into chunks of about `chunk_chars` characters (the same chunks whatever the
+   number of workers); each chunk is split into train and eval, tokenised by one of `workers` processes, and staged.
+3. Pack: one process reads the staged chunks in order, cuts each split into samples exactly as `preinfer.data`
+   does, and writes them shard by shard into the split's store (storage's atomic shard publish), then finalizes it.
+4. Describe: `token-store.json` is written, then the staging directory removed.
+
+Memory holds a few chunks of text and their ids (about `chunk_chars` each, per worker) and one shard, whatever the
+corpus's size. A job killed at any moment and run again with the same arguments resumes: staged chunks are not
+tokenised again, written shards not written again, and the bytes are those of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import time
+from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import storage
+from pipelines.tokenize.layout import (
+    FORMAT_VERSION, INFO, STAGING, SplitInfo, TokenStoreInfo, default_samples_per_shard, pack_ids, read_info,
+    store_fields, write_json,
+)
+from pipelines.tokenize.staging import PLAN, Staging
+from preinfer.corpus import Document, corpus_fingerprint, iter_documents
+from preinfer.data import (
+    CHUNK_CHARS, SPLITS, SampleBlock, SamplePacker, check_arguments, document_chunks, encode_chunk, id_dtype,
+    is_instruction,
+)
+from preinfer.errors import UsageError
+from preinfer.tokenizers import Tokenizer, load_tokenizer
+
+CODEC = "zstd"  # token ids compress better unshuffled (see bench/data.py)
+_OWN_ENTRIES = (INFO, STAGING, *SPLITS)  # what --overwrite may remove from --out
+
+
+@dataclass(frozen=True)
+class TokenizeOptions:
+    """What to tokenise, how, and where to."""
+
+    data: str = "builtin:pydoc"
+    tokenizer: str = "byte"
+    seq_len: int = 128
+    eval_fraction: float = 0.1
+    out: str = "tokens"
+    text_column: str = "text"
+    workers: int = 1
+    samples_per_shard: int | None = None  # None: about 4 MiB of ids per shard
+    overwrite: bool = False
+    progress: bool = True
+    chunk_chars: int = CHUNK_CHARS  # characters of documents per unit of work (tests make it small)
+
+    def check(self) -> None:
+        """Refuse options no job can run with, in one line naming the flag."""
+        check_arguments(self.seq_len, "train", self.eval_fraction)
+        if self.workers < 1:
+            raise UsageError(f"--workers must be at least 1, got {self.workers}")
+        if self.samples_per_shard is not None and self.samples_per_shard < 1:
+            raise UsageError(f"--samples-per-shard must be at least 1, got {self.samples_per_shard}")
+        if not self.text_column:
+            raise UsageError("--text-column must name a field, got ''")
+        if self.chunk_chars < 1:
+            raise UsageError(f"chunk_chars must be at least 1, got {self.chunk_chars}")
+
+
+@dataclass(frozen=True)
+class TokenizeResult:
+    """What a tokenize job found or did."""
+
+    out: Path
+    info: TokenStoreInfo
+    reused: bool  # the store was already complete: nothing was done
+    chunks_encoded: int  # chunks this run tokenised (others were staged by an interrupted run)
+    shards_written: int  # shards this run wrote
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON summary."""
+        return {
+            "out": str(self.out), "fingerprint": self.info.digest, "reused": self.reused,
+            "chunks_encoded": self.chunks_encoded, "shards_written": self.shards_written,
+            "seconds": round(self.seconds, 3), "kind": self.info.kind, "seq_len": self.info.seq_len,
+            "id_dtype": self.info.id_dtype, "splits": {name: asdict(split) for name, split in self.info.splits.items()},
+        }
+
+
+def token_fingerprint(
+    data: str, tokenizer: Tokenizer, seq_len: int, eval_fraction: float, text_column: str = "text"
+) -> storage.Fingerprint:
+    """The fingerprint of the token store of `data` tokenised by `tokenizer` (see the module docstring); the
+    corpus's spelling and the tokenizer's name are readable parts only."""
+    corpus_digest, corpus_parts = corpus_fingerprint(data, text_column)
+    content = {
+        "format_version": FORMAT_VERSION, "corpus_digest": corpus_digest, "tokenizer_digest": tokenizer.fingerprint(),
+        "seq_len": seq_len, "eval_fraction": eval_fraction, "text_column": text_column,
+    }
+    digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+    parts = {**content, "tokenizer": tokenizer.name, **corpus_parts}
+    return storage.Fingerprint(digest, parts)
+
+
+def cache_path(root: str | Path, fingerprint: storage.Fingerprint) -> Path:
+    """Where a cache of token stores under `root` keeps the one of `fingerprint`."""
+    return Path(root) / fingerprint.digest[:20]
+
+
+def tokenize_corpus(options: TokenizeOptions) -> TokenizeResult:
+    """Build (or resume, or find complete) the token store of `options` at `options.out`."""
+    started = time.perf_counter()
+    options.check()
+    tokenizer = load_tokenizer(options.tokenizer)
+    fingerprint = token_fingerprint(
+        options.data, tokenizer, options.seq_len, options.eval_fraction, options.text_column
+    )
+    out = Path(options.out)
+    created = not out.exists()
+    found = _prepare(out, fingerprint, options.overwrite)
+    if found is not None:
+        return TokenizeResult(out, found, True, 0, 0, time.perf_counter() - started)
+    try:
+        return _build(options, tokenizer, fingerprint, out, started)
+    except UsageError:
+        if created and not any(out.iterdir()):
+            out.rmdir()
+        raise
+
+
+def _build(
+    options: TokenizeOptions, tokenizer: Tokenizer, fingerprint: storage.Fingerprint, out: Path, started: float
+) -> TokenizeResult:
+    """Encode (what is not staged yet), pack, describe. A store being replaced (--overwrite) is removed only when
+    the new one is about to be written: a run that fails on bad input leaves it as it was."""
+    dtype = id_dtype(tokenizer.vocab_size)
+    per_shard = options.samples_per_shard or default_samples_per_shard(options.seq_len, dtype)
+    staging = Staging(out / STAGING)
+    plan = {"fingerprint": fingerprint.to_json(), "chunk_chars": options.chunk_chars, "samples_per_shard": per_shard}
+    resumed = _check_plan(staging, plan, out, options.overwrite)
+    staging.start(plan)
+    try:
+        encoded, chunks_encoded = staging.encoded(), 0
+        if encoded is None:
+            chunks_encoded = _encode(options, staging, tokenizer)
+            encoded = staging.encoded()
+        packing = _Packing(options, fingerprint, staging, encoded, dtype, per_shard)
+        if packing.has_samples() and (not resumed or (out / INFO).exists()):  # what is there is the replaced store's
+            _remove_own(out, keep=STAGING)
+        splits = {split: packing.pack(out / split, split) for split in SPLITS}
+        if not any(split.samples for split in splits.values()):
+            raise UsageError(splits["train"].problem)
+    except UsageError:  # bad input: it must change before a run can succeed, so nothing staged for it is of use
+        staging.remove()
+        raise
+    info = TokenStoreInfo(
+        fingerprint=fingerprint.to_json(), kind=encoded["kind"], seq_len=options.seq_len, id_dtype=dtype.name,
+        vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
+        samples_per_shard=per_shard, splits=splits,
+    )
+    write_json(out / INFO, info.to_json())
+    staging.remove()
+    return TokenizeResult(out, info, False, chunks_encoded, packing.shards_written, time.perf_counter() - started)
+
+
+# ---- what --out holds ----
+
+
+def _prepare(out: Path, fingerprint: storage.Fingerprint, overwrite: bool) -> TokenStoreInfo | None:
+    """The complete token store of `fingerprint` at `out` if there is one (unless `overwrite`); otherwise check that
+    the job may write there (refusing another token store without `overwrite`, and anything else at all)."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file, not a directory")
+    info = None if overwrite else read_info(out)
+    if info is not None:
+        if info.digest == fingerprint.digest:
+            return info
+        raise UsageError(
+            f"--out {out} holds the token store of another corpus or setting "
+            f"({_differences(info.store_fingerprint, fingerprint)}); pass --overwrite to replace it, or choose "
+            f"another --out"
+        )
+    if out.is_dir():
+        ours = (out / INFO).exists() or (out / STAGING / PLAN).exists()
+        strangers = sorted(name for name in (entry.name for entry in out.iterdir()) if not (ours and _own(name)))
+        if strangers:
+            raise UsageError(
+                f"--out {out} is not empty and is not a token store (it holds {strangers[0]!r} ...); choose another "
+                f"directory, nothing was deleted"
+            )
+    out.mkdir(parents=True, exist_ok=True)
+    return None
+
+
+def _remove_own(out: Path, keep: str = "") -> None:
+    """Delete the token store's own entries of `out` but `keep` (nothing else)."""
+    for name in _OWN_ENTRIES:
+        target = out / name
+        if name == keep:
+            continue
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+
+
+def _own(name: str) -> bool:
+    """Whether an entry of --out is the token store's own (or a temporary file of an interrupted write)."""
+    return name in _OWN_ENTRIES or any(name.startswith(f".{own}.tmp-") for own in _OWN_ENTRIES)
+
+
+def _check_plan(staging: Staging, plan: dict[str, Any], out: Path, overwrite: bool) -> bool:
+    """Whether `staging` holds this plan's work (to go on with). The work of another fingerprint or setting is
+    dropped with `overwrite`, else refused."""
+    staged = staging.plan()
+    if staged == plan:
+        return True
+    if staged is None or overwrite:
+        staging.remove()
+        return False
+    what = "; ".join(
+        f"{key}: {staged.get(key)!r} then, {plan[key]!r} now" for key in ("chunk_chars", "samples_per_shard")
+        if staged.get(key) != plan[key]
+    )
+    if staged.get("fingerprint") != plan["fingerprint"]:
+        stored, wanted = (storage.Fingerprint.coerce(record["fingerprint"]) for record in (staged, plan))
+        what = _differences(stored, wanted)
+    raise UsageError(
+        f"--out {out} holds an unfinished token store of another corpus or setting ({what}); run the same command "
+        f"again to finish it, or pass --overwrite to start over"
+    )
+
+
+def _differences(stored: storage.Fingerprint, expected: storage.Fingerprint) -> str:
+    return "; ".join(stored.differences(expected)) or "another fingerprint"
+
+
+# ---- encoding ----
+
+
+def _encode(options: TokenizeOptions, staging: Staging, tokenizer: Tokenizer) -> int:
+    """Stage every chunk not staged yet; record the number of chunks and the kind. Returns the chunks encoded."""
+    chunks = document_chunks(iter_documents(options.data, options.text_column), options.chunk_chars)
+    encoder = _Encoder(options, staging, tokenizer)
+    kind, count = None, 0
+    try:
+        for index, chunk in enumerate(chunks):
+            kind = kind or ("instruction" if is_instruction(chunk[0]) else "lm")
+            count = index + 1
+            if not staging.is_staged(index):
+                encoder.submit(index, chunk)
+    finally:
+        encoder.close()
+    if kind is None:
+        raise UsageError(f"{options.data}: no documents found (empty dataset)")
+    staging.finish_encoding(count, kind)
+    return encoder.submitted
+
+
+def encode_and_stage(
+    index: int, chunk: list[Document], tokenizer: Tokenizer, options: TokenizeOptions, staging: Staging
+) -> int:
+    """Tokenise chunk `index` and stage it; returns its tokens (both splits, padding left out)."""
+    encoded = encode_chunk(chunk, tokenizer, options.seq_len, options.eval_fraction)
+    staging.write_chunk(index, encoded)
+    return sum(part.tokens for part in encoded.values())
+
+
+# The worker process's tokenizer, options and staging directory (set once by `_start_worker`).
+_WORKER: dict[str, Any] = {}
+
+
+def _start_worker(options: TokenizeOptions) -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker: no thread pool of its own
+    _WORKER.update(
+        options=options, tokenizer=load_tokenizer(options.tokenizer), staging=Staging(Path(options.out) / STAGING)
+    )
+
+
+def _encode_in_worker(index: int, chunk: list[Document]) -> int:
+    return encode_and_stage(index, chunk, _WORKER["tokenizer"], _WORKER["options"], _WORKER["staging"])
+
+
+class _Encoder:
+    """Tokenises chunks in this process (one worker) or in a pool of spawned processes, at most two chunks per
+    worker in flight; a tqdm bar counts tokens."""
+
+    def __init__(self, options: TokenizeOptions, staging: Staging, tokenizer: Tokenizer) -> None:
+        from tqdm import tqdm
+
+        self.options, self.staging, self.tokenizer = options, staging, tokenizer
+        self.submitted = 0
+        self.bar = tqdm(unit="tok", unit_scale=True, desc="tokenize", disable=not options.progress, leave=False)
+        self.pool = None
+        if options.workers > 1:
+            context = multiprocessing.get_context("spawn")
+            self.pool = ProcessPoolExecutor(
+                options.workers, mp_context=context, initializer=_start_worker, initargs=(options,)
+            )
+        self.pending: set[Future] = set()
+
+    def submit(self, index: int, chunk: list[Document]) -> None:
+        self.submitted += 1
+        if self.pool is None:
+            self.bar.update(encode_and_stage(index, chunk, self.tokenizer, self.options, self.staging))
+            return
+        if len(self.pending) >= 2 * self.options.workers:
+            self._collect(FIRST_COMPLETED)
+        self.pending.add(self.pool.submit(_encode_in_worker, index, chunk))
+
+    def _collect(self, how: str) -> None:
+        done, self.pending = wait(self.pending, return_when=how)
+        for future in done:
+            self.bar.update(future.result())
+
+    def close(self) -> None:
+        """Wait for the chunks in flight (all of them, unless one failed) and stop the workers."""
+        try:
+            if self.pending:
+                self._collect("ALL_COMPLETED")
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown(cancel_futures=True)
+            self.bar.close()
+
+
+# ---- packing ----
+
+
+class _Packing:
+    """Writes each split's samples from the staged chunks into its store, shard by shard."""
+
+    def __init__(
+        self, options: TokenizeOptions, fingerprint: storage.Fingerprint, staging: Staging, encoded: dict[str, Any],
+        dtype: np.dtype, per_shard: int,
+    ) -> None:
+        self.options, self.fingerprint, self.staging = options, fingerprint, staging
+        self.chunks, self.kind = int(encoded["chunks"]), encoded["kind"]
+        self.dtype, self.per_shard = dtype, per_shard
+        self.shards_written = 0
+
+    def _samples(self, counts: list[dict[str, int]]) -> int:
+        units = sum(count["units"] for count in counts)
+        return units if self.kind == "instruction" else units // self.options.seq_len
+
+    def has_samples(self) -> bool:
+        """Whether any split will have samples."""
+        return any(self._samples(self._counts(split)) for split in SPLITS)
+
+    def _counts(self, split: str) -> list[dict[str, int]]:
+        return [self.staging.counts(index)[split] for index in range(self.chunks)]
+
+    def pack(self, path: Path, split: str) -> SplitInfo:
+        """Write the store of `split` at `path` (the shards it lacks) and finalize it."""
+        counts = self._counts(split)
+        samples = self._samples(counts)
+        store = None
+        if samples:
+            fields = store_fields(self.kind, self.options.seq_len, self.dtype)
+            store = storage.create_store(path, fields, samples, self.per_shard, self.fingerprint, codec=CODEC)
+        done = set(store.completed_shards()) if store is not None else set()
+        packer = SamplePacker(self.options.seq_len, self.kind == "instruction", self.per_shard)
+        tokens = 0
+        for shard, block in enumerate(self._blocks(packer, split, counts)):
+            tokens += block.tokens
+            if shard not in done:
+                store.write_shard(shard, _shard_tensors(block))
+                self.shards_written += 1
+        problem = packer.report(f"{self.options.data} ({split})")
+        if store is not None:
+            store.finalize()
+        return SplitInfo(packer.samples, tokens, packer.documents, problem)
+
+    def _blocks(self, packer: SamplePacker, split: str, counts: list[dict[str, int]]) -> Iterable[SampleBlock]:
+        for index, count in enumerate(counts):
+            yield from packer.add(self.staging.read_split(index, split, count["documents"]))
+        yield from packer.finish()
+
+
+def _shard_tensors(block: SampleBlock) -> dict[str, torch.Tensor]:
+    tensors = {"ids": torch.from_numpy(pack_ids(block.ids))}
+    if block.lengths is not None:
+        tensors["lengths"] = torch.from_numpy(np.ascontiguousarray(block.lengths, dtype=np.int32))
+    return tensors

@@ -1,0 +1,156 @@
+"""What a token store holds and how it is laid out on disk.
+
+    OUT/token-store.json   the description (`TokenStoreInfo`), written last: a token store is complete when it exists
+    OUT/train/, OUT/eval/  one `storage` store per split that has samples (zarr), in corpus order
+    OUT/staging/           the interrupted job's work (see `pipelines.tokenize.staging`), gone once complete
+
+Fields of a split's store, per sample:
+- `ids`: the sample's token ids, little-endian in the smallest dtype of the vocabulary (uint8, uint16 or int32, see
+  `preinfer.data.id_dtype`), their bytes packed into int32 words (storage's smallest integer type), zero-padded to
+  a whole word: [ceil(seq_len * itemsize / 4)] int32.
+- `lengths` (instruction data only): [prompt length, length] int32. Labels are the ids on [prompt length, length)
+  and -100 elsewhere; the mask is true on [0, length).
+LM text stores ids only: its mask is all true and its labels equal its ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import storage
+from preinfer.errors import UsageError
+
+INFO = "token-store.json"
+STAGING = "staging"
+FORMAT = "preinfer-token-store"
+FORMAT_VERSION = 1
+WORD = np.dtype("<i4")
+SHARD_BYTES = 4 << 20  # stored `ids` bytes per shard by default (the unit of writing, resuming and reading)
+KINDS = ("lm", "instruction")
+
+
+@dataclass(frozen=True)
+class SplitInfo:
+    """One split: its samples and where they came from; `problem` says why a split has no samples."""
+
+    samples: int
+    tokens: int  # real (unpadded) tokens in its samples
+    documents: int  # documents (or instruction examples, dropped ones included)
+    problem: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenStoreInfo:
+    """The description of a complete token store (`token-store.json`)."""
+
+    fingerprint: dict[str, Any]  # {"digest": sha256 hex, "parts": readable parts}
+    kind: str  # "lm" or "instruction"
+    seq_len: int
+    id_dtype: str
+    vocab_size: int
+    pad_id: int
+    eos_id: int
+    samples_per_shard: int
+    splits: dict[str, SplitInfo]
+
+    @property
+    def digest(self) -> str:
+        """The fingerprint's digest."""
+        return self.fingerprint["digest"]
+
+    @property
+    def store_fingerprint(self) -> storage.Fingerprint:
+        """The fingerprint the split stores were created with (and are opened against)."""
+        return storage.Fingerprint.coerce(self.fingerprint)
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON form written to `token-store.json`."""
+        return {"format": FORMAT, "format_version": FORMAT_VERSION, **asdict(self)}
+
+
+def words_per_sample(seq_len: int, dtype: np.dtype) -> int:
+    """int32 words that hold `seq_len` ids of `dtype`."""
+    return -(-seq_len * dtype.itemsize // WORD.itemsize)
+
+
+def store_fields(kind: str, seq_len: int, dtype: np.dtype) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The fields of a split's store."""
+    fields = {"ids": ((words_per_sample(seq_len, dtype),), "int32")}
+    if kind == "instruction":
+        fields["lengths"] = ((2,), "int32")
+    return fields
+
+
+def default_samples_per_shard(seq_len: int, dtype: np.dtype) -> int:
+    """Samples per shard for about SHARD_BYTES of ids."""
+    return max(1, SHARD_BYTES // (words_per_sample(seq_len, dtype) * WORD.itemsize))
+
+
+def pack_ids(ids: np.ndarray) -> np.ndarray:
+    """Ids [n, T] as the int32 words of their little-endian bytes [n, words_per_sample(T)]."""
+    count, seq_len = ids.shape
+    raw = np.ascontiguousarray(ids, dtype=ids.dtype.newbyteorder("<")).view(np.uint8).reshape(count, -1)
+    width = words_per_sample(seq_len, ids.dtype) * WORD.itemsize
+    if width != raw.shape[1]:
+        raw = np.concatenate([raw, np.zeros((count, width - raw.shape[1]), np.uint8)], axis=1)
+    return raw.view(WORD)
+
+
+def unpack_ids(words: np.ndarray, seq_len: int, dtype: np.dtype) -> np.ndarray:
+    """The ids [n, seq_len] of `dtype` packed in `words` by `pack_ids`."""
+    raw = np.ascontiguousarray(words, dtype=WORD).view(np.uint8).reshape(words.shape[0], -1)
+    little = dtype.newbyteorder("<")
+    return np.ascontiguousarray(raw[:, : seq_len * dtype.itemsize]).view(little).astype(dtype, copy=False)
+
+
+def write_json(path: Path, record: dict[str, Any]) -> None:
+    """Publish `record` as JSON at `path` atomically (a reader sees the old file or the whole new one)."""
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with temporary.open("w", encoding="utf-8") as stream:
+        json.dump(record, stream, indent=1, sort_keys=True)
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(temporary, path)
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object at `path`, None if there is no file; a garbled file is refused in one line."""
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        problem = f"{type(error).__name__}: {error}"
+        raise UsageError(f"{path}: unreadable ({problem}); delete it or pass --overwrite") from None
+    if not isinstance(record, dict):
+        raise UsageError(f"{path}: expected a JSON object; delete it or pass --overwrite")
+    return record
+
+
+def read_info(root: Path) -> TokenStoreInfo | None:
+    """The description of the complete token store at `root`, None if there is none (absent or unfinished)."""
+    record = read_json(root / INFO)
+    if record is None:
+        return None
+    where = root / INFO
+    if record.get("format") != FORMAT or record.get("format_version") != FORMAT_VERSION:
+        raise UsageError(
+            f"{where}: not a token store of format {FORMAT} version {FORMAT_VERSION} (found "
+            f"{record.get('format')!r} version {record.get('format_version')!r}); rebuild it with "
+            f"`preinfer tokenize --overwrite`"
+        )
+    try:
+        fields = {key: record[key] for key in TokenStoreInfo.__dataclass_fields__}
+        fields["splits"] = {name: SplitInfo(**split) for name, split in fields["splits"].items()}
+        info = TokenStoreInfo(**fields)
+    except (KeyError, TypeError, AttributeError) as error:
+        raise UsageError(f"{where}: garbled ({type(error).__name__}: {error}); rebuild it with --overwrite") from None
+    if info.kind not in KINDS:
+        raise UsageError(f"{where}: unknown kind {info.kind!r}; expected one of {', '.join(KINDS)}")
+    return info

@@ -1,0 +1,92 @@
+"""The tokenize job's work in progress, kept under OUT/staging/ until the token store is complete:
+
+    plan.json            whose work this is: the token fingerprint and the settings that shape the work
+    chunk-NNNNNN.npz     chunk N's encoded splits (`preinfer.data.EncodedSplit` arrays)
+    chunk-NNNNNN.json    chunk N's counts, written after its arrays: the chunk's completion record
+    encoded.json         written once every chunk is staged: how many there are and the kind of data
+
+Every file is published atomically (written beside, then renamed), so a job killed at any moment leaves complete
+files or none; arrays are read back without pickle.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipelines.tokenize.layout import read_json, write_json
+from preinfer.data import SPLITS, EncodedSplit
+
+PLAN = "plan.json"
+ENCODED = "encoded.json"
+
+
+class Staging:
+    """The staging directory of one token store."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def plan(self) -> dict[str, Any] | None:
+        """The plan of the work staged here, None if there is none."""
+        return read_json(self.root / PLAN)
+
+    def start(self, plan: dict[str, Any]) -> None:
+        """Begin (or go on with) the work of `plan`."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        write_json(self.root / PLAN, plan)
+
+    def _chunk(self, index: int, suffix: str) -> Path:
+        return self.root / f"chunk-{index:06d}{suffix}"
+
+    def is_staged(self, index: int) -> bool:
+        """Whether chunk `index` is staged completely."""
+        return self._chunk(index, ".json").is_file()
+
+    def write_chunk(self, index: int, encoded: dict[str, EncodedSplit]) -> None:
+        """Stage chunk `index`: its arrays, then its counts (the completion record)."""
+        arrays: dict[str, np.ndarray] = {}
+        for split, part in encoded.items():
+            arrays[f"{split}.ids"] = part.ids
+            if part.lengths is not None:
+                arrays[f"{split}.lengths"] = part.lengths
+        target = self._chunk(index, ".npz")
+        temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        with temporary.open("wb") as stream:
+            np.savez(stream, **arrays)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, target)
+        counts = {split: {"units": len(part.ids), "documents": part.documents} for split, part in encoded.items()}
+        write_json(self._chunk(index, ".json"), counts)
+
+    def counts(self, index: int) -> dict[str, dict[str, int]]:
+        """{split: {"units": tokens of the LM stream or instruction rows, "documents": n}} of staged chunk `index`."""
+        counts = read_json(self._chunk(index, ".json"))
+        if counts is None or set(counts) != set(SPLITS):
+            raise FileNotFoundError(f"chunk {index} is not staged in {self.root}")
+        return counts
+
+    def read_split(self, index: int, split: str, documents: int) -> EncodedSplit:
+        """The encoded part of `split` in staged chunk `index`."""
+        with np.load(self._chunk(index, ".npz"), allow_pickle=False) as arrays:
+            lengths = arrays[f"{split}.lengths"] if f"{split}.lengths" in arrays.files else None
+            return EncodedSplit(arrays[f"{split}.ids"], lengths, documents)
+
+    def encoded(self) -> dict[str, Any] | None:
+        """{"chunks": n, "kind": ...} once every chunk is staged, else None."""
+        return read_json(self.root / ENCODED)
+
+    def finish_encoding(self, chunks: int, kind: str) -> dict[str, Any]:
+        """Record that all `chunks` chunks are staged."""
+        record = {"chunks": chunks, "kind": kind}
+        write_json(self.root / ENCODED, record)
+        return record
+
+    def remove(self) -> None:
+        """Delete the staging directory (the token store is complete)."""
+        shutil.rmtree(self.root, ignore_errors=True)
