@@ -90,6 +90,10 @@ TRAINING_FLAGS: list[tuple[str, str, str, dict[str, Any]]] = [
     ("--checkpoint-every", "run", "checkpoint_every",
      dict(type=non_negative_int, help="steps between checkpoints; 0 = after every visit [0]")),
     ("--device", "run", "device", dict(help="cpu, cuda, cuda:1 ... [cpu]")),
+    ("--precision", "run", "precision",
+     dict(choices=["auto", "fp32", "bf16-mixed", "fp16-mixed"],
+          help="fp32, or every weight in 16 bits with fp32 masters, gradients and optimizer state for the "
+               "active block only (fp16-mixed adds dynamic loss scaling); auto follows the model's weights [auto]")),
     ("--recompute", "run", "recompute",
      dict(action="store_const", const=True,
           help="activation checkpointing: every layer in the gradient path (the active block and the frozen "
