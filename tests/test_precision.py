@@ -228,3 +228,12 @@ def test_torchrun_two_ranks_bf16_mixed_match_one_process_over_the_same_global_ba
             assert (a - b).norm() <= 0.1 * moved, name
         else:
             assert torch.equal(a, b), name
+
+
+def test_recompute_under_bf16_mixed_gives_the_same_weights():
+    runs = []
+    for recompute in (False, True):
+        trainer = make_trainer(**MIXED, run__recompute=recompute, stop__steps_per_visit=2)
+        trainer.fit()
+        runs.append(snapshot(trainer.staged.model))
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
