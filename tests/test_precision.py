@@ -237,3 +237,14 @@ def test_recompute_under_bf16_mixed_gives_the_same_weights():
         trainer.fit()
         runs.append(snapshot(trainer.staged.model))
     assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+
+
+def test_pre_inference_stores_take_the_bf16_compute_dtype(tmp_path, corpus):
+    out = tmp_path / "run"
+    assert main(["bcd", "--model", "tiny-llama", "--data", corpus, "--seq-len", "32", "--batch-size", "4",
+                 "--steps-per-visit", "2", "--blocks", "2", "--eval-batches", "1", "--pre-inference", "on",
+                 "--keep-stores", "--precision", "bf16-mixed", "--out", str(out)]) == 0
+    manifests = sorted((out / "stores").glob("*/train/manifest.json"))
+    assert manifests
+    for manifest in manifests:
+        assert json.loads(manifest.read_text())["fields"]["hidden"]["dtype"] == "bfloat16"

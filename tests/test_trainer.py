@@ -116,12 +116,14 @@ def test_plateau_rule_stops_a_visit():
     assert all(v["steps"] == 4 for v in visits)  # the first step sets the best; 3 without improvement
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "fp16-mixed"])
 def test_resume_is_bit_identical(tmp_path, precision):
     overrides = dict(blocks__sweeps=2, optim__warmup_steps=2, stop__steps_per_visit=4, run__precision=precision)
     reference = make_trainer(run_dir=tmp_path / "a", **overrides)
-    reference.fit()
     halted = make_trainer(run_dir=tmp_path / "b", **overrides)
+    if precision == "fp16-mixed":  # a scale that overflows at first: the loss scaler's state must resume too
+        reference.scaler.scale = halted.scaler.scale = 2.0**20
+    reference.fit()
     halted.fit(max_total_steps=6)  # mid-visit: block 1, step 2 of 4
     saved = load_file(str(tmp_path / "b" / "checkpoint" / "state.safetensors"))
     masters = [saved[f"master.{i}"] for i in range(sum(name.startswith("master.") for name in saved))]
@@ -138,3 +140,5 @@ def test_resume_is_bit_identical(tmp_path, precision):
     ref, got = snapshot(reference.staged.model), snapshot(resumed.staged.model)
     assert all(torch.equal(ref[k], got[k]) for k in ref)
     assert [v["eval_loss"] for v in resumed.progress.visits] == [v["eval_loss"] for v in reference.progress.visits]
+    if precision == "fp16-mixed":
+        assert halted.scaler.skipped > 0 and resumed.scaler.state_dict() == reference.scaler.state_dict()
