@@ -8,7 +8,8 @@ bucket order on every rank (a bucket that fills early waits for the ones before 
 collectives in the same order. `finish()` launches whatever is left, waits, and copies the sums back.
 
 Each element is summed across ranks exactly as a per-tensor all-reduce would sum it, so the result does not
-depend on the bucketing.
+depend on the bucketing. The flat buffers are one more fp32 copy of the active block's gradients, kept for the
+visit.
 """
 
 from __future__ import annotations
