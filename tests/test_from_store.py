@@ -206,7 +206,7 @@ def torchrun_and_one_process(tmp_path: Path, corpus: str, precision: str = "fp32
     model_dir, store = cache_and_model(tmp_path, corpus)
     out = tmp_path / "two"
     two = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
          "-m", "pipelines.cli", "train", "--store", store, "--model", model_dir, "--steps-per-visit", "3",
          "--lr", "1e-3", "--blocks", "2", "--seed", "0", "--batch-size", "2", "--precision", precision,
          "--out", str(out)],
