@@ -107,6 +107,10 @@ TRAINING_FLAGS: list[Flag] = [
     Flag("--checkpoint-every", "run", "checkpoint_every", "steps between checkpoints; 0 = after every visit",
          dict(type=non_negative_int)),
     Flag("--device", "run", "device", "cpu, cuda, cuda:1 ...", dict(type=device)),
+    Flag("--precision", "run", "precision",
+         "fp32, or every weight in 16 bits with fp32 masters, gradients and optimizer state for the active block "
+         "only (fp16-mixed adds dynamic loss scaling); auto follows the model's weights",
+         dict(choices=["auto", "fp32", "bf16-mixed", "fp16-mixed"])),
     Flag("--recompute", "run", "recompute",
          "activation checkpointing: every layer in the gradient path (the active block and the frozen layers "
          "above it) keeps only its input and runs its forward again in backward: less activation memory, a "

@@ -70,6 +70,7 @@ class RunConfig:
     seed: int = 0
     checkpoint_every: int = 0  # optimizer steps between checkpoints; 0: after every visit only
     device: str = "cpu"
+    precision: str = "auto"  # fp32, bf16-mixed, fp16-mixed; auto follows the model's weights (bf16 -> bf16-mixed)
     recompute: bool = False  # keep one hidden state per layer in the gradient path; run the layer again in backward
 
 

@@ -69,7 +69,8 @@ def build_preset(name: str, seed: int = 0) -> torch.nn.Module:
 
 
 def load_model(spec: str, seed: int = 0) -> torch.nn.Module:
-    """A model from a preset name or a local directory written by `save_pretrained` (never the network)."""
+    """A model from a preset name (float32) or a local directory written by `save_pretrained`, in the dtype its
+    weights were saved in (never the network)."""
     path = Path(spec)
     if spec in PRESETS:
         return build_preset(spec, seed)
@@ -80,7 +81,8 @@ def load_model(spec: str, seed: int = 0) -> torch.nn.Module:
     if not (path / "config.json").is_file():
         raise UsageError(f"--model directory '{spec}' has no config.json (expected a save_pretrained directory)")
     try:
-        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, attn_implementation="eager").float()
+        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, attn_implementation="eager",
+                                                    dtype="auto")
     except (OSError, ValueError) as err:
         raise UsageError(f"cannot load the model in '{spec}': {err}") from err
 
