@@ -58,7 +58,7 @@ def per_optimizer(defaults: dict[str, float]) -> str:
 SWITCH = dict(action="store_const", const=True)
 
 TRAINING_FLAGS: list[Flag] = [
-    Flag("--model", "model", "name", "preset (tiny-gpt2, tiny-llama, small-llama, medium-llama), a "
+    Flag("--model", "model", "name", "preset (tiny-gpt2, tiny-llama, small-llama, medium-llama, tiny-moe), a "
                                      "save_pretrained directory, or a run directory"),
     Flag("--tokenizer", "model", "tokenizer", "'byte' (built-in) or a local HF tokenizer directory"),
     Flag("--data", "data", "path", "a .txt or .jsonl file (text or instruction records), a directory of them, "

@@ -22,6 +22,7 @@ from preinfer.checkpoint import load_checkpoint, save_checkpoint
 from preinfer.config import Config
 from preinfer.errors import PreinferError
 from preinfer.metrics import MetricsLog, Record, StepRecord, VisitRecord
+from preinfer.moe import RouterLoss
 from preinfer.optim import StopRule, build_optimizer, warmup_factor
 from preinfer.partition import Block, Partition
 from preinfer.run_dir import RunDir
@@ -68,6 +69,7 @@ class Trainer:
         self.progress = Progress()
         self.active_block = active_block
         self.wall_s = 0.0  # time spent in fit()
+        self.router_loss = RouterLoss(staged.model, staged.layers)
         self.order(0)  # a bad order, fixed order or start block is refused before anything runs
         sources.attach(self.emit)
 
@@ -197,8 +199,10 @@ class Trainer:
         with tracking:
             for batch in batches:
                 state = self._input_state(batch, block, train.boundary)
-                out = self.staged.run(state, block.start, self.staged.num_layers, self.config.run.recompute)
+                with self.router_loss.capture(block.start):
+                    out = self.staged.run(state, block.start, self.staged.num_layers, self.config.run.recompute)
                 loss = causal_lm_loss(self.staged.logits(out), out.labels, reduction="sum") / count
+                loss = loss + self.router_loss.loss(out.attention_mask) / (cfg.grad_accum * self.world_size)
                 loss.backward()
                 total += loss.item()
                 tokens += int(batch["attention_mask"].sum())
