@@ -84,6 +84,12 @@ TRAINING_FLAGS: list[Flag] = [
     Flag("--start-block", "blocks", "start_block", "block each sweep begins with", dict(type=non_negative_int),
          unset="the order's first"),
     Flag("--sweeps", "blocks", "sweeps", "passes over all blocks", dict(type=positive_int)),
+    Flag("--experts", "blocks", "experts", "expert-granular blocks (mixture of experts): top:SHARE trains, in each "
+         "sparse layer of a block, the fewest experts carrying SHARE of its routed tokens (ESFT)"),
+    Flag("--experts-with", "blocks", "experts_with", "what trains with the chosen experts: a comma list of router, "
+         "shared, attention, rest (norms, dense MLPs, embedding, head), or none"),
+    Flag("--experts-sample", "blocks", "experts_sample", "training batches whose routing picks the experts",
+         dict(type=positive_int)),
     Flag("--optimizer", "optim", "name", "optimizer", dict(choices=list(DEFAULT_LR))),
     Flag("--lr", "optim", "lr", "learning rate", dict(type=positive_float), unset=per_optimizer(DEFAULT_LR)),
     Flag("--betas", "optim", "betas", "Adam betas", dict(type=float_pair)),

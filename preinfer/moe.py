@@ -19,11 +19,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from itertools import islice
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface
+
+from preinfer.errors import UsageError
 
 ROW_INVARIANT = "row_invariant"
 TILE_ROWS = 16
@@ -134,3 +137,148 @@ class RouterLoss:
         value = self.function(tuple(self.logits), gate.num_experts, gate.top_k, attention_mask)
         self.logits = []
         return self.coef * value
+
+
+PARTS = ("router", "shared", "attention", "rest")
+
+
+def parse_experts(text: str) -> float:
+    """`top:0.5` -> 0.5: the share of a layer's routed tokens that the trained experts must carry."""
+    kind, _, share = text.partition(":")
+    try:
+        value = float(share)
+    except ValueError:
+        value = -1.0
+    if kind != "top" or not 0 < value <= 1:
+        raise UsageError(f"--experts '{text}' is not top:SHARE with SHARE in (0, 1], e.g. top:0.5")
+    return value
+
+
+def parse_experts_with(text: str) -> frozenset[str]:
+    """`router,attention` -> the parts of an expert-granular block that train besides its chosen experts."""
+    names = frozenset(n.strip() for n in text.split(",") if n.strip() and n.strip() != "none")
+    unknown = sorted(names - set(PARTS))
+    if unknown:
+        raise UsageError(f"--experts-with '{text}': {', '.join(unknown)} is not one of {', '.join(PARTS)} (or none)")
+    return names
+
+
+def top_experts(counts: torch.Tensor, share: float) -> list[int]:
+    """The fewest experts, busiest first, whose routed tokens reach `share` of the layer's (ESFT's rule)."""
+    order = torch.argsort(counts, descending=True, stable=True)
+    covered = torch.cumsum(counts[order].double(), 0) / counts.sum().clamp_min(1)
+    return sorted(order[: int((covered < share - 1e-12).sum()) + 1].tolist())
+
+
+class ExpertGranular:
+    """Expert-granular blocks: within a block's sparse layers, train only the experts that carry the top share of
+    the routed tokens, measured on a sample of training batches at the block's first visit.
+
+    The optimizer steps one leaf per chosen expert and fused tensor, a view into the fused [E, ...] parameter's
+    storage, so its state covers only the chosen slices and the other experts' slices are never written. After
+    backward, each leaf takes its slice of the fused gradient; an expert that no token (padding included) reached
+    in the step gets no gradient, so the optimizer leaves it and its moments alone. `with_parts` trains with them
+    (`router`, `shared` expert and its gate, `attention`, `rest`: norms, dense MLPs, embedding and head); the others
+    stay frozen. Without `--experts`, or for a block with no sparse layer, the block trains whole.
+    """
+
+    def __init__(self, staged, experts: str | None, with_parts: str, sample_batches: int):
+        self.staged = staged
+        self.share = parse_experts(experts) if experts else None
+        self.with_parts = parse_experts_with(with_parts)
+        self.sample_batches = sample_batches
+        self.sparse = sparse_blocks(staged.layers)
+        self.leaves: list[tuple[nn.Parameter, int, int, torch.Tensor]] = []  # (fused tensor, layer, expert, leaf)
+        self.counts: dict[int, torch.Tensor] = {}
+        self.handles: list = []
+
+    def layers(self, block) -> list[int]:
+        """The sparse layers of `block` (none: the block trains whole)."""
+        if self.share is None:
+            return []
+        return [i for i in self.sparse if block.start <= i < block.stop]
+
+    @torch.no_grad()
+    def measure(self, block, states) -> dict[str, list[int]]:
+        """Layer -> chosen experts, from the routing of the first `sample_batches` states (at any boundary up to
+        `block.start`) through the block's layers; padding positions are not counted."""
+        layers = self.layers(block)
+        counts = {i: torch.zeros(self.sparse[i].gate.num_experts) for i in layers}
+        mask = {}
+
+        def count(index):
+            def hook(gate, args, output):
+                chosen = output[2][mask["real"]].flatten()
+                counts[index] += torch.bincount(chosen, minlength=gate.num_experts).cpu().float()
+            return hook
+
+        handles = [self.sparse[i].gate.register_forward_hook(count(i)) for i in layers]
+        try:
+            for state, boundary in islice(states, self.sample_batches):
+                mask["real"] = state.attention_mask.flatten()
+                self.staged.run(state, boundary, block.stop)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return {str(i): top_experts(c, self.share) for i, c in counts.items()}
+
+    def activate(self, block, selection: dict[str, list[int]]) -> list[torch.Tensor]:
+        """The tensors the visit's optimizer steps; freezes the parts of `block` that do not train."""
+        layers = self.layers(block)
+        if not layers:
+            return list(block.params)
+        parts = self._parts(block)
+        trained = []
+        for param in block.params:
+            part = parts.get(id(param), "rest")
+            param.requires_grad_(part == "experts" or part in self.with_parts)
+            if part in self.with_parts:
+                trained.append(param)
+        for index in layers:
+            experts = self.sparse[index].experts
+            for fused in (p for p in experts.parameters(recurse=False) if p.dim() == 3):
+                for expert in selection[str(index)]:
+                    leaf = fused.detach()[expert].requires_grad_()
+                    self.leaves.append((fused, index, expert, leaf))
+                    trained.append(leaf)
+            self.counts[index] = torch.zeros(experts.num_experts)
+            self.handles.append(self.sparse[index].gate.register_forward_hook(self._count(index)))
+        return trained
+
+    def _count(self, index: int):
+        def hook(gate, args, output):
+            if torch.is_grad_enabled() or gate.training:
+                self.counts[index] += torch.bincount(output[2].flatten(), minlength=gate.num_experts).cpu().float()
+        return hook
+
+    def _parts(self, block) -> dict[int, str]:
+        """id of each parameter of `block`'s sparse layers -> experts, router, shared or attention."""
+        parts = {}
+        for index in self.layers(block):
+            layer, moe = self.staged.layers[index], self.sparse[index]
+            groups = {
+                "attention": getattr(layer, "self_attn", None),
+                "router": moe.gate,
+                "shared": [getattr(moe, "shared_expert", None), getattr(moe, "shared_expert_gate", None)],
+                "experts": moe.experts,
+            }
+            for part, modules in groups.items():
+                for module in modules if isinstance(modules, list) else [modules]:
+                    for param in module.parameters() if module is not None else ():
+                        parts[id(param)] = part
+        return parts
+
+    def before_step(self) -> None:
+        """Give each chosen expert's leaf its slice of the fused gradient (none if no token reached it)."""
+        for fused, index, expert, leaf in self.leaves:
+            reached = self.counts[index][expert] > 0
+            leaf.grad = fused.grad[expert].clone() if reached and fused.grad is not None else None
+        for fused, *_ in self.leaves:
+            fused.grad = None
+        for counts in self.counts.values():
+            counts.zero_()
+
+    def deactivate(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.leaves, self.counts, self.handles = [], {}, []

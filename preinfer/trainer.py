@@ -22,7 +22,7 @@ from preinfer.checkpoint import load_checkpoint, save_checkpoint
 from preinfer.config import Config
 from preinfer.errors import PreinferError
 from preinfer.metrics import MetricsLog, Record, StepRecord, VisitRecord
-from preinfer.moe import RouterLoss
+from preinfer.moe import ExpertGranular, RouterLoss
 from preinfer.optim import StopRule, build_optimizer, warmup_factor
 from preinfer.partition import Block, Partition
 from preinfer.run_dir import RunDir
@@ -44,6 +44,7 @@ class Progress:
     cursor: dict | None = None  # the training source's state_dict; None: the start of the data
     stop: dict | None = None
     visits: list[dict] = field(default_factory=list)  # each finished visit's VisitRecord.to_dict()
+    experts: dict[str, dict[str, list[int]]] = field(default_factory=dict)  # block -> layer -> its chosen experts
 
 
 class Trainer:
@@ -70,6 +71,10 @@ class Trainer:
         self.active_block = active_block
         self.wall_s = 0.0  # time spent in fit()
         self.router_loss = RouterLoss(staged.model, staged.layers)
+        b = config.blocks
+        self.experts = ExpertGranular(staged, b.experts, b.experts_with, b.experts_sample)
+        if b.experts and self.world_size > 1:
+            raise PreinferError("--experts (expert-granular blocks) runs in one process; drop it or torchrun")
         self.order(0)  # a bad order, fixed order or start block is refused before anything runs
         sources.attach(self.emit)
 
@@ -114,7 +119,7 @@ class Trainer:
         train, evaluation = self.visit_sources.sources(block)
         if p.cursor is not None:
             train.load_state_dict(p.cursor)
-        optimizer = self._activate(block)
+        optimizer = self._activate(block, train)
         stop = StopRule.for_visit(cfg.stop, -(-train.batches_per_epoch // cfg.optim.grad_accum))
         if p.stop is not None:
             stop.load_state_dict(p.stop)
@@ -160,8 +165,10 @@ class Trainer:
         if self.on_record is not None:
             self.on_record(record)
 
-    def _activate(self, block: Block) -> torch.optim.Optimizer:
-        """Freeze everything, unfreeze `block`, set train/eval modes, and build (or restore) its optimizer."""
+    def _activate(self, block: Block, train: BatchSource | None = None) -> torch.optim.Optimizer:
+        """Freeze everything, unfreeze `block` (with `--experts`, its chosen experts and the parts that train with
+        them; chosen on the block's first visit from `train`), set train/eval modes, and build (or restore) its
+        optimizer."""
         model = self.staged.model
         model.requires_grad_(False)
         for param in block.params:
@@ -169,7 +176,13 @@ class Trainer:
         model.train()
         for module in self.staged.prefix_modules(block.start):
             module.eval()
-        optimizer = build_optimizer(list(block.params), self.config.optim)
+        key = str(block.index)
+        if key not in self.progress.experts and self.experts.layers(block) and train is not None:
+            states = ((batch_state(self.staged, _to_device(b, self.device), train.boundary), train.boundary)
+                      for b in train.one_pass())
+            self.progress.experts[key] = self.experts.measure(block, states)
+        params = self.experts.activate(block, self.progress.experts.get(key, {}))
+        optimizer = build_optimizer(params, self.config.optim)
         for group in optimizer.param_groups:
             group["initial_lr"] = group["lr"]
         saved = self.optimizer_states.get(block.index)
@@ -178,6 +191,7 @@ class Trainer:
         return optimizer
 
     def _deactivate(self, block: Block) -> None:
+        self.experts.deactivate()
         for param in block.params:
             param.requires_grad_(False)
             param.grad = None
@@ -212,8 +226,9 @@ class Trainer:
             total_t = torch.tensor(total)
             dist.all_reduce(total_t)
             total = total_t.item()
+        self.experts.before_step()
         if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(block.params, cfg.grad_clip)
+            torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], cfg.grad_clip)
         factor = warmup_factor(self.progress.visit_step, cfg.warmup_steps)
         for group in optimizer.param_groups:
             group["lr"] = group["initial_lr"] * factor

@@ -7,11 +7,13 @@ import torch
 from transformers.models.qwen2_moe.modeling_qwen2_moe import load_balancing_loss_func
 
 import preinfer
+from preinfer.errors import UsageError
+from preinfer.meter import MemoryMeter
 from preinfer.moe import ROW_INVARIANT, RouterLoss, sparse_blocks
 from preinfer.partition import make_partition
 from preinfer.presets import build_preset
 from preinfer.trainer import evaluate
-from test_trainer import make_trainer, random_tokens
+from test_trainer import make_trainer, random_tokens, snapshot
 
 
 class FixedBatch:
@@ -120,3 +122,77 @@ def test_partitions_count_every_expert_and_report_the_active_parameters():
     assert f"({partition.active_params:,} active per token)" in partition.report()
     dense = make_partition(preinfer.stage(build_preset("tiny-llama")), num_blocks=2)
     assert dense.active_params == dense.total_params and "active" not in dense.report()
+
+
+def expert_trainer(**overrides):
+    """Full mode with expert-granular training: only the chosen experts (no other part) of layers 1 and 3."""
+    options = {"blocks__blocks": 1, "blocks__experts": "top:0.5", "blocks__experts_with": "none", **overrides}
+    return make_trainer("tiny-moe", **options)
+
+
+def fused_tensors(model):
+    return {name: p for name, p in model.named_parameters() if p.dim() == 3}
+
+
+def test_an_expert_granular_visit_changes_only_the_chosen_experts_slices():
+    trainer = expert_trainer()
+    model = trainer.staged.model
+    before = snapshot(model)
+    trainer.fit()
+    chosen = trainer.progress.experts["0"]
+    assert set(chosen) == {"1", "3"} and all(0 < len(c) < 8 for c in chosen.values())
+    fused = fused_tensors(model)
+    for name, param in model.named_parameters():
+        if name not in fused:
+            assert torch.equal(param, before[name]), name
+            continue
+        layer = name.split(".")[2]
+        for expert in range(8):
+            same = torch.equal(param[expert], before[name][expert])
+            assert same == (expert not in chosen[layer]), (name, expert)
+
+
+def test_the_optimizer_state_is_the_chosen_slices():
+    trainer = expert_trainer()
+    block = trainer.partition.blocks[0]
+    trainer.progress.experts["0"] = {"1": [0, 5], "3": [2]}
+    optimizer = trainer._activate(block)
+    trainer._step(block, FixedBatch(moe_batch(8)), optimizer)
+    slices = [p[e] for name, p in fused_tensors(trainer.staged.model).items()
+              for e in ([0, 5] if ".1." in name else [2])]
+    step_counters = 4 * len(slices)
+    assert len(optimizer.state) == len(slices)
+    assert MemoryMeter.optimizer_bytes(optimizer) == sum(2 * s.numel() * 4 for s in slices) + step_counters
+
+
+def test_a_chosen_expert_that_gets_no_tokens_is_not_moved():
+    trainer = expert_trainer(optim__grad_clip=1.0)
+    block = trainer.partition.blocks[0]
+    trainer.progress.experts["0"] = {"1": [0, 1], "3": [0, 1]}
+    optimizer = trainer._activate(block)
+    batch = FixedBatch(moe_batch(8))
+    trainer._step(block, batch, optimizer)  # both experts get tokens and momentum
+    gate = sparse_blocks(trainer.staged.layers)[1].gate
+    experts = sparse_blocks(trainer.staged.layers)[1].experts
+
+    def starve_expert_0(module, args, output):
+        logits, weights, chosen = output
+        return logits, weights, torch.where(chosen == 0, torch.full_like(chosen, 7), chosen)
+
+    handle = gate.register_forward_hook(starve_expert_0, prepend=True)
+    leaf = next(leaf for fused, layer, expert, leaf in trainer.experts.leaves
+                if fused is experts.gate_up_proj and expert == 0)
+    moments = {k: v.clone() for k, v in optimizer.state[leaf].items()}
+    before = experts.gate_up_proj.detach().clone()
+    trainer._step(block, batch, optimizer)
+    handle.remove()
+    assert torch.equal(experts.gate_up_proj[0], before[0])
+    assert all(torch.equal(optimizer.state[leaf][k], v) for k, v in moments.items())
+    assert not torch.equal(experts.gate_up_proj[1], before[1])
+
+
+def test_bad_expert_options_are_refused_in_one_line():
+    with pytest.raises(UsageError, match="--experts 'half'"):
+        expert_trainer(blocks__experts="half")
+    with pytest.raises(UsageError, match="--experts-with 'router,mlp'"):
+        expert_trainer(blocks__experts_with="router,mlp")
