@@ -244,7 +244,8 @@ def _llama_layer_acts(m: ModelShape, b: int, s: int, c: int, trainable: bool, in
     """Bytes Llama layer `index` saves for backward. A sparse (MoE) layer counts its MLP at the width one token
     activates (`mlp_width`), plus the router's float32 probabilities and each routed copy of a token's input
     (kept for the experts' weight gradients): an estimate, not checked against the meter."""
-    bsh, bsad, bsi, probs = b * s * m.hidden, b * s * m.heads * m.head_dim, b * s * m.mlp_width(index), b * m.heads * s * s
+    bsh, bsad, probs = b * s * m.hidden, b * s * m.heads * m.head_dim, b * m.heads * s * s
+    bsi = b * s * m.mlp_width(index)
     routing = b * s * m.experts * 4 + (b * s * m.experts_per_token * m.hidden * c if trainable else 0)
     f32 = 4  # RMSNorm upcasts its input to float32 and keeps that copy and rsqrt in float32
     total = (bsh + b * s) * f32 if input_grad else 0  # norm 1: input (pow), rsqrt

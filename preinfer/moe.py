@@ -201,7 +201,9 @@ class ExpertGranular:
     @torch.no_grad()
     def measure(self, block, states) -> dict[str, list[int]]:
         """Layer -> chosen experts, from the routing of the first `sample_batches` states (at any boundary up to
-        `block.start`) through the block's layers; padding positions are not counted."""
+        `block.start`) through the block's layers in eval mode (no router jitter); padding positions are not
+        counted. Leaves the model in eval mode."""
+        self.staged.model.eval()
         layers = self.layers(block)
         counts = {i: torch.zeros(self.sparse[i].gate.num_experts) for i in layers}
         mask = {}

@@ -169,18 +169,17 @@ class Trainer:
         """Freeze everything, unfreeze `block` (with `--experts`, its chosen experts and the parts that train with
         them; chosen on the block's first visit from `train`), set train/eval modes, and build (or restore) its
         optimizer."""
-        model = self.staged.model
+        model, key = self.staged.model, str(block.index)
+        if key not in self.progress.experts and self.experts.layers(block) and train is not None:
+            states = ((batch_state(self.staged, _to_device(b, self.device), train.boundary), train.boundary)
+                      for b in train.one_pass())
+            self.progress.experts[key] = self.experts.measure(block, states)
         model.requires_grad_(False)
         for param in block.params:
             param.requires_grad_(True)
         model.train()
         for module in self.staged.prefix_modules(block.start):
             module.eval()
-        key = str(block.index)
-        if key not in self.progress.experts and self.experts.layers(block) and train is not None:
-            states = ((batch_state(self.staged, _to_device(b, self.device), train.boundary), train.boundary)
-                      for b in train.one_pass())
-            self.progress.experts[key] = self.experts.measure(block, states)
         params = self.experts.activate(block, self.progress.experts.get(key, {}))
         optimizer = build_optimizer(params, self.config.optim)
         for group in optimizer.param_groups:
