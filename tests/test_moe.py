@@ -196,3 +196,5 @@ def test_bad_expert_options_are_refused_in_one_line():
         expert_trainer(blocks__experts="half")
     with pytest.raises(UsageError, match="--experts-with 'router,mlp'"):
         expert_trainer(blocks__experts_with="router,mlp")
+    with pytest.raises(UsageError, match="--experts needs a mixture-of-experts model"):
+        make_trainer("tiny-llama", blocks__experts="top:0.5")
