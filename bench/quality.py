@@ -7,6 +7,9 @@ Methods (each in its own subprocess, trained with the real `preinfer.trainer.Tra
   bcd-sgd    BCD-SGD at UFP 1/3 with the paper's defaults: lr 0.1, momentum 0.9, weight decay 1e-5, no warmup,
              no clipping
   (optional, --sgd-lr X) bcd-sgd-tuned: the same with lr X
+  (optional) bcd-experts  BCD-Adam as bcd-adam with expert-granular blocks (--experts, default top:0.5): in sparse
+             layers only the experts carrying that share of routed tokens train (mixture-of-experts models)
+Each method's peak tracked memory (weights, gradients, optimizer state, saved activations; the meter's) is kept.
 
 Two comparisons:
   equal budget (default)  every method gets the same token budget (--epochs, default 2 epochs of the training
@@ -86,6 +89,9 @@ def _method_overrides(name: str, args: argparse.Namespace, steps: int) -> dict:
         return dict(optim=dict(**ADAM, warmup_steps=args.visit_warmup), **bcd)
     if name == "bcd-sgd":
         return dict(optim=dict(**SGD, warmup_steps=0), **bcd)
+    if name == "bcd-experts":
+        return dict(optim=dict(**ADAM, warmup_steps=args.visit_warmup),
+                    **{**bcd, "blocks": {**bcd["blocks"], "experts": args.experts}})
     if name == "bcd-sgd-tuned":
         return dict(optim=dict(**{**SGD, "lr": args.sgd_lr}, warmup_steps=0), **bcd)
     raise SystemExit(f"unknown method '{name}'")
@@ -160,8 +166,10 @@ def run_method(args: argparse.Namespace, name: str, steps: int, run_dir: Path) -
     if not curve or curve[-1]["step"] != p.global_step:
         measure(p.global_step, p.tokens)
     (run_dir / "eval.jsonl").write_text("".join(json.dumps(c) + "\n" for c in curve))
+    peak = max(visit["memory"].get("tracked_peak", 0) for visit in p.visits) if p.visits else 0
     return dict(method=name, config=config.to_dict(), partition=partition.report(), steps=p.global_step,
                 precision=trainer.precision, skipped_steps=trainer.scaler.skipped if trainer.scaler else 0,
+                peak_tracked_bytes=peak,
                 tokens=p.tokens, tokens_per_epoch=tokens_per_epoch, curve=curve,
                 train_wall_s=time.perf_counter() - clock["start"] - clock["eval_s"], eval_s=clock["eval_s"])
 
@@ -232,6 +240,7 @@ def summarise(runs: dict[str, dict], budget_tokens: int, args: argparse.Namespac
             plateau=plateau, run_tokens=run["tokens"], run_epochs=run["tokens"] / run["tokens_per_epoch"],
             run_final_eval_loss=curve[-1]["eval_loss"], trend_last_4=trend(curve),
             run_train_wall_s=run["train_wall_s"], eval_s=run["eval_s"],
+            peak_tracked_bytes=run.get("peak_tracked_bytes"),
         )
     full = rows["full-adam"]
     target = full["final_eval_loss"]
@@ -321,7 +330,7 @@ def plot(runs: dict[str, dict], budget_tokens: int, out: Path, title: str, until
 def method_settings(args: argparse.Namespace, name: str, steps: int) -> dict:
     """Everything one method's result depends on (what --reuse compares)."""
     keys = ("model", "seq_len", "batch_size", "seed", "steps_per_visit", "eval_every", "eval_batches", "full_warmup",
-            "visit_warmup", "sgd_lr", "until_plateau", "plateau_rel", "plateau_window")
+            "visit_warmup", "sgd_lr", "until_plateau", "plateau_rel", "plateau_window", "experts")
     return dict(method=name, steps=steps, **{k: getattr(args, k) for k in keys})
 
 
@@ -359,8 +368,8 @@ def launch(args: argparse.Namespace, name: str, steps: int, run_dir: Path, setti
 def table(summary: dict, until_plateau: bool) -> str:
     compared = "best eval loss" if until_plateau else "eval loss at budget"
     lines = [f"| method | {compared} | PPL | vs full Adam | best eval loss (epoch) | tokens | epochs "
-             "| train wall s | epochs to full-Adam final | plateau at epoch |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| train wall s | epochs to full-Adam final | plateau at epoch | peak tracked MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in summary["rows"].items():
         reach = r["reach_full_final"]
         if reach:
@@ -373,7 +382,7 @@ def table(summary: dict, until_plateau: bool) -> str:
         lines.append(
             f"| {name} | {r['final_eval_loss']:.4f} | {r['final_ppl']:.3f} | {r['rel_to_full']:+.2%} "
             f"| {r['best_eval_loss']:.4f} ({r['best_at_epochs']:.2f}) | {r['tokens']:,} | {r['epochs']:.2f} "
-            f"| {r['train_wall_s']:.0f} | {to_full} | {plateau} |"
+            f"| {r['train_wall_s']:.0f} | {to_full} | {plateau} | {(r['peak_tracked_bytes'] or 0) / 2**20:.2f} |"
         )
     return "\n".join(lines)
 
@@ -399,6 +408,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precision", default="fp32",
                    help="comma-separated precisions each method trains in (fp32, bf16-mixed, fp16-mixed); the "
                         "others are compared with fp32")
+    p.add_argument("--experts", default="top:0.5", help="bcd-experts: the expert share each sparse layer trains")
     p.add_argument("--until-plateau", action="store_true",
                    help="train every method until its eval loss plateaus (or --max-epochs); compare best losses")
     p.add_argument("--max-epochs", type=float, default=8.0,

@@ -39,6 +39,9 @@ class BlockConfig:
     start_block: int | None = None  # the block every sweep begins with; None: the order's own first block
     sweeps: int = 1
     active: str | None = None  # train only this inclusive layer range, e.g. "4-5"; the other blocks stay frozen
+    experts: str | None = None  # "top:0.5": in sparse layers train only the experts carrying that share of tokens
+    experts_with: str = "router,shared,attention,rest"  # what trains with the chosen experts ("none": nothing)
+    experts_sample: int = 8  # training batches whose routing picks the experts
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrainedConfig, Qwen2MoeConfig
 
 from preinfer.errors import UsageError
 
@@ -41,6 +41,16 @@ PRESETS: dict[str, tuple[type[PreTrainedConfig], dict]] = {
         dict(
             vocab_size=BYTE_VOCAB_SIZE, hidden_size=384, intermediate_size=1024, num_hidden_layers=12,
             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
+        ),
+    ),
+    # Qwen2-MoE: 8 routed experts (top-2) and a gated shared expert in layers 1 and 3; layers 0 and 2 dense.
+    "tiny-moe": (
+        Qwen2MoeConfig,
+        dict(
+            vocab_size=BYTE_VOCAB_SIZE, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+            decoder_sparse_step=2,
         ),
     ),
 }

@@ -32,6 +32,7 @@ from preinfer.grad_buckets import BucketedAllReduce
 from preinfer.config import Config
 from preinfer.errors import PreinferError
 from preinfer.metrics import MetricsLog, Record, StepRecord, VisitRecord
+from preinfer.moe import ExpertGranular, RouterLoss
 from preinfer.optim import StopRule, build_optimizer, warmup_factor
 from preinfer.partition import Block, Partition
 from preinfer.precision import ActiveBlock, LossScaler, apply_precision
@@ -55,6 +56,7 @@ class Progress:
     stop: dict | None = None
     visits: list[dict] = field(default_factory=list)  # each finished visit's VisitRecord.to_dict()
     loss_scaler: dict | None = None  # fp16-mixed: the LossScaler's state
+    experts: dict[str, dict[str, list[int]]] = field(default_factory=dict)  # block -> layer -> its chosen experts
 
 
 class Trainer:
@@ -87,6 +89,14 @@ class Trainer:
         self.stop_requested = False  # set from outside (a signal handler): checkpoint and stop after this step
         self.stopped = False  # fit() returned because stop_requested was set
         self.reducer: BucketedAllReduce | None = None  # data parallelism: the active block's gradient buckets
+        self.router_loss = RouterLoss(staged.model, staged.layers)
+        b = config.blocks
+        self.experts = ExpertGranular(staged, b.experts, b.experts_with, b.experts_sample)
+        if b.experts and self.world_size > 1:
+            raise PreinferError("--experts (expert-granular blocks) runs in one process; drop it or torchrun")
+        if b.experts and self.precision != "fp32":
+            raise PreinferError(f"--experts (expert-granular blocks) trains in fp32; drop it or --precision "
+                                f"{self.precision}")
         self.order(0)  # a bad order, fixed order or start block is refused before anything runs
         sources.attach(self.emit)
 
@@ -136,7 +146,7 @@ class Trainer:
         train, evaluation = self.visit_sources.sources(block)
         if p.cursor is not None:
             train.load_state_dict(p.cursor)
-        optimizer, active = self._activate(block)
+        optimizer, active = self._activate(block, train)
         stop = StopRule.for_visit(cfg.stop, -(-train.batches_per_epoch // cfg.optim.grad_accum))
         if p.stop is not None:
             stop.load_state_dict(p.stop)
@@ -200,17 +210,23 @@ class Trainer:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    def _activate(self, block: Block) -> tuple[torch.optim.Optimizer, ActiveBlock]:
-        """Freeze everything, unfreeze `block`, set train/eval modes, make its masters (restored from a mid-visit
-        checkpoint when there is one) and build (or restore) their optimizer."""
-        model = self.staged.model
+    def _activate(self, block: Block,
+                  train: BatchSource | None = None) -> tuple[torch.optim.Optimizer, ActiveBlock]:
+        """Freeze everything, unfreeze `block` (with `--experts`, its chosen experts and the parts that train with
+        them; chosen on the block's first visit from `train`), set train/eval modes, make the
+        masters (restored from a mid-visit checkpoint when there is one) and build (or restore) their optimizer."""
+        model, key = self.staged.model, str(block.index)
+        if key not in self.progress.experts and self.experts.layers(block) and train is not None:
+            states = ((batch_state(self.staged, _to_device(b, self.device), train.boundary), train.boundary)
+                      for b in train.one_pass())
+            self.progress.experts[key] = self.experts.measure(block, states)
         model.requires_grad_(False)
         for param in block.params:
             param.requires_grad_(True)
         model.train()
         for module in self.staged.prefix_modules(block.start):
             module.eval()
-        params = list(block.params)
+        params = self.experts.activate(block, self.progress.experts.get(key, {}))
         masters, self.saved_masters = self.saved_masters or None, []
         self.active = ActiveBlock(params, self.precision != "fp32", masters)
         if self.world_size > 1:
@@ -228,6 +244,7 @@ class Trainer:
         """Freeze `block` again and free its masters, their gradients and (unless kept) the optimizer state."""
         self.active.close()
         self.active = self.reducer = None
+        self.experts.deactivate()
         for param in block.params:
             param.requires_grad_(False)
             param.grad = None
@@ -254,8 +271,10 @@ class Trainer:
             for index, batch in enumerate(batches):
                 active.last_micro_batch = index == len(batches) - 1
                 state = self._input_state(batch, block, train.boundary)
-                out = self.staged.run(state, block.start, self.staged.num_layers, self.config.run.recompute)
+                with self.router_loss.capture(block.start):
+                    out = self.staged.run(state, block.start, self.staged.num_layers, self.config.run.recompute)
                 loss = causal_lm_loss(self.staged.logits(out), out.labels, reduction="sum") / count
+                loss = loss + self.router_loss.loss(out.attention_mask) / (cfg.grad_accum * self.world_size)
                 (loss * scale if self.scaler is not None else loss).backward()
                 total += loss.item()
                 tokens += int(batch["attention_mask"].sum())
@@ -264,6 +283,7 @@ class Trainer:
             total_t = torch.tensor(total, device=self.device)
             dist.all_reduce(total_t)
             total = total_t.item()
+        self.experts.before_step()
         if self._update_allowed(active, scale):
             if cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(active.masters, cfg.grad_clip)

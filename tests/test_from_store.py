@@ -58,7 +58,7 @@ def cache_records(run_dir: str) -> list[CacheRecord]:
     return [r for r in read_metrics(RunDir(run_dir).metrics) if isinstance(r, CacheRecord)]
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2", "tiny-moe"])
 def test_bcd_on_and_off_end_with_the_same_weights(tmp_path, corpus, preset):
     off_config = config_for(tmp_path, corpus, "off", preset, mode="off")
     on_config = config_for(tmp_path, corpus, "on", preset, mode="on")
