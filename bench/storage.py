@@ -155,26 +155,30 @@ def rel_rms(a: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def lossy_sizes(run_dir: str, boundaries: list[int], root: pathlib.Path) -> dict:
-    """Disk size and decoding error of every store dtype at each boundary; roll-forward error compounding."""
+    """Disk size (codecs blosc-zstd and none) and decoding error of every store dtype at each boundary;
+    roll-forward error compounding."""
     staged, data = trained_model(run_dir)
     rows, rolls = [], []
     for k in boundaries:
-        for dtype in STORE_DTYPES:
-            result = cache_split(staged, data, k, root / f"{dtype}-{k}", dtype)
-            store = open_store(root / f"{dtype}-{k}" / "train")
-            hidden = sum(rec["files"][key]["size"] for rec in store.manifest["shards"].values()
-                         for key in rec["files"] if key.split("/")[1] in ("hidden", "hidden_scale"))
-            rows.append(dict(boundary=k, dtype=dtype, train_MiB=result.splits["train"].stored_bytes / 2**20,
-                             hidden_MiB=hidden / 2**20,
-                             error=store.encoding_error().get("hidden")))
+        for codec in ("blosc-zstd", "none"):
+            for dtype in STORE_DTYPES:
+                name = f"{dtype}-{k}" if codec == "blosc-zstd" else f"{dtype}-{k}-{codec}"
+                result = cache_split(staged, data, k, root / name, dtype, codec)
+                store = open_store(root / name / "train")
+                hidden = sum(rec["files"][key]["size"] for rec in store.manifest["shards"].values()
+                             for key in rec["files"] if key.split("/")[1] in ("hidden", "hidden_scale"))
+                rows.append(dict(boundary=k, codec=codec, dtype=dtype, store=name,
+                                 train_MiB=result.splits["train"].stored_bytes / 2**20, hidden_MiB=hidden / 2**20,
+                                 error=store.encoding_error().get("hidden")))
+            bf16 = next(r for r in rows if (r["boundary"], r["codec"], r["dtype"]) == (k, codec, "bfloat16"))
+            for row in rows[-len(STORE_DTYPES):]:
+                row["x_bf16_store"] = row["train_MiB"] / bf16["train_MiB"]
+                row["x_bf16_hidden"] = row["hidden_MiB"] / bf16["hidden_MiB"]
         reference = hidden_states(root / f"float32-{k}" / "train")
-        bf16 = next(r for r in rows if r["boundary"] == k and r["dtype"] == "bfloat16")
-        for row in rows[-len(STORE_DTYPES):]:
-            row["x_bf16_store"] = row["train_MiB"] / bf16["train_MiB"]
-            row["x_bf16_hidden"] = row["hidden_MiB"] / bf16["hidden_MiB"]
-            row["rms_vs_float32"] = rel_rms(hidden_states(root / f"{row['dtype']}-{k}" / "train"), reference)
-            print(table([row], ["boundary", "dtype", "train_MiB", "hidden_MiB", "x_bf16_store", "x_bf16_hidden",
-                                "rms_vs_float32"]).splitlines()[-1], flush=True)
+        for row in rows[-2 * len(STORE_DTYPES):]:
+            row["rms_vs_float32"] = rel_rms(hidden_states(root / row["store"] / "train"), reference)
+            print(table([row], ["boundary", "codec", "dtype", "train_MiB", "hidden_MiB", "x_bf16_store",
+                                "x_bf16_hidden", "rms_vs_float32"]).splitlines()[-1], flush=True)
     low, high = boundaries[0], boundaries[-1]
     reference = hidden_states(root / f"float32-{high}" / "train")
     for dtype in LOSSY:
@@ -184,7 +188,9 @@ def lossy_sizes(run_dir: str, boundaries: list[int], root: pathlib.Path) -> dict
                           rolled_rms=rel_rms(hidden_states(root / f"{dtype}-roll-{high}" / "train"), reference)))
         rolls[-1]["compounding"] = rolls[-1]["rolled_rms"] / rolls[-1]["fresh_rms"]
         print(rolls[-1], flush=True)
-    return dict(run_dir=run_dir, codec="blosc-zstd", samples_per_shard=64, rows=rows, roll_forward=rolls)
+    return dict(run_dir=run_dir, samples_per_shard=64, rows=rows, roll_forward=rolls,
+                roll_forward_codec="blosc-zstd", train_samples=len(data.train), seq_len=data.train.seq_len,
+                hidden_size=staged.hidden_size)
 
 
 def main() -> None:

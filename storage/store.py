@@ -190,28 +190,25 @@ class Store:
     def _encoded(self, i: int, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
         """The tensors with each lossy field encoded (codes and scale), and the decoding error of each; refuses
         non-finite values, naming the samples."""
-        start, stop = self.shard_range(i)
         out, errors = dict(tensors), {}
         for name, encoding in self.encodings.items():
             x = tensors[name]
-            bad = nonfinite_rows(x)
-            if bad:
-                raise StorageError(
-                    f"store {self.path}: shard {i} (samples {start}..{stop}): field {name!r} holds NaN or inf in "
-                    f"samples {format_ranges([start + r for r in bad])}; a {encoding.name} store cannot hold them"
-                )
+            self._refuse_rows(i, name, nonfinite_rows(x), f"NaN or inf; a {encoding.name} store cannot hold them")
             codes, scale = encoding.encode(x)
             decoded = encoding.decode(codes, scale)
-            bad = nonfinite_rows(decoded)  # |x| within a rounding of float32's largest: q * s overflows
-            if bad:
-                raise StorageError(
-                    f"store {self.path}: shard {i} (samples {start}..{stop}): field {name!r} holds values too close "
-                    f"to float32's largest in samples {format_ranges([start + r for r in bad])}; a {encoding.name} "
-                    f"store cannot hold them"
-                )
+            # |x| within a rounding of float32's largest: q * s overflows
+            self._refuse_rows(i, name, nonfinite_rows(decoded), f"values too close to float32's largest; a "
+                                                                 f"{encoding.name} store cannot hold them")
             out[name], out[name + SCALE_SUFFIX] = codes, scale
             errors[name] = error_stats(x, decoded, scale, encoding.bound)
         return out, errors
+
+    def _refuse_rows(self, i: int, name: str, rows: list[int], what: str) -> None:
+        """Raise StorageError naming the samples of shard `i` at `rows` (indices in the shard), if any."""
+        if rows:
+            start, stop = self.shard_range(i)
+            raise StorageError(f"store {self.path}: shard {i} (samples {start}..{stop}): field {name!r} holds {what} "
+                               f"(samples {format_ranges([start + r for r in rows])})")
 
     def write_shard(self, i: int, tensors: dict[str, torch.Tensor]) -> None:
         """Write shard `i` whole and publish it atomically; rewriting identical content is a no-op. A lossy field
@@ -318,11 +315,16 @@ class Store:
                 out[name] = encoding.decode(out[name], out.pop(name + SCALE_SUFFIX), dtype)
         return out
 
+    def shard_encoding_error(self, i: int) -> dict[str, dict[str, float]]:
+        """The decoding error recorded for each lossy field of shard `i` ({} for an exact store or a shard not
+        written yet; see storage.encodings.error_stats)."""
+        record = self._record(i)
+        return dict(record.get("encoding_error", {})) if record else {}
+
     def encoding_error(self) -> dict[str, dict[str, float]]:
-        """The decoding error of each lossy field over the complete shards (see storage.encodings.error_stats)."""
-        records = [self._records[i] for i in self.completed_shards()]
-        return {name: merge_stats([rec["encoding_error"][name] for rec in records if "encoding_error" in rec])
-                for name in self.encodings}
+        """The decoding error of each lossy field over the complete shards."""
+        per_shard = [self.shard_encoding_error(i) for i in self.completed_shards()]
+        return {name: merge_stats([errors[name] for errors in per_shard if name in errors]) for name in self.encodings}
 
     def will_read(self, i: int) -> None:
         """Hint that complete shard `i` is read soon, so that the OS reads its files ahead (cold reads)."""
