@@ -6,7 +6,13 @@ and compared with a raw safetensors write/read (`save_file` + fsync per shard; `
 bytes in the same run; each cold read of a variant is paired with a raw read just before it (the cores are shared).
 Reads are cold (page cache dropped) when the OS allows it. Prints a table, writes bench/out/storage.json.
 
+With --trained RUN_DIR instead: the states of a trained BCD run (its train split) at --boundaries, cached by the
+caching job in every store dtype (float32, bfloat16, float8_e4m3, float8_e5m2, int8; zarr, blosc-zstd): disk size
+against the bfloat16 store, the decoding error against the float32 states, and how a roll-forward from a lossy
+store compounds the error (bench/out/storage_lossy.json).
+
     python bench/storage.py [--sequences 256] [--repeats 3] [--threads 2]
+    python bench/storage.py --trained runs/trained [--boundaries 2,4]
 """
 
 from __future__ import annotations
@@ -107,6 +113,86 @@ class Case:
         return sum(p.stat().st_size for p in (self.root / name).rglob("*") if p.is_file())
 
 
+# ---- lossy store dtypes on trained states (issue 14) -------------------------------------------------------------
+
+STORE_DTYPES = ("float32", "bfloat16", "float8_e4m3", "float8_e5m2", "int8")
+LOSSY = ("float8_e4m3", "float8_e5m2", "int8")
+
+
+def trained_model(run_dir: str, seed: int = 0):
+    """(staged model, the run's datasets) of a BCD run directory (its last checkpoint)."""
+    import preinfer
+    from pipelines.models import model_source
+    from pipelines.training import load_datasets
+
+    source, config = model_source(run_dir, seed)
+    return preinfer.stage(source.load().eval()), load_datasets(config)
+
+
+def cache_split(staged, data, boundary: int, out: pathlib.Path, store_dtype: str, codec: str = "blosc-zstd",
+                source: pathlib.Path | None = None):
+    """The train and eval stores at `boundary` in `store_dtype` (rolled forward from `source` when given)."""
+    from pipelines.cache import CacheOptions, cache_boundary, roll_forward
+
+    options = CacheOptions(store_dtype=store_dtype, codec=codec, mode="overwrite", progress=False,
+                           samples_per_shard=64, model_name="trained")
+    if source is not None:
+        return roll_forward(staged, source, boundary, out, options)
+    return cache_boundary(staged, {"train": data.train, "eval": data.eval}, data.tokenizer, boundary, out, options)
+
+
+def hidden_states(path: pathlib.Path) -> torch.Tensor:
+    """Every stored hidden state of a store, decoded into float32."""
+    store = open_store(path)
+    names = [name for name in store.fields if name in ("hidden", "hidden_scale")]
+    return torch.cat([store.decode(store.read_shard(i, names), torch.float32)["hidden"]
+                      for i in range(store.num_shards)])
+
+
+def rel_rms(a: torch.Tensor, reference: torch.Tensor) -> float:
+    """sqrt(sum((a - reference)^2) / sum(reference^2))."""
+    return float((a.double() - reference.double()).square().sum().sqrt() / reference.double().square().sum().sqrt())
+
+
+def lossy_sizes(run_dir: str, boundaries: list[int], root: pathlib.Path) -> dict:
+    """Disk size (codecs blosc-zstd and none) and decoding error of every store dtype at each boundary;
+    roll-forward error compounding."""
+    staged, data = trained_model(run_dir)
+    rows, rolls = [], []
+    for k in boundaries:
+        for codec in ("blosc-zstd", "none"):
+            for dtype in STORE_DTYPES:
+                name = f"{dtype}-{k}" if codec == "blosc-zstd" else f"{dtype}-{k}-{codec}"
+                result = cache_split(staged, data, k, root / name, dtype, codec)
+                store = open_store(root / name / "train")
+                hidden = sum(rec["files"][key]["size"] for rec in store.manifest["shards"].values()
+                             for key in rec["files"] if key.split("/")[1] in ("hidden", "hidden_scale"))
+                rows.append(dict(boundary=k, codec=codec, dtype=dtype, store=name,
+                                 train_MiB=result.splits["train"].stored_bytes / 2**20, hidden_MiB=hidden / 2**20,
+                                 error=store.encoding_error().get("hidden")))
+            bf16 = next(r for r in rows if (r["boundary"], r["codec"], r["dtype"]) == (k, codec, "bfloat16"))
+            for row in rows[-len(STORE_DTYPES):]:
+                row["x_bf16_store"] = row["train_MiB"] / bf16["train_MiB"]
+                row["x_bf16_hidden"] = row["hidden_MiB"] / bf16["hidden_MiB"]
+        reference = hidden_states(root / f"float32-{k}" / "train")
+        for row in rows[-2 * len(STORE_DTYPES):]:
+            row["rms_vs_float32"] = rel_rms(hidden_states(root / row["store"] / "train"), reference)
+            print(table([row], ["boundary", "codec", "dtype", "train_MiB", "hidden_MiB", "x_bf16_store",
+                                "x_bf16_hidden", "rms_vs_float32"]).splitlines()[-1], flush=True)
+    low, high = boundaries[0], boundaries[-1]
+    reference = hidden_states(root / f"float32-{high}" / "train")
+    for dtype in LOSSY:
+        cache_split(staged, data, high, root / f"{dtype}-roll-{high}", dtype, source=root / f"{dtype}-{low}")
+        rolls.append(dict(dtype=dtype, source=low, boundary=high,
+                          fresh_rms=rel_rms(hidden_states(root / f"{dtype}-{high}" / "train"), reference),
+                          rolled_rms=rel_rms(hidden_states(root / f"{dtype}-roll-{high}" / "train"), reference)))
+        rolls[-1]["compounding"] = rolls[-1]["rolled_rms"] / rolls[-1]["fresh_rms"]
+        print(rolls[-1], flush=True)
+    return dict(run_dir=run_dir, samples_per_shard=64, rows=rows, roll_forward=rolls,
+                roll_forward_codec="blosc-zstd", train_samples=len(data.train), seq_len=data.train.seq_len,
+                hidden_size=staged.hidden_size)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sequences", type=int, default=256, help="sequences of 256 tokens (6 samples each)")
@@ -115,7 +201,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="reader threads")
     parser.add_argument("--dir", default=None, help="scratch directory on the disk to measure (default: a temp dir)")
+    parser.add_argument("--trained", metavar="RUN_DIR",
+                        help="instead: store dtypes (exact and lossy) on the states of this trained BCD run at "
+                             "--boundaries; disk size against bfloat16, decoding error, roll-forward compounding")
+    parser.add_argument("--boundaries", default="2,4", help="with --trained [2,4]")
     args = parser.parse_args()
+    if args.trained:
+        scratch = pathlib.Path(tempfile.mkdtemp(prefix="storage-bench-lossy-", dir=args.dir))
+        try:
+            result = lossy_sizes(args.trained, [int(b) for b in args.boundaries.split(",")], scratch)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        print(f"wrote {write_json('storage_lossy', result)}")
+        return
 
     # Concurrency: zarr decodes chunks on its thread pool; blosc itself stays single-threaded inside those threads.
     zarr.config.set({"async.concurrency": 64, "threading.max_workers": args.threads})

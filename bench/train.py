@@ -27,6 +27,7 @@ Prints a table and writes bench/out/train.json.
 
     python bench/train.py              # about 8 min on 2 shared cores
     python bench/train.py --quick      # tiny-llama, seq 32, a few steps (seconds): a smoke test
+    python bench/train.py --store-dtype float8_e4m3,float8_e5m2,int8 --trained RUN_DIR   # lossy stores (issue 14)
 """
 
 from __future__ import annotations
@@ -88,6 +89,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dir", default=None, help="where stores and run directories go [a temporary directory]")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "train.json")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny-llama, seq 32, batch 2, a few steps")
+    p.add_argument("--store-dtype", dest="store_dtypes", metavar="DTYPES",
+                   help="instead: train the top block of --trained from a store in each of these comma-separated "
+                        "store dtypes and from the exact store (float32), same seed, steps and sample order; final "
+                        "eval loss (on the exact eval states) and reader wait (bench/out/train_store_dtypes.json)")
+    p.add_argument("--trained", metavar="RUN_DIR", help="the trained BCD run of --store-dtype")
+    p.add_argument("--dtype-steps", type=int, default=150, help="steps of each --store-dtype run [150]")
     args = p.parse_args(argv)
     if args.quick:
         args.model, args.seq_len, args.batch_size = "tiny-llama", 32, 2
@@ -306,6 +313,43 @@ def bcd(args: argparse.Namespace, root: Path) -> dict:
                               ufp="1/3", optimizer="adam", lr=2e-3, order="ascending"))
 
 
+# ---- store dtypes: training the top block from exact and lossy stores (issue 14) ---------------------------------
+
+
+def store_dtype_runs(args: argparse.Namespace, root: Path) -> dict:
+    """The top block of a trained run trained from a store in each dtype: final eval loss, reader wait."""
+    from bench.storage import cache_split, trained_model
+
+    staged, data = trained_model(args.trained)
+    config = base_config(args, stop=dict(steps_per_visit=args.warmup + args.dtype_steps),
+                         pre_inference=dict(mode="off"))
+    k = partition_for(staged, config)[0].blocks[-1].start
+    config.blocks.active = f"{k}-{staged.num_layers - 1}"
+    stores = {}
+    for dtype in ["float32", *args.store_dtypes.split(",")]:
+        cache_split(staged, data, k, root / dtype, dtype)
+        stores[dtype] = open_cache(root / dtype, splits=["train", "eval"])
+    rows = []
+    for dtype, split_stores in stores.items():
+        suffix = preinfer.stage(to_device(load_suffix(args.trained, k, seed=0).model, "cpu"))
+        partition, active = partition_for(suffix, config, first_layer=k)
+        b, seed = config.data.batch_size, config.run.seed
+        sources = LiveSources(ReaderBatches(split_stores["train"], k, b, seed),
+                              ReaderBatches(stores["float32"]["eval"], k, b, seed, shuffle=False))
+        run = train_once(suffix, partition, active, config, sources)
+        summary = run.summary(args.warmup)
+        rows.append(dict(dtype=dtype, final_eval_loss=run.visit.eval_loss, wait_fraction=summary["wait_fraction"],
+                         steps_per_s=summary["steps_per_s"], first_wait_s=summary["first_wait_s"]))
+    exact = rows[0]["final_eval_loss"]
+    for row in rows:
+        row["rel_eval_loss_diff"] = (row["final_eval_loss"] - exact) / exact
+        print(table([row], list(row)).splitlines()[-1], flush=True)
+    return dict(boundary=k, active=config.blocks.active, steps=args.dtype_steps, warmup=args.warmup,
+                seq_len=args.seq_len, batch_size=args.batch_size, trained=args.trained, rows=rows,
+                eval="the exact (float32) eval store for every run", targets=dict(rel_eval_loss_diff="<= 0.005",
+                                                                                 wait_fraction="<= 0.01"))
+
+
 # ---- report --------------------------------------------------------------------------------------------------
 
 
@@ -351,6 +395,17 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="preinfer-bench-train-"))
     root.mkdir(parents=True, exist_ok=True)
+    if args.store_dtypes:
+        try:
+            result = store_dtype_runs(args, root)
+        finally:
+            if args.dir is None:
+                shutil.rmtree(root, ignore_errors=True)
+        out = args.out.with_name("train_store_dtypes.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+        print(f"wrote {out}")
+        return 0
     started = time.perf_counter()
     load = [os.getloadavg()[0]]
     try:

@@ -130,8 +130,9 @@ PRE_INFERENCE_FLAGS: list[Flag] = [
          "a cost model (store build + reads against the prefix compute saved)", dict(choices=["auto", "on", "off"])),
     Flag("--store-dir", "pre_inference", "store_dir", "where the run keeps its stores", unset="<out>/stores"),
     Flag("--store-format", "pre_inference", "store_format", "store backend", dict(choices=["zarr", "safetensors"])),
-    Flag("--store-dtype", "pre_inference", "store_dtype", "storage dtype; auto = the compute dtype, bit-exact",
-         dict(choices=["auto", "float32", "bfloat16", "float16"])),
+    Flag("--store-dtype", "pre_inference", "store_dtype", "storage dtype; auto = the compute dtype, bit-exact; "
+         "float8_e4m3, float8_e5m2, int8: lossy 8-bit with a per-token scale (error measured per shard)",
+         dict(choices=["auto", "float32", "bfloat16", "float16", "float8_e4m3", "float8_e5m2", "int8"])),
     Flag("--keep-stores", "pre_inference", "keep_stores", "keep stores that are no longer usable", SWITCH),
     Flag("--dask", "pre_inference", "dask", "build stores on Dask: local:N (N worker processes) or tcp://HOST:PORT"),
 ]

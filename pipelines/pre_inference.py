@@ -31,7 +31,9 @@ from preinfer.run_dir import RunDir
 from preinfer.sources import BatchSource
 from preinfer.staged import StagedModel
 from storage import StorageError
-from pipelines.cache import CacheOptions, cache_boundary, cache_fingerprint, open_cache, roll_forward
+from pipelines.cache import (
+    CacheOptions, bytes_per_token, cache_boundary, cache_fingerprint, open_cache, roll_forward,
+)
 from pipelines.sources import ReaderBatches
 
 # Until a store has been read on this machine, assume this read speed (bytes/s) for the cost model.
@@ -132,7 +134,8 @@ class PreInference:
         eval_samples = len(self.datasets["eval"])
         if self.config.data.eval_batches:
             eval_samples = min(eval_samples, self.config.data.eval_batches * self.config.data.batch_size)
-        sample_bytes = train.seq_len * self.staged.hidden_size * self.staged.compute_dtype.itemsize
+        sample_bytes = train.seq_len * bytes_per_token(self.config.pre_inference.store_dtype, self.staged.hidden_size,
+                                                       self.staged.compute_dtype)
         total = sum(len(d) for d in self.datasets.values())
         source = max((b for b in self._valid_stores() if b < k), default=0)
         build = (k - source) * per_layer * total + total * sample_bytes * (

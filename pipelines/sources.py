@@ -22,7 +22,8 @@ class ReaderBatches:
     def __init__(self, store: storage.Store, boundary: int, batch_size: int, seed: int = 0, rank: int = 0,
                  world_size: int = 1, shuffle: bool = True):
         self.store, self.boundary = store, boundary
-        self.options = dict(batch_size=batch_size, seed=seed, rank=rank, world_size=world_size)
+        # lossy hidden states come decoded (float32; the trainer casts them to the compute dtype)
+        self.options = dict(batch_size=batch_size, seed=seed, rank=rank, world_size=world_size, decode=torch.float32)
         self.reader = store.reader(shuffle=shuffle, **self.options)
         self._batches: Iterator | None = None
 
@@ -46,7 +47,7 @@ class ReaderBatches:
     def one_pass(self) -> Iterator[dict[str, torch.Tensor]]:
         """Every sample once in stored order, on every rank, with a reader of its own (the training cursor is
         untouched)."""
-        yield from self.store.reader(self.options["batch_size"], shuffle=False)
+        yield from self.store.reader(self.options["batch_size"], shuffle=False, decode=torch.float32)
 
     def state_dict(self) -> dict:
         return self.reader.state_dict()

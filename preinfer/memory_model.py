@@ -65,9 +65,16 @@ DTYPES: dict[str, dict] = {
     "bf16": dict(weight=2, grad=2, master=0, moments=4, act=2),  # pure bf16, moments in bf16 too
 }
 
+# Store dtypes of boundary states: bytes per stored element. The lossy 8-bit encodings (float8_e4m3, float8_e5m2,
+# int8) add a float32 scale per token (storage.bytes_per_token is the same count; a test holds them equal).
+STORE_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3": 1, "float8_e5m2": 1, "int8": 1}
+LOSSY_SCALE_BYTES = 4
+
 # Store compression: Blosc zstd level 1 + byte shuffle compresses bf16 activations 1.46x (measured on GPT-2
-# activations, see DESIGN.md); no codec (ratio 1.0) is assumed for float32 stores, which we have not measured.
-COMPRESSION = {"bf16": 1.46, "float32": 1.0}
+# activations, see DESIGN.md). The 8-bit codes of the lossy dtypes keep less redundancy: on a trained small-llama
+# (docs/results.md, the lower of boundaries 2 and 4) float8_e4m3 1.10x, float8_e5m2 1.30x, int8 none. float32 and
+# float16 are assumed uncompressed.
+COMPRESSION = {"bfloat16": 1.46, "float32": 1.0, "float16": 1.0, "float8_e4m3": 1.1, "float8_e5m2": 1.3, "int8": 1.0}
 
 # Standard shapes for model sizes. Llama-shaped: Llama-2 7B and 13B; 1.5B and 20B scaled with the same ratios.
 # GPT-2-shaped: GPT-2 XL for 1.5B; 4h MLP, 50257 tokens, 1024 positions, tied embedding for the rest.
@@ -439,6 +446,7 @@ class Settings:
     price_per_hour: float | None = None  # overrides the paper's price for the GPU
     mfu: float = 0.4  # model-FLOPs utilisation: fraction of peak FLOPs a training step achieves (assumption)
     compression: float | None = None  # store codec ratio; None: COMPRESSION of the store dtype
+    store_dtype: str | None = None  # one of STORE_DTYPES; None: float32 when training in float32, else bfloat16
     pipeline: int | None = None  # pipeline degree for the traffic comparison; None: the plan's own (at least 2)
     epochs_per_visit: float = 1.0  # epochs each visit trains over the dataset (one caching pass serves them all)
 
@@ -535,16 +543,20 @@ def full_pipeline_degree(m: ModelShape, settings: Settings) -> int | None:
 # Store size, pre-inference traffic and cost.
 
 
-def store_dtype(dtype: str) -> str:
-    """Storage dtype of boundary states: float32 when training in float32, else bf16."""
-    return "float32" if dtype == "float32" else "bf16"
+def store_dtype(settings: Settings) -> str:
+    """Storage dtype of boundary states: the chosen one, else float32 when training in float32, else bfloat16."""
+    if settings.store_dtype is not None:
+        return settings.store_dtype
+    return "float32" if settings.dtype == "float32" else "bfloat16"
 
 
 def store_bytes_per_token(m: ModelShape, settings: Settings) -> float:
-    """On-disk bytes of one token's hidden state at a boundary (side tensors such as labels not counted)."""
-    kind = store_dtype(settings.dtype)
+    """On-disk bytes of one token's hidden state at a boundary, a lossy encoding's scale included (side tensors
+    such as labels not counted)."""
+    kind = store_dtype(settings)
     ratio = settings.compression if settings.compression is not None else COMPRESSION[kind]
-    return m.hidden * (4 if kind == "float32" else 2) / ratio
+    scale = LOSSY_SCALE_BYTES if STORE_DTYPES[kind] == 1 else 0
+    return (m.hidden * STORE_DTYPES[kind] + scale) / ratio
 
 
 def traffic(m: ModelShape, settings: Settings, degree: int) -> dict:
@@ -653,7 +665,7 @@ def plan_memory(m: ModelShape, settings: Settings) -> MemoryPlan:
     auto = auto_choice(m, settings)
     degree = settings.pipeline or max(2, auto["pipeline_degree"] or 2)
     per_token = store_bytes_per_token(m, settings)
-    store = dict(dtype=store_dtype(settings.dtype), bytes_per_token=per_token,
+    store = dict(dtype=store_dtype(settings), bytes_per_token=per_token,
                  bytes_per_boundary=None if not settings.tokens else per_token * settings.tokens)
     return MemoryPlan(
         model=asdict(m) | dict(params=m.total_params()),

@@ -4,6 +4,7 @@ Everything other packages use is named here; the submodules are this package's o
 
 from storage.api import STORE_ENTRIES, create_store, is_store, open_store
 from storage.codecs import codec_spec
+from storage.encodings import ENCODINGS, Encoding, bytes_per_token, is_lossy, merge_stats, nonfinite_rows
 from storage.errors import (
     CorruptStoreError,
     IncompleteStoreError,
@@ -14,11 +15,12 @@ from storage.errors import (
 )
 from storage.manifest import FORMAT_VERSION, FORMATS, MANIFEST, FieldSpec, Fingerprint
 from storage.reader import Reader
-from storage.store import Store
+from storage.store import Store, format_ranges
 from storage.verify import VerifyReport, verify
 
 __all__ = [
     "create_store", "open_store", "is_store", "verify", "codec_spec", "Store", "Reader", "Fingerprint", "FieldSpec",
     "VerifyReport", "FORMAT_VERSION", "FORMATS", "MANIFEST", "STORE_ENTRIES", "StorageError", "StaleStoreError",
-    "CorruptStoreError", "IncompleteStoreError", "LayoutMismatchError", "UnsupportedFormatError",
+    "CorruptStoreError", "IncompleteStoreError", "LayoutMismatchError", "UnsupportedFormatError", "ENCODINGS",
+    "Encoding", "bytes_per_token", "is_lossy", "merge_stats", "nonfinite_rows", "format_ranges",
 ]

@@ -7,15 +7,21 @@ import torch
 
 from storage.errors import StorageError
 
-# manifest name -> (torch dtype, numpy dtype of the stored bits). bfloat16 travels as its uint16 bit pattern.
+# manifest name -> (torch dtype, numpy dtype of the stored bits). bfloat16 travels as its uint16 bit pattern, the
+# float8 codes of the lossy encodings (storage.encodings) as their uint8 bit patterns.
 DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
     "float32": (torch.float32, np.dtype("float32")),
     "float16": (torch.float16, np.dtype("float16")),
     "bfloat16": (torch.bfloat16, np.dtype("uint16")),
+    "float8_e4m3": (torch.float8_e4m3fn, np.dtype("uint8")),
+    "float8_e5m2": (torch.float8_e5m2, np.dtype("uint8")),
+    "int8": (torch.int8, np.dtype("int8")),
     "int32": (torch.int32, np.dtype("int32")),
     "int64": (torch.int64, np.dtype("int64")),
     "bool": (torch.bool, np.dtype("bool")),
 }
+# torch dtypes numpy lacks, viewed as the unsigned integers of their width
+_BIT_PATTERNS = {torch.bfloat16: torch.uint16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
 _NAMES = {torch_dtype: name for name, (torch_dtype, _) in DTYPES.items()}
 
 
@@ -39,9 +45,9 @@ def numpy_dtype(name: str) -> np.dtype:
 
 
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    """A zero-copy numpy view of a contiguous CPU tensor's bits (bfloat16 as uint16)."""
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.view(torch.uint16)
+    """A zero-copy numpy view of a contiguous CPU tensor's bits (bfloat16 as uint16, float8 as uint8)."""
+    if tensor.dtype in _BIT_PATTERNS:
+        tensor = tensor.view(_BIT_PATTERNS[tensor.dtype])
     return tensor.numpy()
 
 
@@ -50,7 +56,8 @@ def from_numpy(array: np.ndarray, name: str) -> torch.Tensor:
     if not array.flags.writeable:
         array = array.copy()
     tensor = torch.from_numpy(array)
-    return tensor.view(torch.bfloat16) if name == "bfloat16" else tensor
+    wanted = DTYPES[name][0]
+    return tensor.view(wanted) if wanted in _BIT_PATTERNS else tensor
 
 
 def as_bytes(tensor: torch.Tensor) -> np.ndarray:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from storage.dtypes import dtype_name, numpy_dtype, torch_dtype
+from storage.encodings import ENCODINGS, SCALE_SUFFIX, is_lossy
 from storage.errors import CorruptStoreError, StaleStoreError, StorageError, UnsupportedFormatError
 
 MANIFEST = "manifest.json"
@@ -110,14 +111,42 @@ def parse_fields(fields: dict[str, Any]) -> dict[str, FieldSpec]:
         if any(dim <= 0 for dim in shape):
             raise StorageError(f"field {name!r}: every dimension of the per-sample shape must be positive, got {shape}")
         specs[name] = FieldSpec(shape, dtype_name(dtype))
-    return specs
+    return _with_scales(specs)
+
+
+def _with_scales(specs: dict[str, FieldSpec]) -> dict[str, FieldSpec]:
+    """The specs plus the float32 per-row scale field `<name>_scale` of each lossy field (which may be given
+    already, as in a manifest, but with exactly that spec)."""
+    out = dict(specs)
+    for name, spec in specs.items():
+        if not is_lossy(spec.dtype):
+            continue
+        if not spec.shape:
+            raise StorageError(f"field {name!r}: a {spec.dtype} field needs at least one dimension per sample")
+        scale = FieldSpec(spec.shape[:-1], "float32")
+        if out.setdefault(name + SCALE_SUFFIX, scale) != scale:
+            raise StorageError(f"field {name + SCALE_SUFFIX!r} is the scale of {spec.dtype} field {name!r}: it must "
+                               f"have shape {list(scale.shape)} and dtype float32, or be left out")
+    return out
+
+
+def encodings_record(fields: dict[str, FieldSpec]) -> dict[str, dict[str, Any]]:
+    """The manifest's record of each lossy field's encoding (what a reader of the raw arrays needs)."""
+    return {
+        name: {"codes": spec.dtype, "scale": name + SCALE_SUFFIX, "max_code": ENCODINGS[spec.dtype].max_code,
+               "bound": ENCODINGS[spec.dtype].bound,
+               "decode": f"{name} = {name} * {name + SCALE_SUFFIX}[..., None] (the scale is max|row| / max_code, "
+                         f"rounded up); |error| <= bound * scale"}
+        for name, spec in fields.items() if is_lossy(spec.dtype)
+    }
 
 
 def new_manifest(
     format: str, fields: dict[str, FieldSpec], num_samples: int, samples_per_shard: int,
     fingerprint: Fingerprint, codec: dict[str, Any],
 ) -> dict[str, Any]:
-    """The manifest of a freshly created, still empty store."""
+    """The manifest of a freshly created, still empty store (lossy fields add an "encodings" entry)."""
+    encodings = encodings_record(fields)
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -129,6 +158,7 @@ def new_manifest(
         "samples_per_shard": samples_per_shard,
         "num_shards": -(-num_samples // samples_per_shard),
         "fields": {name: {"shape": list(spec.shape), "dtype": spec.dtype} for name, spec in fields.items()},
+        **({"encodings": encodings} if encodings else {}),
         "fingerprint": fingerprint.to_json(),
         "complete": False,
         "shards": {},

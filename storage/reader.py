@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from storage.dtypes import to_numpy
+from storage.encodings import SCALE_SUFFIX
 from storage.errors import StorageError
 from storage.manifest import FieldSpec
 
@@ -32,6 +33,7 @@ class ShardedStore(Protocol):
 
     path: str
     fields: dict[str, FieldSpec]
+    encodings: dict
 
     @property
     def num_samples(self) -> int: ...
@@ -47,6 +49,8 @@ class ShardedStore(Protocol):
 
     def will_read(self, i: int) -> None: ...
 
+    def decode(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]: ...
+
 _END = object()
 
 
@@ -56,7 +60,9 @@ class _Failure:
 
 
 class Reader:
-    """Batches `{field: tensor}` over a complete store; iterate it for the rest of the current epoch."""
+    """Batches `{field: tensor}` over a complete store; iterate it for the rest of the current epoch. With
+    `decode` (a torch dtype) lossy fields come decoded into that dtype, without their scale fields; otherwise
+    every field comes as stored."""
 
     def __init__(
         self,
@@ -72,6 +78,7 @@ class Reader:
         prefetch: int = 4,
         pin_memory: bool = False,
         check: bool = True,
+        decode: torch.dtype | None = None,
     ) -> None:
         store.require_complete()
         if batch_size <= 0 or world_size <= 0 or not 0 <= rank < world_size:
@@ -82,6 +89,10 @@ class Reader:
         self.store, self.batch_size, self.seed = store, int(batch_size), int(seed)
         self.rank, self.world_size, self.shuffle, self.drop_last = rank, world_size, shuffle, drop_last
         self.fields = list(store.fields) if fields is None else list(fields)
+        self.decode = decode
+        if decode is not None:  # a lossy field's scale is read with it
+            scales = [name + SCALE_SUFFIX for name in store.encodings if name in self.fields]
+            self.fields += [name for name in scales if name not in self.fields]
         self.threads, self.prefetch, self.check = max(1, threads), max(0, prefetch), check
         self.pin_memory = pin_memory and torch.cuda.is_available()
         if pin_memory and not self.pin_memory:
@@ -182,8 +193,10 @@ class Reader:
         batch = {}
         for name in self.fields:
             tensor = self._gather([(data[name], idx) for data, idx in parts])
-            batch[name] = tensor.pin_memory() if self.pin_memory else tensor
-        return batch
+            batch[name] = tensor
+        if self.decode is not None:
+            batch = self.store.decode(batch, self.decode)
+        return {name: t.pin_memory() for name, t in batch.items()} if self.pin_memory else batch
 
     def _gather(self, parts: list[tuple[torch.Tensor, np.ndarray]]) -> torch.Tensor:
         """The rows `idx` of each tensor, concatenated into one new tensor (a view for one sequential piece).

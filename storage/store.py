@@ -16,6 +16,7 @@ import torch
 from storage.blobs import Blobs
 from storage.checksums import crc32c_tensor
 from storage.dtypes import torch_dtype
+from storage.encodings import ENCODINGS, SCALE_SUFFIX, Encoding, error_stats, merge_stats, nonfinite_rows
 from storage.errors import CorruptStoreError, IncompleteStoreError, StorageError
 from storage.manifest import MANIFEST, FieldSpec, Fingerprint
 from storage.reader import Reader
@@ -49,6 +50,10 @@ class Store:
         self.path = blobs.location
         self.fields = {name: FieldSpec(tuple(s["shape"]), s["dtype"]) for name, s in manifest["fields"].items()}
         self._records: dict[int, dict] = {int(i): rec for i, rec in manifest["shards"].items()}
+        # lossy fields: {name: encoding}; each has a float32 scale field `<name>_scale` beside it
+        self.encodings: dict[str, Encoding] = {
+            name: ENCODINGS[spec.dtype] for name, spec in self.fields.items() if spec.dtype in ENCODINGS
+        }
         if create:
             self._create_layout()
         self._open_layout()
@@ -153,29 +158,62 @@ class Store:
             )
 
     # ---- writing -----------------------------------------------------------------------------------------------
+    @property
+    def written_fields(self) -> list[str]:
+        """The fields a writer passes to write_shard: every field but the scales of lossy ones."""
+        scales = {name + SCALE_SUFFIX for name in self.encodings}
+        return [name for name in self.fields if name not in scales]
+
     def _checked_tensors(self, i: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         start, stop = self.shard_range(i)
         where = f"store {self.path}: write_shard({i}) (samples {start}..{stop})"
-        if not isinstance(tensors, dict) or set(tensors) != set(self.fields):
+        if not isinstance(tensors, dict) or set(tensors) != set(self.written_fields):
             got = sorted(tensors) if isinstance(tensors, dict) else type(tensors).__name__
-            raise StorageError(f"{where}: expected exactly the fields {sorted(self.fields)}, got {got}")
+            raise StorageError(f"{where}: expected exactly the fields {sorted(self.written_fields)}, got {got}")
         checked = {}
-        for name, spec in self.fields.items():
-            tensor = tensors[name]
+        for name in self.written_fields:
+            spec, tensor = self.fields[name], tensors[name]
             expected = (stop - start, *spec.shape)
             if not isinstance(tensor, torch.Tensor):
                 raise StorageError(f"{where}: field {name!r} must be a torch.Tensor, not {type(tensor).__name__}")
-            if tuple(tensor.shape) != expected or tensor.dtype != torch_dtype(spec.dtype):
+            lossy = name in self.encodings
+            dtype_ok = tensor.is_floating_point() if lossy else tensor.dtype == torch_dtype(spec.dtype)
+            if tuple(tensor.shape) != expected or not dtype_ok:
+                wanted = f"a floating dtype (encoded to {spec.dtype})" if lossy else f"dtype {spec.dtype}"
                 raise StorageError(
-                    f"{where}: field {name!r} must have shape {list(expected)} and dtype {spec.dtype}, "
+                    f"{where}: field {name!r} must have shape {list(expected)} and {wanted}, "
                     f"got shape {list(tensor.shape)} and dtype {str(tensor.dtype).removeprefix('torch.')}"
                 )
             checked[name] = tensor.detach().cpu().contiguous()
         return checked
 
+    def _encoded(self, i: int, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+        """The tensors with each lossy field encoded (codes and scale), and the decoding error of each; refuses
+        non-finite values, naming the samples."""
+        out, errors = dict(tensors), {}
+        for name, encoding in self.encodings.items():
+            x = tensors[name]
+            self._refuse_rows(i, name, nonfinite_rows(x), f"NaN or inf; a {encoding.name} store cannot hold them")
+            codes, scale = encoding.encode(x)
+            decoded = encoding.decode(codes, scale)
+            # |x| within a rounding of float32's largest: q * s overflows
+            self._refuse_rows(i, name, nonfinite_rows(decoded), f"values too close to float32's largest; a "
+                                                                 f"{encoding.name} store cannot hold them")
+            out[name], out[name + SCALE_SUFFIX] = codes, scale
+            errors[name] = error_stats(x, decoded, scale, encoding.bound)
+        return out, errors
+
+    def _refuse_rows(self, i: int, name: str, rows: list[int], what: str) -> None:
+        """Raise StorageError naming the samples of shard `i` at `rows` (indices in the shard), if any."""
+        if rows:
+            start, stop = self.shard_range(i)
+            raise StorageError(f"store {self.path}: shard {i} (samples {start}..{stop}): field {name!r} holds {what} "
+                               f"(samples {format_ranges([start + r for r in rows])})")
+
     def write_shard(self, i: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Write shard `i` whole and publish it atomically; rewriting identical content is a no-op."""
-        tensors = self._checked_tensors(i, tensors)
+        """Write shard `i` whole and publish it atomically; rewriting identical content is a no-op. A lossy field
+        is given in any floating dtype and encoded here; its decoding error goes into the completion record."""
+        tensors, errors = self._encoded(i, self._checked_tensors(i, tensors))
         start, stop = self.shard_range(i)
         fields = {name: {"crc32c": crc32c_tensor(t), "bytes": t.nbytes} for name, t in tensors.items()}
         with self._blobs.lock(f"shard-{i:06d}"):
@@ -198,6 +236,8 @@ class Store:
                     f"{err}); the shard is not marked complete, fix the cause and write it again"
                 ) from err
             record = {"shard": i, "samples": [start, stop], "fields": fields, "files": files}
+            if errors:
+                record["encoding_error"] = errors
             self._blobs.write(self._marker(i), json.dumps(record).encode())
             self._records[i] = record
 
@@ -265,6 +305,26 @@ class Store:
             if check and self.check_decoded and crc32c_tensor(tensor) != record["fields"][name]["crc32c"]:
                 raise self._corrupt(i, "checksum of the decoded data differs from the one recorded at write", name)
         return data
+
+    def decode(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """`tensors` read from this store with every lossy field decoded into `dtype` (its scale field dropped);
+        exact fields pass unchanged."""
+        out = dict(tensors)
+        for name, encoding in self.encodings.items():
+            if name in out:
+                out[name] = encoding.decode(out[name], out.pop(name + SCALE_SUFFIX), dtype)
+        return out
+
+    def shard_encoding_error(self, i: int) -> dict[str, dict[str, float]]:
+        """The decoding error recorded for each lossy field of shard `i` ({} for an exact store or a shard not
+        written yet; see storage.encodings.error_stats)."""
+        record = self._record(i)
+        return dict(record.get("encoding_error", {})) if record else {}
+
+    def encoding_error(self) -> dict[str, dict[str, float]]:
+        """The decoding error of each lossy field over the complete shards."""
+        per_shard = [self.shard_encoding_error(i) for i in self.completed_shards()]
+        return {name: merge_stats([errors[name] for errors in per_shard if name in errors]) for name in self.encodings}
 
     def will_read(self, i: int) -> None:
         """Hint that complete shard `i` is read soon, so that the OS reads its files ahead (cold reads)."""

@@ -64,6 +64,15 @@ def verify(path: str | os.PathLike) -> VerifyReport:
                 store.read_shard(i)
             except StorageError as err:
                 problem = str(err)
+        if problem is None:
+            problem = _error_problem(store.shard_encoding_error(i))
         if problem is not None:
             report.bad.append(ShardProblem(i, store.shard_range(i), problem))
     return report
+
+
+def _error_problem(errors: dict[str, dict]) -> str | None:
+    """What is wrong with the decoding error a lossy shard recorded (beyond its encoding's bound), or None."""
+    beyond = [f"{name}: {stats['max_over_bound']:.3g} x its bound"
+              for name, stats in errors.items() if not stats["max_over_bound"] <= 1 + 1e-6]  # float64 noise
+    return f"decoding error recorded beyond the encoding's bound ({'; '.join(beyond)})" if beyond else None

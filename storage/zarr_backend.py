@@ -17,6 +17,7 @@ from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec, Shar
 from storage.codecs import zarr_compressors
 from storage.dtypes import from_numpy, numpy_dtype, to_numpy, torch_dtype
 from storage.errors import CorruptStoreError
+from storage.manifest import FORMAT
 from storage.store import Store
 
 # Target uncompressed bytes of one chunk (the unit of compression, checksumming and parallel decoding).
@@ -33,6 +34,14 @@ def layout_chunk_samples(codec: str, samples_per_shard: int, sample_bytes: int) 
     """Samples per chunk of a new array: codec none keeps one chunk per shard (its data is then one contiguous run
     of the shard file, read without a copy); compressed codecs use ~CHUNK_BYTES chunks."""
     return samples_per_shard if codec == "none" else chunk_samples(samples_per_shard, sample_bytes)
+
+
+def dimension_names(field: str, per_sample_dims: int) -> tuple[str, ...]:
+    """The dimension names of a field's array: "sample", then "token", then "<field>_dim" (so that xarray sees
+    the arrays of a split as one dataset: hidden is (sample, token, hidden_dim), the token-wise fields and a
+    lossy field's scale are (sample, token))."""
+    extra = [f"{field}_dim"] if per_sample_dims == 2 else [f"{field}_dim{j}" for j in range(1, per_sample_dims)]
+    return ("sample", *(["token"] if per_sample_dims else []), *extra)
 
 
 # An index entry of a chunk the shard does not hold (zarr writes no chunk that equals the fill value).
@@ -90,7 +99,9 @@ class ZarrStore(Store):
 
     def _create_layout(self) -> None:
         zstore = self._blobs.zarr_store(self.data_prefix)
+        zarr.create_group(zstore, overwrite=True, attributes={"format": FORMAT, "fields": list(self.fields)})
         per_shard = self.samples_per_shard
+        encodings = self._manifest.get("encodings", {})
         for name, spec in self.fields.items():
             dtype = numpy_dtype(spec.dtype)
             chunk = layout_chunk_samples(self.codec["name"], per_shard, spec.sample_bytes)
@@ -98,7 +109,8 @@ class ZarrStore(Store):
                 zstore, name=name, shape=(self.num_samples, *spec.shape), dtype=dtype,
                 chunks=(chunk, *spec.shape), shards=(per_shard, *spec.shape),
                 compressors=zarr_compressors(self.codec, dtype.itemsize), fill_value=dtype.type(0),
-                attributes={"dtype": spec.dtype}, overwrite=True,
+                attributes={"dtype": spec.dtype, **({"encoding": encodings[name]} if name in encodings else {})},
+                dimension_names=dimension_names(name, len(spec.shape)), overwrite=True,
             )
 
     def _open_layout(self) -> None:

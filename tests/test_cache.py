@@ -292,13 +292,13 @@ def test_roll_forward_equals_a_fresh_run_store_and_fingerprint(corpus, tmp_path,
     assert_same_cache(tmp_path / "r4", tmp_path / "k4", splits=("eval",))
 
 
-def test_roll_forward_refuses_a_stale_or_lossy_source(corpus, tmp_path):
+def test_roll_forward_refuses_a_stale_or_lower_dtype_source(corpus, tmp_path):
     staged, data = staged_model(), datasets_for(corpus)
     eval_only = {"eval": data["eval"]}
     cache(staged, eval_only, 1, tmp_path / "k1")
     cache(staged, eval_only, 1, tmp_path / "bf16", store_dtype="bfloat16")
     options = CacheOptions(samples_per_shard=PER_SHARD, progress=False)
-    with pytest.raises(preinfer.errors.UsageError, match="lossy"):
+    with pytest.raises(preinfer.errors.UsageError, match="lower dtype"):
         roll_forward(staged, tmp_path / "bf16", 3, tmp_path / "x", options)
     with pytest.raises(preinfer.errors.UsageError, match=r"outside \[2, 4\]"):
         roll_forward(staged, tmp_path / "k1", 1, tmp_path / "x", options)
@@ -388,7 +388,7 @@ def not_utf8(tmp_path):
         (["--data", "NOT_UTF8"], "not UTF-8"),
         (["--out", "A_FILE"], "is a file"),
         (["--out", "FOREIGN"], "not a cache directory"),
-        (["--dtype", "int8"], "--dtype"),
+        (["--dtype", "int4"], "--dtype"),
         (["--store-format", "zarr", "--codec", "lzma"], "unknown codec"),
         (["--store-format", "safetensors", "--codec", "blosc-zstd"], "raw bytes"),
         (["--splits", "test"], "--splits"),
@@ -518,7 +518,7 @@ def test_cache_options_are_checked_when_made():
                              (dict(retries=-1), "--retries must be an integer >= 0"),
                              (dict(samples_per_shard=True), "--samples-per-shard"),
                              (dict(store_format="hdf5"), "--store-format 'hdf5'"),
-                             (dict(store_dtype="int8"), "--store-dtype 'int8'"),
+                             (dict(store_dtype="int4"), "--store-dtype 'int4'"),
                              (dict(mode="append"), "mode 'append'"),
                              (dict(store_format="safetensors", codec="zstd"), "--codec: .*raw bytes")):
         with pytest.raises(preinfer.errors.UsageError, match=message):

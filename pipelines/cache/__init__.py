@@ -7,16 +7,20 @@ The public surface (what `preinfer cache` and `bcd --pre-inference` use; the mod
   written last, once every split is finalized).
 - `roll_forward`: only layers [K, boundary) over the store(s) at boundary K of a cache directory (or of a
   single store, whose result is a single store too). The source must match the model's current prefix [0, K)
-  and hold the compute dtype (lossless); the result, store and fingerprint, equals a fresh `cache_boundary`
-  with the same weights, batch size and shard size.
+  and hold the compute dtype (lossless; the result, store and fingerprint, equals a fresh `cache_boundary`
+  with the same weights, batch size and shard size) or a lossy encoding (its decoded states go through the
+  layers: the encoding errors compound, see docs/results.md).
 - `CacheOptions`: every option of a job, checked when made (see its fields); `parse_dask` reads `--dask`.
-- `CacheResult`, `cache_fingerprint`, `default_samples_per_shard`, and `open_cache` (the stores of a cache
+- `CacheResult`, `cache_fingerprint`, `default_samples_per_shard`, `bytes_per_token` (of a store dtype, for cost
+  models), and `open_cache` (the stores of a cache
   directory, or {"": store} for a single store).
 
 What is stored, per sample i of a split's `TokenDataset` (store sample i = dataset sample i, dataset order):
 `hidden` [T, H] in the storage dtype, `attention_mask` [T] bool, `position_ids` [T] int64, `labels` [T] int64,
 i.e. `BoundaryState.to_dict()` of one sample. `store_dtype="auto"` stores the compute dtype bit for bit; a lower
-dtype (`bfloat16`, `float16`) is an explicit choice recorded in the fingerprint.
+dtype (`bfloat16`, `float16`) is an explicit choice recorded in the fingerprint, and so is a lossy encoding
+(`float8_e4m3`, `float8_e5m2`, `int8`: the store encodes `hidden` into 8-bit codes plus `hidden_scale` [T]
+float32 and records each shard's decoding error). States holding NaN or inf are never stored (any dtype).
 
 Batches never straddle shards: shard i covers samples [i*S, (i+1)*S) and is computed in batches of
 `batch_size` from its first sample, so every way of running the job (resumed, rolled forward, on Dask) runs
@@ -62,11 +66,11 @@ write a shard (tests inject faults and delays with it; it travels to the Dask wo
 
 from pipelines.cache.build import cache_boundary, roll_forward
 from pipelines.cache.directory import open_cache
-from pipelines.cache.fingerprints import cache_fingerprint, default_samples_per_shard
+from pipelines.cache.fingerprints import bytes_per_token, cache_fingerprint, default_samples_per_shard
 from pipelines.cache.options import CacheOptions, parse_dask
 from pipelines.cache.result import CacheResult
 
 __all__ = [
     "cache_boundary", "roll_forward", "open_cache", "CacheOptions", "CacheResult", "cache_fingerprint",
-    "default_samples_per_shard", "parse_dask",
+    "default_samples_per_shard", "parse_dask", "bytes_per_token",
 ]

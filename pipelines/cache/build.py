@@ -16,7 +16,7 @@ from preinfer.data import TokenDataset
 from preinfer.errors import UsageError
 from preinfer.fingerprint import prefix_digest
 from preinfer.staged import StagedModel
-from storage import LayoutMismatchError, StaleStoreError, Store, create_store, open_store
+from storage import LayoutMismatchError, StaleStoreError, Store, create_store, is_lossy, open_store
 from pipelines.cache import dask_runner
 from pipelines.cache.directory import (
     CACHE_FORMAT, CACHE_INDEX, cache_splits, check_out, holds_only_store_entries, read_index, write_index,
@@ -63,7 +63,8 @@ def roll_forward(staged: StagedModel, source: str | os.PathLike, boundary: int, 
                  options: CacheOptions = CacheOptions(), splits: list[str] | None = None) -> CacheResult:
     """The stores at `boundary` made from the stores at boundary K in `source` (a cache directory, or a single
     store; `out` is then a single store too) by running only layers [K, boundary). The source must match the
-    model's current prefix [0, K) and hold the compute dtype; the result equals a fresh `cache_boundary`."""
+    model's current prefix [0, K) and hold the compute dtype (the result then equals a fresh `cache_boundary`) or a
+    lossy encoding (its decoded states are rolled forward, so encoding errors compound: see docs/results.md)."""
     started = time.perf_counter()
     opts = options.for_model(staged.compute_dtype, _model_device(staged))
     source, out = Path(source), Path(out)
@@ -95,10 +96,10 @@ def roll_forward(staged: StagedModel, source: str | os.PathLike, boundary: int, 
             raise UsageError(f"--from-store {source}: its splits are at different boundaries ({source_boundary}, {k})")
         source_boundary = k
         check_boundary(staged, boundary, above=k)
-        if src_dtype != compute:
+        if src_dtype != compute and not is_lossy(src_dtype):
             raise UsageError(
                 f"--from-store {path} holds {src_dtype} hidden states but the model computes in {compute}: rolling "
-                f"forward from a lossy store would not equal a fresh run; cache boundary {boundary} from the input "
+                f"forward from a lower dtype would not equal a fresh run; cache boundary {boundary} from the input "
                 f"instead"
             )
         for b in (k, boundary):

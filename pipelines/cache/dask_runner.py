@@ -141,7 +141,7 @@ def run_task(task: ShardTask) -> dict[str, Any]:
     stager = HostStager(task.device)
     started = time.perf_counter()
     buffers, fence = compute_shard(staged, inputs, task.start_layer, task.boundary, task.lo, task.hi,
-                                   task.batch_size, host_fields(store), stager)
+                                   task.batch_size, host_fields(store, staged.compute_dtype), stager)
     fence.synchronize()
     computed = time.perf_counter()
     write_shard(store, task.split, task.shard, buffers, before_write=task.before_write)

@@ -11,7 +11,8 @@ from preinfer.errors import UsageError
 from preinfer.fingerprint import boundary_fingerprint, prefix_digest
 from preinfer.staged import StagedModel
 from storage import Fingerprint
-from pipelines.cache.options import resolve_store_dtype
+from storage import bytes_per_token as storage_bytes_per_token
+from pipelines.cache.options import resolve_store_dtype, store_dtype_name
 
 SHARD_TARGET_BYTES = 64 << 20
 
@@ -42,9 +43,15 @@ def state_fingerprint(prefix: str, boundary: int, dataset: str, tokenizer: str, 
 def cache_fingerprint(staged: StagedModel, dataset: TokenDataset, tokenizer: Any, boundary: int,
                       dtype: str | torch.dtype = "auto", model_name: str = "") -> Fingerprint:
     """The fingerprint of `dataset`'s boundary states at `boundary` stored in `dtype` ("auto": the compute dtype)."""
-    stored = resolve_store_dtype(dtype, staged.compute_dtype)
+    stored = store_dtype_name(resolve_store_dtype(dtype, staged.compute_dtype))
     return state_fingerprint(prefix_digest(staged, boundary), boundary, dataset.fingerprint(),
-                             tokenizer.fingerprint(), dataset.seq_len, dtype_name(stored), model_name)
+                             tokenizer.fingerprint(), dataset.seq_len, stored, model_name)
+
+
+def bytes_per_token(store_dtype: str, hidden_size: int, compute_dtype: torch.dtype) -> int:
+    """Uncompressed bytes of one token's stored hidden state in `store_dtype` ("auto": the compute dtype), a lossy
+    encoding's scale included."""
+    return storage_bytes_per_token(store_dtype_name(resolve_store_dtype(store_dtype, compute_dtype)), hidden_size)
 
 
 def default_samples_per_shard(seq_len: int, hidden_size: int, dtype: torch.dtype,

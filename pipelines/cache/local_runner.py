@@ -54,7 +54,7 @@ def run_local(staged: StagedModel, jobs: list[SplitJob], boundary: int, opts: Ca
     thread.start()
     try:
         for job in jobs:
-            fields = host_fields(job.store)
+            fields = host_fields(job.store, staged.compute_dtype)
             for shard in job.todo:
                 if state["fatal"] is not None:
                     break

@@ -13,7 +13,9 @@ import torch
 from preinfer.errors import UsageError
 from storage import StorageError, codec_spec
 
-STORE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Exact store dtypes (bit for bit), then the lossy encodings (8-bit codes and a per-token scale, storage.encodings).
+STORE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                "float8_e4m3": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2, "int8": torch.int8}
 MODES = ("resume", "overwrite", "refuse")
 STORE_FORMATS = ("zarr", "safetensors")
 
@@ -87,7 +89,8 @@ class CacheOptions:
     """How a caching job runs and what its stores look like; every value is checked when the options are made
     (a one-line UsageError naming the flag).
 
-    `store_dtype` "auto" stores the compute dtype bit for bit. `dask`: None (this process), "local:N",
+    `store_dtype` "auto" stores the compute dtype bit for bit; float8_e4m3, float8_e5m2 and int8 are lossy (each
+    shard's decoding error is measured and recorded). `dask`: None (this process), "local:N",
     "tcp://host:port" (parsed into a `DaskTarget`) or a `distributed.Client`. `before_shard_write(split, shard)` is
     called before every attempt to write a shard, on the Dask workers too (so it must pickle: a module-level
     function or a functools.partial of one)."""

@@ -61,7 +61,8 @@ def describe(path: str | os.PathLike) -> list[dict[str, Any]]:
         if real is None:
             real = _real_tokens(store, done) if done and "attention_mask" in store.fields else None
         infos.append({
-            "split": split, "path": str(store_path), "format": store.format, "codec": store.codec,
+            "split": split, "path": str(store_path), "status": _status(store.num_shards, len(done), manifest),
+            "format": store.format, "codec": store.codec,
             "samples": store.num_samples, "seq_len": seq_len,
             "tokens": store.num_samples * seq_len if seq_len else None, "real_tokens": real,
             "shards": store.num_shards, "samples_per_shard": store.samples_per_shard,
@@ -71,8 +72,23 @@ def describe(path: str | os.PathLike) -> list[dict[str, Any]]:
             "raw_bytes": size["raw_bytes"], "stored_bytes": size["stored_bytes"], "disk_bytes": _disk_bytes(store_path),
             "compression_ratio": size["ratio"], "fingerprint": store.fingerprint.to_json(),
             "created": manifest.get("created"), "tool": manifest.get("tool"),
+            "encodings": {name: {**manifest["encodings"][name], **_error_summary(stats)}
+                          for name, stats in store.encoding_error().items()},
         })
     return infos
+
+
+def _status(shards: int, complete: int, manifest: dict[str, Any]) -> str:
+    if complete < shards:
+        return f"INCOMPLETE: {shards - complete} of {shards} shards missing (resume the cache job)"
+    if not manifest.get("complete"):
+        return "all shards written, not finalized (rerun the cache job to finalize)"
+    return "complete"
+
+
+def _error_summary(stats: dict[str, float]) -> dict[str, float]:
+    """The decoding error of a lossy field as inspect reports it."""
+    return {"rms_rel": stats["rms_rel"], "max_abs": stats["max_abs"], "max_over_bound": stats["max_over_bound"]}
 
 
 def _mib(n: int) -> str:
@@ -82,10 +98,6 @@ def _mib(n: int) -> str:
 def format_description(info: dict[str, Any]) -> str:
     codec = info["codec"]
     codec_text = codec.get("name", "?") + (f" level {codec['level']}" if codec.get("name") != "none" else "")
-    state = ("complete" if info["missing_shards"] == 0 else
-             f"INCOMPLETE: {info['missing_shards']} of {info['shards']} shards missing (resume the cache job)")
-    if info["missing_shards"] == 0 and not info["finalized"]:
-        state = "all shards written, not finalized (rerun the cache job to finalize)"
     tokens = f"{info['tokens']:,}" if info["tokens"] is not None else "?"
     if info["real_tokens"] is not None:
         real = info["real_tokens"]
@@ -93,7 +105,7 @@ def format_description(info: dict[str, Any]) -> str:
     ratio = f"{info['compression_ratio']:.2f}x" if info["compression_ratio"] else "-"
     lines = [
         f"{info['split'] + ': ' if info['split'] else ''}{info['path']}",
-        f"  status        {state}",
+        f"  status        {info['status']}",
         f"  samples       {info['samples']:,} of {info['seq_len']} tokens, in {info['shards']} shards of "
         f"{info['samples_per_shard']} ({info['complete_shards']} complete)",
         f"  tokens        {tokens}",
@@ -101,8 +113,11 @@ def format_description(info: dict[str, Any]) -> str:
         "  fields        " + ", ".join(f"{n} {s['shape']} {s['dtype']}" for n, s in info["fields"].items()),
         f"  size          {_mib(info['raw_bytes'])} raw, {_mib(info['stored_bytes'])} stored "
         f"({_mib(info['disk_bytes'])} on disk), compression {ratio}",
-        f"  fingerprint   {info['fingerprint']['digest']}",
     ]
+    lines += [f"  encoding      {name}: {e['codes']} codes x {e['scale']}, relative RMS error {e['rms_rel']:.4g}, max "
+              f"abs error {e['max_abs']:.4g} ({e['max_over_bound']:.3f} of the bound)"
+              for name, e in info["encodings"].items()]
+    lines += [f"  fingerprint   {info['fingerprint']['digest']}"]
     lines += [f"    {key:<12}{value}" for key, value in info["fingerprint"]["parts"].items()]
     return "\n".join(lines)
 
@@ -203,13 +218,25 @@ def _recompute(check: StoreCheck, store: Store, staged: StagedModel, dataset: To
                 stored = {k: v[offset:offset + 1] for k, v in store.read_shard(shard).items()}
                 fresh = staged.run(inputs(i, i + 1), 0, boundary).to_dict()
                 fresh = {k: v.cpu() for k, v in fresh.items()}
+                allowance = _encoding_allowance(store, stored)
+                stored = store.decode(stored, torch.float32)
                 fresh["hidden"] = fresh["hidden"].to(stored["hidden"].dtype)
-                _compare(check, i, stored, fresh)
+                _compare(check, i, stored, fresh, staged.compute_dtype, allowance)
     finally:
         staged.model.train(was_training)
 
 
-def _compare(check: StoreCheck, i: int, stored: dict, fresh: dict) -> None:
+def _encoding_allowance(store: Store, stored: dict[str, torch.Tensor]) -> torch.Tensor | float:
+    """What a lossy encoding may add to the difference of each stored value (its bound x the row's scale); 0.0
+    for an exact store."""
+    encoding = store.encodings.get("hidden")
+    return 0.0 if encoding is None else encoding.bound * stored["hidden_scale"].float().unsqueeze(-1)
+
+
+def _compare(check: StoreCheck, i: int, stored: dict, fresh: dict, compute_dtype: torch.dtype,
+             allowance: torch.Tensor | float) -> None:
+    """Record sample `i`'s differences between stored and recomputed states: exact stores within the recompute
+    tolerance of their dtype, lossy ones within it plus the encoding's bound."""
     problems = [f"sample {i}: {name} differs" for name in ("attention_mask", "position_ids", "labels")
                 if name in stored and not torch.equal(stored[name], fresh[name].to(stored[name].dtype))]
     a, b = stored["hidden"].float(), fresh["hidden"].float()
@@ -218,9 +245,9 @@ def _compare(check: StoreCheck, i: int, stored: dict, fresh: dict) -> None:
     else:
         diff = (a - b).abs()
         scale = max(float(b.abs().max()), 1e-30)
-        rtol, atol = _tolerance(stored["hidden"].dtype)
+        rtol, atol = _tolerance(compute_dtype if isinstance(allowance, torch.Tensor) else stored["hidden"].dtype)
         worst = float(diff.max())
         check.max_abs_diff = max(check.max_abs_diff, worst)
-        if not bool((diff <= atol * scale + rtol * b.abs()).all()) or not bool(torch.isfinite(a).all()):
+        if not bool((diff <= allowance + atol * scale + rtol * b.abs()).all()) or not bool(torch.isfinite(a).all()):
             problems.append(f"sample {i}: hidden states differ by up to {worst:.3g} (largest value {scale:.3g})")
     check.mismatches += problems

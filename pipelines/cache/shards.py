@@ -13,7 +13,11 @@ import torch
 from preinfer.data import TokenDataset
 from preinfer.staged import StagedModel
 from preinfer.state import BoundaryState
-from storage import Store
+from storage import Store, format_ranges, nonfinite_rows
+
+class NonFiniteStates(ValueError):
+    """Computed boundary states hold NaN or inf: the shard is not written (and retrying cannot help)."""
+
 
 # {field: (per-sample shape, torch dtype)} of the host buffers of one shard.
 HostFields = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
@@ -102,8 +106,9 @@ class StoreInputs:
         self._cached: tuple[int, dict[str, torch.Tensor]] | None = None
 
     def _shard(self, i: int) -> dict[str, torch.Tensor]:
+        """Shard `i` as stored, a lossy encoding decoded (into the compute dtype: errors compound downstream)."""
         if self._cached is None or self._cached[0] != i:
-            self._cached = (i, self.store.read_shard(i))
+            self._cached = (i, self.store.decode(self.store.read_shard(i), self.dtype))
         return self._cached[1]
 
     def __call__(self, a: int, b: int) -> BoundaryState:
@@ -119,9 +124,11 @@ class StoreInputs:
         return BoundaryState.from_dict(tensors)
 
 
-def host_fields(store: Store) -> HostFields:
-    """The host buffer layout of one shard of `store`."""
-    return {name: (spec.shape, spec.torch_dtype) for name, spec in store.fields.items()}
+def host_fields(store: Store, compute_dtype: torch.dtype) -> HostFields:
+    """The host buffer layout of one shard of `store`: its written fields, a lossy one (encoded by the store when
+    written) in the compute dtype."""
+    return {name: (spec.shape, compute_dtype if name in store.encodings else spec.torch_dtype)
+            for name, spec in ((n, store.fields[n]) for n in store.written_fields)}
 
 
 def compute_shard(staged: StagedModel, inputs: Callable[[int, int], BoundaryState], start_layer: int, boundary: int,
@@ -164,7 +171,15 @@ def one_line(err: BaseException) -> str:
 def write_shard(store: Store, split: str, shard: int, tensors: dict[str, torch.Tensor], retries: int = 0,
                 before_write: Callable[[str, int], None] | None = None) -> int:
     """Write one shard, retrying a failure `retries` times (never a full disk), calling `before_write(split,
-    shard)` before each attempt; returns the attempts made."""
+    shard)` before each attempt; returns the attempts made. States holding NaN or inf are refused (whatever the
+    store dtype), naming the samples."""
+    bad = nonfinite_rows(tensors["hidden"])
+    if bad:
+        lo, hi = store.shard_range(shard)
+        raise NonFiniteStates(
+            f"{split + ' ' if split else ''}shard {shard} (samples {lo}..{hi}): the boundary states of samples "
+            f"{format_ranges([lo + r for r in bad])} hold NaN or inf (a diverged prefix?); nothing was stored"
+        )
     for attempt in range(retries + 1):
         try:
             if before_write is not None:

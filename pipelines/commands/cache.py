@@ -52,8 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--codec", help="zarr codec: blosc-zstd, blosc-lz4, zstd, none [blosc-zstd; none for "
                                         "safetensors]")
     parser.add_argument("--store-dtype", "--dtype", action=_Renamed, choices=["auto", *STORE_DTYPES],
-                        default="auto", help="storage dtype of hidden states; auto = the compute dtype, bit-exact "
-                                             "(--dtype: the old spelling) [auto]")
+                        default="auto", help="storage dtype of hidden states; auto = the compute dtype, bit-exact; "
+                                             "float8_e4m3, float8_e5m2, int8: lossy 8-bit codes with a per-token "
+                                             "scale, decoding error measured per shard (--dtype: the old "
+                                             "spelling) [auto]")
     parser.add_argument("--batch-size", type=positive_int, default=16, help="forward batch [16]")
     parser.add_argument("--samples-per-shard", type=positive_int,
                         help="samples per shard (the unit of writing, resuming and Dask tasks) [about 64 MiB of "

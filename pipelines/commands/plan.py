@@ -8,7 +8,7 @@ import json
 from preinfer.config import BlockConfig
 from preinfer.errors import UsageError
 from preinfer.memory_model import (
-    COMPRESSION, DTYPES, GIB, GPUS, MemoryPlan, Settings, blocks_for_ufp, plan_memory, resolve_shape,
+    COMPRESSION, DTYPES, GIB, STORE_DTYPES, GPUS, MemoryPlan, Settings, blocks_for_ufp, plan_memory, resolve_shape,
 )
 from pipelines.arguments import positive_float, positive_int, token_count, unit_fraction
 
@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pipeline degree for the traffic comparison [the plan's own, at least 2]")
     parser.add_argument("--epochs-per-visit", type=positive_float, default=Settings.epochs_per_visit,
                         help="epochs each BCD visit trains; one caching pass serves them all")
+    parser.add_argument("--store-dtype", choices=list(STORE_DTYPES),
+                        help="storage dtype of boundary states; float8_e4m3, float8_e5m2, int8: 8-bit codes plus a "
+                             "float32 scale per token [float32 when training in float32, else bfloat16]")
     parser.add_argument("--compression", type=positive_float,
                         help="store codec ratio [" + ", ".join(f"{ratio:g} for {kind} stores"
                                                              for kind, ratio in COMPRESSION.items()) + "]")
@@ -68,7 +71,7 @@ def settings_from_args(args: argparse.Namespace, layers: int) -> Settings:
         seq_len=args.seq_len, micro_batch=args.micro_batch, dtype=args.dtype, recompute=args.recompute,
         gpu=args.gpu, gpu_mem_gb=args.gpu_mem, blocks=blocks, tokens=args.tokens,
         bandwidth_gbps=args.bandwidth_gbps, price_per_hour=args.price_per_hour, mfu=args.mfu,
-        compression=args.compression, pipeline=args.pipeline, epochs_per_visit=args.epochs_per_visit,
+        compression=args.compression, store_dtype=args.store_dtype, pipeline=args.pipeline, epochs_per_visit=args.epochs_per_visit,
     )
 
 
