@@ -17,6 +17,7 @@ from preinfer.config import load_config
 from preinfer.memory_model import (
     Settings, auto_choice, bcd_memory, fewest_blocks, partition, resolve_shape, shape_for_size, worst_bcd,
 )
+from preinfer.metrics import parse_record
 from preinfer.presets import build_preset
 
 SEQ, BATCH = 32, 4
@@ -113,6 +114,8 @@ def test_auto_run_logs_the_plan_and_every_visit_is_under_the_budget(tmp_path, ca
         assert visit["memory"]["tracked_peak"] == pytest.approx(predicted, rel=0.15)
     assert "memory budget" in err + stdout and "3 blocks (UFP 1/3)" in err + stdout
     assert (err + stdout).count(f"of the {budget / 2**20:.2f} MiB budget)") == 3 and "OVER" not in err + stdout
+    resumed, _ = partition_for(preinfer.stage(build_preset("tiny-llama")), load_config(out / "config.toml"))
+    assert resumed.budget == parse_record(plan)  # --resume plans the same blocks from the run's config.toml
 
 
 def test_gpu_takes_the_planners_usable_memory(tmp_path, capsys):
