@@ -9,10 +9,11 @@ from typing import Any
 
 from preinfer.config import Config, load_config
 from preinfer.errors import UsageError
+from preinfer.memory_model import GPUS, USABLE_FRACTION
 from preinfer.run_dir import RunDir
 from preinfer.optim import DEFAULT_LR, DEFAULT_WEIGHT_DECAY
 from pipelines.arguments import (
-    device, device_problem, float_pair, non_negative_int, positive_float, positive_int, shown,
+    device, device_problem, float_pair, memory_size, non_negative_int, positive_float, positive_int, shown,
 )
 
 PARTITION_KEYS = ("ufp", "blocks", "ranges")
@@ -72,7 +73,14 @@ TRAINING_FLAGS: list[Flag] = [
     Flag("--samples-per-shard", "data", "samples_per_shard",
          "samples per store shard, which also shapes the sample order; 0 = about 64 MiB of boundary states",
          dict(type=non_negative_int)),
-    Flag("--ufp", "blocks", "ufp", "unfrozen parameter fraction per block, e.g. 1/3"),
+    Flag("--ufp", "blocks", "ufp", "unfrozen parameter fraction per block, e.g. 1/3; auto: the fewest blocks whose "
+                                   "every visit fits --memory-budget (or --gpu), by the planner of `preinfer plan`"),
+    Flag("--memory-budget", "blocks", "memory_budget",
+         "with --ufp auto: the memory each visit may fill, e.g. 22GiB, 512MiB, 24GB (10^9 bytes) or 1.5e9",
+         dict(type=memory_size, metavar="SIZE")),
+    Flag("--gpu", "blocks", "gpu", f"with --ufp auto: the budget is this GPU's usable memory in the planner "
+                                   f"({USABLE_FRACTION:.0%}% of its own, as `preinfer plan --gpu`)",
+         dict(choices=list(GPUS))),
     Flag("--blocks", "blocks", "blocks", "number of blocks (instead of --ufp)", dict(type=positive_int)),
     Flag("--ranges", "blocks", "ranges", "explicit inclusive layer ranges, e.g. 0-3,4-7"),
     Flag("--separate-ends", "blocks", "separate_ends", "embedding and head form blocks of their own", SWITCH),

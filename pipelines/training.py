@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -26,18 +26,23 @@ from tqdm import tqdm
 import storage
 
 import preinfer
-from preinfer.config import Config, dump_toml
+from preinfer.budget import budget_line, budget_settings, plan_budget, visit_against_budget
+from preinfer.config import BlockConfig, Config, dump_toml
 from preinfer.data import TokenDataset, load_data
 from preinfer.errors import UsageError
+from preinfer.memory_model import GPUS, Settings, shape_from_config
 from preinfer.meter import MemoryMeter
-from preinfer.metrics import CacheRecord, PreInferenceRecord, Record, VisitRecord, plot_losses, read_metrics
+from preinfer.metrics import (
+    BudgetPlanRecord, CacheRecord, PreInferenceRecord, Record, VisitRecord, plot_losses, read_metrics,
+)
 from preinfer.partition import Partition, make_partition, parse_ranges, parse_ufp
-from preinfer.precision import apply_precision, describe, weights_dtype
+from preinfer.precision import apply_precision, describe, resolve_precision, weights_dtype
 from preinfer.run_dir import RunDir
 from preinfer.sources import LiveSources, VisitSources
 from preinfer.tokenizers import Tokenizer, load_tokenizer
 from preinfer.trainer import Trainer
 from pipelines import sources
+from pipelines.arguments import parse_size
 from pipelines.cache import default_samples_per_shard, open_cache
 from pipelines.models import resolve_model
 from pipelines.pre_inference import PreInference
@@ -61,12 +66,16 @@ def load_datasets(config: Config) -> Datasets:
     return Datasets(*splits, tokenizer)
 
 
-def partition_for(staged: preinfer.StagedModel, config: Config, first_layer: int = 0) -> tuple[Partition, int | None]:
+def partition_for(staged: preinfer.StagedModel, config: Config, first_layer: int = 0,
+                  precision: str = "fp32") -> tuple[Partition, int | None]:
     """The blocks of the run and the one to train alone (`blocks.active`) or None. Full mode is one block;
-    otherwise ranges, then a block count, then UFP, whichever is set first."""
+    otherwise ranges, then a block count, then UFP, whichever is set first; UFP auto plans the fewest blocks
+    that fit the memory budget in `precision` (see `budget_partition`)."""
     b = config.blocks
     if config.run.mode not in ("bcd", "full"):
         raise UsageError(f"--mode '{config.run.mode}' is not one of bcd, full")
+    if b.ufp != "auto" and (b.memory_budget is not None or b.gpu is not None):
+        raise UsageError("--memory-budget and --gpu choose the blocks with --ufp auto; give --ufp auto or drop them")
     if b.active is not None:
         ranges, active = _active_ranges(b.active, first_layer, staged.num_layers)
         return make_partition(staged, ranges=ranges, first_layer=first_layer), active
@@ -77,7 +86,40 @@ def partition_for(staged: preinfer.StagedModel, config: Config, first_layer: int
         return make_partition(staged, ranges=b.ranges, **common), None
     if b.blocks is not None:
         return make_partition(staged, num_blocks=b.blocks, **common), None
+    if b.ufp == "auto":
+        return budget_partition(staged, config, first_layer, precision), None
     return make_partition(staged, ufp=parse_ufp(b.ufp), **common), None
+
+
+def budget_partition(staged: preinfer.StagedModel, config: Config, first_layer: int, precision: str) -> Partition:
+    """The fewest blocks whose every live visit fits the memory budget by the planner of `preinfer plan` (same
+    precision, recomputation, sequence length and micro-batch), the plan attached; exit 2 naming what would fit
+    when even one layer per block does not."""
+    if first_layer:
+        raise UsageError("--ufp auto plans whole-model runs (preinfer bcd); give --ufp or --blocks to train from "
+                         "a store")
+    if config.blocks.separate_ends:
+        raise UsageError("--ufp auto plans blocks whose first holds the embedding and last the head; drop "
+                         "--separate-ends or give --blocks")
+    shape = shape_from_config(staged.model.config)
+    settings = budget_settings(memory_budget(config.blocks), precision, config.data.seq_len,
+                               config.data.batch_size, config.run.recompute)
+    plan = plan_budget(shape, settings, precision)
+    return replace(make_partition(staged, num_blocks=plan.blocks), budget=plan)
+
+
+def memory_budget(blocks: BlockConfig) -> int:
+    """Bytes of [blocks] memory_budget, or the planner's usable memory of [blocks] gpu."""
+    if (blocks.memory_budget is None) == (blocks.gpu is None):
+        raise UsageError("--ufp auto needs exactly one of --memory-budget SIZE and --gpu NAME")
+    if blocks.gpu is not None:
+        if blocks.gpu not in GPUS:
+            raise UsageError(f"[blocks] gpu = {blocks.gpu!r} is not one of {', '.join(GPUS)}")
+        return Settings(gpu=blocks.gpu).capacity()
+    try:
+        return parse_size(str(blocks.memory_budget))
+    except ValueError as error:
+        raise UsageError(f"[blocks] memory_budget: {error}") from None
 
 
 def _active_ranges(active: str, first: int, num_layers: int) -> tuple[str, int]:
@@ -143,7 +185,8 @@ def run_bcd(config: Config, resume: bool = False, quiet: bool = False) -> dict:
     model = resolve_model(config.model.name, seed=config.run.seed).to(config.run.device)
     notes = [set_precision(model, config)]
     staged = preinfer.stage(model)
-    partition, active = partition_for(staged, config)
+    partition, active = partition_for(staged, config, precision=resolve_precision(config.run.precision,
+                                                                                  weights_dtype(model)))
     shard = samples_per_shard(config, staged)
     chosen: VisitSources = live_sources(data, config, shard, rank, world)
     if config.pre_inference.mode != "off":
@@ -237,6 +280,8 @@ def train(config: Config, staged: preinfer.StagedModel, partition: Partition, ac
                       active_block=active)
     if trainer.rank == 0:
         prepare_run_dir(run, config, resume)
+    if partition.budget is not None:
+        trainer.emit(partition.budget)
     for note in [*notes, partition.report()]:
         ui.note(note)
     if resume:
@@ -322,6 +367,7 @@ class ProgressUI:
         self.quiet = quiet
         self.bar = None
         self.key = None
+        self.budget: int | None = None  # bytes, once a budget plan is recorded
 
     def note(self, text: str) -> None:
         if not self.quiet:
@@ -337,6 +383,10 @@ class ProgressUI:
                 tqdm.write(f"store at boundary {record.boundary}: made from {source} in "
                            f"{record.seconds:.1f} s ({record.bytes / 2**20:.1f} MiB)")
             return
+        if isinstance(record, BudgetPlanRecord):
+            self.budget = record.budget
+            tqdm.write(budget_line(record))
+            return
         if isinstance(record, PreInferenceRecord):
             self.close()
             tqdm.write(f"block {record.block}: {record.decision} (pre-inference would save "
@@ -344,11 +394,12 @@ class ProgressUI:
             return
         if isinstance(record, VisitRecord):
             self.close()
-            mem = record.memory.get("tracked_peak", 0) / 2**20
+            peak = record.memory.get("tracked_peak", 0)
+            against = f" ({visit_against_budget(peak, self.budget)})" if self.budget and peak else ""
             tqdm.write(
                 f"sweep {record.sweep} block {record.block} ({record.label}): eval loss "
                 f"{record.eval_loss:.4f} after {record.steps} steps ({record.stop_reason}), "
-                f"{record.wall_s:.1f} s, peak tracked memory {mem:.1f} MiB"
+                f"{record.wall_s:.1f} s, peak tracked memory {peak / 2**20:.1f} MiB{against}"
             )
             return
         key = (record.sweep, record.block)

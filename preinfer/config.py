@@ -30,7 +30,9 @@ class DataConfig:
 
 @dataclass
 class BlockConfig:
-    ufp: str | None = "1/3"  # unfrozen parameter fraction per block; or blocks / ranges
+    ufp: str | None = "1/3"  # unfrozen parameter fraction per block ("auto": the fewest blocks that fit the budget)
+    memory_budget: int | float | str | None = None  # with ufp = "auto": bytes a visit may fill, e.g. "22GiB", 1.5e9
+    gpu: str | None = None  # with ufp = "auto": the budget is this GPU's usable memory in the planner (4090, ...)
     blocks: int | None = None
     ranges: str | None = None
     separate_ends: bool = False  # embedding and head as blocks of their own

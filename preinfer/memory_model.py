@@ -449,9 +449,12 @@ class Settings:
     store_dtype: str | None = None  # one of STORE_DTYPES; None: float32 when training in float32, else bfloat16
     pipeline: int | None = None  # pipeline degree for the traffic comparison; None: the plan's own (at least 2)
     epochs_per_visit: float = 1.0  # epochs each visit trains over the dataset (one caching pass serves them all)
+    budget_bytes: int | None = None  # bytes the run may fill, given directly (--memory-budget); overrides the GPU's
 
     def capacity(self) -> int:
-        """Bytes a training process can fill on one GPU."""
+        """Bytes a training process can fill on one GPU (the memory budget where one is given)."""
+        if self.budget_bytes is not None:
+            return self.budget_bytes
         gb = self.gpu_mem_gb if self.gpu_mem_gb is not None else GPUS[self.gpu]["mem_gb"]
         return int(gb * GB * USABLE_FRACTION)
 
@@ -520,16 +523,25 @@ def pipeline_peak(m: ModelShape, settings: Settings, blocks: list[Block] | None,
     return worst
 
 
+def fewest_blocks(m: ModelShape, settings: Settings, degree: int = 1) -> tuple[int, int] | None:
+    """The fewest blocks (largest UFP) whose worst live visit fits `settings.capacity()` per GPU with `degree`
+    pipeline stages, and that peak in bytes; None when even one layer per block does not fit."""
+    capacity = settings.capacity()
+    for n in range(1, m.layers + 1):
+        blocks = partition(m, n)
+        peak = worst_bcd(m, settings, blocks, store=False).total if degree == 1 else \
+            pipeline_peak(m, settings, blocks, degree)
+        if peak <= capacity:
+            return n, peak
+    return None
+
+
 def auto_choice(m: ModelShape, settings: Settings) -> dict:
     """The fewest blocks (largest UFP) whose worst live visit fits one GPU, else the smallest pipeline degree."""
-    capacity = settings.capacity()
     for degree in range(1, m.layers + 1):
-        for n in range(1, m.layers + 1):
-            blocks = partition(m, n)
-            peak = worst_bcd(m, settings, blocks, store=False).total if degree == 1 else \
-                pipeline_peak(m, settings, blocks, degree)
-            if peak <= capacity:
-                return dict(blocks=n, ufp=1 / n, pipeline_degree=degree, per_gpu_bytes=peak)
+        found = fewest_blocks(m, settings, degree)
+        if found is not None:
+            return dict(blocks=found[0], ufp=1 / found[0], pipeline_degree=degree, per_gpu_bytes=found[1])
     return dict(blocks=None, ufp=None, pipeline_degree=None, per_gpu_bytes=None)
 
 

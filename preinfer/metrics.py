@@ -93,8 +93,22 @@ class PreInferenceRecord(Record):
     saving_s: float  # the estimated saving; the store is used when positive and it fits on the disk
 
 
+@dataclass
+class BudgetPlanRecord(Record):
+    """The blocks `--ufp auto` chose under a memory budget, by the planner of `preinfer plan` (bytes)."""
+
+    kind: ClassVar[str] = "budget_plan"
+    budget: int  # bytes each visit may fill
+    blocks: int  # the fewest blocks whose every visit fits
+    predicted: list[int]  # the planner's peak of each block's visit, live
+    precision: str
+    recompute: bool
+    seq_len: int
+    micro_batch: int
+
+
 RECORD_KINDS: dict[str, type[Record]] = {cls.kind: cls for cls in (StepRecord, VisitRecord, CacheRecord,
-                                                                   PreInferenceRecord)}
+                                                                   PreInferenceRecord, BudgetPlanRecord)}
 
 
 def parse_record(data: dict[str, Any]) -> Record:

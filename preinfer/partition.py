@@ -12,6 +12,7 @@ from preinfer.errors import UsageError
 if TYPE_CHECKING:  # annotations only: the planner imports this module without torch
     from torch import nn
 
+    from preinfer.metrics import BudgetPlanRecord
     from preinfer.staged import StagedModel, Unit
 
 
@@ -55,6 +56,7 @@ class Partition:
     total_params: int
     active_params: int
     tied: tuple[tuple[str, int | None], ...]  # (names of a tied tensor, its block; None: frozen below the blocks)
+    budget: BudgetPlanRecord | None = None  # the memory budget plan that chose the blocks (--ufp auto), if any
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -82,7 +84,7 @@ def parse_ufp(text: str) -> float:
     try:
         value = float(Fraction(text.strip()))
     except (ValueError, ZeroDivisionError):
-        raise UsageError(f"--ufp '{text}' is not a number or fraction such as 1/3") from None
+        raise UsageError(f"--ufp '{text}' is not a number or fraction such as 1/3, nor auto") from None
     if not 0 < value <= 1:
         raise UsageError(f"--ufp {text} is outside (0, 1]")
     return value

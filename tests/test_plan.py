@@ -11,8 +11,8 @@ import torch
 import preinfer
 from pipelines.cli import main
 from preinfer.memory_model import (
-    DTYPES, Settings, bcd_memory, block_params, flops_per_token, full_memory, partition, plan_memory, resolve_shape,
-    shape_for_size, step_activations,
+    DTYPES, GIB, Settings, bcd_memory, block_params, fewest_blocks, flops_per_token, full_memory, partition,
+    plan_memory, resolve_shape, shape_for_size, step_activations,
 )
 from preinfer.meter import MemoryMeter
 from preinfer.partition import make_partition
@@ -203,6 +203,17 @@ def test_cli_json_for_7b_on_4090(capsys):
     assert "automatic UFP" in capsys.readouterr().out
 
 
+def test_memory_budget_replaces_the_gpu_memory_in_the_automatic_ufp(capsys):
+    assert main(["plan", "--model", "7b", "--dtype", "bf16-mixed", "--memory-budget", "40GiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    budget = replace(Settings(dtype="bf16-mixed"), budget_bytes=40 * GIB)
+    assert out["capacity_bytes"] == 40 * GIB
+    assert (out["auto"]["blocks"], out["auto"]["per_gpu_bytes"]) == fewest_blocks(shape_for_size("7b"), budget)
+    assert out["auto"]["pipeline_degree"] == 1
+    assert main(["plan", "--model", "7b", "--dtype", "bf16-mixed", "--memory-budget", "24GB"]) == 0
+    assert "22.35 GiB usable (--memory-budget)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("tokens", ["1e9", "1_000_000_000", "1.0e9"])
 def test_tokens_take_exponent_and_underscore_spellings(tokens, capsys):
     assert main(["plan", "--model", "7b", "--tokens", tokens, "--json"]) == 0
@@ -225,6 +236,8 @@ def test_tokens_take_exponent_and_underscore_spellings(tokens, capsys):
     ["--model", "7b", "--tokens", "-1e9"],
     ["--model", "7b", "--tokens", "0"],
     ["--model", "7b", "--tokens", "many"],
+    ["--model", "7b", "--memory-budget", "lots"],
+    ["--model", "7b", "--memory-budget", "0GiB"],
 ])
 def test_bad_input_is_one_line_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -10,7 +10,7 @@ from preinfer.errors import UsageError
 from preinfer.memory_model import (
     COMPRESSION, DTYPES, GIB, STORE_DTYPES, GPUS, MemoryPlan, Settings, blocks_for_ufp, plan_memory, resolve_shape,
 )
-from pipelines.arguments import positive_float, positive_int, token_count, unit_fraction
+from pipelines.arguments import memory_size, positive_float, positive_int, token_count, unit_fraction
 
 
 def _prices() -> str:
@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GPU type: memory, peak FLOPs and default price")
     parser.add_argument("--gpu-mem", type=positive_float, metavar="GB",
                         help="GPU memory in GB, overriding the --gpu table's")
+    parser.add_argument("--memory-budget", type=memory_size, metavar="SIZE",
+                        help="bytes a process may fill, e.g. 22GiB, 512MiB or 1.5e9, instead of the GPU's usable "
+                             "memory: the automatic UFP is then what `bcd --ufp auto --memory-budget SIZE` chooses")
     parser.add_argument("--seq-len", type=positive_int, default=Settings.seq_len, help="tokens per sequence")
     parser.add_argument("--micro-batch", type=positive_int, default=Settings.micro_batch,
                         help="sequences per micro-batch step")
@@ -71,7 +74,8 @@ def settings_from_args(args: argparse.Namespace, layers: int) -> Settings:
         seq_len=args.seq_len, micro_batch=args.micro_batch, dtype=args.dtype, recompute=args.recompute,
         gpu=args.gpu, gpu_mem_gb=args.gpu_mem, blocks=blocks, tokens=args.tokens,
         bandwidth_gbps=args.bandwidth_gbps, price_per_hour=args.price_per_hour, mfu=args.mfu,
-        compression=args.compression, store_dtype=args.store_dtype, pipeline=args.pipeline, epochs_per_visit=args.epochs_per_visit,
+        compression=args.compression, store_dtype=args.store_dtype, pipeline=args.pipeline,
+        epochs_per_visit=args.epochs_per_visit, budget_bytes=args.memory_budget,
     )
 
 
@@ -92,7 +96,8 @@ def render(result: MemoryPlan) -> str:
         f"model {m['name']} ({m['arch']}, {m['params'] / 1e9:.3g}B parameters, {m['layers']} layers); "
         f"{s['dtype']}, seq {s['seq_len']} x micro-batch {s['micro_batch']}, {s['blocks']} blocks (UFP 1/{s['blocks']})",
         f"GPU {s['gpu'] if s['gpu_mem_gb'] is None else str(s['gpu_mem_gb']) + ' GB'}: "
-        f"{_gib(result.capacity_bytes)} GiB usable; W (weight bytes) = {_gib(result.weight_bytes)} GiB",
+        f"{_gib(result.capacity_bytes)} GiB usable{' (--memory-budget)' if s['budget_bytes'] else ''}; "
+        f"W (weight bytes) = {_gib(result.weight_bytes)} GiB",
         "",
         f"{'memory per GPU (GiB)':<24}{'weights':>9}{'grads':>9}{'optim':>9}{'activ':>9}{'total':>9}"
         f"{'x W':>7}  fits  visit",
