@@ -12,7 +12,8 @@ from preinfer.errors import UsageError
 from preinfer.run_dir import RunDir
 from preinfer.optim import DEFAULT_LR, DEFAULT_WEIGHT_DECAY
 from pipelines.arguments import (
-    device, device_problem, float_pair, non_negative_int, positive_float, positive_int, shown,
+    device, device_problem, float_pair, local_directory, non_negative_int, positive_float, positive_int, shown,
+    store_location,
 )
 
 PARTITION_KEYS = ("ufp", "blocks", "ranges")
@@ -101,7 +102,7 @@ TRAINING_FLAGS: list[Flag] = [
          unset=f"{shown(DEFAULT_EPOCHS_PER_VISIT)} when no other stopping rule is given"),
     Flag("--patience", "stop", "patience", "plateau rule: steps without improvement", dict(type=positive_int)),
     Flag("--min-delta", "stop", "min_delta", "plateau rule: improvement that counts", dict(type=float)),
-    Flag("--out", "run", "out", "run directory"),
+    Flag("--out", "run", "out", "run directory (local)", dict(type=local_directory)),
     Flag("--mode", "run", "mode", "bcd, or full-parameter training", dict(choices=["bcd", "full"])),
     Flag("--seed", "run", "seed", "seed of initialisation, data order and block order", dict(type=int)),
     Flag("--checkpoint-every", "run", "checkpoint_every", "steps between checkpoints; 0 = after every visit",
@@ -118,7 +119,8 @@ PRE_INFERENCE_FLAGS: list[Flag] = [
     Flag("--pre-inference", "pre_inference", "mode",
          "train blocks above the input from stores of boundary states: on; never: off; auto decides per visit by "
          "a cost model (store build + reads against the prefix compute saved)", dict(choices=["auto", "on", "off"])),
-    Flag("--store-dir", "pre_inference", "store_dir", "where the run keeps its stores", unset="<out>/stores"),
+    Flag("--store-dir", "pre_inference", "store_dir", "where the run keeps its stores: a local path or "
+         "s3://BUCKET/PATH", dict(type=store_location), unset="<out>/stores"),
     Flag("--store-format", "pre_inference", "store_format", "store backend", dict(choices=["zarr", "safetensors"])),
     Flag("--store-dtype", "pre_inference", "store_dtype", "storage dtype; auto = the compute dtype, bit-exact",
          dict(choices=["auto", "float32", "bfloat16", "float16"])),
@@ -129,7 +131,8 @@ PRE_INFERENCE_FLAGS: list[Flag] = [
 # Flags of `train` only: the cache it trains from.
 STORE_FLAGS: list[Flag] = [
     Flag("--store", "store", "path", "cache directory written by `preinfer cache` (its train and eval stores); "
-                                     "its boundary K is where the trained suffix begins", dict(metavar="CACHE")),
+                                     "its boundary K is where the trained suffix begins; a local path or "
+                                     "s3://BUCKET/PATH", dict(metavar="CACHE", type=store_location)),
     Flag("--trust-store", "store", "trust", "use the store even if the model's weights below K differ from the "
                                             "ones it was made from", SWITCH),
 ]

@@ -3,6 +3,7 @@
 Everything other packages use is named here; the submodules are this package's own business."""
 
 from storage.api import STORE_ENTRIES, create_store, is_store, open_store
+from storage.blobs import Blobs, blobs_for
 from storage.codecs import codec_spec
 from storage.errors import (
     CorruptStoreError,
@@ -11,7 +12,9 @@ from storage.errors import (
     StaleStoreError,
     StorageError,
     UnsupportedFormatError,
+    UnsupportedLocationError,
 )
+from storage.locations import SCHEMES, Location, UrlPath, disk_bytes, free_bytes, location, remove_tree
 from storage.manifest import FORMAT_VERSION, FORMATS, MANIFEST, FieldSpec, Fingerprint
 from storage.reader import Reader
 from storage.store import Store
@@ -21,4 +24,6 @@ __all__ = [
     "create_store", "open_store", "is_store", "verify", "codec_spec", "Store", "Reader", "Fingerprint", "FieldSpec",
     "VerifyReport", "FORMAT_VERSION", "FORMATS", "MANIFEST", "STORE_ENTRIES", "StorageError", "StaleStoreError",
     "CorruptStoreError", "IncompleteStoreError", "LayoutMismatchError", "UnsupportedFormatError",
+    "UnsupportedLocationError", "location", "Location", "UrlPath", "SCHEMES", "remove_tree", "disk_bytes",
+    "free_bytes", "Blobs", "blobs_for",
 ]
