@@ -177,10 +177,24 @@ def config_for_command(args: argparse.Namespace) -> Config:
     problem = device_problem(config.run.device)
     if problem:
         raise UsageError(f"[run] device = {config.run.device!r}: {problem}")
+    _check_locations(config)
     stop = config.stop
     if stop.steps_per_visit is None and stop.epochs_per_visit is None and stop.patience is None:
         stop.epochs_per_visit = DEFAULT_EPOCHS_PER_VISIT
     return config
+
+
+def _check_locations(config: Config) -> None:
+    """Refuse a run directory that is not local, or a store location of a scheme stores cannot be written to,
+    also when a config file gives it."""
+    for where, value, check in (("[run] out", config.run.out, local_directory),
+                                ("[store] path", config.store.path, store_location),
+                                ("[pre_inference] store_dir", config.pre_inference.store_dir, store_location)):
+        try:
+            if value is not None:
+                check(value)
+        except argparse.ArgumentTypeError as err:
+            raise UsageError(f"{where} = {value!r}: {err}") from None
 
 
 def summary_line(summary: dict, config: Config) -> str:

@@ -65,6 +65,19 @@ def test_a_run_directory_flag_refuses_every_url(flag, where, workdir, capsys):
     assert "local path" in err
 
 
+@pytest.mark.parametrize("section, key, where", [("run", "out", "s3://bucket/run"),
+                                                 ("store", "path", "ftp://host/k2"),
+                                                 ("pre_inference", "store_dir", "gs://bucket/stores")])
+def test_a_config_file_location_is_checked_like_its_flag(section, key, where, tmp_path, workdir, capsys):
+    config = tmp_path / "run.toml"
+    config.write_text(f'[{section}]\n{key} = "{where}"\n')
+    command = "bcd" if section == "pre_inference" else "train"
+    extra = ["--store", "c"] if section == "run" else []
+    code, _, err = run_cli([command, "--model", "tiny-llama", "--config", str(config), *extra], capsys)
+    assert code == 2 and err.count("\n") == 1 and f"[{section}] {key}" in err and where in err, err
+    assert not list(workdir.iterdir())
+
+
 def test_file_urls_and_local_paths_stay_local(tmp_path):
     assert location(f"file://{tmp_path}/a") == tmp_path / "a"
     assert location("relative/dir") == Path("relative/dir")

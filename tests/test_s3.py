@@ -142,7 +142,7 @@ def test_cache_killed_and_resumed_on_s3_equals_a_local_store_and_trains(s3, work
 
 
 def test_dask_workers_write_the_store_from_its_url(s3, workdir, tmp_path):
-    corpus = write_corpus(tmp_path / "corpus.txt", paragraphs=20)
+    corpus = write_corpus(tmp_path / "corpus.txt", paragraphs=10)
     datasets = datasets_for(corpus)
     cache(staged_model(), datasets, 2, tmp_path / "local")
     try:
