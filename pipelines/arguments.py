@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
@@ -158,3 +159,37 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         if not text or text.endswith("]") or default is None or default is False or default is argparse.SUPPRESS:
             return text
         return f"{text} [{shown(default).replace('%', '%%')}]"
+
+
+def store_location(text: str) -> str:
+    """Where a store or cache is read or written: a local path, or a URL of a scheme stores support (s3://,
+    memory://); any other scheme is refused rather than taken for a local directory."""
+    from storage import StorageError, location  # storage imports torch: only commands with store flags get here
+
+    try:
+        location(text)
+    except StorageError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+def local_directory(text: str) -> str:
+    """A local directory (a run directory holds checkpoints and metrics on a local disk); refuses URLs."""
+    scheme, sep, _ = text.partition("://")
+    if sep and scheme != "file":
+        raise argparse.ArgumentTypeError(f"{text}: a run directory must be a local path (only stores may be URLs)")
+    return text.removeprefix("file://")
+
+
+def add_s3_endpoint(parser: argparse.ArgumentParser) -> None:
+    """The --s3-endpoint flag of the commands that read or write stores (see `use_s3_endpoint`)."""
+    parser.add_argument("--s3-endpoint", metavar="URL",
+                        help="S3-compatible endpoint of s3:// stores, e.g. http://127.0.0.1:9000 (sets "
+                             "AWS_ENDPOINT_URL_S3) [AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, else AWS]")
+
+
+def use_s3_endpoint(args: argparse.Namespace) -> None:
+    """Apply --s3-endpoint: s3:// locations of this process and of the Dask workers it starts read
+    AWS_ENDPOINT_URL_S3."""
+    if args.s3_endpoint:
+        os.environ["AWS_ENDPOINT_URL_S3"] = args.s3_endpoint

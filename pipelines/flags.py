@@ -13,7 +13,8 @@ from preinfer.memory_model import GPUS, USABLE_FRACTION
 from preinfer.run_dir import RunDir
 from preinfer.optim import DEFAULT_LR, DEFAULT_WEIGHT_DECAY
 from pipelines.arguments import (
-    device, device_problem, float_pair, memory_size, non_negative_int, positive_float, positive_int, shown,
+    device, device_problem, float_pair, local_directory, memory_size, non_negative_int, positive_float, positive_int,
+    shown, store_location,
 )
 
 PARTITION_KEYS = ("ufp", "blocks", "ranges")
@@ -115,7 +116,7 @@ TRAINING_FLAGS: list[Flag] = [
          unset=f"{shown(DEFAULT_EPOCHS_PER_VISIT)} when no other stopping rule is given"),
     Flag("--patience", "stop", "patience", "plateau rule: steps without improvement", dict(type=positive_int)),
     Flag("--min-delta", "stop", "min_delta", "plateau rule: improvement that counts", dict(type=float)),
-    Flag("--out", "run", "out", "run directory"),
+    Flag("--out", "run", "out", "run directory (local)", dict(type=local_directory)),
     Flag("--mode", "run", "mode", "bcd, or full-parameter training", dict(choices=["bcd", "full"])),
     Flag("--seed", "run", "seed", "seed of initialisation, data order and block order", dict(type=int)),
     Flag("--checkpoint-every", "run", "checkpoint_every", "steps between checkpoints; 0 = after every visit",
@@ -136,7 +137,8 @@ PRE_INFERENCE_FLAGS: list[Flag] = [
     Flag("--pre-inference", "pre_inference", "mode",
          "train blocks above the input from stores of boundary states: on; never: off; auto decides per visit by "
          "a cost model (store build + reads against the prefix compute saved)", dict(choices=["auto", "on", "off"])),
-    Flag("--store-dir", "pre_inference", "store_dir", "where the run keeps its stores", unset="<out>/stores"),
+    Flag("--store-dir", "pre_inference", "store_dir", "where the run keeps its stores: a local path or "
+         "s3://BUCKET/PATH", dict(type=store_location), unset="<out>/stores"),
     Flag("--store-format", "pre_inference", "store_format", "store backend", dict(choices=["zarr", "safetensors"])),
     Flag("--store-dtype", "pre_inference", "store_dtype", "storage dtype; auto = the compute dtype, bit-exact; "
          "float8_e4m3, float8_e5m2, int8: lossy 8-bit with a per-token scale (error measured per shard)",
@@ -148,7 +150,8 @@ PRE_INFERENCE_FLAGS: list[Flag] = [
 # Flags of `train` only: the cache it trains from.
 STORE_FLAGS: list[Flag] = [
     Flag("--store", "store", "path", "cache directory written by `preinfer cache` (its train and eval stores); "
-                                     "its boundary K is where the trained suffix begins", dict(metavar="CACHE")),
+                                     "its boundary K is where the trained suffix begins; a local path or "
+                                     "s3://BUCKET/PATH", dict(metavar="CACHE", type=store_location)),
     Flag("--trust-store", "store", "trust", "use the store even if the model's weights below K differ from the "
                                             "ones it was made from", SWITCH),
 ]
@@ -193,10 +196,24 @@ def config_for_command(args: argparse.Namespace) -> Config:
     problem = device_problem(config.run.device)
     if problem:
         raise UsageError(f"[run] device = {config.run.device!r}: {problem}")
+    _check_locations(config)
     stop = config.stop
     if stop.steps_per_visit is None and stop.epochs_per_visit is None and stop.patience is None:
         stop.epochs_per_visit = DEFAULT_EPOCHS_PER_VISIT
     return config
+
+
+def _check_locations(config: Config) -> None:
+    """Refuse a run directory that is not local, or a store location of a scheme stores cannot be written to,
+    also when a config file gives it."""
+    for where, value, check in (("[run] out", config.run.out, local_directory),
+                                ("[store] path", config.store.path, store_location),
+                                ("[pre_inference] store_dir", config.pre_inference.store_dir, store_location)):
+        try:
+            if value is not None:
+                check(value)
+        except argparse.ArgumentTypeError as err:
+            raise UsageError(f"{where} = {value!r}: {err}") from None
 
 
 def summary_line(summary: dict, config: Config) -> str:

@@ -15,12 +15,10 @@ one below. Stores no longer usable are deleted unless `keep_stores`.
 
 from __future__ import annotations
 
-import shutil
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -30,7 +28,7 @@ from preinfer.partition import Block
 from preinfer.run_dir import RunDir
 from preinfer.sources import BatchSource
 from preinfer.staged import StagedModel
-from storage import StorageError
+from storage import Location, StorageError, free_bytes, location, remove_tree
 from pipelines.cache import (
     CacheOptions, bytes_per_token, cache_boundary, cache_fingerprint, open_cache, roll_forward,
 )
@@ -55,7 +53,7 @@ class Estimate:
     build: float
     build_from: int
     store_bytes: int
-    free_bytes: int
+    free_bytes: int | None  # None: object storage
 
     @property
     def saving(self) -> float:
@@ -63,7 +61,7 @@ class Estimate:
 
     @property
     def use_store(self) -> bool:
-        return self.saving > 0 and self.store_bytes < (1 - DISK_RESERVE) * self.free_bytes
+        return self.saving > 0 and (self.free_bytes is None or self.store_bytes < (1 - DISK_RESERVE) * self.free_bytes)
 
 
 class PreInference:
@@ -74,12 +72,12 @@ class PreInference:
         self.staged, self.datasets, self.tokenizer, self.config = staged, datasets, tokenizer, config
         self.live, self.shard, self.rank, self.world = live, shard, rank, world
         self.mode = config.pre_inference.mode
-        self.root = Path(config.pre_inference.store_dir or RunDir(config.run.out).stores)
+        self.root = location(config.pre_inference.store_dir or RunDir(config.run.out).stores)
         settings = config.pre_inference  # checked here, before the run directory is made
         self.options = CacheOptions(store_format=settings.store_format, store_dtype=settings.store_dtype,
                                     samples_per_shard=shard, mode="overwrite", progress=False,
                                     model_name=config.model.name, dask=settings.dask)
-        self.stores: dict[int, Path] = {}  # boundary -> cache directory believed valid
+        self.stores: dict[int, Location] = {}  # boundary -> cache directory believed valid
         self.emit: Callable[[Record], None] = lambda record: None
         self.read_bps, self.write_bps = ASSUMED_READ_BPS, ASSUMED_WRITE_BPS
         self.layer_seconds: float | None = None  # no_grad forward of one layer over one sample
@@ -148,7 +146,7 @@ class PreInference:
             build=0.0 if k in self._valid_stores() else build,
             build_from=source,
             store_bytes=total * sample_bytes,
-            free_bytes=shutil.disk_usage(next(p for p in (self.root, *self.root.parents) if p.exists())).free,
+            free_bytes=free_bytes(self.root),
         )
 
     @torch.no_grad()
@@ -179,7 +177,7 @@ class PreInference:
             return False
         return stores["train"].fingerprint.digest == expected.digest
 
-    def _ensure(self, boundary: int) -> Path:
+    def _ensure(self, boundary: int) -> Location:
         """A valid store at `boundary`: reused, rolled forward from the nearest valid lower one, or made fresh."""
         if boundary in self.stores and self._is_valid(boundary):
             self.emit(CacheRecord(boundary=boundary, how="reuse", seconds=0.0, bytes=0))
@@ -202,5 +200,5 @@ class PreInference:
     def _delete(self, boundary: int, reason: str) -> None:
         path = self.stores.pop(boundary)
         if not self.config.pre_inference.keep_stores:
-            shutil.rmtree(path, ignore_errors=True)
+            remove_tree(path)
             self.emit(CacheRecord(boundary=boundary, how="deleted", reason=reason, seconds=0.0, bytes=0))

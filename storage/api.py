@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 from storage.blobs import LOCKS, Blobs, MemoryBlobs, blobs_for
 from storage.codecs import codec_spec
 from storage.errors import CorruptStoreError, LayoutMismatchError, StaleStoreError, StorageError
+from storage.locations import UrlPath, location
 from storage.manifest import (
     FORMATS, MANIFEST, Fingerprint, check_fingerprint, new_manifest, parse_fields, parse_manifest,
 )
@@ -40,9 +40,9 @@ def _read_manifest(blobs: Blobs) -> dict[str, Any] | None:
     return parse_manifest(raw, f"{blobs.location}/{MANIFEST}")
 
 
-def is_store(path: str | os.PathLike) -> bool:
-    """Whether the local directory `path` holds a store (its manifest)."""
-    return (Path(path) / MANIFEST).is_file()
+def is_store(path: str | os.PathLike | UrlPath) -> bool:
+    """Whether the directory (or URL) `path` holds a store (its manifest)."""
+    return (location(path) / MANIFEST).is_file()
 
 
 def _layout_differences(stored: dict[str, Any], wanted: dict[str, Any]) -> dict[str, tuple[Any, Any]]:

@@ -12,10 +12,10 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import fsspec
 import numpy as np
 
 from storage.errors import StorageError
+from storage.locations import UrlPath, location, storage_options
 
 # Where LocalBlobs keeps its writers' lock files (removed again once the store is complete).
 LOCKS = "locks"
@@ -204,11 +204,13 @@ class LocalBlobs(Blobs):
 
 
 class FsspecBlobs(Blobs):
-    """Blobs behind an fsspec URL (e.g. memory://, s3://); the writer lock holds within one process only."""
+    """Blobs behind an fsspec URL (e.g. memory://, s3://); each write is one PUT, so a reader sees all of a blob or
+    none of it. The writer lock holds within one process only: on object storage the caching job keeps exactly
+    one writer per shard (each shard is one task)."""
 
-    def __init__(self, url: str) -> None:
-        self.location = url.rstrip("/")
-        self.fs, self.root = fsspec.core.url_to_fs(self.location)
+    def __init__(self, url: UrlPath) -> None:
+        self.location = url.url
+        self.fs, self.root = url.fs, url.fs_path
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}"
@@ -244,7 +246,8 @@ class FsspecBlobs(Blobs):
     def zarr_store(self, prefix: str):
         from zarr.storage import FsspecStore
 
-        return FsspecStore.from_url(f"{self.location}/{prefix}")
+        url = f"{self.location}/{prefix}"
+        return FsspecStore.from_url(url, storage_options=storage_options(url) or None)
 
 
 class MemoryBlobs(Blobs):
@@ -279,13 +282,8 @@ class MemoryBlobs(Blobs):
             del self.blobs[key]
 
 
-def is_url(path: str | os.PathLike) -> bool:
-    """Whether `path` is an fsspec URL (has a protocol other than file://)."""
-    return "://" in str(path) and not str(path).startswith("file://")
-
-
-def blobs_for(path: str | os.PathLike) -> Blobs:
-    """The blob layer of a local path, file:// path, or fsspec URL."""
-    if is_url(path):
-        return FsspecBlobs(str(path))
-    return LocalBlobs(str(path).removeprefix("file://"))
+def blobs_for(path: str | os.PathLike | UrlPath) -> Blobs:
+    """The blob layer of a local path, file:// path, or fsspec URL (UnsupportedLocationError for a scheme stores
+    cannot be written to)."""
+    where = location(path)
+    return FsspecBlobs(where) if isinstance(where, UrlPath) else LocalBlobs(where)

@@ -29,3 +29,7 @@ class LayoutMismatchError(StorageError):
         self.differences = differences
         detail = ", ".join(f"{name} {stored!r} (requested {wanted!r})" for name, (stored, wanted) in differences.items())
         super().__init__(f"{message}: another layout: {detail}" + (f"; {remedy}" if remedy else ""))
+
+
+class UnsupportedLocationError(StorageError):
+    """A store location names a URL scheme stores cannot be written to, or whose package is not installed."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,7 +15,9 @@ from preinfer.data import TokenDataset
 from preinfer.errors import UsageError
 from preinfer.fingerprint import prefix_digest
 from preinfer.staged import StagedModel
-from storage import LayoutMismatchError, StaleStoreError, Store, create_store, is_lossy, open_store
+from storage import (
+    LayoutMismatchError, Location, StaleStoreError, Store, create_store, is_lossy, location, open_store,
+)
 from pipelines.cache import dask_runner
 from pipelines.cache.directory import (
     CACHE_FORMAT, CACHE_INDEX, cache_splits, check_out, holds_only_store_entries, read_index, write_index,
@@ -45,7 +46,7 @@ def cache_boundary(staged: StagedModel, datasets: Mapping[str, TokenDataset], to
     opts = options.for_model(staged.compute_dtype, _model_device(staged))
     if not datasets:
         raise UsageError("no splits to cache")
-    out = Path(out)
+    out = location(out)
     check_out(out, list(datasets), opts.mode)
     prefix = prefix_digest(staged, boundary)
     token_fp = tokenizer.fingerprint()
@@ -67,7 +68,7 @@ def roll_forward(staged: StagedModel, source: str | os.PathLike, boundary: int, 
     lossy encoding (its decoded states are rolled forward, so encoding errors compound: see docs/results.md)."""
     started = time.perf_counter()
     opts = options.for_model(staged.compute_dtype, _model_device(staged))
-    source, out = Path(source), Path(out)
+    source, out = location(source), location(out)
     found = cache_splits(source)
     if not found:
         raise UsageError(f"--from-store {source}: no activation store or cache directory there")
@@ -125,7 +126,7 @@ def roll_forward(staged: StagedModel, source: str | os.PathLike, boundary: int, 
 # ---- planning ---------------------------------------------------------------------------------------------------
 
 
-def _prepare_store(path: Path, split: str, fields, num_samples: int, per_shard: int, fingerprint,
+def _prepare_store(path: Location, split: str, fields, num_samples: int, per_shard: int, fingerprint,
                    opts: CacheOptions) -> Store:
     """Create the store of one split, or reopen the one there to resume it (refusing another fingerprint)."""
     where = f"{split} store {path}" if split else f"store {path}"
@@ -151,7 +152,7 @@ def _prepare_store(path: Path, split: str, fields, num_samples: int, per_shard: 
         ) from None
 
 
-def _split_work(name: str, path: Path, fields, num_samples: int, tokens: int, fingerprint, opts: CacheOptions,
+def _split_work(name: str, path: Location, fields, num_samples: int, tokens: int, fingerprint, opts: CacheOptions,
                 inputs, start_layer: int, **extra) -> SplitJob:
     """The planned work of one split: its store ready to resume, and the shards it still lacks."""
     seq_len, hidden_size = fields["hidden"][0]
@@ -163,7 +164,7 @@ def _split_work(name: str, path: Path, fields, num_samples: int, tokens: int, fi
     return SplitJob(name, store, inputs, start_layer, result, todo, **extra)
 
 
-def _stored_tokens(store: Store, source: Path, split: str) -> int:
+def _stored_tokens(store: Store, source: Location, split: str) -> int:
     """Real tokens of a store: from its cache index when the index describes this very store, else counted."""
     try:
         entry = read_index(source)["splits"][split]
@@ -191,7 +192,7 @@ def _run_shards(staged: StagedModel, jobs: list[SplitJob], boundary: int, opts: 
         bar.close()
 
 
-def _run_jobs(staged: StagedModel, jobs: list[SplitJob], out: Path, boundary: int, source_boundary: int,
+def _run_jobs(staged: StagedModel, jobs: list[SplitJob], out: Location, boundary: int, source_boundary: int,
               opts: CacheOptions, started: float) -> CacheResult:
     single = len(jobs) == 1 and jobs[0].name == ""
     index = out / CACHE_INDEX

@@ -5,20 +5,22 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from preinfer.errors import UsageError
-from storage import STORE_ENTRIES, Fingerprint, Store, StorageError, is_store, open_store
+from storage import (
+    STORE_ENTRIES, Fingerprint, Location, Store, StorageError, blobs_for, is_store, location, open_store,
+)
 
 CACHE_INDEX = "cache.json"
 CACHE_FORMAT = "preinfer-cache"
 DEFAULT_SPLITS = ("train", "eval")
 
 
-def cache_splits(path: str | os.PathLike) -> dict[str, Path]:
-    """{split: store path} of a cache directory, or {"": path} for a single store; {} if neither."""
-    path = Path(path)
+def cache_splits(path: str | os.PathLike | Location) -> dict[str, Location]:
+    """{split: store path} of a cache directory, or {"": path} for a single store; {} if neither (a local path or
+    an fsspec URL)."""
+    path = location(path)
     if is_store(path):
         return {"": path}
     if not path.is_dir():
@@ -28,7 +30,7 @@ def cache_splits(path: str | os.PathLike) -> dict[str, Path]:
     return {name: path / name for name in names}
 
 
-def open_cache(path: str | os.PathLike, splits: list[str] | None = None,
+def open_cache(path: str | os.PathLike | Location, splits: list[str] | None = None,
                expect: Mapping[str, Fingerprint] | None = None) -> dict[str, Store]:
     """The stores of a cache directory (or {"": store} for a single store), checked against `expect`; `splits`
     names the splits a cache directory must have."""
@@ -37,7 +39,7 @@ def open_cache(path: str | os.PathLike, splits: list[str] | None = None,
         raise StorageError(f"no activation store or cache directory at {path}")
     if splits is not None:
         if "" in found:
-            raise UsageError(_not_a_root(Path(path), splits))
+            raise UsageError(_not_a_root(location(path), splits))
         missing = [s for s in splits if s not in found]
         if missing:
             raise StorageError(f"cache {path} has no split {', '.join(missing)} (it has {', '.join(found)})")
@@ -45,19 +47,19 @@ def open_cache(path: str | os.PathLike, splits: list[str] | None = None,
     return {name: open_store(p, expect_fingerprint=(expect or {}).get(name)) for name, p in found.items()}
 
 
-def _not_a_root(store: Path, splits: list[str]) -> str:
+def _not_a_root(store: Location, splits: list[str]) -> str:
     """Why a single store will not do where a cache directory with `splits` is needed, and what to pass."""
     if store.name in DEFAULT_SPLITS:
         return f"{store} is the {store.name} split of a cache: pass the cache root {store.parent}"
     return f"{store} is a single store: pass a cache root (made by `preinfer cache`) holding {', '.join(splits)}"
 
 
-def holds_only_store_entries(directory: Path) -> bool:
+def holds_only_store_entries(directory: Location) -> bool:
     """Whether every entry of `directory` is one a store owns (a store, or what a killed writer left of one)."""
     return all(p.name in STORE_ENTRIES or p.name.startswith(".") for p in directory.iterdir())
 
 
-def _is_ours(entry: Path, names: list[str]) -> bool:
+def _is_ours(entry: Location, names: list[str]) -> bool:
     if entry.name == CACHE_INDEX:
         return entry.is_file()
     if entry.name not in set(names) | set(DEFAULT_SPLITS) or not entry.is_dir():
@@ -65,7 +67,7 @@ def _is_ours(entry: Path, names: list[str]) -> bool:
     return holds_only_store_entries(entry)
 
 
-def check_out(out: Path, names: list[str], mode: str) -> None:
+def check_out(out: Location, names: list[str], mode: str) -> None:
     """Refuse an `--out` that is a file, or a directory holding something other than this cache."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file, not a directory")
@@ -83,17 +85,14 @@ def check_out(out: Path, names: list[str], mode: str) -> None:
         raise UsageError(f"--out {out} already holds a cache; choose another directory or rebuild it")
 
 
-def read_index(root: Path) -> dict[str, Any]:
+def read_index(root: Location) -> dict[str, Any]:
     """The index of the cache directory `root`, {} if it has none (or an unreadable one)."""
     try:
-        return json.loads((root / CACHE_INDEX).read_text())
+        return json.loads(blobs_for(root).read(CACHE_INDEX))
     except (OSError, ValueError):
         return {}
 
 
-def write_index(root: Path, payload: dict[str, Any]) -> None:
-    """Publish the index of the cache directory `root` atomically."""
-    index = root / CACHE_INDEX
-    tmp = index.with_name(f".{index.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(payload, indent=1))
-    os.replace(tmp, index)
+def write_index(root: Location, payload: dict[str, Any]) -> None:
+    """Publish the index of the cache directory `root` atomically (rename on a disk, one PUT on object storage)."""
+    blobs_for(root).write(CACHE_INDEX, json.dumps(payload, indent=1).encode())

@@ -12,28 +12,16 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from preinfer.data import TokenDataset
 from preinfer.staged import StagedModel
-from storage import Store, StorageError, open_store, verify
+from storage import Store, StorageError, disk_bytes, location, open_store, verify
 from pipelines.cache.directory import cache_splits, read_index
 from pipelines.cache.fingerprints import cache_fingerprint
 from pipelines.cache.shards import DatasetInputs
-
-
-def _disk_bytes(path: Path) -> int:
-    total = 0
-    for root, _, names in os.walk(path):
-        for name in names:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_size
-            except OSError:
-                pass
-    return total
 
 
 def _real_tokens(store: Store, done: list[int]) -> int | None:
@@ -44,7 +32,7 @@ def _real_tokens(store: Store, done: list[int]) -> int | None:
 
 def describe(path: str | os.PathLike) -> list[dict[str, Any]]:
     """What `preinfer inspect` shows, per store."""
-    path = Path(path)
+    path = location(path)
     found = cache_splits(path)
     if not found:
         raise StorageError(f"no activation store or cache directory at {path} (no manifest.json there or in its "
@@ -69,7 +57,7 @@ def describe(path: str | os.PathLike) -> list[dict[str, Any]]:
             "complete_shards": len(done), "missing_shards": store.num_shards - len(done),
             "finalized": bool(manifest.get("complete")),
             "fields": {n: {"shape": list(s.shape), "dtype": s.dtype} for n, s in store.fields.items()},
-            "raw_bytes": size["raw_bytes"], "stored_bytes": size["stored_bytes"], "disk_bytes": _disk_bytes(store_path),
+            "raw_bytes": size["raw_bytes"], "stored_bytes": size["stored_bytes"], "disk_bytes": disk_bytes(store_path),
             "compression_ratio": size["ratio"], "fingerprint": store.fingerprint.to_json(),
             "created": manifest.get("created"), "tool": manifest.get("tool"),
             "encodings": {name: {**manifest["encodings"][name], **_error_summary(stats)}

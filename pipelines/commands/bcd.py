@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import argparse
 
+from pipelines.arguments import add_s3_endpoint, use_s3_endpoint
 from pipelines.flags import PRE_INFERENCE_FLAGS, add_training_flags, config_for_command, summary_line
 from pipelines.training import run_bcd
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_training_flags(parser, extra=PRE_INFERENCE_FLAGS)
+    add_s3_endpoint(parser)
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in --out from its last checkpoint (its config.toml, then flags)")
 
 
 def run(args: argparse.Namespace) -> int:
+    use_s3_endpoint(args)
     config = config_for_command(args)
     print(summary_line(run_bcd(config, resume=args.resume), config))
     return 0

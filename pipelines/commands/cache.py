@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import preinfer
 from preinfer.config import Config
@@ -18,8 +17,11 @@ from pipelines.cache.directory import DEFAULT_SPLITS
 from pipelines.cache.fingerprints import check_boundary
 from pipelines.cache.options import STORE_DTYPES, STORE_FORMATS
 from pipelines.cache.result import CacheJobError
-from pipelines.arguments import device, non_negative_int, positive_int
+from pipelines.arguments import (
+    add_s3_endpoint, device, non_negative_int, positive_int, store_location, use_s3_endpoint,
+)
 from pipelines.models import model_source
+from storage import location
 
 
 class _Renamed(argparse.Action):
@@ -37,15 +39,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a preset, a save_pretrained directory, or a BCD run directory (its current weights)")
     parser.add_argument("--boundary", type=int, required=True,
                         help="K in [1, layers]: store the input of layer K (embedding and layers [0, K) are run)")
-    parser.add_argument("--out", required=True,
-                        help="cache directory: one store per split in OUT/<split>/ and an index OUT/cache.json")
+    parser.add_argument("--out", required=True, type=store_location,
+                        help="cache directory: one store per split in OUT/<split>/ and an index OUT/cache.json; "
+                             "a local path or s3://BUCKET/PATH")
     parser.add_argument("--data", help="dataset as in `bcd --data` [the run's, else builtin:pydoc]")
     parser.add_argument("--tokenizer", help="[the run's, else byte]")
     parser.add_argument("--seq-len", type=positive_int, help="tokens per sample [the run's, else 128]")
     parser.add_argument("--eval-fraction", type=float, help="share of documents held out [the run's, else 0.1]")
     parser.add_argument("--splits", default=",".join(DEFAULT_SPLITS),
                         help="comma-separated splits to cache [train,eval]")
-    parser.add_argument("--from-store", metavar="STORE_K",
+    parser.add_argument("--from-store", metavar="STORE_K", type=store_location,
                         help="roll forward: run only layers [K, --boundary) over the cache (or store) at boundary K")
     parser.add_argument("--store-format", "--format", action=_Renamed, choices=STORE_FORMATS, default="zarr",
                         help="store format (--format: the old spelling) [zarr]")
@@ -76,10 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", type=device, default="cpu", help="cpu, cuda, cuda:1 ... [cpu]")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a summary line")
+    add_s3_endpoint(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    out = Path(args.out)
+    use_s3_endpoint(args)
+    out = location(args.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file, not a directory")
     splits = [s.strip() for s in args.splits.split(",") if s.strip()]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from preinfer.errors import UsageError
+from pipelines.arguments import add_s3_endpoint, use_s3_endpoint
 from pipelines.flags import STORE_FLAGS, add_training_flags, config_for_command, summary_line
 from pipelines.training import run_from_store
 
@@ -12,10 +13,12 @@ from pipelines.training import run_from_store
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_training_flags(parser, extra=STORE_FLAGS, skip=("--data", "--seq-len", "--eval-fraction", "--max-samples",
                                                         "--samples-per-shard"))
+    add_s3_endpoint(parser)
     parser.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
 
 
 def run(args: argparse.Namespace) -> int:
+    use_s3_endpoint(args)
     config = config_for_command(args)
     if config.store.path is None:
         raise UsageError("--store is required: a cache directory written by `preinfer cache`")

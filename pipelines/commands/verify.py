@@ -11,13 +11,14 @@ from preinfer.errors import UsageError
 from preinfer.tokenizers import load_tokenizer
 from pipelines.cache.directory import DEFAULT_SPLITS, cache_splits
 from pipelines.cache.report import verify_cache
-from pipelines.arguments import device, non_negative_int
+from pipelines.arguments import add_s3_endpoint, device, non_negative_int, store_location, use_s3_endpoint
 from pipelines.models import model_source
 from storage import open_store
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("path", metavar="STORE", help="a cache directory (all its splits) or a single store")
+    parser.add_argument("path", metavar="STORE", type=store_location,
+                        help="a cache directory (all its splits) or a single store: a local path or s3://BUCKET/PATH")
     parser.add_argument("--model", help="recompute samples with this model (preset, directory or run directory)")
     parser.add_argument("--data", help="the dataset the store was made from [the run's, else builtin:pydoc]")
     parser.add_argument("--tokenizer", help="[the run's, else byte]")
@@ -27,9 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the sample choice [0]")
     parser.add_argument("--model-seed", type=int, help="initialisation seed of a preset [the run's, else 0]")
     parser.add_argument("--device", type=device, default="cpu", help="[cpu]")
+    add_s3_endpoint(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    use_s3_endpoint(args)
     if (args.data or args.tokenizer) and not args.model:
         raise UsageError("--data and --tokenizer need --model (to recompute samples)")
     found = cache_splits(args.path)
