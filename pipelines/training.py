@@ -23,7 +23,8 @@ from preinfer.config import Config, dump_toml
 from preinfer.data import TokenDataset, load_data
 from preinfer.errors import UsageError
 from preinfer.meter import MemoryMeter
-from preinfer.metrics import CacheRecord, PreInferenceRecord, Record, VisitRecord, plot_losses, read_metrics
+from preinfer.metrics import (CacheRecord, PlanOutcomeRecord, PreInferenceRecord, Record, SweepPlanRecord, VisitRecord,
+                              plot_losses, read_metrics)
 from preinfer.partition import Partition, make_partition, parse_ranges, parse_ufp
 from preinfer.run_dir import RunDir
 from preinfer.sources import LiveSources, VisitSources
@@ -274,6 +275,10 @@ class ProgressUI:
                 source = "the input" if record.how == "input" else f"the store at boundary {record.from_}"
                 tqdm.write(f"store at boundary {record.boundary}: made from {source} in "
                            f"{record.seconds:.1f} s ({record.bytes / 2**20:.1f} MiB)")
+            return
+        if isinstance(record, (SweepPlanRecord, PlanOutcomeRecord)):
+            self.close()
+            tqdm.write(record.line())
             return
         if isinstance(record, PreInferenceRecord):
             self.close()
