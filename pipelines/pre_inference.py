@@ -82,11 +82,8 @@ class PreInference:
         if self.position >= len(self.blocks) or self.blocks[self.position].index != block.index:
             self.blocks, self.position = [block], 0  # resumed mid-sweep: the rest of the order is unknown here
             self._plan("resumed mid-sweep")
+        self._make_stores()
         slot = self.position - self.first
-        for build in [b for b in self.plan.builds if b.slot == slot]:
-            started = time.perf_counter()
-            self._ensure(build.boundary, build.source)
-            self._count(build.seconds, time.perf_counter() - started)
         self._delete_unread(2 * slot)
         boundary = self.plan.sources[slot]
         self._log_visit(block, boundary)
@@ -120,6 +117,25 @@ class PreInference:
             self.emit(PlanOutcomeRecord(sweep=self.sweep, predicted_s=predicted, measured_s=spent,
                                         run_predicted_s=self.run_times[0], run_measured_s=self.run_times[1]))
             return
+        self._revise_if_moved()
+
+    def _make_stores(self) -> None:
+        """Make the stores the plan makes before this visit, one at a time; each one measures the throughputs, and
+        when they moved the rest of the sweep is planned again before the next."""
+        while todo := [b for b in self.plan.builds if b.slot == self.position - self.first and
+                       b.boundary not in self.stores]:
+            build = todo[0]
+            started = time.perf_counter()
+            self._ensure(build.boundary, build.source)
+            measured = time.perf_counter() - started
+            self._count(build.seconds, measured)
+            below = [build.source] if build.source else []
+            variable = store_cost(self.work, dataclasses.replace(self.rates, store_overhead_s=0.0), build.boundary,
+                                  below)[1]
+            self.rates = dataclasses.replace(self.rates, store_overhead_s=max(measured - variable, 0.0))
+            self._revise_if_moved()
+
+    def _revise_if_moved(self) -> None:
         moved = self.rates.differs(self.assumed)
         if moved:
             self._plan("revised: " + ", ".join(f"{name} {getattr(self.assumed, name):.3g} -> "
@@ -152,7 +168,8 @@ class PreInference:
             builds=[{"boundary": b.boundary, "from": b.source, "before_visit": self.position + b.slot,
                      "seconds": b.seconds} for b in plan.builds],
             peak_bytes=plan.peak_bytes, free_bytes=self.work.free_bytes, layer_seconds=self.rates.layer_seconds,
-            write_bps=self.rates.write_bps, read_bps=self.rates.read_bps, note=note)
+            write_bps=self.rates.write_bps, read_bps=self.rates.read_bps,
+            store_overhead_s=self.rates.store_overhead_s, note=note)
 
     def _log_visit(self, block: Block, boundary: int) -> None:
         """One visit's part of the plan (a `pre_inference` record); nothing for a block that reads the input."""

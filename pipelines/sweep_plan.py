@@ -25,6 +25,8 @@ REVISE_MARGIN = 0.25
 # Until a visit of a block has been timed, one training step over a layer costs this many no_grad forwards of it
 # (forward, backward through activations and weights).
 TRAIN_FACTOR = 3.0
+# Store overheads below this many seconds are not worth a new plan, however they compare in relative terms.
+OVERHEAD_FLOOR_S = 0.1
 # Up to this many visits that could read a store, every choice of them is priced; beyond, a local search.
 EXHAUSTIVE_VISITS = 10
 # The timings of a plan's builds: (eager, roll); see `schedule`.
@@ -47,12 +49,18 @@ class Throughputs:
     layer_seconds: float  # no_grad forward of one layer over one sample
     write_bps: float
     read_bps: float
+    store_overhead_s: float = 0.0  # making a store beyond its forward and its bytes (open, check, finalize)
     step_seconds: Mapping[int, float] = field(default_factory=dict)  # block -> one step from its own boundary
 
     def differs(self, other: Throughputs, margin: float = REVISE_MARGIN) -> list[str]:
-        """The rates (of layer_seconds, write_bps, read_bps) that differ from `other`'s by more than `margin`."""
+        """The throughputs that differ from `other`'s by more than `margin` of `other`'s (the store overhead: by
+        more than `OVERHEAD_FLOOR_S` too)."""
         names = ("layer_seconds", "write_bps", "read_bps")
-        return [n for n in names if abs(getattr(self, n) - getattr(other, n)) > margin * getattr(other, n)]
+        moved = [n for n in names if abs(getattr(self, n) - getattr(other, n)) > margin * getattr(other, n)]
+        change = abs(self.store_overhead_s - other.store_overhead_s)
+        if change > max(margin * other.store_overhead_s, OVERHEAD_FLOOR_S):
+            moved.append("store_overhead_s")
+        return moved
 
 
 @dataclass(frozen=True)
@@ -239,7 +247,7 @@ def store_cost(work: Workload, rates: Throughputs, boundary: int, below: list[in
     """(source boundary, seconds) of the cheapest way to make the store at `boundary`: a fresh prefix run from
     the input, or a roll-forward from one of the valid stores `below` it."""
     samples = work.train_samples + work.eval_split_samples
-    write = work.store_bytes / rates.write_bps
+    write = work.store_bytes / rates.write_bps + rates.store_overhead_s
     options = [(boundary * rates.layer_seconds * samples + write, 0)]
     options += [((boundary - j) * rates.layer_seconds * samples + write + work.store_bytes / rates.read_bps, j)
                 for j in below]

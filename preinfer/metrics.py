@@ -112,6 +112,7 @@ class SweepPlanRecord(Record):
     layer_seconds: float  # the throughputs assumed: one layer's forward over one sample
     write_bps: float
     read_bps: float
+    store_overhead_s: float  # making one store beyond its forward and bytes
     note: str | None = None  # said once: the order gives stores no reuse
 
     def line(self) -> str:

@@ -117,16 +117,16 @@ def test_many_visits_use_a_local_search_that_finds_the_exhaustive_plan(monkeypat
 
 def test_measured_step_times_enter_the_prediction_but_not_the_choice():
     work = workload()
-    timed = Throughputs(RATES.layer_seconds, RATES.write_bps, RATES.read_bps, step_seconds={0: 1.0, 1: 1.0, 2: 1.0})
-    assumed, measured = plan_sweep(work, RATES), plan_sweep(work, timed)
-    assert measured.chosen.sources == assumed.chosen.sources
-    assert measured.live.seconds == pytest.approx(3 * EPOCH + assumed.live.seconds - sum(
-        sweep_plan.visit_seconds(work, RATES, v, 0) - sweep_plan.visit_seconds(
-            work, Throughputs(RATES.layer_seconds, RATES.write_bps, RATES.read_bps, {v.block: 0.0}), v, 0)
-        for v in work.visits))
+    timed, untimed = (Throughputs(RATES.layer_seconds, RATES.write_bps, RATES.read_bps,
+                                  step_seconds={b: seconds for b in range(3)}) for seconds in (1.0, 0.0))
+    measured = plan_sweep(work, timed)
+    assert measured.chosen.sources == plan_sweep(work, RATES).chosen.sources
+    assert measured.live.seconds == pytest.approx(3 * EPOCH * 1.0 + plan_sweep(work, untimed).live.seconds)
 
 
 def test_throughputs_differ_beyond_the_margin():
     assert RATES.differs(RATES) == []
-    slower = Throughputs(RATES.layer_seconds * 1.2, RATES.write_bps / 2, RATES.read_bps)
-    assert slower.differs(RATES) == ["write_bps"]
+    slower = Throughputs(RATES.layer_seconds * 1.2, RATES.write_bps / 2, RATES.read_bps, store_overhead_s=0.05)
+    assert slower.differs(RATES) == ["write_bps"]  # the overhead moved by less than OVERHEAD_FLOOR_S
+    assert Throughputs(RATES.layer_seconds, RATES.write_bps, RATES.read_bps, 0.5).differs(RATES) == [
+        "store_overhead_s"]
