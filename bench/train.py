@@ -349,8 +349,9 @@ def scenario_run(args: argparse.Namespace, model: str, order: str, epochs: float
                 measured_s=outcome[-1].run_measured_s if outcome else None)
 
 
-def scenarios(args: argparse.Namespace, root: Path) -> list[dict]:
-    """Every scenario's auto, on and off runs, one after the other (after one untimed run: imports, kernels)."""
+def scenarios(args: argparse.Namespace, root: Path, on_row=lambda rows: None) -> list[dict]:
+    """Every scenario's auto, on and off runs, one after the other (after one untimed run: imports, kernels);
+    `on_row` sees the rows so far after each scenario."""
     rows = []
     models = args.scenario_models.split(",")
     scenario_run(args, models[0], "ascending", SCENARIO_EPOCHS[0], "off", root / "warm-up")  # not timed
@@ -366,6 +367,7 @@ def scenarios(args: argparse.Namespace, root: Path) -> list[dict]:
                            auto_over_best=runs["auto"]["wall_s"] / best,
                            max_rel_eval_loss_diff=max(abs(a - losses[2]) / abs(losses[2]) for a in losses))
                 rows.append(row)
+                on_row(rows)
                 print(f"[train] {name}: " + ", ".join(f"{m} {r['wall_s']:.1f} s" for m, r in runs.items())
                       + f"; auto / best {row['auto_over_best']:.3f}", flush=True)
     return rows
@@ -390,7 +392,12 @@ def scenario_report(rows: list[dict]) -> str:
 def scenario_main(args: argparse.Namespace, root: Path) -> dict:
     load = [os.getloadavg()[0]]
     started = time.perf_counter()
-    rows = scenarios(args, root)
+
+    def partial(rows: list[dict]) -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".partial.json").write_text(json.dumps(rows, indent=1))
+
+    rows = scenarios(args, root, partial)
     load.append(os.getloadavg()[0])
     return dict(
         benchmark="train scenarios", command=" ".join(["python", "bench/train.py", *sys.argv[1:]]),
