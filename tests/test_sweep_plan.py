@@ -130,3 +130,21 @@ def test_throughputs_differ_beyond_the_margin():
     assert slower.differs(RATES) == ["write_bps"]  # the overhead moved by less than OVERHEAD_FLOOR_S
     assert Throughputs(RATES.layer_seconds, RATES.write_bps, RATES.read_bps, 0.5).differs(RATES) == [
         "store_overhead_s"]
+
+
+def test_plan_records_round_trip_through_json_and_read_as_one_line():
+    import json
+
+    from preinfer.metrics import PlanOutcomeRecord, SweepPlanRecord, parse_record
+
+    plan = SweepPlanRecord(sweep=0, reason="sweep start", mode="auto", first_visit=0, chosen="stores at 2 (...)",
+                           predicted_s=21.5, alternative="live", alternative_s=21.9, live_s=21.9, sources=[0, 2, 4],
+                           builds=[{"boundary": 2, "from": 0, "before_visit": 1, "seconds": 1.2}], peak_bytes=2 << 20,
+                           free_bytes=1 << 30, layer_seconds=5e-4, write_bps=1e9, read_bps=1e9, store_overhead_s=0.1)
+    outcome = PlanOutcomeRecord(sweep=0, predicted_s=21.5, measured_s=25.0, run_predicted_s=21.5, run_measured_s=25.0)
+    for record in (plan, outcome):
+        assert parse_record(json.loads(json.dumps(record.to_dict()))) == record
+    assert "note" not in plan.to_dict()
+    assert plan.line() == ("sweep 0 pre-inference plan (sweep start): stores at 2 (...), predicted 21.5 s; "
+                           "alternative live 21.9 s; live 21.9 s; peak disk 2.0 MiB of 1.0 GiB free")
+    assert outcome.line().endswith("25.0 s measured (-14%)")
