@@ -81,6 +81,7 @@ class PreInference:
     def sources(self, block: Block) -> tuple[BatchSource, BatchSource]:
         if self.position >= len(self.blocks) or self.blocks[self.position].index != block.index:
             self.blocks, self.position = [block], 0  # resumed mid-sweep: the rest of the order is unknown here
+            self.sweep = max(self.sweep, 0)
             self._plan("resumed mid-sweep")
         self._make_stores()
         slot = self.position - self.first

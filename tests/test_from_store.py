@@ -107,6 +107,31 @@ def test_on_builds_only_the_stores_its_visits_read(tmp_path, corpus):
     assert made == read and len(read) == 3
 
 
+def test_a_visit_resumed_mid_sweep_is_planned_on_its_own(tmp_path, corpus):
+    """After a resume the trainer starts mid-sweep without `sweep_started`: the visit gets a plan of its own."""
+    from pipelines.models import resolve_model
+    from pipelines.pre_inference import PreInference
+    from pipelines.training import live_sources, load_datasets, samples_per_shard
+
+    config = config_for(tmp_path, corpus, "resumed", mode="on")
+    data = load_datasets(config)
+    staged = preinfer.stage(resolve_model(config.model.name, seed=0))
+    partition, _ = partition_for(staged, config)
+    shard = samples_per_shard(config, staged)
+    chosen = PreInference(staged, {"train": data.train, "eval": data.eval}, data.tokenizer, config,
+                          live_sources(data, config, shard), shard)
+    records = []
+    chosen.attach(records.append)
+    block = partition.blocks[2]
+    train, _ = chosen.sources(block)
+    assert train.boundary == block.start
+    plans = [r for r in records if isinstance(r, SweepPlanRecord)]
+    assert (plans[0].reason, plans[0].sweep, plans[0].sources) == ("resumed mid-sweep", 0, [block.start])
+    assert all(p.reason.startswith("revised: ") for p in plans[1:])  # after the store made measured the rates
+    chosen.visit_finished(block)
+    assert [type(r) for r in records][-1] is PlanOutcomeRecord
+
+
 def test_an_ascending_sweep_runs_the_prefix_from_the_input_once(tmp_path, corpus):
     config = config_for(tmp_path, corpus, "asc", mode="on")
     config.blocks.blocks = 4
