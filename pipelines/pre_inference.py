@@ -163,7 +163,8 @@ class PreInference:
         return SweepPlanRecord(
             sweep=self.sweep, reason=reason, mode=self.mode, first_visit=self.position, chosen=plan.describe(),
             predicted_s=plan.seconds,
-            alternative="none fits the disk" if alternative is None else alternative.describe(),
+            alternative=alternative.describe() if alternative is not None else "none fits the disk" if any(
+                v.start > 0 for v in self.work.visits) else "none: no visit starts above the input",
             alternative_s=None if alternative is None else alternative.seconds, live_s=chosen.live.seconds,
             sources=list(plan.sources),
             builds=[{"boundary": b.boundary, "from": b.source, "before_visit": self.position + b.slot,

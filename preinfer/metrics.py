@@ -102,8 +102,7 @@ class SweepPlanRecord(Record):
     first_visit: int  # the sweep's visit the plan starts at
     chosen: str  # "live" or the stores it reads and how each is made
     predicted_s: float
-    alternative: str  # auto: the other plan ("live", or the cheapest plan that reads stores; "none fits")
-    alternative_s: float | None
+    alternative: str  # auto: the other plan ("live", or the cheapest plan that reads stores), or why there is none
     live_s: float  # the all-live plan
     sources: list[int]  # per visit from first_visit: the boundary read, 0 live
     builds: list[dict]  # per store made: boundary, from (0: the input), before_visit, seconds
@@ -113,6 +112,7 @@ class SweepPlanRecord(Record):
     write_bps: float
     read_bps: float
     store_overhead_s: float  # making one store beyond its forward and bytes
+    alternative_s: float | None = None  # None: no alternative
     note: str | None = None  # said once: the order gives stores no reuse
 
     def line(self) -> str:

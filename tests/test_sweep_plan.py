@@ -133,6 +133,7 @@ def test_throughputs_differ_beyond_the_margin():
 
 
 def test_plan_records_round_trip_through_json_and_read_as_one_line():
+    import dataclasses
     import json
 
     from preinfer.metrics import PlanOutcomeRecord, SweepPlanRecord, parse_record
@@ -142,7 +143,8 @@ def test_plan_records_round_trip_through_json_and_read_as_one_line():
                            builds=[{"boundary": 2, "from": 0, "before_visit": 1, "seconds": 1.2}], peak_bytes=2 << 20,
                            free_bytes=1 << 30, layer_seconds=5e-4, write_bps=1e9, read_bps=1e9, store_overhead_s=0.1)
     outcome = PlanOutcomeRecord(sweep=0, predicted_s=21.5, measured_s=25.0, run_predicted_s=21.5, run_measured_s=25.0)
-    for record in (plan, outcome):
+    without = dataclasses.replace(plan, alternative="none fits the disk", alternative_s=None)
+    for record in (plan, without, outcome):
         assert parse_record(json.loads(json.dumps(record.to_dict()))) == record
     assert "note" not in plan.to_dict()
     assert plan.line() == ("sweep 0 pre-inference plan (sweep start): stores at 2 (...), predicted 21.5 s; "
