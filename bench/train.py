@@ -25,9 +25,18 @@ Everything in one run of one process, on `small-llama`, `builtin:pydoc`, seq 128
 
 Prints a table and writes bench/out/train.json.
 
+5. With --scenarios, instead of 1-4: issue 16's scenario table. Whole `bcd` runs with `--pre-inference` auto,
+   on and off side by side (in that order, one after the other for each scenario) for every scenario
+   {ascending, descending} x {a tenth of an epoch, 1 epoch, 3 epochs per visit} x --sweeps sweeps on each of
+   --scenario-models, UFP 1/3, --scenario-samples samples per split, float32 stores. Wall time of each run,
+   auto over the better of on and off (target <= 1.05), the final eval losses (equal: float32 stores), the
+   plans auto chose, and the cost model's predicted seconds against the measured ones (the `plan_outcome`
+   records). Writes bench/out/train_scenarios.json.
+
     python bench/train.py              # about 8 min on 2 shared cores
     python bench/train.py --quick      # tiny-llama, seq 32, a few steps (seconds): a smoke test
     python bench/train.py --store-dtype float8_e4m3,float8_e5m2,int8 --trained RUN_DIR   # lossy stores (issue 14)
+    python bench/train.py --scenarios  # the scenario table
 """
 
 from __future__ import annotations
@@ -56,8 +65,8 @@ from pipelines.sources import ReaderBatches  # noqa: E402
 from pipelines.suffix import load_suffix, to_device  # noqa: E402
 from pipelines.training import live_sources, load_datasets, partition_for, run_bcd, samples_per_shard  # noqa: E402
 from preinfer.config import Config, load_config  # noqa: E402
-from preinfer.metrics import (CacheRecord, PreInferenceRecord, Record, StepRecord, VisitRecord,  # noqa: E402
-                              read_metrics)
+from preinfer.metrics import (CacheRecord, PlanOutcomeRecord, PreInferenceRecord, Record, StepRecord,  # noqa: E402
+                              SweepPlanRecord, VisitRecord, read_metrics)
 from preinfer.optim import build_optimizer  # noqa: E402
 from preinfer.run_dir import RunDir  # noqa: E402
 from preinfer.sources import LiveSources  # noqa: E402
@@ -88,6 +97,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "threads; see docs/results.md for why not all of them]")
     p.add_argument("--dir", default=None, help="where stores and run directories go [a temporary directory]")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "train.json")
+    p.add_argument("--scenarios", action="store_true", help="run the scenario table (5) instead of 1-4")
+    p.add_argument("--scenario-models", default="small-llama,medium-llama", help="[small-llama,medium-llama]")
+    p.add_argument("--scenario-samples", type=int, default=80,
+                   help="max_samples of each split in the scenario runs [80: 10 steps per epoch at batch 8]")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny-llama, seq 32, batch 2, a few steps")
     p.add_argument("--store-dtype", dest="store_dtypes", metavar="DTYPES",
                    help="instead: train the top block of --trained from a store in each of these comma-separated "
@@ -100,6 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.model, args.seq_len, args.batch_size = "tiny-llama", 32, 2
         args.steps, args.warmup, args.repeats, args.piece_repeats, args.samples = 3, 1, 1, 3, 64
         args.bcd_samples, args.bcd_epochs, args.sweeps = 16, 1.0, 2
+        args.scenario_models, args.scenario_samples = "tiny-llama", 20
+    if args.scenarios and args.out == ROOT / "bench" / "out" / "train.json":
+        args.out = args.out.with_name("train_scenarios.json")
     return args
 
 
@@ -349,6 +365,93 @@ def store_dtype_runs(args: argparse.Namespace, root: Path) -> dict:
                 eval="the exact (float32) eval store for every run", targets=dict(rel_eval_loss_diff="<= 0.005",
                                                                                  wait_fraction="<= 0.01"))
 
+# ---- 5: the scenario table -----------------------------------------------------------------------------------
+
+SCENARIO_EPOCHS = (0.1, 1.0, 3.0)
+SCENARIO_MODES = ("auto", "on", "off")
+
+
+def scenario_run(args: argparse.Namespace, model: str, order: str, epochs: float, mode: str, out: Path) -> dict:
+    """One whole bcd run of a scenario: wall time, final eval loss, auto's plans and the model's prediction."""
+    config = base_config(argparse.Namespace(**{**vars(args), "model": model}),
+                         data=dict(max_samples=args.scenario_samples), blocks=dict(sweeps=args.sweeps, order=order),
+                         stop=dict(epochs_per_visit=epochs), run=dict(out=str(out)),
+                         pre_inference=dict(mode=mode, store_dir=str(out.parent / f"{out.name}-stores")))
+    started = time.perf_counter()
+    summary = run_bcd(config, quiet=True)
+    wall = time.perf_counter() - started
+    records = read_metrics(RunDir(out).metrics)
+    plans = [r for r in records if isinstance(r, SweepPlanRecord)]
+    outcome = [r for r in records if isinstance(r, PlanOutcomeRecord)]
+    return dict(mode=mode, wall_s=wall, fit_s=summary["wall_s"], final_eval_loss=summary["final_eval_loss"],
+                steps=summary["steps"], sources=[v["source_boundary"] for v in summary["visits"]],
+                plans=[dict(sweep=p.sweep, reason=p.reason, chosen=p.chosen, predicted_s=p.predicted_s,
+                            alternative=p.alternative, alternative_s=p.alternative_s, live_s=p.live_s,
+                            note=p.note) for p in plans],
+                predicted_s=outcome[-1].run_predicted_s if outcome else None,
+                measured_s=outcome[-1].run_measured_s if outcome else None)
+
+
+def scenarios(args: argparse.Namespace, root: Path, on_row=lambda rows: None) -> list[dict]:
+    """Every scenario's auto, on and off runs, one after the other (after one untimed run: imports, kernels);
+    `on_row` sees the rows so far after each scenario."""
+    rows = []
+    models = args.scenario_models.split(",")
+    scenario_run(args, models[0], "ascending", SCENARIO_EPOCHS[0], "off", root / "warm-up")  # not timed
+    for model in models:
+        for order in ("ascending", "descending"):
+            for epochs in SCENARIO_EPOCHS:
+                name = f"{model}-{order}-{epochs:g}"
+                runs = {mode: scenario_run(args, model, order, epochs, mode, root / f"{name}-{mode}")
+                        for mode in SCENARIO_MODES}
+                best = min(runs["on"]["wall_s"], runs["off"]["wall_s"])
+                losses = [r["final_eval_loss"] for r in runs.values()]
+                row = dict(model=model, order=order, epochs_per_visit=epochs, runs=runs,
+                           auto_over_best=runs["auto"]["wall_s"] / best,
+                           max_rel_eval_loss_diff=max(abs(a - losses[2]) / abs(losses[2]) for a in losses))
+                rows.append(row)
+                on_row(rows)
+                print(f"[train] {name}: " + ", ".join(f"{m} {r['wall_s']:.1f} s" for m, r in runs.items())
+                      + f"; auto / best {row['auto_over_best']:.3f}", flush=True)
+    return rows
+
+
+def scenario_report(rows: list[dict]) -> str:
+    lines = []
+    for row in rows:
+        runs = row["runs"]
+        auto = runs["auto"]
+        lines.append(dict(
+            model=row["model"], order=row["order"], epochs=f"{row['epochs_per_visit']:g}",
+            auto_s=auto["wall_s"], on_s=runs["on"]["wall_s"], off_s=runs["off"]["wall_s"],
+            auto_over_best=f"{row['auto_over_best']:.3f}",
+            auto_plans=" | ".join(p["chosen"] for p in auto["plans"] if p["reason"] == "sweep start"),
+            predicted_s=auto["predicted_s"], measured_s=auto["measured_s"],
+            loss_diff=f"{row['max_rel_eval_loss_diff']:.1e}"))
+    return table(lines, ["model", "order", "epochs", "auto_s", "on_s", "off_s", "auto_over_best", "predicted_s",
+                         "measured_s", "loss_diff", "auto_plans"])
+
+
+def scenario_main(args: argparse.Namespace, root: Path) -> dict:
+    load = [os.getloadavg()[0]]
+    started = time.perf_counter()
+
+    def partial(rows: list[dict]) -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".partial.json").write_text(json.dumps(rows, indent=1))
+
+    rows = scenarios(args, root, partial)
+    load.append(os.getloadavg()[0])
+    return dict(
+        benchmark="train scenarios", command=" ".join(["python", "bench/train.py", *sys.argv[1:]]),
+        machine=machine(), load_average=load, wall_s=time.perf_counter() - started,
+        settings=dict(models=args.scenario_models, data="builtin:pydoc", seq_len=args.seq_len,
+                      batch_size=args.batch_size, max_samples=args.scenario_samples, sweeps=args.sweeps, ufp="1/3",
+                      optimizer="adam", lr=2e-3, store="zarr, float32", threads=torch.get_num_threads()),
+        target="auto_over_best <= 1.05", scenarios=rows,
+        targets_met=all(r["auto_over_best"] <= 1.05 for r in rows),
+    )
+
 
 # ---- report --------------------------------------------------------------------------------------------------
 
@@ -405,6 +508,18 @@ def main(argv: list[str] | None = None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1))
         print(f"wrote {out}")
+        return 0
+    if args.scenarios:
+        try:
+            result = scenario_main(args, root)
+        finally:
+            if args.dir is None:
+                shutil.rmtree(root, ignore_errors=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+        print(scenario_report(result["scenarios"]))
+        print(f"auto within 1.05x of the better of on and off in every scenario: {result['targets_met']}")
+        print(f"wrote {args.out} in {result['wall_s']:.0f} s")
         return 0
     started = time.perf_counter()
     load = [os.getloadavg()[0]]

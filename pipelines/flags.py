@@ -135,8 +135,9 @@ TRAINING_FLAGS: list[Flag] = [
 # Flags of `bcd` only: where visits above the input get their boundary states.
 PRE_INFERENCE_FLAGS: list[Flag] = [
     Flag("--pre-inference", "pre_inference", "mode",
-         "train blocks above the input from stores of boundary states: on; never: off; auto decides per visit by "
-         "a cost model (store build + reads against the prefix compute saved)", dict(choices=["auto", "on", "off"])),
+         "train blocks above the input from stores of boundary states: on; never: off; auto plans each sweep "
+         "(stores built, rolled forward, read; peak disk) against running it live, with measured throughputs",
+         dict(choices=["auto", "on", "off"])),
     Flag("--store-dir", "pre_inference", "store_dir", "where the run keeps its stores: a local path or "
          "s3://BUCKET/PATH", dict(type=store_location), unset="<out>/stores"),
     Flag("--store-format", "pre_inference", "store_format", "store backend", dict(choices=["zarr", "safetensors"])),

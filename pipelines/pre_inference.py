@@ -1,67 +1,48 @@
-"""Pre-inference inside a BCD run: which visits train from a store of boundary states, and keeping those
-stores valid.
+"""Pre-inference inside a BCD run: the executor of the sweep plans of `pipelines.sweep_plan`, and keeping the
+stores it makes valid.
 
 For a visit of a block starting at layer k > 0, `on` trains from a store at boundary k and `off` runs the prefix
-live. `auto` decides per visit with a cost model: building the store (a fresh prefix run over the data, or a
-roll-forward from a valid store at a lower boundary) plus reading it each step, against the prefix forward it
-saves each step over the visit's expected steps; throughputs are measured on this machine, and a store that
-would not fit on the disk is never built. Every decision is logged with its numbers.
+live. At the start of every sweep, `auto` prices whole-sweep plans (which visits read a store, how each store
+is made: from the input, rolled forward from a lower store, or reused; when each is deleted; the disk at the
+plan's peak) against running the sweep live, with the throughputs measured in this run, and follows the
+cheaper; `on` follows the plan in which every visit above the input reads a store, and builds no store that no
+visit reads. When a measured throughput moves by more than `sweep_plan.REVISE_MARGIN` from the one a plan
+assumed, the rest of the sweep is planned again. Every plan, and at the end of each sweep its predicted against
+its measured seconds, is logged with its numbers (metrics.jsonl and one line each).
 
-A store is used only while its fingerprint matches the current prefix. Stores are made by the same code as
-`preinfer cache`: an ascending sweep runs the prefix from the input once and rolls the store forward past
-each trained block; a descending sweep builds the stores it needs at its start, each rolled forward from the
-one below. Stores no longer usable are deleted unless `keep_stores`.
+A store is used only while its fingerprint matches the current prefix: a store the plan expected is checked
+before it is read, and made again if stale. Stores are made by the same code as `preinfer cache`. Stores no
+longer usable, or no longer read by the plan, are deleted unless `keep_stores`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from preinfer.config import Config
-from preinfer.metrics import CacheRecord, PreInferenceRecord, Record
+from preinfer.metrics import CacheRecord, PlanOutcomeRecord, PreInferenceRecord, Record, SweepPlanRecord
 from preinfer.partition import Block
 from preinfer.run_dir import RunDir
 from preinfer.sources import BatchSource
 from preinfer.staged import StagedModel
 from storage import Location, StorageError, free_bytes, location, remove_tree
 from pipelines.cache import (
-    CacheOptions, bytes_per_token, cache_boundary, cache_fingerprint, open_cache, roll_forward,
+    CacheOptions, CacheResult, bytes_per_token, cache_boundary, cache_fingerprint, open_cache, roll_forward,
 )
 from pipelines.sources import ReaderBatches
+from pipelines.sweep_plan import (Plan, SweepPlan, Throughputs, Visit, Workload, plan_sweep, store_cost,
+                                  visit_seconds)
 
 # Until a store has been read on this machine, assume this read speed (bytes/s) for the cost model.
 ASSUMED_READ_BPS = 300e6
 # Until a store has been written, assume this write speed (bytes/s).
 ASSUMED_WRITE_BPS = 150e6
-# Keep this share of the free disk space untouched.
-DISK_RESERVE = 0.1
-
-
-@dataclass
-class Estimate:
-    """The auto rule's numbers for one visit (seconds, bytes)."""
-
-    steps: int
-    prefix_per_step: float
-    read_per_step: float
-    eval_prefix: float  # the prefix forward the visit's evaluation skips when it reads the eval store
-    build: float
-    build_from: int
-    store_bytes: int
-    free_bytes: int | None  # None: object storage
-
-    @property
-    def saving(self) -> float:
-        return self.steps * (self.prefix_per_step - self.read_per_step) + self.eval_prefix - self.build
-
-    @property
-    def use_store(self) -> bool:
-        return self.saving > 0 and (self.free_bytes is None or self.store_bytes < (1 - DISK_RESERVE) * self.free_bytes)
 
 
 class PreInference:
@@ -79,90 +60,212 @@ class PreInference:
                                     model_name=config.model.name, dask=settings.dask)
         self.stores: dict[int, Location] = {}  # boundary -> cache directory believed valid
         self.emit: Callable[[Record], None] = lambda record: None
-        self.read_bps, self.write_bps = ASSUMED_READ_BPS, ASSUMED_WRITE_BPS
-        self.layer_seconds: float | None = None  # no_grad forward of one layer over one sample
-        self.remaining: list[Block] = []
+        self.rates: Throughputs | None = None  # measured in this run (the layer forward on first use)
+        self.assumed: Throughputs | None = None  # what the plan in force assumed
+        self.blocks: list[Block] = []  # the sweep's visits, in order
+        self.position = 0  # the next visit of the sweep
+        self.plan: Plan | None = None  # covers the sweep's visits from `self.first`
+        self.first = 0
+        self.work: Workload | None = None
+        self.sweep = -1
+        self.said_no_reuse = False
+        self.read_measured = False
+        self.visit_started = 0.0
+        self.sweep_times = [0.0, 0.0]  # predicted, measured
+        self.run_times = [0.0, 0.0]
 
     def attach(self, emit: Callable[[Record], None]) -> None:
         self.emit = emit
 
     def sweep_started(self, blocks: list[Block]) -> None:
-        """Descending sweeps build every store they will use now, each rolled forward from the one below."""
-        self.remaining = list(blocks)
-        starts = [b.start for b in blocks if b.start > 0]
-        if self.mode == "on" and starts == sorted(starts, reverse=True):
-            for start in sorted(starts):
-                self._ensure(start)
+        """Plan the sweep."""
+        self.sweep += 1
+        self.blocks, self.position, self.sweep_times = list(blocks), 0, [0.0, 0.0]
+        self._plan("sweep start")
 
     def sources(self, block: Block) -> tuple[BatchSource, BatchSource]:
-        if block in self.remaining:
-            self.remaining.remove(block)
-        if block.start == 0 or self.mode == "off" or not self._decide(block):
+        if self.position >= len(self.blocks) or self.blocks[self.position].index != block.index:
+            self.blocks, self.position = [block], 0  # resumed mid-sweep: the rest of the order is unknown here
+            self.sweep = max(self.sweep, 0)
+            self._plan("resumed mid-sweep")
+        self._make_stores()
+        slot = self.position - self.first
+        self._delete_unread(2 * slot)
+        boundary = self.plan.sources[slot]
+        self._log_visit(block, boundary)
+        if boundary:
+            started = time.perf_counter()
+            path = self._ensure(boundary)  # checked again: a stale store is made anew
+            self._count(0.0, time.perf_counter() - started)
+        self.visit_started = time.perf_counter()
+        if not boundary:
             return self.live.train, self.live.eval
-        path = self._ensure(block.start)
         stores = open_cache(path, splits=["train", "eval"])
         batch, seed = self.config.data.batch_size, self.config.run.seed
-        return (ReaderBatches(stores["train"], block.start, batch, seed, self.rank, self.world),
-                ReaderBatches(stores["eval"], block.start, batch, seed, shuffle=False))
+        return (ReaderBatches(stores["train"], boundary, batch, seed, self.rank, self.world),
+                ReaderBatches(stores["eval"], boundary, batch, seed, shuffle=False))
 
     def visit_finished(self, block: Block) -> None:
-        """Drop the stores the trained block made stale (those above its first layer)."""
-        for boundary in [b for b in self.stores if b > block.start]:
-            self._delete(boundary, reason=f"block {block.index} changed layers below it")
+        """Time the visit, drop the stores it made stale (those above its first layer) and those the plan reads no
+        more; re-plan the rest of the sweep if the throughputs moved; at the sweep's end, log predicted against
+        measured time."""
+        measured = time.perf_counter() - self.visit_started
+        slot = self.position - self.first
+        visit, boundary = self.work.visits[slot], self.plan.sources[slot]
+        self._count(self.plan.visit_seconds[slot], measured)
+        self._measure_steps(visit, boundary, measured)
+        for stale in [b for b in self.stores if b > block.start]:
+            self._delete(stale, reason=f"block {block.index} changed layers below it")
+        self._delete_unread(2 * slot + 1)
+        self.position += 1
+        if self.position == len(self.blocks):
+            predicted, spent = self.sweep_times
+            self.emit(PlanOutcomeRecord(sweep=self.sweep, predicted_s=predicted, measured_s=spent,
+                                        run_predicted_s=self.run_times[0], run_measured_s=self.run_times[1]))
+            return
+        self._revise_if_moved()
 
-    # ---- decisions ---------------------------------------------------------------------------------------------
-    def _decide(self, block: Block) -> bool:
-        if self.mode == "on":
-            return True
-        estimate = self._estimate(block)
-        use = estimate.use_store
-        self.emit(PreInferenceRecord(block=block.index, boundary=block.start, decision="store" if use else "live",
-                                     **vars(estimate), saving_s=estimate.saving))
-        return use
+    def _make_stores(self) -> None:
+        """Make the stores the plan makes before this visit, one at a time; each one measures the throughputs, and
+        when they moved the rest of the sweep is planned again before the next."""
+        while todo := [b for b in self.plan.builds if b.slot == self.position - self.first and
+                       b.boundary not in self.stores]:
+            build = todo[0]
+            started = time.perf_counter()
+            self._ensure(build.boundary, build.source)
+            measured = time.perf_counter() - started
+            self._count(build.seconds, measured)
+            below = [build.source] if build.source else []
+            variable = store_cost(self.work, dataclasses.replace(self.rates, store_overhead_s=0.0), build.boundary,
+                                  below)[1]
+            self.rates = dataclasses.replace(self.rates, store_overhead_s=max(measured - variable, 0.0))
+            self._revise_if_moved()
 
-    def _estimate(self, block: Block) -> Estimate:
-        k, train = block.start, self.datasets["train"]
-        per_layer = self._layer_seconds()
-        stop, optim = self.config.stop, self.config.optim
-        steps_per_epoch = -(-len(train) // (self.config.data.batch_size * self.world)) // optim.grad_accum or 1
-        budgets = [s for s in (stop.steps_per_visit,
-                               stop.epochs_per_visit and int(stop.epochs_per_visit * steps_per_epoch)) if s]
+    def _revise_if_moved(self) -> None:
+        moved = self.rates.differs(self.assumed)
+        if moved:
+            self._plan("revised: " + ", ".join(f"{name} {getattr(self.assumed, name):.3g} -> "
+                                               f"{getattr(self.rates, name):.3g}" for name in moved))
+
+    # ---- plans -------------------------------------------------------------------------------------------------
+    def _plan(self, reason: str) -> None:
+        """Plan the sweep's remaining visits with the stores valid now and the throughputs measured so far."""
+        self.work = self._workload(self.blocks[self.position:])
+        if self.rates is None:
+            self.rates = Throughputs(self._layer_seconds(), ASSUMED_WRITE_BPS, ASSUMED_READ_BPS)
+        chosen = plan_sweep(self.work, self.rates, self.mode)
+        self.plan, self.first, self.assumed = chosen.chosen, self.position, self.rates
+        self.emit(self._plan_record(chosen, reason))
+
+    def _plan_record(self, chosen: SweepPlan, reason: str) -> SweepPlanRecord:
+        plan, alternative = chosen.chosen, chosen.alternative
+        note = None
+        if chosen.no_reuse and not plan.reads_stores and not self.said_no_reuse:
+            self.said_no_reuse = True
+            note = (f"pre-inference: the {self.config.blocks.order} order gives stores no reuse (every visit "
+                    f"changes the layers below the next one's store, so each store would serve one visit only); "
+                    f"training live")
+        return SweepPlanRecord(
+            sweep=self.sweep, reason=reason, mode=self.mode, first_visit=self.position, chosen=plan.describe(),
+            predicted_s=plan.seconds,
+            alternative=alternative.describe() if alternative is not None else "none fits the disk" if any(
+                v.start > 0 for v in self.work.visits) else "none: no visit starts above the input",
+            alternative_s=None if alternative is None else alternative.seconds, live_s=chosen.live.seconds,
+            sources=list(plan.sources),
+            builds=[{"boundary": b.boundary, "from": b.source, "before_visit": self.position + b.slot,
+                     "seconds": b.seconds} for b in plan.builds],
+            peak_bytes=plan.peak_bytes, free_bytes=self.work.free_bytes, layer_seconds=self.rates.layer_seconds,
+            write_bps=self.rates.write_bps, read_bps=self.rates.read_bps,
+            store_overhead_s=self.rates.store_overhead_s, note=note)
+
+    def _log_visit(self, block: Block, boundary: int) -> None:
+        """One visit's part of the plan (a `pre_inference` record); nothing for a block that reads the input."""
+        if block.start == 0:
+            return
+        work, rates, slot = self.work, self.rates, self.position - self.first
+        visit = work.visits[slot]
+        build = next((b for b in self.plan.builds if b.boundary == block.start), None)
+        if build is not None:
+            source, build_s = build.source, build.seconds
+        elif boundary:  # reused
+            source, build_s = 0, 0.0
+        else:  # what its store would cost now
+            source, build_s = store_cost(work, rates, block.start, [k for k in work.stores if k < block.start])
+        read = work.sample_bytes / rates.read_bps
+        saving = visit_seconds(work, rates, visit, 0) - visit_seconds(work, rates, visit, block.start) - build_s
+        self.emit(PreInferenceRecord(
+            block=block.index, boundary=block.start, decision="store" if boundary else "live", steps=visit.steps,
+            prefix_per_step=block.start * rates.layer_seconds * work.samples_per_step,
+            read_per_step=work.samples_per_step * read, eval_prefix=work.eval_samples * (
+                block.start * rates.layer_seconds - read), build=build_s,
+            build_from=source, store_bytes=work.store_bytes,
+            free_bytes=work.free_bytes, saving_s=saving))
+
+    def _workload(self, blocks: list[Block]) -> Workload:
+        train, cfg = self.datasets["train"], self.config
+        samples_per_step = cfg.data.batch_size * cfg.optim.grad_accum
+        steps_per_epoch = -(-len(train) // (cfg.data.batch_size * self.world)) // cfg.optim.grad_accum or 1
+        budgets = [s for s in (cfg.stop.steps_per_visit,
+                               cfg.stop.epochs_per_visit and int(cfg.stop.epochs_per_visit * steps_per_epoch)) if s]
         steps = min(budgets) if budgets else steps_per_epoch
-        samples_per_step = self.config.data.batch_size * optim.grad_accum
         eval_samples = len(self.datasets["eval"])
-        if self.config.data.eval_batches:
-            eval_samples = min(eval_samples, self.config.data.eval_batches * self.config.data.batch_size)
-        sample_bytes = train.seq_len * bytes_per_token(self.config.pre_inference.store_dtype, self.staged.hidden_size,
-                                                       self.staged.compute_dtype)
-        total = sum(len(d) for d in self.datasets.values())
-        source = max((b for b in self._valid_stores() if b < k), default=0)
-        build = (k - source) * per_layer * total + total * sample_bytes * (
-            1 / self.write_bps + (1 / self.read_bps if source else 0))
-        return Estimate(
-            steps=steps,
-            prefix_per_step=k * per_layer * samples_per_step,
-            read_per_step=samples_per_step * sample_bytes / self.read_bps,
-            eval_prefix=eval_samples * (k * per_layer - sample_bytes / self.read_bps),
-            build=0.0 if k in self._valid_stores() else build,
-            build_from=source,
-            store_bytes=total * sample_bytes,
-            free_bytes=free_bytes(self.root),
+        if cfg.data.eval_batches:
+            eval_samples = min(eval_samples, cfg.data.eval_batches * cfg.data.batch_size)
+        return Workload(
+            visits=tuple(Visit(block=b.index, start=b.start, steps=steps) for b in blocks),
+            num_layers=self.staged.num_layers, samples_per_step=samples_per_step, train_samples=len(train),
+            eval_split_samples=len(self.datasets["eval"]), eval_samples=eval_samples,
+            sample_bytes=train.seq_len * bytes_per_token(cfg.pre_inference.store_dtype, self.staged.hidden_size,
+                                                         self.staged.compute_dtype),
+            free_bytes=math.inf if (free := free_bytes(self.root)) is None else free,  # no limit on object storage
+            stores=frozenset(self._valid_stores()),
         )
+
+    # ---- measurements ------------------------------------------------------------------------------------------
+    def _count(self, predicted: float, measured: float) -> None:
+        for times in (self.sweep_times, self.run_times):
+            times[0] += predicted
+            times[1] += measured
+
+    def _measure_steps(self, visit: Visit, boundary: int, measured: float) -> None:
+        """A visit's own step time: its wall time less what the plan charges for its input and its evaluation."""
+        if visit.steps <= 0:
+            return
+        steps = {**self.rates.step_seconds, visit.block: 0.0}
+        rest = visit_seconds(self.work, dataclasses.replace(self.rates, step_seconds=steps), visit, boundary)
+        steps[visit.block] = max(measured - rest, 0.0) / visit.steps
+        self.rates = dataclasses.replace(self.rates, step_seconds=steps)
+
+    def _measure_build(self, result: CacheResult, source: int) -> None:
+        """The layer forward and write speed of a store just made."""
+        samples = sum(len(d) for d in self.datasets.values())
+        layer = result.forward_seconds / max((result.boundary - source) * samples, 1)
+        write = result.bytes_written / result.write_seconds if result.write_seconds > 0 else self.rates.write_bps
+        self.rates = dataclasses.replace(self.rates, layer_seconds=layer or self.rates.layer_seconds, write_bps=write)
+
+    def _measure_read(self, path: Location) -> None:
+        """Read speed: one pass over a new store's eval split (the first store of the run)."""
+        store = open_cache(path, splits=["eval"])["eval"]
+        started = time.perf_counter()
+        samples = sum(len(batch["hidden"]) for batch in store.reader(self.config.data.batch_size, shuffle=False))
+        seconds = time.perf_counter() - started
+        if seconds > 0 and samples:
+            sample_bytes = self.work.sample_bytes
+            self.rates = dataclasses.replace(self.rates, read_bps=samples * sample_bytes / seconds)
+        self.read_measured = True
 
     @torch.no_grad()
     def _layer_seconds(self) -> float:
         """Median time of one layer's no_grad forward over one sample, measured once on a training batch."""
-        if self.layer_seconds is None:
-            batch = self.datasets["train"][: self.config.data.batch_size]
-            device = next(p for p in self.staged.model.parameters() if not p.is_meta).device
-            state = self.staged.embed(*(batch[k].to(device) for k in ("input_ids", "attention_mask", "labels")))
-            times = []
-            for _ in range(3):
-                started = time.perf_counter()
-                self.staged.run(state, 0, 1)
-                times.append(time.perf_counter() - started)
-            self.layer_seconds = statistics.median(times) / len(batch["input_ids"])
-        return self.layer_seconds
+        batch = self.datasets["train"][: self.config.data.batch_size]
+        device = next(p for p in self.staged.model.parameters() if not p.is_meta).device
+        state = self.staged.embed(*(batch[k].to(device) for k in ("input_ids", "attention_mask", "labels")))
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            self.staged.run(state, 0, 1)
+            times.append(time.perf_counter() - started)
+        return statistics.median(times) / len(batch["input_ids"])
 
     # ---- stores ------------------------------------------------------------------------------------------------
     def _valid_stores(self) -> list[int]:
@@ -177,25 +280,33 @@ class PreInference:
             return False
         return stores["train"].fingerprint.digest == expected.digest
 
-    def _ensure(self, boundary: int) -> Location:
-        """A valid store at `boundary`: reused, rolled forward from the nearest valid lower one, or made fresh."""
+    def _ensure(self, boundary: int, source: int | None = None) -> Location:
+        """A valid store at `boundary`: reused, or made from `source` (0: the input) if that is still valid, else
+        rolled forward from the nearest valid lower one, or made from the input."""
         if boundary in self.stores and self._is_valid(boundary):
             self.emit(CacheRecord(boundary=boundary, how="reuse", seconds=0.0, bytes=0))
             return self.stores[boundary]
         out = self.root / f"boundary-{boundary}"
-        source = max((b for b in self._valid_stores() if b < boundary), default=0)
+        valid = [b for b in self._valid_stores() if b < boundary]
+        if source not in (0, *valid):
+            source = max(valid, default=0)
         if source:
             result = roll_forward(self.staged, self.stores[source], boundary, out, self.options)
         else:
             result = cache_boundary(self.staged, self.datasets, self.tokenizer, boundary, out, self.options)
         self.stores[boundary] = out
-        if result.write_seconds > 0:  # the writer's own time: the forward is estimated separately
-            self.write_bps = max(result.bytes_written / result.write_seconds, 1.0)
         self.emit(CacheRecord(boundary=boundary, how="roll_forward" if source else "input", from_=source,
                               seconds=result.seconds, bytes=result.bytes_written))
-        if source and not any(b.start == source for b in self.remaining):
-            self._delete(source, reason=f"rolled forward to boundary {boundary}")
+        self._measure_build(result, source)
+        if not self.read_measured:
+            self._measure_read(out)
         return out
+
+    def _delete_unread(self, now: int) -> None:
+        """Delete the stores the plan reads no more after event `now` (see `sweep_plan.Plan`)."""
+        last_use = dict(self.plan.deletes)
+        for boundary in [b for b in self.stores if last_use.get(b, -1) <= now]:
+            self._delete(boundary, reason="the plan reads it no more")
 
     def _delete(self, boundary: int, reason: str) -> None:
         path = self.stores.pop(boundary)

@@ -33,7 +33,8 @@ from preinfer.errors import UsageError
 from preinfer.memory_model import GPUS, Settings, shape_from_config
 from preinfer.meter import MemoryMeter
 from preinfer.metrics import (
-    BudgetPlanRecord, CacheRecord, PreInferenceRecord, Record, VisitRecord, plot_losses, read_metrics,
+    BudgetPlanRecord, CacheRecord, PlanOutcomeRecord, PreInferenceRecord, Record, SweepPlanRecord, VisitRecord,
+    plot_losses, read_metrics,
 )
 from preinfer.partition import Partition, make_partition, parse_ranges, parse_ufp
 from preinfer.precision import apply_precision, describe, resolve_precision, weights_dtype
@@ -386,6 +387,10 @@ class ProgressUI:
         if isinstance(record, BudgetPlanRecord):
             self.budget = record.budget
             tqdm.write(budget_line(record))
+            return
+        if isinstance(record, (SweepPlanRecord, PlanOutcomeRecord)):
+            self.close()
+            tqdm.write(record.line())
             return
         if isinstance(record, PreInferenceRecord):
             self.close()

@@ -76,7 +76,7 @@ class CacheRecord(Record):
 
 @dataclass
 class PreInferenceRecord(Record):
-    """The `auto` rule's decision for one visit, with its estimates (seconds, bytes)."""
+    """One visit's part of the sweep plan (`auto` or `on`), with its estimates (seconds, bytes)."""
 
     kind: ClassVar[str] = "pre_inference"
     block: int
@@ -90,7 +90,57 @@ class PreInferenceRecord(Record):
     build_from: int  # the boundary it would be made from (0: the input)
     store_bytes: int
     free_bytes: int
-    saving_s: float  # the estimated saving; the store is used when positive and it fits on the disk
+    saving_s: float  # this visit's saving from its store, build included (the sweep plan may still pay overall)
+
+
+@dataclass
+class SweepPlanRecord(Record):
+    """Pre-inference's plan for a sweep (or for the rest of it, when revised), against its alternative."""
+
+    kind: ClassVar[str] = "sweep_plan"
+    sweep: int  # sweeps planned by this process so far, from 0
+    reason: str  # "sweep start", "resumed mid-sweep" or "revised: <rate> <assumed> -> <measured>, ..."
+    mode: str  # auto or on
+    first_visit: int  # the sweep's visit the plan starts at
+    chosen: str  # "live" or the stores it reads and how each is made
+    predicted_s: float
+    alternative: str  # auto: the other plan ("live", or the cheapest plan that reads stores), or why there is none
+    live_s: float  # the all-live plan
+    sources: list[int]  # per visit from first_visit: the boundary read, 0 live
+    builds: list[dict]  # per store made: boundary, from (0: the input), before_visit, seconds
+    peak_bytes: int  # new store bytes on disk at the plan's peak
+    free_bytes: int
+    layer_seconds: float  # the throughputs assumed: one layer's forward over one sample
+    write_bps: float
+    read_bps: float
+    store_overhead_s: float  # making one store beyond its forward and bytes
+    alternative_s: float | None = None  # None: no alternative
+    note: str | None = None  # said once: the order gives stores no reuse
+
+    def line(self) -> str:
+        alternative = "" if self.alternative_s is None else f" {self.alternative_s:.1f} s"
+        text = (f"sweep {self.sweep} pre-inference plan ({self.reason}): {self.chosen}, predicted "
+                f"{self.predicted_s:.1f} s; alternative {self.alternative}{alternative}; live {self.live_s:.1f} s; "
+                f"peak disk {self.peak_bytes / 2**20:.1f} MiB of {self.free_bytes / 2**30:.1f} GiB free")
+        return text if self.note is None else f"{text}\n{self.note}"
+
+
+@dataclass
+class PlanOutcomeRecord(Record):
+    """At the end of a sweep: the plans' predicted seconds against the measured ones (visits and store builds)."""
+
+    kind: ClassVar[str] = "plan_outcome"
+    sweep: int
+    predicted_s: float  # this sweep
+    measured_s: float
+    run_predicted_s: float  # every sweep so far
+    run_measured_s: float
+
+    def line(self) -> str:
+        error = self.run_predicted_s / self.run_measured_s - 1 if self.run_measured_s else 0.0
+        return (f"sweep {self.sweep} pre-inference: predicted {self.predicted_s:.1f} s, measured "
+                f"{self.measured_s:.1f} s; run so far {self.run_predicted_s:.1f} s predicted, "
+                f"{self.run_measured_s:.1f} s measured ({100 * error:+.0f}%)")
 
 
 @dataclass
@@ -108,7 +158,8 @@ class BudgetPlanRecord(Record):
 
 
 RECORD_KINDS: dict[str, type[Record]] = {cls.kind: cls for cls in (StepRecord, VisitRecord, CacheRecord,
-                                                                   PreInferenceRecord, BudgetPlanRecord)}
+                                                                   PreInferenceRecord, BudgetPlanRecord,
+                                                                   SweepPlanRecord, PlanOutcomeRecord)}
 
 
 def parse_record(data: dict[str, Any]) -> Record:

@@ -17,7 +17,7 @@ from pipelines.sources import ReaderBatches
 from pipelines.suffix import load_suffix
 from pipelines.training import partition_for, run_bcd, train
 from preinfer.config import Config
-from preinfer.metrics import CacheRecord, read_metrics
+from preinfer.metrics import CacheRecord, PlanOutcomeRecord, SweepPlanRecord, read_metrics
 from preinfer.run_dir import RunDir
 from preinfer.sources import LiveSources
 
@@ -68,6 +68,68 @@ def test_bcd_on_and_off_end_with_the_same_weights(tmp_path, corpus, preset):
     assert [v["eval_loss"] for v in on["visits"]] == pytest.approx([v["eval_loss"] for v in off["visits"]], rel=1e-5)
     assert all(v["source_boundary"] == 0 for v in off["visits"])
     assert [v["source_boundary"] > 0 for v in on["visits"]] == [False, True, True] * 2
+
+
+def test_auto_forced_to_stores_ends_with_the_weights_of_off_and_revises_its_plan(tmp_path, corpus, monkeypatch):
+    """A prefix forward assumed 1000x slower than it is makes `auto` plan stores (visits of two epochs, rolled
+    forward); the first store built measures
+    the real speed, and the rest of the sweep is planned again (logged). Weights equal `off`'s either way."""
+    from pipelines.pre_inference import PreInference
+
+    measure = PreInference._layer_seconds
+    monkeypatch.setattr(PreInference, "_layer_seconds", lambda self: 1000 * measure(self))
+    off_config = config_for(tmp_path, corpus, "off", mode="off")
+    auto_config = config_for(tmp_path, corpus, "auto", mode="auto")
+    for config in (off_config, auto_config):
+        config.blocks.blocks, config.data.max_samples, config.stop.steps_per_visit = 4, 16, 8  # two epochs a visit
+    off, auto = run_bcd(off_config, quiet=True), run_bcd(auto_config, quiet=True)
+    assert_close(weights(auto_config.run.out), weights(off_config.run.out))
+    assert [v["eval_loss"] for v in auto["visits"]] == pytest.approx([v["eval_loss"] for v in off["visits"]], rel=1e-5)
+    assert auto["visits"][1]["source_boundary"] > 0
+    records = read_metrics(RunDir(auto_config.run.out).metrics)
+    plans = [r for r in records if isinstance(r, SweepPlanRecord)]
+    assert plans[0].reason == "sweep start" and plans[0].sources[1] > 0 and plans[0].predicted_s < plans[0].live_s
+    assert any(p.reason.startswith("revised: layer_seconds") for p in plans[1:])
+    outcome = [r for r in records if isinstance(r, PlanOutcomeRecord)]
+    assert len(outcome) == 1 and outcome[0].measured_s > 0 and outcome[0].run_predicted_s == outcome[0].predicted_s
+
+
+def test_on_builds_only_the_stores_its_visits_read(tmp_path, corpus):
+    """A descending sweep with --start-block 1 visits 1, 0, 3, 2: the store at block 1's boundary is read first;
+    block 0 changes every boundary, so blocks 3 and 2 each get one store; nothing else is made."""
+    config = config_for(tmp_path, corpus, "on", mode="on")
+    config.blocks.blocks = 4
+    config.blocks.order = "descending"
+    config.blocks.start_block = 1
+    summary = run_bcd(config, quiet=True)
+    read = {v["source_boundary"] for v in summary["visits"]} - {0}
+    made = {r.boundary for r in cache_records(config.run.out) if r.how in ("input", "roll_forward")}
+    assert made == read and len(read) == 3
+
+
+def test_a_visit_resumed_mid_sweep_is_planned_on_its_own(tmp_path, corpus):
+    """After a resume the trainer starts mid-sweep without `sweep_started`: the visit gets a plan of its own."""
+    from pipelines.models import resolve_model
+    from pipelines.pre_inference import PreInference
+    from pipelines.training import live_sources, load_datasets, samples_per_shard
+
+    config = config_for(tmp_path, corpus, "resumed", mode="on")
+    data = load_datasets(config)
+    staged = preinfer.stage(resolve_model(config.model.name, seed=0))
+    partition, _ = partition_for(staged, config)
+    shard = samples_per_shard(config, staged)
+    chosen = PreInference(staged, {"train": data.train, "eval": data.eval}, data.tokenizer, config,
+                          live_sources(data, config, shard), shard)
+    records = []
+    chosen.attach(records.append)
+    block = partition.blocks[2]
+    train, _ = chosen.sources(block)
+    assert train.boundary == block.start
+    plans = [r for r in records if isinstance(r, SweepPlanRecord)]
+    assert (plans[0].reason, plans[0].sweep, plans[0].sources) == ("resumed mid-sweep", 0, [block.start])
+    assert all(p.reason.startswith("revised: ") for p in plans[1:])  # after the store made measured the rates
+    chosen.visit_finished(block)
+    assert [type(r) for r in records][-1] is PlanOutcomeRecord
 
 
 def test_an_ascending_sweep_runs_the_prefix_from_the_input_once(tmp_path, corpus):

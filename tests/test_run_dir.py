@@ -8,8 +8,8 @@ import pytest
 from pipelines.cli import main
 from pipelines.models import model_source
 from preinfer.errors import PreinferError
-from preinfer.metrics import (RECORD_KINDS, CacheRecord, PreInferenceRecord, StepRecord, VisitRecord, parse_record,
-                              read_metrics)
+from preinfer.metrics import (RECORD_KINDS, CacheRecord, PlanOutcomeRecord, PreInferenceRecord, StepRecord,
+                              SweepPlanRecord, VisitRecord, parse_record, read_metrics)
 from preinfer.run_dir import RunDir
 
 TINY = ["--model", "tiny-llama", "--seq-len", "32", "--batch-size", "4", "--steps-per-visit", "2",
@@ -58,7 +58,8 @@ def test_json_keys_of_records():
     assert made["from"] == 1 and "from_" not in made and "reason" not in made
     assert deleted["reason"].startswith("block 0") and "from" not in deleted
     assert set(reused) == {"kind", "boundary", "how", "seconds", "bytes"}
-    assert set(RECORD_KINDS) == {"step", "visit", "cache", "pre_inference", "budget_plan"}
+    assert set(RECORD_KINDS) == {"step", "visit", "cache", "pre_inference", "budget_plan", "sweep_plan",
+                                 "plan_outcome"}
     assert decision["saving_s"] == 0.8 and visit["memory"] == {"params": 10, "activations": 4}
 
 
@@ -80,7 +81,8 @@ def test_a_run_writes_typed_records_and_resolves_as_a_model(tmp_path, capsys):
     assert code == 0, err
     run = RunDir(out)
     records = read_metrics(run.metrics)
-    assert {type(r) for r in records} == {StepRecord, VisitRecord, CacheRecord}
+    assert {type(r) for r in records} == {StepRecord, VisitRecord, CacheRecord, PreInferenceRecord, SweepPlanRecord,
+                                          PlanOutcomeRecord}
     visits = [r for r in records if isinstance(r, VisitRecord)]
     assert [v.block for v in visits] == [0, 1] and visits[1].source_boundary > 0
     assert json.loads(run.summary.read_text())["visits"] == [v.to_dict() for v in visits]

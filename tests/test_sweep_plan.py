@@ -1,0 +1,152 @@
+"""Whole-sweep pre-inference plans: the plan for fixed throughputs is the expected one, and never exceeds the disk."""
+
+import random
+
+import pytest
+
+from pipelines import sweep_plan
+from pipelines.sweep_plan import Throughputs, Visit, Workload, plan_sweep, schedule
+
+# small-llama-like: 6 layers, UFP 1/3 (blocks start at 0, 2, 4), seq 128 x hidden 256 float32, batch 8
+SAMPLE_BYTES = 128 * 256 * 4
+EPOCH = 125  # steps: 1000 training samples
+RATES = Throughputs(layer_seconds=5e-4, write_bps=1e9, read_bps=1e9)
+ASCENDING, DESCENDING, SHUFFLED = (0, 2, 4), (4, 2, 0), (4, 0, 2)
+
+
+def workload(starts=ASCENDING, steps=EPOCH, free_bytes=10**12, stores=frozenset(), num_layers=6) -> Workload:
+    return Workload(
+        visits=tuple(Visit(block=i, start=s, steps=steps) for i, s in
+                     ((sorted(starts).index(s), s) for s in starts)),
+        num_layers=num_layers, samples_per_step=8, train_samples=1000, eval_split_samples=100, eval_samples=100,
+        sample_bytes=SAMPLE_BYTES, free_bytes=free_bytes, stores=frozenset(stores))
+
+
+def builds(plan) -> list[tuple[int, int, int]]:
+    return [(b.boundary, b.source, b.slot) for b in plan.builds]
+
+
+STORE = (1000 + 100) * SAMPLE_BYTES
+CASES = [
+    # name, workload, expected sources, expected builds (boundary, from, before visit)
+    ("ascending, 1 epoch: store at 2, rolled forward to 4", workload(), (0, 2, 4), [(2, 0, 1), (4, 2, 2)]),
+    ("ascending, 3 epochs", workload(steps=3 * EPOCH), (0, 2, 4), [(2, 0, 1), (4, 2, 2)]),
+    ("ascending, a tenth of an epoch: live", workload(steps=EPOCH // 10), (0, 0, 0), []),
+    ("descending, 1 epoch: both stores at the start, 4 from 2", workload(DESCENDING), (4, 2, 0),
+     [(2, 0, 0), (4, 2, 0)]),
+    ("descending, 1 epoch, room for one store: live", workload(DESCENDING, free_bytes=int(1.5 * STORE)), (0, 0, 0),
+     []),
+    ("descending, 3 epochs, room for one store: each made before its visit",
+     workload(DESCENDING, steps=3 * EPOCH, free_bytes=int(1.5 * STORE)), (4, 2, 0), [(4, 0, 0), (2, 0, 1)]),
+    ("ascending, 3 epochs, room for one store: each made from the input",
+     workload(steps=3 * EPOCH, free_bytes=int(1.5 * STORE)), (0, 2, 4), [(2, 0, 1), (4, 0, 2)]),
+    ("no room for any store: live", workload(free_bytes=STORE), (0, 0, 0), []),
+    ("a valid store at 2 is reused, then rolled forward", workload((2, 4), stores={2}), (2, 4), [(4, 2, 1)]),
+    ("shuffled, 3 epochs: each store from the input", workload(SHUFFLED, steps=3 * EPOCH), (4, 0, 2),
+     [(4, 0, 0), (2, 0, 2)]),
+]
+
+
+@pytest.mark.parametrize("name, work, sources, made", CASES, ids=[c[0] for c in CASES])
+def test_the_plan_for_fixed_throughputs(name, work, sources, made):
+    plan = plan_sweep(work, RATES)
+    assert plan.chosen.sources == sources
+    assert builds(plan.chosen) == made
+    assert plan.chosen.peak_bytes <= work.disk_budget
+    if plan.chosen.reads_stores:
+        assert plan.chosen.seconds < plan.live.seconds and plan.alternative is plan.live
+    else:
+        assert plan.chosen is plan.live
+
+
+def test_ascending_at_one_epoch_pays_over_the_sweep_though_no_single_visit_does():
+    """The issue's case: a store for block 1 alone, or for block 2 alone, costs more than it saves; the sweep's
+    roll-forward pays."""
+    work = workload()
+    plan = plan_sweep(work, RATES)
+    live = plan.live.seconds
+    for alone in ((False, True, False), (False, False, True)):
+        assert min(schedule(work, RATES, alone, *timing).seconds for timing in sweep_plan.TIMINGS) > live
+    assert plan.chosen.sources == (0, 2, 4) and plan.chosen.seconds < live
+    assert plan.chosen.peak_bytes == 2 * work.store_bytes  # the roll-forward holds its source and its result
+    assert plan.chosen.deletes == ((2, 4), (4, 5))  # 2 after it fed 4 (builds before visit 2), 4 after visit 2
+
+
+def test_a_shuffled_order_with_short_visits_says_stores_are_useless_and_stays_live():
+    plan = plan_sweep(workload(SHUFFLED), RATES)
+    assert plan.no_reuse and not plan.chosen.reads_stores
+    assert not plan_sweep(workload(), RATES).no_reuse and not plan_sweep(workload(DESCENDING), RATES).no_reuse
+
+
+def test_on_reads_a_store_on_every_visit_above_the_input_and_builds_nothing_else():
+    for starts in (ASCENDING, DESCENDING, SHUFFLED):
+        plan = plan_sweep(workload(starts, steps=1), RATES, mode="on").chosen
+        assert plan.sources == starts
+        assert sorted(b.boundary for b in plan.builds) == sorted(s for s in starts if s)
+
+
+def test_existing_stores_the_plan_does_not_read_are_deleted_at_the_start():
+    plan = plan_sweep(workload(stores={2, 4}, steps=1), RATES).chosen
+    assert not plan.reads_stores and plan.deletes == ((2, 0), (4, 0))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_plan_never_exceeds_the_free_disk(seed):
+    rng = random.Random(seed)
+    num_layers = rng.choice([4, 6, 12])
+    starts = rng.sample(range(num_layers), rng.randint(1, min(num_layers, 6)))
+    work = workload(tuple(starts), steps=rng.choice([1, 12, EPOCH, 3 * EPOCH]),
+                    free_bytes=int(rng.uniform(0, 4) * STORE), num_layers=num_layers)
+    rates = Throughputs(layer_seconds=rng.uniform(1e-5, 1e-2), write_bps=rng.uniform(1e7, 2e9),
+                        read_bps=rng.uniform(1e7, 2e9))
+    for mode in ("auto", "on"):
+        plan = plan_sweep(work, rates, mode)
+        if plan.chosen.peak_bytes > work.disk_budget:  # `on` only, and only when no timing of its stores fits
+            assert mode == "on" and all(schedule(work, rates, tuple(s > 0 for s in starts), *timing).peak_bytes
+                                        > work.disk_budget for timing in sweep_plan.TIMINGS)
+        assert plan.best_store is None or plan.best_store.peak_bytes <= work.disk_budget
+
+
+def test_many_visits_use_a_local_search_that_finds_the_exhaustive_plan(monkeypatch):
+    work = workload(tuple(range(12)), num_layers=12)
+    searched = plan_sweep(work, RATES).chosen
+    monkeypatch.setattr(sweep_plan, "EXHAUSTIVE_VISITS", 12)
+    exhaustive = plan_sweep(work, RATES).chosen
+    assert searched.reads_stores and searched.seconds == pytest.approx(exhaustive.seconds)
+
+
+def test_measured_step_times_enter_the_prediction_but_not_the_choice():
+    work = workload()
+    timed, untimed = (Throughputs(RATES.layer_seconds, RATES.write_bps, RATES.read_bps,
+                                  step_seconds={b: seconds for b in range(3)}) for seconds in (1.0, 0.0))
+    measured = plan_sweep(work, timed)
+    assert measured.chosen.sources == plan_sweep(work, RATES).chosen.sources
+    assert measured.live.seconds == pytest.approx(3 * EPOCH * 1.0 + plan_sweep(work, untimed).live.seconds)
+
+
+def test_throughputs_differ_beyond_the_margin():
+    assert RATES.differs(RATES) == []
+    slower = Throughputs(RATES.layer_seconds * 1.2, RATES.write_bps / 2, RATES.read_bps, store_overhead_s=0.05)
+    assert slower.differs(RATES) == ["write_bps"]  # the overhead moved by less than OVERHEAD_FLOOR_S
+    assert Throughputs(RATES.layer_seconds, RATES.write_bps, RATES.read_bps, 0.5).differs(RATES) == [
+        "store_overhead_s"]
+
+
+def test_plan_records_round_trip_through_json_and_read_as_one_line():
+    import dataclasses
+    import json
+
+    from preinfer.metrics import PlanOutcomeRecord, SweepPlanRecord, parse_record
+
+    plan = SweepPlanRecord(sweep=0, reason="sweep start", mode="auto", first_visit=0, chosen="stores at 2 (...)",
+                           predicted_s=21.5, alternative="live", alternative_s=21.9, live_s=21.9, sources=[0, 2, 4],
+                           builds=[{"boundary": 2, "from": 0, "before_visit": 1, "seconds": 1.2}], peak_bytes=2 << 20,
+                           free_bytes=1 << 30, layer_seconds=5e-4, write_bps=1e9, read_bps=1e9, store_overhead_s=0.1)
+    outcome = PlanOutcomeRecord(sweep=0, predicted_s=21.5, measured_s=25.0, run_predicted_s=21.5, run_measured_s=25.0)
+    without = dataclasses.replace(plan, alternative="none fits the disk", alternative_s=None)
+    for record in (plan, without, outcome):
+        assert parse_record(json.loads(json.dumps(record.to_dict()))) == record
+    assert "note" not in plan.to_dict()
+    assert plan.line() == ("sweep 0 pre-inference plan (sweep start): stores at 2 (...), predicted 21.5 s; "
+                           "alternative live 21.9 s; live 21.9 s; peak disk 2.0 MiB of 1.0 GiB free")
+    assert outcome.line().endswith("25.0 s measured (-14%)")
