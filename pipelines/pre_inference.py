@@ -129,9 +129,7 @@ class PreInference:
                                stop.epochs_per_visit and int(stop.epochs_per_visit * steps_per_epoch)) if s]
         steps = min(budgets) if budgets else steps_per_epoch
         samples_per_step = self.config.data.batch_size * optim.grad_accum
-        eval_samples = len(self.datasets["eval"])
-        if self.config.data.eval_batches:
-            eval_samples = min(eval_samples, self.config.data.eval_batches * self.config.data.batch_size)
+        eval_samples = len(self.datasets["eval"])  # capped by --eval-tokens
         sample_bytes = train.seq_len * self.staged.hidden_size * self.staged.compute_dtype.itemsize
         total = sum(len(d) for d in self.datasets.values())
         source = max((b for b in self._valid_stores() if b < k), default=0)

@@ -56,6 +56,13 @@ class TokenStoreDataset:
     def __len__(self) -> int:
         return self._length
 
+    def __getstate__(self) -> dict:
+        """What a process needs to open the same samples itself (a Dask task carries this, never the samples)."""
+        return {"path": self.path, "split": self.split, "limit": self._length, "cached_shards": self._cached_shards}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["path"], state["split"], cached_shards=state["cached_shards"], limit=state["limit"])
+
     @property
     def seq_len(self) -> int:
         return self.info.seq_len
