@@ -35,4 +35,5 @@ def data_splits(args: argparse.Namespace, base: Config, tokenizer: Tokenizer, se
         return token_splits(data, tokenizer, seq_len, fraction, splits, args.token_store or base.data.token_store,
                             progress)
     except OSError as err:
-        raise UsageError(f"cannot read --data {data}: {err.strerror or err}") from None
+        raise UsageError(f"{err.filename or data}: cannot read it ({type(err).__name__}: {err.strerror or err})") \
+            from None

@@ -76,8 +76,8 @@ class ReaderBatches:
     """A `preinfer.sources.BatchSource` over a complete store at `boundary` (0: token shards)."""
 
     def __init__(self, store: ShardedStore, boundary: int, batch_size: int, seed: int = 0, rank: int = 0,
-                 world_size: int = 1, shuffle: bool = True):
-        self.store, self.boundary = store, boundary
+                 world_size: int = 1, shuffle: bool = True, limit: int | None = None):
+        self.store, self.boundary, self.limit = store, boundary, limit
         self.options = dict(batch_size=batch_size, seed=seed, rank=rank, world_size=world_size)
         self.reader = storage.Reader(store, shuffle=shuffle, **self.options)
         self._batches: Iterator | None = None
@@ -100,9 +100,15 @@ class ReaderBatches:
         raise RuntimeError(f"store {self.store.path} yields no batches")
 
     def one_pass(self) -> Iterator[dict[str, torch.Tensor]]:
-        """Every sample once in stored order, on every rank, with a reader of its own (the training cursor is
-        untouched)."""
-        yield from storage.Reader(self.store, self.options["batch_size"], shuffle=False)
+        """Every sample once (the first `limit` ones if set) in stored order, on every rank, with a reader of its
+        own (the training cursor is untouched)."""
+        left = self.store.num_samples if self.limit is None else self.limit
+        for batch in storage.Reader(self.store, self.options["batch_size"], shuffle=False):
+            if left <= 0:
+                return
+            batch = {name: tensor[:left] for name, tensor in batch.items()}
+            left -= len(next(iter(batch.values())))
+            yield batch
 
     def state_dict(self) -> dict:
         return self.reader.state_dict()

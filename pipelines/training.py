@@ -145,8 +145,8 @@ def run_bcd(config: Config, resume: bool = False, quiet: bool = False) -> dict:
     rank, world = init_distributed(config.run.device)
     if rank == 0:
         check_run_dir(run, resume)
-    data = load_datasets(config, quiet)
     model = resolve_model(config.model.name, seed=config.run.seed).to(config.run.device)
+    data = load_datasets(config, quiet)
     staged = preinfer.stage(model)
     partition, active = partition_for(staged, config)
     shard = samples_per_shard(config, staged)
@@ -179,7 +179,8 @@ def run_from_store(config: Config, resume: bool = False, quiet: bool = False) ->
     batch, seed = config.data.batch_size, config.run.seed
     chosen = LiveSources(
         ReaderBatches(stores["train"], boundary, batch, seed, rank, world),
-        ReaderBatches(stores["eval"], boundary, batch, seed, shuffle=False),
+        ReaderBatches(stores["eval"], boundary, batch, seed, shuffle=False,
+                      limit=eval_samples(config.data.eval_tokens, stores["eval"].fields["labels"].shape[0])),
     )
     trainer = train(config, staged, partition, active, chosen, resume, quiet, notes)
 

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 import storage
 from pipelines import training
 from pipelines.cli import main
-from pipelines.sources import TOKEN_FIELDS, ReaderBatches
+from pipelines.sources import TOKEN_FIELDS, ReaderBatches, TokenShards
 from pipelines.tokenize import TokenizeOptions, TokenStoreDataset, tokenize_corpus
 from pipelines.tokenize.resolve import default_token_root
 from pipelines.training import load_datasets, run_bcd
@@ -161,3 +161,11 @@ def test_every_job_works_with_data_naming_a_token_store(tmp_path, token_dir, cap
     assert result["samples"] == len(TokenStoreDataset(token_dir, "eval"))
     assert "verify: OK" in ok(["verify", str(cache), "--model", str(run), "--data", token_dir, "--eval-fraction", "0.2",
                                "--sample", "2"])
+
+
+def test_an_evaluation_limit_reads_the_first_samples_in_stored_order(token_dir):
+    dataset = TokenStoreDataset(token_dir, "train")
+    batches = ReaderBatches(TokenShards(dataset, 3), 0, batch_size=4, shuffle=False, limit=5)
+    read = [batch["input_ids"] for batch in batches.one_pass()]
+    assert [len(ids) for ids in read] == [4, 1]
+    assert torch.equal(torch.cat(read), dataset[0:5]["input_ids"])

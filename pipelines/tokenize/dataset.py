@@ -77,7 +77,11 @@ class TokenStoreDataset:
         """Real (unpadded) tokens of the whole split."""
         if self._length == self.store.num_samples:
             return self.info.splits[self.split].tokens
-        return int(self[slice(None)]["attention_mask"].sum())
+        if self.info.kind == "lm":  # every position of LM text is a real token
+            return self._length * self.seq_len
+        per_shard = self.store.samples_per_shard
+        return sum(int(self.block(np.arange(start, min(start + per_shard, self._length))).lengths[:, 1].sum())
+                   for start in range(0, self._length, per_shard))
 
     def head(self, n: int) -> TokenStoreDataset:
         """The first `n` samples as a dataset of their own."""

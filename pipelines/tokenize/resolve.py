@@ -7,6 +7,7 @@ tokenizer and settings), so every job and every run of the same data shares one 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from pipelines.tokenize.dataset import TokenStoreDataset, open_token_store
@@ -30,7 +31,7 @@ def is_token_store(data: str) -> bool:
 def token_store_path(data: str, tokenizer: Tokenizer, seq_len: int, eval_fraction: float, root: str | None = None,
                      progress: bool = True) -> Path:
     """The complete token store of `data` for these settings: `data` itself when it is one (refused if it was made
-    otherwise), else the cache's, tokenised now if it is not there yet."""
+    otherwise), else the cache's, tokenised now if it is not there yet (with a progress bar on a terminal)."""
     if is_token_store(data):
         check_token_store(open_token_store(data), data, tokenizer, seq_len, eval_fraction)
         return Path(data)
@@ -38,7 +39,8 @@ def token_store_path(data: str, tokenizer: Tokenizer, seq_len: int, eval_fractio
     path = cache_path(root or default_token_root(), fingerprint)
     if read_info(path) is None:
         tokenize_corpus(TokenizeOptions(data=data, tokenizer=tokenizer.name, seq_len=seq_len,
-                                        eval_fraction=eval_fraction, out=str(path), progress=progress))
+                                        eval_fraction=eval_fraction, out=str(path),
+                                        progress=progress and sys.stderr.isatty()))
     return path
 
 
