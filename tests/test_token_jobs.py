@@ -169,3 +169,13 @@ def test_an_evaluation_limit_reads_the_first_samples_in_stored_order(token_dir):
     read = [batch["input_ids"] for batch in batches.one_pass()]
     assert [len(ids) for ids in read] == [4, 1]
     assert torch.equal(torch.cat(read), dataset[0:5]["input_ids"])
+
+
+def test_the_real_tokens_of_a_capped_split_are_counted_shard_by_shard(tmp_path):
+    records = [{"instruction": f"do {i} " * (i % 5 + 1), "output": f"ok {i} " * (i % 7 + 1)} for i in range(120)]
+    corpus = tmp_path / "instructions.jsonl"
+    corpus.write_text("\n".join(json.dumps(record) for record in records))
+    tokenize_corpus(TokenizeOptions(data=str(corpus), seq_len=64, out=str(tmp_path / "tokens"), samples_per_shard=7,
+                                    progress=False))
+    head = TokenStoreDataset(tmp_path / "tokens", "train").head(20)
+    assert head.num_tokens == int(head[0:20]["attention_mask"].sum()) < 20 * 64
