@@ -245,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     for how in ("prebuilt", "implicit") if base else ():
         ratio = large[f"bcd_{how}_s"] / by_size[base][f"bcd_{how}_s"]
         targets[f"bcd_time_ratio_{how}"] = at_most(ratio, TARGET_BCD_RATIO, from_size=base, to_size=sizes[-1])
-    print(table(rows, list(rows[0])))
+    columns = list(dict.fromkeys(column for row in rows for column in row))  # rows measure different things
+    print(table([{column: row.get(column, "-") for column in columns} for row in rows], columns))
     print(json.dumps(targets, indent=1))
     payload = {"command": " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
                "machine": machine(), "rows": rows, "targets": targets}
