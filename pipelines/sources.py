@@ -14,7 +14,6 @@ import torch
 
 import storage
 from preinfer.sources import LiveSources
-from storage.reader import ShardedStore
 
 TOKEN_FIELDS = ("input_ids", "attention_mask", "labels")
 
@@ -75,7 +74,7 @@ class TokenShards:
 class ReaderBatches:
     """A `preinfer.sources.BatchSource` over a complete store at `boundary` (0: token shards)."""
 
-    def __init__(self, store: ShardedStore, boundary: int, batch_size: int, seed: int = 0, rank: int = 0,
+    def __init__(self, store: storage.Store | TokenShards, boundary: int, batch_size: int, seed: int = 0, rank: int = 0,
                  world_size: int = 1, shuffle: bool = True, limit: int | None = None):
         self.store, self.boundary, self.limit = store, boundary, limit
         self.options = dict(batch_size=batch_size, seed=seed, rank=rank, world_size=world_size)
