@@ -174,7 +174,8 @@ def store_worker(args: argparse.Namespace, ufp: str, recompute: bool) -> dict:
         model = load_suffix(args.model, start, seed=0).model
         staged = preinfer.stage(model)
         block = next(b for b in make_partition(staged, ufp=float(Fraction(ufp))).blocks if b.start == start)
-        single = Partition((replace(block, index=0),), sum(p.numel() for p in model.parameters()), ())
+        total = sum(p.numel() for p in model.parameters())
+        single = Partition((replace(block, index=0),), total, total, ())
         store = storage.open_store(store_path(args, start))
         train = ReaderBatches(store, start, args.batch_size, seed=0)
         evaluation = ReaderBatches(store, start, args.batch_size, seed=0, shuffle=False)

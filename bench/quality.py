@@ -7,6 +7,9 @@ Methods (each in its own subprocess, trained with the real `preinfer.trainer.Tra
   bcd-sgd    BCD-SGD at UFP 1/3 with the paper's defaults: lr 0.1, momentum 0.9, weight decay 1e-5, no warmup,
              no clipping
   (optional, --sgd-lr X) bcd-sgd-tuned: the same with lr X
+  (optional) bcd-experts  BCD-Adam as bcd-adam with expert-granular blocks (--experts, default top:0.5): in sparse
+             layers only the experts carrying that share of routed tokens train (mixture-of-experts models)
+Each method's peak tracked memory (weights, gradients, optimizer state, saved activations; the meter's) is kept.
 
 Two comparisons:
   equal budget (default)  every method gets the same token budget (--epochs, default 2 epochs of the training
@@ -18,6 +21,10 @@ Two comparisons:
                           --bcd-adam-factor times that, since BCD needs more epochs); each is compared at its best
                           eval loss (early stopping), and the epochs ratio is of the epochs at which each method
                           reached its plateau.
+--precision fp32,bf16-mixed,fp16-mixed trains every method in each precision (a method in a precision other than
+fp32 is named METHOD@PRECISION) and compares each with the same method in fp32 at the same steps: bf16-mixed's
+final eval loss within 1%, fp16-mixed's within 2% (with its skipped steps). Without full-adam among the methods
+only this comparison is made.
 Each method's result is kept in <out dir>/quality_runs/<method>.json; --reuse takes a method's result from there
 instead of training it again when it was measured with the same settings (so methods can also be run in separate
 invocations, e.g. in parallel with --methods, and compared by a last run with --reuse).
@@ -27,6 +34,7 @@ evaluation time is excluded from the wall times.
     python bench/quality.py            # 27 min of CPU: about 14 min on 2 free cores (40 min on a loaded machine)
     python bench/quality.py --until-plateau --plateau-window 6   # each method to its plateau (1-2 hours)
     python bench/quality.py --quick    # tiny-llama, a few steps (seconds)
+    python bench/quality.py --methods bcd-adam --precision fp32,bf16-mixed,fp16-mixed --epochs 0.5
 """
 
 from __future__ import annotations
@@ -49,13 +57,27 @@ import torch  # noqa: E402
 from bench.common import machine  # noqa: E402
 
 TARGET_REL = 0.03  # BCD-Adam's final eval loss within 3% of full Adam's
+PRECISION_REL = {"bf16-mixed": 0.01, "fp16-mixed": 0.02}  # final eval loss against the same method in fp32
 PAPER = dict(ppl_full_adam=6.59, ppl_bcd_adam=6.62, epochs_ratio_ufp_1_3=2.2)
 ADAM = dict(name="adam", lr=2e-3, betas=[0.9, 0.95], weight_decay=0.0, grad_clip=1.0)
 SGD = dict(name="sgd", lr=0.1, momentum=0.9, weight_decay=1e-5, grad_clip=0.0)  # the paper's defaults
 
 
-def method_overrides(name: str, args: argparse.Namespace, steps: int) -> dict:
-    """Config overrides of one method trained for `steps` optimizer steps."""
+def method_precision(key: str) -> tuple[str, str]:
+    """(method, precision) of a run named METHOD or METHOD@PRECISION."""
+    name, _, precision = key.partition("@")
+    return name, precision or "fp32"
+
+
+def method_overrides(key: str, args: argparse.Namespace, steps: int) -> dict:
+    """Config overrides of one method (in one precision) trained for `steps` optimizer steps."""
+    name, precision = method_precision(key)
+    overrides = _method_overrides(name, args, steps)
+    overrides["run"] = {**overrides["run"], "precision": precision}
+    return overrides
+
+
+def _method_overrides(name: str, args: argparse.Namespace, steps: int) -> dict:
     per_visit = args.steps_per_visit
     if name == "full-adam":
         return dict(optim=dict(**ADAM, warmup_steps=args.full_warmup), stop=dict(steps_per_visit=steps),
@@ -67,6 +89,9 @@ def method_overrides(name: str, args: argparse.Namespace, steps: int) -> dict:
         return dict(optim=dict(**ADAM, warmup_steps=args.visit_warmup), **bcd)
     if name == "bcd-sgd":
         return dict(optim=dict(**SGD, warmup_steps=0), **bcd)
+    if name == "bcd-experts":
+        return dict(optim=dict(**ADAM, warmup_steps=args.visit_warmup),
+                    **{**bcd, "blocks": {**bcd["blocks"], "experts": args.experts}})
     if name == "bcd-sgd-tuned":
         return dict(optim=dict(**{**SGD, "lr": args.sgd_lr}, warmup_steps=0), **bcd)
     raise SystemExit(f"unknown method '{name}'")
@@ -89,6 +114,7 @@ def run_method(args: argparse.Namespace, name: str, steps: int, run_dir: Path) -
     from preinfer.meter import MemoryMeter
     from preinfer.metrics import Record, StepRecord
     from preinfer.partition import make_partition, parse_ufp
+    from preinfer.precision import apply_precision
     from preinfer.run_dir import RunDir
     from preinfer.trainer import Trainer, evaluate
 
@@ -109,7 +135,8 @@ def run_method(args: argparse.Namespace, name: str, steps: int, run_dir: Path) -
         partition = make_partition(staged, num_blocks=1)
     else:
         partition = make_partition(staged, ufp=parse_ufp(config.blocks.ufp))
-    sources = live_sources(data, config, samples_per_shard(config, staged))
+    sources = live_sources(data, config, samples_per_shard(config, staged))  # float32's: one order for all
+    apply_precision(model, config.run.precision)
     device = torch.device("cpu")
     tokens_per_epoch = len(data.train) * config.data.seq_len
     curve: list[dict] = []
@@ -140,7 +167,10 @@ def run_method(args: argparse.Namespace, name: str, steps: int, run_dir: Path) -
     if not curve or curve[-1]["step"] != p.global_step:
         measure(p.global_step, p.tokens)
     (run_dir / "eval.jsonl").write_text("".join(json.dumps(c) + "\n" for c in curve))
+    peak = max(visit["memory"].get("tracked_peak", 0) for visit in p.visits) if p.visits else 0
     return dict(method=name, config=config.to_dict(), partition=partition.report(), steps=p.global_step,
+                precision=trainer.precision, skipped_steps=trainer.scaler.skipped if trainer.scaler else 0,
+                peak_tracked_bytes=peak,
                 tokens=p.tokens, tokens_per_epoch=tokens_per_epoch, curve=curve,
                 train_wall_s=time.perf_counter() - clock["start"] - clock["eval_s"], eval_s=clock["eval_s"])
 
@@ -211,6 +241,7 @@ def summarise(runs: dict[str, dict], budget_tokens: int, args: argparse.Namespac
             plateau=plateau, run_tokens=run["tokens"], run_epochs=run["tokens"] / run["tokens_per_epoch"],
             run_final_eval_loss=curve[-1]["eval_loss"], trend_last_4=trend(curve),
             run_train_wall_s=run["train_wall_s"], eval_s=run["eval_s"],
+            peak_tracked_bytes=run.get("peak_tracked_bytes"),
         )
     full = rows["full-adam"]
     target = full["final_eval_loss"]
@@ -244,6 +275,23 @@ def summarise(runs: dict[str, dict], budget_tokens: int, args: argparse.Namespac
     else:
         target_check = None
     return dict(rows=rows, epochs_ratio=epochs_ratio, target=target_check)
+
+
+def compare_precisions(runs: dict[str, dict], budget_tokens: int) -> dict:
+    """Each METHOD@PRECISION run against METHOD in fp32 at the same budget: relative final eval loss, its limit,
+    and the steps the loss scaler skipped."""
+    rows = {}
+    for key, run in runs.items():
+        name, precision = method_precision(key)
+        if precision == "fp32" or name not in runs:
+            continue
+        ours, fp32 = (at_budget(r["curve"], budget_tokens)["eval_loss"] for r in (run, runs[name]))
+        rel = ours / fp32 - 1
+        rows[key] = dict(method=name, precision=precision, final_eval_loss=ours, fp32_final_eval_loss=fp32,
+                         rel_to_fp32=rel, limit=PRECISION_REL[precision], holds=abs(rel) <= PRECISION_REL[precision],
+                         steps=run["steps"], skipped_steps=run["skipped_steps"],
+                         train_wall_s=run["train_wall_s"], fp32_train_wall_s=runs[name]["train_wall_s"])
+    return rows
 
 
 def plot(runs: dict[str, dict], budget_tokens: int, out: Path, title: str, until_plateau: bool) -> None:
@@ -283,7 +331,7 @@ def plot(runs: dict[str, dict], budget_tokens: int, out: Path, title: str, until
 def method_settings(args: argparse.Namespace, name: str, steps: int) -> dict:
     """Everything one method's result depends on (what --reuse compares)."""
     keys = ("model", "seq_len", "batch_size", "seed", "steps_per_visit", "eval_every", "eval_batches", "full_warmup",
-            "visit_warmup", "sgd_lr", "until_plateau", "plateau_rel", "plateau_window")
+            "visit_warmup", "sgd_lr", "until_plateau", "plateau_rel", "plateau_window", "experts")
     return dict(method=name, steps=steps, **{k: getattr(args, k) for k in keys})
 
 
@@ -321,8 +369,8 @@ def launch(args: argparse.Namespace, name: str, steps: int, run_dir: Path, setti
 def table(summary: dict, until_plateau: bool) -> str:
     compared = "best eval loss" if until_plateau else "eval loss at budget"
     lines = [f"| method | {compared} | PPL | vs full Adam | best eval loss (epoch) | tokens | epochs "
-             "| train wall s | epochs to full-Adam final | plateau at epoch |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| train wall s | epochs to full-Adam final | plateau at epoch | peak tracked MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in summary["rows"].items():
         reach = r["reach_full_final"]
         if reach:
@@ -335,7 +383,7 @@ def table(summary: dict, until_plateau: bool) -> str:
         lines.append(
             f"| {name} | {r['final_eval_loss']:.4f} | {r['final_ppl']:.3f} | {r['rel_to_full']:+.2%} "
             f"| {r['best_eval_loss']:.4f} ({r['best_at_epochs']:.2f}) | {r['tokens']:,} | {r['epochs']:.2f} "
-            f"| {r['train_wall_s']:.0f} | {to_full} | {plateau} |"
+            f"| {r['train_wall_s']:.0f} | {to_full} | {plateau} | {(r['peak_tracked_bytes'] or 0) / 2**20:.2f} |"
         )
     return "\n".join(lines)
 
@@ -358,6 +406,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--visit-warmup", type=int, default=10, help="warmup steps of each BCD-Adam visit")
     p.add_argument("--sgd-lr", type=float, default=None, help="also run BCD-SGD with this lr (bcd-sgd-tuned)")
     p.add_argument("--methods", default="full-adam,bcd-adam,bcd-sgd")
+    p.add_argument("--precision", default="fp32",
+                   help="comma-separated precisions each method trains in (fp32, bf16-mixed, fp16-mixed); the "
+                        "others are compared with fp32")
+    p.add_argument("--experts", default="top:0.5", help="bcd-experts: the expert share each sparse layer trains")
     p.add_argument("--until-plateau", action="store_true",
                    help="train every method until its eval loss plateaus (or --max-epochs); compare best losses")
     p.add_argument("--max-epochs", type=float, default=8.0,
@@ -401,13 +453,14 @@ def main(argv: list[str] | None = None) -> int:
     epochs = args.max_epochs if args.until_plateau else args.epochs
     budget_steps = max(1, round(epochs * per_epoch / (3 * args.steps_per_visit))) * 3 * args.steps_per_visit
     runs: dict[str, dict] = {}
-    for name in args.methods.split(","):
-        steps = round(budget_steps * args.bcd_adam_factor) if name == "bcd-adam" else budget_steps
-        print(f"[quality] {name}: up to {steps} steps", flush=True)
-        runs[name] = launch(args, name, steps, runs_dir / name, method_settings(args, name, steps))
+    keys = [name if precision == "fp32" else f"{name}@{precision}"
+            for precision in args.precision.split(",") for name in args.methods.split(",")]
+    for key in keys:
+        steps = round(budget_steps * args.bcd_adam_factor) if method_precision(key)[0] == "bcd-adam" else budget_steps
+        print(f"[quality] {key}: up to {steps} steps", flush=True)
+        runs[key] = launch(args, key, steps, runs_dir / key, method_settings(args, key, steps))
     if "full-adam" not in runs:
-        print("[quality] kept the results in quality_runs/; the comparison needs full-adam (add it, with --reuse)")
-        return 0
+        return precision_only(args, runs, min(run["tokens"] for run in runs.values()), started)
     budget_tokens = max(run["tokens"] for run in runs.values()) if args.until_plateau else runs["full-adam"]["tokens"]
     summary = summarise(runs, budget_tokens, args)
     png = args.out.with_suffix(".png")
@@ -423,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
                                          visit_warmup=args.visit_warmup, sgd_tuned_lr=args.sgd_lr,
                                          until_plateau=args.until_plateau, max_epochs=args.max_epochs,
                                          plateau_rel=args.plateau_rel, plateau_window=args.plateau_window),
-        paper=PAPER, plot=str(png), **summary,
+        paper=PAPER, plot=str(png), **summary, precision=compare_precisions(runs, budget_tokens),
         runs={name: {k: v for k, v in run.items() if k != "config"} | {"config": run["config"]}
               for name, run in runs.items()},
         wall_s=time.perf_counter() - started,
@@ -432,6 +485,25 @@ def main(argv: list[str] | None = None) -> int:
     print(table(summary, args.until_plateau))
     print(json.dumps(dict(target=summary["target"], epochs_ratio=summary["epochs_ratio"]), indent=1))
     print(f"wrote {args.out} and {png} in {result['wall_s']:.0f} s")
+    return 0
+
+
+def precision_only(args: argparse.Namespace, runs: dict[str, dict], budget_tokens: int, started: float) -> int:
+    """Without full-adam: write and print only the precision comparison."""
+    rows = compare_precisions(runs, budget_tokens)
+    if not rows:
+        print("[quality] kept the results in quality_runs/; the comparison needs full-adam (add it, with --reuse) "
+              "or a method in fp32 and another precision")
+        return 0
+    result = dict(benchmark="quality-precision", command=" ".join(["python", "bench/quality.py", *args.passthrough]),
+                  machine=machine(), settings=dict(model=args.model, data="builtin:pydoc", seq_len=args.seq_len,
+                                                   batch_size=args.batch_size, seed=args.seed,
+                                                   budget_tokens=budget_tokens, steps_per_visit=args.steps_per_visit,
+                                                   adam=ADAM, visit_warmup=args.visit_warmup),
+                  precision=rows, wall_s=time.perf_counter() - started)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(rows, indent=1))
+    print(f"wrote {args.out} in {result['wall_s']:.0f} s")
     return 0
 
 

@@ -58,7 +58,7 @@ def per_optimizer(defaults: dict[str, float]) -> str:
 SWITCH = dict(action="store_const", const=True)
 
 TRAINING_FLAGS: list[Flag] = [
-    Flag("--model", "model", "name", "preset (tiny-gpt2, tiny-llama, small-llama, medium-llama), a "
+    Flag("--model", "model", "name", "preset (tiny-gpt2, tiny-llama, small-llama, medium-llama, tiny-moe), a "
                                      "save_pretrained directory, or a run directory"),
     Flag("--tokenizer", "model", "tokenizer", "'byte' (built-in) or a local HF tokenizer directory"),
     Flag("--data", "data", "path", "a corpus: .txt, .jsonl (either also .gz or .zst) or .parquet file, a directory "
@@ -90,6 +90,12 @@ TRAINING_FLAGS: list[Flag] = [
     Flag("--start-block", "blocks", "start_block", "block each sweep begins with", dict(type=non_negative_int),
          unset="the order's first"),
     Flag("--sweeps", "blocks", "sweeps", "passes over all blocks", dict(type=positive_int)),
+    Flag("--experts", "blocks", "experts", "expert-granular blocks (mixture of experts): top:SHARE trains, in each "
+         "sparse layer of a block, the fewest experts carrying SHARE of its routed tokens (ESFT)"),
+    Flag("--experts-with", "blocks", "experts_with", "what trains with the chosen experts: a comma list of router, "
+         "shared, attention, rest (norms, dense MLPs, embedding, head), or none"),
+    Flag("--experts-sample", "blocks", "experts_sample", "training batches whose routing picks the experts",
+         dict(type=positive_int)),
     Flag("--optimizer", "optim", "name", "optimizer", dict(choices=list(DEFAULT_LR))),
     Flag("--lr", "optim", "lr", "learning rate", dict(type=positive_float), unset=per_optimizer(DEFAULT_LR)),
     Flag("--betas", "optim", "betas", "Adam betas", dict(type=float_pair)),
@@ -113,6 +119,10 @@ TRAINING_FLAGS: list[Flag] = [
     Flag("--checkpoint-every", "run", "checkpoint_every", "steps between checkpoints; 0 = after every visit",
          dict(type=non_negative_int)),
     Flag("--device", "run", "device", "cpu, cuda, cuda:1 ...", dict(type=device)),
+    Flag("--precision", "run", "precision",
+         "fp32, or every weight in 16 bits with fp32 masters, gradients and optimizer state for the active block "
+         "only (fp16-mixed adds dynamic loss scaling); auto follows the model's weights",
+         dict(choices=["auto", "fp32", "bf16-mixed", "fp16-mixed"])),
     Flag("--recompute", "run", "recompute",
          "activation checkpointing: every layer in the gradient path (the active block and the frozen layers "
          "above it) keeps only its input and runs its forward again in backward: less activation memory, a "

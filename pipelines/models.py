@@ -13,6 +13,7 @@ from torch import nn
 
 from preinfer.checkpoint import load_resident_state
 from preinfer.config import Config, load_config
+from preinfer.precision import cast_weights
 from preinfer.presets import load_model
 from preinfer.run_dir import RunDir
 
@@ -43,13 +44,16 @@ def is_run_dir(spec: str) -> bool:
 
 def resolve_model(spec: str, seed: int = 0) -> nn.Module:
     """The model `spec` names; a run directory gives its current weights: its export when that is up to date
-    (a finished run, also one trained from a store), else its base model with the checkpoint's weights."""
+    (a finished run, also one trained from a store), else its base model with the checkpoint's weights, in
+    their dtype."""
     run = RunDir(spec)
     if run.export_is_current():
         return load_model(str(run.export), seed=seed)
     if run.is_resumable():
         config = load_config(run.config)
         model = load_model(config.model.name, seed=config.run.seed)
-        load_resident_state(model, load_file(str(run.checkpoint_weights)), run.checkpoint_weights)
+        weights = load_file(str(run.checkpoint_weights))
+        cast_weights(model, next(t.dtype for t in weights.values() if t.is_floating_point()))
+        load_resident_state(model, weights, run.checkpoint_weights)
         return model
     return load_model(spec, seed=seed)

@@ -22,9 +22,13 @@ import preinfer
 from preinfer.config import load_config
 from preinfer.errors import UsageError
 from preinfer.fingerprint import hash_tensors, named_prefix_tensors
+from preinfer.precision import cast_weights, weights_dtype
 from preinfer.presets import PRESETS, build_preset, preset_config
 from preinfer.run_dir import RunDir
 from pipelines.models import is_run_dir
+
+
+SAFETENSORS_FLOATS = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
 class TensorFiles:
@@ -56,6 +60,15 @@ class TensorFiles:
         with safe_open(str(self.where[name]), "pt") as f:
             return f.get_tensor(name)
 
+    def dtype(self) -> torch.dtype:
+        """The dtype of the first floating-point tensor (what `from_pretrained` loads the model in)."""
+        for name, file in self.where.items():
+            with safe_open(str(file), "pt") as f:
+                kind = f.get_slice(name).get_dtype()
+            if kind in SAFETENSORS_FLOATS:
+                return SAFETENSORS_FLOATS[kind]
+        return torch.float32
+
 
 @dataclass
 class Suffix:
@@ -67,7 +80,8 @@ class Suffix:
 
 def load_suffix(spec: str, boundary: int, seed: int = 0) -> Suffix:
     """The model `spec` (preset, save_pretrained directory or run directory) with only the suffix from
-    `boundary` in memory. A preset is built whole from its seed and then loses its prefix."""
+    `boundary` in memory, in the dtype of its weight files. A preset is built whole from its seed and then loses
+    its prefix."""
     if spec in PRESETS:
         model = build_preset(spec, seed)
         staged = preinfer.stage(model)
@@ -76,7 +90,7 @@ def load_suffix(spec: str, boundary: int, seed: int = 0) -> Suffix:
         return Suffix(model, boundary, digest, None)
     config, files = _config_and_files(spec)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        model = cast_weights(AutoModelForCausalLM.from_config(config, attn_implementation="eager"), files.dtype())
     staged = preinfer.stage(model)
     aliases = _aliases(model)
     stored = {id(t) for _, t in _persistent_tensors(model)}
@@ -109,8 +123,8 @@ def to_device(model: nn.Module, device: str | torch.device) -> nn.Module:
 
 
 def export_full(suffix: Suffix, out: Path) -> bool:
-    """Write a complete save_pretrained directory: trained suffix from memory, prefix copied from the source
-    files. False (nothing written) when the prefix is not available."""
+    """Write a complete save_pretrained directory in the model's resident dtype: trained suffix from memory, prefix
+    copied from the source files. False (nothing written) when the prefix is not available."""
     model = suffix.model
     tensors: dict[str, torch.Tensor] = {}
     aliases = _aliases(model)
@@ -125,8 +139,9 @@ def export_full(suffix: Suffix, out: Path) -> bool:
         source = suffix.files.find(aliases[id(tensor)]) if suffix.files is not None else None
         if source is None:
             return False
-        tensors[name] = suffix.files.get(source)
+        tensors[name] = suffix.files.get(source).to(tensor.dtype)
     out.mkdir(parents=True, exist_ok=True)
+    model.config.dtype = weights_dtype(model)
     model.config.save_pretrained(out)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return True

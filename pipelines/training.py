@@ -1,12 +1,19 @@
 """A whole BCD run: resolve the config into model, data, partition and sources, train, then write the run
 directory (its layout is `preinfer.run_dir.RunDir`). Everything a bad input can trip on is resolved before the
-run directory is created, so a refused run leaves nothing behind."""
+run directory is created, so a refused run leaves nothing behind.
+
+SIGINT and SIGTERM during training finish the current step, write a checkpoint and end the process with exit code
+128 + the signal number (130, 143) and one line saying how to resume; `--resume` then ends with the same weights
+as an uninterrupted run. A second signal acts as usual."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import signal
+import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +31,7 @@ from preinfer.errors import UsageError
 from preinfer.meter import MemoryMeter
 from preinfer.metrics import CacheRecord, PreInferenceRecord, Record, VisitRecord, plot_losses, read_metrics
 from preinfer.partition import Partition, make_partition, parse_ranges, parse_ufp
+from preinfer.precision import apply_precision, describe, weights_dtype
 from preinfer.run_dir import RunDir
 from preinfer.sources import LiveSources, VisitSources
 from preinfer.tokenizers import Tokenizer, load_tokenizer
@@ -146,6 +154,7 @@ def run_bcd(config: Config, resume: bool = False, quiet: bool = False) -> dict:
     if rank == 0:
         check_run_dir(run, resume)
     model = resolve_model(config.model.name, seed=config.run.seed).to(config.run.device)
+    notes = [set_precision(model, config)]
     data = load_datasets(config, quiet)
     staged = preinfer.stage(model)
     partition, active = partition_for(staged, config)
@@ -154,7 +163,7 @@ def run_bcd(config: Config, resume: bool = False, quiet: bool = False) -> dict:
     if config.pre_inference.mode != "off":
         datasets = {"train": data.train, "eval": data.eval}
         chosen = PreInference(staged, datasets, data.tokenizer, config, chosen, shard, rank, world)
-    trainer = train(config, staged, partition, active, chosen, resume, quiet)
+    trainer = train(config, staged, partition, active, chosen, resume, quiet, notes, command="bcd")
 
     def export(directory: Path) -> None:
         model.save_pretrained(directory)
@@ -175,6 +184,7 @@ def run_from_store(config: Config, resume: bool = False, quiet: bool = False) ->
     suffix = load_suffix(config.model.name, boundary, seed=config.run.seed)
     notes = [check_prefix(stores["train"], suffix, config)]
     staged = preinfer.stage(to_device(suffix.model, config.run.device))
+    notes.insert(0, set_precision(suffix.model, config))
     partition, active = partition_for(staged, config, first_layer=boundary)
     batch, seed = config.data.batch_size, config.run.seed
     chosen = LiveSources(
@@ -182,7 +192,7 @@ def run_from_store(config: Config, resume: bool = False, quiet: bool = False) ->
         ReaderBatches(stores["eval"], boundary, batch, seed, shuffle=False,
                       limit=eval_samples(config.data.eval_tokens, stores["eval"].fields["labels"].shape[0])),
     )
-    trainer = train(config, staged, partition, active, chosen, resume, quiet, notes)
+    trainer = train(config, staged, partition, active, chosen, resume, quiet, notes, command="train")
 
     def export(directory: Path) -> None:
         if export_full(suffix, directory):
@@ -223,10 +233,18 @@ def check_prefix(store: storage.Store, suffix: Suffix, config: Config) -> str:
     return f"{message}; used anyway (--trust-store)"
 
 
+def set_precision(model: torch.nn.Module, config: Config) -> str:
+    """Cast the model's weights to the run's precision (`run.precision`, auto: the weights' own); returns the
+    line the run starts with."""
+    loaded = weights_dtype(model)
+    return describe(apply_precision(model, config.run.precision), loaded)
+
+
 def train(config: Config, staged: preinfer.StagedModel, partition: Partition, active: int | None,
-          chosen: VisitSources, resume: bool, quiet: bool, notes: list[str] = ()) -> Trainer:
+          chosen: VisitSources, resume: bool, quiet: bool, notes: list[str] = (), command: str = "bcd") -> Trainer:
     """Build the trainer (with its memory meter and progress display; it checks the block order), create the
-    run directory (rank 0), resume if asked, and run it."""
+    run directory (rank 0), resume if asked, and run it; a signal stops it with `RunStopped` after a
+    checkpoint."""
     torch.manual_seed(config.run.seed)
     ui = ProgressUI(config, quiet)
     run = RunDir(config.run.out)
@@ -234,15 +252,59 @@ def train(config: Config, staged: preinfer.StagedModel, partition: Partition, ac
                       active_block=active)
     if trainer.rank == 0:
         prepare_run_dir(run, config, resume)
-    for note in [partition.report(), *notes]:
+    for note in [*notes, partition.report()]:
         ui.note(note)
     if resume:
         trainer.resume()
     started = time.perf_counter()
-    trainer.fit()
+    with StopOnSignals(trainer) as signals:
+        trainer.fit()
     trainer.wall_s = time.perf_counter() - started
     ui.close()
+    if trainer.stopped:
+        signum = signals.received or signal.SIGTERM  # a rank stopped because another rank got the signal
+        print(f"preinfer {command}: stopped by {signal.Signals(signum).name} after step "
+              f"{trainer.progress.global_step}; checkpoint written; resume with "
+              f"`preinfer {command} --out {config.run.out} --resume`", file=sys.stderr)
+        raise RunStopped(128 + signum)
     return trainer
+
+
+class RunStopped(SystemExit):
+    """A run stopped by a signal after writing its checkpoint; its code is 128 + the signal number (a SystemExit,
+    so that the command line ends with that code without a handler of its own)."""
+
+
+class StopOnSignals:
+    """While training, SIGINT and SIGTERM ask the trainer to stop after its current step (it checkpoints first);
+    the first signal puts the previous handlers back, so a second one interrupts or kills as usual."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        self.received: int | None = None
+        self.previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopOnSignals:
+        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+            self.previous = {sig: signal.getsignal(sig) for sig in self.SIGNALS}
+            for sig in self.SIGNALS:
+                signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.received = signum
+        self.trainer.stop_requested = True
+        self._restore()
+
+    def _restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous = {}
+
+    def __exit__(self, *exc: object) -> None:
+        self._restore()
 
 
 def finish_run(trainer: Trainer, run: RunDir, export: Callable[[Path], object]) -> dict:

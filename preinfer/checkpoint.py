@@ -6,6 +6,7 @@ import json
 import os
 import random
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +19,20 @@ from preinfer.errors import PreinferError
 WEIGHTS, TENSORS, STATE = "model.safetensors", "state.safetensors", "state.json"
 
 
-def save_checkpoint(path: Path, model: nn.Module, optimizers: dict[int, dict], trainer_state: dict) -> None:
-    """Write weights, optimizer states (by block), trainer state and RNG states; atomically replaces `path`."""
+@dataclass
+class Checkpoint:
+    """What a checkpoint restores besides the weights: optimizer states by block, the trainer's state, and
+    (mid-visit under mixed precision) the active block's fp32 masters."""
+
+    optimizers: dict[int, dict]
+    trainer: dict
+    masters: list[torch.Tensor] = field(default_factory=list)
+
+
+def save_checkpoint(path: Path, model: nn.Module, optimizers: dict[int, dict], trainer_state: dict,
+                    masters: list[torch.Tensor] = ()) -> None:
+    """Write weights, optimizer states (by block), the active block's masters, trainer state and RNG states;
+    atomically replaces `path`."""
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -27,9 +40,11 @@ def save_checkpoint(path: Path, model: nn.Module, optimizers: dict[int, dict], t
     tensors, optim_meta = {}, {}
     for block, state in optimizers.items():
         optim_meta[str(block)] = _flatten_optimizer(state, f"optim.{block}", tensors)
+    for index, master in enumerate(masters):
+        tensors[f"master.{index}"] = master.detach().contiguous()
     tensors["rng.torch"] = torch.get_rng_state()
     save_file(tensors, str(tmp / TENSORS))
-    meta = {"trainer": trainer_state, "optimizers": optim_meta, "rng": _host_rng_state()}
+    meta = {"trainer": trainer_state, "optimizers": optim_meta, "masters": len(masters), "rng": _host_rng_state()}
     (tmp / STATE).write_text(json.dumps(meta, indent=1))
     _fsync_dir(tmp)
     old = path.with_name(path.name + ".old")
@@ -39,8 +54,8 @@ def save_checkpoint(path: Path, model: nn.Module, optimizers: dict[int, dict], t
     shutil.rmtree(old, ignore_errors=True)
 
 
-def load_checkpoint(path: Path, model: nn.Module) -> tuple[dict[int, dict], dict]:
-    """Load weights into `model` and restore RNG states; returns (optimizer states by block, trainer state)."""
+def load_checkpoint(path: Path, model: nn.Module) -> Checkpoint:
+    """Load weights into `model` and restore RNG states; returns the rest."""
     if not (path / STATE).is_file():
         raise PreinferError(f"no checkpoint in {path} (expected {STATE}); start without --resume")
     load_resident_state(model, load_file(str(path / WEIGHTS)), path / WEIGHTS)
@@ -49,7 +64,8 @@ def load_checkpoint(path: Path, model: nn.Module) -> tuple[dict[int, dict], dict
     torch.set_rng_state(tensors["rng.torch"])
     _restore_host_rng(meta["rng"])
     optimizers = {int(b): _unflatten_optimizer(m, f"optim.{b}", tensors) for b, m in meta["optimizers"].items()}
-    return optimizers, meta["trainer"]
+    masters = [tensors[f"master.{index}"] for index in range(meta.get("masters", 0))]
+    return Checkpoint(optimizers, meta["trainer"], masters)
 
 
 def resident_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -40,6 +40,9 @@ class BlockConfig:
     start_block: int | None = None  # the block every sweep begins with; None: the order's own first block
     sweeps: int = 1
     active: str | None = None  # train only this inclusive layer range, e.g. "4-5"; the other blocks stay frozen
+    experts: str | None = None  # "top:0.5": in sparse layers train only the experts carrying that share of tokens
+    experts_with: str = "router,shared,attention,rest"  # what trains with the chosen experts ("none": nothing)
+    experts_sample: int = 8  # training batches whose routing picks the experts
 
 
 @dataclass
@@ -71,6 +74,7 @@ class RunConfig:
     seed: int = 0
     checkpoint_every: int = 0  # optimizer steps between checkpoints; 0: after every visit only
     device: str = "cpu"
+    precision: str = "auto"  # fp32, bf16-mixed, fp16-mixed; auto follows the model's weights (bf16 -> bf16-mixed)
     recompute: bool = False  # keep one hidden state per layer in the gradient path; run the layer again in backward
 
 

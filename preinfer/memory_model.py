@@ -104,14 +104,44 @@ class ModelShape:
     tied: bool = False  # LM head shares the token embedding
     bias: bool = False  # linear layers have biases (GPT-2)
     dropout: float = 0.0  # GPT-2's dropout (embedding, attention, residual); Llama has none
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): which layers are sparse, and their experts.
+    sparse: tuple[bool, ...] = ()  # per layer; () for a dense model
+    experts: int = 0  # routed experts of a sparse layer, each a SwiGLU MLP of width expert_intermediate
+    experts_per_token: int = 0  # top-k
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0  # a shared expert's width (Qwen2-MoE, with its 1-output gate); 0: none
 
-    def layer_params(self) -> int:
-        """Parameters of one decoder layer."""
+    def is_sparse(self, layer: int | None) -> bool:
+        return layer is not None and bool(self.sparse) and self.sparse[layer]
+
+    def layer_params(self, layer: int | None = None) -> int:
+        """Parameters of decoder layer `layer` (None: a dense layer); a sparse layer counts every expert."""
+        return self._layer_params(layer, self.experts)
+
+    def active_layer_params(self, layer: int | None = None) -> int:
+        """Parameters one token runs through in layer `layer`: a sparse layer's top-k experts, not all."""
+        return self._layer_params(layer, self.experts_per_token)
+
+    def _layer_params(self, layer: int | None, experts: int) -> int:
         h, a, kv, d, i = self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate
         if self.arch == "gpt2":  # c_attn (3h) + c_proj + c_fc + c_proj, biases, two LayerNorms (weight + bias)
             return h * 3 * h + 3 * h + h * h + h + 2 * h * i + i + h + 4 * h
         attn = h * a * d + 2 * h * kv * d + a * d * h + (a * d + 2 * kv * d if self.bias else 0)
-        return attn + 3 * h * i + 2 * h  # SwiGLU gate/up/down, two RMSNorm weights
+        if not self.is_sparse(layer):
+            return attn + 3 * h * i + 2 * h  # SwiGLU gate/up/down, two RMSNorm weights
+        shared = 3 * h * self.shared_intermediate + h if self.shared_intermediate else 0
+        return attn + experts * 3 * h * self.expert_intermediate + self.experts * h + shared + 2 * h  # router E*h
+
+    def span_params(self, start: int, stop: int, active: bool = False) -> int:
+        """Parameters of layers [start, stop) (`active`: those one token runs through)."""
+        count = self.active_layer_params if active else self.layer_params
+        return sum(count(layer) for layer in range(start, stop))
+
+    def mlp_width(self, layer: int) -> int:
+        """Hidden units one token activates in the MLP of `layer` (top-k experts and a shared expert if sparse)."""
+        if not self.is_sparse(layer):
+            return self.intermediate
+        return self.experts_per_token * self.expert_intermediate + self.shared_intermediate
 
     def embed_params(self) -> int:
         """Parameters of the input side (token and position embeddings)."""
@@ -124,7 +154,7 @@ class ModelShape:
 
     def total_params(self) -> int:
         """All parameters (a tied weight once)."""
-        return self.embed_params() + self.layers * self.layer_params() + self.head_params()
+        return self.embed_params() + self.span_params(0, self.layers) + self.head_params()
 
 
 def shape_from_config(config, name: str = "") -> ModelShape:
@@ -147,7 +177,24 @@ def shape_from_config(config, name: str = "") -> ModelShape:
         kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
         intermediate=config.intermediate_size, tied=bool(getattr(config, "tie_word_embeddings", False)),
-        bias=bool(getattr(config, "attention_bias", False)),
+        bias=bool(getattr(config, "attention_bias", False) or getattr(config, "qkv_bias", False)),
+        **_experts_from_config(config),
+    )
+
+
+def _experts_from_config(config) -> dict:
+    """The ModelShape fields of a mixture-of-experts config (`num_experts` or Mixtral's `num_local_experts`;
+    `decoder_sparse_step` and `mlp_only_layers` choose the sparse layers); {} for a dense one."""
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if not experts:
+        return {}
+    step = getattr(config, "decoder_sparse_step", None) or 1
+    dense = set(getattr(config, "mlp_only_layers", None) or ())
+    return dict(
+        sparse=tuple(i not in dense and (i + 1) % step == 0 for i in range(config.num_hidden_layers)),
+        experts=experts, experts_per_token=config.num_experts_per_tok,
+        expert_intermediate=getattr(config, "moe_intermediate_size", None) or config.intermediate_size,
+        shared_intermediate=getattr(config, "shared_expert_intermediate_size", None) or 0,
     )
 
 
@@ -192,9 +239,14 @@ def resolve_shape(spec: str, arch: str = "llama") -> ModelShape:
 # Activations saved for backward (elements -> bytes), by the rules in the module docstring.
 
 
-def _llama_layer_acts(m: ModelShape, b: int, s: int, c: int, trainable: bool, input_grad: bool) -> int:
-    """Bytes one Llama layer saves for backward."""
-    bsh, bsad, bsi, probs = b * s * m.hidden, b * s * m.heads * m.head_dim, b * s * m.intermediate, b * m.heads * s * s
+def _llama_layer_acts(m: ModelShape, b: int, s: int, c: int, trainable: bool, input_grad: bool,
+                      index: int | None = None) -> int:
+    """Bytes Llama layer `index` saves for backward. A sparse (MoE) layer counts its MLP at the width one token
+    activates (`mlp_width`), plus the router's float32 probabilities and each routed copy of a token's input
+    (kept for the experts' weight gradients): an estimate, not checked against the meter."""
+    bsh, bsad, probs = b * s * m.hidden, b * s * m.heads * m.head_dim, b * m.heads * s * s
+    bsi = b * s * m.mlp_width(index)
+    routing = b * s * m.experts * 4 + (b * s * m.experts_per_token * m.hidden * c if trainable else 0)
     f32 = 4  # RMSNorm upcasts its input to float32 and keeps that copy and rsqrt in float32
     total = (bsh + b * s) * f32 if input_grad else 0  # norm 1: input (pow), rsqrt
     if trainable:  # weight gradients: both norms' normalised x and outputs, o_proj input, down_proj input
@@ -203,10 +255,12 @@ def _llama_layer_acts(m: ModelShape, b: int, s: int, c: int, trainable: bool, in
     if c != f32:
         total += probs * f32  # softmax runs with dtype=float32 and keeps that output, then a 16-bit copy
     total += (bsh + b * s) * f32  # norm 2: residual sum (pow), rsqrt
+    total += routing if m.is_sparse(index) else 0
     return total + 3 * bsi * c  # gate output (SiLU input), SiLU output, up output
 
 
-def _gpt2_layer_acts(m: ModelShape, b: int, s: int, c: int, trainable: bool, input_grad: bool) -> int:
+def _gpt2_layer_acts(m: ModelShape, b: int, s: int, c: int, trainable: bool, input_grad: bool,
+                     index: int | None = None) -> int:
     """Bytes one GPT-2 layer saves for backward (dropout masks: 1 byte each, CUDA's fused dropout)."""
     bsh, bsi, probs = b * s * m.hidden, b * s * m.intermediate, b * m.heads * s * s
     layer_norm = bsh * c + 2 * b * s * 4  # input, mean and rstd in float32 (for input and weight gradients)
@@ -219,12 +273,13 @@ def _gpt2_layer_acts(m: ModelShape, b: int, s: int, c: int, trainable: bool, inp
     return total + 4 * bsi * c  # tanh-GELU as elementwise ops: x (pow), tanh output, 0.5*x, 1 + tanh
 
 
-def layer_activation_bytes(m: ModelShape, b: int, s: int, c: int, trainable: bool, input_grad: bool) -> int:
-    """Bytes one decoder layer saves for backward (0 when neither it nor anything below it trains)."""
+def layer_activation_bytes(m: ModelShape, b: int, s: int, c: int, trainable: bool, input_grad: bool,
+                           index: int | None = None) -> int:
+    """Bytes decoder layer `index` saves for backward (0 when neither it nor anything below it trains)."""
     if not trainable and not input_grad:
         return 0
     layer = _gpt2_layer_acts if m.arch == "gpt2" else _llama_layer_acts
-    return layer(m, b, s, c, trainable, input_grad)
+    return layer(m, b, s, c, trainable, input_grad, index)
 
 
 def input_side_bytes(m: ModelShape, b: int, s: int, embed_trains: bool, any_layer_in_path: bool, c: int) -> int:
@@ -271,7 +326,7 @@ def partition(m: ModelShape, blocks: int) -> list[Block]:
     head the last: the same blocks `preinfer bcd` trains (`preinfer.partition.balanced_ranges`)."""
     if not 1 <= blocks <= m.layers:
         raise UsageError(f"number of blocks must be between 1 and the model's {m.layers} layers, got {blocks}")
-    sizes = [m.layer_params()] * m.layers
+    sizes = [m.layer_params(layer) for layer in range(m.layers)]
     sizes[0] += m.embed_params()
     sizes[-1] += m.head_params()
     ranges = _balanced_ranges(tuple(sizes), blocks)
@@ -293,7 +348,7 @@ def blocks_for_ufp(ufp: float, layers: int) -> int:
 
 def block_params(m: ModelShape, block: Block) -> int:
     """Parameters of one block (a tied LM head belongs to the embedding's block)."""
-    return ((block.stop - block.start) * m.layer_params() + (m.embed_params() if block.embed else 0)
+    return (m.span_params(block.start, block.stop) + (m.embed_params() if block.embed else 0)
             + (m.head_params() if block.head else 0))
 
 
@@ -334,7 +389,7 @@ def step_activations(m: ModelShape, b: int, s: int, c: int, active: Block | None
     head_trains = active is None or active.head
     input_grad, per_layer = embed_trains, []
     for layer in range(m.layers):
-        per_layer.append(layer_activation_bytes(m, b, s, c, layer in train, input_grad))
+        per_layer.append(layer_activation_bytes(m, b, s, c, layer in train, input_grad, layer))
         input_grad = input_grad or layer in train
     recomputed = ()
     if recompute:
@@ -415,7 +470,7 @@ def bcd_memory(m: ModelShape, settings: Settings, blocks: list[Block], k: int, s
     block = blocks[k]
     resident = m.total_params()
     if store:
-        resident = (m.layers - block.start) * m.layer_params() + m.head_params()
+        resident = m.span_params(block.start, m.layers) + m.head_params()
         resident += m.vocab * m.hidden if (m.tied and not block.embed) else 0
         resident += m.embed_params() if block.embed else 0
     c = DTYPES[settings.dtype]["act"]
@@ -448,8 +503,8 @@ def pipeline_peak(m: ModelShape, settings: Settings, blocks: list[Block] | None,
             if active is None:
                 trainable = params
             else:
-                overlap = max(0, min(stage.stop, active.stop) - max(stage.start, active.start))
-                trainable = overlap * m.layer_params() + (m.embed_params() if stage.embed and active.embed else 0)
+                lo, hi = max(stage.start, active.start), min(stage.stop, active.stop)
+                trainable = m.span_params(lo, max(lo, hi)) + (m.embed_params() if stage.embed and active.embed else 0)
                 trainable += m.head_params() if stage.head and active.head else 0
             in_flight = degree - j
             stage_acts = acts.total(stage.start, stage.stop, inputs=stage.embed, outputs=stage.head) * in_flight
@@ -521,13 +576,14 @@ def traffic(m: ModelShape, settings: Settings, degree: int) -> dict:
 def flops_per_token(m: ModelShape, blocks: list[Block], epochs_per_visit: float) -> dict:
     """Training FLOPs per token: 6N for full Adam (2N forward, 4N backward; attention's s^2 terms neglected).
 
-    N counts matmul parameters (layers and the LM head; an embedding lookup costs nothing). For a visit of
+    N counts matmul parameters a token runs through (layers, a sparse layer's router and top-k experts only, and
+    the LM head; an embedding lookup costs nothing). For a visit of
     block k: forward 2N; backward 2N_above + 4N_k (input gradients above and in the block, weight gradients in
     it). From a store, the forward skips the prefix but one caching pass per visit runs it over the dataset
     once (2N_below / epochs per visit, per trained token). Averaged over visits of equal token counts.
     """
     head = m.vocab * m.hidden
-    per_block = [(b.stop - b.start) * m.layer_params() + (head if b.head else 0) for b in blocks]
+    per_block = [m.span_params(b.start, b.stop, active=True) + (head if b.head else 0) for b in blocks]
     n = sum(per_block)
     live = store = 0.0
     for k, own in enumerate(per_block):

@@ -3,8 +3,12 @@
 How the peaks are measured (and why `tracked_peak` is coherent with the planner in `preinfer.memory_model`):
 
 - parameters: every parameter of the model (trainable or frozen), counted once per tensor, at every `sample()`.
-- gradients: every `.grad` present in the model, at every `sample()` (call it after `backward()`, where the
-  gradients of one step are all present, and after `optimizer.step()`).
+- gradients: every `.grad` present in the model or on the optimizer's tensors, at every `sample()` (call it after
+  `backward()`, where the gradients of one step are all present, and after `optimizer.step()`).
+- masters: under mixed precision the optimizer steps fp32 copies of the active block's weights; every tensor the
+  optimizer steps that is not a parameter of the model is counted here, at every `sample()`. Under bf16-mixed:
+  parameters = 2 bytes x all parameters; masters + gradients + Adam state = 16 bytes x the active block's
+  parameters (plus Adam's 4-byte step counter per tensor).
 - optimizer state: every tensor in `optimizer.state`, at every `sample()` after `optimizer.step()`.
 - saved activations: inside `track()`, every tensor autograd saves for backward is seen by a
   `saved_tensors_hooks` pack hook, and released when autograd lets go of it (after its node ran in backward, or
@@ -13,8 +17,8 @@ How the peaks are measured (and why `tracked_peak` is coherent with the planner 
   counted as parameters. The step's activation peak is the maximum of the bytes held: the end of forward, or,
   with recomputation, a moment in backward when a layer's recomputed tensors join the checkpointed inputs.
   One `track()` covers one step (forward + backward); each starts at 0.
-- `tracked_peak`: the maximum over `sample()` calls of parameters + gradients + optimizer state present at that
-  call + the activation peak of the latest tracked step. It is the footprint of a step whose gradients from the
+- `tracked_peak`: the maximum over `sample()` calls of parameters + masters + gradients + optimizer state present
+  at that call + the activation peak of the latest tracked step. It is the footprint of a step whose gradients from the
   previous step and whose optimizer state are still resident while the next forward saves its activations: an
   upper bound of the true peak of a framework that frees activations as backward proceeds, and exactly the sum
   the planner models (weights + gradients + optimizer state + activations).
@@ -96,7 +100,7 @@ class MemoryMeter:
 
     def reset(self) -> None:
         """Forget every peak (the process RSS peak cannot be reset; the CUDA peak is reset where present)."""
-        self._grads = self._optimizer = self._activations = self._tracked = 0
+        self._grads = self._masters = self._optimizer = self._activations = self._tracked = 0
         self._step_activations = 0
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.reset_peak_memory_stats()
@@ -106,9 +110,16 @@ class MemoryMeter:
         suffix-only model has no storage and is not counted)."""
         return sum(tensor_bytes(p) for p in self.model.parameters() if not p.is_meta)
 
-    def grad_bytes(self) -> int:
-        """Bytes of every `.grad` present in the model now."""
-        return sum(tensor_bytes(p.grad) for p in self.model.parameters() if p.grad is not None)
+    def grad_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> int:
+        """Bytes of every `.grad` present now in the model or on the tensors `optimizer` steps (each once)."""
+        tensors = {id(p): p for p in [*self.model.parameters(), *_stepped(optimizer)]}
+        return sum(tensor_bytes(p.grad) for p in tensors.values() if p.grad is not None)
+
+    def master_bytes(self, optimizer: torch.optim.Optimizer | None) -> int:
+        """Bytes of the tensors `optimizer` steps that are not parameters of the model (mixed precision's fp32
+        masters)."""
+        model = {id(p) for p in self.model.parameters()}
+        return sum(tensor_bytes(t) for t in {id(t): t for t in _stepped(optimizer)}.values() if id(t) not in model)
 
     @staticmethod
     def optimizer_bytes(optimizer: torch.optim.Optimizer | None) -> int:
@@ -156,16 +167,18 @@ class MemoryMeter:
 
     def sample(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Update the peaks of gradient and optimizer-state bytes and of the tracked total."""
-        grads, state = self.grad_bytes(), self.optimizer_bytes(optimizer)
+        grads, masters, state = self.grad_bytes(optimizer), self.master_bytes(optimizer), self.optimizer_bytes(optimizer)
         self._grads = max(self._grads, grads)
+        self._masters = max(self._masters, masters)
         self._optimizer = max(self._optimizer, state)
-        total = self.param_bytes() + grads + state + self._step_activations
+        total = self.param_bytes() + masters + grads + state + self._step_activations
         self._tracked = max(self._tracked, total)
 
     def report(self) -> dict[str, int]:
         """Peak bytes by component, the tracked total, the process RSS peak and the CUDA peak."""
         return {
             "params": self.param_bytes(),
+            "masters": self._masters,
             "grads": self._grads,
             "optimizer": self._optimizer,
             "activations": self._activations,
@@ -173,3 +186,8 @@ class MemoryMeter:
             "rss_peak": rss_peak_bytes(),
             "cuda_peak": cuda_peak_bytes(),
         }
+
+
+def _stepped(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """The tensors `optimizer` updates (none without an optimizer)."""
+    return [] if optimizer is None else [t for group in optimizer.param_groups for t in group["params"]]

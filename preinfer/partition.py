@@ -25,6 +25,7 @@ class Block:
     start: int
     stop: int
     params: tuple[nn.Parameter, ...]
+    active_params: int  # parameters one token runs through: each fused expert tensor counts top_k / num_experts
 
     @property
     def has_embed(self) -> bool:
@@ -52,17 +53,22 @@ class Block:
 class Partition:
     blocks: tuple[Block, ...]
     total_params: int
+    active_params: int
     tied: tuple[tuple[str, int | None], ...]  # (names of a tied tensor, its block; None: frozen below the blocks)
 
     def __len__(self) -> int:
         return len(self.blocks)
 
     def report(self) -> str:
-        """A human-readable table of blocks, their parameter share, and who owns each tied weight."""
-        lines = [f"{len(self.blocks)} blocks over {self.total_params:,} parameters"]
+        """A human-readable table of blocks, their parameter share (every expert counted), the parameters a token
+        runs through where that differs (mixture of experts), and who owns each tied weight."""
+        sparse = self.active_params != self.total_params
+        active = f" ({self.active_params:,} active per token)" if sparse else ""
+        lines = [f"{len(self.blocks)} blocks over {self.total_params:,} parameters{active}"]
         for b in self.blocks:
             share = b.num_params / self.total_params
-            lines.append(f"  block {b.index}: {b.label:<28} {b.num_params:>12,} params  UFP {share:.3f}")
+            line = f"  block {b.index}: {b.label:<28} {b.num_params:>12,} params  UFP {share:.3f}"
+            lines.append(line + (f"  {b.active_params:>12,} active per token" if sparse else ""))
         lines += [
             f"  tied weight {names} is owned by block {owner}" if owner is not None
             else f"  tied weight {names} belongs to the frozen prefix: it stays frozen in every block"
@@ -177,13 +183,17 @@ def make_partition(
         if lo == 0:
             groups[0].insert(0, 0)
         groups[-1].append(L + 1)
-    blocks = tuple(_block(index, group, units, owned, L) for index, group in enumerate(groups))
+    shares = staged.expert_shares()
+    blocks = tuple(_block(index, group, units, owned, L, shares) for index, group in enumerate(groups))
     block_of_unit = {unit: b for b, group in enumerate(groups) for unit in group}
     total = sum(sizes[u] for group in groups for u in group)
-    return Partition(blocks, total, _tied(staged.model, units, block_of_unit))
+    active = sum(b.active_params for b in blocks)
+    return Partition(blocks, total, active, _tied(staged.model, units, block_of_unit))
 
 
-def _block(index: int, group: list[int], units: list[Unit], owned: list[list[nn.Parameter]], L: int) -> Block:
+def _block(
+    index: int, group: list[int], units: list[Unit], owned: list[list[nn.Parameter]], L: int, shares: dict[int, float]
+) -> Block:
     layers = [u - 1 for u in group if 1 <= u <= L]
     if 0 in group:
         start = 0
@@ -191,7 +201,8 @@ def _block(index: int, group: list[int], units: list[Unit], owned: list[list[nn.
         start = layers[0] if layers else L
     stop = layers[-1] + 1 if layers else start
     params = tuple(p for u in group for p in owned[u])
-    return Block(index, tuple(units[u].name for u in group), start, stop, params)
+    active = round(sum(p.numel() * shares.get(id(p), 1.0) for p in params))
+    return Block(index, tuple(units[u].name for u in group), start, stop, params, active)
 
 
 def _owned_params(units: list[Unit]) -> list[list[nn.Parameter]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrainedConfig, Qwen2MoeConfig
 
 from preinfer.errors import UsageError
 
@@ -43,6 +43,16 @@ PRESETS: dict[str, tuple[type[PreTrainedConfig], dict]] = {
             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
         ),
     ),
+    # Qwen2-MoE: 8 routed experts (top-2) and a gated shared expert in layers 1 and 3; layers 0 and 2 dense.
+    "tiny-moe": (
+        Qwen2MoeConfig,
+        dict(
+            vocab_size=BYTE_VOCAB_SIZE, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+            decoder_sparse_step=2,
+        ),
+    ),
 }
 
 
@@ -69,7 +79,8 @@ def build_preset(name: str, seed: int = 0) -> torch.nn.Module:
 
 
 def load_model(spec: str, seed: int = 0) -> torch.nn.Module:
-    """A model from a preset name or a local directory written by `save_pretrained` (never the network)."""
+    """A model from a preset name (float32) or a local directory written by `save_pretrained`, in the dtype its
+    weights were saved in (never the network)."""
     path = Path(spec)
     if spec in PRESETS:
         return build_preset(spec, seed)
@@ -80,7 +91,8 @@ def load_model(spec: str, seed: int = 0) -> torch.nn.Module:
     if not (path / "config.json").is_file():
         raise UsageError(f"--model directory '{spec}' has no config.json (expected a save_pretrained directory)")
     try:
-        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, attn_implementation="eager").float()
+        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, attn_implementation="eager",
+                                                    dtype="auto")
     except (OSError, ValueError) as err:
         raise UsageError(f"cannot load the model in '{spec}': {err}") from err
 

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from preinfer.errors import UnsupportedModelError
+from preinfer.moe import expert_tensors, use_row_invariant_experts
 from preinfer.state import BoundaryState
 
 IGNORE_INDEX = -100
@@ -106,6 +107,10 @@ class StagedModel(ABC):
         """Every module needed to go from the state at `boundary` to the loss (a tied embedding included)."""
         return [*self.layers[boundary:], *self.head_modules(), *self.shared_modules()]
 
+    def expert_shares(self) -> dict[int, float]:
+        """id of each fused expert tensor -> the share of it one token runs through (empty for dense models)."""
+        return expert_tensors(self.layers)
+
     def shared_modules(self) -> tuple[nn.Module, ...]:
         """Modules every layer uses (e.g. the rotary embedding), owned by no block."""
         return ()
@@ -175,11 +180,14 @@ def _causal_mask(config, hidden: torch.Tensor, state: BoundaryState, sliding: bo
 
 class LlamaFamily(StagedModel):
     """Causal LMs shaped like Llama: `model.embed_tokens`, `model.layers`, `model.norm`, `model.rotary_emb`,
-    `lm_head` (Llama, Mistral, Qwen2, Qwen3 and kin; grouped-query attention included)."""
+    `lm_head` (Llama, Mistral, Qwen2, Qwen3 and kin; grouped-query attention included), and their
+    mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), whose experts run batch-invariantly
+    (`preinfer.moe.ROW_INVARIANT`)."""
 
     def __init__(self, model: nn.Module):
         super().__init__(model, model.model.layers)
         self.config = model.config
+        use_row_invariant_experts(model)
         self.layer_kinds = [self._layer_kind(i) for i in range(self.num_layers)]
 
     def _layer_kind(self, index: int) -> str:

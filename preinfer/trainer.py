@@ -5,6 +5,15 @@ frozen layers up to the active block under `no_grad` (they save nothing for back
 everything above it with autograd (with `run.recompute`, each of those layers keeps only its input and runs again
 in backward), and step the active block's optimizer. Backward stops at the active block because its input
 carries no graph.
+
+Precision (`preinfer.precision`): under mixed precision the optimizer steps fp32 masters of the active block,
+which exist for its visit only, and the masters are cast into the 16-bit weights after every step. Under data
+parallelism the active block's fp32 gradients are summed across ranks in flat buckets launched during backward
+(`preinfer.grad_buckets`).
+
+Stopping: a caller (the CLI's signal handler) sets `stop_requested`; the trainer checks it between steps, writes
+a checkpoint and returns from `fit` with `stopped` set. A resumed run then ends with the same weights as an
+uninterrupted one.
 """
 
 from __future__ import annotations
@@ -19,11 +28,14 @@ import torch
 import torch.distributed as dist
 
 from preinfer.checkpoint import load_checkpoint, save_checkpoint
+from preinfer.grad_buckets import BucketedAllReduce
 from preinfer.config import Config
 from preinfer.errors import PreinferError
 from preinfer.metrics import MetricsLog, Record, StepRecord, VisitRecord
+from preinfer.moe import ExpertGranular, RouterLoss
 from preinfer.optim import StopRule, build_optimizer, warmup_factor
 from preinfer.partition import Block, Partition
+from preinfer.precision import ActiveBlock, LossScaler, apply_precision
 from preinfer.run_dir import RunDir
 from preinfer.schedule import parse_fixed_order, sweep_order
 from preinfer.sources import BatchSource, VisitSources
@@ -43,6 +55,8 @@ class Progress:
     cursor: dict | None = None  # the training source's state_dict; None: the start of the data
     stop: dict | None = None
     visits: list[dict] = field(default_factory=list)  # each finished visit's VisitRecord.to_dict()
+    loss_scaler: dict | None = None  # fp16-mixed: the LossScaler's state
+    experts: dict[str, dict[str, list[int]]] = field(default_factory=dict)  # block -> layer -> its chosen experts
 
 
 class Trainer:
@@ -68,6 +82,21 @@ class Trainer:
         self.progress = Progress()
         self.active_block = active_block
         self.wall_s = 0.0  # time spent in fit()
+        self.precision = apply_precision(staged.model, config.run.precision)
+        self.scaler = LossScaler() if self.precision == "fp16-mixed" else None
+        self.active: ActiveBlock | None = None  # the visit's masters and gradients; None between visits
+        self.saved_masters: list[torch.Tensor] = []  # from a mid-visit checkpoint, for the visit it resumes
+        self.stop_requested = False  # set from outside (a signal handler): checkpoint and stop after this step
+        self.stopped = False  # fit() returned because stop_requested was set
+        self.reducer: BucketedAllReduce | None = None  # data parallelism: the active block's gradient buckets
+        self.router_loss = RouterLoss(staged.model, staged.layers)
+        b = config.blocks
+        self.experts = ExpertGranular(staged, b.experts, b.experts_with, b.experts_sample)
+        if b.experts and self.world_size > 1:
+            raise PreinferError("--experts (expert-granular blocks) runs in one process; drop it or torchrun")
+        if b.experts and self.precision != "fp32":
+            raise PreinferError(f"--experts (expert-granular blocks) trains in fp32; drop it or --precision "
+                                f"{self.precision}")
         self.order(0)  # a bad order, fixed order or start block is refused before anything runs
         sources.attach(self.emit)
 
@@ -79,9 +108,12 @@ class Trainer:
 
     def resume(self) -> None:
         """Continue from the run directory's checkpoint."""
-        states, progress = load_checkpoint(self.checkpoint_dir, self.staged.model)
-        self.optimizer_states = states
-        self.progress = Progress(**progress)
+        checkpoint = load_checkpoint(self.checkpoint_dir, self.staged.model)
+        self.optimizer_states = checkpoint.optimizers
+        self.progress = Progress(**checkpoint.trainer)
+        self.saved_masters = checkpoint.masters
+        if self.scaler is not None and self.progress.loss_scaler is not None:
+            self.scaler.load_state_dict(self.progress.loss_scaler)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -90,7 +122,8 @@ class Trainer:
         return self.run_dir.checkpoint
 
     def fit(self, max_total_steps: int | None = None) -> list[dict]:
-        """Run every remaining visit; stop early (after a checkpoint) once `max_total_steps` steps are done."""
+        """Run every remaining visit; stop early (after a checkpoint) once `max_total_steps` steps are done or
+        when `stop_requested` is set."""
         p = self.progress
         while p.sweep < self.config.blocks.sweeps:
             order = self.order(p.sweep)
@@ -107,12 +140,13 @@ class Trainer:
         return p.visits
 
     def _visit(self, block: Block, max_total_steps: int | None) -> bool:
-        """Train `block` until its stopping rule fires; False if the run was halted by `max_total_steps`."""
+        """Train `block` until its stopping rule fires; False if the run was halted by `max_total_steps` or a
+        stop request."""
         p, cfg = self.progress, self.config
         train, evaluation = self.visit_sources.sources(block)
         if p.cursor is not None:
             train.load_state_dict(p.cursor)
-        optimizer = self._activate(block)
+        optimizer, active = self._activate(block, train)
         stop = StopRule.for_visit(cfg.stop, -(-train.batches_per_epoch // cfg.optim.grad_accum))
         if p.stop is not None:
             stop.load_state_dict(p.stop)
@@ -120,20 +154,24 @@ class Trainer:
             self.meter.reset()
         started, reason = time.perf_counter(), None
         while reason is None:
-            if max_total_steps is not None and p.global_step >= max_total_steps:
+            halted = max_total_steps is not None and p.global_step >= max_total_steps
+            if halted or self._stop_now():
                 self._save_visit_state(train, optimizer, block, stop)
+                self.stopped = not halted
                 return False
-            loss, tokens, wait = self._step(block, train, optimizer)
+            loss, tokens, wait = self._step(block, train, optimizer, active)
             p.visit_step += 1
             p.global_step += 1
             p.tokens += tokens
             reason = stop.update(loss)
             p.stop = stop.state_dict()
             p.cursor = train.state_dict()
+            p.loss_scaler = self.scaler.state_dict() if self.scaler is not None else None
             self.emit(StepRecord(
                 sweep=p.sweep, block=block.index, step=p.global_step, visit_step=p.visit_step, loss=loss,
                 lr=optimizer.param_groups[0]["lr"], tokens=p.tokens,
                 tokens_per_s=tokens / max(wait["step_s"], 1e-9), wait_s=wait["wait_s"],
+                **self._scaler_fields(),
             ))
             every = cfg.run.checkpoint_every
             if every and p.global_step % every == 0 and reason is None:
@@ -160,66 +198,117 @@ class Trainer:
         if self.on_record is not None:
             self.on_record(record)
 
-    def _activate(self, block: Block) -> torch.optim.Optimizer:
-        """Freeze everything, unfreeze `block`, set train/eval modes, and build (or restore) its optimizer."""
-        model = self.staged.model
+    def _scaler_fields(self) -> dict:
+        """fp16-mixed: the step record's loss scale and skipped-step count."""
+        if self.scaler is None:
+            return {}
+        return {"loss_scale": self.scaler.scale, "skipped_steps": self.scaler.skipped}
+
+    def _stop_now(self) -> bool:
+        """A stop was requested (on any rank: every rank stops at the same step)."""
+        if self.world_size == 1:
+            return self.stop_requested
+        flag = torch.tensor(float(self.stop_requested), device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _activate(self, block: Block,
+                  train: BatchSource | None = None) -> tuple[torch.optim.Optimizer, ActiveBlock]:
+        """Freeze everything, unfreeze `block` (with `--experts`, its chosen experts and the parts that train with
+        them; chosen on the block's first visit from `train`), set train/eval modes, make the
+        masters (restored from a mid-visit checkpoint when there is one) and build (or restore) their optimizer."""
+        model, key = self.staged.model, str(block.index)
+        if key not in self.progress.experts and self.experts.layers(block) and train is not None:
+            states = ((batch_state(self.staged, _to_device(b, self.device), train.boundary), train.boundary)
+                      for b in train.one_pass())
+            self.progress.experts[key] = self.experts.measure(block, states)
         model.requires_grad_(False)
         for param in block.params:
             param.requires_grad_(True)
         model.train()
         for module in self.staged.prefix_modules(block.start):
             module.eval()
-        optimizer = build_optimizer(list(block.params), self.config.optim)
+        params = self.experts.activate(block, self.progress.experts.get(key, {}))
+        masters, self.saved_masters = self.saved_masters or None, []
+        self.active = ActiveBlock(params, self.precision != "fp32", masters)
+        if self.world_size > 1:
+            self.reducer = BucketedAllReduce(self.active.masters)
+            self.active.watch(self.reducer.grad_ready)
+        optimizer = build_optimizer(self.active.masters, self.config.optim)
         for group in optimizer.param_groups:
             group["initial_lr"] = group["lr"]
         saved = self.optimizer_states.get(block.index)
         if saved is not None:
             optimizer.load_state_dict(saved)
-        return optimizer
+        return optimizer, self.active
 
     def _deactivate(self, block: Block) -> None:
+        """Freeze `block` again and free its masters, their gradients and (unless kept) the optimizer state."""
+        self.active.close()
+        self.active = self.reducer = None
+        self.experts.deactivate()
         for param in block.params:
             param.requires_grad_(False)
             param.grad = None
         if not self.config.optim.keep_state:
             self.optimizer_states.pop(block.index, None)
 
-    def _step(self, block: Block, train: BatchSource, optimizer) -> tuple[float, int, dict]:
+    def _step(self, block: Block, train: BatchSource, optimizer, active: ActiveBlock) -> tuple[float, int, dict]:
         """One optimizer step over `grad_accum` micro-batches; the loss is the mean over every supervised
-        token of the global batch (all micro-batches, all ranks), so accumulation and data parallelism are exact."""
+        token of the global batch (all micro-batches, all ranks), so accumulation and data parallelism are exact.
+        Under fp16-mixed a step whose gradients are not finite is skipped (the weights stay as they are)."""
         cfg = self.config.optim
         t0 = time.perf_counter()
         batches = [_to_device(next(train), self.device) for _ in range(cfg.grad_accum)]
         wait = time.perf_counter() - t0
-        count = torch.tensor(float(sum(supervised_tokens(b["labels"]) for b in batches)))
+        count = torch.tensor(float(sum(supervised_tokens(b["labels"]) for b in batches)), device=self.device)
         if self.world_size > 1:
             dist.all_reduce(count)
         total, tokens = 0.0, 0
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        if self.reducer is not None:
+            self.reducer.start_step()
         tracking = self.meter.track() if self.meter is not None else nullcontext()
         with tracking:
-            for batch in batches:
+            for index, batch in enumerate(batches):
+                active.last_micro_batch = index == len(batches) - 1
                 state = self._input_state(batch, block, train.boundary)
-                out = self.staged.run(state, block.start, self.staged.num_layers, self.config.run.recompute)
+                with self.router_loss.capture(block.start):
+                    out = self.staged.run(state, block.start, self.staged.num_layers, self.config.run.recompute)
                 loss = causal_lm_loss(self.staged.logits(out), out.labels, reduction="sum") / count
-                loss.backward()
+                loss = loss + self.router_loss.loss(out.attention_mask) / (cfg.grad_accum * self.world_size)
+                (loss * scale if self.scaler is not None else loss).backward()
                 total += loss.item()
                 tokens += int(batch["attention_mask"].sum())
-        if self.world_size > 1:
-            for param in block.params:
-                dist.all_reduce(param.grad)
-            total_t = torch.tensor(total)
+        if self.reducer is not None:
+            self.reducer.finish()
+            total_t = torch.tensor(total, device=self.device)
             dist.all_reduce(total_t)
             total = total_t.item()
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(block.params, cfg.grad_clip)
-        factor = warmup_factor(self.progress.visit_step, cfg.warmup_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = group["initial_lr"] * factor
-        optimizer.step()
+        self.experts.before_step()
+        if self._update_allowed(active, scale):
+            if cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(active.masters, cfg.grad_clip)
+            factor = warmup_factor(self.progress.visit_step, cfg.warmup_steps)
+            for group in optimizer.param_groups:
+                group["lr"] = group["initial_lr"] * factor
+            optimizer.step()
+            active.cast_down()
         if self.meter is not None:
             self.meter.sample(optimizer)
         optimizer.zero_grad(set_to_none=True)
         return total, tokens, {"wait_s": wait, "step_s": time.perf_counter() - t0}
+
+    def _update_allowed(self, active: ActiveBlock, scale: float) -> bool:
+        """fp16-mixed: unscale the gradients if they are finite, else count a skipped step; always True
+        otherwise."""
+        if self.scaler is None:
+            return True
+        finite = active.grads_finite()
+        self.scaler.update(finite)
+        if finite:
+            active.scale_grads(1 / scale)
+        return finite
 
     def _input_state(self, batch: dict, block: Block, boundary: int) -> BoundaryState:
         """The state at `block.start`: embedded with autograd if the block holds the embedding, else computed
@@ -240,13 +329,14 @@ class Trainer:
         """Checkpoint mid-visit: the active block's optimizer state travels with the others."""
         self.progress.cursor = train.state_dict()
         self.progress.stop = stop.state_dict()
-        self._checkpoint({**self.optimizer_states, block.index: optimizer.state_dict()})
+        masters = self.active.masters if self.active.mixed else []
+        self._checkpoint({**self.optimizer_states, block.index: optimizer.state_dict()}, masters)
 
-    def _checkpoint(self, optimizers: dict[int, dict] | None = None) -> None:
+    def _checkpoint(self, optimizers: dict[int, dict] | None = None, masters: list[torch.Tensor] = ()) -> None:
         if self.run_dir is None or self.rank != 0:
             return
         states = self.optimizer_states if optimizers is None else optimizers
-        save_checkpoint(self.checkpoint_dir, self.staged.model, states, vars(self.progress))
+        save_checkpoint(self.checkpoint_dir, self.staged.model, states, vars(self.progress), masters)
 
 
 def batch_state(staged: StagedModel, batch: dict[str, torch.Tensor], boundary: int) -> BoundaryState:

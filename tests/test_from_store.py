@@ -58,7 +58,7 @@ def cache_records(run_dir: str) -> list[CacheRecord]:
     return [r for r in read_metrics(RunDir(run_dir).metrics) if isinstance(r, CacheRecord)]
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2", "tiny-moe"])
 def test_bcd_on_and_off_end_with_the_same_weights(tmp_path, corpus, preset):
     off_config = config_for(tmp_path, corpus, "off", preset, mode="off")
     on_config = config_for(tmp_path, corpus, "on", preset, mode="on")
@@ -200,14 +200,16 @@ class BothRanks:
             r.load_state_dict(s)
 
 
-@pytest.mark.timeout(600)
-def test_torchrun_two_ranks_equal_one_process_with_the_same_global_batch(tmp_path, corpus):
+def torchrun_and_one_process(tmp_path: Path, corpus: str, precision: str = "fp32") -> tuple[dict, dict, str]:
+    """`preinfer train` on two gloo ranks under torchrun, and in one process whose batch is both ranks' batches;
+    returns (one process's weights, the two ranks' weights, the model directory)."""
     model_dir, store = cache_and_model(tmp_path, corpus)
     out = tmp_path / "two"
     two = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
          "-m", "pipelines.cli", "train", "--store", store, "--model", model_dir, "--steps-per-visit", "3",
-         "--lr", "1e-3", "--blocks", "2", "--seed", "0", "--batch-size", "2", "--out", str(out)],
+         "--lr", "1e-3", "--blocks", "2", "--seed", "0", "--batch-size", "2", "--precision", precision,
+         "--out", str(out)],
         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=500,
     )
     assert two.returncode == 0, two.stderr[-3000:]
@@ -218,6 +220,7 @@ def test_torchrun_two_ranks_equal_one_process_with_the_same_global_batch(tmp_pat
     config.blocks.ufp, config.blocks.blocks = None, 2
     config.optim.lr = 1e-3
     config.stop.steps_per_visit = 3
+    config.run.precision = precision
     config.run.out = str(tmp_path / "one")
     stores = open_cache(store, splits=["train", "eval"])
     suffix = load_suffix(model_dir, 2)
@@ -225,4 +228,10 @@ def test_torchrun_two_ranks_equal_one_process_with_the_same_global_batch(tmp_pat
     partition, _ = partition_for(staged, config, first_layer=2)
     plan = LiveSources(BothRanks(stores["train"], 2, 2, 0), ReaderBatches(stores["eval"], 2, 4, 0, shuffle=False))
     train(config, staged, partition, None, plan, resume=False, quiet=True)
-    assert_close(weights(str(tmp_path / "one")), weights(str(out)))
+    return weights(str(tmp_path / "one")), weights(str(out)), model_dir
+
+
+@pytest.mark.timeout(600)
+def test_torchrun_two_ranks_equal_one_process_with_the_same_global_batch(tmp_path, corpus):
+    one, two, _ = torchrun_and_one_process(tmp_path, corpus)
+    assert_close(one, two)

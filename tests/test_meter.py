@@ -116,3 +116,22 @@ def test_parameter_views_are_not_activations():
     with meter.track():
         (x @ weight.t()).sum().backward()
     assert meter.report()["activations"] == 4 * 3 * 4
+
+
+def test_masters_are_the_stepped_tensors_outside_the_model():
+    # bf16 weights, fp32 masters of the second linear stepped by Adam with fp32 gradients: 2 bytes per weight,
+    # and 4 (master) + 4 (gradient) + 8 (moments) bytes per master element, plus Adam's step counters.
+    model = _mlp().to(torch.bfloat16)
+    masters = [p.detach().float().clone() for p in model[2].parameters()]
+    for master in masters:
+        master.grad = torch.ones_like(master)
+    optimizer = torch.optim.Adam(masters)
+    optimizer.step()
+    meter = MemoryMeter(model)
+    meter.sample(optimizer)
+    report = meter.report()
+    active = sum(m.numel() for m in masters)
+    assert report["params"] == 2 * sum(p.numel() for p in model.parameters())
+    assert report["masters"] == report["grads"] == 4 * active
+    assert report["optimizer"] == 8 * active + 4 * len(masters)
+    assert report["tracked_peak"] == report["params"] + 16 * active + 4 * len(masters)

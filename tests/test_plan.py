@@ -11,9 +11,11 @@ import torch
 import preinfer
 from pipelines.cli import main
 from preinfer.memory_model import (
-    DTYPES, Settings, bcd_memory, full_memory, partition, plan_memory, resolve_shape, shape_for_size,
+    DTYPES, Settings, bcd_memory, block_params, flops_per_token, full_memory, partition, plan_memory, resolve_shape,
+    shape_for_size, step_activations,
 )
 from preinfer.meter import MemoryMeter
+from preinfer.partition import make_partition
 from preinfer.presets import build_preset
 
 SEQ, BATCH, BLOCKS = 128, 4, 3
@@ -140,13 +142,14 @@ def test_plan_matches_meter_with_recomputation(name, k):
     assert predicted == pytest.approx(measure_recomputed(name, k), rel=0.15)
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "small-llama"])
+@pytest.mark.parametrize("name", ["tiny-llama", "small-llama", "tiny-moe"])
 def test_plan_matches_meter_full_adam(name):
     predicted = full_memory(resolve_shape(name), SETTINGS, recompute=False).total
     assert predicted == pytest.approx(measure_full(name), rel=0.15)
 
 
-@pytest.mark.parametrize("name,k", [("tiny-llama", 0), ("tiny-llama", 2), ("small-llama", 1), ("small-llama", 2)])
+@pytest.mark.parametrize("name,k", [("tiny-llama", 0), ("tiny-llama", 2), ("small-llama", 1), ("small-llama", 2),
+                                    ("tiny-moe", 1)])
 def test_plan_matches_meter_bcd_live(name, k):
     shape = resolve_shape(name)
     predicted = bcd_memory(shape, SETTINGS, partition(shape, BLOCKS), k, store=False).total
@@ -161,7 +164,7 @@ def test_plan_matches_meter_bcd_store(name, k):
 
 
 def test_preset_shapes_count_the_real_parameters():
-    for name in ("tiny-llama", "small-llama", "tiny-gpt2"):
+    for name in ("tiny-llama", "small-llama", "tiny-gpt2", "tiny-moe"):
         model = build_preset(name)
         assert resolve_shape(name).total_params() == sum(p.numel() for p in model.parameters())
 
@@ -230,3 +233,17 @@ def test_bad_input_is_one_line_exit_2(argv, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "error" in err and "Traceback" not in err
+
+
+def test_a_moe_shape_counts_every_expert_and_computes_with_the_active_ones():
+    shape = resolve_shape("tiny-moe")
+    assert shape.sparse == (False, True, False, True) and (shape.experts, shape.experts_per_token) == (8, 2)
+    staged = preinfer.stage(build_preset("tiny-moe"))
+    blocks = make_partition(staged, num_blocks=2)
+    assert [block_params(shape, b) for b in partition(shape, 2)] == [b.num_params for b in blocks.blocks]
+    head = shape.vocab * shape.hidden
+    assert shape.span_params(0, 4, active=True) + 2 * head + shape.hidden == blocks.active_params
+    flops = flops_per_token(shape, partition(shape, 1), 1.0)
+    assert flops["full"] == 6 * (shape.span_params(0, 4, active=True) + head)
+    sparse, dense = (step_activations(shape, 1, 16, 4, None, False).layers[i] for i in (1, 2))
+    assert sparse != dense  # a sparse layer's saved tensors follow its experts, not the dense MLP width

@@ -8,8 +8,12 @@ from transformers import (
     GPT2Config,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    OlmoeConfig,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 import preinfer
@@ -24,6 +28,17 @@ CONFIGS = {
     "mistral-sliding": lambda: MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=5),
     "qwen2-gqa": lambda: Qwen2Config(**SMALL, num_key_value_heads=2),
     "qwen3-gqa": lambda: Qwen3Config(**SMALL, num_key_value_heads=1, head_dim=8),
+    # Mixture of experts: 4 experts, top-2; every layer sparse unless said otherwise.
+    "mixtral-sliding": lambda: MixtralConfig(**SMALL, num_key_value_heads=2, num_local_experts=4, sliding_window=5),
+    # Shared expert with its gate; decoder_sparse_step 2 makes layers 1 and 3 sparse, mlp_only_layers keeps 3 dense.
+    "qwen2-moe": lambda: Qwen2MoeConfig(
+        **{**SMALL, "num_hidden_layers": 4}, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=24, decoder_sparse_step=2, mlp_only_layers=[3],
+    ),
+    "qwen3-moe": lambda: Qwen3MoeConfig(
+        **SMALL, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+    ),
+    "olmoe": lambda: OlmoeConfig(**SMALL, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2),
 }
 
 
@@ -48,11 +63,11 @@ def batch(padded: bool):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_composition_through_every_boundary(name, padded):
     model = hf_model(name)
-    staged = preinfer.stage(model)
     ids, mask = batch(padded)
     real = mask.bool()
     with torch.no_grad():
-        expected = model(input_ids=ids, attention_mask=mask).logits
+        expected = model(input_ids=ids, attention_mask=mask).logits  # before staging: the framework's own experts
+        staged = preinfer.stage(model)
         for k in range(staged.num_layers + 1):
             state = staged.embed(ids, mask)
             state = staged.run(staged.run(state, 0, k), k, staged.num_layers)

@@ -3,6 +3,7 @@ the reader-backed token source every run uses (`pipelines.sources`)."""
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import preinfer
 from preinfer.config import Config
@@ -115,15 +116,29 @@ def test_plateau_rule_stops_a_visit():
     assert all(v["steps"] == 4 for v in visits)  # the first step sets the best; 3 without improvement
 
 
-def test_resume_is_bit_identical(tmp_path):
-    overrides = dict(blocks__sweeps=2, optim__warmup_steps=2, stop__steps_per_visit=4)
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "fp16-mixed"])
+def test_resume_is_bit_identical(tmp_path, precision):
+    overrides = dict(blocks__sweeps=2, optim__warmup_steps=2, stop__steps_per_visit=4, run__precision=precision)
     reference = make_trainer(run_dir=tmp_path / "a", **overrides)
-    reference.fit()
     halted = make_trainer(run_dir=tmp_path / "b", **overrides)
+    if precision == "fp16-mixed":  # a scale that overflows at first: the loss scaler's state must resume too
+        reference.scaler.scale = halted.scaler.scale = 2.0**20
+    reference.fit()
     halted.fit(max_total_steps=6)  # mid-visit: block 1, step 2 of 4
+    saved = load_file(str(tmp_path / "b" / "checkpoint" / "state.safetensors"))
+    masters = [saved[f"master.{i}"] for i in range(sum(name.startswith("master.") for name in saved))]
+    params = halted.partition.blocks[1].params
+    if precision == "fp32":
+        assert masters == []
+    else:  # the fp32 masters hold what the bf16 weights cannot, and travel with the checkpoint
+        assert all(m.dtype == torch.float32 for m in masters) and len(masters) == len(params)
+        assert [m.shape for m in masters] == [p.shape for p in params]
+        assert any(not torch.equal(m, p.float()) for m, p in zip(masters, params))
     resumed = make_trainer(run_dir=tmp_path / "b", **overrides)
     resumed.resume()
     resumed.fit()
     ref, got = snapshot(reference.staged.model), snapshot(resumed.staged.model)
     assert all(torch.equal(ref[k], got[k]) for k in ref)
     assert [v["eval_loss"] for v in resumed.progress.visits] == [v["eval_loss"] for v in reference.progress.visits]
+    if precision == "fp16-mixed":
+        assert halted.scaler.skipped > 0 and resumed.scaler.state_dict() == reference.scaler.state_dict()

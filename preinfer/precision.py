@@ -1,0 +1,161 @@
+"""Training precision: fp32, or mixed precision with fp32 masters for the active block only.
+
+Under `bf16-mixed` / `fp16-mixed` every weight of the model is resident in 16 bits; forward and backward run in
+that dtype (the loss casts the logits to fp32 before the softmax). The active block alone has fp32 master weights,
+fp32 gradients and fp32 optimizer state, for its visit only: each 16-bit gradient is added into its master's fp32
+gradient as soon as autograd has accumulated it (a post-accumulate-grad hook), the optimizer steps the masters,
+and the masters are cast into the model's weights after every step. `fp16-mixed` adds dynamic loss scaling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from preinfer.errors import UsageError
+
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+RESIDENT_DTYPES = {"fp32": torch.float32, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+MIXED_FOR_DTYPE = {torch.bfloat16: "bf16-mixed", torch.float16: "fp16-mixed"}
+
+
+def resolve_precision(requested: str, weights: torch.dtype) -> str:
+    """The precision a run trains in: `auto` follows the model's weights (bf16 -> bf16-mixed, fp16 ->
+    fp16-mixed, anything else fp32)."""
+    if requested == "auto":
+        return MIXED_FOR_DTYPE.get(weights, "fp32")
+    if requested not in PRECISIONS:
+        raise UsageError(f"--precision '{requested}' is not one of auto, {', '.join(PRECISIONS)}")
+    return requested
+
+
+def apply_precision(model: nn.Module, requested: str) -> str:
+    """Resolve `requested` against the model's weights and cast them to that precision's resident dtype."""
+    precision = resolve_precision(requested, weights_dtype(model))
+    cast_weights(model, RESIDENT_DTYPES[precision])
+    return precision
+
+
+def weights_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the model's first floating-point parameter."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def cast_weights(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast every floating-point parameter in place to `dtype` (the Parameter objects stay, so ties hold;
+    buffers such as rotary tables keep their own dtype)."""
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+    return model
+
+
+def describe(precision: str, weights: torch.dtype) -> str:
+    """The line a run starts with."""
+    name = str(weights).removeprefix("torch.")
+    if precision == "fp32":
+        return f"precision: fp32 (weights, gradients and optimizer state in float32; the model's weights are {name})"
+    low = str(RESIDENT_DTYPES[precision]).removeprefix("torch.")
+    scaling = ", dynamic loss scaling" if precision == "fp16-mixed" else ""
+    return (f"precision: {precision} (every weight resident in {low}; fp32 masters, gradients and optimizer "
+            f"state for the active block only{scaling}; the model's weights were {name})")
+
+
+@dataclass
+class LossScaler:
+    """Dynamic loss scaling for fp16: the loss is multiplied by `scale` before backward; a step whose gradients
+    are not finite is skipped and halves the scale; `growth_interval` finite steps in a row double it."""
+
+    scale: float = 2.0**16
+    growth_interval: int = 2000
+    good_steps: int = 0
+    skipped: int = 0  # steps skipped so far in the run
+
+    def update(self, finite: bool) -> None:
+        """Record one step's outcome and adapt the scale."""
+        if not finite:
+            self.scale, self.good_steps, self.skipped = self.scale / 2, 0, self.skipped + 1
+            return
+        self.good_steps += 1
+        if self.good_steps >= self.growth_interval:
+            self.scale, self.good_steps = self.scale * 2, 0
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+class ActiveBlock:
+    """The tensors one visit's optimizer steps and their gradients: the block's own weights under fp32, fp32
+    master copies of them under mixed precision. `on_grad_ready(i)` is called when tensor i's gradient of the
+    step's last micro-batch is complete (the data-parallel reducer launches its buckets from it)."""
+
+    def __init__(self, params: list[nn.Parameter], mixed: bool, masters: list[torch.Tensor] | None = None):
+        self.params, self.mixed = params, mixed
+        if not mixed:
+            self.masters: list[torch.Tensor] = list(params)
+        elif masters is not None:
+            self.masters = [m.detach().to(p.device, torch.float32).clone() for m, p in zip(masters, params)]
+        else:
+            self.masters = [p.detach().float().clone() for p in params]
+        self.on_grad_ready: Callable[[int], None] | None = None
+        self.last_micro_batch = True
+        self._hooks = []
+        if mixed:
+            self._install_hooks()
+
+    def watch(self, on_grad_ready: Callable[[int], None]) -> None:
+        """Call `on_grad_ready(i)` as each gradient of the last micro-batch completes."""
+        self.on_grad_ready = on_grad_ready
+        if not self._hooks:
+            self._install_hooks()
+
+    def _install_hooks(self) -> None:
+        for index, param in enumerate(self.params):
+            self._hooks.append(param.register_post_accumulate_grad_hook(self._hook(index)))
+
+    def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        master = self.masters[index]
+
+        def accumulated(param: torch.Tensor) -> None:
+            if self.mixed:
+                grad, param.grad = param.grad, None
+                if master.grad is None:
+                    master.grad = grad.float()
+                else:
+                    master.grad.add_(grad)
+            if self.last_micro_batch and self.on_grad_ready is not None:
+                self.on_grad_ready(index)
+
+        return accumulated
+
+    def grads_finite(self) -> bool:
+        """Every master gradient present is finite."""
+        grads = [m.grad for m in self.masters if m.grad is not None]
+        return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
+
+    def scale_grads(self, factor: float) -> None:
+        for master in self.masters:
+            if master.grad is not None:
+                master.grad.mul_(factor)
+
+    @torch.no_grad()
+    def cast_down(self) -> None:
+        """Copy the masters into the model's resident weights (a cast to their dtype); nothing under fp32."""
+        if self.mixed:
+            for param, master in zip(self.params, self.masters):
+                param.copy_(master)
+
+    def close(self) -> None:
+        """Remove the hooks and free the masters' gradients (the masters go with this object)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        for master in self.masters:
+            master.grad = None

@@ -1,0 +1,80 @@
+"""Preemption-safe runs (invariant 8): SIGTERM or SIGINT mid-visit finishes the step, writes a checkpoint and exits
+143 / 130 with one line saying how to resume; `--resume` continues from that step and ends bit for bit where an
+uninterrupted run ends."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipelines.cli import main
+from preinfer.metrics import StepRecord, read_metrics
+from preinfer.run_dir import RunDir
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 150
+
+
+def bcd_args(corpus: str, out: Path) -> list[str]:
+    return ["bcd", "--model", "tiny-llama", "--data", corpus, "--seq-len", "32", "--batch-size", "2",
+            "--steps-per-visit", str(STEPS), "--blocks", "2", "--eval-tokens", "128", "--pre-inference", "off",
+            "--lr", "1e-3", "--precision", "bf16-mixed", "--out", str(out)]
+
+
+def interrupt(corpus: str, out: Path, signum: int) -> subprocess.CompletedProcess:
+    """Run `preinfer bcd` in a child process and send it `signum` once it has logged its first step."""
+    child = subprocess.Popen([sys.executable, "-m", "pipelines.cli", *bcd_args(corpus, out)], cwd=ROOT,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    metrics = RunDir(out).metrics
+    deadline = time.monotonic() + 300
+    while not (metrics.is_file() and '"kind": "step"' in metrics.read_text()):
+        assert child.poll() is None and time.monotonic() < deadline, "the run ended before its first step"
+        time.sleep(0.01)
+    child.send_signal(signum)
+    stdout, stderr = child.communicate(timeout=300)
+    return subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
+
+
+def stopped_at(out: Path) -> dict:
+    return json.loads((RunDir(out).checkpoint / "state.json").read_text())["trainer"]
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_mid_visit_then_resume_equals_an_uninterrupted_run(tmp_path, corpus):
+    out = tmp_path / "preempted"
+    stopped = interrupt(corpus, out, signal.SIGTERM)
+    assert stopped.returncode == 143, stopped.stderr[-2000:]
+    last = stopped.stderr.strip().splitlines()[-1]
+    assert last.startswith("preinfer bcd: stopped by SIGTERM after step ")
+    assert f"`preinfer bcd --out {out} --resume`" in last
+    state = stopped_at(out)
+    assert 0 < state["visit_step"] < STEPS and state["visit"] == 0  # mid-visit of the first block
+    assert not RunDir(out).export.exists()
+
+    assert main([*bcd_args(corpus, out), "--resume"]) == 0
+    steps = [r.step for r in read_metrics(RunDir(out).metrics) if isinstance(r, StepRecord)]
+    assert steps == list(range(1, 2 * STEPS + 1))  # no step redone, none missing
+
+    reference = tmp_path / "uninterrupted"
+    assert main(bcd_args(corpus, reference)) == 0
+    got, want = (load_file(str(RunDir(d).checkpoint_weights)) for d in (out, reference))
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.timeout(600)
+def test_sigint_mid_visit_checkpoints_and_exits_130(tmp_path, corpus):
+    out = tmp_path / "interrupted"
+    stopped = interrupt(corpus, out, signal.SIGINT)
+    assert stopped.returncode == 130, stopped.stderr[-2000:]
+    assert stopped.stderr.strip().splitlines()[-1].startswith("preinfer bcd: stopped by SIGINT after step ")
+    state = stopped_at(out)
+    assert 0 < state["visit_step"] < STEPS
+    assert state["global_step"] == int(stopped.stderr.strip().split("after step ")[1].split(";")[0])
