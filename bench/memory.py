@@ -72,7 +72,7 @@ def worker_config(args: argparse.Namespace, mode: str, ufp: str | None, recomput
     """The training config of one memory run: Adam, a few steps per visit, one sweep, one eval batch."""
     return load_config(overrides=dict(
         model=dict(name=args.model),
-        data=dict(seq_len=args.seq_len, batch_size=args.batch_size, eval_batches=1),
+        data=dict(seq_len=args.seq_len, batch_size=args.batch_size, eval_tokens=args.seq_len * args.batch_size),
         blocks=dict(ufp=ufp or "1", sweeps=1, order="ascending"),
         optim=dict(name="adam", lr=1e-4),
         stop=dict(steps_per_visit=args.steps),

@@ -120,7 +120,8 @@ def run_method(args: argparse.Namespace, name: str, steps: int, run_dir: Path) -
 
     overrides = method_overrides(name, args, steps)
     overrides["model"] = dict(name=args.model)
-    overrides["data"] = dict(seq_len=args.seq_len, batch_size=args.batch_size, eval_batches=1)
+    overrides["data"] = dict(seq_len=args.seq_len, batch_size=args.batch_size,
+                             eval_tokens=args.eval_batches * args.seq_len * args.batch_size)  # 0: the whole split
     overrides["run"] = {**overrides["run"], "seed": args.seed, "out": str(run_dir)}
     config = load_config(overrides=overrides)
     shutil.rmtree(run_dir, ignore_errors=True)

@@ -176,7 +176,8 @@ def train_once(staged, partition, active: int, config: Config, sources: LiveSour
 
 
 def throughput(args: argparse.Namespace, root: Path) -> dict:
-    config = base_config(args, data=dict(eval_batches=1, max_samples=args.samples), stop=dict(steps_per_visit=args.warmup + args.steps),
+    config = base_config(args, data=dict(eval_tokens=args.seq_len * args.batch_size, max_samples=args.samples),
+                         stop=dict(steps_per_visit=args.warmup + args.steps),
                          pre_inference=dict(mode="off"))
     data = load_datasets(config)
     model = resolve_model(args.model, seed=0)

@@ -63,12 +63,18 @@ TRAINING_FLAGS: list[Flag] = [
     Flag("--model", "model", "name", "preset (tiny-gpt2, tiny-llama, small-llama, medium-llama, tiny-moe), a "
                                      "save_pretrained directory, or a run directory"),
     Flag("--tokenizer", "model", "tokenizer", "'byte' (built-in) or a local HF tokenizer directory"),
-    Flag("--data", "data", "path", "a .txt or .jsonl file (text or instruction records), a directory of them, "
-                                   "or builtin:pydoc"),
+    Flag("--data", "data", "path", "a corpus: .txt, .jsonl (either also .gz or .zst) or .parquet file, a directory "
+                                   "or quoted glob of them, or builtin:pydoc; or a token store written by "
+                                   "preinfer tokenize"),
+    Flag("--token-store", "data", "token_store", "where a corpus is tokenised once (one directory per corpus, "
+                                                 "tokenizer and settings) and read lazily by every job",
+         unset="$XDG_CACHE_HOME/preinfer/tokens"),
     Flag("--seq-len", "data", "seq_len", "tokens per sample", dict(type=positive_int)),
     Flag("--batch-size", "data", "batch_size", "samples per micro-batch", dict(type=positive_int)),
     Flag("--eval-fraction", "data", "eval_fraction", "share of documents held out", dict(type=float)),
-    Flag("--eval-batches", "data", "eval_batches", "cap on eval batches; 0 = all", dict(type=non_negative_int)),
+    Flag("--eval-tokens", "data", "eval_tokens", "evaluate on the first samples of the eval split holding this many "
+                                                 "tokens, the same every visit; 0 = the whole split",
+         dict(type=non_negative_int)),
     Flag("--max-samples", "data", "max_samples", "use only the first N samples of each split; 0 = all",
          dict(type=non_negative_int)),
     Flag("--samples-per-shard", "data", "samples_per_shard",

@@ -208,9 +208,7 @@ class PreInference:
         budgets = [s for s in (cfg.stop.steps_per_visit,
                                cfg.stop.epochs_per_visit and int(cfg.stop.epochs_per_visit * steps_per_epoch)) if s]
         steps = min(budgets) if budgets else steps_per_epoch
-        eval_samples = len(self.datasets["eval"])
-        if cfg.data.eval_batches:
-            eval_samples = min(eval_samples, cfg.data.eval_batches * cfg.data.batch_size)
+        eval_samples = len(self.datasets["eval"])  # capped by --eval-tokens
         return Workload(
             visits=tuple(Visit(block=b.index, start=b.start, steps=steps) for b in blocks),
             num_layers=self.staged.num_layers, samples_per_step=samples_per_step, train_samples=len(train),

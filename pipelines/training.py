@@ -28,7 +28,6 @@ import storage
 import preinfer
 from preinfer.budget import budget_line, budget_settings, plan_budget, visit_against_budget
 from preinfer.config import BlockConfig, Config, dump_toml
-from preinfer.data import TokenDataset, load_data
 from preinfer.errors import UsageError
 from preinfer.memory_model import GPUS, Settings, shape_from_config
 from preinfer.meter import MemoryMeter
@@ -49,22 +48,37 @@ from pipelines.models import resolve_model
 from pipelines.pre_inference import PreInference
 from pipelines.sources import ReaderBatches
 from pipelines.suffix import Suffix, export_full, load_suffix, to_device
+from pipelines.tokenize import TokenStoreDataset
+from pipelines.tokenize.resolve import eval_samples, token_splits
 
 
 @dataclass
 class Datasets:
-    train: TokenDataset
-    eval: TokenDataset
+    train: TokenStoreDataset
+    eval: TokenStoreDataset  # capped by --eval-tokens
     tokenizer: Tokenizer
 
 
-def load_datasets(config: Config) -> Datasets:
+def load_datasets(config: Config, quiet: bool = False) -> Datasets:
+    """The run's splits, read lazily from the token store of --data (built first if need be: by rank 0 alone
+    while the other ranks wait). --max-samples takes each split's first samples, --eval-tokens caps eval."""
     tokenizer = load_tokenizer(config.model.tokenizer)
     d = config.data
-    splits = [load_data(d.path, tokenizer, d.seq_len, split, d.eval_fraction) for split in ("train", "eval")]
+
+    first = not dist.is_initialized() or dist.get_rank() == 0
+    if not first:
+        dist.barrier()
+    found = token_splits(d.path, tokenizer, d.seq_len, d.eval_fraction, ["train", "eval"], d.token_store,
+                         progress=not quiet)
+    if first and dist.is_initialized():
+        dist.barrier()
+    train, evaluation = found["train"], found["eval"]
     if d.max_samples:
-        splits = [split.head(d.max_samples) for split in splits]
-    return Datasets(*splits, tokenizer)
+        train, evaluation = train.head(d.max_samples), evaluation.head(d.max_samples)
+    capped = eval_samples(d.eval_tokens, d.seq_len)
+    if capped is not None and capped < len(evaluation):
+        evaluation = evaluation.head(capped)
+    return Datasets(train, evaluation, tokenizer)
 
 
 def partition_for(staged: preinfer.StagedModel, config: Config, first_layer: int = 0,
@@ -182,9 +196,9 @@ def run_bcd(config: Config, resume: bool = False, quiet: bool = False) -> dict:
     rank, world = init_distributed(config.run.device)
     if rank == 0:
         check_run_dir(run, resume)
-    data = load_datasets(config)
     model = resolve_model(config.model.name, seed=config.run.seed).to(config.run.device)
     notes = [set_precision(model, config)]
+    data = load_datasets(config, quiet)
     staged = preinfer.stage(model)
     partition, active = partition_for(staged, config, precision=resolve_precision(config.run.precision,
                                                                                   weights_dtype(model)))
@@ -219,7 +233,8 @@ def run_from_store(config: Config, resume: bool = False, quiet: bool = False) ->
     batch, seed = config.data.batch_size, config.run.seed
     chosen = LiveSources(
         ReaderBatches(stores["train"], boundary, batch, seed, rank, world),
-        ReaderBatches(stores["eval"], boundary, batch, seed, shuffle=False),
+        ReaderBatches(stores["eval"], boundary, batch, seed, shuffle=False,
+                      limit=eval_samples(config.data.eval_tokens, stores["eval"].fields["labels"].shape[0])),
     )
     trainer = train(config, staged, partition, active, chosen, resume, quiet, notes, command="train")
 
@@ -348,6 +363,7 @@ def finish_run(trainer: Trainer, run: RunDir, export: Callable[[Path], object]) 
         "tokens": trainer.progress.tokens,
         "steps": trainer.progress.global_step,
         "wall_s": trainer.wall_s,
+        "eval_s": sum(visit.get("eval_s", 0.0) for visit in visits),
         "peak_memory": {k: max(v["memory"].get(k, 0) for v in visits) for k in visits[0]["memory"]} if visits else {},
         "visits": visits,
     }
@@ -404,7 +420,7 @@ class ProgressUI:
             tqdm.write(
                 f"sweep {record.sweep} block {record.block} ({record.label}): eval loss "
                 f"{record.eval_loss:.4f} after {record.steps} steps ({record.stop_reason}), "
-                f"{record.wall_s:.1f} s, peak tracked memory {peak / 2**20:.1f} MiB{against}"
+                f"{record.wall_s:.1f} s + eval {record.eval_s:.1f} s, peak tracked memory {peak / 2**20:.1f} MiB{against}"
             )
             return
         key = (record.sweep, record.block)

@@ -19,11 +19,12 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    path: str = "builtin:pydoc"  # a .txt/.jsonl file, or builtin:pydoc (Python's own docs)
+    path: str = "builtin:pydoc"  # a corpus (file, directory, glob or builtin:pydoc) or a `preinfer tokenize` output
     seq_len: int = 128
     batch_size: int = 8
     eval_fraction: float = 0.1
-    eval_batches: int = 0  # 0: the whole eval split
+    eval_tokens: int = 262144  # evaluate on the eval split's first samples holding this many tokens; 0: all
+    token_store: str | None = None  # where corpora are tokenised once and kept; None: $XDG_CACHE_HOME/preinfer/tokens
     max_samples: int = 0  # use only the first N samples of each split; 0: all
     samples_per_shard: int = 0  # shard size of stores, which also shapes the sample order; 0: ~64 MiB of states
 
@@ -153,6 +154,8 @@ def _apply(config: Config, values: dict, source: str) -> None:
             raise UsageError(f"{source}: unknown config section [{section}]")
         hints = get_type_hints(type(target))
         for key, value in entries.items():
+            if section == "data" and key == "eval_batches":
+                raise UsageError(f"{source}: [data] eval_batches is gone: write eval_tokens (tokens evaluated; 0: all)")
             if section == "run" and key in MOVED_RUN_KEYS:
                 new_section, new_key = MOVED_RUN_KEYS[key]
                 raise UsageError(f"{source}: [run] {key} has moved: write it as {new_key} in [{new_section}]")

@@ -55,10 +55,11 @@ class VisitRecord(Record):
     steps: int
     stop_reason: str  # the stopping rule that ended the visit: steps (a step or epoch budget) or plateau
     eval_loss: float  # mean loss over the eval split after the visit
-    wall_s: float
+    wall_s: float  # the visit's training time
     tokens: int  # as in the step records, at the end of the visit
     source_boundary: int  # 0: token batches (prefix run live); k > 0: trained from a store at boundary k
     memory: dict[str, int] = field(default_factory=dict)  # the memory meter's peaks in bytes; {} without a meter
+    eval_s: float = 0.0  # time of the evaluation after the visit (not in wall_s)
 
 
 @dataclass

@@ -180,11 +180,13 @@ class Trainer:
         if cfg.optim.keep_state:
             self.optimizer_states[block.index] = optimizer.state_dict()
         self._deactivate(block)
+        evaluated = time.perf_counter()
         eval_loss = self.evaluate(evaluation)
         visit = VisitRecord(
             sweep=p.sweep, block=block.index, label=block.label, steps=stop.steps, stop_reason=reason,
             eval_loss=eval_loss, wall_s=wall, tokens=p.tokens, source_boundary=train.boundary,
             memory=self.meter.report() if self.meter is not None else {},
+            eval_s=time.perf_counter() - evaluated,
         )
         p.visits.append(visit.to_dict())
         self.emit(visit)
@@ -321,7 +323,7 @@ class Trainer:
             return self.staged.run(state, boundary, block.start)
 
     def evaluate(self, source: BatchSource) -> float:
-        return evaluate(self.staged, source, self.device, self.config.data.eval_batches or None)
+        return evaluate(self.staged, source, self.device)
 
     def _save_visit_state(self, train: BatchSource, optimizer, block: Block, stop: StopRule) -> None:
         """Checkpoint mid-visit: the active block's optimizer state travels with the others."""

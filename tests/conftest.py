@@ -10,6 +10,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def token_store_cache(tmp_path_factory):
+    """Jobs tokenise corpora into a cache of this session's own (never the user's ~/.cache), shared by its tests
+    and the commands they start."""
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> str:
     """A small text corpus: 24 paragraphs, enough for a few dozen samples of 32 tokens in each split."""

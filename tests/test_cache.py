@@ -19,6 +19,8 @@ from pipelines.cache.options import LocalWorkers, SchedulerAddress
 from pipelines.cache.result import CacheJobError
 from pipelines.cli import main
 from pipelines.commands import cache as cache_command
+from pipelines.tokenize import TokenStoreDataset
+from pipelines.tokenize.resolve import token_splits
 from preinfer.data import TokenDataset, load_data
 from preinfer.presets import build_preset
 from preinfer.tokenizers import load_tokenizer
@@ -48,6 +50,11 @@ def corpus(tmp_path_factory):
 def datasets_for(corpus: str, seq_len: int = SEQ) -> dict[str, TokenDataset]:
     tokenizer = load_tokenizer("byte")
     return {split: load_data(corpus, tokenizer, seq_len, split, 0.1) for split in ("train", "eval")}
+
+
+def stored_datasets(corpus: str) -> dict[str, TokenStoreDataset]:
+    """The splits as the CLI reads them: from the corpus's token store."""
+    return token_splits(corpus, load_tokenizer("byte"), SEQ, 0.1, ["train", "eval"], progress=False)
 
 
 def staged_model(name: str = "tiny-llama", seed: int = 0):
@@ -324,7 +331,7 @@ def test_a_shard_that_fails_once_is_retried(corpus, tmp_path, monkeypatch):
 
 def test_a_shard_that_always_fails_names_itself_and_leaves_finished_shards_intact(corpus, tmp_path, monkeypatch,
                                                                                  capsys):
-    staged, data = staged_model(), datasets_for(corpus)
+    staged, data = staged_model(), stored_datasets(corpus)
     cache(staged, data, 2, tmp_path / "ref")
     cli_hook(monkeypatch, functools.partial(fail_shards, frozenset({"train/1"})))
     argv = ["cache", "--model", "tiny-llama", "--data", corpus, "--seq-len", str(SEQ), "--boundary", "2",

@@ -12,7 +12,7 @@ from pipelines.cache.dask_runner import local_client, shutdown_local_clusters
 from pipelines.cache.result import CacheJobError
 from storage import open_store
 from test_cache import (
-    PER_SHARD, BATCH, SEQ, assert_same_cache, cache, cli_hook, datasets_for, fail_once, fail_shards, run_cli,
+    PER_SHARD, BATCH, SEQ, assert_same_cache, cache, cli_hook, stored_datasets, fail_once, fail_shards, run_cli,
     staged_model, write_corpus,
 )
 
@@ -26,7 +26,7 @@ def corpus(tmp_path_factory):
 def reference(corpus, tmp_path_factory):
     """The single-process store (`--workers 1`) the Dask runs must equal."""
     out = tmp_path_factory.mktemp("ref") / "c"
-    cache(staged_model(), datasets_for(corpus), 2, out)
+    cache(staged_model(), stored_datasets(corpus), 2, out)
     return out
 
 
@@ -57,13 +57,13 @@ def test_dask_local_2_gives_the_store_of_one_worker_and_loads_the_model_once_per
     rolled = roll_forward(staged, tmp_path / "c", 3, tmp_path / "r3", CacheOptions(
         samples_per_shard=PER_SHARD, batch_size=BATCH, progress=False, model_name="tiny-llama", dask="local:2"))
     assert set(rolled.model_loads.values()) == {1}
-    cache(staged, datasets_for(corpus), 3, tmp_path / "f3")
+    cache(staged, stored_datasets(corpus), 3, tmp_path / "f3")
     assert_same_cache(tmp_path / "r3", tmp_path / "f3")
 
 
 def test_a_dask_task_that_fails_once_is_retried(workers, corpus, reference, tmp_path):
     hook = functools.partial(fail_once, str(tmp_path), frozenset({"train/2", "eval/1"}))
-    result = cache(staged_model(), datasets_for(corpus), 2, tmp_path / "c", dask=workers, retries=1,
+    result = cache(staged_model(), stored_datasets(corpus), 2, tmp_path / "c", dask=workers, retries=1,
                    before_shard_write=hook)
     assert (tmp_path / "fault-train-2").exists() and (tmp_path / "fault-eval-1").exists()
     assert result.shards_computed == sum(s.num_shards for s in result.splits.values())
@@ -87,12 +87,12 @@ def test_a_dask_shard_that_always_fails_is_named_and_the_rest_stay_intact(worker
 def test_workers_refuse_a_model_other_than_the_clients(workers, corpus, tmp_path):
     staged = staged_model(seed=1)  # the workers load tiny-llama with seed 0
     with pytest.raises(CacheJobError, match="another prefix"):
-        cache(staged, {"eval": datasets_for(corpus)["eval"]}, 2, tmp_path / "c", dask=workers, retries=0)
+        cache(staged, {"eval": stored_datasets(corpus)["eval"]}, 2, tmp_path / "c", dask=workers, retries=0)
 
 
 def test_an_overwrite_on_dask_rewrites_every_shard(workers, corpus, reference, tmp_path):
     """Workers must not trust what they knew about a store that was deleted and recreated at the same path."""
-    data = {"eval": datasets_for(corpus)["eval"]}
+    data = {"eval": stored_datasets(corpus)["eval"]}
     for _ in range(2):
         result = cache(staged_model(), data, 2, tmp_path / "c", dask=workers, mode="overwrite")
         assert result.shards_computed == result.splits["eval"].num_shards

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from test_cache import PER_SHARD, BATCH, SEQ, assert_same_cache, cache, datasets_for, run_cli, staged_model, write_corpus
+from test_cache import PER_SHARD, BATCH, SEQ, assert_same_cache, cache, stored_datasets, run_cli, staged_model, write_corpus
 
 DASK = Path(sys.executable).parent / "dask"
 
@@ -68,5 +68,5 @@ def test_a_cluster_started_with_the_dask_cli_gives_the_local_store(cluster, tmp_
                             "2", "--out", str(tmp_path / "c"), "--samples-per-shard", str(PER_SHARD), "--batch-size",
                             str(BATCH), "--dask", address, "--quiet"], capsys)
     assert code == 0, err
-    cache(staged_model(), datasets_for(corpus), 2, tmp_path / "ref")
+    cache(staged_model(), stored_datasets(corpus), 2, tmp_path / "ref")
     assert_same_cache(tmp_path / "c", tmp_path / "ref")

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from test_cache import SEQ, cache, datasets_for, run_cli, staged_model, write_corpus
+from test_cache import SEQ, cache, stored_datasets, run_cli, staged_model, write_corpus
 
 
 @pytest.fixture(scope="module")
@@ -12,7 +12,7 @@ def made(tmp_path_factory):
     """(corpus, cache directory) of tiny-llama at boundary 2, float32, zarr."""
     root = tmp_path_factory.mktemp("inspect")
     corpus = write_corpus(root / "corpus.txt")
-    cache(staged_model(), datasets_for(corpus), 2, root / "c")
+    cache(staged_model(), stored_datasets(corpus), 2, root / "c")
     return corpus, root / "c"
 
 

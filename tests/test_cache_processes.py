@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 from storage import open_store
-from test_cache import BATCH, PER_SHARD, SEQ, assert_same_cache, cache, datasets_for, run_cli, staged_model, write_corpus
+from test_cache import BATCH, PER_SHARD, SEQ, assert_same_cache, cache, stored_datasets, run_cli, staged_model, write_corpus
 
 REPO = Path(__file__).resolve().parents[1]
 # `preinfer cache` with a pause before every shard write (so that it can be killed in the middle).
@@ -51,5 +51,5 @@ def test_a_job_killed_with_sigkill_resumes_to_an_identical_store(tmp_path, capsy
     code, stdout, err = run_cli(args, capsys)  # the same command again
     assert code == 0, err
     assert f"{finished} already done" in stdout
-    cache(staged_model(), datasets_for(corpus), 2, tmp_path / "ref")
+    cache(staged_model(), stored_datasets(corpus), 2, tmp_path / "ref")
     assert_same_cache(out, tmp_path / "ref")

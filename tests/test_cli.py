@@ -18,7 +18,7 @@ from preinfer.config import BlockConfig
 from preinfer.memory_model import Settings
 
 TINY = ["--model", "tiny-llama", "--seq-len", "32", "--batch-size", "4", "--steps-per-visit", "2",
-        "--eval-batches", "2", "--lr", "1e-3"]
+        "--eval-tokens", "256", "--lr", "1e-3"]
 
 
 def run_cli(argv, capsys):
@@ -32,7 +32,7 @@ def run_cli(argv, capsys):
 
 def test_bcd_writes_the_run_directory_and_a_loadable_export(tmp_path, capsys):
     out = tmp_path / "run"
-    code, stdout, _ = run_cli(["bcd", *TINY, "--out", str(out), "--blocks", "2", "--eval-batches", "0"], capsys)
+    code, stdout, _ = run_cli(["bcd", *TINY, "--out", str(out), "--blocks", "2", "--eval-tokens", "0"], capsys)
     assert code == 0, stdout
     for name in ("config.toml", "metrics.jsonl", "loss.png", "summary.json", "checkpoint", "export"):
         assert (out / name).exists(), name
@@ -106,7 +106,7 @@ def test_config_file_values_are_overridden_by_flags(tmp_path, capsys):
     config = tmp_path / "run.toml"
     config.write_text('[data]\nseq_len = 32\nbatch_size = 4\n[stop]\nsteps_per_visit = 1\n[blocks]\nblocks = 2\n')
     out = tmp_path / "run"
-    code, stdout, _ = run_cli(["bcd", "--config", str(config), "--model", "tiny-gpt2", "--eval-batches", "1",
+    code, stdout, _ = run_cli(["bcd", "--config", str(config), "--model", "tiny-gpt2", "--eval-tokens", "128",
                                "--blocks", "3", "--out", str(out)], capsys)
     assert code == 0, stdout
     resolved = (out / "config.toml").read_text()

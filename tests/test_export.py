@@ -15,7 +15,7 @@ from preinfer.tokenizers import ByteTokenizer, load_tokenizer
 TEXTS = ["hello world", "Grüße, 日本語 and 🙂 emoji", "", "a<eos>b<pad>c", "  tabs\tand\nnewlines\r\n\x00",
          "\u2028\ufeff zero-width\u200b"]
 TINY = ["--model", "tiny-llama", "--seq-len", "32", "--batch-size", "4", "--steps-per-visit", "2",
-        "--eval-batches", "1", "--lr", "1e-3", "--blocks", "2", "--seed", "0"]
+        "--eval-tokens", "128", "--lr", "1e-3", "--blocks", "2", "--seed", "0"]
 
 
 @pytest.fixture(scope="module")

@@ -132,7 +132,7 @@ def test_a_bf16_directory_loads_as_bf16_trains_bf16_mixed_and_exports_bf16(tmp_p
     assert load_model(str(model_dir)).model.embed_tokens.weight.dtype == torch.bfloat16
     out = tmp_path / "run"
     code = main(["bcd", "--model", str(model_dir), "--seq-len", "32", "--batch-size", "4", "--steps-per-visit", "2",
-                 "--eval-batches", "1", "--max-samples", "16", "--blocks", "2", "--out", str(out)])
+                 "--eval-tokens", "128", "--max-samples", "16", "--blocks", "2", "--out", str(out)])
     assert code == 0
     assert "precision: bf16-mixed" in capsys.readouterr().out.splitlines()[0]
     exported = AutoModelForCausalLM.from_pretrained(out / "export")
@@ -147,7 +147,7 @@ def test_fp32_precision_of_a_bf16_directory_trains_in_fp32(tmp_path, capsys):
     build_preset("tiny-llama", seed=2).to(torch.bfloat16).save_pretrained(model_dir)
     out = tmp_path / "run"
     assert main(["bcd", "--model", str(model_dir), "--precision", "fp32", "--seq-len", "32", "--batch-size", "4",
-                 "--steps-per-visit", "1", "--eval-batches", "1", "--max-samples", "16", "--blocks", "1",
+                 "--steps-per-visit", "1", "--eval-tokens", "128", "--max-samples", "16", "--blocks", "1",
                  "--out", str(out)]) == 0
     assert capsys.readouterr().out.startswith("precision: fp32")
     assert {t.dtype for t in load_file(str(out / "checkpoint" / "model.safetensors")).values()} == {torch.float32}
@@ -242,7 +242,7 @@ def test_recompute_under_bf16_mixed_gives_the_same_weights():
 def test_pre_inference_stores_take_the_bf16_compute_dtype(tmp_path, corpus):
     out = tmp_path / "run"
     assert main(["bcd", "--model", "tiny-llama", "--data", corpus, "--seq-len", "32", "--batch-size", "4",
-                 "--steps-per-visit", "2", "--blocks", "2", "--eval-batches", "1", "--pre-inference", "on",
+                 "--steps-per-visit", "2", "--blocks", "2", "--eval-tokens", "128", "--pre-inference", "on",
                  "--keep-stores", "--precision", "bf16-mixed", "--out", str(out)]) == 0
     manifests = sorted((out / "stores").glob("*/train/manifest.json"))
     assert manifests

@@ -24,7 +24,7 @@ STEPS = 150
 
 def bcd_args(corpus: str, out: Path) -> list[str]:
     return ["bcd", "--model", "tiny-llama", "--data", corpus, "--seq-len", "32", "--batch-size", "2",
-            "--steps-per-visit", str(STEPS), "--blocks", "2", "--eval-batches", "1", "--pre-inference", "off",
+            "--steps-per-visit", str(STEPS), "--blocks", "2", "--eval-tokens", "128", "--pre-inference", "off",
             "--lr", "1e-3", "--precision", "bf16-mixed", "--out", str(out)]
 
 

@@ -13,7 +13,7 @@ from preinfer.metrics import (RECORD_KINDS, CacheRecord, PlanOutcomeRecord, PreI
 from preinfer.run_dir import RunDir
 
 TINY = ["--model", "tiny-llama", "--seq-len", "32", "--batch-size", "4", "--steps-per-visit", "2",
-        "--eval-batches", "1", "--lr", "1e-3", "--max-samples", "16"]
+        "--eval-tokens", "128", "--lr", "1e-3", "--max-samples", "16"]
 
 EXAMPLES = [
     StepRecord(sweep=0, block=1, step=7, visit_step=2, loss=2.5, lr=1e-3, tokens=640, tokens_per_s=900.0,

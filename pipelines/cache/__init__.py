@@ -15,7 +15,7 @@ The public surface (what `preinfer cache` and `bcd --pre-inference` use; the mod
   models), and `open_cache` (the stores of a cache
   directory, or {"": store} for a single store).
 
-What is stored, per sample i of a split's `TokenDataset` (store sample i = dataset sample i, dataset order):
+What is stored, per sample i of a split's token samples (store sample i = dataset sample i, dataset order):
 `hidden` [T, H] in the storage dtype, `attention_mask` [T] bool, `position_ids` [T] int64, `labels` [T] int64,
 i.e. `BoundaryState.to_dict()` of one sample. `store_dtype="auto"` stores the compute dtype bit for bit; a lower
 dtype (`bfloat16`, `float16`) is an explicit choice recorded in the fingerprint, and so is a lossy encoding

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from preinfer.data import TokenDataset
+from pipelines.sources import TokenSamples
 from preinfer.errors import UsageError
 from preinfer.fingerprint import prefix_digest
 from preinfer.staged import StagedModel
@@ -37,7 +37,7 @@ def _model_device(staged: StagedModel) -> torch.device:
     return next(iter(staged.model.parameters())).device
 
 
-def cache_boundary(staged: StagedModel, datasets: Mapping[str, TokenDataset], tokenizer: Any, boundary: int,
+def cache_boundary(staged: StagedModel, datasets: Mapping[str, TokenSamples], tokenizer: Any, boundary: int,
                    out: str | os.PathLike, options: CacheOptions = CacheOptions()) -> CacheResult:
     """Store the boundary states at `boundary` of every sample of each split in `datasets` under `out/<split>/`,
     then the index `out/cache.json`."""

@@ -34,6 +34,7 @@ from pipelines.cache.shards import (
 )
 from pipelines.cache.work import Failure, SplitJob
 from pipelines.cache.worker_imports import worker_plugin
+from pipelines.tokenize import TokenStoreDataset
 from pipelines.models import is_run_dir, resolve_model
 
 _LOCK = threading.Lock()
@@ -44,7 +45,8 @@ _STATS = {"loads": 0, "threads_set": False}
 
 @dataclass
 class ShardTask:
-    """Everything one task needs, picklable and small: the shard's inputs travel only as token tensors."""
+    """Everything one task needs, picklable and small: the shard's inputs travel as the token store's path (the
+    worker reads the samples it needs itself), or, for samples held in memory, as their token tensors."""
 
     split: str
     store_path: str
@@ -59,7 +61,7 @@ class ShardTask:
     model_seed: int
     device: str
     prefix: str  # prefix digest at `boundary` of the client's model
-    inputs: dict[str, torch.Tensor] | None = None  # tokens of samples [lo, hi) (from the input)
+    inputs: TokenStoreDataset | dict[str, torch.Tensor] | None = None  # the input's split, or tokens of [lo, hi)
     source_path: str | None = None  # or the store at `start_layer` to roll forward from
     source_digest: str | None = None
     torch_threads: int | None = None
@@ -228,9 +230,9 @@ def run(staged: StagedModel, jobs: list[SplitJob], boundary: int, opts: CacheOpt
 
         def submit(job: SplitJob, shard: int):
             lo, hi = job.store.shard_range(shard)
-            inputs = None
-            if job.dataset is not None:
-                inputs = {k: v.clone() for k, v in job.dataset[lo:hi].items()}
+            inputs = job.dataset
+            if job.dataset is not None and not isinstance(job.dataset, TokenStoreDataset):
+                inputs = {k: v.clone() for k, v in job.dataset[lo:hi].items()}  # in-memory samples travel
             task = ShardTask(
                 job.name, str(job.store.path), job.store.fingerprint.digest, shard, lo, hi, boundary,
                 job.start_layer, opts.batch_size, opts.model_name, opts.model_seed, str(opts.device), prefix,

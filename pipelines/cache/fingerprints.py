@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from preinfer.data import TokenDataset
+from pipelines.sources import TokenSamples
 from preinfer.errors import UsageError
 from preinfer.fingerprint import boundary_fingerprint, prefix_digest
 from preinfer.staged import StagedModel
@@ -40,7 +40,7 @@ def state_fingerprint(prefix: str, boundary: int, dataset: str, tokenizer: str, 
     return Fingerprint(digest, parts)
 
 
-def cache_fingerprint(staged: StagedModel, dataset: TokenDataset, tokenizer: Any, boundary: int,
+def cache_fingerprint(staged: StagedModel, dataset: TokenSamples, tokenizer: Any, boundary: int,
                       dtype: str | torch.dtype = "auto", model_name: str = "") -> Fingerprint:
     """The fingerprint of `dataset`'s boundary states at `boundary` stored in `dtype` ("auto": the compute dtype)."""
     stored = store_dtype_name(resolve_store_dtype(dtype, staged.compute_dtype))

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from preinfer.data import TokenDataset
+from pipelines.sources import TokenSamples
 from preinfer.staged import StagedModel
 from storage import Store, StorageError, disk_bytes, location, open_store, verify
 from pipelines.cache.directory import cache_splits, read_index
@@ -146,7 +146,7 @@ def _tolerance(dtype: torch.dtype) -> tuple[float, float]:
     return (1e-4, 1e-5) if dtype == torch.float32 else (2e-2, 1e-2)
 
 
-def _matching_dataset(store: Store, datasets: Mapping[str, TokenDataset], split: str) -> TokenDataset | None:
+def _matching_dataset(store: Store, datasets: Mapping[str, TokenSamples], split: str) -> TokenSamples | None:
     if split in datasets:
         return datasets[split]
     wanted = store.fingerprint.parts.get("dataset")
@@ -154,7 +154,7 @@ def _matching_dataset(store: Store, datasets: Mapping[str, TokenDataset], split:
 
 
 def verify_cache(path: str | os.PathLike, staged: StagedModel | None = None,
-                 datasets: Mapping[str, TokenDataset] | None = None, tokenizer: Any = None, samples: int = 8,
+                 datasets: Mapping[str, TokenSamples] | None = None, tokenizer: Any = None, samples: int = 8,
                  seed: int = 0, device: str | torch.device = "cpu") -> list[StoreCheck]:
     found = cache_splits(path)
     if not found:
@@ -184,7 +184,7 @@ def verify_cache(path: str | os.PathLike, staged: StagedModel | None = None,
     return checks
 
 
-def _recompute(check: StoreCheck, store: Store, staged: StagedModel, dataset: TokenDataset, boundary: int,
+def _recompute(check: StoreCheck, store: Store, staged: StagedModel, dataset: TokenSamples, boundary: int,
                samples: int, seed: int, device) -> None:
     if len(dataset) != store.num_samples or dataset.seq_len != store.fields["hidden"].shape[0]:
         check.mismatches.append(f"the data has {len(dataset)} samples of {dataset.seq_len} tokens, the store "

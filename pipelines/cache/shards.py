@@ -10,9 +10,9 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from preinfer.data import TokenDataset
 from preinfer.staged import StagedModel
 from preinfer.state import BoundaryState
+from pipelines.sources import TokenSamples
 from storage import Store, format_ranges, nonfinite_rows
 
 class NonFiniteStates(ValueError):
@@ -82,18 +82,19 @@ class HostStager:
 
 
 class DatasetInputs:
-    """Boundary-0 states of dataset samples [a, b) on `device`."""
+    """Boundary-0 states of dataset samples [a, b) on `device` (read from the dataset: a token store's split, or
+    the tensors of one shard indexed from `offset`)."""
 
     start_layer = 0
 
-    def __init__(self, staged: StagedModel, dataset: TokenDataset | Mapping[str, torch.Tensor], device, offset=0):
+    def __init__(self, staged: StagedModel, dataset: TokenSamples | Mapping[str, torch.Tensor], device, offset=0):
         self.staged, self.dataset, self.device, self.offset = staged, dataset, torch.device(device), offset
 
     def __call__(self, a: int, b: int) -> BoundaryState:
-        if isinstance(self.dataset, TokenDataset):
-            batch = self.dataset[a:b]
-        else:  # the tensors of one shard (a Dask task), indexed from `offset`
+        if isinstance(self.dataset, Mapping):
             batch = {k: v[a - self.offset:b - self.offset] for k, v in self.dataset.items()}
+        else:
+            batch = self.dataset[a:b]
         batch = {k: v.to(self.device) for k, v in batch.items()}
         return self.staged.embed(batch["input_ids"], batch["attention_mask"], batch["labels"])
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from preinfer.data import TokenDataset
+from pipelines.sources import TokenSamples
 from preinfer.state import BoundaryState
 from storage import Fingerprint, Store
 
@@ -39,7 +39,7 @@ class SplitJob:
     todo: list[int]
     source_path: Path | None = None  # roll-forward (Dask tasks read it themselves)
     source_digest: str | None = None
-    dataset: TokenDataset | None = None
+    dataset: TokenSamples | None = None
 
     def shard_done(self, shard: int, nbytes: int) -> int:
         """Count shard `shard` (of `nbytes` on disk) as computed; returns its sample count."""

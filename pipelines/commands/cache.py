@@ -9,7 +9,6 @@ import sys
 
 import preinfer
 from preinfer.config import Config
-from preinfer.data import load_data
 from preinfer.errors import UsageError
 from preinfer.tokenizers import load_tokenizer
 from pipelines.cache import CacheOptions, CacheResult, cache_boundary, roll_forward
@@ -20,6 +19,7 @@ from pipelines.cache.result import CacheJobError
 from pipelines.arguments import (
     add_s3_endpoint, device, non_negative_int, positive_int, store_location, use_s3_endpoint,
 )
+from pipelines.data_arguments import add_data_arguments, data_splits
 from pipelines.models import model_source
 from storage import location
 
@@ -42,10 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=store_location,
                         help="cache directory: one store per split in OUT/<split>/ and an index OUT/cache.json; "
                              "a local path or s3://BUCKET/PATH")
-    parser.add_argument("--data", help="dataset as in `bcd --data` [the run's, else builtin:pydoc]")
-    parser.add_argument("--tokenizer", help="[the run's, else byte]")
+    add_data_arguments(parser)
     parser.add_argument("--seq-len", type=positive_int, help="tokens per sample [the run's, else 128]")
-    parser.add_argument("--eval-fraction", type=float, help="share of documents held out [the run's, else 0.1]")
     parser.add_argument("--splits", default=",".join(DEFAULT_SPLITS),
                         help="comma-separated splits to cache [train,eval]")
     parser.add_argument("--from-store", metavar="STORE_K", type=store_location,
@@ -108,10 +106,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             check_boundary(staged, args.boundary)
             tokenizer = load_tokenizer(args.tokenizer or base.model.tokenizer)
-            data = args.data or base.data.path
-            seq_len = args.seq_len or base.data.seq_len
-            fraction = args.eval_fraction if args.eval_fraction is not None else base.data.eval_fraction
-            datasets = {split: _load(data, tokenizer, seq_len, split, fraction) for split in splits}
+            datasets = data_splits(args, base, tokenizer, args.seq_len or base.data.seq_len, splits, not args.quiet)
             result = cache_boundary(staged, datasets, tokenizer, args.boundary, out, options)
     except (PermissionError, NotADirectoryError, FileExistsError) as err:
         raise UsageError(f"--out {out}: {err.strerror or err} ({err.filename or out})") from None
@@ -122,13 +117,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(result.summary())
     return 0
-
-
-def _load(data: str, tokenizer, seq_len: int, split: str, fraction: float):
-    try:
-        return load_data(data, tokenizer, seq_len, split, fraction)
-    except OSError as err:
-        raise UsageError(f"cannot read --data {data}: {err.strerror or err}") from None
 
 
 def result_json(result: CacheResult) -> dict:

@@ -9,24 +9,21 @@ import math
 import torch
 
 import preinfer
-from preinfer.config import Config, DataConfig, ModelConfig, RunConfig
-from preinfer.data import load_data
+from preinfer.config import Config, DataConfig, RunConfig
 from preinfer.tokenizers import load_tokenizer
 from preinfer.trainer import evaluate
 from pipelines.arguments import device, positive_int, run_or
+from pipelines.data_arguments import add_data_arguments, data_splits
 from pipelines.models import model_source
 from pipelines.sources import token_batches
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="a run directory, a save_pretrained directory or a preset")
-    parser.add_argument("--data", help=f"dataset as in `bcd --data` {run_or(DataConfig.path)}")
-    parser.add_argument("--tokenizer", help=f"tokenizer as in `bcd --tokenizer` {run_or(ModelConfig.tokenizer)}")
+    add_data_arguments(parser)
     parser.add_argument("--seq-len", type=positive_int, help=f"tokens per sample {run_or(DataConfig.seq_len)}")
     parser.add_argument("--batch-size", type=positive_int, default=16, help="samples per forward batch")
     parser.add_argument("--split", choices=["eval", "train"], default="eval", help="the split to evaluate")
-    parser.add_argument("--eval-fraction", type=float,
-                        help=f"share of documents held out {run_or(DataConfig.eval_fraction)}")
     parser.add_argument("--device", type=device, default=RunConfig.device, help="cpu, cuda, cuda:1 ...")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
@@ -36,11 +33,11 @@ def run(args: argparse.Namespace) -> int:
     base = run_config or Config()
     data_path = args.data or base.data.path
     seq_len = args.seq_len or base.data.seq_len
-    fraction = args.eval_fraction if args.eval_fraction is not None else base.data.eval_fraction
     tokenizer = load_tokenizer(args.tokenizer or base.model.tokenizer)
-    dataset = load_data(data_path, tokenizer, seq_len, args.split, fraction)
+    dataset = data_splits(args, base, tokenizer, seq_len, [args.split], progress=not args.json)[args.split]
     staged = preinfer.stage(source.load().to(args.device))
-    batches = token_batches(dataset, args.batch_size, samples_per_shard=max(len(dataset), 1), shuffle=False)
+    batches = token_batches(dataset, args.batch_size, samples_per_shard=dataset.store.samples_per_shard,
+                            shuffle=False)
     loss = evaluate(staged, batches, torch.device(args.device))
     result = {"model": args.model, "data": data_path, "split": args.split, "samples": len(dataset),
               "tokens": dataset.num_tokens, "loss": loss, "ppl": math.exp(min(loss, 50.0))}

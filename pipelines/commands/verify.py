@@ -6,12 +6,12 @@ import argparse
 
 import preinfer
 from preinfer.config import Config
-from preinfer.data import load_data
 from preinfer.errors import UsageError
 from preinfer.tokenizers import load_tokenizer
 from pipelines.cache.directory import DEFAULT_SPLITS, cache_splits
 from pipelines.cache.report import verify_cache
 from pipelines.arguments import add_s3_endpoint, device, non_negative_int, store_location, use_s3_endpoint
+from pipelines.data_arguments import add_data_arguments, data_splits
 from pipelines.models import model_source
 from storage import open_store
 
@@ -20,9 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", metavar="STORE", type=store_location,
                         help="a cache directory (all its splits) or a single store: a local path or s3://BUCKET/PATH")
     parser.add_argument("--model", help="recompute samples with this model (preset, directory or run directory)")
-    parser.add_argument("--data", help="the dataset the store was made from [the run's, else builtin:pydoc]")
-    parser.add_argument("--tokenizer", help="[the run's, else byte]")
-    parser.add_argument("--eval-fraction", type=float, help="[the run's, else 0.1]")
+    add_data_arguments(parser)
     parser.add_argument("--sample", type=non_negative_int, default=8,
                         help="samples per store to recompute and compare, chosen at random [8]")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sample choice [0]")
@@ -44,15 +42,10 @@ def run(args: argparse.Namespace) -> int:
         base = run_config or Config()
         staged = preinfer.stage(source.load().to(args.device).eval())
         tokenizer = load_tokenizer(args.tokenizer or base.model.tokenizer)
-        data = args.data or base.data.path
-        fraction = args.eval_fraction if args.eval_fraction is not None else base.data.eval_fraction
         seq_len = int(open_store(next(iter(found.values())), check_files=False).fingerprint.parts.get(
             "seq_len", base.data.seq_len))
         names = [s for s in found if s] or list(DEFAULT_SPLITS)
-        try:
-            datasets = {s: load_data(data, tokenizer, seq_len, s, fraction) for s in names}
-        except OSError as err:
-            raise UsageError(f"cannot read --data {data}: {err.strerror or err}") from None
+        datasets = data_splits(args, base, tokenizer, seq_len, names, progress=False)
     checks = verify_cache(args.path, staged, datasets, tokenizer, samples=args.sample, seed=args.seed,
                           device=args.device)
     for check in checks:

@@ -56,6 +56,13 @@ class TokenStoreDataset:
     def __len__(self) -> int:
         return self._length
 
+    def __getstate__(self) -> dict:
+        """What a process needs to open the same samples itself (a Dask task carries this, never the samples)."""
+        return {"path": self.path, "split": self.split, "limit": self._length, "cached_shards": self._cached_shards}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["path"], state["split"], cached_shards=state["cached_shards"], limit=state["limit"])
+
     @property
     def seq_len(self) -> int:
         return self.info.seq_len
@@ -70,7 +77,11 @@ class TokenStoreDataset:
         """Real (unpadded) tokens of the whole split."""
         if self._length == self.store.num_samples:
             return self.info.splits[self.split].tokens
-        return int(self[slice(None)]["attention_mask"].sum())
+        if self.info.kind == "lm":  # every position of LM text is a real token
+            return self._length * self.seq_len
+        per_shard = self.store.samples_per_shard
+        return sum(int(self.block(np.arange(start, min(start + per_shard, self._length))).lengths[:, 1].sum())
+                   for start in range(0, self._length, per_shard))
 
     def head(self, n: int) -> TokenStoreDataset:
         """The first `n` samples as a dataset of their own."""
