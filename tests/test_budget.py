@@ -22,7 +22,7 @@ from preinfer.presets import build_preset
 
 SEQ, BATCH = 32, 4
 TINY = ["--model", "tiny-llama", "--seq-len", str(SEQ), "--batch-size", str(BATCH), "--steps-per-visit", "2",
-        "--eval-batches", "1", "--lr", "1e-3", "--pre-inference", "off"]
+        "--eval-tokens", "128", "--lr", "1e-3", "--pre-inference", "off"]
 
 
 def run_cli(argv, capsys):
