@@ -24,3 +24,12 @@ def corpus(tmp_path_factory) -> str:
     paragraphs = [f"Paragraph {i}: " + " ".join(f"word{(i * 7 + j) % 23}" for j in range(30)) for i in range(24)]
     path.write_text("\n\n".join(paragraphs))
     return str(path)
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """An empty working directory for the commands, to see that none of them writes a local `s3:` directory."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    return work

@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 
+from cli_run import run_cli
 import preinfer
 from pipelines.arguments import parse_size
-from pipelines.cli import main
 from pipelines.training import partition_for
 from preinfer.budget import budget_settings, plan_budget
 from preinfer.config import load_config
@@ -23,15 +23,6 @@ from preinfer.presets import build_preset
 SEQ, BATCH = 32, 4
 TINY = ["--model", "tiny-llama", "--seq-len", str(SEQ), "--batch-size", str(BATCH), "--steps-per-visit", "2",
         "--eval-tokens", "128", "--lr", "1e-3", "--pre-inference", "off"]
-
-
-def run_cli(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as exit_:
-        code = exit_.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def peaks(blocks: int, **changes) -> int:

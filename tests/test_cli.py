@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from cli_run import run_cli
 from pipelines.arguments import shown
 from pipelines.cli import PROCESS_ENVIRONMENT, main
 from pipelines.flags import PRE_INFERENCE_FLAGS, STORE_FLAGS, TRAINING_FLAGS
@@ -19,15 +20,6 @@ from preinfer.memory_model import Settings
 
 TINY = ["--model", "tiny-llama", "--seq-len", "32", "--batch-size", "4", "--steps-per-visit", "2",
         "--eval-tokens", "256", "--lr", "1e-3"]
-
-
-def run_cli(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as exit_:
-        code = exit_.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def test_bcd_writes_the_run_directory_and_a_loadable_export(tmp_path, capsys):

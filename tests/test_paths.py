@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from cli_run import run_cli
 from preinfer.metrics import CacheRecord, read_metrics
 from preinfer.run_dir import RunDir
 from storage import is_store, location, open_store
-from test_cache import BATCH, PER_SHARD, SEQ, run_cli, write_corpus
+from test_cache import BATCH, PER_SHARD, SEQ, write_corpus
 
 # Each flag that takes a store (or a directory of stores), as the argv of a command with LOCATION in its place.
 STORE_FLAGS = {
@@ -39,14 +40,6 @@ def assert_refused(flag: str, where: str, code, err: str, workdir) -> None:
     assert err.count("\n") == 1 and "Traceback" not in err
     assert flag.split()[1] in err and where in err
     assert not list(workdir.iterdir()), "a local directory was created"
-
-
-@pytest.fixture
-def workdir(tmp_path, monkeypatch):
-    work = tmp_path / "work"
-    work.mkdir()
-    monkeypatch.chdir(work)
-    return work
 
 
 @pytest.mark.parametrize("where", UNWRITABLE)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from pipelines.cli import main
+from cli_run import run_cli
 from pipelines.models import model_source
 from preinfer.errors import PreinferError
 from preinfer.metrics import (RECORD_KINDS, CacheRecord, PlanOutcomeRecord, PreInferenceRecord, StepRecord,
@@ -27,14 +27,6 @@ EXAMPLES = [
                        eval_prefix=0.2, build=0.3, build_from=0, store_bytes=1 << 20, free_bytes=1 << 30,
                        saving_s=0.8),
 ]
-
-
-def run_cli(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as exit_:
-        code = exit_.code
-    return code, capsys.readouterr().err
 
 
 def test_run_dir_names_every_part_of_the_layout(tmp_path):
@@ -76,7 +68,7 @@ def test_unknown_kinds_and_missing_fields_are_refused(tmp_path):
 
 def test_a_run_writes_typed_records_and_resolves_as_a_model(tmp_path, capsys):
     out = tmp_path / "run"
-    code, err = run_cli(["bcd", *TINY, "--blocks", "2", "--seed", "5", "--pre-inference", "on",
+    code, _, err = run_cli(["bcd", *TINY, "--blocks", "2", "--seed", "5", "--pre-inference", "on",
                          "--out", str(out)], capsys)
     assert code == 0, err
     run = RunDir(out)
@@ -107,14 +99,14 @@ def test_a_run_writes_typed_records_and_resolves_as_a_model(tmp_path, capsys):
 ])
 def test_bad_input_leaves_no_run_directory(argv, message, tmp_path, capsys):
     out = tmp_path / "new" / "run"
-    code, err = run_cli(["bcd", *TINY, *argv, "--out", str(out)], capsys)
+    code, _, err = run_cli(["bcd", *TINY, *argv, "--out", str(out)], capsys)
     assert code == 2 and message in err, err
     assert not (tmp_path / "new").exists()
 
 
 def test_a_bad_store_leaves_no_run_directory(tmp_path, capsys):
     out = tmp_path / "run"
-    code, err = run_cli(["train", "--store", str(tmp_path / "no-cache"), "--model", "tiny-llama", "--out", str(out)],
+    code, _, err = run_cli(["train", "--store", str(tmp_path / "no-cache"), "--model", "tiny-llama", "--out", str(out)],
                         capsys)
     assert code != 0 and "no-cache" in err, err
     assert not out.exists()

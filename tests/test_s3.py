@@ -18,10 +18,11 @@ import torch
 from moto.server import ThreadedMotoServer
 from safetensors.torch import load_file
 
+from cli_run import run_cli
 from preinfer.run_dir import RunDir
 from pipelines.cache.dask_runner import shutdown_local_clusters
 from storage import UnsupportedLocationError, create_store, location, open_store
-from test_cache import BATCH, PER_SHARD, SEQ, cache, datasets_for, run_cli, staged_model, write_corpus
+from test_cache import BATCH, PER_SHARD, SEQ, cache, datasets_for, staged_model, write_corpus
 from test_cache_processes import REPO, SLOW_CACHE
 
 BUCKET = "preinfer-test"
@@ -52,15 +53,6 @@ def s3():
         fs.mkdir(BUCKET)
         yield fs
     server.stop()
-
-
-@pytest.fixture
-def workdir(tmp_path, monkeypatch):
-    """An empty working directory for the commands, to see that none of them writes a local `s3:` directory."""
-    work = tmp_path / "work"
-    work.mkdir()
-    monkeypatch.chdir(work)
-    return work
 
 
 def cache_args(corpus: str, out: str, *extra: str) -> list[str]:

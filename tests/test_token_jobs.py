@@ -21,25 +21,15 @@ from preinfer.errors import UsageError
 from preinfer.run_dir import RunDir
 from preinfer.sources import LiveSources
 from preinfer.tokenizers import load_tokenizer
+from test_from_store import config_for
 
 SEQ = 32
 
 
 def small_config(tmp_path, corpus: str, name: str) -> Config:
-    config = Config()
-    config.model.name = "tiny-llama"
-    config.data.path = corpus
-    config.data.seq_len = SEQ
-    config.data.batch_size = 4
-    config.data.samples_per_shard = 8
-    config.data.eval_fraction = 0.2
+    """test_from_store's tiny run, live, without evaluation."""
+    config = config_for(tmp_path, corpus, name, mode="off")
     config.data.eval_tokens = 0
-    config.blocks.ufp = None
-    config.blocks.blocks = 2
-    config.optim.lr = 1e-3
-    config.stop.steps_per_visit = 3
-    config.pre_inference.mode = "off"
-    config.run.out = str(tmp_path / name)
     return config
 
 
