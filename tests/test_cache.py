@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli_run import run_cli
 import preinfer
 from pipelines.cache import (
     CacheOptions, cache_boundary, cache_fingerprint, default_samples_per_shard, roll_forward,
@@ -17,7 +18,6 @@ from pipelines.cache import local_runner, parse_dask, shards
 from pipelines.cache.fingerprints import store_fields
 from pipelines.cache.options import LocalWorkers, SchedulerAddress
 from pipelines.cache.result import CacheJobError
-from pipelines.cli import main
 from pipelines.commands import cache as cache_command
 from pipelines.tokenize import TokenStoreDataset
 from pipelines.tokenize.resolve import token_splits
@@ -125,15 +125,6 @@ def direct_prefix(staged, dataset, boundary, lo, hi, batch=BATCH) -> dict[str, t
             state = staged.embed(rows["input_ids"], rows["attention_mask"], rows["labels"])
             parts.append(staged.run(state, 0, boundary).to_dict())
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-
-
-def run_cli(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as exit_:
-        code = exit_.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 # ---- stored states and layout ---------------------------------------------------------------------------------

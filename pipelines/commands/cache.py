@@ -11,17 +11,19 @@ import preinfer
 from preinfer.config import Config
 from preinfer.errors import UsageError
 from preinfer.tokenizers import load_tokenizer
-from pipelines.cache import CacheOptions, CacheResult, cache_boundary, roll_forward
-from pipelines.cache.directory import DEFAULT_SPLITS
-from pipelines.cache.fingerprints import check_boundary
-from pipelines.cache.options import STORE_DTYPES, STORE_FORMATS
-from pipelines.cache.result import CacheJobError
+from pipelines.cache import (
+    DEFAULT_SPLITS, STORE_DTYPES, STORE_FORMATS, CacheJobError, CacheOptions, CacheResult, cache_boundary,
+    check_boundary, roll_forward,
+)
 from pipelines.arguments import (
     add_s3_endpoint, device, non_negative_int, positive_int, store_location, use_s3_endpoint,
 )
 from pipelines.data_arguments import add_data_arguments, data_splits
 from pipelines.models import model_source
 from storage import location
+
+
+DEFAULTS = CacheOptions()
 
 
 class _Renamed(argparse.Action):
@@ -48,16 +50,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated splits to cache [train,eval]")
     parser.add_argument("--from-store", metavar="STORE_K", type=store_location,
                         help="roll forward: run only layers [K, --boundary) over the cache (or store) at boundary K")
-    parser.add_argument("--store-format", "--format", action=_Renamed, choices=STORE_FORMATS, default="zarr",
-                        help="store format (--format: the old spelling) [zarr]")
+    parser.add_argument("--store-format", "--format", action=_Renamed, choices=STORE_FORMATS,
+                        default=DEFAULTS.store_format,
+                        help=f"store format (--format: the old spelling) [{DEFAULTS.store_format}]")
     parser.add_argument("--codec", help="zarr codec: blosc-zstd, blosc-lz4, zstd, none [blosc-zstd; none for "
                                         "safetensors]")
     parser.add_argument("--store-dtype", "--dtype", action=_Renamed, choices=["auto", *STORE_DTYPES],
-                        default="auto", help="storage dtype of hidden states; auto = the compute dtype, bit-exact; "
-                                             "float8_e4m3, float8_e5m2, int8: lossy 8-bit codes with a per-token "
-                                             "scale, decoding error measured per shard (--dtype: the old "
-                                             "spelling) [auto]")
-    parser.add_argument("--batch-size", type=positive_int, default=16, help="forward batch [16]")
+                        default=DEFAULTS.store_dtype,
+                        help="storage dtype of hidden states; auto = the compute dtype, bit-exact; float8_e4m3, "
+                             "float8_e5m2, int8: lossy 8-bit codes with a per-token scale, decoding error measured "
+                             f"per shard (--dtype: the old spelling) [{DEFAULTS.store_dtype}]")
+    parser.add_argument("--batch-size", type=positive_int, default=DEFAULTS.batch_size,
+                        help=f"forward batch [{DEFAULTS.batch_size}]")
     parser.add_argument("--samples-per-shard", type=positive_int,
                         help="samples per shard (the unit of writing, resuming and Dask tasks) [about 64 MiB of "
                              "hidden states per shard, at least 1]")
@@ -66,15 +70,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="1: one process, writing overlapped with compute; N > 1 is --dask local:N [1]")
     workers.add_argument("--dask", help="local:N (a LocalCluster of N worker processes, one Dask thread and "
                                         "cores/N torch threads each) or tcp://HOST:PORT (an existing scheduler)")
-    parser.add_argument("--retries", type=non_negative_int, default=2,
-                        help="times a failed shard is retried before the job gives up on it [2]")
+    parser.add_argument("--retries", type=non_negative_int, default=DEFAULTS.retries,
+                        help=f"times a failed shard is retried before the job gives up on it [{DEFAULTS.retries}]")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true",
                       help="compute only the shards missing from the store at --out (the default)")
     mode.add_argument("--overwrite", action="store_true",
                       help="replace a store with another fingerprint (or layout) at --out")
     parser.add_argument("--seed", type=int, help="initialisation seed of a preset [the run's, else 0]")
-    parser.add_argument("--device", type=device, default="cpu", help="cpu, cuda, cuda:1 ... [cpu]")
+    parser.add_argument("--device", type=device, default="cpu",
+                        help="cpu, cuda, cuda:1 ...; with --dask local:N and a bare cuda, worker i takes GPU i mod the "
+                             "visible GPUs [cpu]")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a summary line")
     add_s3_endpoint(parser)
