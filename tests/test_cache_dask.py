@@ -7,12 +7,14 @@ import json
 import pytest
 import torch
 
+from cli_run import run_cli
 from pipelines.cache import CacheOptions, roll_forward
-from pipelines.cache.dask_runner import local_client, shutdown_local_clusters
+from pipelines.cache import dask_runner
+from pipelines.cache.dask_runner import local_client, shutdown_local_clusters, worker_device
 from pipelines.cache.result import CacheJobError
 from storage import open_store
 from test_cache import (
-    PER_SHARD, BATCH, SEQ, assert_same_cache, cache, cli_hook, stored_datasets, fail_once, fail_shards, run_cli,
+    PER_SHARD, BATCH, SEQ, assert_same_cache, cache, cli_hook, stored_datasets, fail_once, fail_shards,
     staged_model, write_corpus,
 )
 
@@ -97,3 +99,31 @@ def test_an_overwrite_on_dask_rewrites_every_shard(workers, corpus, reference, t
         result = cache(staged_model(), data, 2, tmp_path / "c", dask=workers, mode="overwrite")
         assert result.shards_computed == result.splits["eval"].num_shards
     assert_same_cache(tmp_path / "c", reference, splits=("eval",))
+
+
+def test_a_cluster_that_lost_every_worker_fails_the_job_instead_of_waiting_forever(corpus, tmp_path, monkeypatch):
+    from distributed import Client, LocalCluster
+
+    monkeypatch.setattr(dask_runner, "POLL_S", 0.2)
+    monkeypatch.setattr(dask_runner, "NO_WORKERS_TIMEOUT_S", 1.0)
+    with LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client:
+        with pytest.raises(CacheJobError, match=r"no workers for \d+ s.*0 of \d+ shards are finished"):
+            cache(staged_model(), {"eval": stored_datasets(corpus)["eval"]}, 2, tmp_path / "c", dask=client)
+
+
+@pytest.mark.parametrize("device, name, gpus, expected", [
+    ("cuda", 0, 2, "cuda:0"), ("cuda", 1, 2, "cuda:1"), ("cuda", 2, 2, "cuda:0"), ("cuda", 3, 3, "cuda:0"),
+    ("cuda", 5, 1, "cuda:0"),
+    ("cuda:1", 0, 2, "cuda:1"),  # an explicit GPU is every worker's
+    ("cpu", 1, 2, "cpu"),
+    ("cuda", "tcp://10.0.0.5:4000", 2, "cuda"),  # a remote worker keeps its own CUDA_VISIBLE_DEVICES placement
+    ("cuda", None, 2, "cuda"),  # not on a worker
+])
+def test_local_workers_take_the_visible_gpus_round_robin(device, name, gpus, expected):
+    assert worker_device(device, name, gpus) == expected
+
+
+def test_local_cluster_workers_are_named_by_their_index_so_each_gets_its_own_gpu(workers):
+    names = workers.run(lambda dask_worker: dask_worker.name)
+    assert sorted(names.values()) == [0, 1]
+    assert sorted(worker_device("cuda", name, 2) for name in names.values()) == ["cuda:0", "cuda:1"]

@@ -68,13 +68,28 @@ class ShardTask:
     before_write: Callable[[str, int], None] | None = None
 
 
-def _worker_name() -> str:
+def _current_worker() -> Any:
+    """The Dask worker running this task, or None outside a worker."""
     try:
         from distributed import get_worker
 
-        return get_worker().address
+        return get_worker()
     except (ImportError, ValueError):
-        return f"pid {os.getpid()}"
+        return None
+
+
+def _worker_name() -> str:
+    worker = _current_worker()
+    return worker.address if worker is not None else f"pid {os.getpid()}"
+
+
+def worker_device(device: str, worker_name: Any, gpus: int) -> str:
+    """The device a worker computes on: with a bare "cuda", worker i of a LocalCluster (named i) takes GPU
+    i mod `gpus`, round-robin over the visible ones; an explicit index, the CPU and workers named otherwise (those
+    of a remote cluster, placed by their own CUDA_VISIBLE_DEVICES) keep `device`."""
+    if device != "cuda" or gpus < 1 or isinstance(worker_name, bool) or not isinstance(worker_name, int):
+        return device
+    return f"cuda:{worker_name % gpus}"
 
 
 def worker_model(spec: str, seed: int, device: str, boundary: int, expected: str) -> StagedModel:
@@ -133,14 +148,16 @@ def run_task(task: ShardTask) -> dict[str, Any]:
             torch.set_num_threads(task.torch_threads)
         _tune_malloc()
         _STATS["threads_set"] = True
-    staged = worker_model(task.model_spec, task.model_seed, task.device, task.boundary, task.prefix)
+    gpus = torch.cuda.device_count() if task.device == "cuda" else 0
+    device = worker_device(task.device, getattr(_current_worker(), "name", None), gpus)
+    staged = worker_model(task.model_spec, task.model_seed, device, task.boundary, task.prefix)
     store = _store(task.store_path, task.store_digest)
     if task.inputs is not None:
-        inputs = DatasetInputs(staged, task.inputs, task.device, offset=task.lo)
+        inputs = DatasetInputs(staged, task.inputs, device, offset=task.lo)
     else:
-        inputs = StoreInputs(_store(task.source_path, task.source_digest), task.start_layer, task.device,
+        inputs = StoreInputs(_store(task.source_path, task.source_digest), task.start_layer, device,
                              staged.compute_dtype)
-    stager = HostStager(task.device)
+    stager = HostStager(device)
     started = time.perf_counter()
     buffers, fence = compute_shard(staged, inputs, task.start_layer, task.boundary, task.lo, task.hi,
                                    task.batch_size, host_fields(store, staged.compute_dtype), stager)
@@ -149,7 +166,7 @@ def run_task(task: ShardTask) -> dict[str, Any]:
     write_shard(store, task.split, task.shard, buffers, before_write=task.before_write)
     return {"split": task.split, "shard": task.shard, "bytes": store.shard_bytes(task.shard),
             "worker": _worker_name(), "loads": _STATS["loads"], "compute_s": computed - started,
-            "write_s": time.perf_counter() - computed, "torch_threads": torch.get_num_threads()}
+            "write_s": time.perf_counter() - computed, "torch_threads": torch.get_num_threads(), "device": device}
 
 
 # "local:N" clusters of this process, kept for the next job (a BCD run caches after every visit): started once,
@@ -207,11 +224,35 @@ def connect(dask: Any) -> tuple[Any, Callable[[], None], int | None]:
     return client, close, threads
 
 
+POLL_S = 5.0  # how often a job whose tasks are all still running looks at the cluster's workers
+NO_WORKERS_TIMEOUT_S = 120.0  # a cluster without a single worker for this long fails the job (its workers are lost)
+
+
+class _Workerless:
+    """Notices a cluster that has lost every worker, where Dask itself would wait for new ones forever."""
+
+    def __init__(self, client: Any):
+        self.client = client
+        self.since: float | None = None
+
+    def check(self, cluster: str) -> BaseException | None:
+        """None while the cluster has workers or has had none for less than NO_WORKERS_TIMEOUT_S; else the error."""
+        if self.client.scheduler_info().get("workers"):
+            self.since = None
+            return None
+        now = time.monotonic()
+        self.since = self.since or now
+        if now - self.since < NO_WORKERS_TIMEOUT_S:
+            return None
+        return RuntimeError(f"the Dask cluster ({cluster}) has had no workers for {now - self.since:.0f} s: its "
+                            f"workers were lost or never started")
+
+
 def run(staged: StagedModel, jobs: list[SplitJob], boundary: int, opts: CacheOptions, bar: Progress,
         timing: dict[str, float]) -> tuple[list[Failure], BaseException | None, dict[str, int]]:
     """Run the shards of `jobs` as Dask tasks, adding to `timing`; returns (the shards that failed, the error that
     stopped the job or None, model loads per worker)."""
-    from distributed import as_completed
+    from distributed import wait
 
     if not opts.model_name:
         raise UsageError("Dask workers load the model themselves: give its spec (a preset, a directory or a run "
@@ -245,26 +286,33 @@ def run(staged: StagedModel, jobs: list[SplitJob], boundary: int, opts: CacheOpt
             return future
 
         queue = iter(pending)
-        futures = as_completed([submit(*item) for _, item in zip(range(window), queue)])
-        for future in futures:
-            job, shard = owners.pop(future)
-            if future.status == "error":
-                err = future.exception()
-                failed.append((job.name, shard, one_line(err)))
-                if is_disk_full(err):
-                    fatal = err
-                    for other in list(owners):
-                        other.cancel()
-                    break
-            else:
-                result = future.result()
-                timing["forward"] += result["compute_s"]
-                timing["write"] += result["write_s"]
-                loads[result["worker"]] = result["loads"]
-                bar.shard_done(job.name, job.shard_done(shard, result["bytes"]), result["bytes"])
-            following = next(queue, None)
-            if following is not None:
-                futures.add(submit(*following))
+        in_flight = {submit(*item) for _, item in zip(range(window), queue)}
+        workerless = _Workerless(client)
+        while in_flight and fatal is None:
+            try:
+                done, in_flight = wait(in_flight, timeout=POLL_S, return_when="FIRST_COMPLETED")
+            except TimeoutError:
+                fatal = workerless.check(opts.workers)
+                continue
+            for future in done:
+                job, shard = owners.pop(future)
+                if future.status == "error":
+                    err = future.exception()
+                    failed.append((job.name, shard, one_line(err)))
+                    if is_disk_full(err):
+                        fatal = err
+                        break
+                else:
+                    result = future.result()
+                    timing["forward"] += result["compute_s"]
+                    timing["write"] += result["write_s"]
+                    loads[result["worker"]] = result["loads"]
+                    bar.shard_done(job.name, job.shard_done(shard, result["bytes"]), result["bytes"])
+                following = next(queue, None)
+                if following is not None:
+                    in_flight.add(submit(*following))
+        if fatal is not None:
+            client.cancel(list(owners))
     finally:
         close()
     return failed, fatal, loads
