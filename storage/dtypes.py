@@ -16,6 +16,8 @@ DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
     "float8_e4m3": (torch.float8_e4m3fn, np.dtype("uint8")),
     "float8_e5m2": (torch.float8_e5m2, np.dtype("uint8")),
     "int8": (torch.int8, np.dtype("int8")),
+    "uint8": (torch.uint8, np.dtype("uint8")),
+    "uint16": (torch.uint16, np.dtype("uint16")),
     "int32": (torch.int32, np.dtype("int32")),
     "int64": (torch.int64, np.dtype("int64")),
     "bool": (torch.bool, np.dtype("bool")),

@@ -20,10 +20,11 @@ import torch
 import zstandard
 
 import preinfer.corpus as corpus
+import storage
 from corpus_samples import CASES, instruction_records, jsonl_text, text_corpus, text_records, write_corpora
 from pipelines.cli import main
 from pipelines.tokenize import TokenizeOptions, TokenStoreDataset, cache_path, token_fingerprint, tokenize_corpus
-from pipelines.tokenize.layout import pack_ids, unpack_ids
+from pipelines.tokenize.layout import store_fields
 from pipelines.tokenize.staging import Staging
 from preinfer.corpus import corpus_fingerprint, read_documents
 from preinfer.data import id_dtype, load_data
@@ -109,13 +110,19 @@ def test_encode_batch_gives_the_ids_of_encode(tmp_path):
 
 
 @pytest.mark.parametrize("vocab_size,dtype", [(256, "uint8"), (258, "uint16"), (65536, "uint16"), (65537, "int32")])
-def test_ids_pack_into_words_and_back(vocab_size, dtype):
+def test_ids_are_stored_in_the_smallest_dtype_of_the_vocabulary_and_read_back_exactly(vocab_size, dtype, tmp_path):
     assert id_dtype(vocab_size) == np.dtype(dtype)
-    for seq_len in (1, 5, 8):
-        ids = np.random.default_rng(0).integers(0, vocab_size, (3, seq_len)).astype(dtype)
-        words = pack_ids(ids)
-        assert words.dtype == np.int32 and words.shape == (3, -(-seq_len * ids.itemsize // 4))
-        assert np.array_equal(unpack_ids(words, seq_len, np.dtype(dtype)), ids)
+    ids = np.random.default_rng(0).integers(0, vocab_size, (6, 5)).astype(dtype)
+    ids[0, :2] = [0, vocab_size - 1]
+    fields = store_fields("lm", 5, np.dtype(dtype))
+    store = storage.create_store(tmp_path / "ids", fields, 6, 4, storage.Fingerprint("f", {}))
+    for shard in store.missing_shards():
+        start, stop = store.shard_range(shard)
+        store.write_shard(shard, {"ids": torch.from_numpy(ids[start:stop])})
+    store.finalize()
+    stored = storage.open_store(tmp_path / "ids")
+    assert stored.fields["ids"].dtype == dtype
+    assert np.array_equal(np.concatenate([stored.read_shard(i)["ids"].numpy() for i in range(2)]), ids)
 
 
 # ---- inputs ----
@@ -294,6 +301,7 @@ CHILD = """
 import os, signal, sys
 import storage
 from pipelines.tokenize import TokenizeOptions, tokenize_corpus
+from pipelines.tokenize.layout import store_fields
 from pipelines.tokenize.staging import Staging
 
 target, after = sys.argv[1], int(sys.argv[2])

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 import storage
-from pipelines.tokenize.layout import INFO, TokenStoreInfo, read_info, unpack_ids
+from pipelines.tokenize.layout import INFO, TokenStoreInfo, read_info
 from preinfer.data import SPLITS, SampleBlock
 from preinfer.errors import UsageError
 
@@ -135,7 +135,7 @@ class TokenStoreDataset:
             self._shards.move_to_end(shard)
             return self._shards[shard]
         tensors = self.store.read_shard(shard)
-        ids = unpack_ids(tensors["ids"].numpy(), self.seq_len, self._dtype)
+        ids = tensors["ids"].numpy()
         lengths = tensors["lengths"].numpy() if "lengths" in tensors else None
         self._shards[shard] = SampleBlock(ids, lengths)
         while len(self._shards) > self._cached_shards:

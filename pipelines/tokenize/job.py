@@ -33,7 +33,7 @@ import torch
 
 import storage
 from pipelines.tokenize.layout import (
-    FORMAT_VERSION, INFO, STAGING, SplitInfo, TokenStoreInfo, default_samples_per_shard, pack_ids, read_info,
+    FORMAT_VERSION, INFO, STAGING, SplitInfo, TokenStoreInfo, default_samples_per_shard, read_info,
     store_fields, write_json,
 )
 from pipelines.tokenize.staging import PLAN, Staging
@@ -390,7 +390,7 @@ class _Packing:
 
 
 def _shard_tensors(block: SampleBlock) -> dict[str, torch.Tensor]:
-    tensors = {"ids": torch.from_numpy(pack_ids(block.ids))}
+    tensors = {"ids": torch.from_numpy(np.ascontiguousarray(block.ids))}
     if block.lengths is not None:
         tensors["lengths"] = torch.from_numpy(np.ascontiguousarray(block.lengths, dtype=np.int32))
     return tensors

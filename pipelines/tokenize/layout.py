@@ -5,9 +5,8 @@
     OUT/staging/           the interrupted job's work (see `pipelines.tokenize.staging`), gone once complete
 
 Fields of a split's store, per sample:
-- `ids`: the sample's token ids, little-endian in the smallest dtype of the vocabulary (uint8, uint16 or int32, see
-  `preinfer.data.id_dtype`), their bytes packed into int32 words (storage's smallest integer type), zero-padded to
-  a whole word: [ceil(seq_len * itemsize / 4)] int32.
+- `ids`: the sample's token ids [seq_len] in the smallest dtype of the vocabulary (uint8, uint16 or int32, see
+  `preinfer.data.id_dtype`).
 - `lengths` (instruction data only): [prompt length, length] int32. Labels are the ids on [prompt length, length)
   and -100 elsewhere; the mask is true on [0, length).
 LM text stores ids only: its mask is all true and its labels equal its ids.
@@ -29,8 +28,7 @@ from preinfer.errors import UsageError
 INFO = "token-store.json"
 STAGING = "staging"
 FORMAT = "preinfer-token-store"
-FORMAT_VERSION = 1
-WORD = np.dtype("<i4")
+FORMAT_VERSION = 2  # 1 packed the ids' bytes into int32 words
 SHARD_BYTES = 4 << 20  # stored `ids` bytes per shard by default (the unit of writing, resuming and reading)
 KINDS = ("lm", "instruction")
 
@@ -74,14 +72,9 @@ class TokenStoreInfo:
         return {"format": FORMAT, "format_version": FORMAT_VERSION, **asdict(self)}
 
 
-def words_per_sample(seq_len: int, dtype: np.dtype) -> int:
-    """int32 words that hold `seq_len` ids of `dtype`."""
-    return -(-seq_len * dtype.itemsize // WORD.itemsize)
-
-
 def store_fields(kind: str, seq_len: int, dtype: np.dtype) -> dict[str, tuple[tuple[int, ...], str]]:
     """The fields of a split's store."""
-    fields = {"ids": ((words_per_sample(seq_len, dtype),), "int32")}
+    fields = {"ids": ((seq_len,), dtype.name)}
     if kind == "instruction":
         fields["lengths"] = ((2,), "int32")
     return fields
@@ -89,24 +82,7 @@ def store_fields(kind: str, seq_len: int, dtype: np.dtype) -> dict[str, tuple[tu
 
 def default_samples_per_shard(seq_len: int, dtype: np.dtype) -> int:
     """Samples per shard for about SHARD_BYTES of ids."""
-    return max(1, SHARD_BYTES // (words_per_sample(seq_len, dtype) * WORD.itemsize))
-
-
-def pack_ids(ids: np.ndarray) -> np.ndarray:
-    """Ids [n, T] as the int32 words of their little-endian bytes [n, words_per_sample(T)]."""
-    count, seq_len = ids.shape
-    raw = np.ascontiguousarray(ids, dtype=ids.dtype.newbyteorder("<")).view(np.uint8).reshape(count, -1)
-    width = words_per_sample(seq_len, ids.dtype) * WORD.itemsize
-    if width != raw.shape[1]:
-        raw = np.concatenate([raw, np.zeros((count, width - raw.shape[1]), np.uint8)], axis=1)
-    return raw.view(WORD)
-
-
-def unpack_ids(words: np.ndarray, seq_len: int, dtype: np.dtype) -> np.ndarray:
-    """The ids [n, seq_len] of `dtype` packed in `words` by `pack_ids`."""
-    raw = np.ascontiguousarray(words, dtype=WORD).view(np.uint8).reshape(words.shape[0], -1)
-    little = dtype.newbyteorder("<")
-    return np.ascontiguousarray(raw[:, : seq_len * dtype.itemsize]).view(little).astype(dtype, copy=False)
+    return max(1, SHARD_BYTES // (seq_len * dtype.itemsize))
 
 
 def write_json(path: Path, record: dict[str, Any]) -> None:
