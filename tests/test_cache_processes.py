@@ -5,8 +5,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-
 
 from storage import open_store
 from test_cache import BATCH, PER_SHARD, SEQ, assert_same_cache, cache, stored_datasets, run_cli, staged_model, write_corpus
@@ -23,25 +23,32 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_a_job_killed_with_sigkill_resumes_to_an_identical_store(tmp_path, capsys):
-    corpus = write_corpus(tmp_path / "corpus.txt")
-    out = tmp_path / "c"
-    args = ["cache", "--model", "tiny-llama", "--data", corpus, "--seq-len", str(SEQ), "--boundary", "2", "--out",
-            str(out), "--samples-per-shard", str(PER_SHARD), "--batch-size", str(BATCH), "--quiet"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_CACHE, *args], cwd=REPO, env=env,
+def start_slow_cache(args: list[str], cwd: Path, **env: str) -> subprocess.Popen:
+    """`preinfer cache ARGS` as SLOW_CACHE in a subprocess that imports this checkout."""
+    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen([sys.executable, "-c", SLOW_CACHE, *args], cwd=cwd, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    done_dir = out / "train" / "done"
+
+
+def kill_once(proc: subprocess.Popen, enough_done: Callable[[], bool]) -> None:
+    """SIGKILL the job as soon as `enough_done()` (within 2 minutes), asserting it was still running."""
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if done_dir.is_dir() and len(list(done_dir.glob("shard-*.json"))) >= 3:
-            break
+    while time.monotonic() < deadline and proc.poll() is None and not enough_done():
         time.sleep(0.05)
     assert proc.poll() is None, f"the job ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     proc.stderr.close()
+
+
+def test_a_job_killed_with_sigkill_resumes_to_an_identical_store(tmp_path, capsys):
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    out = tmp_path / "c"
+    args = ["cache", "--model", "tiny-llama", "--data", corpus, "--seq-len", str(SEQ), "--boundary", "2", "--out",
+            str(out), "--samples-per-shard", str(PER_SHARD), "--batch-size", str(BATCH), "--quiet"]
+    proc = start_slow_cache(args, REPO, OMP_NUM_THREADS="1")
+    done_dir = out / "train" / "done"
+    kill_once(proc, lambda: done_dir.is_dir() and len(list(done_dir.glob("shard-*.json"))) >= 3)
     assert proc.returncode == -signal.SIGKILL
     store = open_store(out / "train", check_files=False)
     finished = len(store.completed_shards())

@@ -4,13 +4,9 @@ are the bytes of a local-disk store of the same job, and nothing is written loca
 
 import json
 import logging
-import os
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +19,7 @@ from preinfer.run_dir import RunDir
 from pipelines.cache.dask_runner import shutdown_local_clusters
 from storage import UnsupportedLocationError, create_store, location, open_store
 from test_cache import BATCH, PER_SHARD, SEQ, cache, datasets_for, staged_model, write_corpus
-from test_cache_processes import REPO, SLOW_CACHE
+from test_cache_processes import REPO, kill_once, start_slow_cache
 
 BUCKET = "preinfer-test"
 
@@ -95,19 +91,9 @@ def test_cache_killed_and_resumed_on_s3_equals_a_local_store_and_trains(s3, work
     corpus = write_corpus(tmp_path / "corpus.txt")
     url = f"s3://{BUCKET}/k2"
     args = cache_args(corpus, url)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_CACHE, *args], cwd=workdir, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = start_slow_cache(args, workdir)
     done = f"{BUCKET}/k2/train/done"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if s3.exists(done) and len(s3.ls(done)) >= 3:
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, f"the job ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    proc.stderr.close()
+    kill_once(proc, lambda: s3.exists(done) and len(s3.ls(done)) >= 3)
     store = open_store(f"{url}/train", check_files=False)
     finished = len(store.completed_shards())
     assert 3 <= finished < store.num_shards and not store.manifest["complete"]
