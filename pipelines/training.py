@@ -218,6 +218,9 @@ def run_bcd(config: Config, resume: bool = False, quiet: bool = False) -> dict:
 
 def run_from_store(config: Config, resume: bool = False, quiet: bool = False) -> dict:
     """Train the blocks above a cache's boundary from its stores; the prefix is never loaded."""
+    if config.run.pipeline > 1:
+        raise UsageError("--pipeline runs with `preinfer bcd`; `train --store` trains data-parallel only (torchrun "
+                         "without --pipeline)")
     run = RunDir(config.run.out)
     rank, world = init_distributed(config.run.device)
     if rank == 0:
@@ -285,15 +288,16 @@ def set_precision(model: torch.nn.Module, config: Config) -> str:
 
 
 def train(config: Config, staged: preinfer.StagedModel, partition: Partition, active: int | None,
-          chosen: VisitSources, resume: bool, quiet: bool, notes: list[str] = (), command: str = "bcd") -> Trainer:
-    """Build the trainer (with its memory meter and progress display; it checks the block order), create the
-    run directory (rank 0), resume if asked, and run it; a signal stops it with `RunStopped` after a
-    checkpoint."""
+          chosen: VisitSources, resume: bool, quiet: bool, notes: list[str] = (), command: str = "bcd",
+          make: Callable[..., Trainer] = Trainer) -> Trainer:
+    """Build the trainer with `make` (with its memory meter and progress display, shown by rank 0 only; it
+    checks the block order), create the run directory (rank 0), resume if asked, and run it; a signal stops it
+    with `RunStopped` after a checkpoint."""
     torch.manual_seed(config.run.seed)
-    ui = ProgressUI(config, quiet)
+    ui = ProgressUI(config, quiet or (dist.is_initialized() and dist.get_rank() != 0))
     run = RunDir(config.run.out)
-    trainer = Trainer(staged, partition, config, chosen, run, MemoryMeter(staged.model), on_record=ui.record,
-                      active_block=active)
+    trainer = make(staged, partition, config, chosen, run, MemoryMeter(staged.model), on_record=ui.record,
+                   active_block=active)
     if trainer.rank == 0:
         prepare_run_dir(run, config, resume)
     if partition.budget is not None:
