@@ -10,6 +10,7 @@ zero, steps on rounding noise alone: up to 5e-4).
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -55,15 +56,43 @@ def torchrun(tmp_path: Path, procs: int, runs: list[list[str]]) -> None:
     return done
 
 
+PLAN = ["plan", "--model", "tiny-llama", "--seq-len", "32", "--micro-batch", "2", "--memory-budget", "2.5MiB"]
+TORCHRUN = ["torchrun", "--nproc-per-node", "2", "-m", "pipelines.cli"]
+
+
+def planned_command() -> list[str]:
+    """The command line `preinfer plan` prints for a budget that only a pipeline of 2 fits."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(PLAN) == 0
+    line = next(line for line in out.getvalue().splitlines() if line.startswith("run it: "))
+    return shlex.split(line.removeprefix("run it: "))
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory, corpus):
-    """Every RUNS entry on a pipeline of 2 stages (2 processes); returns (directory, torchrun's stdout)."""
+    """Every RUNS entry on a pipeline of 2 stages, and the command `preinfer plan` prints (its arguments after
+    `torchrun --nproc-per-node 2 -m pipelines.cli`, with a small corpus and step budget appended), in one job of
+    2 processes; returns (directory, torchrun's stdout)."""
     tmp = tmp_path_factory.mktemp("pipeline2")
     runs = [["bcd", "--model", model, "--blocks", blocks, "--data", corpus, *COMMON, "--batch-size", "4",
              "--pipeline", "2", "--microbatches", "2", "--out", str(tmp / name)]
             for name, (model, blocks) in RUNS.items()]
+    command = planned_command()
+    assert command[:len(TORCHRUN)] == TORCHRUN
+    runs.append([*command[len(TORCHRUN):], "--data", corpus, "--samples-per-shard", "8", "--eval-fraction", "0.2",
+                 "--eval-tokens", "256", "--steps-per-visit", "1", "--out", str(tmp / "planned")])
     done = torchrun(tmp, 2, runs)
     return tmp, done.stdout
+
+
+def test_the_command_plan_prints_runs_on_the_pipeline_it_recommends(two_ranks):
+    tmp, _ = two_ranks
+    records = visits(tmp / "planned")
+    assert len(records) == 3 and {rank["stage"] for rank in records[0].ranks} == {0, 1}  # 3 blocks, 2 stages
 
 
 def one_process(tmp: Path, corpus: str, model: str, blocks: str, name: str) -> dict[str, torch.Tensor]:
@@ -116,7 +145,7 @@ def test_stages_do_only_what_they_must_and_hold_only_their_layers(two_ranks):
     stage1 = load_file(str(run / "checkpoint" / "stage-1" / "model.safetensors"))
     assert not set(stage0) & set(stage1)
     assert all(k.startswith(("model.embed_tokens", "model.layers.0.")) for k in stage0)
-    assert stdout.count("final eval loss") == len(RUNS)  # one rank reports
+    assert stdout.count("final eval loss") == len(RUNS) + 1  # one rank reports
 
 
 def test_the_tied_weight_is_one_tensor_on_both_end_stages(two_ranks):
