@@ -178,13 +178,29 @@ def meta_model(spec: str) -> nn.Module:
         return cast_weights(AutoModelForCausalLM.from_config(config, attn_implementation="eager"), dtype)
 
 
-def export_from_weights(spec: str, weights: Path, out: Path) -> None:
+def export_from_weights(spec: str, weights: Path, out: Path) -> bool:
     """A save_pretrained directory of the model `spec` with every tensor read by name from `weights` (a
-    pipeline run's gathered stages), one tensor at a time into the file being written."""
+    pipeline run's gathered stages), and those `weights` lacks (the prefix below a store) from `spec`'s own
+    files; False (nothing written) when they are not there (a preset's prefix)."""
     model = meta_model(spec)
-    files = TensorFiles([weights])
-    cast_weights(model, files.dtype())
-    export_full(Suffix(model, 0, None, files), out)
+    own = [] if spec in PRESETS else _config_and_files(spec)[1].files
+    files = TensorFiles([*own, weights])  # a name in both: the trained tensor
+    cast_weights(model, TensorFiles([weights]).dtype())
+    return export_full(Suffix(model, 0, None, files), out)
+
+
+def prefix_digest(spec: str, boundary: int, seed: int = 0) -> Suffix:
+    """The model `spec` on the meta device with the digest of its weights below `boundary` (None when its
+    files lack them), tensor by tensor, as `load_suffix` computes it: what `check_prefix` compares with a store's.
+    A preset is built whole from its seed for the digest."""
+    if spec in PRESETS:
+        digest = hash_tensors(named_prefix_tensors(preinfer.stage(build_preset(spec, seed)), boundary))
+        return Suffix(meta_model(spec), boundary, digest, None)
+    model = meta_model(spec)
+    files = _config_and_files(spec)[1]
+    staged = preinfer.stage(model)
+    staged.rebuild_shared_modules()
+    return Suffix(model, boundary, _file_digest(staged, boundary, files, _aliases(model)), files)
 
 
 def _config_and_files(spec: str):

@@ -218,9 +218,6 @@ def run_bcd(config: Config, resume: bool = False, quiet: bool = False) -> dict:
 
 def run_from_store(config: Config, resume: bool = False, quiet: bool = False) -> dict:
     """Train the blocks above a cache's boundary from its stores; the prefix is never loaded."""
-    if config.run.pipeline > 1:
-        raise UsageError("--pipeline runs with `preinfer bcd`; `train --store` trains data-parallel only (torchrun "
-                         "without --pipeline)")
     run = RunDir(config.run.out)
     rank, world = init_distributed(config.run.device)
     if rank == 0:

@@ -28,20 +28,23 @@ def stage_cost(m: ModelShape, settings: Settings, stage: Block, index: int, degr
 
 
 def plan_stages(m: ModelShape, settings: Settings, degree: int, blocks: list[Block], microbatches: int,
-                schedule: str = "1f1b") -> list[Block]:
-    """`degree` contiguous stages of layers whose largest peak (by `stage_cost`) is the smallest possible."""
-    if degree > m.layers:
-        raise UsageError(f"--pipeline {degree}: more stages than the model's {m.layers} layers")
+                schedule: str = "1f1b", first: int = 0) -> list[Block]:
+    """`degree` contiguous stages of layers `[first, L)` (a store's suffix when `first` > 0: no embedding) whose
+    largest peak (by `stage_cost`) is the smallest possible."""
+    if degree > m.layers - first:
+        above = f"the {m.layers - first} layers above the store's boundary {first}" if first else \
+            f"the model's {m.layers} layers"
+        raise UsageError(f"--pipeline {degree}: more stages than {above}")
     if schedule not in SCHEDULES:
         raise UsageError(f"--schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
-    layers = m.layers
+    layers = m.layers - first
 
     def cost(index: int, lo: int, hi: int) -> int:
-        stage = Block(lo, hi, index == 0, index == degree - 1)
+        stage = Block(first + lo, first + hi, index == 0 and first == 0, index == degree - 1)
         return stage_cost(m, settings, stage, index, degree, blocks, microbatches, schedule)
 
-    # best[j][i]: the smallest largest cost of cutting layers [0, i) into stages 0..j-1; cut[j][i]: where the
-    # last of them starts. Every stage holds at least one layer.
+    # best[j][i]: the smallest largest cost of cutting layers [first, first + i) into stages 0..j-1; cut[j][i]:
+    # where the last of them starts. Every stage holds at least one layer.
     inf = float("inf")
     best = [[inf] * (layers + 1) for _ in range(degree + 1)]
     cut = [[0] * (layers + 1) for _ in range(degree + 1)]
@@ -58,7 +61,8 @@ def plan_stages(m: ModelShape, settings: Settings, degree: int, blocks: list[Blo
     for j in range(degree, 0, -1):
         bounds.append((cut[j][i], i))
         i = cut[j][i]
-    return [Block(lo, hi, j == 0, j == degree - 1) for j, (lo, hi) in enumerate(reversed(bounds))]
+    return [Block(first + lo, first + hi, j == 0 and first == 0, j == degree - 1)
+            for j, (lo, hi) in enumerate(reversed(bounds))]
 
 
 def stage_label(stage: Block) -> str:

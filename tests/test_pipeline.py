@@ -32,11 +32,12 @@ from preinfer.presets import build_preset
 from preinfer.run_dir import RunDir
 from preinfer.sources import LiveSources
 from preinfer.stages import plan_stages, stage_cost
-from test_from_store import assert_close, weights
+from test_from_store import assert_close, cache_and_model, weights
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["--seq-len", "32", "--samples-per-shard", "8", "--eval-fraction", "0.2", "--sweeps", "2",
           "--steps-per-visit", "2", "--lr", "1e-3", "--seed", "0", "--pre-inference", "off", "--eval-tokens", "256"]
+STORE_RUN = ["--steps-per-visit", "2", "--lr", "1e-3", "--blocks", "2", "--seed", "0", "--eval-tokens", "256"]
 RUNS = {  # name: (model, blocks); each runs at --batch-size 4 --pipeline 2 --microbatches 2
     "llama": ("tiny-llama", "4"),
     "gpt2": ("tiny-gpt2", "2"),  # the tied wte = lm_head on both end stages, owned by block 0
@@ -74,13 +75,17 @@ def planned_command() -> list[str]:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory, corpus):
-    """Every RUNS entry on a pipeline of 2 stages, and the command `preinfer plan` prints (its arguments after
-    `torchrun --nproc-per-node 2 -m pipelines.cli`, with a small corpus and step budget appended), in one job of
-    2 processes; returns (directory, torchrun's stdout)."""
+    """Every RUNS entry on a pipeline of 2 stages, `train --store` from a cache at boundary 1 on 2 stages, and
+    the command `preinfer plan` prints (its arguments after `torchrun --nproc-per-node 2 -m pipelines.cli`, with
+    a small corpus and step budget appended), in one job of 2 processes; returns (directory, torchrun's
+    stdout)."""
     tmp = tmp_path_factory.mktemp("pipeline2")
     runs = [["bcd", "--model", model, "--blocks", blocks, "--data", corpus, *COMMON, "--batch-size", "4",
              "--pipeline", "2", "--microbatches", "2", "--out", str(tmp / name)]
             for name, (model, blocks) in RUNS.items()]
+    model_dir, store = cache_and_model(tmp, corpus, boundary=1)
+    runs.append(["train", "--store", store, "--model", model_dir, *STORE_RUN, "--batch-size", "4", "--pipeline", "2",
+                 "--out", str(tmp / "store")])
     command = planned_command()
     assert command[:len(TORCHRUN)] == TORCHRUN
     runs.append([*command[len(TORCHRUN):], "--data", corpus, "--samples-per-shard", "8", "--eval-fraction", "0.2",
@@ -117,6 +122,20 @@ def test_a_two_stage_pipeline_ends_with_the_weights_of_one_process(two_ranks, co
             assert torch.equal(value, pipeline[key]), key
 
 
+def test_training_from_a_store_on_two_stages_equals_one_process(two_ranks, tmp_path):
+    """The store feeds the first stage (layers 1.. of a cache at boundary 1); the export adds the prefix from
+    the model directory."""
+    tmp, _ = two_ranks
+    assert main(["train", "--store", str(tmp / "cache"), "--model", str(tmp / "model"), *STORE_RUN,
+                 "--batch-size", "2", "--grad-accum", "2", "--out", str(tmp_path / "one")]) == 0
+    pipeline, single = weights(str(tmp / "store")), weights(str(tmp_path / "one"))
+    assert set(pipeline) == set(single) and not any(k.startswith("model.embed_tokens") for k in pipeline)
+    assert_close(pipeline, single)
+    exported = AutoModelForCausalLM.from_pretrained(tmp / "store" / "export").state_dict()
+    assert torch.equal(exported["model.layers.3.mlp.up_proj.weight"], pipeline["model.layers.3.mlp.up_proj.weight"])
+    assert "model.embed_tokens.weight" in exported
+
+
 def visits(run: Path) -> list[VisitRecord]:
     return [r for r in read_metrics(RunDir(run).metrics) if isinstance(r, VisitRecord)]
 
@@ -145,7 +164,7 @@ def test_stages_do_only_what_they_must_and_hold_only_their_layers(two_ranks):
     stage1 = load_file(str(run / "checkpoint" / "stage-1" / "model.safetensors"))
     assert not set(stage0) & set(stage1)
     assert all(k.startswith(("model.embed_tokens", "model.layers.0.")) for k in stage0)
-    assert stdout.count("final eval loss") == len(RUNS) + 1  # one rank reports
+    assert stdout.count("final eval loss") == len(RUNS) + 2  # one rank reports
 
 
 def test_the_tied_weight_is_one_tensor_on_both_end_stages(two_ranks):

@@ -22,5 +22,10 @@ def run(args: argparse.Namespace) -> int:
     config = config_for_command(args)
     if config.store.path is None:
         raise UsageError("--store is required: a cache directory written by `preinfer cache`")
-    print_summary(run_from_store(config, resume=args.resume), config)
+    if config.run.pipeline > 1:
+        from pipelines.pipeline import run_pipeline_train  # torch.distributed.pipelining loads only for pipelines
+
+        print_summary(run_pipeline_train(config, resume=args.resume), config)
+    else:
+        print_summary(run_from_store(config, resume=args.resume), config)
     return 0

@@ -61,15 +61,15 @@ class VisitPipeline:
         parameters that require grad. Returns this stage's share of the loss (the last stage's sum over
         micro-batches of supervised-token loss / `count`; 0 elsewhere)."""
         self.count = count
-        ids, mask = batch["input_ids"], batch["attention_mask"]
-        parts = self._parts(ids.shape[0])
+        root, mask = stage_input(batch, self.staged), batch["attention_mask"]
+        parts = self._parts(mask.shape[0])
         if self.frozen:
-            self._forward_only(ids, mask, parts)
+            self._forward_only(root, mask, parts)
             return 0.0
-        schedule = self._schedule(ids.shape, parts)
+        schedule = self._schedule(mask.shape, parts)
         kwargs = dict(attention_mask=mask)
         if self.mesh.stage == self.entry:
-            x = ids if self.mesh.is_first else self._receive_all(ids.shape, mask, parts)
+            x = root if self.mesh.is_first else self._receive_all(mask.shape, mask, parts)
             args = (x,)
         else:
             args = ()
@@ -88,10 +88,10 @@ class VisitPipeline:
         return next(m for m in range(min(self.microbatches, rows), 0, -1) if rows % m == 0)
 
     @torch.no_grad()
-    def _forward_only(self, ids: torch.Tensor, mask: torch.Tensor, parts: int) -> None:
+    def _forward_only(self, root: torch.Tensor, mask: torch.Tensor, parts: int) -> None:
         """A stage below the active block: each micro-batch in, through its layers without autograd, out."""
-        for ids_part, mask_part in zip(ids.chunk(parts), mask.chunk(parts)):
-            x = ids_part if self.mesh.is_first else self._receive(ids_part.shape)
+        for root_part, mask_part in zip(root.chunk(parts), mask.chunk(parts)):
+            x = root_part if self.mesh.is_first else self._receive(mask_part.shape)
             dist.send(self.module(x, mask_part).contiguous(), self.mesh.rank_of(self.mesh.stage + 1))
 
     def _receive(self, shape: torch.Size) -> torch.Tensor:
@@ -107,7 +107,7 @@ class VisitPipeline:
         if key not in self.schedules:
             index, count = self.mesh.stage - self.entry, self.mesh.stages - self.entry
             rows, length = shape[0] // parts, shape[1]
-            if index == 0 and self.mesh.is_first:
+            if index == 0 and self.stages[self.mesh.stage].embed:
                 example_in = torch.empty(rows, length, dtype=torch.long, device="meta")
             else:
                 example_in = torch.empty(rows, length, self.staged.hidden_size, dtype=self.staged.compute_dtype,
@@ -126,6 +126,12 @@ class VisitPipeline:
 
 
 
+def stage_input(batch: dict[str, torch.Tensor], staged: StagedModel) -> torch.Tensor:
+    """What the first stage takes: token ids, or (training from a store) the stored hidden states in the compute
+    dtype."""
+    return batch["input_ids"] if "input_ids" in batch else batch["hidden"].to(staged.compute_dtype)
+
+
 def receive_hidden(staged: StagedModel, mesh: PipelineMesh, shape: torch.Size, device: torch.device) -> torch.Tensor:
     """The hidden states of a batch of `shape` (rows, tokens) from the stage below."""
     hidden = torch.empty(*shape, staged.hidden_size, dtype=staged.compute_dtype, device=device)
@@ -141,8 +147,10 @@ def evaluate_stage(staged: StagedModel, stage: Block, mesh: PipelineMesh, batche
     module = StageModule(staged, stage)
     total, count = 0.0, 0
     for batch in batches:
-        ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-        out = module(ids if mesh.is_first else receive_hidden(staged, mesh, ids.shape, device), mask)
+        batch = {k: v.to(device) for k, v in batch.items()}
+        mask = batch["attention_mask"]
+        out = module(stage_input(batch, staged) if mesh.is_first else receive_hidden(staged, mesh, mask.shape, device),
+                     mask)
         if not mesh.is_last:
             dist.send(out.contiguous(), mesh.rank_of(mesh.stage + 1))
             continue
