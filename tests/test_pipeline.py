@@ -27,7 +27,7 @@ from pipelines.training import load_datasets, partition_for, run_bcd, train
 from preinfer.config import Config
 from preinfer.errors import UsageError
 from preinfer.memory_model import Settings, partition, resolve_shape
-from preinfer.metrics import VisitRecord, read_metrics
+from preinfer.metrics import CacheRecord, VisitRecord, read_metrics
 from preinfer.presets import build_preset
 from preinfer.run_dir import RunDir
 from preinfer.sources import LiveSources
@@ -38,9 +38,10 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["--seq-len", "32", "--samples-per-shard", "8", "--eval-fraction", "0.2", "--sweeps", "2",
           "--steps-per-visit", "2", "--lr", "1e-3", "--seed", "0", "--pre-inference", "off", "--eval-tokens", "256"]
 STORE_RUN = ["--steps-per-visit", "2", "--lr", "1e-3", "--blocks", "2", "--seed", "0", "--eval-tokens", "256"]
-RUNS = {  # name: (model, blocks); each runs at --batch-size 4 --pipeline 2 --microbatches 2
-    "llama": ("tiny-llama", "4"),
-    "gpt2": ("tiny-gpt2", "2"),  # the tied wte = lm_head on both end stages, owned by block 0
+RUNS = {  # name: (model, blocks, more flags); each runs at --batch-size 4 --pipeline 2 --microbatches 2
+    "llama": ("tiny-llama", "4", []),
+    "gpt2": ("tiny-gpt2", "2", []),  # the tied wte = lm_head on both end stages, owned by block 0
+    "on": ("tiny-llama", "2", ["--pre-inference", "on"]),  # block 1 (layers 2-3) from a store at boundary 2
 }
 
 
@@ -80,9 +81,9 @@ def two_ranks(tmp_path_factory, corpus):
     a small corpus and step budget appended), in one job of 2 processes; returns (directory, torchrun's
     stdout)."""
     tmp = tmp_path_factory.mktemp("pipeline2")
-    runs = [["bcd", "--model", model, "--blocks", blocks, "--data", corpus, *COMMON, "--batch-size", "4",
+    runs = [["bcd", "--model", model, "--blocks", blocks, "--data", corpus, *COMMON, *more, "--batch-size", "4",
              "--pipeline", "2", "--microbatches", "2", "--out", str(tmp / name)]
-            for name, (model, blocks) in RUNS.items()]
+            for name, (model, blocks, more) in RUNS.items()]
     model_dir, store = cache_and_model(tmp, corpus, boundary=1)
     runs.append(["train", "--store", store, "--model", model_dir, *STORE_RUN, "--batch-size", "4", "--pipeline", "2",
                  "--out", str(tmp / "store")])
@@ -100,9 +101,9 @@ def test_the_command_plan_prints_runs_on_the_pipeline_it_recommends(two_ranks):
     assert len(records) == 3 and {rank["stage"] for rank in records[0].ranks} == {0, 1}  # 3 blocks, 2 stages
 
 
-def one_process(tmp: Path, corpus: str, model: str, blocks: str, name: str) -> dict[str, torch.Tensor]:
+def one_process(tmp: Path, corpus: str, model: str, blocks: str, more: list[str], name: str) -> dict[str, torch.Tensor]:
     """The same run in one process, over the same micro-batches (batch 2, two accumulated per step)."""
-    assert main(["bcd", "--model", model, "--blocks", blocks, "--data", corpus, *COMMON, "--batch-size", "2",
+    assert main(["bcd", "--model", model, "--blocks", blocks, "--data", corpus, *COMMON, *more, "--batch-size", "2",
                  "--grad-accum", "2", "--out", str(tmp / name)]) == 0
     return weights(str(tmp / name))
 
@@ -111,9 +112,9 @@ def one_process(tmp: Path, corpus: str, model: str, blocks: str, name: str) -> d
 @pytest.mark.parametrize("name", list(RUNS))
 def test_a_two_stage_pipeline_ends_with_the_weights_of_one_process(two_ranks, corpus, tmp_path, name):
     tmp, _ = two_ranks
-    model, blocks = RUNS[name]
+    model, blocks, more = RUNS[name]
     pipeline = weights(str(tmp / name))
-    single = one_process(tmp_path, corpus, model, blocks, "one")
+    single = one_process(tmp_path, corpus, model, blocks, more, "one")
     assert set(pipeline) == set(single)
     assert_close(pipeline, single)
     exported = AutoModelForCausalLM.from_pretrained(tmp / name / "export")  # gathered from both stages
@@ -165,6 +166,20 @@ def test_stages_do_only_what_they_must_and_hold_only_their_layers(two_ranks):
     assert not set(stage0) & set(stage1)
     assert all(k.startswith(("model.embed_tokens", "model.layers.0.")) for k in stage0)
     assert stdout.count("final eval loss") == len(RUNS) + 2  # one rank reports
+
+
+def test_with_pre_inference_the_stages_make_the_store_and_those_below_it_idle(two_ranks):
+    """tiny-llama in 2 blocks on stages embed+layer 0 | layers 1-3+head: block 1 reads a store at boundary 2,
+    which stage 0 (forward) and stage 1 (layer 1, writing) made; while block 1 trains, stage 0 runs nothing."""
+    tmp, stdout = two_ranks
+    records = read_metrics(RunDir(tmp / "on").metrics)
+    made = [r for r in records if isinstance(r, CacheRecord) and r.how == "input"]
+    assert [r.boundary for r in made] == [2, 2] and all(r.bytes > 0 for r in made)  # made again in sweep 1
+    for record in (r for r in records if isinstance(r, VisitRecord) and r.block == 1):
+        assert record.source_boundary == 2
+        idle = record.ranks[0]
+        assert idle["stage"] == 0 and idle["activations"] == idle["grads"] == idle["optimizer"] == 0
+    assert "stage(s) 0-0 below it run nothing this visit" in stdout
 
 
 def test_the_tied_weight_is_one_tensor_on_both_end_stages(two_ranks):

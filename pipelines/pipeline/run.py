@@ -19,6 +19,7 @@ from preinfer.tokenizers import load_tokenizer
 from preinfer.stages import describe_stages, plan_stages, stage_cost
 from pipelines.cache import open_cache
 from pipelines.pipeline.mesh import PipelineMesh, check_degree, make_mesh
+from pipelines.pipeline.stores import PipelineStores
 from pipelines.pipeline.trainer import PipelineTrainer
 from pipelines.sources import ReaderBatches
 from pipelines.suffix import export_from_weights, load_modules, meta_model, prefix_digest, to_device
@@ -38,9 +39,8 @@ def check_flags(config: Config) -> int:
     if r.schedule == "1f1b" and microbatches < r.pipeline:
         raise UsageError(f"--schedule 1f1b needs at least as many --microbatches as --pipeline stages "
                          f"({microbatches} < {r.pipeline}); give more or --schedule gpipe")
-    if config.pre_inference.mode == "on":
-        raise UsageError("--pre-inference on does not run on a pipeline yet (stores are built by one process "
-                         "holding the prefix); give --pre-inference off, or drop --pipeline")
+    if config.pre_inference.mode == "on" and config.pre_inference.dask:
+        raise UsageError("--dask builds stores in other processes; on a pipeline the stages build them: drop --dask")
     if r.precision == "fp16-mixed":
         raise UsageError("--precision fp16-mixed (loss scaling) does not run on a pipeline; give bf16-mixed or fp32")
     if config.blocks.experts:
@@ -75,12 +75,19 @@ def run_pipeline_bcd(config: Config, resume: bool = False, quiet: bool = False) 
     stages, peaks, precision = plan(config, microbatches)
     mesh, staged, notes = start(config, stages, peaks, microbatches, resume)
     if config.pre_inference.mode == "auto":
-        notes.append("pre-inference auto: a pipeline run trains live (stores are not built on a pipeline yet)")
+        notes.append("pre-inference auto: a pipeline run trains live (its sweep planner is not built for pipelines; "
+                     "--pre-inference on reads a store for every visit above the input)")
     data = load_datasets(config, quiet)
     partition, active = partition_for(staged, config, precision=precision)
-    chosen = live_sources(data, config, samples_per_shard(config, staged), mesh.replica, mesh.replicas)
+    shard = samples_per_shard(config, staged)
+    chosen = live_sources(data, config, shard, mesh.replica, mesh.replicas)
+    if config.pre_inference.mode == "on":
+        chosen = PipelineStores(staged, stages, mesh, {"train": data.train, "eval": data.eval}, data.tokenizer,
+                                config, chosen, shard, quiet)
     trainer = train(config, staged, partition, active, chosen, resume, quiet, notes, command="bcd",
                     make=trainer_for(config, mesh, stages, microbatches))
+    if isinstance(chosen, PipelineStores):
+        chosen.close()
     run = RunDir(config.run.out)
 
     def export(directory: Path) -> None:

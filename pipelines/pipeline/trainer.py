@@ -77,12 +77,19 @@ class PipelineTrainer(Trainer):
         if saved is not None and local:
             optimizer.load_state_dict(saved)
         run = self.config.run
+        source = train.boundary if train is not None else 0
         self.pipeline = VisitPipeline(self.staged, self.stages, self.mesh, block, self.microbatches, self.schedule,
-                                      run.recompute, self.device)
+                                      run.recompute, self.device, source)
         self.tied_hooks = self._join_tied_grads() if self._owns_tied(block) else []
         return optimizer, self.active
 
     def _deactivate(self, block: Block) -> None:
+        """As `Trainer._deactivate`; stages that idled below a store take the data cursor of the stage the store
+        fed, so that the next visit reads on from the same place on every stage."""
+        if self.pipeline.first > 0:
+            cursor = [self.progress.cursor]
+            dist.broadcast_object_list(cursor, src=self.mesh.rank_of(self.pipeline.first), group=self.mesh.pipe_group)
+            self.progress.cursor = cursor[0]
         super()._deactivate(block)
         for hook in self.tied_hooks:
             hook.remove()
@@ -93,10 +100,12 @@ class PipelineTrainer(Trainer):
         the mean over every supervised token of the global batch, as in `Trainer._step`."""
         cfg = self.config.optim
         t0 = time.perf_counter()
-        batches = [{k: v.to(self.device) for k, v in next(train).items()} for _ in range(cfg.grad_accum)]
+        idle = self.pipeline.idle  # wholly below the store this visit reads: no batch, no work
+        batches = [] if idle else [{k: v.to(self.device) for k, v in next(train).items()}
+                                   for _ in range(cfg.grad_accum)]
         wait = time.perf_counter() - t0
         count = torch.tensor(float(sum(supervised_tokens(b["labels"]) for b in batches)), device=self.device)
-        if self.mesh.data_group is not None:
+        if self.mesh.data_group is not None and not idle:
             dist.all_reduce(count, group=self.mesh.data_group)
         total, tokens = 0.0, 0
         tracking = self.meter.track() if self.meter is not None else nullcontext()
@@ -113,6 +122,10 @@ class PipelineTrainer(Trainer):
             self.reducer.finish()
         loss = torch.tensor(total, device=self.device, dtype=torch.float64)
         dist.all_reduce(loss)  # only the last stage of each replica holds a share
+        if self.pipeline.first > 0:  # the replica's tokens, also on the stages that idled
+            counted = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+            dist.all_reduce(counted, op=dist.ReduceOp.MAX, group=self.mesh.pipe_group)
+            tokens = int(counted)
         if cfg.grad_clip > 0:
             self._clip(active, cfg.grad_clip)
         factor = warmup_factor(self.progress.visit_step, cfg.warmup_steps)
@@ -177,7 +190,8 @@ class PipelineTrainer(Trainer):
         """Mean next-token loss over the eval pass, forward through every stage; every rank gets it."""
         modes = [(module, module.training) for module in self.staged.model.modules()]
         self.staged.model.eval()
-        total, count = evaluate_stage(self.staged, self.stage, self.mesh, source.one_pass(), self.device)
+        total, count = evaluate_stage(self.staged, self.stages, self.mesh, source.one_pass(), self.device,
+                                      source.boundary)
         for module, training in modes:
             module.training = training
         both = torch.tensor([total, float(count)], dtype=torch.float64, device=self.device)

@@ -34,25 +34,30 @@ from pipelines.pipeline.stage_module import StageModule
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 
 
+def stage_of(stages: list[Block], layer: int) -> int:
+    """The stage holding `layer` (the last for the head's boundary, the first below the stages' first layer)."""
+    return next((j for j, s in enumerate(stages) if layer < s.stop), len(stages) - 1)
+
+
 def entry_stage(stages: list[Block], block: PartBlock) -> int:
     """The first stage that trains for `block`: the one holding its first layer (the first stage when it holds
     the embedding, the last when it holds only the head)."""
-    if block.has_embed:
-        return 0
-    return next((j for j, s in enumerate(stages) if s.start <= block.start < s.stop), len(stages) - 1)
+    return 0 if block.has_embed else stage_of(stages, block.start)
 
 
 class VisitPipeline:
     """Runs the batches of one visit through this rank's stage (see the module docstring)."""
 
     def __init__(self, staged: StagedModel, stages: list[Block], mesh: PipelineMesh, block: PartBlock,
-                 microbatches: int, schedule: str, recompute: bool, device: torch.device):
+                 microbatches: int, schedule: str, recompute: bool, device: torch.device, source: int = 0):
         self.staged, self.stages, self.mesh, self.device = staged, stages, mesh, device
         self.microbatches, self.schedule_name = microbatches, schedule
         self.entry = entry_stage(stages, block)
+        self.first = stage_of(stages, source)  # the stage the batches feed (a store at `source` > 0, else tokens)
+        self.idle = mesh.stage < self.first  # wholly below the store: runs nothing this visit
         self.frozen = mesh.stage < self.entry
         stage = stages[mesh.stage]
-        self.module = StageModule(staged, stage, None if self.frozen else block, recompute)
+        self.module = StageModule(staged, stage, None if self.frozen else block, recompute, source)
         self.schedules: dict[tuple[int, ...], object] = {}
         self.count = torch.ones((), device=device)  # supervised tokens of the global batch (the loss divisor)
 
@@ -69,7 +74,7 @@ class VisitPipeline:
         schedule = self._schedule(mask.shape, parts)
         kwargs = dict(attention_mask=mask)
         if self.mesh.stage == self.entry:
-            x = root if self.mesh.is_first else self._receive_all(mask.shape, mask, parts)
+            x = root if self.mesh.stage == self.first else self._receive_all(mask.shape, mask, parts)
             args = (x,)
         else:
             args = ()
@@ -91,7 +96,7 @@ class VisitPipeline:
     def _forward_only(self, root: torch.Tensor, mask: torch.Tensor, parts: int) -> None:
         """A stage below the active block: each micro-batch in, through its layers without autograd, out."""
         for root_part, mask_part in zip(root.chunk(parts), mask.chunk(parts)):
-            x = root_part if self.mesh.is_first else self._receive(mask_part.shape)
+            x = root_part if self.mesh.stage == self.first else self._receive(mask_part.shape)
             dist.send(self.module(x, mask_part).contiguous(), self.mesh.rank_of(self.mesh.stage + 1))
 
     def _receive(self, shape: torch.Size) -> torch.Tensor:
@@ -107,7 +112,7 @@ class VisitPipeline:
         if key not in self.schedules:
             index, count = self.mesh.stage - self.entry, self.mesh.stages - self.entry
             rows, length = shape[0] // parts, shape[1]
-            if index == 0 and self.stages[self.mesh.stage].embed:
+            if index == 0 and self.module.embeds:
                 example_in = torch.empty(rows, length, dtype=torch.long, device="meta")
             else:
                 example_in = torch.empty(rows, length, self.staged.hidden_size, dtype=self.staged.compute_dtype,
@@ -140,17 +145,20 @@ def receive_hidden(staged: StagedModel, mesh: PipelineMesh, shape: torch.Size, d
 
 
 @torch.no_grad()
-def evaluate_stage(staged: StagedModel, stage: Block, mesh: PipelineMesh, batches: Iterable[dict],
-                   device: torch.device) -> tuple[float, int]:
-    """Whole eval batches forward through every stage of this rank's replica: (loss sum, supervised tokens)
-    on the last stage, (0, 0) elsewhere."""
-    module = StageModule(staged, stage)
+def evaluate_stage(staged: StagedModel, stages: list[Block], mesh: PipelineMesh, batches: Iterable[dict],
+                   device: torch.device, source: int = 0) -> tuple[float, int]:
+    """Whole eval batches (at boundary `source`) forward through the stages of this rank's replica from the one
+    holding `source`: (loss sum, supervised tokens) on the last stage, (0, 0) elsewhere."""
+    first = stage_of(stages, source)
+    if mesh.stage < first:
+        return 0.0, 0
+    module = StageModule(staged, stages[mesh.stage], source=source)
     total, count = 0.0, 0
     for batch in batches:
         batch = {k: v.to(device) for k, v in batch.items()}
         mask = batch["attention_mask"]
-        out = module(stage_input(batch, staged) if mesh.is_first else receive_hidden(staged, mesh, mask.shape, device),
-                     mask)
+        x = stage_input(batch, staged) if mesh.stage == first else receive_hidden(staged, mesh, mask.shape, device)
+        out = module(x, mask)
         if not mesh.is_last:
             dist.send(out.contiguous(), mesh.rank_of(mesh.stage + 1))
             continue
