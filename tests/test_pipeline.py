@@ -84,6 +84,9 @@ def two_ranks(tmp_path_factory, corpus):
     runs = [["bcd", "--model", model, "--blocks", blocks, "--data", corpus, *COMMON, *more, "--batch-size", "4",
              "--pipeline", "2", "--microbatches", "2", "--out", str(tmp / name)]
             for name, (model, blocks, more) in RUNS.items()]
+    first_sweep = ["bcd", "--model", "tiny-llama", "--blocks", "4", "--data", corpus, *COMMON, "--batch-size", "4",
+                   "--pipeline", "2", "--out", str(tmp / "resumed")]
+    runs += [[*first_sweep, "--sweeps", "1"], ["bcd", "--out", str(tmp / "resumed"), "--resume", "--sweeps", "2"]]
     model_dir, store = cache_and_model(tmp, corpus, boundary=1)
     runs.append(["train", "--store", store, "--model", model_dir, *STORE_RUN, "--batch-size", "4", "--pipeline", "2",
                  "--out", str(tmp / "store")])
@@ -121,6 +124,16 @@ def test_a_two_stage_pipeline_ends_with_the_weights_of_one_process(two_ranks, co
     for key, value in exported.state_dict().items():
         if key in pipeline:
             assert torch.equal(value, pipeline[key]), key
+
+
+def test_a_resumed_pipeline_run_ends_as_an_uninterrupted_one(two_ranks):
+    """Each stage resumes from its own checkpoint (`checkpoint/stage-J/`): one sweep, then --resume for the
+    second, against the llama run of two sweeps."""
+    tmp, _ = two_ranks
+    resumed = weights(str(tmp / "resumed"))
+    assert all(torch.equal(resumed[k], v) for k, v in weights(str(tmp / "llama")).items())
+    assert sorted(p.name for p in (tmp / "resumed" / "checkpoint").iterdir()) == [
+        "model.safetensors", "stage-0", "stage-1"]
 
 
 def test_training_from_a_store_on_two_stages_equals_one_process(two_ranks, tmp_path):
@@ -165,7 +178,7 @@ def test_stages_do_only_what_they_must_and_hold_only_their_layers(two_ranks):
     stage1 = load_file(str(run / "checkpoint" / "stage-1" / "model.safetensors"))
     assert not set(stage0) & set(stage1)
     assert all(k.startswith(("model.embed_tokens", "model.layers.0.")) for k in stage0)
-    assert stdout.count("final eval loss") == len(RUNS) + 2  # one rank reports
+    assert stdout.count("final eval loss") == len(RUNS) + 4  # one rank reports
 
 
 def test_with_pre_inference_the_stages_make_the_store_and_those_below_it_idle(two_ranks):

@@ -28,7 +28,7 @@ from preinfer.errors import PreinferError
 from preinfer.grad_buckets import BucketedAllReduce
 from preinfer.memory_model import Block as StageBlock
 from preinfer.metrics import Record, VisitRecord
-from preinfer.optim import build_optimizer, warmup_factor
+from preinfer.optim import warmup_factor
 from preinfer.partition import Block
 from preinfer.precision import ActiveBlock
 from preinfer.sources import BatchSource
@@ -58,24 +58,13 @@ class PipelineTrainer(Trainer):
 
     def _activate(self, block: Block, train: BatchSource | None = None):
         """As `Trainer._activate`, for the part of `block` this stage holds (none: an optimizer over nothing)."""
-        model = self.staged.model
-        model.requires_grad_(False)
-        for param in block.params:
-            param.requires_grad_(True)
-        model.train()
-        for module in self.staged.prefix_modules(block.start):
-            module.eval()
+        self._unfreeze(block)
         local = [p for p in block.params if not p.is_meta and id(p) not in self.borrowed]
         masters, self.saved_masters = self.saved_masters or None, []
         self.active = ActiveBlock(local, self.precision != "fp32", masters)
         if self.mesh.replicas > 1 and local:
             self.reducer = BucketedAllReduce(self.active.masters, group=self.mesh.data_group)
-        optimizer = build_optimizer(self.active.masters or [{"params": []}], self.config.optim)
-        for group in optimizer.param_groups:
-            group["initial_lr"] = group["lr"]
-        saved = self.optimizer_states.get(block.index)
-        if saved is not None and local:
-            optimizer.load_state_dict(saved)
+        optimizer = self._optimizer(block, self.active.masters)
         run = self.config.run
         source = train.boundary if train is not None else 0
         self.pipeline = VisitPipeline(self.staged, self.stages, self.mesh, block, self.microbatches, self.schedule,
