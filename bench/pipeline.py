@@ -6,7 +6,8 @@ trains (one block: the whole model, so both stages run forward and backward), an
 samples in M micro-batches through `pipelines.pipeline.visit.VisitPipeline`, for M in {2, 4, 8} and both
 schedules. Per stage and step it measures the time spent inside `PipelineStage.forward_one_chunk` and
 `backward_one_chunk` (busy) and the step's wall time; the measured bubble is 1 - busy / step (mean over the
-stages), the theory's (N-1)/(M+N-1) for equal stages and free communication. Bytes sent are summed over the
+stages; `bubble_slowest`: of the busiest stage alone, which sets the pace), the theory's (N-1)/(M+N-1) for equal
+stages and free communication. Bytes sent are summed over the
 `PipelineStage` send operations of both stages; the planner's estimate is `preinfer.memory_model.traffic`'s
 bytes per step (forward activations and backward gradients at each of the N-1 cuts).
 
@@ -154,13 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     for row in measured["rows"]:
         m, busy = row["microbatches"], row["busy_s"]
         bubble = statistics.mean(1 - b / row["step_s"] for b in busy)
-        rows.append(dict(row, bubble=bubble, bubble_theory=(STAGES - 1) / (m + STAGES - 1),
+        rows.append(dict(row, bubble=bubble, bubble_slowest=1 - max(busy) / row["step_s"],
+                         bubble_theory=(STAGES - 1) / (m + STAGES - 1),
                          planner_bytes=planned["pipeline_bytes_per_step"],
                          bytes_ratio=row["bytes_sent"] / planned["pipeline_bytes_per_step"]))
     print(f"{args.model}, seq {args.seq_len} x batch {args.batch_size}, {STAGES} stages: "
           + ", ".join(f"stage {j} layers {s['start']}-{s['stop'] - 1}" for j, s in enumerate(measured["stages"])))
     print(table([dict(r, busy=" / ".join(f"{b:.3f}" for b in r["busy_s"])) for r in rows],
-                ["schedule", "microbatches", "step_s", "busy", "bubble", "bubble_theory", "bytes_sent",
+                ["schedule", "microbatches", "step_s", "busy", "bubble", "bubble_slowest", "bubble_theory", "bytes_sent",
                  "planner_bytes", "bytes_ratio"]))
     payload = dict(command=" ".join(["python", "bench/pipeline.py", *(argv if argv is not None else sys.argv[1:])]),
                    machine=machine(), settings=dict(model=args.model, seq_len=args.seq_len,
