@@ -21,8 +21,8 @@ class StageModule(nn.Module):
     """Layers `[stage.start, stage.stop)` of `staged` (the embedding on the first stage, the head on the last);
     from layer `source` on when its input is a store's states at boundary `source` inside the stage.
     With an active block, the embedding (unless the block holds it) and the layers below the block's first run
-    under no_grad: they save nothing for backward. Without one everything runs without autograd's help from
-    this module (callers run it under no_grad). The staged model is held outside the module's registry: the
+    under no_grad: they save nothing for backward. Without one (forward only) callers run it under no_grad.
+    The staged model is held outside the module's registry: the
     pipeline engine never sees the other stages' (meta-device) parameters."""
 
     def __init__(self, staged: StagedModel, stage: Block, active: PartBlock | None = None, recompute: bool = False,
@@ -53,8 +53,3 @@ class StageModule(nn.Module):
         state = staged.run(state, split, stage.stop, self.recompute)
         return staged.logits(state) if stage.head else state.hidden
 
-
-def stage_parameters(staged: StagedModel, stage: Block) -> list[nn.Parameter]:
-    """The parameters stage `stage` holds (each once; a tied weight on both end stages)."""
-    modules = staged.stage_modules(stage.start, stage.stop, stage.embed, stage.head)
-    return list({id(p): p for m in modules for p in m.parameters()}.values())
