@@ -172,9 +172,6 @@ class PipelineTrainer(Trainer):
         for grad in grads:
             grad.mul_(coefficient.to(grad.dtype))
 
-    def _update_allowed(self, active: ActiveBlock, scale: float) -> bool:
-        return True  # fp16-mixed (loss scaling) is refused on a pipeline
-
     def evaluate(self, source: BatchSource) -> float:
         """Mean next-token loss over the eval pass, forward through every stage; every rank gets it."""
         modes = [(module, module.training) for module in self.staged.model.modules()]
