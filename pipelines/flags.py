@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,6 +137,12 @@ TRAINING_FLAGS: list[Flag] = [
          "activation checkpointing: every layer in the gradient path (the active block and the frozen layers "
          "above it) keeps only its input and runs its forward again in backward: less activation memory, a "
          "second forward of those layers", SWITCH),
+    Flag("--pipeline", "run", "pipeline", "pipeline stages: under torchrun with N x D processes, D data-parallel "
+         "replicas of an N-stage pipeline; each rank holds only its stage's layers", dict(type=positive_int)),
+    Flag("--microbatches", "run", "microbatches", "micro-batches each --batch-size batch is split into on a "
+         "pipeline; must divide it", dict(type=positive_int), unset="as many as --pipeline stages"),
+    Flag("--schedule", "run", "schedule", "pipeline schedule (torch.distributed.pipelining)",
+         dict(choices=["1f1b", "gpipe"])),
 ]
 
 # Flags of `bcd` only: where visits above the input get their boundary states.
@@ -221,6 +228,12 @@ def _check_locations(config: Config) -> None:
                 check(value)
         except argparse.ArgumentTypeError as err:
             raise UsageError(f"{where} = {value!r}: {err}") from None
+
+
+def print_summary(summary: dict, config: Config) -> None:
+    """Print the run's last line, on rank 0 only under torchrun (one rank reports)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(summary_line(summary, config))
 
 
 def summary_line(summary: dict, config: Config) -> str:

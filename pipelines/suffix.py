@@ -8,7 +8,7 @@ fingerprint is hashed by streaming its tensors from the same files without keepi
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,24 +86,43 @@ def load_suffix(spec: str, boundary: int, seed: int = 0) -> Suffix:
         model = build_preset(spec, seed)
         staged = preinfer.stage(model)
         digest = hash_tensors(named_prefix_tensors(staged, boundary))
-        _drop(model, _prefix_only(staged, boundary))
+        _keep_only(model, staged.suffix_modules(boundary))
         return Suffix(model, boundary, digest, None)
+    model, files = _load_modules(spec, lambda staged: staged.suffix_modules(boundary), f"boundary {boundary}")
+    staged = preinfer.stage(model)
+    return Suffix(model, boundary, _file_digest(staged, boundary, files, _aliases(model)), files)
+
+
+def load_modules(spec: str, modules_of: Callable[[preinfer.StagedModel], list[nn.Module]], what: str,
+                 seed: int = 0) -> nn.Module:
+    """The model `spec` with only the tensors of `modules_of(staged model)` in memory (the rest on the meta
+    device), read by name from its weight files; `what` names the part in errors. A preset is built whole from
+    its seed (its initialisation draws every tensor in turn) and then loses the rest."""
+    if spec in PRESETS:
+        model = build_preset(spec, seed)
+        _keep_only(model, modules_of(preinfer.stage(model)))
+        return model
+    return _load_modules(spec, modules_of, what)[0]
+
+
+def _load_modules(spec: str, modules_of: Callable[[preinfer.StagedModel], list[nn.Module]],
+                  what: str) -> tuple[nn.Module, TensorFiles]:
+    """A model built on the meta device whose tensors used by `modules_of(staged)` are read from its files."""
     config, files = _config_and_files(spec)
     with torch.device("meta"):
         model = cast_weights(AutoModelForCausalLM.from_config(config, attn_implementation="eager"), files.dtype())
     staged = preinfer.stage(model)
     aliases = _aliases(model)
     stored = {id(t) for _, t in _persistent_tensors(model)}
-    for tensor in _tensors_of(staged.suffix_modules(boundary)):
+    for tensor in _tensors_of(modules_of(staged)):
         if id(tensor) not in stored:
             continue  # derived from the config (rotary tables): rebuilt below
         name = files.find(aliases[id(tensor)])
         if name is None:
-            raise UsageError(f"the weights of {spec} lack {aliases[id(tensor)][0]}, which boundary {boundary} "
-                             f"onwards needs")
+            raise UsageError(f"the weights of {spec} lack {aliases[id(tensor)][0]}, which {what} needs")
         _replace(model, tensor, files.get(name).to(tensor.dtype))
     staged.rebuild_shared_modules()
-    return Suffix(model, boundary, _file_digest(staged, boundary, files, aliases), files)
+    return model, files
 
 
 def to_device(model: nn.Module, device: str | torch.device) -> nn.Module:
@@ -145,6 +164,43 @@ def export_full(suffix: Suffix, out: Path) -> bool:
     model.config.save_pretrained(out)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return True
+
+
+def meta_model(spec: str) -> nn.Module:
+    """The model `spec` names built on the meta device (no storage), in its weight files' dtype: its shape
+    without its weights."""
+    if spec in PRESETS:
+        config, dtype = preset_config(spec), torch.float32
+    else:
+        config, files = _config_and_files(spec)
+        dtype = files.dtype()
+    with torch.device("meta"):
+        return cast_weights(AutoModelForCausalLM.from_config(config, attn_implementation="eager"), dtype)
+
+
+def export_from_weights(spec: str, weights: Path, out: Path) -> bool:
+    """A save_pretrained directory of the model `spec` with every tensor read by name from `weights` (a
+    pipeline run's gathered stages), and those `weights` lacks (the prefix below a store) from `spec`'s own
+    files; False (nothing written) when they are not there (a preset's prefix)."""
+    model = meta_model(spec)
+    own = [] if spec in PRESETS else _config_and_files(spec)[1].files
+    files = TensorFiles([*own, weights])  # a name in both: the trained tensor
+    cast_weights(model, TensorFiles([weights]).dtype())
+    return export_full(Suffix(model, 0, None, files), out)
+
+
+def prefix_digest(spec: str, boundary: int, seed: int = 0) -> Suffix:
+    """The model `spec` on the meta device with the digest of its weights below `boundary` (None when its
+    files lack them), tensor by tensor, as `load_suffix` computes it: what `check_prefix` compares with a store's.
+    A preset is built whole from its seed for the digest."""
+    if spec in PRESETS:
+        digest = hash_tensors(named_prefix_tensors(preinfer.stage(build_preset(spec, seed)), boundary))
+        return Suffix(meta_model(spec), boundary, digest, None)
+    model = meta_model(spec)
+    files = _config_and_files(spec)[1]
+    staged = preinfer.stage(model)
+    staged.rebuild_shared_modules()
+    return Suffix(model, boundary, _file_digest(staged, boundary, files, _aliases(model)), files)
 
 
 def _config_and_files(spec: str):
@@ -195,9 +251,10 @@ def _tensors_of(modules: list[nn.Module]) -> list[torch.Tensor]:
     return list(seen.values())
 
 
-def _prefix_only(staged, boundary: int) -> list[torch.Tensor]:
-    needed = {id(t) for t in _tensors_of(staged.suffix_modules(boundary))}
-    return [t for t in _tensors_of(staged.prefix_modules(boundary)) if id(t) not in needed]
+def _keep_only(model: nn.Module, modules: list[nn.Module]) -> None:
+    """Move every tensor of `model` that none of `modules` uses to the meta device."""
+    needed = {id(t) for t in _tensors_of(modules)}
+    _drop(model, [t for t in _tensors_of([model]) if id(t) not in needed])
 
 
 def _drop(model: nn.Module, tensors: list[torch.Tensor]) -> None:

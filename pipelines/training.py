@@ -182,8 +182,11 @@ def prepare_run_dir(run: RunDir, config: Config, resume: bool) -> None:
 
 
 def init_distributed(device: str) -> tuple[int, int]:
-    """(rank, world size); under torchrun, joins the process group (NCCL on GPUs, gloo on CPU)."""
+    """(rank, world size); under torchrun, joins the process group (NCCL on GPUs, gloo on CPU). With `--device
+    cuda` (no index) each rank makes its local rank's GPU its current one, so that `cuda` means its own GPU."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and device == "cuda" and torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -285,15 +288,16 @@ def set_precision(model: torch.nn.Module, config: Config) -> str:
 
 
 def train(config: Config, staged: preinfer.StagedModel, partition: Partition, active: int | None,
-          chosen: VisitSources, resume: bool, quiet: bool, notes: list[str] = (), command: str = "bcd") -> Trainer:
-    """Build the trainer (with its memory meter and progress display; it checks the block order), create the
-    run directory (rank 0), resume if asked, and run it; a signal stops it with `RunStopped` after a
-    checkpoint."""
+          chosen: VisitSources, resume: bool, quiet: bool, notes: list[str] = (), command: str = "bcd",
+          make: Callable[..., Trainer] = Trainer) -> Trainer:
+    """Build the trainer with `make` (with its memory meter and progress display, shown by rank 0 only; it
+    checks the block order), create the run directory (rank 0), resume if asked, and run it; a signal stops it
+    with `RunStopped` after a checkpoint."""
     torch.manual_seed(config.run.seed)
-    ui = ProgressUI(config, quiet)
+    ui = ProgressUI(config, quiet or (dist.is_initialized() and dist.get_rank() != 0))
     run = RunDir(config.run.out)
-    trainer = Trainer(staged, partition, config, chosen, run, MemoryMeter(staged.model), on_record=ui.record,
-                      active_block=active)
+    trainer = make(staged, partition, config, chosen, run, MemoryMeter(staged.model), on_record=ui.record,
+                   active_block=active)
     if trainer.rank == 0:
         prepare_run_dir(run, config, resume)
     if partition.budget is not None:

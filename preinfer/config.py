@@ -78,6 +78,9 @@ class RunConfig:
     device: str = "cpu"
     precision: str = "auto"  # fp32, bf16-mixed, fp16-mixed; auto follows the model's weights (bf16 -> bf16-mixed)
     recompute: bool = False  # keep one hidden state per layer in the gradient path; run the layer again in backward
+    pipeline: int = 1  # pipeline stages (under torchrun: world size = pipeline x data-parallel replicas)
+    microbatches: int = 0  # micro-batches per step through the pipeline; 0: as many as stages
+    schedule: str = "1f1b"  # pipeline schedule: 1f1b or gpipe
 
 
 @dataclass

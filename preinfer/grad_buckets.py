@@ -21,10 +21,11 @@ BUCKET_BYTES = 25 * 2**20
 
 
 class BucketedAllReduce:
-    """Sums the gradients of `tensors` over the default process group, bucket by bucket."""
+    """Sums the gradients of `tensors` over `group` (None: the default process group), bucket by bucket."""
 
-    def __init__(self, tensors: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES):
-        self.tensors = tensors
+    def __init__(self, tensors: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES,
+                 group: dist.ProcessGroup | None = None):
+        self.tensors, self.group = tensors, group
         self.buckets: list[list[int]] = []
         size = 0
         for index in reversed(range(len(tensors))):
@@ -71,4 +72,4 @@ class BucketedAllReduce:
                 tensor.grad = torch.zeros_like(tensor, dtype=torch.float32)
             self.flat[bucket][offset:offset + tensor.numel()].copy_(tensor.grad.reshape(-1))
             offset += tensor.numel()
-        self.launched.append(dist.all_reduce(self.flat[bucket], async_op=True))
+        self.launched.append(dist.all_reduce(self.flat[bucket], group=self.group, async_op=True))

@@ -500,27 +500,29 @@ def worst_bcd(m: ModelShape, settings: Settings, blocks: list[Block], store: boo
 def pipeline_peak(m: ModelShape, settings: Settings, blocks: list[Block] | None, degree: int) -> int:
     """Largest per-GPU bytes with `degree` pipeline stages (layers split evenly; None: full Adam).
 
-    1F1B schedule: stage j keeps the activations of (degree - j) micro-batches in flight. Each stage holds its
-    layers' weights, and gradients and optimizer state only for the part of the active block it holds.
-    """
+    1F1B schedule: stage j keeps the activations of (degree - j) micro-batches in flight."""
     stages = partition(m, degree)
-    c = DTYPES[settings.dtype]["act"]
     visits = [None] if blocks is None else blocks
-    worst = 0
-    for active in visits:
-        acts = step_activations(m, settings.micro_batch, settings.seq_len, c, active, settings.recompute)
-        for j, stage in enumerate(stages):
-            params = block_params(m, stage)
-            if active is None:
-                trainable = params
-            else:
-                lo, hi = max(stage.start, active.start), min(stage.stop, active.stop)
-                trainable = m.span_params(lo, max(lo, hi)) + (m.embed_params() if stage.embed and active.embed else 0)
-                trainable += m.head_params() if stage.head and active.head else 0
-            in_flight = degree - j
-            stage_acts = acts.total(stage.start, stage.stop, inputs=stage.embed, outputs=stage.head) * in_flight
-            worst = max(worst, sum(_component_bytes(settings, params, trainable)) + stage_acts)
-    return worst
+    return max(stage_bytes(m, settings, stage, active, degree - j)
+               for active in visits for j, stage in enumerate(stages))
+
+
+def stage_bytes(m: ModelShape, settings: Settings, stage: Block, active: Block | None, in_flight: int) -> int:
+    """Bytes one pipeline stage holds while `active` trains (None: full Adam): its layers' weights, gradients and
+    optimizer state for the part of the active block it holds, and the activations of `in_flight` micro-batches
+    (none below the active block, which runs forward only)."""
+    c = DTYPES[settings.dtype]["act"]
+    acts = step_activations(m, settings.micro_batch, settings.seq_len, c, active, settings.recompute)
+    params = block_params(m, stage)
+    params += m.vocab * m.hidden if m.tied and stage.head and not stage.embed else 0  # its copy of the tied weight
+    if active is None:
+        trainable = params
+    else:
+        lo, hi = max(stage.start, active.start), min(stage.stop, active.stop)
+        trainable = m.span_params(lo, max(lo, hi)) + (m.embed_params() if stage.embed and active.embed else 0)
+        trainable += m.head_params() if stage.head and active.head else 0
+    stage_acts = acts.total(stage.start, stage.stop, inputs=stage.embed, outputs=stage.head) * in_flight
+    return sum(_component_bytes(settings, params, trainable)) + stage_acts
 
 
 def fewest_blocks(m: ModelShape, settings: Settings, degree: int = 1) -> tuple[int, int] | None:

@@ -60,6 +60,7 @@ class VisitRecord(Record):
     source_boundary: int  # 0: token batches (prefix run live); k > 0: trained from a store at boundary k
     memory: dict[str, int] = field(default_factory=dict)  # the memory meter's peaks in bytes; {} without a meter
     eval_s: float = 0.0  # time of the evaluation after the visit (not in wall_s)
+    ranks: list[dict] | None = None  # pipeline runs: each rank's `rank`, `stage`, `replica` and memory peaks
 
 
 @dataclass

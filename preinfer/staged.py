@@ -107,6 +107,11 @@ class StagedModel(ABC):
         """Every module needed to go from the state at `boundary` to the loss (a tied embedding included)."""
         return [*self.layers[boundary:], *self.head_modules(), *self.shared_modules()]
 
+    def stage_modules(self, start: int, stop: int, embed: bool, head: bool) -> list[nn.Module]:
+        """Every module a pipeline stage of layers `[start, stop)` (with the embedding, the head) needs."""
+        return [*(self.embed_modules() if embed else ()), *self.layers[start:stop],
+                *(self.head_modules() if head else ()), *self.shared_modules()]
+
     def expert_shares(self) -> dict[int, float]:
         """id of each fused expert tensor -> the share of it one token runs through (empty for dense models)."""
         return expert_tensors(self.layers)

@@ -217,30 +217,39 @@ class Trainer:
         """Freeze everything, unfreeze `block` (with `--experts`, its chosen experts and the parts that train with
         them; chosen on the block's first visit from `train`), set train/eval modes, make the
         masters (restored from a mid-visit checkpoint when there is one) and build (or restore) their optimizer."""
-        model, key = self.staged.model, str(block.index)
+        key = str(block.index)
         if key not in self.progress.experts and self.experts.layers(block) and train is not None:
             states = ((batch_state(self.staged, _to_device(b, self.device), train.boundary), train.boundary)
                       for b in train.one_pass())
             self.progress.experts[key] = self.experts.measure(block, states)
-        model.requires_grad_(False)
-        for param in block.params:
-            param.requires_grad_(True)
-        model.train()
-        for module in self.staged.prefix_modules(block.start):
-            module.eval()
+        self._unfreeze(block)
         params = self.experts.activate(block, self.progress.experts.get(key, {}))
         masters, self.saved_masters = self.saved_masters or None, []
         self.active = ActiveBlock(params, self.precision != "fp32", masters)
         if self.world_size > 1:
             self.reducer = BucketedAllReduce(self.active.masters)
             self.active.watch(self.reducer.grad_ready)
-        optimizer = build_optimizer(self.active.masters, self.config.optim)
+        return self._optimizer(block, self.active.masters), self.active
+
+    def _unfreeze(self, block: Block) -> None:
+        """Freeze every parameter but `block`'s; train mode, except the frozen prefix below it (eval mode)."""
+        self.staged.model.requires_grad_(False)
+        for param in block.params:
+            param.requires_grad_(True)
+        self.staged.model.train()
+        for module in self.staged.prefix_modules(block.start):
+            module.eval()
+
+    def _optimizer(self, block: Block, tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
+        """The optimizer stepping `tensors` (the visit's masters; none: an optimizer over nothing, for a pipeline
+        stage without part of the block), at its initial rates, with the block's kept state restored."""
+        optimizer = build_optimizer(tensors or [{"params": []}], self.config.optim)
         for group in optimizer.param_groups:
             group["initial_lr"] = group["lr"]
         saved = self.optimizer_states.get(block.index)
-        if saved is not None:
+        if saved is not None and tensors:
             optimizer.load_state_dict(saved)
-        return optimizer, self.active
+        return optimizer
 
     def _deactivate(self, block: Block) -> None:
         """Freeze `block` again and free its masters, their gradients and (unless kept) the optimizer state."""

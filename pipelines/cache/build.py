@@ -38,9 +38,11 @@ def _model_device(staged: StagedModel) -> torch.device:
 
 
 def cache_boundary(staged: StagedModel, datasets: Mapping[str, TokenSamples], tokenizer: Any, boundary: int,
-                   out: str | os.PathLike, options: CacheOptions = CacheOptions()) -> CacheResult:
+                   out: str | os.PathLike, options: CacheOptions = CacheOptions(),
+                   prefix: str | None = None) -> CacheResult:
     """Store the boundary states at `boundary` of every sample of each split in `datasets` under `out/<split>/`,
-    then the index `out/cache.json`."""
+    then the index `out/cache.json`. `prefix`: the prefix digest, when `staged` does not hold the whole prefix
+    (a pipeline stage's view of it); None: computed from `staged`."""
     started = time.perf_counter()
     check_boundary(staged, boundary)
     opts = options.for_model(staged.compute_dtype, _model_device(staged))
@@ -48,7 +50,7 @@ def cache_boundary(staged: StagedModel, datasets: Mapping[str, TokenSamples], to
         raise UsageError("no splits to cache")
     out = location(out)
     check_out(out, list(datasets), opts.mode)
-    prefix = prefix_digest(staged, boundary)
+    prefix = prefix if prefix is not None else prefix_digest(staged, boundary)
     token_fp = tokenizer.fingerprint()
     jobs = []
     for name, dataset in datasets.items():

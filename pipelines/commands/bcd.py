@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pipelines.arguments import add_s3_endpoint, use_s3_endpoint
-from pipelines.flags import PRE_INFERENCE_FLAGS, add_training_flags, config_for_command, summary_line
+from pipelines.flags import PRE_INFERENCE_FLAGS, add_training_flags, config_for_command, print_summary
 from pipelines.training import run_bcd
 
 
@@ -19,5 +19,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     use_s3_endpoint(args)
     config = config_for_command(args)
-    print(summary_line(run_bcd(config, resume=args.resume), config))
+    if config.run.pipeline > 1:
+        from pipelines.pipeline import run_pipeline_bcd  # torch.distributed.pipelining loads only for pipelines
+
+        summary = run_pipeline_bcd(config, resume=args.resume)
+    else:
+        summary = run_bcd(config, resume=args.resume)
+    print_summary(summary, config)
     return 0

@@ -8,7 +8,7 @@ import json
 from preinfer.config import BlockConfig
 from preinfer.errors import UsageError
 from preinfer.memory_model import (
-    COMPRESSION, DTYPES, GIB, STORE_DTYPES, GPUS, MemoryPlan, Settings, blocks_for_ufp, plan_memory, resolve_shape,
+    COMPRESSION, DTYPES, GIB, STORE_DTYPES, GPUS, SIZES, MemoryPlan, Settings, blocks_for_ufp, plan_memory, resolve_shape,
 )
 from pipelines.arguments import memory_size, positive_float, positive_int, token_count, unit_fraction
 
@@ -89,8 +89,26 @@ def _money(value: float | None) -> str:
     return "-" if value is None else f"${value:,.2f}"
 
 
-def render(result: MemoryPlan) -> str:
-    """A readable table of a plan."""
+# The run precision of each planner dtype (pure bf16 has no run precision: bf16-mixed is the nearest).
+RUN_PRECISIONS = {"float32": "fp32", "bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed"}
+
+
+def pipeline_command(result: MemoryPlan, model_spec: str | None) -> str:
+    """The torchrun command line of the plan's automatic choice on its pipeline: N processes, N stages, the
+    blocks it chose, N micro-batches of the planned micro-batch per step (1F1B keeps at most N - j of them in
+    flight on stage j, as the planner counts)."""
+    s, auto = result.settings, result.auto
+    degree = auto["pipeline_degree"]
+    model = model_spec or f"<a {result.model['name']} model directory>"
+    flags = [f"--model {model}", f"--blocks {auto['blocks']}", f"--pipeline {degree}", f"--microbatches {degree}",
+             f"--batch-size {s['micro_batch'] * degree}", f"--seq-len {s['seq_len']}",
+             f"--precision {RUN_PRECISIONS[s['dtype']]}", *(["--recompute"] if s["recompute"] else [])]
+    return f"torchrun --nproc-per-node {degree} -m pipelines.cli bcd " + " ".join(flags)
+
+
+def render(result: MemoryPlan, model_spec: str | None = None) -> str:
+    """A readable table of a plan; `model_spec` is what `--model` of the printed pipeline command names (None
+    for a bare size)."""
     m, s = result.model, result.settings
     lines = [
         f"model {m['name']} ({m['arch']}, {m['params'] / 1e9:.3g}B parameters, {m['layers']} layers); "
@@ -118,6 +136,8 @@ def render(result: MemoryPlan) -> str:
             f"in a pipeline, {_gib(auto['per_gpu_bytes'])} GiB per GPU; full Adam needs "
             f"{result.full_adam_pipeline_degree or 'more than one layer per'} GPU(s)"
         )
+    if (auto["pipeline_degree"] or 1) > 1:
+        lines.append(f"run it: {pipeline_command(result, model_spec)}")
     store = result.store
     size = "" if store["bytes_per_boundary"] is None else f", {_gib(store['bytes_per_boundary'])} GiB per boundary"
     lines.append(f"store: {store['dtype']}, {store['bytes_per_token']:.0f} bytes/token on disk{size}")
@@ -152,5 +172,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
-        print(render(result))
+        print(render(result, None if args.model.lower() in SIZES[args.arch] else args.model))
     return 0

@@ -6,7 +6,7 @@ import argparse
 
 from preinfer.errors import UsageError
 from pipelines.arguments import add_s3_endpoint, use_s3_endpoint
-from pipelines.flags import STORE_FLAGS, add_training_flags, config_for_command, summary_line
+from pipelines.flags import STORE_FLAGS, add_training_flags, config_for_command, print_summary
 from pipelines.training import run_from_store
 
 
@@ -22,5 +22,10 @@ def run(args: argparse.Namespace) -> int:
     config = config_for_command(args)
     if config.store.path is None:
         raise UsageError("--store is required: a cache directory written by `preinfer cache`")
-    print(summary_line(run_from_store(config, resume=args.resume), config))
+    if config.run.pipeline > 1:
+        from pipelines.pipeline import run_pipeline_train  # torch.distributed.pipelining loads only for pipelines
+
+        print_summary(run_pipeline_train(config, resume=args.resume), config)
+    else:
+        print_summary(run_from_store(config, resume=args.resume), config)
     return 0

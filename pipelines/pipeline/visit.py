@@ -1,0 +1,168 @@
+"""One visit's way through the pipeline.
+
+The stage holding the active block's first layer (or the embedding, when the block holds it) is the visit's
+entry stage s. Stages below s run forward only, under no_grad, one micro-batch after another, and send their
+hidden states up: nothing is saved for backward and no gradient comes back. Stages s..N-1 train under a
+`torch.distributed.pipelining` schedule (1F1B or GPipe) of their own, over a process group of just those
+ranks, in which stage s is the first: its input is a root argument that needs no gradient.
+
+Why the frozen stages stay out of the schedule: the engine runs backward on every stage of a schedule and
+calls `torch.autograd.backward` on each stage's output, which fails when nothing below the output requires
+grad ("element 0 of tensors does not require grad"), the crash DeepSpeed's users report for frozen stages;
+`PipelineStage` has no forward-only stage inside a training schedule. Stages above the active block are
+ordinary stages of the schedule whose parameters do not require grad: backward gives them input gradients only.
+
+Shapes are given to `PipelineStage` statically (its dynamic shape inference runs a real forward and backward
+on the first step), one schedule per batch shape: a short last batch of an epoch gets the largest micro-batch
+count not above M that divides it (GPipe when 1F1B would need more micro-batches than stages).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from preinfer.memory_model import Block
+from preinfer.partition import Block as PartBlock
+from preinfer.staged import StagedModel, causal_lm_loss, supervised_tokens
+from pipelines.pipeline.mesh import PipelineMesh
+from pipelines.pipeline.stage_module import StageModule
+
+SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+
+
+def stage_of(stages: list[Block], layer: int) -> int:
+    """The stage holding `layer` (the last for the head's boundary, the first below the stages' first layer)."""
+    return next((j for j, s in enumerate(stages) if layer < s.stop), len(stages) - 1)
+
+
+def entry_stage(stages: list[Block], block: PartBlock) -> int:
+    """The first stage that trains for `block`: the one holding its first layer (the first stage when it holds
+    the embedding, the last when it holds only the head)."""
+    return 0 if block.has_embed else stage_of(stages, block.start)
+
+
+class VisitPipeline:
+    """Runs the batches of one visit through this rank's stage (see the module docstring)."""
+
+    def __init__(self, staged: StagedModel, stages: list[Block], mesh: PipelineMesh, block: PartBlock,
+                 microbatches: int, schedule: str, recompute: bool, device: torch.device, source: int = 0):
+        self.staged, self.stages, self.mesh, self.device = staged, stages, mesh, device
+        self.microbatches, self.schedule_name = microbatches, schedule
+        self.entry = entry_stage(stages, block)
+        self.first = stage_of(stages, source)  # the stage the batches feed (a store at `source` > 0, else tokens)
+        self.idle = mesh.stage < self.first  # wholly below the store: runs nothing this visit
+        self.frozen = mesh.stage < self.entry
+        stage = stages[mesh.stage]
+        self.module = StageModule(staged, stage, None if self.frozen else block, recompute, source)
+        self.schedules: dict[tuple[int, ...], object] = {}
+        self.count = torch.ones((), device=device)  # supervised tokens of the global batch (the loss divisor)
+
+    def step(self, batch: dict[str, torch.Tensor], count: torch.Tensor) -> float:
+        """Forward and backward of one batch (all its micro-batches); the gradients accumulate into the
+        parameters that require grad. Returns this stage's share of the loss (the last stage's sum over
+        micro-batches of supervised-token loss / `count`; 0 elsewhere)."""
+        self.count = count
+        root, mask = stage_input(batch, self.staged), batch["attention_mask"]
+        parts = self._parts(mask.shape[0])
+        if self.frozen:
+            self._forward_only(root, mask, parts)
+            return 0.0
+        schedule = self._schedule(mask.shape, parts)
+        kwargs = dict(attention_mask=mask)
+        if self.mesh.stage == self.entry:
+            x = root if self.mesh.stage == self.first else self._receive_all(mask.shape, mask, parts)
+            args = (x,)
+        else:
+            args = ()
+        losses: list[torch.Tensor] = []
+        if self.mesh.is_last:
+            schedule.step(*args, target=batch["labels"], losses=losses, **kwargs)
+        else:
+            schedule.step(*args, **kwargs)
+        return float(sum(loss.item() for loss in losses))
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return causal_lm_loss(logits, labels, reduction="sum") / self.count
+
+    def _parts(self, rows: int) -> int:
+        """Micro-batches for a batch of `rows` samples: M, or for a short batch the most that divide it."""
+        return next(m for m in range(min(self.microbatches, rows), 0, -1) if rows % m == 0)
+
+    @torch.no_grad()
+    def _forward_only(self, root: torch.Tensor, mask: torch.Tensor, parts: int) -> None:
+        """A stage below the active block: each micro-batch in, through its layers without autograd, out."""
+        for root_part, mask_part in zip(root.chunk(parts), mask.chunk(parts)):
+            x = root_part if self.mesh.stage == self.first else self._receive(mask_part.shape)
+            dist.send(self.module(x, mask_part).contiguous(), self.mesh.rank_of(self.mesh.stage + 1))
+
+    def _receive(self, shape: torch.Size) -> torch.Tensor:
+        return receive_hidden(self.staged, self.mesh, shape, self.device)
+
+    def _receive_all(self, shape: torch.Size, mask: torch.Tensor, parts: int) -> torch.Tensor:
+        """The entry stage above the first: every micro-batch's hidden states from the frozen stage below."""
+        return torch.cat([self._receive(piece.shape) for piece in mask.chunk(parts)])
+
+    def _schedule(self, shape: torch.Size, parts: int):
+        """The schedule (and its `PipelineStage`) for batches of `shape` split into `parts` micro-batches."""
+        key = (*shape, parts)
+        if key not in self.schedules:
+            index, count = self.mesh.stage - self.entry, self.mesh.stages - self.entry
+            rows, length = shape[0] // parts, shape[1]
+            if index == 0 and self.module.embeds:
+                example_in = torch.empty(rows, length, dtype=torch.long, device="meta")
+            else:
+                example_in = torch.empty(rows, length, self.staged.hidden_size, dtype=self.staged.compute_dtype,
+                                         device="meta", requires_grad=index > 0)
+            stage = self.stages[self.mesh.stage]
+            width = self.staged.model.config.vocab_size if stage.head else self.staged.hidden_size
+            example_out = torch.empty(rows, length, width, dtype=self.staged.compute_dtype, device="meta",
+                                      requires_grad=True)
+            pipeline_stage = PipelineStage(self.module, index, count, self.device, input_args=example_in,
+                                           output_args=example_out, group=self.mesh.tails[self.entry])
+            kind = SCHEDULES[self.schedule_name]
+            if kind is Schedule1F1B and parts < count:
+                kind = ScheduleGPipe
+            self.schedules[key] = kind(pipeline_stage, parts, loss_fn=self._loss, scale_grads=False)
+        return self.schedules[key]
+
+
+
+def stage_input(batch: dict[str, torch.Tensor], staged: StagedModel) -> torch.Tensor:
+    """What the first stage takes: token ids, or (training from a store) the stored hidden states in the compute
+    dtype."""
+    return batch["input_ids"] if "input_ids" in batch else batch["hidden"].to(staged.compute_dtype)
+
+
+def receive_hidden(staged: StagedModel, mesh: PipelineMesh, shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """The hidden states of a batch of `shape` (rows, tokens) from the stage below."""
+    hidden = torch.empty(*shape, staged.hidden_size, dtype=staged.compute_dtype, device=device)
+    dist.recv(hidden, mesh.rank_of(mesh.stage - 1))
+    return hidden
+
+
+@torch.no_grad()
+def evaluate_stage(staged: StagedModel, stages: list[Block], mesh: PipelineMesh, batches: Iterable[dict],
+                   device: torch.device, source: int = 0) -> tuple[float, int]:
+    """Whole eval batches (at boundary `source`) forward through the stages of this rank's replica from the one
+    holding `source`: (loss sum, supervised tokens) on the last stage, (0, 0) elsewhere."""
+    first = stage_of(stages, source)
+    if mesh.stage < first:
+        return 0.0, 0
+    module = StageModule(staged, stages[mesh.stage], source=source)
+    total, count = 0.0, 0
+    for batch in batches:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        mask = batch["attention_mask"]
+        x = stage_input(batch, staged) if mesh.stage == first else receive_hidden(staged, mesh, mask.shape, device)
+        out = module(x, mask)
+        if not mesh.is_last:
+            dist.send(out.contiguous(), mesh.rank_of(mesh.stage + 1))
+            continue
+        labels = batch["labels"].to(device)
+        total += causal_lm_loss(out, labels, reduction="sum").item()
+        count += supervised_tokens(labels)
+    return total, count

@@ -1,0 +1,80 @@
+"""Pipeline stages: the model's layers cut into contiguous ranges, one per pipeline rank, the embedding on the
+first and the head on the last, balanced by the planner's memory model (`preinfer.memory_model`).
+
+A stage's cost is its worst visit: its weights, the gradients and optimizer state of the part of the active
+block it holds, and the activations of the micro-batches it keeps in flight (GPipe: all M; 1F1B: at most
+N - j on stage j of N). The cut minimises the largest stage's cost over every contiguous cut (dynamic
+programming), so it never needs more than the parameter-balanced cut the planner's pipeline degree assumes.
+"""
+
+from __future__ import annotations
+
+from preinfer.errors import UsageError
+from preinfer.memory_model import Block, ModelShape, Settings, stage_bytes
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+def in_flight(schedule: str, stage: int, degree: int, microbatches: int) -> int:
+    """Micro-batches whose activations stage `stage` of `degree` holds at once under `schedule`."""
+    return microbatches if schedule == "gpipe" else min(microbatches, degree - stage)
+
+
+def stage_cost(m: ModelShape, settings: Settings, stage: Block, index: int, degree: int, blocks: list[Block],
+               microbatches: int, schedule: str) -> int:
+    """Peak bytes of stage `index` over every visit of `blocks`."""
+    flight = in_flight(schedule, index, degree, microbatches)
+    return max(stage_bytes(m, settings, stage, active, flight) for active in blocks)
+
+
+def plan_stages(m: ModelShape, settings: Settings, degree: int, blocks: list[Block], microbatches: int,
+                schedule: str = "1f1b", first: int = 0) -> list[Block]:
+    """`degree` contiguous stages of layers `[first, L)` (a store's suffix when `first` > 0: no embedding) whose
+    largest peak (by `stage_cost`) is the smallest possible."""
+    if degree > m.layers - first:
+        above = f"the {m.layers - first} layers above the store's boundary {first}" if first else \
+            f"the model's {m.layers} layers"
+        raise UsageError(f"--pipeline {degree}: more stages than {above}")
+    if schedule not in SCHEDULES:
+        raise UsageError(f"--schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
+    layers = m.layers - first
+
+    def cost(index: int, lo: int, hi: int) -> int:
+        stage = Block(first + lo, first + hi, index == 0 and first == 0, index == degree - 1)
+        return stage_cost(m, settings, stage, index, degree, blocks, microbatches, schedule)
+
+    # best[j][i]: the smallest largest cost of cutting layers [first, first + i) into stages 0..j-1; cut[j][i]:
+    # where the last of them starts. Every stage holds at least one layer.
+    inf = float("inf")
+    best = [[inf] * (layers + 1) for _ in range(degree + 1)]
+    cut = [[0] * (layers + 1) for _ in range(degree + 1)]
+    best[0][0] = 0
+    for j in range(1, degree + 1):
+        for i in range(j, layers - (degree - j) + 1):
+            for k in range(j - 1, i):
+                if best[j - 1][k] == inf:
+                    continue
+                value = max(best[j - 1][k], cost(j - 1, k, i))
+                if value < best[j][i]:
+                    best[j][i], cut[j][i] = value, k
+    bounds, i = [], layers
+    for j in range(degree, 0, -1):
+        bounds.append((cut[j][i], i))
+        i = cut[j][i]
+    return [Block(first + lo, first + hi, j == 0 and first == 0, j == degree - 1)
+            for j, (lo, hi) in enumerate(reversed(bounds))]
+
+
+def stage_label(stage: Block) -> str:
+    """`embed+layers 0-1`, `layers 2-3+head`."""
+    span = f"layer {stage.start}" if stage.stop - stage.start == 1 else f"layers {stage.start}-{stage.stop - 1}"
+    return "+".join((["embed"] if stage.embed else []) + [span] + (["head"] if stage.head else []))
+
+
+def describe_stages(stages: list[Block], peaks: list[int], replicas: int, microbatches: int, schedule: str) -> str:
+    """The stages as printed at the start of a pipeline run."""
+    lines = [f"pipeline: {len(stages)} stages x {replicas} data-parallel replica(s), {schedule} schedule, "
+             f"{microbatches} micro-batches per step; stages balanced by the planner's memory model:"]
+    lines += [f"  stage {j}: {stage_label(stage):<24} predicted peak {peak / 2**20:.2f} MiB"
+              for j, (stage, peak) in enumerate(zip(stages, peaks))]
+    return "\n".join(lines)
