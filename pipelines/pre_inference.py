@@ -27,6 +27,7 @@ import torch
 
 from preinfer.config import Config
 from preinfer.metrics import CacheRecord, PlanOutcomeRecord, PreInferenceRecord, Record, SweepPlanRecord
+from preinfer.optim import step_budget
 from preinfer.partition import Block
 from preinfer.run_dir import RunDir
 from preinfer.sources import BatchSource
@@ -204,10 +205,8 @@ class PreInference:
     def _workload(self, blocks: list[Block]) -> Workload:
         train, cfg = self.datasets["train"], self.config
         samples_per_step = cfg.data.batch_size * cfg.optim.grad_accum
-        steps_per_epoch = -(-len(train) // (cfg.data.batch_size * self.world)) // cfg.optim.grad_accum or 1
-        budgets = [s for s in (cfg.stop.steps_per_visit,
-                               cfg.stop.epochs_per_visit and int(cfg.stop.epochs_per_visit * steps_per_epoch)) if s]
-        steps = min(budgets) if budgets else steps_per_epoch
+        steps_per_epoch = -(-len(train) // (cfg.data.batch_size * self.world * cfg.optim.grad_accum))
+        steps = step_budget(cfg.stop, steps_per_epoch) or steps_per_epoch  # as the visit's stopping rule counts
         eval_samples = len(self.datasets["eval"])  # capped by --eval-tokens
         return Workload(
             visits=tuple(Visit(block=b.index, start=b.start, steps=steps) for b in blocks),
