@@ -6,8 +6,8 @@ live. At the start of every sweep, `auto` prices whole-sweep plans (which visits
 is made: from the input, rolled forward from a lower store, or reused; when each is deleted; the disk at the
 plan's peak) against running the sweep live, with the throughputs measured in this run, and follows the
 cheaper; `on` follows the plan in which every visit above the input reads a store, and builds no store that no
-visit reads. When a measured throughput moves by more than `sweep_plan.REVISE_MARGIN` from the one a plan
-assumed, the rest of the sweep is planned again. Every plan, and at the end of each sweep its predicted against
+visit reads. The throughputs of stores are measured over every store made so far (`Tally`); when one moves by
+more than `sweep_plan.REVISE_MARGIN` from the one a plan assumed, the rest of the sweep is planned again. Every plan, and at the end of each sweep its predicted against
 its measured seconds, is logged with its numbers (metrics.jsonl and one line each).
 
 A store is used only while its fingerprint matches the current prefix: a store the plan expected is checked
@@ -46,6 +46,19 @@ ASSUMED_READ_BPS = 300e6
 ASSUMED_WRITE_BPS = 150e6
 
 
+@dataclasses.dataclass
+class Tally:
+    """Sums over the stores this run has made: each throughput is a ratio of two sums, steadier on a loaded
+    machine than the last store's alone (so the plan is not revised on one slow or fast build)."""
+
+    forward_seconds: float = 0.0
+    layer_samples: int = 0  # one layer's forward over one sample, counted over every build
+    write_seconds: float = 0.0
+    write_bytes: int = 0
+    overhead_seconds: float = 0.0  # each build's time beyond its forward and its bytes
+    builds: int = 0
+
+
 class PreInference:
     """A `preinfer.sources.VisitSources` that trains blocks above the input from stores (mode `on` or `auto`)."""
 
@@ -62,6 +75,7 @@ class PreInference:
         self.stores: dict[int, Location] = {}  # boundary -> cache directory believed valid
         self.emit: Callable[[Record], None] = lambda record: None
         self.rates: Throughputs | None = None  # measured in this run (the layer forward on first use)
+        self.tally = Tally()
         self.assumed: Throughputs | None = None  # what the plan in force assumed
         self.blocks: list[Block] = []  # the sweep's visits, in order
         self.position = 0  # the next visit of the sweep
@@ -139,7 +153,10 @@ class PreInference:
             below = [build.source] if build.source else []
             variable = store_cost(self.work, dataclasses.replace(self.rates, store_overhead_s=0.0), build.boundary,
                                   below)[1]
-            self.rates = dataclasses.replace(self.rates, store_overhead_s=max(measured - variable, 0.0))
+            self.tally.overhead_seconds += max(measured - variable, 0.0)
+            self.tally.builds += 1
+            self.rates = dataclasses.replace(self.rates,
+                                             store_overhead_s=self.tally.overhead_seconds / self.tally.builds)
             self._revise_if_moved()
 
     def _revise_if_moved(self) -> None:
@@ -234,11 +251,17 @@ class PreInference:
         self.rates = dataclasses.replace(self.rates, step_seconds=steps)
 
     def _measure_build(self, result: CacheResult, source: int) -> None:
-        """The layer forward and write speed of a store just made."""
-        samples = sum(len(d) for d in self.datasets.values())
-        layer = result.forward_seconds / max((result.boundary - source) * samples, 1)
-        write = result.bytes_written / result.write_seconds if result.write_seconds > 0 else self.rates.write_bps
-        self.rates = dataclasses.replace(self.rates, layer_seconds=layer or self.rates.layer_seconds, write_bps=write)
+        """The layer forward and write speed over every store made so far, the one just made included."""
+        tally = self.tally
+        tally.forward_seconds += result.forward_seconds
+        tally.layer_samples += (result.boundary - source) * sum(len(d) for d in self.datasets.values())
+        tally.write_seconds += result.write_seconds
+        tally.write_bytes += result.bytes_written
+        self.rates = dataclasses.replace(
+            self.rates,
+            layer_seconds=tally.forward_seconds / tally.layer_samples if tally.forward_seconds else
+            self.rates.layer_seconds,
+            write_bps=tally.write_bytes / tally.write_seconds if tally.write_seconds > 0 else self.rates.write_bps)
 
     def _measure_read(self, path: Location) -> None:
         """Read speed: one pass over a new store's eval split (the first store of the run)."""
