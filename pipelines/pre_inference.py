@@ -55,7 +55,7 @@ class Tally:
     layer_samples: int = 0  # one layer's forward over one sample, counted over every build
     write_seconds: float = 0.0
     write_bytes: int = 0
-    overhead_seconds: float = 0.0  # each build's time beyond its forward and its bytes
+    overhead_seconds: float = 0.0  # each build's time beyond its forward and its bytes, and each deletion
     builds: int = 0
 
 
@@ -153,11 +153,16 @@ class PreInference:
             below = [build.source] if build.source else []
             variable = store_cost(self.work, dataclasses.replace(self.rates, store_overhead_s=0.0), build.boundary,
                                   below)[1]
-            self.tally.overhead_seconds += max(measured - variable, 0.0)
             self.tally.builds += 1
+            self._add_overhead(max(measured - variable, 0.0))
+            self._revise_if_moved()
+
+    def _add_overhead(self, seconds: float) -> None:
+        """A store's fixed cost: its build beyond its forward and bytes, and its deletion."""
+        self.tally.overhead_seconds += seconds
+        if self.tally.builds:
             self.rates = dataclasses.replace(self.rates,
                                              store_overhead_s=self.tally.overhead_seconds / self.tally.builds)
-            self._revise_if_moved()
 
     def _revise_if_moved(self) -> None:
         moved = self.rates.differs(self.assumed)
@@ -331,5 +336,8 @@ class PreInference:
     def _delete(self, boundary: int, reason: str) -> None:
         path = self.stores.pop(boundary)
         if not self.config.pre_inference.keep_stores:
+            started = time.perf_counter()
             remove_tree(path)
-            self.emit(CacheRecord(boundary=boundary, how="deleted", reason=reason, seconds=0.0, bytes=0))
+            seconds = time.perf_counter() - started
+            self._add_overhead(seconds)
+            self.emit(CacheRecord(boundary=boundary, how="deleted", reason=reason, seconds=seconds, bytes=0))
