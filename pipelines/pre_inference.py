@@ -42,6 +42,8 @@ from pipelines.sweep_plan import (Plan, SweepPlan, Throughputs, Visit, Workload,
 
 # Until a store has been read on this machine, assume this read speed (bytes/s) for the cost model.
 ASSUMED_READ_BPS = 300e6
+# Timed forwards of one layer over one training batch that give the first estimate of the prefix's speed.
+LAYER_PROBES = 5
 # Until a store has been written, assume this write speed (bytes/s).
 ASSUMED_WRITE_BPS = 150e6
 
@@ -281,12 +283,14 @@ class PreInference:
 
     @torch.no_grad()
     def _layer_seconds(self) -> float:
-        """Median time of one layer's no_grad forward over one sample, measured once on a training batch."""
+        """Median time of one layer's no_grad forward over one sample, measured once on a training batch (after
+        one untimed forward: the first allocates)."""
         batch = self.datasets["train"][: self.config.data.batch_size]
         device = next(p for p in self.staged.model.parameters() if not p.is_meta).device
         state = self.staged.embed(*(batch[k].to(device) for k in ("input_ids", "attention_mask", "labels")))
+        self.staged.run(state, 0, 1)
         times = []
-        for _ in range(3):
+        for _ in range(LAYER_PROBES):
             started = time.perf_counter()
             self.staged.run(state, 0, 1)
             times.append(time.perf_counter() - started)
