@@ -26,10 +26,12 @@ Everything in one run of one process, on `small-llama`, `builtin:pydoc`, seq 128
 Prints a table and writes bench/out/train.json.
 
 5. With --scenarios, instead of 1-4: issue 16's scenario table. Whole `bcd` runs with `--pre-inference` auto,
-   on and off side by side (in that order, one after the other for each scenario) for every scenario
+   on and off side by side, --scenario-repeats times each, the modes' order rotated by one place per scenario
+   and reversed on every other repeat (medians per mode), for every scenario
    {ascending, descending} x {a tenth of an epoch, 1 epoch, 3 epochs per visit} x --sweeps sweeps on each of
-   --scenario-models, UFP 1/3, --scenario-samples samples per split, float32 stores. Wall time of each run,
-   auto over the better of on and off (target <= 1.05), the final eval losses (equal: float32 stores), the
+   --scenario-models, UFP 1/3, --scenario-samples samples per split, float32 stores. Wall time of each run
+   (and its process CPU time, less sensitive to other load on a shared machine), auto over the better of on and
+   off (target <= 1.05), the final eval losses (equal: float32 stores), the
    plans auto chose, and the cost model's predicted seconds against the measured ones (the `plan_outcome`
    records). Writes bench/out/train_scenarios.json.
 
@@ -101,6 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scenario-models", default="small-llama,medium-llama", help="[small-llama,medium-llama]")
     p.add_argument("--scenario-samples", type=int, default=80,
                    help="max_samples of each split in the scenario runs [80: 10 steps per epoch at batch 8]")
+    p.add_argument("--scenario-repeats", type=int, default=2,
+                   help="runs of each mode per scenario, in rotated and reversed orders; medians [2]")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny-llama, seq 32, batch 2, a few steps")
     p.add_argument("--store-dtype", dest="store_dtypes", metavar="DTYPES",
                    help="instead: train the top block of --trained from a store in each of these comma-separated "
@@ -295,9 +299,9 @@ def bcd_run(args: argparse.Namespace, mode: str, out: Path) -> dict:
                          blocks=dict(sweeps=args.sweeps, order="ascending"),
                          stop=dict(epochs_per_visit=args.bcd_epochs),
                          run=dict(out=str(out)), pre_inference=dict(mode=mode, store_dir=str(out.parent / f"{out.name}-stores")))
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     summary = run_bcd(config, quiet=True)
-    wall = time.perf_counter() - started
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu
     records = read_metrics(RunDir(out).metrics)
     caches = [r.to_dict() for r in records if isinstance(r, CacheRecord)]
     decisions = [{k: r.to_dict()[k] for k in ("block", "boundary", "decision", "steps", "prefix_per_step",
@@ -378,13 +382,14 @@ def scenario_run(args: argparse.Namespace, model: str, order: str, epochs: float
                          data=dict(max_samples=args.scenario_samples), blocks=dict(sweeps=args.sweeps, order=order),
                          stop=dict(epochs_per_visit=epochs), run=dict(out=str(out)),
                          pre_inference=dict(mode=mode, store_dir=str(out.parent / f"{out.name}-stores")))
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     summary = run_bcd(config, quiet=True)
-    wall = time.perf_counter() - started
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu
     records = read_metrics(RunDir(out).metrics)
     plans = [r for r in records if isinstance(r, SweepPlanRecord)]
     outcome = [r for r in records if isinstance(r, PlanOutcomeRecord)]
-    return dict(mode=mode, wall_s=wall, fit_s=summary["wall_s"], final_eval_loss=summary["final_eval_loss"],
+    return dict(mode=mode, wall_s=wall, cpu_s=cpu, load_average=os.getloadavg()[0], fit_s=summary["wall_s"],
+                final_eval_loss=summary["final_eval_loss"],
                 steps=summary["steps"], sources=[v["source_boundary"] for v in summary["visits"]],
                 plans=[dict(sweep=p.sweep, reason=p.reason, chosen=p.chosen, predicted_s=p.predicted_s,
                             alternative=p.alternative, alternative_s=p.alternative_s, live_s=p.live_s,
@@ -393,44 +398,72 @@ def scenario_run(args: argparse.Namespace, model: str, order: str, epochs: float
                 measured_s=outcome[-1].run_measured_s if outcome else None)
 
 
+def mode_orders(index: int, repeats: int) -> list[tuple[str, ...]]:
+    """The order of the modes in each repeat of scenario number `index`: rotated by one place per scenario, and
+    reversed on every other repeat, so that no mode always runs first (or last) after another scenario's runs."""
+    shift = index % len(SCENARIO_MODES)
+    rotated = SCENARIO_MODES[shift:] + SCENARIO_MODES[:shift]
+    return [rotated if r % 2 == 0 else rotated[::-1] for r in range(repeats)]
+
+
 def scenarios(args: argparse.Namespace, root: Path, on_row=lambda rows: None) -> list[dict]:
-    """Every scenario's auto, on and off runs, one after the other (after one untimed run: imports, kernels);
-    `on_row` sees the rows so far after each scenario."""
+    """Every scenario's auto, on and off runs, --scenario-repeats times in the orders of `mode_orders` (after one
+    untimed run per model: imports, kernels, the store code); medians per mode; `on_row` sees the rows so far
+    after each scenario."""
     rows = []
     models = args.scenario_models.split(",")
-    scenario_run(args, models[0], "ascending", SCENARIO_EPOCHS[0], "off", root / "warm-up")  # not timed
     for model in models:
+        scenario_run(args, model, "ascending", SCENARIO_EPOCHS[0], "on", root / f"warm-up-{model}")  # not timed
         for order in ("ascending", "descending"):
             for epochs in SCENARIO_EPOCHS:
                 name = f"{model}-{order}-{epochs:g}"
-                runs = {mode: scenario_run(args, model, order, epochs, mode, root / f"{name}-{mode}")
-                        for mode in SCENARIO_MODES}
+                repeats = {mode: [] for mode in SCENARIO_MODES}
+                for r, modes in enumerate(mode_orders(len(rows), args.scenario_repeats)):
+                    for mode in modes:
+                        out = root / f"{name}-{mode}-{r}"
+                        repeats[mode].append(scenario_run(args, model, order, epochs, mode, out))
+                runs = {mode: dict(runs[0], wall_s=statistics.median(r["wall_s"] for r in runs),
+                                   walls_s=[r["wall_s"] for r in runs],
+                                   cpu_s=statistics.median(r["cpu_s"] for r in runs),
+                                   predicted_s=_median_or_none([r["predicted_s"] for r in runs]),
+                                   measured_s=_median_or_none([r["measured_s"] for r in runs]),
+                                   repeats=runs[1:])
+                        for mode, runs in repeats.items()}
                 best = min(runs["on"]["wall_s"], runs["off"]["wall_s"])
-                losses = [r["final_eval_loss"] for r in runs.values()]
-                row = dict(model=model, order=order, epochs_per_visit=epochs, runs=runs,
+                losses = [r["final_eval_loss"] for mode in SCENARIO_MODES for r in repeats[mode]]
+                row = dict(model=model, order=order, epochs_per_visit=epochs,
+                           orders=[list(m) for m in mode_orders(len(rows), args.scenario_repeats)], runs=runs,
                            auto_over_best=runs["auto"]["wall_s"] / best,
-                           max_rel_eval_loss_diff=max(abs(a - losses[2]) / abs(losses[2]) for a in losses))
+                           auto_over_best_cpu=runs["auto"]["cpu_s"] / min(runs["on"]["cpu_s"], runs["off"]["cpu_s"]),
+                           max_rel_eval_loss_diff=max(abs(a - losses[-1]) / abs(losses[-1]) for a in losses))
                 rows.append(row)
                 on_row(rows)
-                print(f"[train] {name}: " + ", ".join(f"{m} {r['wall_s']:.1f} s" for m, r in runs.items())
+                print(f"[train] {name}: " + ", ".join(
+                    f"{m} {r['wall_s']:.1f} s ({' '.join(f'{w:.1f}' for w in r['walls_s'])})" for m, r in runs.items())
                       + f"; auto / best {row['auto_over_best']:.3f}", flush=True)
     return rows
+
+
+def _median_or_none(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def scenario_report(rows: list[dict]) -> str:
     lines = []
     for row in rows:
         runs = row["runs"]
-        auto = runs["auto"]
+        auto, on = runs["auto"], runs["on"]
         lines.append(dict(
             model=row["model"], order=row["order"], epochs=f"{row['epochs_per_visit']:g}",
-            auto_s=auto["wall_s"], on_s=runs["on"]["wall_s"], off_s=runs["off"]["wall_s"],
-            auto_over_best=f"{row['auto_over_best']:.3f}",
-            auto_plans=" | ".join(p["chosen"] for p in auto["plans"] if p["reason"] == "sweep start"),
-            predicted_s=auto["predicted_s"], measured_s=auto["measured_s"],
+            auto_s=auto["wall_s"], on_s=on["wall_s"], off_s=runs["off"]["wall_s"],
+            auto_over_best=f"{row['auto_over_best']:.3f}", cpu_auto_over_best=f"{row['auto_over_best_cpu']:.3f}",
+            auto_sources=" ".join(map(str, auto["sources"])),
+            on_sources=" ".join(map(str, on["sources"])),
+            auto_predicted_s=auto["predicted_s"], auto_measured_s=auto["measured_s"],
+            on_predicted_s=on["predicted_s"], on_measured_s=on["measured_s"],
             loss_diff=f"{row['max_rel_eval_loss_diff']:.1e}"))
-    return table(lines, ["model", "order", "epochs", "auto_s", "on_s", "off_s", "auto_over_best", "predicted_s",
-                         "measured_s", "loss_diff", "auto_plans"])
+    return table(lines, list(lines[0]) if lines else [])
 
 
 def scenario_main(args: argparse.Namespace, root: Path) -> dict:
@@ -448,7 +481,8 @@ def scenario_main(args: argparse.Namespace, root: Path) -> dict:
         machine=machine(), load_average=load, wall_s=time.perf_counter() - started,
         settings=dict(models=args.scenario_models, data="builtin:pydoc", seq_len=args.seq_len,
                       batch_size=args.batch_size, max_samples=args.scenario_samples, sweeps=args.sweeps, ufp="1/3",
-                      optimizer="adam", lr=2e-3, store="zarr, float32", threads=torch.get_num_threads()),
+                      repeats=args.scenario_repeats, optimizer="adam", lr=2e-3, store="zarr, float32",
+                      threads=torch.get_num_threads()),
         target="auto_over_best <= 1.05", scenarios=rows,
         targets_met=all(r["auto_over_best"] <= 1.05 for r in rows),
     )

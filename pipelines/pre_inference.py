@@ -6,8 +6,8 @@ live. At the start of every sweep, `auto` prices whole-sweep plans (which visits
 is made: from the input, rolled forward from a lower store, or reused; when each is deleted; the disk at the
 plan's peak) against running the sweep live, with the throughputs measured in this run, and follows the
 cheaper; `on` follows the plan in which every visit above the input reads a store, and builds no store that no
-visit reads. When a measured throughput moves by more than `sweep_plan.REVISE_MARGIN` from the one a plan
-assumed, the rest of the sweep is planned again. Every plan, and at the end of each sweep its predicted against
+visit reads. The throughputs of stores are measured over every store made so far (`Tally`); when one moves by
+more than `sweep_plan.REVISE_MARGIN` from the one a plan assumed, the rest of the sweep is planned again. Every plan, and at the end of each sweep its predicted against
 its measured seconds, is logged with its numbers (metrics.jsonl and one line each).
 
 A store is used only while its fingerprint matches the current prefix: a store the plan expected is checked
@@ -27,6 +27,7 @@ import torch
 
 from preinfer.config import Config
 from preinfer.metrics import CacheRecord, PlanOutcomeRecord, PreInferenceRecord, Record, SweepPlanRecord
+from preinfer.optim import step_budget
 from preinfer.partition import Block
 from preinfer.run_dir import RunDir
 from preinfer.sources import BatchSource
@@ -41,8 +42,23 @@ from pipelines.sweep_plan import (Plan, SweepPlan, Throughputs, Visit, Workload,
 
 # Until a store has been read on this machine, assume this read speed (bytes/s) for the cost model.
 ASSUMED_READ_BPS = 300e6
+# Timed forwards of one layer over one training batch that give the first estimate of the prefix's speed.
+LAYER_PROBES = 5
 # Until a store has been written, assume this write speed (bytes/s).
 ASSUMED_WRITE_BPS = 150e6
+
+
+@dataclasses.dataclass
+class Tally:
+    """Sums over the stores this run has made: each throughput is a ratio of two sums, steadier on a loaded
+    machine than the last store's alone (so the plan is not revised on one slow or fast build)."""
+
+    forward_seconds: float = 0.0
+    layer_samples: int = 0  # one layer's forward over one sample, counted over every build
+    write_seconds: float = 0.0
+    write_bytes: int = 0
+    overhead_seconds: float = 0.0  # each build's time beyond its forward and its bytes, and each deletion
+    builds: int = 0
 
 
 class PreInference:
@@ -61,6 +77,7 @@ class PreInference:
         self.stores: dict[int, Location] = {}  # boundary -> cache directory believed valid
         self.emit: Callable[[Record], None] = lambda record: None
         self.rates: Throughputs | None = None  # measured in this run (the layer forward on first use)
+        self.tally = Tally()
         self.assumed: Throughputs | None = None  # what the plan in force assumed
         self.blocks: list[Block] = []  # the sweep's visits, in order
         self.position = 0  # the next visit of the sweep
@@ -138,8 +155,16 @@ class PreInference:
             below = [build.source] if build.source else []
             variable = store_cost(self.work, dataclasses.replace(self.rates, store_overhead_s=0.0), build.boundary,
                                   below)[1]
-            self.rates = dataclasses.replace(self.rates, store_overhead_s=max(measured - variable, 0.0))
+            self.tally.builds += 1
+            self._add_overhead(max(measured - variable, 0.0))
             self._revise_if_moved()
+
+    def _add_overhead(self, seconds: float) -> None:
+        """A store's fixed cost: its build beyond its forward and bytes, and its deletion."""
+        self.tally.overhead_seconds += seconds
+        if self.tally.builds:
+            self.rates = dataclasses.replace(self.rates,
+                                             store_overhead_s=self.tally.overhead_seconds / self.tally.builds)
 
     def _revise_if_moved(self) -> None:
         moved = self.rates.differs(self.assumed)
@@ -204,10 +229,8 @@ class PreInference:
     def _workload(self, blocks: list[Block]) -> Workload:
         train, cfg = self.datasets["train"], self.config
         samples_per_step = cfg.data.batch_size * cfg.optim.grad_accum
-        steps_per_epoch = -(-len(train) // (cfg.data.batch_size * self.world)) // cfg.optim.grad_accum or 1
-        budgets = [s for s in (cfg.stop.steps_per_visit,
-                               cfg.stop.epochs_per_visit and int(cfg.stop.epochs_per_visit * steps_per_epoch)) if s]
-        steps = min(budgets) if budgets else steps_per_epoch
+        steps_per_epoch = -(-len(train) // (cfg.data.batch_size * self.world * cfg.optim.grad_accum))
+        steps = step_budget(cfg.stop, steps_per_epoch) or steps_per_epoch  # as the visit's stopping rule counts
         eval_samples = len(self.datasets["eval"])  # capped by --eval-tokens
         return Workload(
             visits=tuple(Visit(block=b.index, start=b.start, steps=steps) for b in blocks),
@@ -235,11 +258,17 @@ class PreInference:
         self.rates = dataclasses.replace(self.rates, step_seconds=steps)
 
     def _measure_build(self, result: CacheResult, source: int) -> None:
-        """The layer forward and write speed of a store just made."""
-        samples = sum(len(d) for d in self.datasets.values())
-        layer = result.forward_seconds / max((result.boundary - source) * samples, 1)
-        write = result.bytes_written / result.write_seconds if result.write_seconds > 0 else self.rates.write_bps
-        self.rates = dataclasses.replace(self.rates, layer_seconds=layer or self.rates.layer_seconds, write_bps=write)
+        """The layer forward and write speed over every store made so far, the one just made included."""
+        tally = self.tally
+        tally.forward_seconds += result.forward_seconds
+        tally.layer_samples += (result.boundary - source) * sum(len(d) for d in self.datasets.values())
+        tally.write_seconds += result.write_seconds
+        tally.write_bytes += result.bytes_written
+        self.rates = dataclasses.replace(
+            self.rates,
+            layer_seconds=tally.forward_seconds / tally.layer_samples if tally.forward_seconds else
+            self.rates.layer_seconds,
+            write_bps=tally.write_bytes / tally.write_seconds if tally.write_seconds > 0 else self.rates.write_bps)
 
     def _measure_read(self, path: Location) -> None:
         """Read speed: one pass over a new store's eval split (the first store of the run)."""
@@ -254,12 +283,14 @@ class PreInference:
 
     @torch.no_grad()
     def _layer_seconds(self) -> float:
-        """Median time of one layer's no_grad forward over one sample, measured once on a training batch."""
+        """Median time of one layer's no_grad forward over one sample, measured once on a training batch (after
+        one untimed forward: the first allocates)."""
         batch = self.datasets["train"][: self.config.data.batch_size]
         device = next(p for p in self.staged.model.parameters() if not p.is_meta).device
         state = self.staged.embed(*(batch[k].to(device) for k in ("input_ids", "attention_mask", "labels")))
+        self.staged.run(state, 0, 1)
         times = []
-        for _ in range(3):
+        for _ in range(LAYER_PROBES):
             started = time.perf_counter()
             self.staged.run(state, 0, 1)
             times.append(time.perf_counter() - started)
@@ -309,5 +340,8 @@ class PreInference:
     def _delete(self, boundary: int, reason: str) -> None:
         path = self.stores.pop(boundary)
         if not self.config.pre_inference.keep_stores:
+            started = time.perf_counter()
             remove_tree(path)
-            self.emit(CacheRecord(boundary=boundary, how="deleted", reason=reason, seconds=0.0, bytes=0))
+            seconds = time.perf_counter() - started
+            self._add_overhead(seconds)
+            self.emit(CacheRecord(boundary=boundary, how="deleted", reason=reason, seconds=seconds, bytes=0))

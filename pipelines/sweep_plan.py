@@ -49,7 +49,7 @@ class Throughputs:
     layer_seconds: float  # no_grad forward of one layer over one sample
     write_bps: float
     read_bps: float
-    store_overhead_s: float = 0.0  # making a store beyond its forward and its bytes (open, check, finalize)
+    store_overhead_s: float = 0.0  # a store beyond its forward and its bytes (open, check, finalize, delete)
     step_seconds: Mapping[int, float] = field(default_factory=dict)  # block -> one step from its own boundary
 
     def differs(self, other: Throughputs, margin: float = REVISE_MARGIN) -> list[str]:

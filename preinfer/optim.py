@@ -49,10 +49,10 @@ class StopRule:
 
     @classmethod
     def for_visit(cls, cfg: StopConfig, steps_per_epoch: int) -> StopRule:
-        budgets = [b for b in (cfg.steps_per_visit, _epoch_steps(cfg.epochs_per_visit, steps_per_epoch)) if b]
-        if not budgets and cfg.patience is None:
+        budget = step_budget(cfg, steps_per_epoch)
+        if budget is None and cfg.patience is None:
             raise UsageError("a visit needs a stopping rule: --steps-per-visit, --epochs-per-visit or --patience")
-        return cls(min(budgets) if budgets else None, cfg.patience, cfg.min_delta, cfg.smoothing)
+        return cls(budget, cfg.patience, cfg.min_delta, cfg.smoothing)
 
     def update(self, loss: float) -> str | None:
         """Record one step's loss; returns why the visit ends ('steps', 'plateau') or None to go on."""
@@ -76,5 +76,8 @@ class StopRule:
             setattr(self, key, value)
 
 
-def _epoch_steps(epochs: float | None, steps_per_epoch: int) -> int | None:
-    return None if epochs is None else max(1, math.ceil(epochs * steps_per_epoch))
+def step_budget(cfg: StopConfig, steps_per_epoch: int) -> int | None:
+    """The most steps a visit takes (--steps-per-visit, --epochs-per-visit: at least one step); None: no budget."""
+    epochs = None if cfg.epochs_per_visit is None else max(1, math.ceil(cfg.epochs_per_visit * steps_per_epoch))
+    budgets = [b for b in (cfg.steps_per_visit, epochs) if b]
+    return min(budgets) if budgets else None

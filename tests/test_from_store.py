@@ -107,6 +107,17 @@ def test_on_builds_only_the_stores_its_visits_read(tmp_path, corpus):
     assert made == read and len(read) == 3
 
 
+def test_the_plan_counts_the_steps_a_visit_takes(tmp_path, corpus):
+    """A tenth of an epoch of four steps is one step (the stopping rule's count), not a whole epoch."""
+    from preinfer.metrics import PreInferenceRecord
+
+    config = config_for(tmp_path, corpus, "tenth", mode="on")
+    config.stop.steps_per_visit, config.stop.epochs_per_visit, config.data.max_samples = None, 0.1, 16
+    summary = run_bcd(config, quiet=True)
+    planned = [r.steps for r in read_metrics(RunDir(config.run.out).metrics) if isinstance(r, PreInferenceRecord)]
+    assert planned == [v["steps"] for v in summary["visits"] if v["source_boundary"]] == [1, 1]
+
+
 def test_a_visit_resumed_mid_sweep_is_planned_on_its_own(tmp_path, corpus):
     """After a resume the trainer starts mid-sweep without `sweep_started`: the visit gets a plan of its own."""
     from pipelines.models import resolve_model
