@@ -85,10 +85,12 @@ def test_auto_forced_to_stores_ends_with_the_weights_of_off_and_revises_its_plan
     off, auto = run_bcd(off_config, quiet=True), run_bcd(auto_config, quiet=True)
     assert_close(weights(auto_config.run.out), weights(off_config.run.out))
     assert [v["eval_loss"] for v in auto["visits"]] == pytest.approx([v["eval_loss"] for v in off["visits"]], rel=1e-5)
-    assert auto["visits"][1]["source_boundary"] > 0
     records = read_metrics(RunDir(auto_config.run.out).metrics)
     plans = [r for r in records if isinstance(r, SweepPlanRecord)]
     assert plans[0].reason == "sweep start" and plans[0].sources[1] > 0 and plans[0].predicted_s < plans[0].live_s
+    # the store for block 1 is made; whether block 1 still reads it is the revised plan's call (at the real speed,
+    # a one-layer prefix may cost less than reading, depending on the machine's load)
+    assert any(r.boundary == plans[0].sources[1] and r.how == "input" for r in cache_records(auto_config.run.out))
     assert any(p.reason.startswith("revised: layer_seconds") for p in plans[1:])
     outcome = [r for r in records if isinstance(r, PlanOutcomeRecord)]
     assert len(outcome) == 1 and outcome[0].measured_s > 0 and outcome[0].run_predicted_s == outcome[0].predicted_s
