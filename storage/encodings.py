@@ -70,7 +70,8 @@ class Encoding:
             values = np.take(self._values, codes.contiguous().view(torch.uint8).numpy())
         else:
             values = codes.float().numpy()
-        np.multiply(values, scale.float().numpy()[..., None], out=values)
+        with np.errstate(over="ignore"):  # inf like torch's multiply: writers refuse it (Store._encoded)
+            np.multiply(values, scale.float().numpy()[..., None], out=values)
         decoded = torch.from_numpy(values)
         return decoded if dtype == torch.float32 else decoded.to(dtype)
 
