@@ -206,15 +206,16 @@ def code_entropy(states: torch.Tensor, per_shard: int = 64) -> list[dict]:
     bf16 = states.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1, hidden)
     high, low = (bf16 >> 8).astype(np.uint8), (bf16 & 0xFF).astype(np.uint8)
     (h_high, c_high), (h_low, c_low) = byte_entropy(high), byte_entropy(low)
+    exponent = byte_entropy(((bf16 >> 7) & 0xFF).astype(np.uint8))
     rows = [dict(dtype="bfloat16", h0=h_high + h_low, h_channel=c_high + c_low, scale_bits=0.0,
-                 sign=field_entropy(high, 7, 1)[0], exponent=byte_entropy(((bf16 >> 7) & 0xFF).astype(np.uint8))[0],
-                 exponent_channel=byte_entropy(((bf16 >> 7) & 0xFF).astype(np.uint8))[1],
+                 sign=field_entropy(high, 7, 1)[0], exponent=exponent[0], exponent_channel=exponent[1],
                  mantissa=field_entropy(low, 0, 7)[0], **compressed_bits(bf16, shard_rows))]
     for name, encoding in ENCODINGS.items():
         codes, scale = encoding.encode(states)
         bits = codes.contiguous().view(torch.uint8).numpy().reshape(-1, hidden)
         h0, h_channel = byte_entropy(bits)
-        scale_bytes = sum(len(ENTROPY_CODECS["blosc-zstd"].encode(s.contiguous().numpy())) for s in scale.split(per_shard))
+        scale_bytes = sum(len(ENTROPY_CODECS["blosc-zstd"].encode(part.contiguous().numpy()))
+                          for part in scale.split(per_shard))
         row = dict(dtype=name, h0=h0, h_channel=h_channel, scale_bits=scale_bytes * 8 / states.numel())
         if encoding.code_dtype.is_floating_point:
             mantissa = 3 if name == "float8_e4m3" else 2

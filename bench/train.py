@@ -367,13 +367,14 @@ def store_dtype_runs(args: argparse.Namespace, root: Path) -> dict:
         for row in rows[-len(stores):]:
             row["rel_eval_loss_diff"] = (row["final_eval_loss"] - exact) / exact
             print(table([row], list(row)).splitlines()[-1], flush=True)
-    per_dtype = {dtype: [r for r in rows if r["dtype"] == dtype] for dtype in stores}
-    summary = {dtype: dict(seeds=len(runs), mean_rel_eval_loss_diff=statistics.mean(r["rel_eval_loss_diff"] for r in runs),
-                           max_rel_eval_loss_diff=max(r["rel_eval_loss_diff"] for r in runs),
-                           median_wait_fraction=statistics.median(r["wait_fraction"] for r in runs))
-               for dtype, runs in per_dtype.items()}
+    by_dtype = {}
+    for dtype in stores:
+        diffs = [r["rel_eval_loss_diff"] for r in rows if r["dtype"] == dtype]
+        waits = [r["wait_fraction"] for r in rows if r["dtype"] == dtype]
+        by_dtype[dtype] = dict(seeds=len(diffs), mean_rel_eval_loss_diff=statistics.mean(diffs),
+                               max_rel_eval_loss_diff=max(diffs), median_wait_fraction=statistics.median(waits))
     return dict(boundary=k, active=config.blocks.active, steps=args.dtype_steps, warmup=args.warmup,
-                seq_len=args.seq_len, batch_size=args.batch_size, trained=args.trained, rows=rows, summary=summary,
+                seq_len=args.seq_len, batch_size=args.batch_size, trained=args.trained, rows=rows, summary=by_dtype,
                 eval="the exact (float32) eval store for every run; each seed's runs against that seed's exact run",
                 targets=dict(rel_eval_loss_diff="<= 0.005", wait_fraction="<= 0.01"))
 
