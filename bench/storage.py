@@ -8,8 +8,9 @@ Reads are cold (page cache dropped) when the OS allows it. Prints a table, write
 
 With --trained RUN_DIR instead: the states of a trained BCD run (its train split) at --boundaries, cached by the
 caching job in every store dtype (float32, bfloat16, float8_e4m3, float8_e5m2, int8; zarr, blosc-zstd): disk size
-against the bfloat16 store, the decoding error against the float32 states, and how a roll-forward from a lossy
-store compounds the error (bench/out/storage_lossy.json).
+against the bfloat16 store, the decoding error against the float32 states, the entropy of the stored values
+(bits per value; sign, exponent, mantissa; given the channel) with other codecs and layouts, and how a
+roll-forward from a lossy store compounds the error (bench/out/storage_lossy.json).
 
     python bench/storage.py [--sequences 256] [--repeats 3] [--threads 2]
     python bench/storage.py --trained runs/trained [--boundaries 2,4]
@@ -154,11 +155,91 @@ def rel_rms(a: torch.Tensor, reference: torch.Tensor) -> float:
     return float((a.double() - reference.double()).square().sum().sqrt() / reference.double().square().sum().sqrt())
 
 
+def entropy(counts: np.ndarray) -> np.ndarray:
+    """Shannon entropy in bits of each row of `counts` (histograms)."""
+    p = counts / np.maximum(counts.sum(axis=-1, keepdims=True), 1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return -np.where(p > 0, p * np.log2(p), 0.0).sum(axis=-1)
+
+
+def byte_entropy(values: np.ndarray) -> tuple[float, float]:
+    """(order-0 entropy, mean entropy given the channel) in bits of 8-bit `values` [tokens, channels]."""
+    channels = values.shape[1]
+    per_channel = np.bincount((np.arange(channels) * 256 + values).reshape(-1), minlength=256 * channels)
+    per_channel = per_channel.reshape(channels, 256)
+    return float(entropy(per_channel.sum(axis=0))), float(entropy(per_channel).mean())
+
+
+def field_entropy(bits: np.ndarray, shift: int, width: int) -> tuple[float, float]:
+    """byte_entropy of the bit field [shift, shift + width) of 8-bit `bits`."""
+    return byte_entropy(((bits >> shift) & ((1 << width) - 1)).astype(np.uint8))
+
+
+# codecs compared per shard of 64 samples: the default (blosc-zstd 1, byte shuffle, 1 MiB blocks) and alternatives
+ENTROPY_CODECS = {
+    "blosc-zstd": numcodecs.Blosc("zstd", 1, numcodecs.Blosc.SHUFFLE, 1 << 20),
+    "blosc-zstd bitshuffle": numcodecs.Blosc("zstd", 1, numcodecs.Blosc.BITSHUFFLE, 1 << 20),
+    "blosc-zstd level 9": numcodecs.Blosc("zstd", 9, numcodecs.Blosc.SHUFFLE, 1 << 20),
+    "blosc-lz4hc": numcodecs.Blosc("lz4hc", 9, numcodecs.Blosc.SHUFFLE, 1 << 20),
+}
+
+
+def compressed_bits(values: np.ndarray, shard_rows: int) -> dict[str, float]:
+    """Bits per value of `values` [tokens, channels] compressed shard by shard (`shard_rows` tokens) by each of
+    ENTROPY_CODECS, and by blosc-zstd with each shard transposed to channel-major order (a channel's values
+    together)."""
+    shards = [values[i : i + shard_rows] for i in range(0, len(values), shard_rows)]
+    out = {name: sum(len(codec.encode(a)) for a in shards) * 8 / values.size for name, codec in ENTROPY_CODECS.items()}
+    transposed = sum(len(ENTROPY_CODECS["blosc-zstd"].encode(np.ascontiguousarray(a.T))) for a in shards)
+    out["blosc-zstd channel-major"] = transposed * 8 / values.size
+    return out
+
+
+def code_entropy(states: torch.Tensor, per_shard: int = 64) -> list[dict]:
+    """How many bits each stored value of `states` [samples, tokens, hidden] carries, per store dtype: the entropy
+    of the stored bytes (order 0, and given the channel: what a coder that sees each channel apart could reach),
+    of their sign, exponent and mantissa fields (float formats), and the bits per value of the default codec and
+    of alternatives, shard by shard; the scale's bits per value (blosc-zstd) apart."""
+    from storage import ENCODINGS
+
+    hidden, shard_rows = states.shape[-1], per_shard * states.shape[-2]
+    bf16 = states.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1, hidden)
+    high, low = (bf16 >> 8).astype(np.uint8), (bf16 & 0xFF).astype(np.uint8)
+    (h_high, c_high), (h_low, c_low) = byte_entropy(high), byte_entropy(low)
+    exponent = byte_entropy(((bf16 >> 7) & 0xFF).astype(np.uint8))
+    rows = [dict(dtype="bfloat16", h0=h_high + h_low, h_channel=c_high + c_low, scale_bits=0.0,
+                 sign=field_entropy(high, 7, 1)[0], exponent=exponent[0], exponent_channel=exponent[1],
+                 mantissa=field_entropy(low, 0, 7)[0], **compressed_bits(bf16, shard_rows))]
+    for name, encoding in ENCODINGS.items():
+        codes, scale = encoding.encode(states)
+        bits = codes.contiguous().view(torch.uint8).numpy().reshape(-1, hidden)
+        h0, h_channel = byte_entropy(bits)
+        scale_bytes = sum(len(ENTROPY_CODECS["blosc-zstd"].encode(part.contiguous().numpy()))
+                          for part in scale.split(per_shard))
+        row = dict(dtype=name, h0=h0, h_channel=h_channel, scale_bits=scale_bytes * 8 / states.numel())
+        if encoding.code_dtype.is_floating_point:
+            mantissa = 3 if name == "float8_e4m3" else 2
+            exponent = field_entropy(bits, mantissa, 7 - mantissa)
+            row.update(sign=field_entropy(bits, 7, 1)[0], exponent=exponent[0], exponent_channel=exponent[1],
+                       mantissa=field_entropy(bits, 0, mantissa)[0])
+        rows.append({**row, **compressed_bits(bits, shard_rows)})
+    return rows
+
+
+def entropy_ratios(boundary: int, rows: list[dict]) -> list[dict]:
+    """code_entropy's rows with the hidden states' bits per value (codes and scale) over bfloat16's under the
+    default codec: as compressed (default_x_bf16), and the floor of a coder that reaches the codes' entropy given
+    the channel (floor_x_bf16)."""
+    bf16 = next(r for r in rows if r["dtype"] == "bfloat16")["blosc-zstd"]
+    return [dict(boundary=boundary, **row, default_x_bf16=(row["blosc-zstd"] + row["scale_bits"]) / bf16,
+                 floor_x_bf16=(row["h_channel"] + row["scale_bits"]) / bf16) for row in rows]
+
+
 def lossy_sizes(run_dir: str, boundaries: list[int], root: pathlib.Path) -> dict:
-    """Disk size (codecs blosc-zstd and none) and decoding error of every store dtype at each boundary;
-    roll-forward error compounding."""
+    """Disk size (codecs blosc-zstd and none) and decoding error of every store dtype at each boundary, the
+    entropy of the stored values (code_entropy); roll-forward error compounding."""
     staged, data = trained_model(run_dir)
-    rows, rolls = [], []
+    rows, rolls, entropies = [], [], []
     for k in boundaries:
         for codec in ("blosc-zstd", "none"):
             for dtype in STORE_DTYPES:
@@ -175,6 +256,11 @@ def lossy_sizes(run_dir: str, boundaries: list[int], root: pathlib.Path) -> dict
                 row["x_bf16_store"] = row["train_MiB"] / bf16["train_MiB"]
                 row["x_bf16_hidden"] = row["hidden_MiB"] / bf16["hidden_MiB"]
         reference = hidden_states(root / f"float32-{k}" / "train")
+        entropies.extend(entropy_ratios(k, code_entropy(reference)))
+        for row in entropies[-len(STORE_DTYPES) + 1:]:
+            print(f"boundary {k} {row['dtype']}: {row['h0']:.2f} bits per code (given the channel "
+                  f"{row['h_channel']:.2f}), blosc-zstd {row['blosc-zstd']:.2f} + scale {row['scale_bits']:.2f}; "
+                  f"x bf16 {row['default_x_bf16']:.3f}, floor {row['floor_x_bf16']:.3f}", flush=True)
         for row in rows[-2 * len(STORE_DTYPES):]:
             row["rms_vs_float32"] = rel_rms(hidden_states(root / row["store"] / "train"), reference)
             print(table([row], ["boundary", "codec", "dtype", "train_MiB", "hidden_MiB", "x_bf16_store",
@@ -188,7 +274,7 @@ def lossy_sizes(run_dir: str, boundaries: list[int], root: pathlib.Path) -> dict
                           rolled_rms=rel_rms(hidden_states(root / f"{dtype}-roll-{high}" / "train"), reference)))
         rolls[-1]["compounding"] = rolls[-1]["rolled_rms"] / rolls[-1]["fresh_rms"]
         print(rolls[-1], flush=True)
-    return dict(run_dir=run_dir, samples_per_shard=64, rows=rows, roll_forward=rolls,
+    return dict(run_dir=run_dir, samples_per_shard=64, rows=rows, roll_forward=rolls, entropy=entropies,
                 roll_forward_codec="blosc-zstd", train_samples=len(data.train), seq_len=data.train.seq_len,
                 hidden_size=staged.hidden_size)
 

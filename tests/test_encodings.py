@@ -63,6 +63,19 @@ def test_adversarial_rows_decode_within_the_bound(name):
     assert bool((decoded[0] == 0).all()) and float(decoded[1, 5]) == pytest.approx(1e30, rel=2**-3)
 
 
+@pytest.mark.parametrize("name", LOSSY)
+def test_decoding_is_each_code_times_its_rows_scale(name):
+    encoding = ENCODINGS[name]
+    codes = torch.arange(256, dtype=torch.uint8).view(encoding.code_dtype).repeat(3, 1)  # every bit pattern
+    scale = torch.tensor([1.0, 3.7e-3, TINY])
+    expected = codes.float() * scale[:, None]  # torch's own conversion of the codes
+    for dtype in (torch.float32, torch.bfloat16):
+        decoded = encoding.decode(codes, scale, dtype)
+        assert decoded.dtype == dtype
+        assert torch.equal(decoded.isnan(), expected.isnan())
+        assert torch.equal(torch.nan_to_num(decoded), torch.nan_to_num(expected.to(dtype)))
+
+
 def test_the_measured_error_is_what_the_formats_promise():
     x = torch.randn(32, 64, 256, generator=torch.Generator().manual_seed(2))
     rms = {}
