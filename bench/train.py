@@ -539,39 +539,44 @@ def report(result: dict) -> str:
     return text
 
 
+def in_root(args: argparse.Namespace, work):
+    """`work(root)` in --dir, or in a temporary directory removed afterwards."""
+    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="preinfer-bench-train-"))
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        return work(root)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def write(out: Path, result: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="preinfer-bench-train-"))
-    root.mkdir(parents=True, exist_ok=True)
     if args.store_dtypes:
-        try:
-            result = store_dtype_runs(args, root)
-        finally:
-            if args.dir is None:
-                shutil.rmtree(root, ignore_errors=True)
+        result = in_root(args, lambda root: store_dtype_runs(args, root))
         out = args.out.with_name("train_store_dtypes.json" if "," not in args.dtype_seeds
                                  else "train_store_dtypes_seeds.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1))
+        write(out, result)
         print(f"wrote {out}")
         return 0
     if args.scenarios:
-        try:
-            result = scenario_main(args, root)
-        finally:
-            if args.dir is None:
-                shutil.rmtree(root, ignore_errors=True)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
+        result = in_root(args, lambda root: scenario_main(args, root))
+        write(args.out, result)
         print(scenario_report(result["scenarios"]))
         print(f"auto within 1.05x of the better of on and off in every scenario: {result['targets_met']}")
         print(f"wrote {args.out} in {result['wall_s']:.0f} s")
         return 0
     started = time.perf_counter()
     load = [os.getloadavg()[0]]
-    try:
+
+    def measure(root: Path) -> dict:
         t = throughput(args, root)
         p = pieces(args, t.pop("staged"), t.pop("partition"), t.pop("active_index"), t.pop("data"))
         load.append(os.getloadavg()[0])
@@ -588,15 +593,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.bcd_repeats > 0:
             result["bcd"] = bcd(args, root)
             load.append(os.getloadavg()[0])
-    finally:
-        if args.dir is None:
-            shutil.rmtree(root, ignore_errors=True)
+        return result
+
+    result = in_root(args, measure)
     result["targets_met"] = dict(achieved_over_ideal=result["achieved_over_ideal"] >= 0.9,
-                                 wait_fraction=t["wait_fraction"] <= 0.02)
+                                 wait_fraction=result["throughput"]["wait_fraction"] <= 0.02)
     result["load_average"] = load
     result["wall_s"] = time.perf_counter() - started
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    write(args.out, result)
     print(f"{args.model}, seq {args.seq_len}, batch {args.batch_size}, torch threads {torch.get_num_threads()}, "
           f"{os.cpu_count()} cores, load average {' '.join(f'{x:.1f}' for x in load)}")
     print(report(result))
