@@ -35,9 +35,14 @@ against preinfer (`--active`), alternating; tokens/s in windows of --window step
 (preinfer: the step records' `visit_s`, seconds since the visit began). Target: in every window the trainer at
 least 0.97x the plain loop (median over the rounds of each window's ratio).
 
-    python bench/peers.py                                  # bf16-mixed, all four, the long visit (~15 min)
+    python bench/peers.py                                  # bf16-mixed, all four, the long visit
     python bench/peers.py --precision fp32 --methods plain,preinfer --long-steps 0     # the hot path alone
-    python bench/peers.py --quick                          # tiny-llama, a few steps, plain and preinfer (seconds)
+    python bench/peers.py --quick                          # tiny-llama, a few steps, plain and preinfer (~1.5 min)
+
+bf16 matmuls are 5-25x slower than float32 on CPUs without AVX-512 BF16 or AMX (a small-llama step at seq 128 x 8:
+28 s against 1.1 s on the 2-core machine of docs/results.md), where the default bf16-mixed run takes hours:
+there, time the hot path with --precision fp32 and compare the peers in bf16-mixed at a small --seq-len and
+--batch-size (the commands in docs/results.md).
 
 Prints tables and writes bench/out/peers.json (--out). Run it under `flock /work/notes/bench.lock` on shared
 machines.
