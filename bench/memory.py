@@ -16,6 +16,11 @@ each row is given as a ratio to full Adam without and with it.
 
     python bench/memory.py                 # small-llama and medium-llama at 256x8 and 128x1 (4.5 min of CPU)
     python bench/memory.py --quick         # tiny-llama, seq 32, batch 2, one step per visit (seconds)
+    python bench/memory.py --precision bf16-mixed --regimes 128x1    # bf16 weights, fp32 masters of the block
+
+"--precision bf16-mixed": every weight resident in bf16; the active block (under full Adam: every parameter) has
+fp32 masters, fp32 gradients and fp32 Adam moments; stores hold bf16 states; the planner's rows are its
+`bf16-mixed` dtype.
 """
 
 from __future__ import annotations
@@ -53,7 +58,8 @@ from preinfer.trainer import Trainer  # noqa: E402
 PAPER_REDUCTION = {"1/2": 0.33, "1/3": 0.50, "1/4": 0.60}
 PAPER_AVERAGE_REDUCTION = 0.45
 TARGETS = {"bcd_live_1/3": 0.55, "bcd_store": 0.45}
-COMPONENTS = ("params", "grads", "optimizer", "activations")
+PLANNER_DTYPES = {"fp32": "float32", "bf16-mixed": "bf16-mixed"}  # --precision -> the planner's dtype
+COMPONENTS = ("params", "masters", "grads", "optimizer", "activations")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -76,7 +82,7 @@ def worker_config(args: argparse.Namespace, mode: str, ufp: str | None, recomput
         blocks=dict(ufp=ufp or "1", sweeps=1, order="ascending"),
         optim=dict(name="adam", lr=1e-4),
         stop=dict(steps_per_visit=args.steps),
-        run=dict(mode=mode, seed=0, recompute=recompute),
+        run=dict(mode=mode, seed=0, recompute=recompute, precision=args.precision),
     ))
 
 
@@ -120,24 +126,28 @@ def upper_blocks(staged: preinfer.StagedModel, ufp: str) -> list[Block]:
 def cache_worker(args: argparse.Namespace, ufp: str) -> dict:
     """The caching step (its own process): run the frozen prefix over the first --store-samples training samples
     and write the boundary states at each upper block's start boundary k to a zarr store through `storage`, in
-    float32 (the compute dtype). All stores come from the initial weights: in a real ascending sweep the store
+    the compute dtype. All stores come from the initial weights: in a real ascending sweep the store
     at a higher boundary is rolled forward after the block below has trained; its shapes, all that memory sees,
     are the same."""
     import storage
     from pipelines.training import load_datasets, samples_per_shard
     from preinfer.fingerprint import boundary_fingerprint, prefix_digest
 
+    from preinfer.precision import apply_precision
+
     config = worker_config(args, "bcd", ufp, recompute=False)
     data = load_datasets(config)
     model = build_preset(args.model, seed=0).eval()
+    apply_precision(model, args.precision)
     staged = preinfer.stage(model)
+    dtype = staged.compute_dtype
     n, t, h = min(args.store_samples, len(data.train)), args.seq_len, staged.hidden_size
     paths = {}
     for block in upper_blocks(staged, ufp):
         k = block.start
         digest, parts = boundary_fingerprint(prefix_digest(staged, k), k, data.train.fingerprint(), "byte", t,
-                                             "float32", args.model)
-        fields = {"hidden": ((t, h), torch.float32), "attention_mask": ((t,), torch.bool),
+                                             str(dtype).removeprefix("torch."), args.model)
+        fields = {"hidden": ((t, h), dtype), "attention_mask": ((t,), torch.bool),
                   "position_ids": ((t,), torch.int64), "labels": ((t,), torch.int64)}
         per_shard = min(n, samples_per_shard(config, staged))
         path = store_path(args, k)
@@ -224,12 +234,12 @@ def run_worker(args: argparse.Namespace) -> None:
 
 
 def predict(model: str, seq_len: int, batch: int, rows: list[dict], num_layers: int, store: bool | None,
-            recompute: bool) -> list[int]:
+            recompute: bool, precision: str) -> list[int]:
     """The planner's total bytes for each measured visit (store None: full Adam), on the real partition's layer
     ranges (not the planner's even split)."""
     shape = mm.resolve_shape(model)
-    settings = mm.Settings(seq_len=seq_len, micro_batch=batch, dtype="float32", blocks=max(len(rows), 1),
-                           recompute=recompute)
+    settings = mm.Settings(seq_len=seq_len, micro_batch=batch, dtype=PLANNER_DTYPES[precision],
+                           blocks=max(len(rows), 1), recompute=recompute)
     if store is None:
         return [mm.full_memory(shape, settings, recompute=recompute).total]
     all_blocks = full_blocks(shape, rows, num_layers)
@@ -268,7 +278,7 @@ def run_configuration(args: argparse.Namespace, model: str, name: str, out: Path
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--result", str(result),
                    "--model", model, "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
                    "--steps", str(args.steps), "--threads", str(args.threads),
-                   "--store-samples", str(args.store_samples)]
+                   "--store-samples", str(args.store_samples), "--precision", args.precision]
         subprocess.run(command, check=True, cwd=ROOT)
     data = json.loads(result.read_text())
     result.unlink()
@@ -281,7 +291,7 @@ def summarise(model: str, name: str, data: dict, args: argparse.Namespace) -> di
     kind, ufp, recompute = parse_configuration(name)
     store = None if kind == "full" else kind == "store"
     visits = data["visits"]
-    predictions = predict(model, args.seq_len, args.batch_size, visits, num_layers, store, recompute)
+    predictions = predict(model, args.seq_len, args.batch_size, visits, num_layers, store, recompute, args.precision)
     for visit, predicted in zip(visits, predictions):
         visit["planner_total"] = predicted
     worst = max(visits, key=lambda v: v["memory"]["tracked_peak"])
@@ -357,7 +367,7 @@ def ratio(x: float | None) -> str:
 
 def table(rows: list[dict]) -> str:
     """A Markdown table of every configuration."""
-    head = ("| model | seq x batch | configuration | worst block | tracked peak MiB | params | grads | optimizer | activations "
+    head = ("| model | seq x batch | configuration | worst block | tracked peak MiB | params | masters | grads | optimizer | activations "
             "| x full (tracked) | x full + recompute | planner MiB | planner x full | planner error | paper x full "
             "| blocks > 0: x full | RSS peak MiB | x full (RSS) | x full (RSS above start) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -365,7 +375,7 @@ def table(rows: list[dict]) -> str:
         c = r["components"]
         lines.append(
             f"| {r['model']} | {r['regime']} | {label(r)} | {r['worst_block']} | {mib(r['tracked_peak'])} | {mib(c['params'])} "
-            f"| {mib(c['grads'])} | {mib(c['optimizer'])} | {mib(c['activations'])} | {ratio(r['ratio_tracked'])} "
+            f"| {mib(c['masters'])} | {mib(c['grads'])} | {mib(c['optimizer'])} | {mib(c['activations'])} | {ratio(r['ratio_tracked'])} "
             f"| {ratio(r['ratio_tracked_to_full_recompute'])} | {mib(r['planner_total'])} | {ratio(r['ratio_planner'])} | {r['planner_error']:+.1%} "
             f"| {ratio(r['paper_ratio'])} | {ratio(r['ratio_tracked_above_0'])} | {mib(r['rss_peak'])} "
             f"| {ratio(r['ratio_rss'])} | {ratio(r['ratio_rss_above_start'])} |"
@@ -393,6 +403,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--store-samples", type=int, default=64, help="training samples cached in each store")
     p.add_argument("--steps", type=int, default=2, help="optimizer steps per visit (memory needs only a few)")
     p.add_argument("--threads", type=int, default=2, help="torch threads per worker")
+    p.add_argument("--precision", default="fp32", choices=list(PLANNER_DTYPES),
+                   help="fp32, or bf16-mixed: bf16 weights, fp32 masters, gradients and Adam state of the block")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "memory.json")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: tiny-llama, seq 32, batch 2, 1 step per visit (seconds)")
@@ -435,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     result = dict(
         benchmark="memory", command=" ".join(["python", "bench/memory.py", *(argv or sys.argv[1:])]),
         machine=machine(), settings=dict(regimes=args.regimes, steps_per_visit=args.steps, store_samples=args.store_samples,
-                                         dtype="float32", optimizer="adam", threads=args.threads),
+                                         precision=args.precision, optimizer="adam", threads=args.threads),
         paper=dict(reduction_by_ufp=PAPER_REDUCTION, average_reduction=PAPER_AVERAGE_REDUCTION),
         targets=check_targets(rows), rows=rows, wall_s=time.perf_counter() - started,
     )

@@ -30,7 +30,9 @@ COMMANDS = {
 # Environment the command line sets for its own process (and the workers it starts) unless the user's
 # environment already does. OpenMP threads that sleep instead of spinning while they wait: on small machines
 # whose cores are shared with the store reader's threads or other jobs, spinning workers slowed a small-llama
-# forward 3-13x (bench/train.py, docs/results.md). OpenMP reads it when torch loads.
+# forward 3-13x (bench/train.py) and a small-llama Adam step 4x (OpenMP's default: 4.78 s, PASSIVE 1.18 s, on
+# 2 busy cores; docs/results.md, "The hot path"). On idle cores spinning is faster (issue 12: 155 ms against
+# 235 ms); set OMP_WAIT_POLICY there. OpenMP reads it when torch loads.
 PROCESS_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 

@@ -79,7 +79,11 @@ class ReaderBatches:
         self.store, self.boundary, self.limit = store, boundary, limit
         # lossy hidden states come decoded (float32; the trainer casts them to the compute dtype)
         decode = torch.float32 if isinstance(store, storage.Store) else None
-        self.options = dict(batch_size=batch_size, seed=seed, rank=rank, world_size=world_size, decode=decode)
+        # token shards are cut from the token store's cached shards in the trainer's own thread: prefetching
+        # threads would have nothing to decode and would compete with the compute for the cores (issue 12)
+        prefetch = 0 if isinstance(store, TokenShards) else storage.Reader.PREFETCH
+        self.options = dict(batch_size=batch_size, seed=seed, rank=rank, world_size=world_size, decode=decode,
+                            prefetch=prefetch)
         self.reader = storage.Reader(store, shuffle=shuffle, **self.options)
         self._batches: Iterator | None = None
 
@@ -105,7 +109,7 @@ class ReaderBatches:
         own (the training cursor is untouched)."""
         left = self.store.num_samples if self.limit is None else self.limit
         for batch in storage.Reader(self.store, self.options["batch_size"], shuffle=False,
-                                    decode=self.options["decode"]):
+                                    decode=self.options["decode"], prefetch=self.options["prefetch"]):
             if left <= 0:
                 return
             batch = {name: tensor[:left] for name, tensor in batch.items()}

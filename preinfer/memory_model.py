@@ -61,7 +61,10 @@ GPUS: dict[str, dict] = {
 # Adam's per-tensor `step` counters (4 bytes per parameter tensor) are neglected.
 DTYPES: dict[str, dict] = {
     "float32": dict(weight=4, grad=4, master=0, moments=8, act=4),  # 4 W in all
-    "bf16-mixed": dict(weight=2, grad=2, master=4, moments=8, act=2),  # 2+2+4+4+4 = 16 bytes per parameter
+    # bf16 weights for every resident parameter; the trainable ones also have an fp32 master, an fp32 gradient
+    # (each bf16 gradient is added into it as autograd produces it) and fp32 moments: 2 + 16 bytes, as the
+    # trainer's meter measures and as BAdam counts it (2M + 16M/D GB)
+    "bf16-mixed": dict(weight=2, grad=4, master=4, moments=8, act=2),
     "bf16": dict(weight=2, grad=2, master=0, moments=4, act=2),  # pure bf16, moments in bf16 too
 }
 

@@ -17,6 +17,10 @@ How the peaks are measured (and why `tracked_peak` is coherent with the planner 
   counted as parameters. The step's activation peak is the maximum of the bytes held: the end of forward, or,
   with recomputation, a moment in backward when a layer's recomputed tensors join the checkpointed inputs.
   One `track()` covers one step (forward + backward); each starts at 0.
+- sampled steps: tracking costs a Python call per saved tensor (several percent of a small model's step), and
+  every step of a visit saves tensors of the same shapes, so the trainer tracks only the first
+  `steps_per_visit` steps after each `reset()` (one per visit; 2 by default: the first step also creates the
+  optimizer state) and asks `due()` before each step. `steps_per_visit=None` tracks every step.
 - `tracked_peak`: the maximum over `sample()` calls of parameters + masters + gradients + optimizer state present
   at that call + the activation peak of the latest tracked step. It is the footprint of a step whose gradients from the
   previous step and whose optimizer state are still resident while the next forward saves its activations: an
@@ -94,16 +98,22 @@ def _unpack(saved: torch.Tensor | _Held) -> torch.Tensor:
 class MemoryMeter:
     """Peak bytes of parameters, gradients, optimizer state and saved activations of one model."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
+    STEPS_PER_VISIT = 2
+
+    def __init__(self, model: torch.nn.Module, steps_per_visit: int | None = STEPS_PER_VISIT):
+        self.model, self.steps_per_visit = model, steps_per_visit
         self.reset()
 
     def reset(self) -> None:
         """Forget every peak (the process RSS peak cannot be reset; the CUDA peak is reset where present)."""
         self._grads = self._masters = self._optimizer = self._activations = self._tracked = 0
-        self._step_activations = 0
+        self._step_activations = self._sampled = 0
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.reset_peak_memory_stats()
+
+    def due(self) -> bool:
+        """Whether the next step is one to track and sample: one of the first `steps_per_visit` since `reset()`."""
+        return self.steps_per_visit is None or self._sampled < self.steps_per_visit
 
     def param_bytes(self) -> int:
         """Bytes of every resident parameter of the model (tied parameters once; the meta-device prefix of a
@@ -167,6 +177,7 @@ class MemoryMeter:
 
     def sample(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Update the peaks of gradient and optimizer-state bytes and of the tracked total."""
+        self._sampled += 1
         grads, masters, state = self.grad_bytes(optimizer), self.master_bytes(optimizer), self.optimizer_bytes(optimizer)
         self._grads = max(self._grads, grads)
         self._masters = max(self._masters, masters)

@@ -40,6 +40,7 @@ class StepRecord(Record):
     tokens: int  # real (unpadded) tokens trained on by this rank so far
     tokens_per_s: float  # this step's tokens over its wall time
     wait_s: float  # time spent waiting for the step's batches
+    visit_s: float | None = None  # seconds since the visit began, at this step's end (windows of throughput)
     loss_scale: float | None = None  # fp16-mixed: the loss scale after this step
     skipped_steps: int | None = None  # fp16-mixed: steps of the run skipped so far for non-finite gradients
 

@@ -171,6 +171,7 @@ class Trainer:
                 sweep=p.sweep, block=block.index, step=p.global_step, visit_step=p.visit_step, loss=loss,
                 lr=optimizer.param_groups[0]["lr"], tokens=p.tokens,
                 tokens_per_s=tokens / max(wait["step_s"], 1e-9), wait_s=wait["wait_s"],
+                visit_s=time.perf_counter() - started,
                 **self._scaler_fields(),
             ))
             every = cfg.run.checkpoint_every
@@ -277,7 +278,8 @@ class Trainer:
         scale = self.scaler.scale if self.scaler is not None else 1.0
         if self.reducer is not None:
             self.reducer.start_step()
-        tracking = self.meter.track() if self.meter is not None else nullcontext()
+        metered = self.meter is not None and self.meter.due()
+        tracking = self.meter.track() if metered else nullcontext()
         with tracking:
             for index, batch in enumerate(batches):
                 active.last_micro_batch = index == len(batches) - 1
@@ -303,7 +305,7 @@ class Trainer:
                 group["lr"] = group["initial_lr"] * factor
             optimizer.step()
             active.cast_down()
-        if self.meter is not None:
+        if metered:
             self.meter.sample(optimizer)
         optimizer.zero_grad(set_to_none=True)
         return total, tokens, {"wait_s": wait, "step_s": time.perf_counter() - t0}

@@ -62,7 +62,10 @@ class _Failure:
 class Reader:
     """Batches `{field: tensor}` over a complete store; iterate it for the rest of the current epoch. With
     `decode` (a torch dtype) lossy fields come decoded into that dtype, without their scale fields; otherwise
-    every field comes as stored."""
+    every field comes as stored. `prefetch` batches are assembled ahead by a background thread (0: in the
+    caller's thread, when it asks for them; the order is the same)."""
+
+    PREFETCH = 4
 
     def __init__(
         self,
@@ -75,7 +78,7 @@ class Reader:
         drop_last: bool = False,
         fields: list[str] | None = None,
         threads: int = 2,
-        prefetch: int = 4,
+        prefetch: int = PREFETCH,
         pin_memory: bool = False,
         check: bool = True,
         decode: torch.dtype | None = None,

@@ -107,3 +107,34 @@ def test_train_quick(tmp_path):
     assert set(b["runs"]) == {"off", "auto"}
     assert all(d["decision"] in ("store", "live") for d in b["runs"]["auto"][0]["decisions"])
     assert b["max_rel_eval_loss_diff"] < 1e-4
+
+
+def test_peers_plain_loop_trains_like_preinfer_bcd_on_the_same_batches(tmp_path, corpus):
+    peers = _load("peers")
+    args = peers.parse_args(["--quick", "--data", corpus])
+
+    def config(name: str):
+        return peers.parse_config(peers.bcd_flags(args, tmp_path / name, args.steps, args.ranges, args.seq_len,
+                                                  args.batch_size))
+
+    from pipelines.training import run_bcd
+    from preinfer.precision import apply_precision
+    from preinfer.presets import build_preset
+
+    plain = peers.plain_worker(config("plain"))
+    run_bcd(config("preinfer"), quiet=True)
+    mine = peers.preinfer_result(tmp_path / "preinfer")
+    initial = build_preset(args.model, seed=0)
+    apply_precision(initial, args.precision)
+    initial.save_pretrained(tmp_path / "initial")
+    batches = peers.eval_batches(args, peers.bcd_flags(args, tmp_path / "x", 1, args.ranges, args.seq_len,
+                                                       args.batch_size))
+    losses = {name: peers.eval_loss(directory, batches)
+              for name, directory in (("plain", plain["model_dir"]), ("preinfer", mine["model_dir"]),
+                                      ("initial", str(tmp_path / "initial")))}
+    # same blocks, batches, order and Adam: the same weights up to bf16 rounding; both trained
+    assert abs(losses["plain"] / losses["preinfer"] - 1) < 1e-3
+    assert losses["plain"] < losses["initial"] - 0.01
+    assert plain["steps"] == mine["steps"] == 2 * args.steps
+    assert plain["tracked_peak"] > 0 and mine["tracked_peak"] > 0
+    assert mine["stamps"] == sorted(mine["stamps"][:args.steps]) + sorted(mine["stamps"][args.steps:])

@@ -135,3 +135,19 @@ def test_masters_are_the_stepped_tensors_outside_the_model():
     assert report["masters"] == report["grads"] == 4 * active
     assert report["optimizer"] == 8 * active + 4 * len(masters)
     assert report["tracked_peak"] == report["params"] + 16 * active + 4 * len(masters)
+
+
+def test_the_meter_is_due_for_its_first_steps_after_each_reset():
+    model = _mlp()
+    optimizer = torch.optim.Adam(model.parameters())
+    meter = MemoryMeter(model, steps_per_visit=2)
+    due = []
+    for _ in range(3):
+        due.append(meter.due())
+        meter.sample(optimizer)
+    meter.reset()
+    assert due == [True, True, False] and meter.due()
+    every = MemoryMeter(model, steps_per_visit=None)
+    for _ in range(5):
+        every.sample(optimizer)
+    assert every.due()

@@ -3,6 +3,7 @@ explicit token stores checked against the job's settings, a capped evaluation ti
 
 import json
 import pickle
+import threading
 
 import pytest
 import torch
@@ -159,6 +160,17 @@ def test_an_evaluation_limit_reads_the_first_samples_in_stored_order(token_dir):
     read = [batch["input_ids"] for batch in batches.one_pass()]
     assert [len(ids) for ids in read] == [4, 1]
     assert torch.equal(torch.cat(read), dataset[0:5]["input_ids"])
+
+
+def test_token_batches_are_read_in_the_callers_thread_in_the_order_of_a_prefetching_reader(token_dir):
+    shards = TokenShards(TokenStoreDataset(token_dir, "train"), 3)
+    batches = ReaderBatches(shards, 0, batch_size=4, seed=5)
+    threads = threading.active_count()
+    read = [next(batches)["input_ids"] for _ in range(2 * batches.batches_per_epoch)]  # two epochs
+    assert threading.active_count() == threads  # no prefetching thread competes with the trainer
+    prefetching = storage.Reader(shards, 4, seed=5, prefetch=4, threads=2)
+    expected = [batch["input_ids"] for _ in range(2) for batch in prefetching]
+    assert len(read) == len(expected) and all(torch.equal(a, b) for a, b in zip(read, expected))
 
 
 def test_the_real_tokens_of_a_capped_split_are_counted_shard_by_shard(tmp_path):

@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 import preinfer
 from preinfer.config import Config
 from preinfer.data import TokenDataset
+from preinfer.meter import MemoryMeter
 from preinfer.partition import make_partition
 from preinfer.presets import build_preset
 from preinfer.run_dir import RunDir
@@ -142,3 +143,15 @@ def test_resume_is_bit_identical(tmp_path, precision):
     assert [v["eval_loss"] for v in resumed.progress.visits] == [v["eval_loss"] for v in reference.progress.visits]
     if precision == "fp16-mixed":
         assert halted.scaler.skipped > 0 and resumed.scaler.state_dict() == reference.scaler.state_dict()
+
+
+def test_a_meter_tracking_the_first_steps_of_each_visit_reports_the_peaks_of_one_tracking_every_step():
+    reports = {}
+    for steps in (2, None):
+        trainer = make_trainer(stop__steps_per_visit=4)
+        trainer.meter = MemoryMeter(trainer.staged.model, steps_per_visit=steps)
+        trainer.fit()
+        reports[steps] = [{k: v for k, v in visit["memory"].items() if k not in ("rss_peak", "cuda_peak")}
+                          for visit in trainer.progress.visits]
+    assert reports[2] == reports[None]
+    assert all(report["activations"] > 0 and report["optimizer"] > 0 for report in reports[2])

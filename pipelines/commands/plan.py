@@ -40,8 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="unfrozen parameter fraction per visit, e.g. 1/3 or 0.25: ceil(1/UFP) blocks")
     split.add_argument("--blocks", type=positive_int, help="number of blocks (instead of --ufp)")
     parser.add_argument("--dtype", choices=list(DTYPES), default=Settings.dtype,
-                        help="float32; bf16-mixed (bf16 weights and gradients, float32 master weights and Adam "
-                             "moments: 16 bytes/parameter); bf16 (everything bf16)")
+                        help="float32; bf16-mixed (bf16 weights, 2 bytes/parameter; the trainable parameters' float32 "
+                             "masters, gradients and Adam moments, 16 bytes more, as the trainer holds them); "
+                             "bf16 (everything bf16)")
     parser.add_argument("--recompute", action="store_true",
                         help="activation recomputation for the BCD rows (the full-Adam row is shown both ways)")
     parser.add_argument("--tokens", type=token_count,

@@ -1,0 +1,456 @@
+"""Peers side by side (issue 12): BAdam's `BlockOptimizer`, a plain per-block PyTorch loop and `preinfer bcd`.
+
+Every method trains the same model (a preset, random initialisation with the run's seed, cast to the resident
+dtype of --precision), on the same batches in the same order (the token batches `preinfer bcd` reads:
+`pipelines.sources.token_batches` of the run's training split, same seed and shard size), the same blocks (the
+layer ranges of --ranges; the embedding with the first block, the final norm and head with the last), in
+ascending order, for the same steps per block, with Adam (lr, betas, no weight decay, no warmup, no clipping):
+
+- `plain`: a plain PyTorch loop, per block: freeze everything, unfreeze the block, build a fresh Adam (under
+  bf16-mixed over fp32 master copies of the block: the bf16 gradients are cast into them after backward and the
+  masters are copied back into the bf16 weights after each step), then step; the forward is the framework's own
+  (`model(input_ids, attention_mask, labels).loss`). Its batches are read into memory before the clock starts.
+- `badam`: BAdam's `BlockOptimizer` (`pip install badam`, a benchmark-only extra: `pip install -e .[peers]`)
+  wrapping the same Adam, with `block_prefix_list` naming each block's parameters, `switch_mode="ascending"`,
+  `switch_block_every` = the steps per block; the same loop and batches as `plain` otherwise.
+- `preinfer`: the real command line, `python -m pipelines.cli bcd ... --pre-inference off` in its own process
+  (the settings above as flags); `preinfer-auto`: the same with `--pre-inference auto`.
+
+Each run is a process of its own; the methods alternate (A B C A B C ...) for --repeats rounds and the table
+shows medians, because the machine is shared. Measured per run:
+
+- steps/s: the steps over the training time, which is, per block, from the start of the visit (plain, badam:
+  the optimizer is built inside it) to the end of its last step, summed over the blocks; evaluation and model
+  loading are outside it. For `preinfer` that is the sum of its visits' `wall_s` (metrics.jsonl); for
+  `preinfer-auto` the time spent building stores (its `cache` records) is added.
+- tracked peak memory: `preinfer.meter.MemoryMeter` on the same steps for every method (the steps the trainer
+  meters, `MemoryMeter.due`): weights, master copies, gradients (sampled after the optimizer step, where
+  they and the optimizer state are all present), optimizer state and saved activations.
+- final eval loss: one function for all (`eval_loss`): each run's final weights, saved with `save_pretrained`
+  (preinfer: its export), loaded by `transformers.AutoModelForCausalLM`, cast to float32, mean next-token loss of
+  the framework's forward over the first --eval-batches batches of the eval split.
+
+The long visit (--long-steps, 0 to skip): one block (the first of --ranges) trained for that many steps, plain
+against preinfer (`--active`), alternating; tokens/s in windows of --window steps, from the per-step times
+(preinfer: the step records' `visit_s`, seconds since the visit began). Target: in every window the trainer at
+least 0.97x the plain loop (median over the rounds of each window's ratio).
+
+    python bench/peers.py                                  # bf16-mixed, all four, the long visit
+    python bench/peers.py --precision fp32 --methods plain,preinfer --long-steps 0     # the hot path alone
+    python bench/peers.py --quick                          # tiny-llama, a few steps, plain and preinfer (~1.5 min)
+
+bf16 matmuls are 5-25x slower than float32 on CPUs without AVX-512 BF16 or AMX (a small-llama step at seq 128 x 8:
+28 s against 1.1 s on the 2-core machine of docs/results.md), where the default bf16-mixed run takes hours:
+there, time the hot path with --precision fp32 and compare the peers in bf16-mixed at a small --seq-len and
+--batch-size (the commands in docs/results.md).
+
+Prints tables and writes bench/out/peers.json (--out). On a shared machine, run it when no other benchmark
+runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench.common import machine, table  # noqa: E402
+
+METHODS = ("plain", "badam", "preinfer", "preinfer-auto")
+TARGETS = dict(steps_per_s=1.0, window=0.97, eval_loss=0.01)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Settings shared by every method: the `preinfer bcd` flags, parsed by the real command line for the workers too.
+
+
+def bcd_flags(args: argparse.Namespace, out: Path, steps: int, ranges: str, seq_len: int, batch: int,
+              active: str | None = None, pre_inference: str = "off") -> list[str]:
+    """The `preinfer bcd` flags of one run (the workers parse the same flags into the same config)."""
+    flags = ["--model", args.model, "--data", args.data, "--seq-len", str(seq_len), "--batch-size", str(batch),
+             "--sweeps", "1", "--order", "ascending", "--steps-per-visit", str(steps), "--optimizer", "adam",
+             "--lr", str(args.lr), "--weight-decay", "0", "--warmup-steps", "0", "--grad-clip", "0",
+             "--precision", args.precision, "--eval-tokens", str(seq_len * batch), "--seed", "0",
+             "--pre-inference", pre_inference, "--out", str(out)]
+    if args.max_samples:
+        flags += ["--max-samples", str(args.max_samples)]
+    return flags + (["--ranges", ranges, "--active", active] if active else ["--ranges", ranges])
+
+
+def parse_config(flags: list[str]):
+    """The config `preinfer bcd FLAGS` runs with."""
+    from pipelines.cli import build_parser
+    from pipelines.flags import config_for_command
+
+    return config_for_command(build_parser().parse_args(["bcd", *flags]))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Workers: plain and badam (each in a process of its own).
+
+
+def prepared(config):
+    """Model (resident dtype of the run's precision), its partition, and the run's token batches, as
+    `preinfer bcd` makes them."""
+    import preinfer
+    from pipelines import sources
+    from pipelines.models import resolve_model
+    from pipelines.training import load_datasets, partition_for, samples_per_shard
+    from preinfer.precision import apply_precision
+
+    data = load_datasets(config, quiet=True)
+    model = resolve_model(config.model.name, seed=config.run.seed)
+    precision = apply_precision(model, config.run.precision)
+    staged = preinfer.stage(model)
+    partition, active = partition_for(staged, config, precision=precision)
+    reader = sources.token_batches(data.train, config.data.batch_size, samples_per_shard(config, staged),
+                                   config.run.seed)
+    blocks = partition.blocks if active is None else [partition.blocks[active]]
+    batches = [next(reader) for _ in range(config.stop.steps_per_visit * len(blocks))]
+    reader.close()
+    return model, precision, blocks, batches
+
+
+def block_names(model: torch.nn.Module, blocks) -> list[list[str]]:
+    """Each block's parameter names (BAdam's `block_prefix_list`: full names match only themselves)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [[names[id(p)] for p in block.params] for block in blocks]
+
+
+class MeteredLoop:
+    """The forward and backward every worker's step shares, and the memory meter on the steps the trainer meters
+    (`MemoryMeter.due`: the first steps of each block)."""
+
+    def __init__(self, model: torch.nn.Module):
+        from preinfer.meter import MemoryMeter
+
+        self.model, self.meter, self.peak = model, MemoryMeter(model), 0
+        self.metered = False
+
+    def new_block(self) -> None:
+        self.peak = max(self.peak, self.meter.report()["tracked_peak"])
+        self.meter.reset()
+
+    def loss(self, batch: dict) -> torch.Tensor:
+        """Forward and backward of one batch (tracked when the meter is due)."""
+        self.metered = self.meter.due()
+        with self.meter.track() if self.metered else nullcontext():
+            loss = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                              labels=batch["labels"]).loss
+            loss.backward()
+        return loss
+
+    def sample(self, optimizer: torch.optim.Optimizer) -> None:
+        """After the optimizer step of a metered step: masters, gradients and optimizer state are all present."""
+        if self.metered:
+            self.meter.sample(optimizer)
+
+
+def plain_worker(config) -> dict:
+    """The plain per-block loop."""
+    model, precision, blocks, batches = prepared(config)
+    loop, mixed, o = MeteredLoop(model), precision != "fp32", config.optim
+    stamps, index, train_s = [], 0, 0.0
+    for block in blocks:
+        started = time.perf_counter()
+        loop.new_block()
+        model.requires_grad_(False)
+        for param in block.params:
+            param.requires_grad_(True)
+        masters = [p.detach().float().clone() for p in block.params] if mixed else list(block.params)
+        optimizer = torch.optim.Adam(masters, lr=o.lr, betas=tuple(o.betas), weight_decay=0.0)
+        for _ in range(config.stop.steps_per_visit):
+            loss = loop.loss(batches[index])
+            index += 1
+            if mixed:
+                for param, master in zip(block.params, masters):
+                    master.grad, param.grad = param.grad.float(), None
+            optimizer.step()
+            if mixed:
+                with torch.no_grad():
+                    for param, master in zip(block.params, masters):
+                        param.copy_(master)
+            loop.sample(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+            loss.item()
+            stamps.append(time.perf_counter() - started)
+        train_s += stamps[-1]
+        del optimizer, masters
+    return finished(model, loop, stamps, train_s, config)
+
+
+def badam_worker(config) -> dict:
+    """BAdam's BlockOptimizer over the same blocks, batches and Adam."""
+    from badam import BlockOptimizer
+
+    model, _, blocks, batches = prepared(config)
+    loop, o, steps = MeteredLoop(model), config.optim, config.stop.steps_per_visit
+    started = time.perf_counter()
+    base = torch.optim.Adam(model.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=0.0)
+    optimizer = BlockOptimizer(base_optimizer=base, named_parameters_list=list(model.named_parameters()),
+                               block_prefix_list=block_names(model, blocks), switch_block_every=steps,
+                               switch_mode="ascending", verbose=0)
+    adam_step = base.step
+
+    def step_and_sample(*args, **kwargs):  # inside BAdam's step, before it drops the masters' gradients
+        out = adam_step(*args, **kwargs)
+        loop.sample(base)
+        return out
+
+    base.step = step_and_sample
+    stamps, train_s = [], 0.0
+    for index, batch in enumerate(batches):
+        if index % steps == 0:
+            loop.new_block()
+            if index:
+                started = time.perf_counter()
+        loss = loop.loss(batch)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss.item()
+        stamps.append(time.perf_counter() - started)
+        if index % steps == steps - 1:
+            train_s += stamps[-1]
+    return finished(model, loop, stamps, train_s, config)
+
+
+def finished(model: torch.nn.Module, loop: MeteredLoop, stamps: list[float], train_s: float, config) -> dict:
+    """A worker's result; its final weights saved with save_pretrained into the run's --out."""
+    loop.new_block()
+    model.save_pretrained(config.run.out)
+    return dict(steps=len(stamps), train_s=train_s, stamps=stamps, tracked_peak=loop.peak,
+                model_dir=str(config.run.out))
+
+
+def run_worker(method: str, flags: list[str], result: Path) -> None:
+    config = parse_config(flags)
+    Path(config.run.out).mkdir(parents=True, exist_ok=True)
+    out = plain_worker(config) if method == "plain" else badam_worker(config)
+    result.write_text(json.dumps(out))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One run of each method, as a process of its own.
+
+
+def run_method(args: argparse.Namespace, method: str, flags: list[str], scratch: Path) -> dict:
+    """Run `method` with the bcd `flags`; steps, training seconds, per-step stamps, tracked peak, model dir."""
+    if method.startswith("preinfer"):
+        command = [sys.executable, "-m", "pipelines.cli", "bcd", *flags]
+        subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        return preinfer_result(Path(flags[flags.index("--out") + 1]))
+    result = scratch / f"{method}.json"
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", method, "--result", str(result), "--",
+               *flags]
+    subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)  # BAdam prints its blocks
+    return json.loads(result.read_text())
+
+
+def preinfer_result(out: Path) -> dict:
+    """Steps, training seconds (visits' wall_s plus store building), per-step stamps and tracked peak of a
+    `preinfer bcd` run directory."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in records if r["kind"] == "step"]
+    visits = [r for r in records if r["kind"] == "visit"]
+    caching = sum(r.get("seconds", 0.0) for r in records if r["kind"] == "cache")
+    return dict(steps=len(steps), train_s=sum(v["wall_s"] for v in visits) + caching, caching_s=caching,
+                stamps=[r["visit_s"] for r in steps],
+                tracked_peak=max(v["memory"]["tracked_peak"] for v in visits),
+                sources=[v["source_boundary"] for v in visits], model_dir=str(out / "export"))
+
+
+@torch.no_grad()
+def eval_loss(model_dir: str, batches: list[dict]) -> float:
+    """Mean next-token loss of the weights in `model_dir` (cast to float32) over `batches`: the framework's
+    forward and loss, weighted by each batch's supervised tokens. One function for every method."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    total, count = 0.0, 0
+    for batch in batches:
+        n = int((batch["labels"][:, 1:] != -100).sum())
+        loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+        total, count = total + float(loss) * n, count + n
+    return total / count
+
+
+def eval_batches(args: argparse.Namespace, flags: list[str]) -> list[dict]:
+    """The first --eval-batches batches of the run's eval split, in order."""
+    from pipelines import sources
+    from pipelines.training import load_datasets
+
+    config = parse_config(flags)
+    data = load_datasets(config, quiet=True)
+    reader = sources.token_batches(data.eval, config.data.batch_size, 64, shuffle=False)
+    return [batch for _, batch in zip(range(args.eval_batches), reader.one_pass())]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The comparison.
+
+
+def compare(args: argparse.Namespace, scratch: Path) -> dict:
+    """Every method, alternating for --repeats rounds: medians of steps/s, tracked peak, final eval loss."""
+    methods = args.methods.split(",")
+    runs: dict[str, list[dict]] = {m: [] for m in methods}
+    batches = None
+    for round_ in range(args.repeats):
+        for method in methods:
+            out = scratch / f"{method}-{round_}"
+            flags = bcd_flags(args, out, args.steps, args.ranges, args.seq_len, args.batch_size,
+                              pre_inference="auto" if method == "preinfer-auto" else "off")
+            batches = batches or eval_batches(args, flags)
+            run = run_method(args, method, flags, scratch)
+            run["eval_loss"] = eval_loss(run.pop("model_dir"), batches)
+            run["steps_per_s"] = run["steps"] / run["train_s"]
+            runs[method].append(run)
+            print(f"[peers] round {round_} {method}: {run['steps_per_s']:.3f} steps/s, tracked peak "
+                  f"{run['tracked_peak'] / 2**20:.1f} MiB, eval loss {run['eval_loss']:.5f}", flush=True)
+            shutil.rmtree(out, ignore_errors=True)
+    rows = []
+    for method, done in runs.items():
+        rows.append(dict(method=method, steps=done[0]["steps"],
+                         steps_per_s=statistics.median(r["steps_per_s"] for r in done),
+                         steps_per_s_runs=[r["steps_per_s"] for r in done],
+                         tracked_peak_mib=statistics.median(r["tracked_peak"] for r in done) / 2**20,
+                         eval_loss=statistics.median(r["eval_loss"] for r in done),
+                         caching_s=statistics.median(r.get("caching_s", 0.0) for r in done),
+                         sources=done[0].get("sources")))
+    add_ratios(rows, runs)
+    return dict(rows=rows, runs={m: [{k: v for k, v in r.items() if k != "stamps"} for r in done]
+                                 for m, done in runs.items()})
+
+
+def add_ratios(rows: list[dict], runs: dict[str, list[dict]]) -> None:
+    """Each method's steps/s over plain's and BAdam's (median over rounds of the same round's ratio), peak over
+    BAdam's, eval loss against plain's."""
+    for row in rows:
+        mine = runs[row["method"]]
+        for peer in ("plain", "badam"):
+            if peer in runs:
+                theirs = runs[peer]
+                row[f"x_{peer}"] = statistics.median(a["steps_per_s"] / b["steps_per_s"] for a, b in zip(mine, theirs))
+        if "badam" in runs:
+            row["peak_x_badam"] = row["tracked_peak_mib"] / (statistics.median(r["tracked_peak"] for r in runs["badam"]) / 2**20)
+        if "plain" in runs:
+            plain = statistics.median(r["eval_loss"] for r in runs["plain"])
+            row["eval_vs_plain"] = row["eval_loss"] / plain - 1
+
+
+def windows(stamps: list[float], size: int, tokens_per_step: int) -> list[float]:
+    """Tokens/s of each full window of `size` steps, from per-step end times within one visit."""
+    out = []
+    for start in range(0, len(stamps) - size + 1, size):
+        begin = stamps[start - 1] if start else 0.0
+        out.append(size * tokens_per_step / (stamps[start + size - 1] - begin))
+    return out
+
+
+def long_visit(args: argparse.Namespace, scratch: Path) -> dict:
+    """One block for --long-steps steps, plain against preinfer, alternating: tokens/s per window."""
+    first = args.ranges.split(",")[0]
+    per_step = args.long_seq_len * args.long_batch_size
+    found: dict[str, list[list[float]]] = {"plain": [], "preinfer": []}
+    for round_ in range(args.long_repeats):
+        for method in found:
+            out = scratch / f"long-{method}-{round_}"
+            flags = bcd_flags(args, out, args.long_steps, args.ranges, args.long_seq_len, args.long_batch_size,
+                              active=first)
+            run = run_method(args, method, flags, scratch)
+            found[method].append(windows(run["stamps"], args.window, per_step))
+            print(f"[peers] long visit round {round_} {method}: tokens/s by window "
+                  f"{', '.join(f'{w:.0f}' for w in found[method][-1])}", flush=True)
+            shutil.rmtree(out, ignore_errors=True)
+    count = min(len(w) for runs in found.values() for w in runs)
+    rows = []
+    for i in range(count):
+        plain = [w[i] for w in found["plain"]]
+        mine = [w[i] for w in found["preinfer"]]
+        ratio = statistics.median(a / b for a, b in zip(mine, plain))
+        rows.append(dict(window=f"{i * args.window + 1}-{(i + 1) * args.window}", plain=statistics.median(plain),
+                         preinfer=statistics.median(mine), ratio=ratio, holds=ratio >= TARGETS["window"]))
+    decay = {m: statistics.median(w[count - 1] / w[0] - 1 for w in runs) for m, runs in found.items()}
+    return dict(block=first, steps=args.long_steps, seq_len=args.long_seq_len, batch_size=args.long_batch_size,
+                window_steps=args.window, windows=rows, runs=found, decay_first_to_last=decay,
+                holds=all(r["holds"] for r in rows))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
+    p.add_argument("--model", default="small-llama")
+    p.add_argument("--data", default="builtin:pydoc")
+    p.add_argument("--precision", default="bf16-mixed", choices=["fp32", "bf16-mixed"])
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--ranges", default="0-1,2-3,4-5", help="the blocks, as inclusive layer ranges")
+    p.add_argument("--steps", type=int, default=40, help="steps per block")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--max-samples", type=int, default=0, help="first N samples of each split; 0 = all")
+    p.add_argument("--repeats", type=int, default=3, help="rounds of the alternating comparison")
+    p.add_argument("--eval-batches", type=int, default=16, help="eval batches of the final eval loss")
+    p.add_argument("--long-steps", type=int, default=720, help="steps of the long visit; 0 skips it")
+    p.add_argument("--long-seq-len", type=int, default=64)
+    p.add_argument("--long-batch-size", type=int, default=4)
+    p.add_argument("--long-repeats", type=int, default=2)
+    p.add_argument("--window", type=int, default=50, help="steps per window of the long visit")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "peers.json")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: tiny-llama, seq 32, batch 2, 3 steps per block, plain and preinfer")
+    p.add_argument("--worker", choices=["plain", "badam"], help=argparse.SUPPRESS)
+    p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("flags", nargs="*", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.model, args.seq_len, args.batch_size, args.steps, args.max_samples = "tiny-llama", 32, 2, 3, 64
+        args.ranges, args.repeats, args.eval_batches = "0-1,2-3", 1, 2
+        args.long_steps, args.long_seq_len, args.long_batch_size, args.long_repeats, args.window = 8, 32, 2, 1, 4
+        if args.methods == ",".join(METHODS):
+            args.methods = "plain,preinfer"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        run_worker(args.worker, args.flags, args.result)
+        return 0
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
+        scratch = Path(tmp)
+        comparison = compare(args, scratch)
+        long = long_visit(args, scratch) if args.long_steps else None
+    result = dict(benchmark="peers", command=" ".join(["python", "bench/peers.py", *(argv or sys.argv[1:])]),
+                  machine=machine(), settings={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                                               if k not in ("worker", "result", "flags")},
+                  targets=TARGETS, **comparison, long_visit=long, wall_s=time.perf_counter() - started)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    columns = ["method", "steps", "steps_per_s", *[c for c in ("x_plain", "x_badam") if c in result["rows"][0]],
+               "tracked_peak_mib", *(["peak_x_badam"] if "peak_x_badam" in result["rows"][0] else []), "eval_loss",
+               *(["eval_vs_plain"] if "eval_vs_plain" in result["rows"][0] else [])]
+    print(table(result["rows"], columns))
+    if long is not None:
+        print(table(long["windows"], ["window", "plain", "preinfer", "ratio", "holds"]))
+    print(f"wrote {args.out} in {result['wall_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
