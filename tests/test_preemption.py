@@ -19,7 +19,7 @@ from preinfer.metrics import StepRecord, read_metrics
 from preinfer.run_dir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 150
+STEPS = 60
 
 
 def bcd_args(corpus: str, out: Path) -> list[str]:
