@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING
@@ -120,27 +121,34 @@ def parse_ranges(text: str, num_layers: int, first: int = 0, cover: bool = True)
     return ranges
 
 
-def balanced_ranges(sizes: list[int], parts: int) -> list[tuple[int, int]]:
-    """Split `sizes` into `parts` contiguous runs minimising the largest run's sum (linear partition DP)."""
-    n = len(sizes)
-    prefix = [0]
-    for s in sizes:
-        prefix.append(prefix[-1] + s)
-    # best[j][i]: smallest max-sum splitting sizes[:i] into j runs; cut[j][i]: where the last run starts.
+def minimax_cut(n: int, parts: int, cost: Callable[[int, int, int], float]) -> list[tuple[int, int]]:
+    """Cut [0, n) into `parts` non-empty contiguous runs [lo, hi) minimising the largest `cost(j, lo, hi)` of run j
+    (dynamic programming over every cut)."""
+    # best[j][i]: the smallest largest cost of cutting [0, i) into runs 0..j-1; cut[j][i]: where the last starts.
     best = [[math.inf] * (n + 1) for _ in range(parts + 1)]
     cut = [[0] * (n + 1) for _ in range(parts + 1)]
     best[0][0] = 0
     for j in range(1, parts + 1):
-        for i in range(j, n + 1):
+        for i in range(j, n - (parts - j) + 1):
             for k in range(j - 1, i):
-                cost = max(best[j - 1][k], prefix[i] - prefix[k])
-                if cost < best[j][i]:
-                    best[j][i], cut[j][i] = cost, k
+                if best[j - 1][k] == math.inf:
+                    continue
+                value = max(best[j - 1][k], cost(j - 1, k, i))
+                if value < best[j][i]:
+                    best[j][i], cut[j][i] = value, k
     bounds, i = [], n
     for j in range(parts, 0, -1):
         bounds.append((cut[j][i], i))
         i = cut[j][i]
     return bounds[::-1]
+
+
+def balanced_ranges(sizes: list[int], parts: int) -> list[tuple[int, int]]:
+    """Split `sizes` into `parts` contiguous runs minimising the largest run's sum."""
+    prefix = [0]
+    for size in sizes:
+        prefix.append(prefix[-1] + size)
+    return minimax_cut(len(sizes), parts, lambda _, lo, hi: prefix[hi] - prefix[lo])
 
 
 def make_partition(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from preinfer.errors import UsageError
 from preinfer.memory_model import Block, ModelShape, Settings, stage_bytes
+from preinfer.partition import minimax_cut
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -43,26 +44,9 @@ def plan_stages(m: ModelShape, settings: Settings, degree: int, blocks: list[Blo
         stage = Block(first + lo, first + hi, index == 0 and first == 0, index == degree - 1)
         return stage_cost(m, settings, stage, index, degree, blocks, microbatches, schedule)
 
-    # best[j][i]: the smallest largest cost of cutting layers [first, first + i) into stages 0..j-1; cut[j][i]:
-    # where the last of them starts. Every stage holds at least one layer.
-    inf = float("inf")
-    best = [[inf] * (layers + 1) for _ in range(degree + 1)]
-    cut = [[0] * (layers + 1) for _ in range(degree + 1)]
-    best[0][0] = 0
-    for j in range(1, degree + 1):
-        for i in range(j, layers - (degree - j) + 1):
-            for k in range(j - 1, i):
-                if best[j - 1][k] == inf:
-                    continue
-                value = max(best[j - 1][k], cost(j - 1, k, i))
-                if value < best[j][i]:
-                    best[j][i], cut[j][i] = value, k
-    bounds, i = [], layers
-    for j in range(degree, 0, -1):
-        bounds.append((cut[j][i], i))
-        i = cut[j][i]
+    bounds = minimax_cut(layers, degree, cost)
     return [Block(first + lo, first + hi, j == 0 and first == 0, j == degree - 1)
-            for j, (lo, hi) in enumerate(reversed(bounds))]
+            for j, (lo, hi) in enumerate(bounds)]
 
 
 def stage_label(stage: Block) -> str:
