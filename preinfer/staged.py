@@ -67,10 +67,8 @@ class StagedModel(ABC):
         """The boundary-0 state of a right-padded batch (`attention_mask` None means no padding)."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
-        attention_mask = attention_mask.bool()
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        hidden = self._embed(input_ids, position_ids)
-        return BoundaryState(hidden, attention_mask, position_ids, labels)
+        return BoundaryState.right_padded(self._embed(input_ids, position_ids), attention_mask, labels)
 
     def run(self, state: BoundaryState, start: int, stop: int, recompute: bool = False) -> BoundaryState:
         """Run layers `[start, stop)` on a state at boundary `start`; returns the state at boundary `stop`.

@@ -34,6 +34,15 @@ class BoundaryState:
         return {k: v for k, v in self._items() if v is not None}
 
     @classmethod
+    def right_padded(cls, hidden: torch.Tensor, attention_mask: torch.Tensor,
+                     labels: torch.Tensor | None = None) -> BoundaryState:
+        """The state of a right-padded batch's hidden states `[B, T, H]`: positions 0..T-1 in every row (what the
+        embedding gives them; a stage that receives hidden states rebuilds them the same way)."""
+        batch, length = attention_mask.shape
+        positions = torch.arange(length, device=hidden.device).expand(batch, length)
+        return cls(hidden, attention_mask.bool(), positions, labels)
+
+    @classmethod
     def from_dict(cls, tensors: dict[str, torch.Tensor]) -> BoundaryState:
         names = {f.name for f in fields(cls)}
         unknown = set(tensors) - names

@@ -45,8 +45,7 @@ class StageModule(nn.Module):
             with torch.set_grad_enabled(torch.is_grad_enabled() and self.embed_grad):
                 state = staged.embed(x, attention_mask)
         else:
-            positions = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
-            state = BoundaryState(x, attention_mask.bool(), positions, None)
+            state = BoundaryState.right_padded(x, attention_mask)
         split = min(max(self.grad_from, self.start), stage.stop)
         with torch.no_grad():
             state = staged.run(state, self.start, split)

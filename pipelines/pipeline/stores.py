@@ -137,8 +137,7 @@ class PipelinePrefix:
         if self.stage.embed:
             return self.staged.embed(input_ids, attention_mask, labels)
         hidden = receive_hidden(self.staged, self.mesh, input_ids.shape, self.device)
-        positions = torch.arange(input_ids.shape[1], device=self.device).expand_as(input_ids)
-        return BoundaryState(hidden, attention_mask.bool(), positions, labels)
+        return BoundaryState.right_padded(hidden, attention_mask, labels)
 
     def run(self, state: BoundaryState, start: int, stop: int, recompute: bool = False) -> BoundaryState:
         return self.staged.run(state, self.stage.start, stop)
