@@ -67,8 +67,8 @@ class StagedModel(ABC):
         """The boundary-0 state of a right-padded batch (`attention_mask` None means no padding)."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
-        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        return BoundaryState.right_padded(self._embed(input_ids, position_ids), attention_mask, labels)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]  # one row, as the framework's
+        return BoundaryState.right_padded(self._embed(input_ids, positions), attention_mask, labels)
 
     def run(self, state: BoundaryState, start: int, stop: int, recompute: bool = False) -> BoundaryState:
         """Run layers `[start, stop)` on a state at boundary `start`; returns the state at boundary `stop`.
@@ -221,7 +221,7 @@ class LlamaFamily(StagedModel):
             kind: _causal_mask(self.config, hidden, state, sliding=kind == "sliding_attention")
             for kind in set(self.layer_kinds[start:stop])
         }
-        rotary = self.model.model.rotary_emb(hidden, position_ids=state.position_ids)
+        rotary = self.model.model.rotary_emb(hidden, position_ids=state.shared_positions())
         for index in range(start, stop):
             hidden = layer(
                 self.layers[index],

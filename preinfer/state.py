@@ -42,6 +42,12 @@ class BoundaryState:
         positions = torch.arange(length, device=hidden.device).expand(batch, length)
         return cls(hidden, attention_mask.bool(), positions, labels)
 
+    def shared_positions(self) -> torch.Tensor:
+        """`position_ids`, as one row `[1, T]` when every row shares it by construction (`right_padded`'s
+        stride-0 expand), so that rotary tables are built and saved for backward once, not once per row."""
+        positions = self.position_ids
+        return positions[:1] if positions.dim() == 2 and positions.stride(0) == 0 else positions
+
     @classmethod
     def from_dict(cls, tensors: dict[str, torch.Tensor]) -> BoundaryState:
         names = {f.name for f in fields(cls)}
