@@ -432,8 +432,8 @@ class ProgressUI:
             self.close()
             self.key = key
             self.bar = tqdm(total=self.total, desc=f"sweep {key[0]} block {key[1]}", unit="step", leave=False)
-        self.bar.update(1)
-        self.bar.set_postfix(loss=f"{record.loss:.3f}", tok_s=f"{record.tokens_per_s:.0f}")
+        self.bar.set_postfix(loss=f"{record.loss:.3f}", tok_s=f"{record.tokens_per_s:.0f}", refresh=False)
+        self.bar.update(1)  # redraws at most every 0.1 s (tqdm's mininterval), the postfix with it
 
     def close(self) -> None:
         if self.bar is not None:

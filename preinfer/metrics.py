@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TextIO
 
 from preinfer.errors import PreinferError
 
@@ -178,17 +178,27 @@ def parse_record(data: dict[str, Any]) -> Record:
 
 
 class MetricsLog:
-    """Appends one JSON object per line; a None path discards (non-zero ranks, tests). The file and its
-    directory are created by the first record."""
+    """Appends one JSON object per line, flushed as written; a None path discards (non-zero ranks, tests). The
+    file and its directory are created by the first record; the file stays open until `close()` (a later record
+    opens it again), so a step's record costs one write, not an open and a close."""
 
     def __init__(self, path: Path | None):
         self.path = path
+        self._file: TextIO | None = None
 
     def write(self, record: Record) -> None:
-        if self.path is not None:
+        if self.path is None:
+            return
+        if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.path.open("a") as f:
-                f.write(json.dumps(record.to_dict()) + "\n")
+            self._file = self.path.open("a")
+        self._file.write(json.dumps(record.to_dict()) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 def read_metrics(path: Path) -> list[Record]:

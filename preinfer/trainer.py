@@ -124,6 +124,12 @@ class Trainer:
     def fit(self, max_total_steps: int | None = None) -> list[dict]:
         """Run every remaining visit; stop early (after a checkpoint) once `max_total_steps` steps are done or
         when `stop_requested` is set."""
+        try:
+            return self._fit(max_total_steps)
+        finally:
+            self.log.close()
+
+    def _fit(self, max_total_steps: int | None) -> list[dict]:
         p = self.progress
         while p.sweep < self.config.blocks.sweeps:
             order = self.order(p.sweep)
