@@ -40,12 +40,14 @@ from pipelines.sources import ReaderBatches
 from pipelines.sweep_plan import (Plan, SweepPlan, Throughputs, Visit, Workload, plan_sweep, store_cost,
                                   visit_seconds)
 
-# Until a store has been read on this machine, assume this read speed (bytes/s) for the cost model.
-ASSUMED_READ_BPS = 300e6
 # Timed forwards of one layer over one training batch that give the first estimate of the prefix's speed.
 LAYER_PROBES = 5
-# Until a store has been written, assume this write speed (bytes/s).
+# Before the first plan of `auto`, a store of the first training samples (one shard, at most this many bytes of
+# states) is written, read back and deleted, to time the store's disk, codec and format on this machine.
+PROBE_BYTES = 8 * 2**20
+# `on` plans without the probe: until a store has been written and read, it assumes these speeds (bytes/s).
 ASSUMED_WRITE_BPS = 150e6
+ASSUMED_READ_BPS = 300e6
 
 
 @dataclasses.dataclass
@@ -178,6 +180,8 @@ class PreInference:
         self.work = self._workload(self.blocks[self.position:])
         if self.rates is None:
             self.rates = Throughputs(self._layer_seconds(), ASSUMED_WRITE_BPS, ASSUMED_READ_BPS)
+            if self.mode == "auto" and any(visit.start > 0 for visit in self.work.visits):
+                self._probe_store()
         chosen = plan_sweep(self.work, self.rates, self.mode)
         self.plan, self.first, self.assumed = chosen.chosen, self.position, self.rates
         self.emit(self._plan_record(chosen, reason))
@@ -263,23 +267,42 @@ class PreInference:
         tally.forward_seconds += result.forward_seconds
         tally.layer_samples += (result.boundary - source) * sum(len(d) for d in self.datasets.values())
         tally.write_seconds += result.write_seconds
-        tally.write_bytes += result.bytes_written
+        tally.write_bytes += result.samples * self.work.sample_bytes  # the cost model's bytes: uncompressed
         self.rates = dataclasses.replace(
             self.rates,
             layer_seconds=tally.forward_seconds / tally.layer_samples if tally.forward_seconds else
             self.rates.layer_seconds,
             write_bps=tally.write_bytes / tally.write_seconds if tally.write_seconds > 0 else self.rates.write_bps)
 
-    def _measure_read(self, path: Location) -> None:
-        """Read speed: one pass over a new store's eval split (the first store of the run)."""
-        store = open_cache(path, splits=["eval"])["eval"]
+    def _measure_read(self, path: Location, split: str = "eval") -> None:
+        """Read speed: one pass over a store's split (the probe's, then the first store's eval split)."""
+        store = open_cache(path, splits=[split])[split]
         started = time.perf_counter()
         samples = sum(len(batch["hidden"]) for batch in store.reader(self.config.data.batch_size, shuffle=False))
         seconds = time.perf_counter() - started
         if seconds > 0 and samples:
             sample_bytes = self.work.sample_bytes
             self.rates = dataclasses.replace(self.rates, read_bps=samples * sample_bytes / seconds)
-        self.read_measured = True
+
+    def _probe_store(self) -> None:
+        """The first estimate of the write and read speeds: the store at boundary 1 of the first training samples
+        (one shard, at most `PROBE_BYTES`), made by the caching job's code where the stores will go, read back
+        once and deleted. The first real store replaces both estimates (`Tally`, `_measure_read`)."""
+        started = time.perf_counter()
+        train = self.datasets["train"]
+        samples = max(1, min(self.shard, len(train), PROBE_BYTES // self.work.sample_bytes))
+        out = self.root / f"probe-rank{self.rank}"
+        try:
+            result = cache_boundary(self.staged, {"probe": train.head(samples)}, self.tokenizer, 1, out,
+                                    self.options)
+            if result.write_seconds > 0:
+                self.rates = dataclasses.replace(self.rates,
+                                                 write_bps=samples * self.work.sample_bytes / result.write_seconds)
+            self._measure_read(out, "probe")
+        finally:
+            remove_tree(out)
+        self.emit(CacheRecord(boundary=1, how="probe", seconds=time.perf_counter() - started,
+                              bytes=result.bytes_written))
 
     @torch.no_grad()
     def _layer_seconds(self) -> float:
@@ -329,6 +352,7 @@ class PreInference:
         self._measure_build(result, source)
         if not self.read_measured:
             self._measure_read(out)
+            self.read_measured = True
         return out
 
     def _delete_unread(self, now: int) -> None:

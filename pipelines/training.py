@@ -403,6 +403,9 @@ class ProgressUI:
                 source = "the input" if record.how == "input" else f"the store at boundary {record.from_}"
                 tqdm.write(f"store at boundary {record.boundary}: made from {source} in "
                            f"{record.seconds:.1f} s ({record.bytes / 2**20:.1f} MiB)")
+            elif record.how == "probe":
+                tqdm.write(f"pre-inference: timed the stores' disk with a {record.bytes / 2**20:.1f} MiB store at "
+                           f"boundary 1 in {record.seconds:.1f} s (deleted)")
             return
         if isinstance(record, BudgetPlanRecord):
             self.budget = record.budget

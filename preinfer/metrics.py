@@ -70,7 +70,7 @@ class CacheRecord(Record):
 
     kind: ClassVar[str] = "cache"
     boundary: int
-    how: str  # input (a fresh prefix run), roll_forward, reuse or deleted
+    how: str  # input (a fresh prefix run), roll_forward, reuse, deleted, or probe (auto's timing of the disk)
     seconds: float
     bytes: int  # bytes written
     from_: int | None = None  # input and roll_forward: the boundary the store was made from (0: the input)
@@ -124,7 +124,9 @@ class SweepPlanRecord(Record):
         alternative = "" if self.alternative_s is None else f" {self.alternative_s:.1f} s"
         text = (f"sweep {self.sweep} pre-inference plan ({self.reason}): {self.chosen}, predicted "
                 f"{self.predicted_s:.1f} s; alternative {self.alternative}{alternative}; live {self.live_s:.1f} s; "
-                f"peak disk {self.peak_bytes / 2**20:.1f} MiB of {self.free_bytes / 2**30:.1f} GiB free")
+                f"peak disk {self.peak_bytes / 2**20:.1f} MiB of {self.free_bytes / 2**30:.1f} GiB free; "
+                f"assumed layer {1e3 * self.layer_seconds:.3g} ms/sample, write {self.write_bps / 1e6:.3g} MB/s, "
+                f"read {self.read_bps / 1e6:.3g} MB/s")
         return text if self.note is None else f"{text}\n{self.note}"
 
 

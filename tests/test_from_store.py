@@ -96,6 +96,26 @@ def test_auto_forced_to_stores_ends_with_the_weights_of_off_and_revises_its_plan
     assert len(outcome) == 1 and outcome[0].measured_s > 0 and outcome[0].run_predicted_s == outcome[0].predicted_s
 
 
+def test_auto_times_the_disk_before_its_first_plan(tmp_path, corpus):
+    """`auto`'s first plan uses write and read speeds measured here (a probe store, deleted after), not the
+    assumed ones; `on` needs no probe."""
+    from pipelines.pre_inference import ASSUMED_READ_BPS, ASSUMED_WRITE_BPS
+
+    auto_config = config_for(tmp_path, corpus, "auto", mode="auto")
+    on_config = config_for(tmp_path, corpus, "on", mode="on")
+    run_bcd(auto_config, quiet=True)
+    run_bcd(on_config, quiet=True)
+    records = read_metrics(RunDir(auto_config.run.out).metrics)
+    probes = [i for i, r in enumerate(records) if isinstance(r, CacheRecord) and r.how == "probe"]
+    plans = [i for i, r in enumerate(records) if isinstance(r, SweepPlanRecord)]
+    assert len(probes) == 1 and probes[0] < plans[0] and records[probes[0]].bytes > 0
+    first = records[plans[0]]
+    assert first.write_bps != ASSUMED_WRITE_BPS and first.read_bps != ASSUMED_READ_BPS
+    assert first.write_bps > 0 and first.read_bps > 0
+    assert not list(Path(RunDir(auto_config.run.out).stores).glob("probe*"))
+    assert not [r for r in cache_records(on_config.run.out) if r.how == "probe"]
+
+
 def test_on_builds_only_the_stores_its_visits_read(tmp_path, corpus):
     """A descending sweep with --start-block 1 visits 1, 0, 3, 2: the store at block 1's boundary is read first;
     block 0 changes every boundary, so blocks 3 and 2 each get one store; nothing else is made."""
