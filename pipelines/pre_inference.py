@@ -42,8 +42,9 @@ from pipelines.sweep_plan import (Plan, SweepPlan, Throughputs, Visit, Workload,
 
 # Timed forwards of one layer over one training batch that give the first estimate of the prefix's speed.
 LAYER_PROBES = 5
-# Before the first plan of `auto`, a store of the first training samples (one shard, at most this many bytes of
-# states) is written, read back and deleted, to time the store's disk, codec and format on this machine.
+# Before the first plan of `auto` (when a store could pay at all), a store of the first training samples (one
+# shard, at most this many bytes of states) is written, read back and deleted, to time the store's disk, codec
+# and format on this machine.
 PROBE_BYTES = 8 * 2**20
 # `on` plans without the probe: until a store has been written and read, it assumes these speeds (bytes/s).
 ASSUMED_WRITE_BPS = 150e6
@@ -180,7 +181,7 @@ class PreInference:
         self.work = self._workload(self.blocks[self.position:])
         if self.rates is None:
             self.rates = Throughputs(self._layer_seconds(), ASSUMED_WRITE_BPS, ASSUMED_READ_BPS)
-            if self.mode == "auto" and any(visit.start > 0 for visit in self.work.visits):
+            if self.mode == "auto" and self._stores_could_pay():
                 self._probe_store()
         chosen = plan_sweep(self.work, self.rates, self.mode)
         self.plan, self.first, self.assumed = chosen.chosen, self.position, self.rates
@@ -284,10 +285,17 @@ class PreInference:
             sample_bytes = self.work.sample_bytes
             self.rates = dataclasses.replace(self.rates, read_bps=samples * sample_bytes / seconds)
 
+    def _stores_could_pay(self) -> bool:
+        """Whether a plan would read stores on a disk that costs nothing to write and read (if not, timing the
+        disk cannot change the plan, and the probe is not made)."""
+        free = dataclasses.replace(self.rates, write_bps=math.inf, read_bps=math.inf)
+        return plan_sweep(self.work, free, "auto").chosen.reads_stores
+
     def _probe_store(self) -> None:
-        """The first estimate of the write and read speeds: the store at boundary 1 of the first training samples
-        (one shard, at most `PROBE_BYTES`), made by the caching job's code where the stores will go, read back
-        once and deleted. The first real store replaces both estimates (`Tally`, `_measure_read`)."""
+        """The first estimate of the write and read speeds and of a store's fixed cost: the store at boundary 1 of
+        the first training samples (one shard, at most `PROBE_BYTES`), made by the caching job's code where the
+        stores will go, read back once and deleted. The first real store replaces the estimates (`Tally`,
+        `_measure_read`)."""
         started = time.perf_counter()
         train = self.datasets["train"]
         samples = max(1, min(self.shard, len(train), PROBE_BYTES // self.work.sample_bytes))
@@ -300,7 +308,11 @@ class PreInference:
                                                  write_bps=samples * self.work.sample_bytes / result.write_seconds)
             self._measure_read(out, "probe")
         finally:
+            deleting = time.perf_counter()
             remove_tree(out)
+        # the store's fixed cost (open, check, finalize, index, delete) until the first real store measures it
+        overhead = result.seconds - result.forward_seconds - result.write_seconds + time.perf_counter() - deleting
+        self.rates = dataclasses.replace(self.rates, store_overhead_s=max(overhead, 0.0))
         self.emit(CacheRecord(boundary=1, how="probe", seconds=time.perf_counter() - started,
                               bytes=result.bytes_written))
 

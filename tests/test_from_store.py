@@ -98,13 +98,17 @@ def test_auto_forced_to_stores_ends_with_the_weights_of_off_and_revises_its_plan
 
 def test_auto_times_the_disk_before_its_first_plan(tmp_path, corpus):
     """`auto`'s first plan uses write and read speeds measured here (a probe store, deleted after), not the
-    assumed ones; `on` needs no probe."""
+    assumed ones (visits of two epochs); `on` needs no probe, nor does `auto` when no store could pay even on a
+    free disk (one step a visit: a store's prefix forward over the split costs more than the visit's)."""
     from pipelines.pre_inference import ASSUMED_READ_BPS, ASSUMED_WRITE_BPS
 
     auto_config = config_for(tmp_path, corpus, "auto", mode="auto")
     on_config = config_for(tmp_path, corpus, "on", mode="on")
-    run_bcd(auto_config, quiet=True)
-    run_bcd(on_config, quiet=True)
+    short_config = config_for(tmp_path, corpus, "short", mode="auto")
+    auto_config.data.max_samples, auto_config.stop.steps_per_visit = 16, 8  # two epochs a visit
+    short_config.data.max_samples, short_config.stop.steps_per_visit = 16, 1
+    for config in (auto_config, on_config, short_config):
+        run_bcd(config, quiet=True)
     records = read_metrics(RunDir(auto_config.run.out).metrics)
     probes = [i for i, r in enumerate(records) if isinstance(r, CacheRecord) and r.how == "probe"]
     plans = [i for i, r in enumerate(records) if isinstance(r, SweepPlanRecord)]
@@ -113,7 +117,11 @@ def test_auto_times_the_disk_before_its_first_plan(tmp_path, corpus):
     assert first.write_bps != ASSUMED_WRITE_BPS and first.read_bps != ASSUMED_READ_BPS
     assert first.write_bps > 0 and first.read_bps > 0
     assert not list(Path(RunDir(auto_config.run.out).stores).glob("probe*"))
+    assert first.store_overhead_s > 0  # the probe store's own fixed cost
     assert not [r for r in cache_records(on_config.run.out) if r.how == "probe"]
+    assert not [r for r in cache_records(short_config.run.out) if r.how == "probe"]
+    short_plans = [r for r in read_metrics(RunDir(short_config.run.out).metrics) if isinstance(r, SweepPlanRecord)]
+    assert short_plans[0].chosen == "live" and short_plans[0].write_bps == ASSUMED_WRITE_BPS
 
 
 def test_on_builds_only_the_stores_its_visits_read(tmp_path, corpus):
