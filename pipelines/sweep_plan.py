@@ -25,6 +25,10 @@ REVISE_MARGIN = 0.25
 # Until a visit of a block has been timed, one training step over a layer costs this many no_grad forwards of it
 # (forward, backward through activations and weights).
 TRAIN_FACTOR = 3.0
+# `auto` reads stores only when their plan is predicted to take at most this fraction less than live: within it,
+# live is at worst this much slower than the stores if the prediction is right, and it is safe from what the model
+# misses (a store's first open in a process, the disk's jitter), which only ever makes stores slower.
+STORE_MARGIN = 0.05
 # Store overheads below this many seconds are not worth a new plan, however they compare in relative terms.
 OVERHEAD_FLOOR_S = 0.1
 # Up to this many visits that could read a store, every choice of them is priced; beyond, a local search.
@@ -145,8 +149,8 @@ class SweepPlan:
 
 
 def plan_sweep(work: Workload, rates: Throughputs, mode: str = "auto") -> SweepPlan:
-    """`auto`: the cheapest plan that fits the disk (live on a tie); `on`: every visit above the input reads a
-    store, timed to fit the disk if any timing does."""
+    """`auto`: the cheapest plan that fits the disk, if it beats live by more than `STORE_MARGIN`, else live;
+    `on`: every visit above the input reads a store, timed to fit the disk if any timing does."""
     live = schedule(work, rates, (False,) * len(work.visits))
     eligible = tuple(v.start > 0 for v in work.visits)
     everything = [schedule(work, rates, eligible, *timing) for timing in TIMINGS]
@@ -156,7 +160,8 @@ def plan_sweep(work: Workload, rates: Throughputs, mode: str = "auto") -> SweepP
         fits = [p for p in everything if p.peak_bytes <= work.disk_budget]
         chosen = min(fits, key=lambda p: p.seconds) if fits else min(everything, key=lambda p: p.peak_bytes)
     else:
-        chosen = best_store if best_store is not None and best_store.seconds < live.seconds else live
+        wins = best_store is not None and best_store.seconds < (1 - STORE_MARGIN) * live.seconds
+        chosen = best_store if wins else live
     all_stores = min(everything, key=lambda p: p.seconds)
     no_reuse = bool(all_stores.builds) and not all_stores.reused and all(
         b.source == 0 and all_stores.sources.index(b.boundary) == b.slot for b in all_stores.builds)

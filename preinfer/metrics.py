@@ -125,8 +125,8 @@ class SweepPlanRecord(Record):
         text = (f"sweep {self.sweep} pre-inference plan ({self.reason}): {self.chosen}, predicted "
                 f"{self.predicted_s:.1f} s; alternative {self.alternative}{alternative}; live {self.live_s:.1f} s; "
                 f"peak disk {self.peak_bytes / 2**20:.1f} MiB of {self.free_bytes / 2**30:.1f} GiB free; "
-                f"assumed layer {1e3 * self.layer_seconds:.3g} ms/sample, write {self.write_bps / 1e6:.3g} MB/s, "
-                f"read {self.read_bps / 1e6:.3g} MB/s")
+                f"assumed layer {1e3 * self.layer_seconds:.3g} ms/sample, write {self.write_bps / 1e6:,.1f} MB/s, "
+                f"read {self.read_bps / 1e6:,.1f} MB/s")
         return text if self.note is None else f"{text}\n{self.note}"
 
 
