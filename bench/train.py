@@ -29,7 +29,8 @@ Prints a table and writes bench/out/train.json.
    on and off side by side, --scenario-repeats times each, the modes' order rotated by one place per scenario
    and reversed on every other repeat (medians per mode), for every scenario
    {ascending, descending} x {a tenth of an epoch, 1 epoch, 3 epochs per visit} x --sweeps sweeps on each of
-   --scenario-models, UFP 1/3, --scenario-samples samples per split, float32 stores. Wall time of each run
+   --scenario-models, UFP 1/3, --scenario-samples samples per split, float32 stores, each run in a process of its
+   own (its times leave out the process's start and imports). Wall time of each run
    (and its process CPU time, less sensitive to other load on a shared machine), auto over the better of on and
    off (target <= 1.05), the final eval losses (equal: float32 stores), the
    plans auto chose, and the cost model's predicted seconds against the measured ones (the `plan_outcome`
@@ -48,6 +49,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -106,6 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scenario-repeats", type=int, default=2,
                    help="runs of each mode per scenario, in rotated and reversed orders; medians [2]")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny-llama, seq 32, batch 2, a few steps")
+    p.add_argument("--scenario-worker", metavar="SPEC", help=argparse.SUPPRESS)
+    p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--store-dtype", dest="store_dtypes", metavar="DTYPES",
                    help="instead: train the top block of --trained from a store in each of these comma-separated "
                         "store dtypes and from the exact store (float32), same seed, steps and sample order; final "
@@ -410,6 +414,25 @@ def scenario_run(args: argparse.Namespace, model: str, order: str, epochs: float
                 measured_s=outcome[-1].run_measured_s if outcome else None)
 
 
+def scenario_process(args: argparse.Namespace, model: str, order: str, epochs: float, mode: str, out: Path) -> dict:
+    """`scenario_run` in a Python process of its own, as a user's `preinfer bcd` runs: nothing is carried over from
+    the runs before it (allocator state, threads, opened stores, warmed code paths). Its times leave out the
+    process's start and imports."""
+    result = out.parent / f"{out.name}.json"
+    spec = dict(model=model, order=order, epochs=epochs, mode=mode, out=str(out))
+    command = [sys.executable, str(Path(__file__).resolve()), "--seq-len", str(args.seq_len), "--batch-size",
+               str(args.batch_size), "--scenario-samples", str(args.scenario_samples), "--sweeps", str(args.sweeps),
+               "--threads", str(args.threads), "--scenario-worker", json.dumps(spec), "--result", str(result)]
+    subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return json.loads(result.read_text())
+
+
+def scenario_worker(args: argparse.Namespace) -> None:
+    spec = json.loads(args.scenario_worker)
+    run = scenario_run(args, spec["model"], spec["order"], spec["epochs"], spec["mode"], Path(spec["out"]))
+    args.result.write_text(json.dumps(run))
+
+
 def mode_orders(index: int, repeats: int) -> list[tuple[str, ...]]:
     """The order of the modes in each repeat of scenario number `index`: rotated by one place per scenario, and
     reversed on every other repeat, so that no mode always runs first (or last) after another scenario's runs."""
@@ -425,7 +448,7 @@ def scenarios(args: argparse.Namespace, root: Path, on_row=lambda rows: None) ->
     rows = []
     models = args.scenario_models.split(",")
     for model in models:
-        scenario_run(args, model, "ascending", SCENARIO_EPOCHS[0], "on", root / f"warm-up-{model}")  # not timed
+        scenario_process(args, model, "ascending", SCENARIO_EPOCHS[0], "on", root / f"warm-up-{model}")  # untimed
         for order in ("ascending", "descending"):
             for epochs in SCENARIO_EPOCHS:
                 name = f"{model}-{order}-{epochs:g}"
@@ -433,7 +456,7 @@ def scenarios(args: argparse.Namespace, root: Path, on_row=lambda rows: None) ->
                 for r, modes in enumerate(mode_orders(len(rows), args.scenario_repeats)):
                     for mode in modes:
                         out = root / f"{name}-{mode}-{r}"
-                        repeats[mode].append(scenario_run(args, model, order, epochs, mode, out))
+                        repeats[mode].append(scenario_process(args, model, order, epochs, mode, out))
                 runs = {mode: dict(runs[0], wall_s=statistics.median(r["wall_s"] for r in runs),
                                    walls_s=[r["wall_s"] for r in runs],
                                    cpu_s=statistics.median(r["cpu_s"] for r in runs),
@@ -559,6 +582,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.scenario_worker:
+        scenario_worker(args)
+        return 0
     if args.store_dtypes:
         result = in_root(args, lambda root: store_dtype_runs(args, root))
         out = args.out.with_name("train_store_dtypes.json" if "," not in args.dtype_seeds
