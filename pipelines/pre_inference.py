@@ -49,6 +49,10 @@ PROBE_BYTES = 8 * 2**20
 # `on` plans without the probe: until a store has been written and read, it assumes these speeds (bytes/s).
 ASSUMED_WRITE_BPS = 150e6
 ASSUMED_READ_BPS = 300e6
+# Until the probe or a store has measured it, a store's fixed cost (seconds: open, check, finalize, index, delete;
+# the first store of a process measured 0.14-0.35 s on the development machine). It keeps runs too short for
+# stores to matter from paying for a probe.
+ASSUMED_STORE_OVERHEAD_S = 0.25
 
 
 @dataclasses.dataclass
@@ -180,7 +184,8 @@ class PreInference:
         """Plan the sweep's remaining visits with the stores valid now and the throughputs measured so far."""
         self.work = self._workload(self.blocks[self.position:])
         if self.rates is None:
-            self.rates = Throughputs(self._layer_seconds(), ASSUMED_WRITE_BPS, ASSUMED_READ_BPS)
+            self.rates = Throughputs(self._layer_seconds(), ASSUMED_WRITE_BPS, ASSUMED_READ_BPS,
+                                     ASSUMED_STORE_OVERHEAD_S)
             if self.mode == "auto" and self._stores_could_pay():
                 self._probe_store()
         chosen = plan_sweep(self.work, self.rates, self.mode)
@@ -286,8 +291,8 @@ class PreInference:
             self.rates = dataclasses.replace(self.rates, read_bps=samples * sample_bytes / seconds)
 
     def _stores_could_pay(self) -> bool:
-        """Whether a plan would read stores on a disk that costs nothing to write and read (if not, timing the
-        disk cannot change the plan, and the probe is not made)."""
+        """Whether a plan would read stores on a disk that costs nothing to write and read, each store still
+        costing its fixed overhead (if not, timing the disk cannot change the plan, and the probe is not made)."""
         free = dataclasses.replace(self.rates, write_bps=math.inf, read_bps=math.inf)
         return plan_sweep(self.work, free, "auto").chosen.reads_stores
 
