@@ -1,4 +1,5 @@
-"""Small helpers shared by benchmark scripts: median timing, a plain-text table, JSON output under bench/out/."""
+"""Small helpers shared by benchmark scripts: median timing, commands run side by side, a plain-text table, JSON
+output under bench/out/."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import pathlib
 import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -25,6 +27,18 @@ def median_seconds(run: Callable[[], object], repeats: int, before: Callable[[],
         run()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def run_side_by_side(commands: list[list[str]], cwd: pathlib.Path) -> None:
+    """Run `commands` at the same time, command i pinned to core i (`taskset`) with one OpenMP thread, so that
+    they meet the same machine at every moment: a shared machine's speed moves by tens of percent within
+    minutes, which then moves them alike and cancels in their ratio."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    started = [subprocess.Popen(["taskset", "-c", str(core), *command], cwd=cwd, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL) for core, command in enumerate(commands)]
+    for process in started:
+        if process.wait() != 0:
+            raise subprocess.CalledProcessError(process.returncode, process.args)
 
 
 def table(rows: list[dict], columns: list[str]) -> str:

@@ -31,9 +31,12 @@ shows medians, because the machine is shared. Measured per run:
   the framework's forward over the first --eval-batches batches of the eval split.
 
 The long visit (--long-steps, 0 to skip): one block (the first of --ranges) trained for that many steps, plain
-against preinfer (`--active`), alternating; tokens/s in windows of --window steps, from the per-step times
-(preinfer: the step records' `visit_s`, seconds since the visit began). Target: in every window the trainer at
-least 0.97x the plain loop (median over the rounds of each window's ratio).
+against preinfer (`--active`); tokens/s in windows of --window steps, from the per-step times (preinfer: the step
+records' `visit_s`, seconds since the visit began). By default the two run at the same time, each pinned to a core
+of its own with one thread, so that window i of both meets the same machine (a shared machine's speed moves by
+tens of percent within minutes, more than the 3% to be judged); --no-long-side-by-side runs them one after the
+other. Target: in every window the trainer at least 0.97x the plain loop (median over the rounds of each window's
+ratio).
 
     python bench/peers.py                                  # bf16-mixed, all four, the long visit
     python bench/peers.py --precision fp32 --methods plain,preinfer --long-steps 0     # the hot path alone
@@ -60,6 +63,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -69,7 +73,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from bench.common import machine, table  # noqa: E402
+from bench.common import machine, run_side_by_side, table  # noqa: E402
 
 METHODS = ("plain", "badam", "preinfer", "preinfer-auto")
 TARGETS = dict(steps_per_s=1.0, window=0.97, eval_loss=0.01)
@@ -248,17 +252,23 @@ def run_worker(method: str, flags: list[str], result: Path) -> None:
 # One run of each method, as a process of its own.
 
 
-def run_method(args: argparse.Namespace, method: str, flags: list[str], scratch: Path) -> dict:
-    """Run `method` with the bcd `flags`; steps, training seconds, per-step stamps, tracked peak, model dir."""
+def method_command(method: str, flags: list[str], scratch: Path) -> tuple[list[str], Callable[[], dict]]:
+    """The command that runs `method` with the bcd `flags`, and what reads its result once it has ended: steps,
+    training seconds, per-step stamps, tracked peak, model dir."""
     if method.startswith("preinfer"):
-        command = [sys.executable, "-m", "pipelines.cli", "bcd", *flags]
-        subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-        return preinfer_result(Path(flags[flags.index("--out") + 1]))
+        out = Path(flags[flags.index("--out") + 1])
+        return [sys.executable, "-m", "pipelines.cli", "bcd", *flags], lambda: preinfer_result(out)
     result = scratch / f"{method}.json"
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", method, "--result", str(result), "--",
                *flags]
+    return command, lambda: json.loads(result.read_text())
+
+
+def run_method(args: argparse.Namespace, method: str, flags: list[str], scratch: Path) -> dict:
+    """Run `method` with the bcd `flags` alone on the machine."""
+    command, result = method_command(method, flags, scratch)
     subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)  # BAdam prints its blocks
-    return json.loads(result.read_text())
+    return result()
 
 
 def preinfer_result(out: Path) -> dict:
@@ -367,15 +377,21 @@ def long_visit(args: argparse.Namespace, scratch: Path) -> dict:
     per_step = args.long_seq_len * args.long_batch_size
     found: dict[str, list[list[float]]] = {"plain": [], "preinfer": []}
     for round_ in range(args.long_repeats):
-        for method in found:
-            out = scratch / f"long-{method}-{round_}"
-            flags = bcd_flags(args, out, args.long_steps, args.ranges, args.long_seq_len, args.long_batch_size,
-                              active=first)
-            run = run_method(args, method, flags, scratch)
+        commands = {method: method_command(method, bcd_flags(args, scratch / f"long-{method}-{round_}",
+                                                             args.long_steps, args.ranges, args.long_seq_len,
+                                                             args.long_batch_size, active=first), scratch)
+                    for method in found}
+        if args.long_side_by_side:
+            run_side_by_side([command for command, _ in commands.values()], ROOT)
+        else:
+            for command, _ in commands.values():
+                subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        done = {method: result() for method, (_, result) in commands.items()}
+        for method, run in done.items():
             found[method].append(windows(run["stamps"], args.window, per_step))
             print(f"[peers] long visit round {round_} {method}: tokens/s by window "
                   f"{', '.join(f'{w:.0f}' for w in found[method][-1])}", flush=True)
-            shutil.rmtree(out, ignore_errors=True)
+            shutil.rmtree(scratch / f"long-{method}-{round_}", ignore_errors=True)
     count = min(len(w) for runs in found.values() for w in runs)
     rows = []
     for i in range(count):
@@ -410,6 +426,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--long-batch-size", type=int, default=4)
     p.add_argument("--long-repeats", type=int, default=2)
     p.add_argument("--window", type=int, default=50, help="steps per window of the long visit")
+    p.add_argument("--long-side-by-side", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the long visit's plain loop and trainer at once, each on a core of its own with one "
+                        "thread (default); --no-long-side-by-side: one after the other, with every core")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "peers.json")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: tiny-llama, seq 32, batch 2, 3 steps per block, plain and preinfer")

@@ -25,14 +25,14 @@ Everything in one run of one process, on `small-llama`, `builtin:pydoc`, seq 128
 
 Prints a table and writes bench/out/train.json.
 
-5. With --scenarios, instead of 1-4: issue 16's scenario table. Whole `bcd` runs with `--pre-inference` auto,
-   on and off side by side, --scenario-repeats times each, the modes' order rotated by one place per scenario
-   and reversed on every other repeat (medians per mode), for every scenario
+5. With --scenarios, instead of 1-4: issue 16's scenario table. Whole `bcd` runs with `--pre-inference` auto
+   against on and auto against off, each pair at the same time on one core each (so that both meet the same
+   machine), --scenario-repeats times, auto over each mode the median of the pairs' ratios, for every scenario
    {ascending, descending} x {a tenth of an epoch, 1 epoch, 3 epochs per visit} x --sweeps sweeps on each of
    --scenario-models, UFP 1/3, --scenario-samples samples per split, float32 stores, each run in a process of its
-   own (its times leave out the process's start and imports). Wall time of each run
-   (and its process CPU time, less sensitive to other load on a shared machine), auto over the better of on and
-   off (target <= 1.05), the final eval losses (equal: float32 stores), the
+   own (its times leave out the process's start and imports). Wall time of each run (and its process CPU
+   time), auto over the better of on and off (the larger of the two ratios; target <= 1.05), the final eval
+   losses (equal: float32 stores), the
    plans auto chose, and the cost model's predicted seconds against the measured ones (the `plan_outcome`
    records). Writes bench/out/train_scenarios.json.
 
@@ -49,7 +49,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,7 +61,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 import preinfer  # noqa: E402
-from bench.common import machine, table  # noqa: E402
+from bench.common import machine, run_side_by_side, table  # noqa: E402
 from pipelines.cache import CacheOptions, cache_boundary, open_cache  # noqa: E402
 from pipelines.models import resolve_model  # noqa: E402
 from pipelines.sources import ReaderBatches  # noqa: E402
@@ -106,7 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scenario-samples", type=int, default=80,
                    help="max_samples of each split in the scenario runs [80: 10 steps per epoch at batch 8]")
     p.add_argument("--scenario-repeats", type=int, default=2,
-                   help="runs of each mode per scenario, in rotated and reversed orders; medians [2]")
+                   help="pairs (auto, on) and (auto, off) per scenario, run side by side; medians [2]")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny-llama, seq 32, batch 2, a few steps")
     p.add_argument("--scenario-worker", metavar="SPEC", help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -414,17 +413,17 @@ def scenario_run(args: argparse.Namespace, model: str, order: str, epochs: float
                 measured_s=outcome[-1].run_measured_s if outcome else None)
 
 
-def scenario_process(args: argparse.Namespace, model: str, order: str, epochs: float, mode: str, out: Path) -> dict:
-    """`scenario_run` in a Python process of its own, as a user's `preinfer bcd` runs: nothing is carried over from
-    the runs before it (allocator state, threads, opened stores, warmed code paths). Its times leave out the
-    process's start and imports."""
+def scenario_command(args: argparse.Namespace, model: str, order: str, epochs: float, mode: str,
+                     out: Path) -> tuple[list[str], Path]:
+    """The command that runs `scenario_run` in a Python process of its own, as a user's `preinfer bcd` runs
+    (nothing carried over from the runs before it: allocator state, threads, opened stores, warmed code paths; its
+    times leave out the process's start and imports), and the file it writes its result to."""
     result = out.parent / f"{out.name}.json"
     spec = dict(model=model, order=order, epochs=epochs, mode=mode, out=str(out))
     command = [sys.executable, str(Path(__file__).resolve()), "--seq-len", str(args.seq_len), "--batch-size",
                str(args.batch_size), "--scenario-samples", str(args.scenario_samples), "--sweeps", str(args.sweeps),
-               "--threads", str(args.threads), "--scenario-worker", json.dumps(spec), "--result", str(result)]
-    subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return json.loads(result.read_text())
+               "--threads", "1", "--scenario-worker", json.dumps(spec), "--result", str(result)]
+    return command, result
 
 
 def scenario_worker(args: argparse.Namespace) -> None:
@@ -433,30 +432,37 @@ def scenario_worker(args: argparse.Namespace) -> None:
     args.result.write_text(json.dumps(run))
 
 
-def mode_orders(index: int, repeats: int) -> list[tuple[str, ...]]:
-    """The order of the modes in each repeat of scenario number `index`: rotated by one place per scenario, and
-    reversed on every other repeat, so that no mode always runs first (or last) after another scenario's runs."""
-    shift = index % len(SCENARIO_MODES)
-    rotated = SCENARIO_MODES[shift:] + SCENARIO_MODES[:shift]
-    return [rotated if r % 2 == 0 else rotated[::-1] for r in range(repeats)]
+def scenario_pair(args: argparse.Namespace, model: str, order: str, epochs: float, modes: tuple[str, str],
+                  out: Path) -> dict[str, dict]:
+    """The runs of two modes of a scenario side by side, the first mode on core 0 (`run_side_by_side`)."""
+    commands = {mode: scenario_command(args, model, order, epochs, mode, out / mode) for mode in modes}
+    out.mkdir(parents=True, exist_ok=True)
+    run_side_by_side([command for command, _ in commands.values()], ROOT)
+    return {mode: json.loads(result.read_text()) for mode, (_, result) in commands.items()}
 
 
 def scenarios(args: argparse.Namespace, root: Path, on_row=lambda rows: None) -> list[dict]:
-    """Every scenario's auto, on and off runs, --scenario-repeats times in the orders of `mode_orders` (after one
-    untimed run per model: imports, kernels, the store code); medians per mode; `on_row` sees the rows so far
-    after each scenario."""
+    """Every scenario: auto against on and auto against off, each pair side by side (one core and one thread
+    each; auto on core 0 in even repeats, core 1 in odd ones), --scenario-repeats times, after one untimed pair per
+    model (the disk's caches). Auto over each mode: the median over repeats of the pair's ratio; auto over the
+    better of the two: the larger of those (auto <= 1.05 x min(on, off) iff both ratios are <= 1.05). `on_row`
+    sees the rows so far after each scenario."""
     rows = []
-    models = args.scenario_models.split(",")
-    for model in models:
-        scenario_process(args, model, "ascending", SCENARIO_EPOCHS[0], "on", root / f"warm-up-{model}")  # untimed
+    for model in args.scenario_models.split(","):
+        scenario_pair(args, model, "ascending", SCENARIO_EPOCHS[0], ("on", "off"), root / f"warm-up-{model}")
         for order in ("ascending", "descending"):
             for epochs in SCENARIO_EPOCHS:
                 name = f"{model}-{order}-{epochs:g}"
-                repeats = {mode: [] for mode in SCENARIO_MODES}
-                for r, modes in enumerate(mode_orders(len(rows), args.scenario_repeats)):
-                    for mode in modes:
-                        out = root / f"{name}-{mode}-{r}"
-                        repeats[mode].append(scenario_process(args, model, order, epochs, mode, out))
+                repeats: dict[str, list[dict]] = {mode: [] for mode in SCENARIO_MODES}
+                ratios: dict[str, dict[str, list[float]]] = {m: {"wall_s": [], "cpu_s": []} for m in ("on", "off")}
+                for r in range(args.scenario_repeats):
+                    for other in ("on", "off"):
+                        modes = ("auto", other) if r % 2 == 0 else (other, "auto")
+                        done = scenario_pair(args, model, order, epochs, modes, root / f"{name}-{other}-{r}")
+                        for mode in modes:
+                            repeats[mode].append(done[mode])
+                        for key, values in ratios[other].items():
+                            values.append(done["auto"][key] / done[other][key])
                 runs = {mode: dict(runs[0], wall_s=statistics.median(r["wall_s"] for r in runs),
                                    walls_s=[r["wall_s"] for r in runs],
                                    cpu_s=statistics.median(r["cpu_s"] for r in runs),
@@ -464,18 +470,18 @@ def scenarios(args: argparse.Namespace, root: Path, on_row=lambda rows: None) ->
                                    measured_s=_median_or_none([r["measured_s"] for r in runs]),
                                    repeats=runs[1:])
                         for mode, runs in repeats.items()}
-                best = min(runs["on"]["wall_s"], runs["off"]["wall_s"])
+                over = {m: {key: statistics.median(v) for key, v in r.items()} for m, r in ratios.items()}
                 losses = [r["final_eval_loss"] for mode in SCENARIO_MODES for r in repeats[mode]]
-                row = dict(model=model, order=order, epochs_per_visit=epochs,
-                           orders=[list(m) for m in mode_orders(len(rows), args.scenario_repeats)], runs=runs,
-                           auto_over_best=runs["auto"]["wall_s"] / best,
-                           auto_over_best_cpu=runs["auto"]["cpu_s"] / min(runs["on"]["cpu_s"], runs["off"]["cpu_s"]),
+                row = dict(model=model, order=order, epochs_per_visit=epochs, runs=runs, pair_ratios=ratios,
+                           auto_over_on=over["on"]["wall_s"], auto_over_off=over["off"]["wall_s"],
+                           auto_over_best=max(over["on"]["wall_s"], over["off"]["wall_s"]),
+                           auto_over_best_cpu=max(over["on"]["cpu_s"], over["off"]["cpu_s"]),
                            max_rel_eval_loss_diff=max(abs(a - losses[-1]) / abs(losses[-1]) for a in losses))
                 rows.append(row)
                 on_row(rows)
                 print(f"[train] {name}: " + ", ".join(
                     f"{m} {r['wall_s']:.1f} s ({' '.join(f'{w:.1f}' for w in r['walls_s'])})" for m, r in runs.items())
-                      + f"; auto / best {row['auto_over_best']:.3f}", flush=True)
+                      + f"; auto / on {row['auto_over_on']:.3f}, auto / off {row['auto_over_off']:.3f}", flush=True)
     return rows
 
 
@@ -492,6 +498,7 @@ def scenario_report(rows: list[dict]) -> str:
         lines.append(dict(
             model=row["model"], order=row["order"], epochs=f"{row['epochs_per_visit']:g}",
             auto_s=auto["wall_s"], on_s=on["wall_s"], off_s=runs["off"]["wall_s"],
+            auto_over_on=f"{row['auto_over_on']:.3f}", auto_over_off=f"{row['auto_over_off']:.3f}",
             auto_over_best=f"{row['auto_over_best']:.3f}", cpu_auto_over_best=f"{row['auto_over_best_cpu']:.3f}",
             auto_sources=" ".join(map(str, auto["sources"])),
             on_sources=" ".join(map(str, on["sources"])),
