@@ -33,7 +33,8 @@ shows medians, because the machine is shared. Measured per run:
 The long visit (--long-steps, 0 to skip): one block (the first of --ranges) trained for that many steps, plain
 against preinfer (`--active`); tokens/s in windows of --window steps, from the per-step times (preinfer: the step
 records' `visit_s`, seconds since the visit began). By default the two run at the same time, each pinned to a core
-of its own with one thread, so that window i of both meets the same machine (a shared machine's speed moves by
+of its own with one thread (the cores swapped from one round to the next), so that window i of both meets the
+same machine (a shared machine's speed moves by
 tens of percent within minutes, more than the 3% to be judged); --no-long-side-by-side runs them one after the
 other. Target: in every window the trainer at least 0.97x the plain loop (median over the rounds of each window's
 ratio).
@@ -381,8 +382,8 @@ def long_visit(args: argparse.Namespace, scratch: Path) -> dict:
                                                              args.long_steps, args.ranges, args.long_seq_len,
                                                              args.long_batch_size, active=first), scratch)
                     for method in found}
-        if args.long_side_by_side:
-            run_side_by_side([command for command, _ in commands.values()], ROOT)
+        if args.long_side_by_side:  # plain on core 0 in even rounds, on core 1 in odd ones
+            run_side_by_side([command for command, _ in commands.values()][::1 if round_ % 2 == 0 else -1], ROOT)
         else:
             for command, _ in commands.values():
                 subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
