@@ -87,6 +87,37 @@ def test_padding_never_changes_real_positions():
     assert torch.equal(a[mask.bool()], b[mask.bool()])
 
 
+def saved_bytes(model: nn.Module, step) -> int:
+    """Bytes of the storages `step()` saves for backward, parameters left out."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    held: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage().data_ptr()
+        if key not in params:
+            held[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return sum(held.values())
+
+
+def test_a_step_saves_no_more_than_the_frameworks_own():
+    """The embedding's positions are shared by every row, so the rotary tables are built (and saved) from one
+    row, as the framework's forward builds them; positions read from a store (one row each) stay as they are."""
+    model = hf_model("llama").train()
+    staged = preinfer.stage(model)
+    ids, mask = batch(padded=False)
+    state = staged.embed(ids, mask, ids)
+    assert state.shared_positions().shape == (1, T)
+    stored = preinfer.BoundaryState.from_dict({**state.to_dict(), "position_ids": state.position_ids.clone()})
+    assert stored.shared_positions().shape == (B, T)
+    ours = saved_bytes(model, lambda: staged.loss(staged.run(staged.embed(ids, mask, ids), 0, staged.num_layers)))
+    theirs = saved_bytes(model, lambda: model(input_ids=ids, attention_mask=mask, labels=ids).loss)
+    assert ours <= theirs
+
+
 def test_loss_matches_hf_loss():
     model = hf_model("gpt2")
     staged = preinfer.stage(model)
