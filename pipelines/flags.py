@@ -150,7 +150,7 @@ PRE_INFERENCE_FLAGS: list[Flag] = [
     Flag("--pre-inference", "pre_inference", "mode",
          "train blocks above the input from stores of boundary states: on; never: off; auto plans each sweep "
          "(stores built, rolled forward, read; peak disk) against running it live, with measured throughputs, and "
-         "reads stores when they are predicted to save more than 5%%",
+         "reads stores when they are predicted to save more than 2%%",
          dict(choices=["auto", "on", "off"])),
     Flag("--store-dir", "pre_inference", "store_dir", "where the run keeps its stores: a local path or "
          "s3://BUCKET/PATH", dict(type=store_location), unset="<out>/stores"),

@@ -37,6 +37,7 @@ from pipelines.cache import (
     CacheOptions, CacheResult, bytes_per_token, cache_boundary, cache_fingerprint, open_cache, roll_forward,
 )
 from pipelines.sources import ReaderBatches
+from pipelines import sweep_plan
 from pipelines.sweep_plan import (Plan, SweepPlan, Throughputs, Visit, Workload, plan_sweep, store_cost,
                                   visit_seconds)
 
@@ -50,9 +51,12 @@ PROBE_BYTES = 8 * 2**20
 ASSUMED_WRITE_BPS = 150e6
 ASSUMED_READ_BPS = 300e6
 # Until the probe or a store has measured it, a store's fixed cost (seconds: open, check, finalize, index, delete;
-# the first store of a process measured 0.14-0.35 s on the development machine). It keeps runs too short for
-# stores to matter from paying for a probe.
-ASSUMED_STORE_OVERHEAD_S = 0.25
+# the probe measured 0.04-0.06 s on the development machine, later stores 0.01-0.04 s).
+ASSUMED_STORE_OVERHEAD_S = 0.05
+# What the probe itself is assumed to cost (seconds; 0.14-0.35 s in a fresh process on the development machine):
+# it is made only when a store could save more than this beyond `sweep_plan.STORE_MARGIN`, so that runs too short
+# for stores to matter do not pay for it.
+PROBE_COST_S = 0.2
 
 
 @dataclasses.dataclass
@@ -291,10 +295,12 @@ class PreInference:
             self.rates = dataclasses.replace(self.rates, read_bps=samples * sample_bytes / seconds)
 
     def _stores_could_pay(self) -> bool:
-        """Whether a plan would read stores on a disk that costs nothing to write and read, each store still
-        costing its fixed overhead (if not, timing the disk cannot change the plan, and the probe is not made)."""
-        free = dataclasses.replace(self.rates, write_bps=math.inf, read_bps=math.inf)
-        return plan_sweep(self.work, free, "auto").chosen.reads_stores
+        """Whether stores could save more than the probe costs (`PROBE_COST_S`) beyond `STORE_MARGIN` on a disk
+        that costs nothing to write and read, each store still costing its fixed overhead (if not, timing the disk
+        cannot pay for itself, and the probe is not made)."""
+        free = plan_sweep(self.work, dataclasses.replace(self.rates, write_bps=math.inf, read_bps=math.inf), "auto")
+        return free.best_store is not None and (
+            free.best_store.seconds + PROBE_COST_S < (1 - sweep_plan.STORE_MARGIN) * free.live.seconds)
 
     def _probe_store(self) -> None:
         """The first estimate of the write and read speeds and of a store's fixed cost: the store at boundary 1 of

@@ -28,7 +28,7 @@ TRAIN_FACTOR = 3.0
 # `auto` reads stores only when their plan is predicted to take at most this fraction less than live: within it,
 # live is at worst this much slower than the stores if the prediction is right, and it is safe from what the model
 # misses (a store's first open in a process, the disk's jitter), which only ever makes stores slower.
-STORE_MARGIN = 0.05
+STORE_MARGIN = 0.02
 # Store overheads below this many seconds are not worth a new plan, however they compare in relative terms.
 OVERHEAD_FLOOR_S = 0.1
 # Up to this many visits that could read a store, every choice of them is priced; beyond, a local search.

@@ -98,9 +98,9 @@ def test_auto_forced_to_stores_ends_with_the_weights_of_off_and_revises_its_plan
 
 def test_auto_times_the_disk_before_its_first_plan(tmp_path, corpus, monkeypatch):
     """`auto`'s first plan uses write and read speeds measured here (a probe store, deleted after), not the
-    assumed ones (visits of two epochs, a store's assumed fixed cost set to 0); `on` needs no probe, nor does
-    `auto` when no store could pay even on a free disk (one step a visit: a store's prefix forward over the split
-    costs more than the visit's), nor, at the assumed fixed cost of a store, on this tiny model at all."""
+    assumed ones (visits of two epochs, the assumed fixed cost of a store and of the probe set to 0); `on` needs no
+    probe, nor does `auto` when no store could pay even on a free disk (one step a visit: a store's prefix forward
+    over the split costs more than the visit's), nor, at the assumed costs, on this tiny model at all."""
     from pipelines import pre_inference
     from pipelines.pre_inference import ASSUMED_READ_BPS, ASSUMED_WRITE_BPS
 
@@ -113,6 +113,7 @@ def test_auto_times_the_disk_before_its_first_plan(tmp_path, corpus, monkeypatch
     short_config.data.max_samples, short_config.stop.steps_per_visit = 16, 1
     run_bcd(default_config, quiet=True)
     monkeypatch.setattr(pre_inference, "ASSUMED_STORE_OVERHEAD_S", 0.0)
+    monkeypatch.setattr(pre_inference, "PROBE_COST_S", 0.0)
     for config in (auto_config, on_config, short_config):
         run_bcd(config, quiet=True)
     records = read_metrics(RunDir(auto_config.run.out).metrics)
