@@ -33,12 +33,39 @@ def run_side_by_side(commands: list[list[str]], cwd: pathlib.Path) -> None:
     """Run `commands` at the same time, command i pinned to core i (`taskset`) with one OpenMP thread, so that
     they meet the same machine at every moment: a shared machine's speed moves by tens of percent within
     minutes, which then moves them alike and cancels in their ratio."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    started = [subprocess.Popen(["taskset", "-c", str(core), *command], cwd=cwd, env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL) for core, command in enumerate(commands)]
+    started = [_pinned(command, core, cwd) for core, command in enumerate(commands)]
     for process in started:
-        if process.wait() != 0:
-            raise subprocess.CalledProcessError(process.returncode, process.args)
+        _check(process)
+
+
+def run_paced(pacer: list[str], measured: list[str], cwd: pathlib.Path, started: pathlib.Path, done: pathlib.Path,
+              cores: tuple[int, int] = (0, 1)) -> None:
+    """Run `measured` beside `pacer`, pinned as in `run_side_by_side`, so that the pacer covers every moment of
+    the measured run: `measured` starts once the pacer has created `started` (after its first step), and `done`
+    is created when `measured` has ended (the pacer's cue to stop)."""
+    pace = _pinned(pacer, cores[0], cwd)
+    while not started.exists():
+        if pace.poll() is not None:
+            _check(pace)
+            raise RuntimeError(f"the pacer ended before it started: {' '.join(pacer)}")
+        time.sleep(0.05)
+    try:
+        _check(_pinned(measured, cores[1], cwd))
+    finally:
+        done.touch()
+        _check(pace)
+
+
+def _pinned(command: list[str], core: int, cwd: pathlib.Path) -> subprocess.Popen:
+    """`command` started on `core` alone (`taskset`) with one OpenMP thread, its output discarded."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(["taskset", "-c", str(core), *command], cwd=cwd, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
+def _check(process: subprocess.Popen) -> None:
+    if process.wait() != 0:
+        raise subprocess.CalledProcessError(process.returncode, process.args)
 
 
 def table(rows: list[dict], columns: list[str]) -> str:

@@ -30,14 +30,16 @@ shows medians, because the machine is shared. Measured per run:
   (preinfer: its export), loaded by `transformers.AutoModelForCausalLM`, cast to float32, mean next-token loss of
   the framework's forward over the first --eval-batches batches of the eval split.
 
-The long visit (--long-steps, 0 to skip): one block (the first of --ranges) trained for that many steps, plain
-against preinfer (`--active`); tokens/s in windows of --window steps, from the per-step times (preinfer: the step
-records' `visit_s`, seconds since the visit began). By default the two run at the same time, each pinned to a core
-of its own with one thread (the cores swapped from one round to the next), so that window i of both meets the
-same machine (a shared machine's speed moves by
-tens of percent within minutes, more than the 3% to be judged); --no-long-side-by-side runs them one after the
-other. Target: in every window the trainer at least 0.97x the plain loop (median over the rounds of each window's
-ratio).
+The long visit (--long-steps, 0 to skip): one block (the first of --ranges) trained by preinfer for that many
+steps (`--active`), in windows of --window steps, against the plain loop over the same seconds of the clock. The
+plain loop paces it: it runs at the same time on the other core (each pinned to a core of its own with one
+thread, the cores swapped from one round to the next), starts stepping before the trainer's process starts and
+keeps stepping over its batches until that process has ended (`bench.common.run_paced`). A window's ratio is the
+trainer's tokens/s over its steps (their end times on the clock: the step records' `time`) against the plain
+loop's tokens/s over the same seconds (its steps counted between its step ends), so both meet the same machine
+at the same moments: a shared machine's speed moves by tens of percent within minutes, more than the 3% to be
+judged, and steps counted from each process's own start would meet it at different moments. Target: in every
+window the trainer at least 0.97x the plain loop (median over the rounds of each window's ratio).
 
     python bench/peers.py                                  # bf16-mixed, all four, the long visit
     python bench/peers.py --precision fp32 --methods plain,preinfer --long-steps 0     # the hot path alone
@@ -55,6 +57,7 @@ runs.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -72,12 +75,15 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.common import machine, run_side_by_side, table  # noqa: E402
+from bench.common import machine, run_paced, table  # noqa: E402
 
 METHODS = ("plain", "badam", "preinfer", "preinfer-auto")
 TARGETS = dict(steps_per_s=1.0, window=0.97, eval_loss=0.01)
+# A pacer stops after this many seconds, whether or not it was told to.
+PACE_LIMIT_S = 3600
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -166,11 +172,13 @@ class MeteredLoop:
             self.meter.sample(optimizer)
 
 
-def plain_worker(config) -> dict:
-    """The plain per-block loop."""
+def plain_worker(config, ready: Path | None = None, until: Path | None = None) -> dict:
+    """The plain per-block loop. As a pacer (`ready`, `until`; one block), it creates `ready` after its first step
+    and keeps stepping over its batches, round and round, until `until` exists."""
     model, precision, blocks, batches = prepared(config)
     loop, mixed, o = MeteredLoop(model), precision != "fp32", config.optim
-    stamps, index, train_s = [], 0, 0.0
+    stamps, times, index, train_s = [], [], 0, 0.0
+    steps = config.stop.steps_per_visit
     for block in blocks:
         started = time.perf_counter()
         loop.new_block()
@@ -179,8 +187,11 @@ def plain_worker(config) -> dict:
             param.requires_grad_(True)
         masters = [p.detach().float().clone() for p in block.params] if mixed else list(block.params)
         optimizer = torch.optim.Adam(masters, lr=o.lr, betas=tuple(o.betas), weight_decay=0.0)
-        for _ in range(config.stop.steps_per_visit):
-            loss = loop.loss(batches[index])
+        for step in itertools.count():
+            paced_out = until is not None and (until.exists() or time.perf_counter() - started > PACE_LIMIT_S)
+            if paced_out or step == steps and until is None:
+                break
+            loss = loop.loss(batches[index % len(batches)])
             index += 1
             if mixed:
                 for param, master in zip(block.params, masters):
@@ -194,9 +205,12 @@ def plain_worker(config) -> dict:
             optimizer.zero_grad(set_to_none=True)
             loss.item()
             stamps.append(time.perf_counter() - started)
+            times.append(time.time())
+            if ready is not None and step == 0:
+                ready.touch()
         train_s += stamps[-1]
         del optimizer, masters
-    return finished(model, loop, stamps, train_s, config)
+    return finished(model, loop, stamps, times, train_s, config)
 
 
 def badam_worker(config) -> dict:
@@ -218,7 +232,7 @@ def badam_worker(config) -> dict:
         return out
 
     base.step = step_and_sample
-    stamps, train_s = [], 0.0
+    stamps, times, train_s = [], [], 0.0
     for index, batch in enumerate(batches):
         if index % steps == 0:
             loop.new_block()
@@ -229,23 +243,26 @@ def badam_worker(config) -> dict:
         optimizer.zero_grad(set_to_none=True)
         loss.item()
         stamps.append(time.perf_counter() - started)
+        times.append(time.time())
         if index % steps == steps - 1:
             train_s += stamps[-1]
-    return finished(model, loop, stamps, train_s, config)
+    return finished(model, loop, stamps, times, train_s, config)
 
 
-def finished(model: torch.nn.Module, loop: MeteredLoop, stamps: list[float], train_s: float, config) -> dict:
-    """A worker's result; its final weights saved with save_pretrained into the run's --out."""
+def finished(model: torch.nn.Module, loop: MeteredLoop, stamps: list[float], times: list[float], train_s: float,
+             config) -> dict:
+    """A worker's result (`times`: each step's end on the clock); its final weights saved with save_pretrained
+    into the run's --out."""
     loop.new_block()
     model.save_pretrained(config.run.out)
-    return dict(steps=len(stamps), train_s=train_s, stamps=stamps, tracked_peak=loop.peak,
+    return dict(steps=len(stamps), train_s=train_s, stamps=stamps, times=times, tracked_peak=loop.peak,
                 model_dir=str(config.run.out))
 
 
-def run_worker(method: str, flags: list[str], result: Path) -> None:
+def run_worker(method: str, flags: list[str], result: Path, ready: Path | None, until: Path | None) -> None:
     config = parse_config(flags)
     Path(config.run.out).mkdir(parents=True, exist_ok=True)
-    out = plain_worker(config) if method == "plain" else badam_worker(config)
+    out = plain_worker(config, ready, until) if method == "plain" else badam_worker(config)
     result.write_text(json.dumps(out))
 
 
@@ -253,16 +270,19 @@ def run_worker(method: str, flags: list[str], result: Path) -> None:
 # One run of each method, as a process of its own.
 
 
-def method_command(method: str, flags: list[str], scratch: Path) -> tuple[list[str], Callable[[], dict]]:
-    """The command that runs `method` with the bcd `flags`, and what reads its result once it has ended: steps,
-    training seconds, per-step stamps, tracked peak, model dir."""
+def method_command(method: str, flags: list[str], scratch: Path,
+                   pace: tuple[Path, Path] | None = None) -> tuple[list[str], Callable[[], dict]]:
+    """The command that runs `method` with the bcd `flags` (`pace`: the plain loop as a pacer, see
+    `plain_worker`), and what reads its result once it has ended: steps, training seconds, per-step stamps and
+    clock times, tracked peak, model dir."""
     if method.startswith("preinfer"):
         out = Path(flags[flags.index("--out") + 1])
         return [sys.executable, "-m", "pipelines.cli", "bcd", *flags], lambda: preinfer_result(out)
     result = scratch / f"{method}.json"
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", method, "--result", str(result), "--",
-               *flags]
-    return command, lambda: json.loads(result.read_text())
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", method, "--result", str(result)]
+    if pace is not None:
+        command += ["--ready", str(pace[0]), "--until", str(pace[1])]
+    return [*command, "--", *flags], lambda: json.loads(result.read_text())
 
 
 def run_method(args: argparse.Namespace, method: str, flags: list[str], scratch: Path) -> dict:
@@ -280,7 +300,7 @@ def preinfer_result(out: Path) -> dict:
     visits = [r for r in records if r["kind"] == "visit"]
     caching = sum(r.get("seconds", 0.0) for r in records if r["kind"] == "cache")
     return dict(steps=len(steps), train_s=sum(v["wall_s"] for v in visits) + caching, caching_s=caching,
-                stamps=[r["visit_s"] for r in steps],
+                stamps=[r["visit_s"] for r in steps], times=[r["time"] for r in steps],
                 tracked_peak=max(v["memory"]["tracked_peak"] for v in visits),
                 sources=[v["source_boundary"] for v in visits], model_dir=str(out / "export"))
 
@@ -363,37 +383,47 @@ def add_ratios(rows: list[dict], runs: dict[str, list[dict]]) -> None:
             row["eval_vs_plain"] = row["eval_loss"] / plain - 1
 
 
-def windows(stamps: list[float], size: int, tokens_per_step: int) -> list[float]:
-    """Tokens/s of each full window of `size` steps, from per-step end times within one visit."""
+def aligned_windows(trainer: dict, plain: dict, size: int, tokens_per_step: int) -> list[tuple[float, float]]:
+    """(trainer, plain) tokens/s of each full window of `size` of the trainer's steps: the trainer's over its
+    steps, the plain loop's over the same seconds of the clock (its steps done, interpolated between its step
+    ends)."""
+    edges = [trainer["times"][0] - trainer["stamps"][0], *trainer["times"]]  # the visit's start, each step's end
+    clock = plain["times"]
+    if clock[0] > edges[0] or clock[-1] < edges[-1]:
+        raise RuntimeError(f"the plain loop paced {clock[0]:.1f}-{clock[-1]:.1f} on the clock, not all of the "
+                           f"trainer's visit, {edges[0]:.1f}-{edges[-1]:.1f}")
+
+    def done(t: float) -> float:
+        return float(np.interp(t, clock, np.arange(1, len(clock) + 1)))
+
     out = []
-    for start in range(0, len(stamps) - size + 1, size):
-        begin = stamps[start - 1] if start else 0.0
-        out.append(size * tokens_per_step / (stamps[start + size - 1] - begin))
+    for start in range(0, len(edges) - size, size):
+        begin, end = edges[start], edges[start + size]
+        seconds = end - begin
+        out.append((size * tokens_per_step / seconds, (done(end) - done(begin)) * tokens_per_step / seconds))
     return out
 
 
 def long_visit(args: argparse.Namespace, scratch: Path) -> dict:
-    """One block for --long-steps steps, plain against preinfer, alternating: tokens/s per window."""
+    """One block for --long-steps steps of preinfer, paced by the plain loop: tokens/s per window of both."""
     first = args.ranges.split(",")[0]
     per_step = args.long_seq_len * args.long_batch_size
     found: dict[str, list[list[float]]] = {"plain": [], "preinfer": []}
     for round_ in range(args.long_repeats):
-        commands = {method: method_command(method, bcd_flags(args, scratch / f"long-{method}-{round_}",
-                                                             args.long_steps, args.ranges, args.long_seq_len,
-                                                             args.long_batch_size, active=first), scratch)
-                    for method in found}
-        if args.long_side_by_side:  # plain on core 0 in even rounds, on core 1 in odd ones
-            run_side_by_side([command for command, _ in commands.values()][::1 if round_ % 2 == 0 else -1], ROOT)
-        else:
-            for command, _ in commands.values():
-                subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-        done = {method: result() for method, (_, result) in commands.items()}
-        for method, run in done.items():
-            found[method].append(windows(run["stamps"], args.window, per_step))
-            print(f"[peers] long visit round {round_} {method}: tokens/s by window "
-                  f"{', '.join(f'{w:.0f}' for w in found[method][-1])}", flush=True)
+        ready, done = scratch / f"long-ready-{round_}", scratch / f"long-done-{round_}"
+        (pacer, plain), (measured, trainer) = (
+            method_command(method, bcd_flags(args, scratch / f"long-{method}-{round_}", args.long_steps, args.ranges,
+                                             args.long_seq_len, args.long_batch_size, active=first), scratch, pace)
+            for method, pace in (("plain", (ready, done)), ("preinfer", None)))
+        run_paced(pacer, measured, ROOT, ready, done, cores=(0, 1) if round_ % 2 == 0 else (1, 0))
+        pairs = aligned_windows(trainer(), plain(), args.window, per_step)
+        found["preinfer"].append([mine for mine, _ in pairs])
+        found["plain"].append([theirs for _, theirs in pairs])
+        print(f"[peers] long visit round {round_}: tokens/s by window, preinfer / plain at the same time: "
+              f"{', '.join(f'{a:.0f}/{b:.0f}' for a, b in pairs)}", flush=True)
+        for method in found:
             shutil.rmtree(scratch / f"long-{method}-{round_}", ignore_errors=True)
-    count = min(len(w) for runs in found.values() for w in runs)
+    count = len(found["preinfer"][0])
     rows = []
     for i in range(count):
         plain = [w[i] for w in found["plain"]]
@@ -427,14 +457,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--long-batch-size", type=int, default=4)
     p.add_argument("--long-repeats", type=int, default=2)
     p.add_argument("--window", type=int, default=50, help="steps per window of the long visit")
-    p.add_argument("--long-side-by-side", action=argparse.BooleanOptionalAction, default=True,
-                   help="run the long visit's plain loop and trainer at once, each on a core of its own with one "
-                        "thread (default); --no-long-side-by-side: one after the other, with every core")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "peers.json")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: tiny-llama, seq 32, batch 2, 3 steps per block, plain and preinfer")
     p.add_argument("--worker", choices=["plain", "badam"], help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--ready", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--until", type=Path, help=argparse.SUPPRESS)
     p.add_argument("flags", nargs="*", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
@@ -449,7 +478,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
-        run_worker(args.worker, args.flags, args.result)
+        run_worker(args.worker, args.flags, args.result, args.ready, args.until)
         return 0
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
@@ -458,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         long = long_visit(args, scratch) if args.long_steps else None
     result = dict(benchmark="peers", command=" ".join(["python", "bench/peers.py", *(argv or sys.argv[1:])]),
                   machine=machine(), settings={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                                               if k not in ("worker", "result", "flags")},
+                                               if k not in ("worker", "result", "ready", "until", "flags")},
                   targets=TARGETS, **comparison, long_visit=long, wall_s=time.perf_counter() - started)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

@@ -7,8 +7,9 @@ is made: from the input, rolled forward from a lower store, or reused; when each
 plan's peak) against running the sweep live, with the throughputs measured in this run, and follows the
 cheaper; `on` follows the plan in which every visit above the input reads a store, and builds no store that no
 visit reads. The throughputs of stores are measured over every store made so far (`Tally`); when one moves by
-more than `sweep_plan.REVISE_MARGIN` from the one a plan assumed, the rest of the sweep is planned again. Every plan, and at the end of each sweep its predicted against
-its measured seconds, is logged with its numbers (metrics.jsonl and one line each).
+more than `sweep_plan.REVISE_MARGIN` from the one a plan assumed, the rest of the sweep is planned again. Every
+plan, and at the end of each sweep its predicted against its measured seconds, is logged with its numbers
+(metrics.jsonl and one line each).
 
 A store is used only while its fingerprint matches the current prefix: a store the plan expected is checked
 before it is read, and made again if stale. Stores are made by the same code as `preinfer cache`. Stores no

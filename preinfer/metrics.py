@@ -41,6 +41,7 @@ class StepRecord(Record):
     tokens_per_s: float  # this step's tokens over its wall time
     wait_s: float  # time spent waiting for the step's batches
     visit_s: float | None = None  # seconds since the visit began, at this step's end (windows of throughput)
+    time: float | None = None  # Unix time at this step's end (lines steps up with other processes' clocks)
     loss_scale: float | None = None  # fp16-mixed: the loss scale after this step
     skipped_steps: int | None = None  # fp16-mixed: steps of the run skipped so far for non-finite gradients
 

@@ -178,6 +178,7 @@ class Trainer:
                 lr=optimizer.param_groups[0]["lr"], tokens=p.tokens,
                 tokens_per_s=tokens / max(wait["step_s"], 1e-9), wait_s=wait["wait_s"],
                 visit_s=time.perf_counter() - started,
+                time=time.time(),
                 **self._scaler_fields(),
             ))
             every = cfg.run.checkpoint_every

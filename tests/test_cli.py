@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -24,14 +25,18 @@ TINY = ["--model", "tiny-llama", "--seq-len", "32", "--batch-size", "4", "--step
 
 def test_bcd_writes_the_run_directory_and_a_loadable_export(tmp_path, capsys):
     out = tmp_path / "run"
+    began = time.time()
     code, stdout, _ = run_cli(["bcd", *TINY, "--out", str(out), "--blocks", "2", "--eval-tokens", "0"], capsys)
     assert code == 0, stdout
+    ended = time.time()
     for name in ("config.toml", "metrics.jsonl", "loss.png", "summary.json", "checkpoint", "export"):
         assert (out / name).exists(), name
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["block"] for r in records if r["kind"] == "visit"] == [0, 1]
     step = next(r for r in records if r["kind"] == "step")
     assert {"sweep", "block", "step", "loss", "lr", "tokens_per_s"} <= set(step)
+    clock = [r["time"] for r in records if r["kind"] == "step"]
+    assert began < clock[0] and clock == sorted(clock) and clock[-1] < ended  # Unix time at each step's end
     visit = next(r for r in records if r["kind"] == "visit")
     assert {"params", "grads", "optimizer", "activations", "rss_peak"} <= set(visit["memory"])
 
