@@ -32,14 +32,16 @@ shows medians, because the machine is shared. Measured per run:
 
 The long visit (--long-steps, 0 to skip): one block (the first of --ranges) trained by preinfer for that many
 steps (`--active`), in windows of --window steps, against the plain loop over the same seconds of the clock. The
-plain loop paces it: it runs at the same time on the other core (each pinned to a core of its own with one
-thread, the cores swapped from one round to the next), starts stepping before the trainer's process starts and
-keeps stepping over its batches until that process has ended (`bench.common.run_paced`). A window's ratio is the
-trainer's tokens/s over its steps (their end times on the clock: the step records' `time`) against the plain
-loop's tokens/s over the same seconds (its steps counted between its step ends), so both meet the same machine
-at the same moments: a shared machine's speed moves by tens of percent within minutes, more than the 3% to be
-judged, and steps counted from each process's own start would meet it at different moments. Target: in every
-window the trainer at least 0.97x the plain loop (median over the rounds of each window's ratio).
+plain loop paces it: it runs at the same time with one thread, starts stepping before the trainer's process
+starts and keeps stepping over its batches until that process has ended (`bench.common.run_paced`). A window's
+ratio is the trainer's tokens/s over its steps (their end times on the clock: the step records' `time`) against
+the plain loop's tokens/s over the same seconds (its steps counted between its step ends), so both meet the same
+machine at the same moments: a shared machine's speed moves by tens of percent within minutes, more than the 3%
+to be judged. By default (--long-cores shared) both run on core 0 and share it: the kernel's scheduler gives each
+half of it, so a window's ratio is the two loops' work per CPU-second on the same core at the same moments (one
+core's own slowdowns, which a core of its own each would not share, cancel too); --long-cores own gives each a
+core of its own, swapped from one round to the next. Target: in every window the trainer at least 0.97x the
+plain loop (median over the rounds of each window's ratio).
 
     python bench/peers.py                                  # bf16-mixed, all four, the long visit
     python bench/peers.py --precision fp32 --methods plain,preinfer --long-steps 0     # the hot path alone
@@ -415,7 +417,8 @@ def long_visit(args: argparse.Namespace, scratch: Path) -> dict:
             method_command(method, bcd_flags(args, scratch / f"long-{method}-{round_}", args.long_steps, args.ranges,
                                              args.long_seq_len, args.long_batch_size, active=first), scratch, pace)
             for method, pace in (("plain", (ready, done)), ("preinfer", None)))
-        run_paced(pacer, measured, ROOT, ready, done, cores=(0, 1) if round_ % 2 == 0 else (1, 0))
+        cores = (0, 0) if args.long_cores == "shared" else (0, 1) if round_ % 2 == 0 else (1, 0)
+        run_paced(pacer, measured, ROOT, ready, done, cores=cores)
         pairs = aligned_windows(trainer(), plain(), args.window, per_step)
         found["preinfer"].append([mine for mine, _ in pairs])
         found["plain"].append([theirs for _, theirs in pairs])
@@ -457,6 +460,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--long-batch-size", type=int, default=4)
     p.add_argument("--long-repeats", type=int, default=2)
     p.add_argument("--window", type=int, default=50, help="steps per window of the long visit")
+    p.add_argument("--long-cores", choices=["shared", "own"], default="shared",
+                   help="the long visit's plain loop and trainer both on core 0, sharing it (shared), or each on a "
+                        "core of its own, swapped from one round to the next (own)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "peers.json")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: tiny-llama, seq 32, batch 2, 3 steps per block, plain and preinfer")
