@@ -190,8 +190,9 @@ def plain_worker(config, ready: Path | None = None, until: Path | None = None) -
         masters = [p.detach().float().clone() for p in block.params] if mixed else list(block.params)
         optimizer = torch.optim.Adam(masters, lr=o.lr, betas=tuple(o.betas), weight_decay=0.0)
         for step in itertools.count():
-            paced_out = until is not None and (until.exists() or time.perf_counter() - started > PACE_LIMIT_S)
-            if paced_out or step == steps and until is None:
+            if until is None and step == steps:
+                break
+            if until is not None and step and (until.exists() or time.perf_counter() - started > PACE_LIMIT_S):
                 break
             loss = loop.loss(batches[index % len(batches)])
             index += 1

@@ -9,6 +9,8 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -107,6 +109,18 @@ def test_train_quick(tmp_path):
     assert set(b["runs"]) == {"off", "auto"}
     assert all(d["decision"] in ("store", "live") for d in b["runs"]["auto"][0]["decisions"])
     assert b["max_rel_eval_loss_diff"] < 1e-4
+
+
+def test_peers_long_visit_windows_take_the_plain_loop_over_the_same_seconds():
+    """A trainer at 1 step/s against a plain pacer at 2 steps/s on the same clock: each window 0.5x; a pacer that
+    does not cover the trainer's whole visit is an error."""
+    peers = _load("peers")
+    trainer = dict(stamps=[1.0, 2.0, 3.0, 4.0], times=[101.0, 102.0, 103.0, 104.0])  # the visit began at 100
+    pacer = dict(times=[99.5 + 0.5 * i for i in range(13)])  # 2 steps/s from 99.5 to 105.5
+    windows = peers.aligned_windows(trainer, pacer, 2, 10)
+    assert [rate for pair in windows for rate in pair] == pytest.approx([10.0, 20.0, 10.0, 20.0])
+    with pytest.raises(RuntimeError, match="not all of the trainer's visit"):
+        peers.aligned_windows(trainer, dict(times=pacer["times"][:8]), 2, 10)
 
 
 def test_peers_plain_loop_trains_like_preinfer_bcd_on_the_same_batches(tmp_path, corpus):
