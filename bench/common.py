@@ -38,13 +38,13 @@ def run_side_by_side(commands: list[list[str]], cwd: pathlib.Path) -> None:
         _check(process)
 
 
-def run_paced(pacer: list[str], measured: list[str], cwd: pathlib.Path, started: pathlib.Path, done: pathlib.Path,
+def run_paced(pacer: list[str], measured: list[str], cwd: pathlib.Path, ready: pathlib.Path, done: pathlib.Path,
               cores: tuple[int, int] = (0, 1)) -> None:
     """Run `measured` beside `pacer`, pinned as in `run_side_by_side`, so that the pacer covers every moment of
-    the measured run: `measured` starts once the pacer has created `started` (after its first step), and `done`
+    the measured run: `measured` starts once the pacer has created `ready` (after its first step), and `done`
     is created when `measured` has ended (the pacer's cue to stop)."""
     pace = _pinned(pacer, cores[0], cwd)
-    while not started.exists():
+    while not ready.exists():
         if pace.poll() is not None:
             _check(pace)
             raise RuntimeError(f"the pacer ended before it started: {' '.join(pacer)}")

@@ -288,7 +288,7 @@ def method_command(method: str, flags: list[str], scratch: Path,
     return [*command, "--", *flags], lambda: json.loads(result.read_text())
 
 
-def run_method(args: argparse.Namespace, method: str, flags: list[str], scratch: Path) -> dict:
+def run_method(method: str, flags: list[str], scratch: Path) -> dict:
     """Run `method` with the bcd `flags` alone on the machine."""
     command, result = method_command(method, flags, scratch)
     subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)  # BAdam prints its blocks
@@ -349,7 +349,7 @@ def compare(args: argparse.Namespace, scratch: Path) -> dict:
             flags = bcd_flags(args, out, args.steps, args.ranges, args.seq_len, args.batch_size,
                               pre_inference="auto" if method == "preinfer-auto" else "off")
             batches = batches or eval_batches(args, flags)
-            run = run_method(args, method, flags, scratch)
+            run = run_method(method, flags, scratch)
             run["eval_loss"] = eval_loss(run.pop("model_dir"), batches)
             run["steps_per_s"] = run["steps"] / run["train_s"]
             runs[method].append(run)

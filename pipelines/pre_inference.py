@@ -34,11 +34,11 @@ from preinfer.run_dir import RunDir
 from preinfer.sources import BatchSource
 from preinfer.staged import StagedModel
 from storage import Location, StorageError, free_bytes, location, remove_tree
+from pipelines import sweep_plan
 from pipelines.cache import (
     CacheOptions, CacheResult, bytes_per_token, cache_boundary, cache_fingerprint, open_cache, roll_forward,
 )
 from pipelines.sources import ReaderBatches
-from pipelines import sweep_plan
 from pipelines.sweep_plan import (Plan, SweepPlan, Throughputs, Visit, Workload, plan_sweep, store_cost,
                                   visit_seconds)
 

@@ -100,19 +100,20 @@ def test_auto_times_the_disk_before_its_first_plan(tmp_path, corpus, monkeypatch
     """`auto`'s first plan uses write and read speeds measured here (a probe store, deleted after), not the
     assumed ones (visits of two epochs, the assumed fixed cost of a store and of the probe set to 0); `on` needs no
     probe, nor does `auto` when no store could pay even on a free disk (one step a visit: a store's prefix forward
-    over the split costs more than the visit's), nor, at the assumed costs, on this tiny model at all."""
+    over the split costs more than the visit's), nor when the stores of this tiny model could not save the probe's
+    own assumed cost (the same run as the first, `PROBE_COST_S` left as it is)."""
     from pipelines import pre_inference
     from pipelines.pre_inference import ASSUMED_READ_BPS, ASSUMED_WRITE_BPS
 
     auto_config = config_for(tmp_path, corpus, "auto", mode="auto")
     on_config = config_for(tmp_path, corpus, "on", mode="on")
     short_config = config_for(tmp_path, corpus, "short", mode="auto")
-    default_config = config_for(tmp_path, corpus, "default", mode="auto")
-    for config in (auto_config, default_config):
+    gated_config = config_for(tmp_path, corpus, "gated", mode="auto")
+    for config in (auto_config, gated_config):
         config.data.max_samples, config.stop.steps_per_visit = 16, 8  # two epochs a visit
     short_config.data.max_samples, short_config.stop.steps_per_visit = 16, 1
-    run_bcd(default_config, quiet=True)
     monkeypatch.setattr(pre_inference, "ASSUMED_STORE_OVERHEAD_S", 0.0)
+    run_bcd(gated_config, quiet=True)
     monkeypatch.setattr(pre_inference, "PROBE_COST_S", 0.0)
     for config in (auto_config, on_config, short_config):
         run_bcd(config, quiet=True)
@@ -127,7 +128,7 @@ def test_auto_times_the_disk_before_its_first_plan(tmp_path, corpus, monkeypatch
     assert first.store_overhead_s > 0  # the probe store's own fixed cost
     assert not [r for r in cache_records(on_config.run.out) if r.how == "probe"]
     assert not [r for r in cache_records(short_config.run.out) if r.how == "probe"]
-    assert not [r for r in cache_records(default_config.run.out) if r.how == "probe"]
+    assert not [r for r in cache_records(gated_config.run.out) if r.how == "probe"]
     short_plans = [r for r in read_metrics(RunDir(short_config.run.out).metrics) if isinstance(r, SweepPlanRecord)]
     assert short_plans[0].chosen == "live" and short_plans[0].write_bps == ASSUMED_WRITE_BPS
 
