@@ -159,7 +159,8 @@ PRE_INFERENCE_FLAGS: list[Flag] = [
          "float8_e4m3, float8_e5m2, int8: lossy 8-bit with a per-token scale (error measured per shard)",
          dict(choices=["auto", "float32", "bfloat16", "float16", "float8_e4m3", "float8_e5m2", "int8"])),
     Flag("--keep-stores", "pre_inference", "keep_stores", "keep stores that are no longer usable", SWITCH),
-    Flag("--dask", "pre_inference", "dask", "build stores on Dask: local:N (N worker processes) or tcp://HOST:PORT"),
+    Flag("--dask", "pre_inference", "dask",
+         "build stores on Dask: local:N (N worker processes) or tcp://HOST:PORT (not under torchrun)"),
 ]
 
 # Flags of `train` only: the cache it trains from.

@@ -25,8 +25,10 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from preinfer.config import Config
+from preinfer.errors import UsageError
 from preinfer.metrics import CacheRecord, PlanOutcomeRecord, PreInferenceRecord, Record, SweepPlanRecord
 from preinfer.optim import step_budget
 from preinfer.partition import Block
@@ -36,7 +38,7 @@ from preinfer.staged import StagedModel
 from storage import Location, StorageError, free_bytes, location, remove_tree
 from pipelines import sweep_plan
 from pipelines.cache import (
-    CacheOptions, CacheResult, bytes_per_token, cache_boundary, cache_fingerprint, open_cache, roll_forward,
+    CacheOptions, CacheResult, Part, bytes_per_token, cache_boundary, cache_fingerprint, open_cache, roll_forward,
 )
 from pipelines.sources import ReaderBatches
 from pipelines.sweep_plan import (Plan, SweepPlan, Throughputs, Visit, Workload, plan_sweep, store_cost,
@@ -83,9 +85,14 @@ class PreInference:
         self.mode = config.pre_inference.mode
         self.root = location(config.pre_inference.store_dir or RunDir(config.run.out).stores)
         settings = config.pre_inference  # checked here, before the run directory is made
+        if world > 1 and settings.dask is not None:
+            raise UsageError("--dask: under data parallelism the ranks build each store together (each its share "
+                             "of the shards); drop --dask, or run the caching job on Dask with `preinfer cache`")
+        self.device = next(p for p in staged.model.parameters() if not p.is_meta).device
         self.options = CacheOptions(store_format=settings.store_format, store_dtype=settings.store_dtype,
                                     samples_per_shard=shard, mode="overwrite", progress=False,
-                                    model_name=config.model.name, dask=settings.dask)
+                                    model_name=config.model.name, dask=settings.dask,
+                                    part=Part(rank, world, dist.barrier) if world > 1 else None)
         self.stores: dict[int, Location] = {}  # boundary -> cache directory believed valid
         self.emit: Callable[[Record], None] = lambda record: None
         self.rates: Throughputs | None = None  # measured in this run (the layer forward on first use)
@@ -179,6 +186,7 @@ class PreInference:
                                              store_overhead_s=self.tally.overhead_seconds / self.tally.builds)
 
     def _revise_if_moved(self) -> None:
+        self.rates = self._agreed(self.rates)
         moved = self.rates.differs(self.assumed)
         if moved:
             self._plan("revised: " + ", ".join(f"{name} {getattr(self.assumed, name):.3g} -> "
@@ -189,10 +197,11 @@ class PreInference:
         """Plan the sweep's remaining visits with the stores valid now and the throughputs measured so far."""
         self.work = self._workload(self.blocks[self.position:])
         if self.rates is None:
-            self.rates = Throughputs(self._layer_seconds(), ASSUMED_WRITE_BPS, ASSUMED_READ_BPS,
-                                     ASSUMED_STORE_OVERHEAD_S)
+            self.rates = self._agreed(Throughputs(self._layer_seconds(), ASSUMED_WRITE_BPS, ASSUMED_READ_BPS,
+                                                  ASSUMED_STORE_OVERHEAD_S))
             if self.mode == "auto" and self._stores_could_pay():
                 self._probe_store()
+        self.rates = self._agreed(self.rates)
         chosen = plan_sweep(self.work, self.rates, self.mode)
         self.plan, self.first, self.assumed = chosen.chosen, self.position, self.rates
         self.emit(self._plan_record(chosen, reason))
@@ -253,8 +262,8 @@ class PreInference:
             eval_split_samples=len(self.datasets["eval"]), eval_samples=eval_samples,
             sample_bytes=train.seq_len * bytes_per_token(cfg.pre_inference.store_dtype, self.staged.hidden_size,
                                                          self.staged.compute_dtype),
-            free_bytes=math.inf if (free := free_bytes(self.root)) is None else free,  # no limit on object storage
-            stores=frozenset(self._valid_stores()),
+            free_bytes=self._least(math.inf if (free := free_bytes(self.root)) is None else free),  # inf: no limit
+            stores=frozenset(self._valid_stores()), ranks=self.world,
         )
 
     # ---- measurements ------------------------------------------------------------------------------------------
@@ -276,9 +285,9 @@ class PreInference:
         """The layer forward and write speed over every store made so far, the one just made included."""
         tally = self.tally
         tally.forward_seconds += result.forward_seconds
-        tally.layer_samples += (result.boundary - source) * sum(len(d) for d in self.datasets.values())
+        tally.layer_samples += (result.boundary - source) * result.samples_computed
         tally.write_seconds += result.write_seconds
-        tally.write_bytes += result.samples * self.work.sample_bytes  # the cost model's bytes: uncompressed
+        tally.write_bytes += result.samples_computed * self.work.sample_bytes  # the cost model's bytes: uncompressed
         self.rates = dataclasses.replace(
             self.rates,
             layer_seconds=tally.forward_seconds / tally.layer_samples if tally.forward_seconds else
@@ -343,6 +352,14 @@ class PreInference:
             times.append(time.perf_counter() - started)
         return statistics.median(times) / len(batch["input_ids"])
 
+    # ---- ranks (data parallelism) ------------------------------------------------------------------------------
+    def _agreed(self, rates: Throughputs) -> Throughputs:
+        return rates if self.world == 1 else slowest(rates, self.device)
+
+    def _least(self, value: float) -> float:
+        """The smallest of every rank's `value` (the free disk: the ranks may write to disks of their own)."""
+        return value if self.world == 1 else _all_reduce([value], dist.ReduceOp.MIN, self.device)[0]
+
     # ---- stores ------------------------------------------------------------------------------------------------
     def _valid_stores(self) -> list[int]:
         return [b for b in self.stores if self._is_valid(b)]
@@ -372,7 +389,7 @@ class PreInference:
             result = cache_boundary(self.staged, self.datasets, self.tokenizer, boundary, out, self.options)
         self.stores[boundary] = out
         self.emit(CacheRecord(boundary=boundary, how="roll_forward" if source else "input", from_=source,
-                              seconds=result.seconds, bytes=result.bytes_written))
+                              seconds=result.seconds, bytes=result.stored_bytes))
         self._measure_build(result, source)
         if not self.read_measured:
             self._measure_read(out)
@@ -388,8 +405,32 @@ class PreInference:
     def _delete(self, boundary: int, reason: str) -> None:
         path = self.stores.pop(boundary)
         if not self.config.pre_inference.keep_stores:
+            if self.world > 1:
+                dist.barrier()  # no rank reads it any more
             started = time.perf_counter()
-            remove_tree(path)
+            if self.rank == 0:
+                remove_tree(path)
             seconds = time.perf_counter() - started
             self._add_overhead(seconds)
             self.emit(CacheRecord(boundary=boundary, how="deleted", reason=reason, seconds=seconds, bytes=0))
+
+
+def slowest(rates: Throughputs, device: torch.device) -> Throughputs:
+    """Under data parallelism, the throughputs every rank plans with: the slowest rank's (a step waits for every
+    rank), so that all ranks make the same plans and build and read the same stores."""
+    blocks = sorted(rates.step_seconds)  # the same visits on every rank
+    values = [rates.layer_seconds, _inverse(rates.write_bps), _inverse(rates.read_bps), rates.store_overhead_s,
+              *(rates.step_seconds[b] for b in blocks)]
+    layer, write, read, overhead, *steps = _all_reduce(values, dist.ReduceOp.MAX, device)
+    return Throughputs(layer, _inverse(write), _inverse(read), overhead, dict(zip(blocks, steps)))
+
+
+def _all_reduce(values: list[float], op: dist.ReduceOp, device: torch.device) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=op)
+    return tensor.tolist()
+
+
+def _inverse(value: float) -> float:
+    """1 / value, with 1 / 0 = inf and 1 / inf = 0 (speeds of storage that costs nothing)."""
+    return math.inf if value == 0 else 1 / value

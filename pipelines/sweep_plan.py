@@ -80,6 +80,7 @@ class Workload:
     sample_bytes: int  # one sample's boundary state in the store
     free_bytes: float  # math.inf on object storage (no disk limit)
     stores: frozenset[int] = frozenset()  # boundaries with a valid store on disk now
+    ranks: int = 1  # data-parallel ranks; each computes and writes 1/ranks of every store it builds
 
     @property
     def store_bytes(self) -> int:
@@ -250,11 +251,12 @@ def schedule(work: Workload, rates: Throughputs, uses: tuple[bool, ...], eager: 
 
 def store_cost(work: Workload, rates: Throughputs, boundary: int, below: list[int]) -> tuple[int, float]:
     """(source boundary, seconds) of the cheapest way to make the store at `boundary`: a fresh prefix run from
-    the input, or a roll-forward from one of the valid stores `below` it."""
-    samples = work.train_samples + work.eval_split_samples
-    write = work.store_bytes / rates.write_bps + rates.store_overhead_s
+    the input, or a roll-forward from one of the valid stores `below` it (each rank making its share)."""
+    samples = (work.train_samples + work.eval_split_samples) / work.ranks
+    nbytes = work.store_bytes / work.ranks
+    write = nbytes / rates.write_bps + rates.store_overhead_s
     options = [(boundary * rates.layer_seconds * samples + write, 0)]
-    options += [((boundary - j) * rates.layer_seconds * samples + write + work.store_bytes / rates.read_bps, j)
+    options += [((boundary - j) * rates.layer_seconds * samples + write + nbytes / rates.read_bps, j)
                 for j in below]
     seconds, source = min(options)
     return source, seconds

@@ -73,7 +73,7 @@ class CacheRecord(Record):
     boundary: int
     how: str  # input (a fresh prefix run), roll_forward, reuse, deleted, or probe (auto's timing of the disk)
     seconds: float
-    bytes: int  # bytes written
+    bytes: int  # input and roll_forward: the store's bytes on disk (every rank's shards); probe: bytes written
     from_: int | None = None  # input and roll_forward: the boundary the store was made from (0: the input)
     reason: str | None = None  # deleted: why the store was no longer usable
 

@@ -1,5 +1,6 @@
 """A caching job killed with SIGKILL in the middle (a real subprocess) resumes to the store of an uninterrupted run."""
 
+import json
 import os
 import signal
 import subprocess
@@ -8,6 +9,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch.multiprocessing as mp
+
+from pipelines.cache import Part
 from storage import open_store
 from test_cache import BATCH, PER_SHARD, SEQ, assert_same_cache, cache, stored_datasets, run_cli, staged_model, write_corpus
 
@@ -60,3 +64,36 @@ def test_a_job_killed_with_sigkill_resumes_to_an_identical_store(tmp_path, capsy
     assert f"{finished} already done" in stdout
     cache(staged_model(), stored_datasets(corpus), 2, tmp_path / "ref")
     assert_same_cache(out, tmp_path / "ref")
+
+
+def _cache_part(rank: int, init_file: str, corpus: str, out: str, results: str) -> None:
+    """One gloo rank's part of a caching job shared by two processes."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    written: list[tuple[str, int]] = []
+    result = cache(staged_model(), stored_datasets(corpus), 2, out, mode="overwrite",
+                   part=Part(rank, 2, dist.barrier), before_shard_write=lambda split, i: written.append((split, i)))
+    Path(results, f"{rank}.json").write_text(json.dumps(dict(
+        written=written, samples_computed=result.samples_computed, stored_bytes=result.stored_bytes)))
+    dist.destroy_process_group()
+
+
+def test_two_processes_sharing_a_job_each_write_their_shards_of_the_store_one_process_makes(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    datasets = stored_datasets(corpus)  # the token store, built once before the ranks read it
+    out = tmp_path / "shared"
+    cache(staged_model(), datasets, 1, out)  # another boundary: the first part overwrites it before the other resumes
+    mp.spawn(_cache_part, args=(str(tmp_path / "init"), corpus, str(out), str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
+
+    reference = cache(staged_model(), datasets, 2, tmp_path / "one")
+    assert_same_cache(out, tmp_path / "one")
+    assert json.loads((out / "cache.json").read_text()) == json.loads((tmp_path / "one" / "cache.json").read_text())
+    for rank, part in enumerate(ranks):
+        assert part["written"] and all(shard % 2 == rank for _, shard in part["written"])
+        assert part["stored_bytes"] == reference.stored_bytes
+    assert sorted(map(tuple, ranks[0]["written"] + ranks[1]["written"])) == sorted(
+        (split, i) for split, s in reference.splits.items() for i in range(s.num_shards))
+    assert ranks[0]["samples_computed"] + ranks[1]["samples_computed"] == reference.samples == sum(
+        len(d) for d in datasets.values())

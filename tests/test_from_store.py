@@ -54,6 +54,19 @@ def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
         assert relative.item() <= 1e-5, (name, relative.item())
 
 
+def torchrun(tmp_path: Path, procs: int, runs: list[list[str]]) -> subprocess.CompletedProcess:
+    """The `preinfer` command lines `runs` in one torchrun job of `procs` gloo ranks."""
+    listing = tmp_path / f"runs-{procs}.json"
+    listing.write_text(json.dumps(runs))
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--standalone",
+         str(ROOT / "tests" / "pipeline_driver.py"), str(listing)],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=500,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
 def cache_records(run_dir: str) -> list[CacheRecord]:
     return [r for r in read_metrics(RunDir(run_dir).metrics) if isinstance(r, CacheRecord)]
 
@@ -347,3 +360,19 @@ def torchrun_and_one_process(tmp_path: Path, corpus: str, precision: str = "fp32
 def test_torchrun_two_ranks_equal_one_process_with_the_same_global_batch(tmp_path, corpus):
     one, two, _ = torchrun_and_one_process(tmp_path, corpus)
     assert_close(one, two)
+
+
+@pytest.mark.timeout(600)
+def test_torchrun_bcd_from_stores_the_ranks_make_together_ends_as_live(tmp_path, corpus):
+    """Two gloo ranks, bcd with pre-inference on (each store made once, every rank writing its share of the
+    shards into it) and off, in one torchrun job: the same weights, a store made before block 1's visit of each
+    sweep, and none left behind."""
+    common = ["bcd", "--model", "tiny-llama", "--blocks", "2", "--data", corpus, "--seq-len", "32",
+              "--samples-per-shard", "8", "--eval-fraction", "0.2", "--sweeps", "2", "--steps-per-visit", "2",
+              "--lr", "1e-3", "--seed", "0", "--batch-size", "2", "--eval-tokens", "256"]
+    torchrun(tmp_path, 2, [[*common, "--pre-inference", mode, "--out", str(tmp_path / mode)]
+             for mode in ("on", "off")])
+    assert_close(weights(str(tmp_path / "on")), weights(str(tmp_path / "off")))
+    made = [(r.boundary, r.how) for r in cache_records(str(tmp_path / "on")) if r.how != "probe"]
+    assert made == [(2, "input"), (2, "reuse"), (2, "deleted")] * 2
+    assert not list(RunDir(str(tmp_path / "on")).stores.iterdir())

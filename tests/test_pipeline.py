@@ -32,7 +32,7 @@ from preinfer.presets import build_preset
 from preinfer.run_dir import RunDir
 from preinfer.sources import LiveSources
 from preinfer.stages import plan_stages, stage_cost
-from test_from_store import assert_close, cache_and_model, weights
+from test_from_store import assert_close, cache_and_model, torchrun, weights
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["--seq-len", "32", "--samples-per-shard", "8", "--eval-fraction", "0.2", "--sweeps", "2",
@@ -43,19 +43,6 @@ RUNS = {  # name: (model, blocks, more flags); each runs at --batch-size 4 --pip
     "gpt2": ("tiny-gpt2", "2", []),  # the tied wte = lm_head on both end stages, owned by block 0
     "on": ("tiny-llama", "2", ["--pre-inference", "on"]),  # block 1 (layers 2-3) from a store at boundary 2
 }
-
-
-def torchrun(tmp_path: Path, procs: int, runs: list[list[str]]) -> None:
-    """The `preinfer` command lines `runs` in one torchrun job of `procs` gloo ranks."""
-    listing = tmp_path / f"runs-{procs}.json"
-    listing.write_text(json.dumps(runs))
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--standalone",
-         str(ROOT / "tests" / "pipeline_driver.py"), str(listing)],
-        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=500,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done
 
 
 PLAN = ["plan", "--model", "tiny-llama", "--seq-len", "32", "--micro-batch", "2", "--memory-budget", "2.5MiB"]

@@ -61,6 +61,11 @@ installed (a user's `pip install -e .` would still break): it needs nothing on t
 package, also covers workers that join later, and touches nothing else in the worker. The plugin is pickled by
 value, so unpickling it imports none of our modules.
 
+Several processes can run one job together (the ranks of a torchrun job building a store for pre-inference):
+each passes its `Part` in the options, computes the shards i with i % count == index, and meets the others at
+the part's barrier after the first part made the stores, after every shard is written, and after the first part
+finalized them; the stores must be where every process sees them (one disk, a shared filesystem, object storage).
+
 Test hooks come from the caller: `CacheOptions.before_shard_write(split, shard)` runs before every attempt to
 write a shard (tests inject faults and delays with it; it travels to the Dask workers with each task).
 """
@@ -68,11 +73,11 @@ write a shard (tests inject faults and delays with it; it travels to the Dask wo
 from pipelines.cache.build import cache_boundary, roll_forward
 from pipelines.cache.directory import DEFAULT_SPLITS, open_cache
 from pipelines.cache.fingerprints import bytes_per_token, cache_fingerprint, check_boundary, default_samples_per_shard
-from pipelines.cache.options import STORE_DTYPES, STORE_FORMATS, CacheOptions, parse_dask
+from pipelines.cache.options import STORE_DTYPES, STORE_FORMATS, CacheOptions, Part, parse_dask
 from pipelines.cache.result import CacheJobError, CacheResult
 
 __all__ = [
-    "cache_boundary", "roll_forward", "open_cache", "CacheOptions", "CacheResult", "CacheJobError",
+    "cache_boundary", "roll_forward", "open_cache", "CacheOptions", "Part", "CacheResult", "CacheJobError",
     "cache_fingerprint", "check_boundary", "default_samples_per_shard", "parse_dask", "bytes_per_token",
     "DEFAULT_SPLITS", "STORE_DTYPES", "STORE_FORMATS",
 ]

@@ -4,6 +4,7 @@ then finalize the stores and write the cache index."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Mapping
@@ -45,7 +46,7 @@ def cache_boundary(staged: StagedModel, datasets: Mapping[str, TokenSamples], to
     (a pipeline stage's view of it); None: computed from `staged`."""
     started = time.perf_counter()
     check_boundary(staged, boundary)
-    opts = options.for_model(staged.compute_dtype, _model_device(staged))
+    opts = _after_the_first_part(options.for_model(staged.compute_dtype, _model_device(staged)))
     if not datasets:
         raise UsageError("no splits to cache")
     out = location(out)
@@ -69,7 +70,7 @@ def roll_forward(staged: StagedModel, source: str | os.PathLike, boundary: int, 
     model's current prefix [0, K) and hold the compute dtype (the result then equals a fresh `cache_boundary`) or a
     lossy encoding (its decoded states are rolled forward, so encoding errors compound: see docs/results.md)."""
     started = time.perf_counter()
-    opts = options.for_model(staged.compute_dtype, _model_device(staged))
+    opts = _after_the_first_part(options.for_model(staged.compute_dtype, _model_device(staged)))
     source, out = location(source), location(out)
     found = cache_splits(source)
     if not found:
@@ -126,6 +127,14 @@ def roll_forward(staged: StagedModel, source: str | os.PathLike, boundary: int, 
 
 
 # ---- planning ---------------------------------------------------------------------------------------------------
+
+
+def _after_the_first_part(opts: CacheOptions) -> CacheOptions:
+    """A part of a shared job other than the first waits until the first has made the stores, then resumes them."""
+    if opts.part is None or opts.part.first:
+        return opts
+    opts.part.barrier()
+    return dataclasses.replace(opts, mode="resume")
 
 
 def _prepare_store(path: Location, split: str, fields, num_samples: int, per_shard: int, fingerprint,
@@ -198,20 +207,25 @@ def _run_jobs(staged: StagedModel, jobs: list[SplitJob], out: Location, boundary
               opts: CacheOptions, started: float) -> CacheResult:
     single = len(jobs) == 1 and jobs[0].name == ""
     index = out / CACHE_INDEX
-    if not single and any(job.todo for job in jobs) and index.exists():
+    part = opts.part
+    first = part is None or part.first
+    if first and not single and any(job.todo for job in jobs) and index.exists():
         index.unlink()  # the index describes only finished caches
+    if part is not None:
+        if part.first:
+            part.barrier()  # the stores are made: the other parts open them
+        for job in jobs:
+            job.todo = part.mine(job.todo)
     model_loads: dict[str, int] = {}
     timing = {"forward": 0.0, "write": 0.0, "blocked": 0.0}
     if any(job.todo for job in jobs):
         failed, fatal, model_loads = _run_shards(staged, jobs, boundary, opts, timing)
         if fatal is not None or failed:
             raise failure(jobs, failed, fatal)
-    try:
-        for job in jobs:
-            job.store.finalize()  # folds completion records into the manifest; a no-op rewrite when complete
-            job.result.stored_bytes = job.store.size_info()["stored_bytes"]
-    except OSError as err:
-        raise failure(jobs, [], err) from None
+    if part is not None:
+        part.barrier()  # every part's shards are written
+    if first:
+        _finalize(jobs)
     result = CacheResult(
         path=out, boundary=boundary, splits={job.name: job.result for job in jobs},
         samples=sum(j.result.samples for j in jobs), tokens=sum(j.result.tokens for j in jobs),
@@ -221,12 +235,34 @@ def _run_jobs(staged: StagedModel, jobs: list[SplitJob], out: Location, boundary
         store_dtype=opts.store_dtype, store_format=opts.store_format, workers=opts.workers, model_loads=model_loads,
         forward_seconds=timing["forward"], write_seconds=timing["write"], blocked_seconds=timing["blocked"],
     )
-    if not single:
+    if first and not single:
         try:
             write_index(out, _index(result))
         except OSError as err:
             raise failure(jobs, [], err) from None
+    if part is not None:
+        part.barrier()  # the stores are finalized and indexed
+        if not first:
+            _count_stored_bytes(jobs)
     return result
+
+
+def _finalize(jobs: list[SplitJob]) -> None:
+    """Fold each store's completion records into its manifest (a no-op rewrite when complete) and count its bytes."""
+    try:
+        for job in jobs:
+            job.store.finalize()
+    except OSError as err:
+        raise failure(jobs, [], err) from None
+    _count_stored_bytes(jobs)
+
+
+def _count_stored_bytes(jobs: list[SplitJob]) -> None:
+    try:
+        for job in jobs:
+            job.result.stored_bytes = job.store.size_info()["stored_bytes"]
+    except OSError as err:
+        raise failure(jobs, [], err) from None
 
 
 def _index(result: CacheResult) -> dict[str, Any]:

@@ -48,6 +48,28 @@ class SchedulerAddress:
 DaskTarget = LocalWorkers | SchedulerAddress
 
 
+@dataclass(frozen=True)
+class Part:
+    """This process's share of a caching job that `count` processes run together (the ranks of a torchrun job,
+    writing one store that all of them can see): shards i with i % count == index. The first part creates the
+    stores and finalizes them; `barrier` returns once every part has called it."""
+
+    index: int
+    count: int
+    barrier: Callable[[], None]
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.count:
+            raise UsageError(f"part {self.index} of {self.count}: expected 0 <= part < count")
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    def mine(self, shards: list[int]) -> list[int]:
+        return [i for i in shards if i % self.count == self.index]
+
+
 def parse_dask(text: str, flag: str = "--dask") -> DaskTarget:
     """"local:N" (N >= 1) or a scheduler address such as "tcp://host:8786"; a UsageError naming `flag` otherwise."""
     if text.startswith("local:"):
@@ -93,7 +115,8 @@ class CacheOptions:
     shard's decoding error is measured and recorded). `dask`: None (this process), "local:N",
     "tcp://host:port" (parsed into a `DaskTarget`) or a `distributed.Client`. `before_shard_write(split, shard)` is
     called before every attempt to write a shard, on the Dask workers too (so it must pickle: a module-level
-    function or a functools.partial of one)."""
+    function or a functools.partial of one). `part`: None (this process runs the whole job) or this process's `Part`
+of a job run by several processes at once (no Dask then)."""
 
     store_format: str = "zarr"
     store_dtype: str = "auto"
@@ -108,6 +131,7 @@ class CacheOptions:
     retries: int = 2
     device: str | None = None
     before_shard_write: Callable[[str, int], None] | None = None
+    part: Part | None = None
 
     def __post_init__(self) -> None:
         if self.store_format not in STORE_FORMATS:
@@ -127,6 +151,8 @@ class CacheOptions:
             object.__setattr__(self, "dask", parse_dask(self.dask))
         if self.device is not None:
             object.__setattr__(self, "device", str(torch.device(self.device)))
+        if self.part is not None and self.dask is not None:
+            raise UsageError("--dask: a caching job shared by several processes runs its shards in each of them")
 
     def for_model(self, compute_dtype: torch.dtype, device: torch.device | str) -> CacheOptions:
         """These options with "auto" and an unset device made concrete for a model."""

@@ -45,6 +45,16 @@ class CacheResult:
         return {name: split.fingerprint for name, split in self.splits.items()}
 
     @property
+    def stored_bytes(self) -> int:
+        """Bytes the stores take on disk, whoever wrote them."""
+        return sum(s.stored_bytes for s in self.splits.values())
+
+    @property
+    def samples_computed(self) -> int:
+        """Samples this run computed and wrote (not those already stored, nor another part's)."""
+        return sum(s.samples_computed for s in self.splits.values())
+
+    @property
     def tokens_per_s(self) -> float:
         computed = sum(s.tokens * s.shards_computed / s.num_shards for s in self.splits.values())
         return computed / self.seconds if self.seconds > 0 else 0.0

@@ -23,6 +23,7 @@ class SplitResult:
     num_shards: int
     shards_computed: int = 0
     shards_skipped: int = 0
+    samples_computed: int = 0
     bytes_written: int = 0
     stored_bytes: int = 0
 
@@ -45,6 +46,7 @@ class SplitJob:
         """Count shard `shard` (of `nbytes` on disk) as computed; returns its sample count."""
         lo, hi = self.store.shard_range(shard)
         self.result.shards_computed += 1
+        self.result.samples_computed += hi - lo
         self.result.bytes_written += nbytes
         return hi - lo
 
