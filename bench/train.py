@@ -70,7 +70,7 @@ from pipelines.training import live_sources, load_datasets, partition_for, run_b
 from preinfer.config import Config, load_config  # noqa: E402
 from preinfer.metrics import (CacheRecord, PlanOutcomeRecord, PreInferenceRecord, Record, StepRecord,  # noqa: E402
                               SweepPlanRecord, VisitRecord, read_metrics)
-from preinfer.optim import build_optimizer  # noqa: E402
+from preinfer.optim import LR_DECAYS, build_optimizer  # noqa: E402
 from preinfer.run_dir import RunDir  # noqa: E402
 from preinfer.sources import LiveSources  # noqa: E402
 from preinfer.staged import causal_lm_loss, supervised_tokens  # noqa: E402
@@ -115,6 +115,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "eval loss (on the exact eval states) and reader wait (bench/out/train_store_dtypes.json)")
     p.add_argument("--trained", metavar="RUN_DIR", help="the trained BCD run of --store-dtype")
     p.add_argument("--dtype-steps", type=int, default=150, help="steps of each --store-dtype run [150]")
+    p.add_argument("--dtype-lr-decay", default="cosine", choices=LR_DECAYS,
+                   help="the --store-dtype runs' learning-rate decay over the visit [cosine: the final loss is that "
+                        "of a trained model, not a snapshot of a trajectory still moving at the full rate]")
     p.add_argument("--dtype-seeds", default="0",
                    help="comma-separated seeds (sample order) of the --store-dtype runs, each dtype against the exact "
                         "store with the same seed [0]; more than one writes bench/out/train_store_dtypes_seeds.json")
@@ -349,7 +352,7 @@ def store_dtype_runs(args: argparse.Namespace, root: Path) -> dict:
 
     staged, data = trained_model(args.trained)
     config = base_config(args, stop=dict(steps_per_visit=args.warmup + args.dtype_steps),
-                         pre_inference=dict(mode="off"))
+                         pre_inference=dict(mode="off"), optim=dict(decay=args.dtype_lr_decay))
     k = partition_for(staged, config)[0].blocks[-1].start
     config.blocks.active = f"{k}-{staged.num_layers - 1}"
     stores = {}
@@ -381,7 +384,7 @@ def store_dtype_runs(args: argparse.Namespace, root: Path) -> dict:
         by_dtype[dtype] = dict(seeds=len(diffs), mean_rel_eval_loss_diff=statistics.mean(diffs),
                                max_rel_eval_loss_diff=max(diffs), median_wait_fraction=statistics.median(waits))
     return dict(boundary=k, active=config.blocks.active, steps=args.dtype_steps, warmup=args.warmup,
-                seq_len=args.seq_len, batch_size=args.batch_size, trained=args.trained, rows=rows, summary=by_dtype,
+                lr_decay=args.dtype_lr_decay, seq_len=args.seq_len, batch_size=args.batch_size, trained=args.trained, rows=rows, summary=by_dtype,
                 eval="the exact (float32) eval store for every run; each seed's runs against that seed's exact run",
                 targets=dict(rel_eval_loss_diff="<= 0.005", wait_fraction="<= 0.01"))
 

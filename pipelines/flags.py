@@ -12,7 +12,7 @@ from preinfer.config import Config, load_config
 from preinfer.errors import UsageError
 from preinfer.memory_model import GPUS, USABLE_FRACTION
 from preinfer.run_dir import RunDir
-from preinfer.optim import DEFAULT_LR, DEFAULT_WEIGHT_DECAY
+from preinfer.optim import DEFAULT_LR, DEFAULT_WEIGHT_DECAY, LR_DECAYS
 from pipelines.arguments import (
     device, device_problem, float_pair, local_directory, memory_size, non_negative_int, positive_float, positive_int,
     shown, store_location,
@@ -113,6 +113,8 @@ TRAINING_FLAGS: list[Flag] = [
     Flag("--weight-decay", "optim", "weight_decay", "weight decay", dict(type=float),
          unset=per_optimizer(DEFAULT_WEIGHT_DECAY)),
     Flag("--warmup-steps", "optim", "warmup_steps", "linear warmup per visit", dict(type=non_negative_int)),
+    Flag("--lr-decay", "optim", "decay", "after warmup, the rate falls to 0 at each visit's last step",
+         dict(choices=list(LR_DECAYS))),
     Flag("--grad-clip", "optim", "grad_clip", "max gradient norm; 0 = off", dict(type=float)),
     Flag("--grad-accum", "optim", "grad_accum", "micro-batches per step", dict(type=positive_int)),
     Flag("--keep-optimizer-state", "optim", "keep_state",

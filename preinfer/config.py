@@ -55,6 +55,7 @@ class OptimConfig:
     momentum: float = 0.9
     weight_decay: float | None = None  # None: sgd 1e-5, adam 0, adamw 0.01
     warmup_steps: int = 0  # linear warmup at the start of every visit
+    decay: str = "none"  # none, linear, cosine: after warmup the rate falls to 0 at each visit's last step
     grad_clip: float = 0.0  # max gradient norm of the active block; 0 disables
     grad_accum: int = 1  # micro-batches per optimizer step
     keep_state: bool = False  # keep each block's optimizer state between its visits (costs its memory)

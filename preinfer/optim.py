@@ -1,4 +1,4 @@
-"""A visit's optimizer, its learning-rate warmup and its stopping rule."""
+"""A visit's optimizer, its learning-rate schedule (warmup, decay) and its stopping rule."""
 
 from __future__ import annotations
 
@@ -29,9 +29,36 @@ def build_optimizer(params: list[nn.Parameter], cfg: OptimConfig) -> torch.optim
     return cls(params, lr=lr, betas=tuple(cfg.betas), weight_decay=wd)
 
 
-def warmup_factor(step: int, warmup_steps: int) -> float:
-    """Linear warmup: step 0 runs at 1/warmup of the rate, reaching the full rate after `warmup_steps`."""
-    return 1.0 if warmup_steps <= 0 else min(1.0, (step + 1) / warmup_steps)
+LR_DECAYS = ("none", "linear", "cosine")
+
+
+@dataclass(frozen=True)
+class LrSchedule:
+    """A visit's learning rate, step by step, as a fraction of the full rate: linear warmup over `warmup` steps
+    (step 0 at 1/warmup), then `decay` over the rest of the visit's `steps`: "none", or "linear" or "cosine" to 0
+    (the decay of transformers' get_linear_schedule_with_warmup and get_cosine_schedule_with_warmup)."""
+
+    warmup: int = 0
+    decay: str = "none"
+    steps: int | None = None
+
+    @classmethod
+    def for_visit(cls, cfg: OptimConfig, steps: int | None) -> LrSchedule:
+        """The schedule of a visit of at most `steps` steps (None: it ends on a plateau, not at a known step)."""
+        if cfg.decay not in LR_DECAYS:
+            raise UsageError(f"--lr-decay {cfg.decay!r} is not one of {', '.join(LR_DECAYS)}")
+        if cfg.decay != "none" and steps is None:
+            raise UsageError(f"--lr-decay {cfg.decay} needs each visit's length: --steps-per-visit or "
+                             f"--epochs-per-visit (a visit that ends on a plateau has no known last step)")
+        return cls(cfg.warmup_steps, cfg.decay, steps)
+
+    def factor(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        if self.decay == "none":
+            return 1.0
+        progress = min(1.0, (step - self.warmup) / max(1, self.steps - self.warmup))
+        return 1.0 - progress if self.decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 @dataclass

@@ -33,7 +33,7 @@ from preinfer.config import Config
 from preinfer.errors import PreinferError
 from preinfer.metrics import MetricsLog, Record, StepRecord, VisitRecord
 from preinfer.moe import ExpertGranular, RouterLoss
-from preinfer.optim import StopRule, build_optimizer, warmup_factor
+from preinfer.optim import LrSchedule, StopRule, build_optimizer, step_budget
 from preinfer.partition import Block, Partition
 from preinfer.precision import ActiveBlock, LossScaler, apply_precision
 from preinfer.run_dir import RunDir
@@ -98,6 +98,7 @@ class Trainer:
             raise PreinferError(f"--experts (expert-granular blocks) trains in fp32; drop it or --precision "
                                 f"{self.precision}")
         self.order(0)  # a bad order, fixed order or start block is refused before anything runs
+        LrSchedule.for_visit(config.optim, step_budget(config.stop, 1))  # and a decay without a visit length
         sources.attach(self.emit)
 
     def order(self, sweep: int) -> list[int]:
@@ -156,6 +157,7 @@ class Trainer:
         stop = StopRule.for_visit(cfg.stop, -(-train.batches_per_epoch // cfg.optim.grad_accum))
         if p.stop is not None:
             stop.load_state_dict(p.stop)
+        schedule = LrSchedule.for_visit(cfg.optim, stop.max_steps)
         if self.meter is not None:
             self.meter.reset()
         started, reason = time.perf_counter(), None
@@ -165,6 +167,8 @@ class Trainer:
                 self._save_visit_state(train, optimizer, block, stop)
                 self.stopped = not halted
                 return False
+            for group in optimizer.param_groups:
+                group["lr"] = group["initial_lr"] * schedule.factor(p.visit_step)
             loss, tokens, wait = self._step(block, train, optimizer, active)
             p.visit_step += 1
             p.global_step += 1
@@ -307,9 +311,6 @@ class Trainer:
         if self._update_allowed(active, scale):
             if cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(active.masters, cfg.grad_clip)
-            factor = warmup_factor(self.progress.visit_step, cfg.warmup_steps)
-            for group in optimizer.param_groups:
-                group["lr"] = group["initial_lr"] * factor
             optimizer.step()
             active.cast_down()
         if metered:

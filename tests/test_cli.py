@@ -78,6 +78,7 @@ def instruction_file_without_output(tmp_path):
         (["--ranges", "0-1,3-3"], "skips layer 2"),
         (["--lr", "fast"], "--lr"),
         (["--batch-size", "two"], "--batch-size"),
+        (["--lr-decay", "step"], "--lr-decay"),
         (["--data", "INSTRUCTIONS"], "output"),
     ],
 )
@@ -88,6 +89,14 @@ def test_bad_input_is_one_line_and_exit_code_2(argv, message, tmp_path, capsys):
     assert message in err
     assert len(err.strip().splitlines()) == 1, err
     assert "Traceback" not in err
+
+
+def test_a_decaying_rate_without_a_visit_length_is_refused_before_anything_is_written(tmp_path, capsys):
+    steps = TINY.index("--steps-per-visit")
+    argv = [*TINY[:steps], *TINY[steps + 2:], "--patience", "3", "--lr-decay", "cosine"]
+    code, _, err = run_cli(["bcd", *argv, "--out", str(tmp_path / "run")], capsys)
+    assert code == 2 and "--lr-decay cosine needs each visit's length" in err
+    assert not (tmp_path / "run").exists()
 
 
 def test_the_console_entry_point_reports_errors_without_traceback(tmp_path):

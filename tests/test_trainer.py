@@ -4,11 +4,14 @@ the reader-backed token source every run uses (`pipelines.sources`)."""
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
 import preinfer
 from preinfer.config import Config
 from preinfer.data import TokenDataset
+from preinfer.errors import UsageError
 from preinfer.meter import MemoryMeter
+from preinfer.metrics import StepRecord
 from preinfer.partition import make_partition
 from preinfer.presets import build_preset
 from preinfer.run_dir import RunDir
@@ -26,7 +29,7 @@ def random_tokens(n=24, t=16, vocab=258, seed=0, split="train") -> TokenDataset:
     return TokenDataset(input_ids, attention_mask, input_ids.masked_fill(~attention_mask, -100), "random", split)
 
 
-def make_trainer(preset="tiny-llama", run_dir=None, **overrides):
+def make_trainer(preset="tiny-llama", run_dir=None, on_record=None, **overrides):
     config = Config()
     config.optim.lr = 1e-3
     config.stop.steps_per_visit = 3
@@ -38,7 +41,7 @@ def make_trainer(preset="tiny-llama", run_dir=None, **overrides):
     partition = make_partition(staged, num_blocks=config.blocks.blocks or 3)
     sources = live_sources(random_tokens(), random_tokens(n=8, seed=1, split="eval"), config.data.batch_size,
                            samples_per_shard=8, seed=config.run.seed)
-    return Trainer(staged, partition, config, sources, run_dir=run_dir and RunDir(run_dir))
+    return Trainer(staged, partition, config, sources, run_dir=run_dir and RunDir(run_dir), on_record=on_record)
 
 
 def snapshot(model):
@@ -117,9 +120,33 @@ def test_plateau_rule_stops_a_visit():
     assert all(v["steps"] == 4 for v in visits)  # the first step sets the best; 3 without improvement
 
 
+@pytest.mark.parametrize("decay", ["linear", "cosine"])
+def test_each_visit_s_learning_rate_decays_as_the_transformers_schedule_after_our_warmup(decay):
+    """After warmup (ours: step 0 at 1/warmup), the rate of every step is transformers' schedule of the visit."""
+    records = []
+    make_trainer(on_record=records.append, optim__warmup_steps=2, optim__decay=decay, stop__steps_per_visit=7).fit()
+    rates = [r.lr for r in records if isinstance(r, StepRecord)]
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3)
+    make = get_linear_schedule_with_warmup if decay == "linear" else get_cosine_schedule_with_warmup
+    scheduler = make(optimizer, num_warmup_steps=2, num_training_steps=7)
+    expected = []
+    for _ in range(7):
+        expected.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    expected[:2] = [0.5e-3, 1e-3]
+    assert rates == pytest.approx(expected * 3, rel=1e-12, abs=1e-15)  # 3 visits of 7 steps
+
+
+def test_a_decaying_rate_needs_a_known_visit_length():
+    with pytest.raises(UsageError, match="--lr-decay cosine needs each visit's length"):
+        make_trainer(optim__decay="cosine", stop__steps_per_visit=None, stop__patience=3)  # refused when made
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "fp16-mixed"])
 def test_resume_is_bit_identical(tmp_path, precision):
-    overrides = dict(blocks__sweeps=2, optim__warmup_steps=2, stop__steps_per_visit=4, run__precision=precision)
+    overrides = dict(blocks__sweeps=2, optim__warmup_steps=2, optim__decay="cosine", stop__steps_per_visit=4,
+                     run__precision=precision)
     reference = make_trainer(run_dir=tmp_path / "a", **overrides)
     halted = make_trainer(run_dir=tmp_path / "b", **overrides)
     if precision == "fp16-mixed":  # a scale that overflows at first: the loss scaler's state must resume too

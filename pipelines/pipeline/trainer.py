@@ -28,7 +28,6 @@ from preinfer.errors import PreinferError
 from preinfer.grad_buckets import BucketedAllReduce
 from preinfer.memory_model import Block as StageBlock
 from preinfer.metrics import Record, VisitRecord
-from preinfer.optim import warmup_factor
 from preinfer.partition import Block
 from preinfer.precision import ActiveBlock
 from preinfer.sources import BatchSource
@@ -117,9 +116,6 @@ class PipelineTrainer(Trainer):
             tokens = int(counted)
         if cfg.grad_clip > 0:
             self._clip(active, cfg.grad_clip)
-        factor = warmup_factor(self.progress.visit_step, cfg.warmup_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = group["initial_lr"] * factor
         optimizer.step()
         active.cast_down()
         if self.tied_hooks:
