@@ -320,10 +320,10 @@ class PreInference:
         started = time.perf_counter()
         train = self.datasets["train"]
         samples = max(1, min(self.shard, len(train), PROBE_BYTES // self.work.sample_bytes))
-        out = self.root / f"probe-rank{self.rank}"
+        out = self.root / f"probe-rank{self.rank}"  # each rank times its own writes, whole
         try:
             result = cache_boundary(self.staged, {"probe": train.head(samples)}, self.tokenizer, 1, out,
-                                    self.options)
+                                    dataclasses.replace(self.options, part=None))
             if result.write_seconds > 0:
                 self.rates = dataclasses.replace(self.rates,
                                                  write_bps=samples * self.work.sample_bytes / result.write_seconds)
