@@ -366,17 +366,18 @@ def test_torchrun_two_ranks_equal_one_process_with_the_same_global_batch(tmp_pat
 def test_torchrun_bcd_from_stores_the_ranks_make_together_ends_as_live(tmp_path, corpus):
     """Two gloo ranks, bcd with pre-inference on (each store made once, every rank writing its share of the
     shards into it) and off, in one torchrun job: the same weights, a store made before block 1's visit of each
-    sweep, and none left behind. Then auto on visits long enough to time the disk: each rank its own probe."""
+    sweep, and none left behind. Then auto on one visit of layers 2-3 long enough for stores to pay: each rank
+    times its own disk (a probe), then the ranks make the store at boundary 2 together."""
     common = ["bcd", "--model", "tiny-llama", "--blocks", "2", "--data", corpus, "--seq-len", "32",
               "--samples-per-shard", "8", "--eval-fraction", "0.2", "--lr", "1e-3", "--seed", "0", "--batch-size",
               "2", "--eval-tokens", "256"]
     runs = [[*common, "--sweeps", "2", "--steps-per-visit", "2", "--pre-inference", mode, "--out", str(tmp_path / mode)]
             for mode in ("on", "off")]
-    runs.append([*common, "--sweeps", "1", "--steps-per-visit", "300", "--pre-inference", "auto", "--out",
+    runs.append([*common, "--active", "2-3", "--steps-per-visit", "400", "--pre-inference", "auto", "--out",
                  str(tmp_path / "auto")])
     torchrun(tmp_path, 2, runs)
     assert_close(weights(str(tmp_path / "on")), weights(str(tmp_path / "off")))
     made = [(r.boundary, r.how) for r in cache_records(str(tmp_path / "on")) if r.how != "probe"]
     assert made == [(2, "input"), (2, "reuse"), (2, "deleted")] * 2
     assert not list(RunDir(str(tmp_path / "on")).stores.iterdir())
-    assert [r.how for r in cache_records(str(tmp_path / "auto"))][:1] == ["probe"]
+    assert [(r.boundary, r.how) for r in cache_records(str(tmp_path / "auto"))][:2] == [(1, "probe"), (2, "input")]

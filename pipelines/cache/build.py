@@ -27,9 +27,9 @@ from pipelines.cache.fingerprints import (
     check_boundary, default_samples_per_shard, dtype_name, state_fingerprint, store_fields,
 )
 from pipelines.cache.local_runner import run_local
-from pipelines.cache.options import CacheOptions
+from pipelines.cache.options import CacheOptions, Part
 from pipelines.cache.progress import Progress
-from pipelines.cache.result import CacheResult, failure
+from pipelines.cache.result import CacheJobError, CacheResult, failure
 from pipelines.cache.shards import DatasetInputs, StoreInputs
 from pipelines.cache.work import Failure, SplitJob, SplitResult
 
@@ -224,6 +224,7 @@ def _run_jobs(staged: StagedModel, jobs: list[SplitJob], out: Location, boundary
             raise failure(jobs, failed, fatal)
     if part is not None:
         part.barrier()  # every part's shards are written
+        _require_shared(jobs, part)
     if first:
         _finalize(jobs)
     result = CacheResult(
@@ -245,6 +246,18 @@ def _run_jobs(staged: StagedModel, jobs: list[SplitJob], out: Location, boundary
         if not first:
             _count_stored_bytes(jobs)
     return result
+
+
+def _require_shared(jobs: list[SplitJob], part: Part) -> None:
+    """Refuse stores in which this process does not see every part's shards (each part wrote where only it sees)."""
+    for job in jobs:
+        missing = job.store.missing_shards()
+        if missing:
+            raise CacheJobError(
+                f"{job.store.path}: part {part.index} of {part.count} of a shared caching job does not see "
+                f"{len(missing)} of its {job.store.num_shards} shards, which the other parts wrote; the processes "
+                f"(the ranks of a torchrun job) must write one store that all of them see: on a shared filesystem "
+                f"or object storage (s3://), e.g. with --store-dir")
 
 
 def _finalize(jobs: list[SplitJob]) -> None:
