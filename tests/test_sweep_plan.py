@@ -1,17 +1,11 @@
 """Whole-sweep pre-inference plans: the plan for fixed throughputs is the expected one, and never exceeds the disk."""
 
 import dataclasses
-import json
-import math
 import random
-from pathlib import Path
 
 import pytest
-import torch
-import torch.multiprocessing as mp
 
 from pipelines import sweep_plan
-from pipelines.pre_inference import slowest
 from pipelines.sweep_plan import Throughputs, Visit, Workload, plan_sweep, schedule, store_cost
 
 # small-llama-like: 6 layers, UFP 1/3 (blocks start at 0, 2, 4), seq 128 x hidden 256 float32, batch 8
@@ -186,22 +180,3 @@ def test_data_parallel_ranks_share_a_store_build():
         assert source == (2 if below else 0)
         assert shared == pytest.approx((alone - 0.5) / 2 + 0.5)
 
-
-def _slowest_rank(rank: int, init_file: str, results: str) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    mine = [Throughputs(1e-3, 2e8, 3e8, 0.05, {1: 0.2, 2: 0.4}),
-            Throughputs(2e-3, 1e8, math.inf, 0.01, {1: 0.3, 2: 0.1})][rank]
-    agreed = slowest(mine, torch.device("cpu"))
-    Path(results, f"{rank}.json").write_text(json.dumps(dataclasses.asdict(agreed)))
-    dist.destroy_process_group()
-
-
-def test_data_parallel_ranks_plan_with_the_slowest_rank_s_throughputs(tmp_path):
-    """So that every rank makes the same plan: the largest time and the smallest speed of each, over the ranks."""
-    mp.spawn(_slowest_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
-    for rank in (0, 1):
-        agreed = json.loads((tmp_path / f"{rank}.json").read_text())
-        assert agreed.pop("step_seconds") == pytest.approx({"1": 0.3, "2": 0.4})
-        assert agreed == pytest.approx(dict(layer_seconds=2e-3, write_bps=1e8, read_bps=3e8, store_overhead_s=0.05))
