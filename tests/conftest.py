@@ -6,6 +6,8 @@ import os
 import pytest
 import torch
 
+from corpus_samples import paragraphs_corpus
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
@@ -20,10 +22,7 @@ def token_store_cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> str:
     """A small text corpus: 24 paragraphs, enough for a few dozen samples of 32 tokens in each split."""
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    paragraphs = [f"Paragraph {i}: " + " ".join(f"word{(i * 7 + j) % 23}" for j in range(30)) for i in range(24)]
-    path.write_text("\n\n".join(paragraphs))
-    return str(path)
+    return paragraphs_corpus(tmp_path_factory.mktemp("data") / "corpus.txt")
 
 
 @pytest.fixture

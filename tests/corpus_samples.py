@@ -90,3 +90,11 @@ def write_corpora(root: Path) -> dict[str, Path]:
 
 # (corpus, seq_len, eval_fraction) of the pinned cases.
 CASES = [("txt", 64, 0.2), ("jsonl", 32, 0.1), ("instruction", 176, 0.25), ("directory", 16, 0.3)]
+
+
+def paragraphs_corpus(path: Path) -> str:
+    """The tests' small shared corpus (the `corpus` fixture): 24 paragraphs, enough for a few dozen samples of 32
+    tokens in each split; returns its path."""
+    paragraphs = [f"Paragraph {i}: " + " ".join(f"word{(i * 7 + j) % 23}" for j in range(30)) for i in range(24)]
+    path.write_text("\n\n".join(paragraphs))
+    return str(path)

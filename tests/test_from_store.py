@@ -20,6 +20,7 @@ from preinfer.config import Config
 from preinfer.metrics import CacheRecord, PlanOutcomeRecord, SweepPlanRecord, read_metrics
 from preinfer.run_dir import RunDir
 from preinfer.sources import LiveSources
+from corpus_samples import paragraphs_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -325,20 +326,33 @@ class BothRanks:
             r.load_state_dict(s)
 
 
-def torchrun_and_one_process(tmp_path: Path, corpus: str, precision: str = "fp32") -> tuple[dict, dict, str]:
-    """`preinfer train` on two gloo ranks under torchrun, and in one process whose batch is both ranks' batches;
-    returns (one process's weights, the two ranks' weights, the model directory)."""
-    model_dir, store = cache_and_model(tmp_path, corpus)
-    out = tmp_path / "two"
-    two = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-         "-m", "pipelines.cli", "train", "--store", store, "--model", model_dir, "--steps-per-visit", "3",
-         "--lr", "1e-3", "--blocks", "2", "--seed", "0", "--batch-size", "2", "--precision", precision,
-         "--out", str(out)],
-        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=500,
-    )
-    assert two.returncode == 0, two.stderr[-3000:]
+@pytest.fixture(scope="session")
+def data_parallel(tmp_path_factory) -> Path:
+    """One torchrun job of two gloo ranks for the data-parallel tests (one start-up for all): `train --store` of
+    a cache at boundary 2 in fp32 and in bf16-mixed (batch 2 a rank), then bcd with pre-inference on and off (2
+    sweeps of 2 steps a visit) and auto (one visit of layers 2-3, long enough for stores to pay); returns its
+    directory (corpus.txt, model, cache and a run directory each)."""
+    tmp = tmp_path_factory.mktemp("data-parallel")
+    corpus = paragraphs_corpus(tmp / "corpus.txt")
+    model_dir, store = cache_and_model(tmp, corpus)
+    runs = [["train", "--store", store, "--model", model_dir, "--steps-per-visit", "3", "--lr", "1e-3", "--blocks",
+             "2", "--seed", "0", "--batch-size", "2", "--precision", precision, "--out", str(tmp / f"two-{precision}")]
+            for precision in ("fp32", "bf16-mixed")]
+    bcd = ["bcd", "--model", "tiny-llama", "--blocks", "2", "--data", corpus, "--seq-len", "32",
+           "--samples-per-shard", "8", "--eval-fraction", "0.2", "--lr", "1e-3", "--seed", "0", "--batch-size", "2",
+           "--eval-tokens", "256"]
+    runs += [[*bcd, "--sweeps", "2", "--steps-per-visit", "2", "--pre-inference", mode, "--out", str(tmp / mode)]
+             for mode in ("on", "off")]
+    runs.append([*bcd, "--active", "2-3", "--steps-per-visit", "400", "--pre-inference", "auto", "--out",
+                 str(tmp / "auto")])
+    torchrun(tmp, 2, runs)
+    return tmp
 
+
+def one_process_like(data_parallel: Path, tmp_path: Path, precision: str = "fp32") -> tuple[dict, dict, str]:
+    """The `train --store` run of `data_parallel` in `precision` again, in one process whose batch is both ranks'
+    batches; returns (one process's weights, the two ranks' weights, the model directory)."""
+    model_dir, store = str(data_parallel / "model"), str(data_parallel / "cache")
     config = Config()
     config.model.name = model_dir
     config.data.batch_size = 4
@@ -353,31 +367,39 @@ def torchrun_and_one_process(tmp_path: Path, corpus: str, precision: str = "fp32
     partition, _ = partition_for(staged, config, first_layer=2)
     plan = LiveSources(BothRanks(stores["train"], 2, 2, 0), ReaderBatches(stores["eval"], 2, 4, 0, shuffle=False))
     train(config, staged, partition, None, plan, resume=False, quiet=True)
-    return weights(str(tmp_path / "one")), weights(str(out)), model_dir
+    return weights(str(tmp_path / "one")), weights(str(data_parallel / f"two-{precision}")), model_dir
 
 
 @pytest.mark.timeout(600)
-def test_torchrun_two_ranks_equal_one_process_with_the_same_global_batch(tmp_path, corpus):
-    one, two, _ = torchrun_and_one_process(tmp_path, corpus)
+def test_torchrun_two_ranks_equal_one_process_with_the_same_global_batch(data_parallel, tmp_path):
+    one, two, _ = one_process_like(data_parallel, tmp_path)
     assert_close(one, two)
 
 
 @pytest.mark.timeout(600)
-def test_torchrun_bcd_from_stores_the_ranks_make_together_ends_as_live(tmp_path, corpus):
-    """Two gloo ranks, bcd with pre-inference on (each store made once, every rank writing its share of the
-    shards into it) and off, in one torchrun job: the same weights, a store made before block 1's visit of each
-    sweep, and none left behind. Then auto on one visit of layers 2-3 long enough for stores to pay: each rank
-    times its own disk (a probe), then the ranks make the store at boundary 2 together."""
-    common = ["bcd", "--model", "tiny-llama", "--blocks", "2", "--data", corpus, "--seq-len", "32",
-              "--samples-per-shard", "8", "--eval-fraction", "0.2", "--lr", "1e-3", "--seed", "0", "--batch-size",
-              "2", "--eval-tokens", "256"]
-    runs = [[*common, "--sweeps", "2", "--steps-per-visit", "2", "--pre-inference", mode, "--out", str(tmp_path / mode)]
-            for mode in ("on", "off")]
-    runs.append([*common, "--active", "2-3", "--steps-per-visit", "400", "--pre-inference", "auto", "--out",
-                 str(tmp_path / "auto")])
-    torchrun(tmp_path, 2, runs)
-    assert_close(weights(str(tmp_path / "on")), weights(str(tmp_path / "off")))
-    made = [(r.boundary, r.how) for r in cache_records(str(tmp_path / "on")) if r.how != "probe"]
-    assert made == [(2, "input"), (2, "reuse"), (2, "deleted")] * 2
-    assert not list(RunDir(str(tmp_path / "on")).stores.iterdir())
-    assert [(r.boundary, r.how) for r in cache_records(str(tmp_path / "auto"))][:2] == [(1, "probe"), (2, "input")]
+def test_torchrun_two_ranks_bf16_mixed_match_one_process_over_the_same_global_batches(data_parallel, tmp_path):
+    """Two gloo ranks under torchrun (gradients summed in fp32 buckets) against one process whose batch is both
+    ranks' batches: each rank's 16-bit weight gradients round per half batch, so the runs agree within bf16's
+    precision, not bit for bit (float32 data parallelism is exact: the test above)."""
+    one, dp, model_dir = one_process_like(data_parallel, tmp_path, "bf16-mixed")
+    start = load_file(str(Path(model_dir) / "model.safetensors"))
+    assert set(one) == set(dp) and {t.dtype for t in dp.values()} == {torch.bfloat16}
+    for name in one:
+        a, b = one[name].float(), dp[name].float()
+        moved = (a - start[name].float()).norm()
+        if moved > 0:  # trained: the runs' updates agree within 10% of the update (3.8% measured, 3 steps)
+            assert (a - b).norm() <= 0.1 * moved, name
+        else:
+            assert torch.equal(a, b), name
+
+
+def test_torchrun_bcd_from_stores_the_ranks_make_together_ends_as_live(data_parallel):
+    """bcd on two gloo ranks with pre-inference on (each store made once, every rank writing its share of the
+    shards into it) and off: the same weights, a store made before block 1's visit of each sweep, and none left
+    behind. auto on one long visit of layers 2-3: each rank times its own disk (a probe), then the ranks make the
+    store at boundary 2 together."""
+    on, off, auto = (str(data_parallel / mode) for mode in ("on", "off", "auto"))
+    assert_close(weights(on), weights(off))
+    assert [(r.boundary, r.how) for r in cache_records(on)] == [(2, "input"), (2, "reuse"), (2, "deleted")] * 2
+    assert not list(RunDir(on).stores.iterdir())
+    assert [(r.boundary, r.how) for r in cache_records(auto)][:2] == [(1, "probe"), (2, "input")]

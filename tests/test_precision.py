@@ -18,7 +18,6 @@ from preinfer.metrics import StepRecord, read_metrics
 from preinfer.precision import LossScaler, resolve_precision
 from preinfer.presets import build_preset, load_model
 from preinfer.run_dir import RunDir
-from test_from_store import torchrun_and_one_process
 from test_trainer import make_trainer, snapshot
 
 MIXED = dict(run__precision="bf16-mixed", optim__lr=1e-2)
@@ -211,23 +210,6 @@ def test_bucketed_all_reduce_sums_exactly_whatever_order_the_gradients_complete_
 
     mp.spawn(_bucket_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     assert (tmp_path / "0").read_text() == (tmp_path / "1").read_text() == "ok"
-
-
-@pytest.mark.timeout(600)
-def test_torchrun_two_ranks_bf16_mixed_match_one_process_over_the_same_global_batches(tmp_path, corpus):
-    """Two gloo ranks under torchrun (gradients summed in fp32 buckets) against one process whose batch is both
-    ranks' batches: each rank's 16-bit weight gradients round per half batch, so the runs agree within bf16's
-    precision, not bit for bit (float32 data parallelism is exact: test_from_store)."""
-    one, dp, model_dir = torchrun_and_one_process(tmp_path, corpus, "bf16-mixed")
-    start = load_file(str(Path(model_dir) / "model.safetensors"))
-    assert set(one) == set(dp) and {t.dtype for t in dp.values()} == {torch.bfloat16}
-    for name in one:
-        a, b = one[name].float(), dp[name].float()
-        moved = (a - start[name].float()).norm()
-        if moved > 0:  # trained: the runs' updates agree within 10% of the update (3.8% measured, 3 steps)
-            assert (a - b).norm() <= 0.1 * moved, name
-        else:
-            assert torch.equal(a, b), name
 
 
 def test_recompute_under_bf16_mixed_gives_the_same_weights():
