@@ -111,6 +111,26 @@ def test_train_quick(tmp_path):
     assert b["max_rel_eval_loss_diff"] < 1e-4
 
 
+def test_train_store_dtypes_quick(tmp_path, corpus):
+    """bench/train.py --store-dtype: the top block of a trained run from the exact and a lossy store."""
+    from pipelines.cli import main
+
+    run = tmp_path / "trained"
+    assert main(["bcd", "--model", "tiny-llama", "--data", corpus, "--seq-len", "32", "--batch-size", "2",
+                 "--steps-per-visit", "2", "--samples-per-shard", "8", "--eval-fraction", "0.2", "--eval-tokens",
+                 "128", "--pre-inference", "off", "--out", str(run)]) == 0
+    out = tmp_path / "out" / "train.json"
+    assert _load("train").main(["--quick", "--store-dtype", "float8_e4m3", "--trained", str(run), "--dtype-steps",
+                                "4", "--out", str(out), "--dir", str(tmp_path / "work")]) == 0
+    result = json.loads((tmp_path / "out" / "train_store_dtypes.json").read_text())
+    assert result["lr_decay"] == "cosine" and result["boundary"] == 3 and result["steps"] == 4
+    assert [(r["seed"], r["dtype"]) for r in result["rows"]] == [(0, "float32"), (0, "float8_e4m3")]
+    exact, lossy = result["rows"]
+    assert exact["rel_eval_loss_diff"] == 0 and math.isfinite(lossy["final_eval_loss"])
+    assert lossy["rel_eval_loss_diff"] != 0  # decoded states differ from the exact ones, so the weights do
+    assert all(0 <= r["wait_fraction"] <= 1 for r in result["rows"])
+
+
 def test_peers_long_visit_windows_take_the_plain_loop_over_the_same_seconds():
     """A trainer at 1 step/s against a plain pacer at 2 steps/s on the same clock: each window 0.5x; a pacer that
     does not cover the trainer's whole visit is an error."""
