@@ -384,7 +384,8 @@ def store_dtype_runs(args: argparse.Namespace, root: Path) -> dict:
         by_dtype[dtype] = dict(seeds=len(diffs), mean_rel_eval_loss_diff=statistics.mean(diffs),
                                max_rel_eval_loss_diff=max(diffs), median_wait_fraction=statistics.median(waits))
     return dict(boundary=k, active=config.blocks.active, steps=args.dtype_steps, warmup=args.warmup,
-                lr_decay=args.dtype_lr_decay, seq_len=args.seq_len, batch_size=args.batch_size, trained=args.trained, rows=rows, summary=by_dtype,
+                lr_decay=args.dtype_lr_decay, seq_len=args.seq_len, batch_size=args.batch_size, trained=args.trained,
+                rows=rows, summary=by_dtype,
                 eval="the exact (float32) eval store for every run; each seed's runs against that seed's exact run",
                 targets=dict(rel_eval_loss_diff="<= 0.005", wait_fraction="<= 0.01"))
 

@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 
 from preinfer.config import Config
-from preinfer.errors import UsageError
 from preinfer.metrics import CacheRecord, PlanOutcomeRecord, PreInferenceRecord, Record, SweepPlanRecord
 from preinfer.optim import step_budget
 from preinfer.partition import Block
@@ -85,14 +84,13 @@ class PreInference:
         self.mode = config.pre_inference.mode
         self.root = location(config.pre_inference.store_dir or RunDir(config.run.out).stores)
         settings = config.pre_inference  # checked here, before the run directory is made
-        if world > 1 and settings.dask is not None:
-            raise UsageError("--dask: under data parallelism the ranks build each store together (each its share "
-                             "of the shards); drop --dask, or run the caching job on Dask with `preinfer cache`")
         self.device = next(p for p in staged.model.parameters() if not p.is_meta).device
         self.options = CacheOptions(store_format=settings.store_format, store_dtype=settings.store_dtype,
                                     samples_per_shard=shard, mode="overwrite", progress=False,
-                                    model_name=config.model.name, dask=settings.dask,
-                                    part=Part(rank, world, dist.barrier) if world > 1 else None)
+                                    model_name=config.model.name, dask=settings.dask)  # a job of this rank alone
+        # the stores the run trains from: under data parallelism every rank makes its share of each
+        self.store_options = self.options if world == 1 else dataclasses.replace(
+            self.options, part=Part(rank, world, dist.barrier))
         self.stores: dict[int, Location] = {}  # boundary -> cache directory believed valid
         self.emit: Callable[[Record], None] = lambda record: None
         self.rates: Throughputs | None = None  # measured in this run (the layer forward on first use)
@@ -320,10 +318,10 @@ class PreInference:
         started = time.perf_counter()
         train = self.datasets["train"]
         samples = max(1, min(self.shard, len(train), PROBE_BYTES // self.work.sample_bytes))
-        out = self.root / f"probe-rank{self.rank}"  # each rank times its own writes, whole
+        out = self.root / f"probe-rank{self.rank}"  # each rank times its own writes
         try:
             result = cache_boundary(self.staged, {"probe": train.head(samples)}, self.tokenizer, 1, out,
-                                    dataclasses.replace(self.options, part=None))
+                                    self.options)
             if result.write_seconds > 0:
                 self.rates = dataclasses.replace(self.rates,
                                                  write_bps=samples * self.work.sample_bytes / result.write_seconds)
@@ -384,9 +382,9 @@ class PreInference:
         if source not in (0, *valid):
             source = max(valid, default=0)
         if source:
-            result = roll_forward(self.staged, self.stores[source], boundary, out, self.options)
+            result = roll_forward(self.staged, self.stores[source], boundary, out, self.store_options)
         else:
-            result = cache_boundary(self.staged, self.datasets, self.tokenizer, boundary, out, self.options)
+            result = cache_boundary(self.staged, self.datasets, self.tokenizer, boundary, out, self.store_options)
         self.stores[boundary] = out
         self.emit(CacheRecord(boundary=boundary, how="roll_forward" if source else "input", from_=source,
                               seconds=result.seconds, bytes=result.stored_bytes))

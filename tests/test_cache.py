@@ -16,7 +16,7 @@ from pipelines.cache import (
 )
 from pipelines.cache import local_runner, parse_dask, shards
 from pipelines.cache.fingerprints import store_fields
-from pipelines.cache.options import LocalWorkers, SchedulerAddress
+from pipelines.cache.options import LocalWorkers, Part, SchedulerAddress
 from pipelines.cache.result import CacheJobError
 from pipelines.commands import cache as cache_command
 from pipelines.tokenize import TokenStoreDataset
@@ -518,8 +518,11 @@ def test_cache_options_are_checked_when_made():
                              (dict(store_format="hdf5"), "--store-format 'hdf5'"),
                              (dict(store_dtype="int4"), "--store-dtype 'int4'"),
                              (dict(mode="append"), "mode 'append'"),
-                             (dict(store_format="safetensors", codec="zstd"), "--codec: .*raw bytes")):
+                             (dict(store_format="safetensors", codec="zstd"), "--codec: .*raw bytes"),
+                             (dict(dask="local:2", part=Part(0, 2, lambda: None)), "--dask: under data parallelism")):
         with pytest.raises(preinfer.errors.UsageError, match=message):
             CacheOptions(**options)
+    with pytest.raises(preinfer.errors.UsageError, match="part 2 of 2"):
+        Part(2, 2, lambda: None)
     resolved = CacheOptions().for_model(torch.float32, "cpu")
     assert (resolved.store_dtype, resolved.dtype, resolved.device) == ("float32", torch.float32, "cpu")

@@ -60,4 +60,3 @@ def test_a_job_killed_with_sigkill_resumes_to_an_identical_store(tmp_path, capsy
     assert f"{finished} already done" in stdout
     cache(staged_model(), stored_datasets(corpus), 2, tmp_path / "ref")
     assert_same_cache(out, tmp_path / "ref")
-

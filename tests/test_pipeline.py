@@ -8,11 +8,7 @@ bits, which Adam turns into relative differences of up to 3e-5 here (a GPT-2 key
 zero, steps on rounding noise alone: up to 5e-4).
 """
 
-import json
-import os
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +19,7 @@ from transformers import AutoModelForCausalLM
 import preinfer
 from pipelines.cli import main
 from pipelines.sources import token_batches
-from pipelines.training import load_datasets, partition_for, run_bcd, train
+from pipelines.training import load_datasets, partition_for, train
 from preinfer.config import Config
 from preinfer.errors import UsageError
 from preinfer.memory_model import Settings, partition, resolve_shape

@@ -179,4 +179,3 @@ def test_data_parallel_ranks_share_a_store_build():
         (source, alone), (_, shared) = store_cost(one, rates, 4, below), store_cost(two, rates, 4, below)
         assert source == (2 if below else 0)
         assert shared == pytest.approx((alone - 0.5) / 2 + 0.5)
-

@@ -115,8 +115,8 @@ class CacheOptions:
     shard's decoding error is measured and recorded). `dask`: None (this process), "local:N",
     "tcp://host:port" (parsed into a `DaskTarget`) or a `distributed.Client`. `before_shard_write(split, shard)` is
     called before every attempt to write a shard, on the Dask workers too (so it must pickle: a module-level
-    function or a functools.partial of one). `part`: None (this process runs the whole job) or this process's `Part`
-of a job run by several processes at once (no Dask then)."""
+    function or a functools.partial of one). `part`: None (this process runs the whole job) or this process's
+    `Part` of a job run by several processes at once (no Dask then)."""
 
     store_format: str = "zarr"
     store_dtype: str = "auto"
@@ -152,7 +152,8 @@ of a job run by several processes at once (no Dask then)."""
         if self.device is not None:
             object.__setattr__(self, "device", str(torch.device(self.device)))
         if self.part is not None and self.dask is not None:
-            raise UsageError("--dask: a caching job shared by several processes runs its shards in each of them")
+            raise UsageError("--dask: under data parallelism the ranks build each store together (each its share "
+                             "of the shards); drop --dask, or run the caching job on Dask with `preinfer cache`")
 
     def for_model(self, compute_dtype: torch.dtype, device: torch.device | str) -> CacheOptions:
         """These options with "auto" and an unset device made concrete for a model."""
