@@ -55,9 +55,9 @@ def main() -> None:
     import preinfer
     from pipelines.cache import CacheOptions, cache_boundary
     from pipelines.cache.dask_runner import shutdown_local_clusters
-    from preinfer.data import TokenDataset, load_data
+    from pipelines.data.samples import TokenDataset, load_data
     from preinfer.presets import build_preset
-    from preinfer.tokenizers import load_tokenizer
+    from pipelines.data.tokenizers import load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -50,7 +50,7 @@ from preinfer.config import Config, load_config  # noqa: E402
 from preinfer.meter import MemoryMeter  # noqa: E402
 from preinfer.partition import Block, Partition, make_partition  # noqa: E402
 from preinfer.presets import build_preset  # noqa: E402
-from preinfer.sources import LiveSources  # noqa: E402
+from preinfer.batch_source import LiveSources  # noqa: E402
 from preinfer.trainer import Trainer  # noqa: E402
 
 # The reference paper's peak-memory reduction of BCD against full-parameter Adam, by UFP ("about 45% less on
@@ -165,12 +165,12 @@ def cache_worker(args: argparse.Namespace, ufp: str) -> dict:
 def store_worker(args: argparse.Namespace, ufp: str, recompute: bool) -> dict:
     """BCD-Adam from a store, as `preinfer train --store` runs it: for each block above boundary 0 in ascending
     order, the model is loaded with only its suffix from the block's start boundary k in memory
-    (`pipelines.suffix.load_suffix`: the prefix's tensors are dropped, never used), the visit reads boundary
+    (`pipelines.models.suffix.load_suffix`: the prefix's tensors are dropped, never used), the visit reads boundary
     states at k from the store the caching worker wrote (through `storage`'s reader), and the real Trainer
     trains the block for a few steps."""
     import storage
-    from pipelines.sources import ReaderBatches
-    from pipelines.suffix import load_suffix
+    from pipelines.data.batches import ReaderBatches
+    from pipelines.models.suffix import load_suffix
 
     config = worker_config(args, "bcd", ufp, recompute)
     torch.manual_seed(0)
@@ -198,8 +198,8 @@ def store_worker(args: argparse.Namespace, ufp: str, recompute: bool) -> dict:
         del trainer, single, block, train, evaluation, store, model, staged
         gc.collect()
     return dict(rss_start=rss_start, partition=report, visits=rows,
-                store="real zarr stores of real prefix states (storage.create_store, read by pipelines.sources."
-                      "ReaderBatches); the suffix loaded by pipelines.suffix.load_suffix (prefix not resident)")
+                store="real zarr stores of real prefix states (storage.create_store, read by pipelines.data.batches."
+                      "ReaderBatches); the suffix loaded by pipelines.models.suffix.load_suffix (prefix not resident)")
 
 
 def parse_configuration(name: str) -> tuple[str, str | None, bool]:

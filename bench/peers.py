@@ -2,7 +2,7 @@
 
 Every method trains the same model (a preset, random initialisation with the run's seed, cast to the resident
 dtype of --precision), on the same batches in the same order (the token batches `preinfer bcd` reads:
-`pipelines.sources.token_batches` of the run's training split, same seed and shard size), the same blocks (the
+`pipelines.data.batches.token_batches` of the run's training split, same seed and shard size), the same blocks (the
 layer ranges of --ranges; the embedding with the first block, the final norm and head with the last), in
 ascending order, for the same steps per block, with Adam (lr, betas, no weight decay, no warmup, no clipping):
 
@@ -121,7 +121,7 @@ def prepared(config):
     """Model (resident dtype of the run's precision), its partition, and the run's token batches, as
     `preinfer bcd` makes them."""
     import preinfer
-    from pipelines import sources
+    from pipelines.data import batches as sources
     from pipelines.models import resolve_model
     from pipelines.training import load_datasets, partition_for, samples_per_shard
     from preinfer.precision import apply_precision
@@ -325,7 +325,7 @@ def eval_loss(model_dir: str, batches: list[dict]) -> float:
 
 def eval_batches(args: argparse.Namespace, flags: list[str]) -> list[dict]:
     """The first --eval-batches batches of the run's eval split, in order."""
-    from pipelines import sources
+    from pipelines.data import batches as sources
     from pipelines.training import load_datasets
 
     config = parse_config(flags)

@@ -1,9 +1,9 @@
 """A 2-stage pipeline on CPU (gloo): step time and bubble fraction against the schedule's theory, and bytes sent
 between stages per step against the planner's estimate.
 
-Two processes under torchrun each hold one stage of the model (stages cut by `preinfer.stages`), every layer
+Two processes under torchrun each hold one stage of the model (stages cut by `preinfer.stage_cut`), every layer
 trains (one block: the whole model, so both stages run forward and backward), and each step runs a batch of B
-samples in M micro-batches through `pipelines.pipeline.visit.VisitPipeline`, for M in {2, 4, 8} and both
+samples in M micro-batches through `pipelines.pipeline_parallel.visit.VisitPipeline`, for M in {2, 4, 8} and both
 schedules. Per stage and step it measures the time spent inside `PipelineStage.forward_one_chunk` and
 `backward_one_chunk` (busy) and the step's wall time; the measured bubble is 1 - busy / step (mean over the
 stages; `bubble_slowest`: of the busiest stage alone, which sets the pace), the theory's (N-1)/(M+N-1) for equal
@@ -59,10 +59,10 @@ def worker(args: argparse.Namespace) -> None:
     import preinfer
     from preinfer.memory_model import Block, Settings, shape_from_config
     from preinfer.partition import make_partition
-    from preinfer.stages import plan_stages
-    from pipelines.pipeline.mesh import make_mesh
-    from pipelines.pipeline.visit import VisitPipeline
-    from pipelines.suffix import load_modules, meta_model
+    from preinfer.stage_cut import plan_stages
+    from pipelines.pipeline_parallel.mesh import make_mesh
+    from pipelines.pipeline_parallel.visit import VisitPipeline
+    from pipelines.models.suffix import load_modules, meta_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

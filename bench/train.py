@@ -7,7 +7,7 @@ Everything in one run of one process, on `small-llama`, `builtin:pydoc`, seq 128
    (boundary 0), the prefix (embedding + layers [0, k)) under `no_grad` every step; (b) from a store: a
    `ReaderBatches` over a zarr store at boundary k (built once with `pipelines.cache.cache_boundary`, dtype
    `auto` = float32, default codec; its build time is reported apart), the model a suffix from
-   `pipelines.suffix.load_suffix` (the prefix is not in memory). The two alternate (live, store, live, store,
+   `pipelines.models.suffix.load_suffix` (the prefix is not in memory). The two alternate (live, store, live, store,
    ...) for --repeats repetitions, each a fresh trainer and reader for --warmup + --steps steps; steps/s is
    --steps over the summed step times of the steps after the warm-up ones; medians over repetitions. Both read
    the same samples in the same order, so their losses agree step by step (checked, reported).
@@ -64,15 +64,15 @@ import preinfer  # noqa: E402
 from bench.common import machine, run_side_by_side, table  # noqa: E402
 from pipelines.cache import CacheOptions, cache_boundary, open_cache  # noqa: E402
 from pipelines.models import resolve_model  # noqa: E402
-from pipelines.sources import ReaderBatches  # noqa: E402
-from pipelines.suffix import load_suffix, to_device  # noqa: E402
+from pipelines.data.batches import ReaderBatches  # noqa: E402
+from pipelines.models.suffix import load_suffix, to_device  # noqa: E402
 from pipelines.training import live_sources, load_datasets, partition_for, run_bcd, samples_per_shard  # noqa: E402
 from preinfer.config import Config, load_config  # noqa: E402
 from preinfer.metrics import (CacheRecord, PlanOutcomeRecord, PreInferenceRecord, Record, StepRecord,  # noqa: E402
                               SweepPlanRecord, VisitRecord, read_metrics)
 from preinfer.optim import LR_DECAYS, build_optimizer  # noqa: E402
 from preinfer.run_dir import RunDir  # noqa: E402
-from preinfer.sources import LiveSources  # noqa: E402
+from preinfer.batch_source import LiveSources  # noqa: E402
 from preinfer.staged import causal_lm_loss, supervised_tokens  # noqa: E402
 from preinfer.trainer import Trainer  # noqa: E402
 

@@ -1,5 +1,5 @@
 """The data flags of the commands that read a dataset beside a model (`cache`, `eval`, `verify`): each defaults to
-the run directory's value; the splits come from the token store (`pipelines.tokenize.resolve`)."""
+the run directory's value; the splits come from the token store (`pipelines.data.token_store.resolve`)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import argparse
 
 from preinfer.config import Config, DataConfig, ModelConfig
 from preinfer.errors import UsageError
-from preinfer.tokenizers import Tokenizer
+from pipelines.data.tokenizers import Tokenizer
 from pipelines.arguments import run_or
-from pipelines.tokenize import TokenStoreDataset
-from pipelines.tokenize.resolve import token_splits
+from pipelines.data.token_store import TokenStoreDataset
+from pipelines.data.token_store.resolve import token_splits
 
 DATA_HELP = "a corpus as in `bcd --data`, or a token store written by preinfer tokenize"
 

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from preinfer.errors import UnsupportedModelError
 from preinfer.moe import expert_tensors, use_row_invariant_experts
-from preinfer.state import BoundaryState
+from preinfer.boundary_state import BoundaryState
 
 IGNORE_INDEX = -100
 

@@ -37,10 +37,10 @@ from preinfer.optim import LrSchedule, StopRule, build_optimizer, step_budget
 from preinfer.partition import Block, Partition
 from preinfer.precision import ActiveBlock, LossScaler, apply_precision
 from preinfer.run_dir import RunDir
-from preinfer.schedule import parse_fixed_order, sweep_order
-from preinfer.sources import BatchSource, VisitSources
+from preinfer.block_order import parse_fixed_order, sweep_order
+from preinfer.batch_source import BatchSource, VisitSources
 from preinfer.staged import StagedModel, causal_lm_loss, supervised_tokens
-from preinfer.state import BoundaryState
+from preinfer.boundary_state import BoundaryState
 
 
 @dataclass

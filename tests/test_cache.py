@@ -19,11 +19,11 @@ from pipelines.cache.fingerprints import store_fields
 from pipelines.cache.options import LocalWorkers, Part, SchedulerAddress
 from pipelines.cache.result import CacheJobError
 from pipelines.commands import cache as cache_command
-from pipelines.tokenize import TokenStoreDataset
-from pipelines.tokenize.resolve import token_splits
-from preinfer.data import TokenDataset, load_data
+from pipelines.data.token_store import TokenStoreDataset
+from pipelines.data.token_store.resolve import token_splits
+from pipelines.data.samples import TokenDataset, load_data
 from preinfer.presets import build_preset
-from preinfer.tokenizers import load_tokenizer
+from pipelines.data.tokenizers import load_tokenizer
 from storage import StaleStoreError, create_store, open_store
 
 SEQ = 32

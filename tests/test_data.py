@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from corpus_samples import CASES, write_corpora
-from preinfer.corpus import read_documents
-from preinfer.data import IGNORE_INDEX, TokenDataset, format_prompt, in_eval_split, load_data, sample_blocks
+from pipelines.data.corpus import read_documents
+from pipelines.data.samples import IGNORE_INDEX, TokenDataset, format_prompt, in_eval_split, load_data, sample_blocks
 from preinfer.errors import UsageError
 from preinfer.presets import BYTE_EOS_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE
-from preinfer.tokenizers import load_tokenizer
+from pipelines.data.tokenizers import load_tokenizer
 
 BYTE = load_tokenizer("byte")
 EOS = BYTE_EOS_ID
@@ -196,7 +196,7 @@ def test_instruction_truncation_and_dropped_examples(tmp_path, caplog):
         {"instruction": "y" * 100, "output": "never seen"},
     ]
     path = write_jsonl(tmp_path / "sft.jsonl", records)
-    with caplog.at_level(logging.WARNING, logger="preinfer.data"):
+    with caplog.at_level(logging.WARNING, logger="pipelines.data.samples"):
         data = load_data(str(path), BYTE, seq_len=40, eval_fraction=0.0)
     assert "dropped 1 of 2" in caplog.text
     assert len(data) == 1

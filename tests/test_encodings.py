@@ -200,7 +200,7 @@ def test_inspect_json_parses_and_matches_the_plain_output(lossy_cache, capsys):
 def test_verify_recomputes_a_lossy_store_within_its_bound(lossy_cache):
     corpus, out = lossy_cache
     staged, data = staged_model(), datasets_for(corpus)
-    from preinfer.tokenizers import load_tokenizer
+    from pipelines.data.tokenizers import load_tokenizer
 
     checks = verify_cache(out, staged, data, load_tokenizer("byte"), samples=4)
     assert all(c.ok for c in checks), "\n".join(map(str, checks))
@@ -229,7 +229,7 @@ def test_roll_forward_from_a_lossy_store_reads_decoded_states(lossy_cache, tmp_p
     rolled = open_store(tmp_path / "k3" / "eval")
     source = open_store(out / "eval")
     decoded = source.decode(source.read_shard(0), torch.float32)
-    from preinfer.state import BoundaryState
+    from preinfer.boundary_state import BoundaryState
 
     with torch.inference_mode():
         expected = staged.run(BoundaryState.from_dict(decoded), 2, 3).hidden

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from pipelines.cli import main
 from preinfer.run_dir import RunDir
-from preinfer.tokenizers import ByteTokenizer, load_tokenizer
+from pipelines.data.tokenizers import ByteTokenizer, load_tokenizer
 
 TEXTS = ["hello world", "Grüße, 日本語 and 🙂 emoji", "", "a<eos>b<pad>c", "  tabs\tand\nnewlines\r\n\x00",
          "\u2028\ufeff zero-width\u200b"]

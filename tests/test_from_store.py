@@ -13,13 +13,13 @@ from safetensors.torch import load_file, save_file
 import preinfer
 from pipelines.cache import open_cache
 from pipelines.cli import main
-from pipelines.sources import ReaderBatches
-from pipelines.suffix import load_suffix
+from pipelines.data.batches import ReaderBatches
+from pipelines.models.suffix import load_suffix
 from pipelines.training import partition_for, run_bcd, train
 from preinfer.config import Config
 from preinfer.metrics import CacheRecord, PlanOutcomeRecord, SweepPlanRecord, read_metrics
 from preinfer.run_dir import RunDir
-from preinfer.sources import LiveSources
+from preinfer.batch_source import LiveSources
 from corpus_samples import paragraphs_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +88,7 @@ def test_auto_forced_to_stores_ends_with_the_weights_of_off_and_revises_its_plan
     """A prefix forward assumed 1000x slower than it is makes `auto` plan stores (visits of two epochs, rolled
     forward); the first store built measures
     the real speed, and the rest of the sweep is planned again (logged). Weights equal `off`'s either way."""
-    from pipelines.pre_inference import PreInference
+    from pipelines.training.pre_inference import PreInference
 
     measure = PreInference._layer_seconds
     monkeypatch.setattr(PreInference, "_layer_seconds", lambda self: 1000 * measure(self))
@@ -116,8 +116,8 @@ def test_auto_times_the_disk_before_its_first_plan(tmp_path, corpus, monkeypatch
     probe, nor does `auto` when no store could pay even on a free disk (one step a visit: a store's prefix forward
     over the split costs more than the visit's), nor when the stores of this tiny model could not save the probe's
     own assumed cost (the same run as the first, `PROBE_COST_S` left as it is)."""
-    from pipelines import pre_inference
-    from pipelines.pre_inference import ASSUMED_READ_BPS, ASSUMED_WRITE_BPS
+    from pipelines.training import pre_inference
+    from pipelines.training.pre_inference import ASSUMED_READ_BPS, ASSUMED_WRITE_BPS
 
     auto_config = config_for(tmp_path, corpus, "auto", mode="auto")
     on_config = config_for(tmp_path, corpus, "on", mode="on")
@@ -174,7 +174,7 @@ def test_the_plan_counts_the_steps_a_visit_takes(tmp_path, corpus):
 def test_a_visit_resumed_mid_sweep_is_planned_on_its_own(tmp_path, corpus):
     """After a resume the trainer starts mid-sweep without `sweep_started`: the visit gets a plan of its own."""
     from pipelines.models import resolve_model
-    from pipelines.pre_inference import PreInference
+    from pipelines.training.pre_inference import PreInference
     from pipelines.training import live_sources, load_datasets, samples_per_shard
 
     config = config_for(tmp_path, corpus, "resumed", mode="on")
@@ -211,7 +211,7 @@ def test_an_ascending_sweep_runs_the_prefix_from_the_input_once(tmp_path, corpus
 def test_a_stale_store_is_rebuilt_not_used(tmp_path, corpus, monkeypatch):
     """Descending `on` builds its stores at the sweep start; a prefix weight changed between visits makes the
     next visit rebuild its store instead of reusing it."""
-    from pipelines.pre_inference import PreInference
+    from pipelines.training.pre_inference import PreInference
 
     config = config_for(tmp_path, corpus, "stale", mode="on")
     config.blocks.order = "descending"

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 import preinfer
 from pipelines.cli import main
-from pipelines.sources import token_batches
+from pipelines.data.batches import token_batches
 from pipelines.training import load_datasets, partition_for, train
 from preinfer.config import Config
 from preinfer.errors import UsageError
@@ -26,8 +26,8 @@ from preinfer.memory_model import Settings, partition, resolve_shape
 from preinfer.metrics import CacheRecord, VisitRecord, read_metrics
 from preinfer.presets import build_preset
 from preinfer.run_dir import RunDir
-from preinfer.sources import LiveSources
-from preinfer.stages import plan_stages, stage_cost
+from preinfer.batch_source import LiveSources
+from preinfer.stage_cut import plan_stages, stage_cost
 from test_from_store import assert_close, cache_and_model, torchrun, weights
 
 ROOT = Path(__file__).resolve().parents[1]

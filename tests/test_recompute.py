@@ -13,10 +13,10 @@ from preinfer.config import load_config
 from preinfer.meter import MemoryMeter
 from preinfer.partition import make_partition
 from preinfer.presets import build_preset
-from preinfer.data import TokenDataset
+from pipelines.data.samples import TokenDataset
 from preinfer.run_dir import RunDir
 from preinfer.trainer import Trainer
-from pipelines.sources import live_sources
+from pipelines.data.batches import live_sources
 
 VOCAB, T, B = 97, 16, 3
 CONFIGS = {

@@ -12,16 +12,16 @@ from safetensors.torch import load_file
 import storage
 from pipelines import training
 from pipelines.cli import main
-from pipelines.sources import TOKEN_FIELDS, ReaderBatches, TokenShards
-from pipelines.tokenize import TokenizeOptions, TokenStoreDataset, tokenize_corpus
-from pipelines.tokenize.resolve import default_token_root
+from pipelines.data.batches import TOKEN_FIELDS, ReaderBatches, TokenShards
+from pipelines.data.token_store import TokenizeOptions, TokenStoreDataset, tokenize_corpus
+from pipelines.data.token_store.resolve import default_token_root
 from pipelines.training import load_datasets, run_bcd
 from preinfer.config import Config, load_config
-from preinfer.data import TokenDataset, load_data
+from pipelines.data.samples import TokenDataset, load_data
 from preinfer.errors import UsageError
 from preinfer.run_dir import RunDir
-from preinfer.sources import LiveSources
-from preinfer.tokenizers import load_tokenizer
+from preinfer.batch_source import LiveSources
+from pipelines.data.tokenizers import load_tokenizer
 from test_from_store import config_for
 
 SEQ = 32

@@ -19,17 +19,17 @@ import pytest
 import torch
 import zstandard
 
-import preinfer.corpus as corpus
+import pipelines.data.corpus as corpus
 import storage
 from corpus_samples import CASES, instruction_records, jsonl_text, text_corpus, text_records, write_corpora
 from pipelines.cli import main
-from pipelines.tokenize import TokenizeOptions, TokenStoreDataset, cache_path, token_fingerprint, tokenize_corpus
-from pipelines.tokenize.layout import store_fields
-from pipelines.tokenize.staging import Staging
-from preinfer.corpus import corpus_fingerprint, read_documents
-from preinfer.data import id_dtype, load_data
+from pipelines.data.token_store import TokenizeOptions, TokenStoreDataset, cache_path, token_fingerprint, tokenize_corpus
+from pipelines.data.token_store.layout import store_fields
+from pipelines.data.token_store.staging import Staging
+from pipelines.data.corpus import corpus_fingerprint, read_documents
+from pipelines.data.samples import id_dtype, load_data
 from preinfer.errors import UsageError
-from preinfer.tokenizers import load_tokenizer
+from pipelines.data.tokenizers import load_tokenizer
 from test_data import CORPUS, raises_one_line, save_word_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -300,9 +300,9 @@ def test_bytes_are_the_same_across_reruns_and_worker_counts(tmp_path, capsys):
 CHILD = """
 import os, signal, sys
 import storage
-from pipelines.tokenize import TokenizeOptions, tokenize_corpus
-from pipelines.tokenize.layout import store_fields
-from pipelines.tokenize.staging import Staging
+from pipelines.data.token_store import TokenizeOptions, tokenize_corpus
+from pipelines.data.token_store.layout import store_fields
+from pipelines.data.token_store.staging import Staging
 
 target, after = sys.argv[1], int(sys.argv[2])
 owner, name = (Staging, "write_chunk") if target == "chunk" else (storage.Store, "write_shard")

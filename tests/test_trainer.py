@@ -1,5 +1,5 @@
 """The live BCD trainer: what a visit may and may not touch, stopping rules, orders, resume. Batches come from
-the reader-backed token source every run uses (`pipelines.sources`)."""
+the reader-backed token source every run uses (`pipelines.data.batches`)."""
 
 import pytest
 import torch
@@ -8,16 +8,16 @@ from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_wi
 
 import preinfer
 from preinfer.config import Config
-from preinfer.data import TokenDataset
+from pipelines.data.samples import TokenDataset
 from preinfer.errors import UsageError
 from preinfer.meter import MemoryMeter
 from preinfer.metrics import StepRecord
 from preinfer.partition import make_partition
 from preinfer.presets import build_preset
 from preinfer.run_dir import RunDir
-from preinfer.schedule import sweep_order
+from preinfer.block_order import sweep_order
 from preinfer.trainer import Trainer
-from pipelines.sources import live_sources
+from pipelines.data.batches import live_sources
 
 
 def random_tokens(n=24, t=16, vocab=258, seed=0, split="train") -> TokenDataset:

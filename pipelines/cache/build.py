@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from pipelines.sources import TokenSamples
+from pipelines.data.batches import TokenSamples
 from preinfer.errors import UsageError
 from preinfer.fingerprint import prefix_digest
 from preinfer.staged import StagedModel

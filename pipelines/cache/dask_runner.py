@@ -34,7 +34,7 @@ from pipelines.cache.shards import (
 )
 from pipelines.cache.work import Failure, SplitJob
 from pipelines.cache.worker_imports import worker_plugin
-from pipelines.tokenize import TokenStoreDataset
+from pipelines.data.token_store import TokenStoreDataset
 from pipelines.models import is_run_dir, resolve_model
 
 _LOCK = threading.Lock()

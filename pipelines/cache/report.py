@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pipelines.sources import TokenSamples
+from pipelines.data.batches import TokenSamples
 from preinfer.staged import StagedModel
 from storage import Store, StorageError, disk_bytes, location, open_store, verify
 from pipelines.cache.directory import cache_splits, read_index

@@ -11,8 +11,8 @@ from collections.abc import Callable, Mapping
 import torch
 
 from preinfer.staged import StagedModel
-from preinfer.state import BoundaryState
-from pipelines.sources import TokenSamples
+from preinfer.boundary_state import BoundaryState
+from pipelines.data.batches import TokenSamples
 from storage import Store, format_ranges, nonfinite_rows
 
 class NonFiniteStates(ValueError):

@@ -6,8 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipelines.sources import TokenSamples
-from preinfer.state import BoundaryState
+from pipelines.data.batches import TokenSamples
+from preinfer.boundary_state import BoundaryState
 from storage import Fingerprint, Store
 
 

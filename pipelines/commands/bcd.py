@@ -20,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
     use_s3_endpoint(args)
     config = config_for_command(args)
     if config.run.pipeline > 1:
-        from pipelines.pipeline import run_pipeline_bcd  # torch.distributed.pipelining loads only for pipelines
+        from pipelines.pipeline_parallel import run_pipeline_bcd  # torch.distributed.pipelining loads only for pipelines
 
         summary = run_pipeline_bcd(config, resume=args.resume)
     else:

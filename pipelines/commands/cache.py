@@ -10,7 +10,7 @@ import sys
 import preinfer
 from preinfer.config import Config
 from preinfer.errors import UsageError
-from preinfer.tokenizers import load_tokenizer
+from pipelines.data.tokenizers import load_tokenizer
 from pipelines.cache import (
     DEFAULT_SPLITS, STORE_DTYPES, STORE_FORMATS, CacheJobError, CacheOptions, CacheResult, cache_boundary,
     check_boundary, roll_forward,

@@ -10,12 +10,12 @@ import torch
 
 import preinfer
 from preinfer.config import Config, DataConfig, RunConfig
-from preinfer.tokenizers import load_tokenizer
+from pipelines.data.tokenizers import load_tokenizer
 from preinfer.trainer import evaluate
 from pipelines.arguments import device, positive_int, run_or
 from pipelines.data_arguments import add_data_arguments, data_splits
 from pipelines.models import model_source
-from pipelines.sources import token_batches
+from pipelines.data.batches import token_batches
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

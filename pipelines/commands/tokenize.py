@@ -1,4 +1,4 @@
-"""`preinfer tokenize`: tokenise a corpus once into a token store on disk (see `pipelines.tokenize`)."""
+"""`preinfer tokenize`: tokenise a corpus once into a token store on disk (see `pipelines.data.token_store`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import json
 
 from pipelines.flags import positive_int
-from pipelines.tokenize import TokenizeOptions, tokenize_corpus
+from pipelines.data.token_store import TokenizeOptions, tokenize_corpus
 
 DEFAULTS = TokenizeOptions()
 

@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
     if config.store.path is None:
         raise UsageError("--store is required: a cache directory written by `preinfer cache`")
     if config.run.pipeline > 1:
-        from pipelines.pipeline import run_pipeline_train  # torch.distributed.pipelining loads only for pipelines
+        from pipelines.pipeline_parallel import run_pipeline_train  # torch.distributed.pipelining loads only for pipelines
 
         print_summary(run_pipeline_train(config, resume=args.resume), config)
     else:

@@ -7,7 +7,7 @@ import argparse
 import preinfer
 from preinfer.config import Config
 from preinfer.errors import UsageError
-from preinfer.tokenizers import load_tokenizer
+from pipelines.data.tokenizers import load_tokenizer
 from pipelines.cache.directory import DEFAULT_SPLITS, cache_splits
 from pipelines.cache.report import verify_cache
 from pipelines.arguments import add_s3_endpoint, device, non_negative_int, store_location, use_s3_endpoint

@@ -1,4 +1,4 @@
-"""One split of a token store, read lazily: the batches of `preinfer.data.TokenDataset` for any index, decoding
+"""One split of a token store, read lazily: the batches of `pipelines.data.samples.TokenDataset` for any index, decoding
 only the shards that hold the samples asked for (a few recent shards stay decoded)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 import storage
-from pipelines.tokenize.layout import INFO, TokenStoreInfo, read_info
-from preinfer.data import SPLITS, SampleBlock
+from pipelines.data.token_store.layout import INFO, TokenStoreInfo, read_info
+from pipelines.data.samples import SPLITS, SampleBlock
 from preinfer.errors import UsageError
 
 

@@ -25,19 +25,19 @@ from preinfer.memory_model import Block as StageBlock
 from preinfer.metrics import CacheRecord, Record
 from preinfer.partition import Block
 from preinfer.run_dir import RunDir
-from preinfer.sources import BatchSource, LiveSources
+from preinfer.batch_source import BatchSource, LiveSources
 from preinfer.staged import StagedModel
-from preinfer.state import BoundaryState
+from preinfer.boundary_state import BoundaryState
 from storage import location, remove_tree
 from pipelines.cache import CacheOptions, cache_boundary, open_cache
-from pipelines.pipeline.mesh import PipelineMesh
-from pipelines.pipeline.stage_module import StageModule
-from pipelines.pipeline.visit import receive_hidden, stage_of
-from pipelines.sources import ReaderBatches
+from pipelines.pipeline_parallel.mesh import PipelineMesh
+from pipelines.pipeline_parallel.stage_module import StageModule
+from pipelines.pipeline_parallel.visit import receive_hidden, stage_of
+from pipelines.data.batches import ReaderBatches
 
 
 class PipelineStores:
-    """A `preinfer.sources.VisitSources`: live token batches for blocks at the input, stores above it."""
+    """A `preinfer.batch_source.VisitSources`: live token batches for blocks at the input, stores above it."""
 
     def __init__(self, staged: StagedModel, stages: list[StageBlock], mesh: PipelineMesh, datasets: dict,
                  tokenizer, config: Config, live: LiveSources, shard: int, quiet: bool = False):

@@ -1,11 +1,11 @@
-"""The tokenize job: a corpus tokenised once into a token store (see `pipelines.tokenize.layout`).
+"""The tokenize job: a corpus tokenised once into a token store (see `pipelines.data.token_store.layout`).
 
-1. Fingerprint: the sha256 of the corpus's content (`preinfer.corpus.corpus_fingerprint`), the tokenizer's
+1. Fingerprint: the sha256 of the corpus's content (`pipelines.data.corpus.corpus_fingerprint`), the tokenizer's
    fingerprint, seq_len, eval_fraction and the text column. Not the corpus's path or file times: a copied corpus
    keeps its token store, and an edited one never reuses a stale one.
 2. Encode: the document stream is cut into chunks of about `chunk_chars` characters (the same chunks whatever the
    number of workers); each chunk is split into train and eval, tokenised by one of `workers` processes, and staged.
-3. Pack: one process reads the staged chunks in order, cuts each split into samples exactly as `preinfer.data`
+3. Pack: one process reads the staged chunks in order, cuts each split into samples exactly as `pipelines.data.samples`
    does, and writes them shard by shard into the split's store (storage's atomic shard publish), then finalizes it.
 4. Describe: `token-store.json` is written, then the staging directory removed.
 
@@ -32,18 +32,18 @@ import numpy as np
 import torch
 
 import storage
-from pipelines.tokenize.layout import (
+from pipelines.data.token_store.layout import (
     FORMAT_VERSION, INFO, STAGING, SplitInfo, TokenStoreInfo, default_samples_per_shard, read_info,
     store_fields, write_json,
 )
-from pipelines.tokenize.staging import PLAN, Staging
-from preinfer.corpus import Document, corpus_fingerprint, iter_documents
-from preinfer.data import (
+from pipelines.data.token_store.staging import PLAN, Staging
+from pipelines.data.corpus import Document, corpus_fingerprint, iter_documents
+from pipelines.data.samples import (
     CHUNK_CHARS, SPLITS, SampleBlock, SamplePacker, check_arguments, document_chunks, encode_chunk, id_dtype,
     is_instruction,
 )
 from preinfer.errors import UsageError
-from preinfer.tokenizers import Tokenizer, load_tokenizer
+from pipelines.data.tokenizers import Tokenizer, load_tokenizer
 
 CODEC = "zstd"  # token ids compress better unshuffled (see bench/data.py)
 _OWN_ENTRIES = (INFO, STAGING, *SPLITS)  # what --overwrite may remove from --out

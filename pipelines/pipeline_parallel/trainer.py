@@ -1,7 +1,7 @@
 """The BCD trainer on a pipeline: the same sweeps, visits, stopping rules and records as `preinfer.trainer`,
 with each rank holding one stage.
 
-Per step: every rank of a replica reads the same batch; the visit's pipeline (`pipelines.pipeline.visit`) runs
+Per step: every rank of a replica reads the same batch; the visit's pipeline (`pipelines.pipeline_parallel.visit`) runs
 it; a tied weight held by both end stages (GPT-2's `wte` = `lm_head`) behaves as one tensor: when its block
 trains, the last stage sends each micro-batch's gradient of it to the first (the owner, whose optimizer alone
 steps it), which adds it to its own as the micro-batch's backward reaches the embedding, and the last stage
@@ -30,11 +30,11 @@ from preinfer.memory_model import Block as StageBlock
 from preinfer.metrics import Record, VisitRecord
 from preinfer.partition import Block
 from preinfer.precision import ActiveBlock
-from preinfer.sources import BatchSource
+from preinfer.batch_source import BatchSource
 from preinfer.staged import supervised_tokens
 from preinfer.trainer import Trainer
-from pipelines.pipeline.mesh import PipelineMesh
-from pipelines.pipeline.visit import VisitPipeline, evaluate_stage
+from pipelines.pipeline_parallel.mesh import PipelineMesh
+from pipelines.pipeline_parallel.visit import VisitPipeline, evaluate_stage
 
 
 TIED_TAG = 7  # point-to-point messages of tied-weight gradients (apart from the hidden states')

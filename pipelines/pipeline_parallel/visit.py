@@ -28,8 +28,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from preinfer.memory_model import Block
 from preinfer.partition import Block as PartBlock
 from preinfer.staged import StagedModel, causal_lm_loss, supervised_tokens
-from pipelines.pipeline.mesh import PipelineMesh
-from pipelines.pipeline.stage_module import StageModule
+from pipelines.pipeline_parallel.mesh import PipelineMesh
+from pipelines.pipeline_parallel.stage_module import StageModule
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 

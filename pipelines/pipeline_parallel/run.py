@@ -14,16 +14,16 @@ from preinfer.errors import UsageError
 from preinfer.memory_model import Block, Settings, shape_from_config
 from preinfer.precision import resolve_precision, weights_dtype
 from preinfer.run_dir import RunDir
-from preinfer.sources import LiveSources
-from preinfer.tokenizers import load_tokenizer
-from preinfer.stages import describe_stages, plan_stages, stage_cost
+from preinfer.batch_source import LiveSources
+from pipelines.data.tokenizers import load_tokenizer
+from preinfer.stage_cut import describe_stages, plan_stages, stage_cost
 from pipelines.cache import open_cache
-from pipelines.pipeline.mesh import PipelineMesh, check_degree, make_mesh
-from pipelines.pipeline.stores import PipelineStores
-from pipelines.pipeline.trainer import PipelineTrainer
-from pipelines.sources import ReaderBatches
-from pipelines.suffix import export_from_weights, load_modules, meta_model, prefix_digest, to_device
-from pipelines.tokenize.resolve import eval_samples
+from pipelines.pipeline_parallel.mesh import PipelineMesh, check_degree, make_mesh
+from pipelines.pipeline_parallel.stores import PipelineStores
+from pipelines.pipeline_parallel.trainer import PipelineTrainer
+from pipelines.data.batches import ReaderBatches
+from pipelines.models.suffix import export_from_weights, load_modules, meta_model, prefix_digest, to_device
+from pipelines.data.token_store.resolve import eval_samples
 from pipelines.training import (
     check_prefix, check_run_dir, finish_run, init_distributed, live_sources, load_datasets, partition_for,
     samples_per_shard, save_store_tokenizer, set_precision, train,

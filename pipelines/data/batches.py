@@ -1,4 +1,4 @@
-"""Batch sources over stores: the one `preinfer.sources.BatchSource` every run, evaluation and test uses. Live
+"""Batch sources over stores: the one `preinfer.batch_source.BatchSource` every run, evaluation and test uses. Live
 training reads its token batches from the token store on disk (`TokenShards`: its samples cut into the shards an
 activation store of the run would have) and training from pre-inference reads boundary states from a disk store,
 both through `storage`'s reader: with the same samples per shard they follow exactly the same sample order, and a
@@ -13,13 +13,13 @@ from typing import Protocol
 import torch
 
 import storage
-from preinfer.sources import LiveSources
+from preinfer.batch_source import LiveSources
 
 TOKEN_FIELDS = ("input_ids", "attention_mask", "labels")
 
 
 class TokenSamples(Protocol):
-    """Token samples by index (`pipelines.tokenize.TokenStoreDataset`, or `preinfer.data.TokenDataset`)."""
+    """Token samples by index (`pipelines.data.token_store.TokenStoreDataset`, or `pipelines.data.samples.TokenDataset`)."""
 
     @property
     def seq_len(self) -> int: ...
@@ -72,7 +72,7 @@ class TokenShards:
 
 
 class ReaderBatches:
-    """A `preinfer.sources.BatchSource` over a complete store at `boundary` (0: token shards)."""
+    """A `preinfer.batch_source.BatchSource` over a complete store at `boundary` (0: token shards)."""
 
     def __init__(self, store: storage.Store | TokenShards, boundary: int, batch_size: int, seed: int = 0, rank: int = 0,
                  world_size: int = 1, shuffle: bool = True, limit: int | None = None):

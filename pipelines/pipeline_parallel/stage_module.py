@@ -14,7 +14,7 @@ from torch import nn
 from preinfer.memory_model import Block
 from preinfer.partition import Block as PartBlock
 from preinfer.staged import StagedModel
-from preinfer.state import BoundaryState
+from preinfer.boundary_state import BoundaryState
 
 
 class StageModule(nn.Module):

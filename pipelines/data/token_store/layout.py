@@ -2,11 +2,11 @@
 
     OUT/token-store.json   the description (`TokenStoreInfo`), written last: a token store is complete when it exists
     OUT/train/, OUT/eval/  one `storage` store per split that has samples (zarr), in corpus order
-    OUT/staging/           the interrupted job's work (see `pipelines.tokenize.staging`), gone once complete
+    OUT/staging/           the interrupted job's work (see `pipelines.data.token_store.staging`), gone once complete
 
 Fields of a split's store, per sample:
 - `ids`: the sample's token ids [seq_len] in the smallest dtype of the vocabulary (uint8, uint16 or int32, see
-  `preinfer.data.id_dtype`).
+  `pipelines.data.samples.id_dtype`).
 - `lengths` (instruction data only): [prompt length, length] int32. Labels are the ids on [prompt length, length)
   and -100 elsewhere; the mask is true on [0, length).
 LM text stores ids only: its mask is all true and its labels equal its ids.

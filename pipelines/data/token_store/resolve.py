@@ -10,11 +10,11 @@ import os
 import sys
 from pathlib import Path
 
-from pipelines.tokenize.dataset import TokenStoreDataset, open_token_store
-from pipelines.tokenize.job import TokenizeOptions, cache_path, token_fingerprint, tokenize_corpus
-from pipelines.tokenize.layout import INFO, TokenStoreInfo, read_info
+from pipelines.data.token_store.dataset import TokenStoreDataset, open_token_store
+from pipelines.data.token_store.job import TokenizeOptions, cache_path, token_fingerprint, tokenize_corpus
+from pipelines.data.token_store.layout import INFO, TokenStoreInfo, read_info
 from preinfer.errors import UsageError
-from preinfer.tokenizers import Tokenizer
+from pipelines.data.tokenizers import Tokenizer
 
 
 def default_token_root() -> Path:

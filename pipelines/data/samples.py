@@ -1,6 +1,6 @@
 """Datasets: a corpus's documents tokenised into fixed-length training samples, whole in memory (`load_data`) or
 block by block with bounded memory (`sample_blocks`, and the token store built from `encode_chunk` and
-`SamplePacker`). Where documents come from: `preinfer.corpus`.
+`SamplePacker`). Where documents come from: `pipelines.data.corpus`.
 
 LM text: each document is tokenised and followed by eos, all are concatenated and cut into sequences of `seq_len`
 tokens (the short tail is dropped); every position is attended and supervised (labels == input_ids).
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from preinfer.corpus import Document, InstructionExample, iter_documents
+from pipelines.data.corpus import Document, InstructionExample, iter_documents
 from preinfer.errors import UsageError
-from preinfer.tokenizers import Tokenizer
+from pipelines.data.tokenizers import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The tokenize job's work in progress, kept under OUT/staging/ until the token store is complete:
 
     plan.json            whose work this is: the token fingerprint and the settings that shape the work
-    chunk-NNNNNN.npz     chunk N's encoded splits (`preinfer.data.EncodedSplit` arrays)
+    chunk-NNNNNN.npz     chunk N's encoded splits (`pipelines.data.samples.EncodedSplit` arrays)
     chunk-NNNNNN.json    chunk N's counts, written after its arrays: the chunk's completion record
     encoded.json         written once every chunk is staged: how many there are and the kind of data
 
@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from pipelines.tokenize.layout import read_json, write_json
-from preinfer.data import SPLITS, EncodedSplit
+from pipelines.data.token_store.layout import read_json, write_json
+from pipelines.data.samples import SPLITS, EncodedSplit
 
 PLAN = "plan.json"
 ENCODED = "encoded.json"

@@ -38,18 +38,18 @@ from preinfer.metrics import (
 from preinfer.partition import Partition, make_partition, parse_ranges, parse_ufp
 from preinfer.precision import apply_precision, describe, resolve_precision, weights_dtype
 from preinfer.run_dir import RunDir
-from preinfer.sources import LiveSources, VisitSources
-from preinfer.tokenizers import Tokenizer, load_tokenizer
+from preinfer.batch_source import LiveSources, VisitSources
+from pipelines.data.tokenizers import Tokenizer, load_tokenizer
 from preinfer.trainer import Trainer
-from pipelines import sources
+from pipelines.data import batches as sources
 from pipelines.arguments import parse_size
 from pipelines.cache import default_samples_per_shard, open_cache
 from pipelines.models import resolve_model
-from pipelines.pre_inference import PreInference
-from pipelines.sources import ReaderBatches
-from pipelines.suffix import Suffix, export_full, load_suffix, to_device
-from pipelines.tokenize import TokenStoreDataset
-from pipelines.tokenize.resolve import eval_samples, token_splits
+from pipelines.training.pre_inference import PreInference
+from pipelines.data.batches import ReaderBatches
+from pipelines.models.suffix import Suffix, export_full, load_suffix, to_device
+from pipelines.data.token_store import TokenStoreDataset
+from pipelines.data.token_store.resolve import eval_samples, token_splits
 
 
 @dataclass
@@ -156,7 +156,7 @@ def samples_per_shard(config: Config, staged: preinfer.StagedModel) -> int:
 
 
 def live_sources(data: Datasets, config: Config, shard: int, rank: int = 0, world: int = 1) -> LiveSources:
-    """The run's token batches (see `pipelines.sources.live_sources`)."""
+    """The run's token batches (see `pipelines.data.batches.live_sources`)."""
     return sources.live_sources(data.train, data.eval, config.data.batch_size, shard, config.run.seed, rank, world)
 
 

@@ -1,4 +1,4 @@
-"""Pre-inference inside a BCD run: the executor of the sweep plans of `pipelines.sweep_plan`, and keeping the
+"""Pre-inference inside a BCD run: the executor of the sweep plans of `pipelines.training.sweep_plan`, and keeping the
 stores it makes valid.
 
 For a visit of a block starting at layer k > 0, `on` trains from a store at boundary k and `off` runs the prefix
@@ -32,15 +32,15 @@ from preinfer.metrics import CacheRecord, PlanOutcomeRecord, PreInferenceRecord,
 from preinfer.optim import step_budget
 from preinfer.partition import Block
 from preinfer.run_dir import RunDir
-from preinfer.sources import BatchSource
+from preinfer.batch_source import BatchSource
 from preinfer.staged import StagedModel
 from storage import Location, StorageError, free_bytes, location, remove_tree
-from pipelines import sweep_plan
+from pipelines.training import sweep_plan
 from pipelines.cache import (
     CacheOptions, CacheResult, Part, bytes_per_token, cache_boundary, cache_fingerprint, open_cache, roll_forward,
 )
-from pipelines.sources import ReaderBatches
-from pipelines.sweep_plan import (Plan, SweepPlan, Throughputs, Visit, Workload, plan_sweep, store_cost,
+from pipelines.data.batches import ReaderBatches
+from pipelines.training.sweep_plan import (Plan, SweepPlan, Throughputs, Visit, Workload, plan_sweep, store_cost,
                                   visit_seconds)
 
 # Timed forwards of one layer over one training batch that give the first estimate of the prefix's speed.
@@ -75,7 +75,7 @@ class Tally:
 
 
 class PreInference:
-    """A `preinfer.sources.VisitSources` that trains blocks above the input from stores (mode `on` or `auto`)."""
+    """A `preinfer.batch_source.VisitSources` that trains blocks above the input from stores (mode `on` or `auto`)."""
 
     def __init__(self, staged: StagedModel, datasets: dict, tokenizer, config: Config, live, shard: int,
                  rank: int = 0, world: int = 1):
