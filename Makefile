@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test
+.PHONY: setup demo test docs
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -18,3 +18,7 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The generated reference pages (docs/reference/): every command's flags, the config keys, the metrics records.
+docs: setup
+	$(PY) -m pipelines.reference

@@ -54,13 +54,17 @@ class CommandParser(ArgumentParser):
         super().__init__(*args, **kwargs)
         self.module, self.loaded = module, False
 
-    def parse_known_args(self, args: list[str] | None = None, namespace: argparse.Namespace | None = None
-                         ) -> tuple[argparse.Namespace, list[str]]:
+    def load(self) -> None:
+        """Import the command's module and add its flags (once)."""
         if not self.loaded:
             command = importlib.import_module(f"pipelines.commands.{self.module}")
             command.add_arguments(self)
             self.set_defaults(run=command.run)
             self.loaded = True
+
+    def parse_known_args(self, args: list[str] | None = None, namespace: argparse.Namespace | None = None
+                         ) -> tuple[argparse.Namespace, list[str]]:
+        self.load()
         return super().parse_known_args(args, namespace)
 
 
@@ -74,6 +78,15 @@ def build_parser() -> ArgumentParser:
     for name, (module_name, help_text) in COMMANDS.items():
         sub.add_parser(name, module=module_name, help=help_text, description=help_text)
     return parser
+
+
+def command_parsers() -> dict[str, CommandParser]:
+    """Each subcommand's parser, by name, with its flags added (the generated reference reads them)."""
+    parser = build_parser()
+    sub = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    for command in sub.choices.values():
+        command.load()
+    return dict(sub.choices)
 
 
 def set_process_environment() -> None:

@@ -20,9 +20,9 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     path: str = "builtin:pydoc"  # a corpus (file, directory, glob or builtin:pydoc) or a `preinfer tokenize` output
-    seq_len: int = 128
-    batch_size: int = 8
-    eval_fraction: float = 0.1
+    seq_len: int = 128  # tokens per sample
+    batch_size: int = 8  # samples per micro-batch
+    eval_fraction: float = 0.1  # share of documents held out for evaluation
     eval_tokens: int = 262144  # evaluate on the eval split's first samples holding this many tokens; 0: all
     token_store: str | None = None  # where corpora are tokenised once and kept; None: $XDG_CACHE_HOME/preinfer/tokens
     max_samples: int = 0  # use only the first N samples of each split; 0: all
@@ -34,13 +34,13 @@ class BlockConfig:
     ufp: str | None = "1/3"  # unfrozen parameter fraction per block ("auto": the fewest blocks that fit the budget)
     memory_budget: int | float | str | None = None  # with ufp = "auto": bytes a visit may fill, e.g. "22GiB", 1.5e9
     gpu: str | None = None  # with ufp = "auto": the budget is this GPU's usable memory in the planner (4090, ...)
-    blocks: int | None = None
-    ranges: str | None = None
+    blocks: int | None = None  # number of blocks (instead of ufp)
+    ranges: str | None = None  # explicit inclusive layer ranges, e.g. "0-3,4-7" (instead of ufp)
     separate_ends: bool = False  # embedding and head as blocks of their own
     order: str = "ascending"  # ascending, descending, random, fixed
     fixed_order: str | None = None  # e.g. "2,0,1" with order = "fixed"
     start_block: int | None = None  # the block every sweep begins with; None: the order's own first block
-    sweeps: int = 1
+    sweeps: int = 1  # passes over all blocks
     active: str | None = None  # train only this inclusive layer range, e.g. "4-5"; the other blocks stay frozen
     experts: str | None = None  # "top:0.5": in sparse layers train only the experts carrying that share of tokens
     experts_with: str = "router,shared,attention,rest"  # what trains with the chosen experts ("none": nothing)
@@ -52,7 +52,7 @@ class OptimConfig:
     name: str = "adam"  # adam, adamw, sgd
     lr: float | None = None  # None: the paper's default (sgd 0.1, adam/adamw 5e-5)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    momentum: float = 0.9
+    momentum: float = 0.9  # sgd only
     weight_decay: float | None = None  # None: sgd 1e-5, adam 0, adamw 0.01
     warmup_steps: int = 0  # linear warmup at the start of every visit
     decay: str = "none"  # none, linear, cosine: after warmup the rate falls to 0 at each visit's last step
@@ -63,20 +63,20 @@ class OptimConfig:
 
 @dataclass
 class StopConfig:
-    steps_per_visit: int | None = None
-    epochs_per_visit: float | None = None
+    steps_per_visit: int | None = None  # optimizer steps per visit
+    epochs_per_visit: float | None = None  # passes over the training split per visit (1 when no rule is set)
     patience: int | None = None  # plateau: smoothed loss not improved by min_delta for this many steps
-    min_delta: float = 0.0
+    min_delta: float = 0.0  # plateau: the smallest improvement that counts
     smoothing: float = 0.9  # exponential smoothing of the training loss for the plateau rule
 
 
 @dataclass
 class RunConfig:
-    out: str = "runs/bcd"
+    out: str = "runs/bcd"  # the run directory (local)
     mode: str = "bcd"  # bcd, or full (full-parameter baseline: one block)
-    seed: int = 0
+    seed: int = 0  # seeds a preset's initialisation, the sample order and the run's random state
     checkpoint_every: int = 0  # optimizer steps between checkpoints; 0: after every visit only
-    device: str = "cpu"
+    device: str = "cpu"  # cpu, cuda, cuda:1, ...
     precision: str = "auto"  # fp32, bf16-mixed, fp16-mixed; auto follows the model's weights (bf16 -> bf16-mixed)
     recompute: bool = False  # keep one hidden state per layer in the gradient path; run the layer again in backward
     pipeline: int = 1  # pipeline stages (under torchrun: world size = pipeline x data-parallel replicas)

@@ -31,12 +31,12 @@ class StepRecord(Record):
     """One optimizer step of a visit."""
 
     kind: ClassVar[str] = "step"
-    sweep: int
-    block: int
+    sweep: int  # the sweep, from 0
+    block: int  # the active block's index
     step: int  # steps of the run so far, this one included
     visit_step: int  # steps of this visit so far, this one included
     loss: float  # mean loss over the step's supervised tokens (all micro-batches, all ranks)
-    lr: float
+    lr: float  # the learning rate of this step
     tokens: int  # real (unpadded) tokens trained on by this rank so far
     tokens_per_s: float  # this step's tokens over its wall time
     wait_s: float  # time spent waiting for the step's batches
@@ -51,10 +51,10 @@ class VisitRecord(Record):
     """A finished visit of one block (also kept in the checkpoint and summary.json)."""
 
     kind: ClassVar[str] = "visit"
-    sweep: int
-    block: int
+    sweep: int  # the sweep, from 0
+    block: int  # the block's index
     label: str  # the block's parts, e.g. "embed+layers 0-1"
-    steps: int
+    steps: int  # optimizer steps of the visit
     stop_reason: str  # the stopping rule that ended the visit: steps (a step or epoch budget) or plateau
     eval_loss: float  # mean loss over the eval split after the visit
     wall_s: float  # the visit's training time
@@ -70,9 +70,9 @@ class CacheRecord(Record):
     """Pre-inference made, reused or deleted a store of boundary states."""
 
     kind: ClassVar[str] = "cache"
-    boundary: int
+    boundary: int  # the store's boundary: the layer its states feed
     how: str  # input (a fresh prefix run), roll_forward, reuse, deleted, or probe (auto's timing of the disk)
-    seconds: float
+    seconds: float  # time taken: to make it, to delete it, or the whole probe; 0 for reuse
     bytes: int  # input and roll_forward: the store's bytes on disk (every rank's shards); probe: bytes written
     from_: int | None = None  # input and roll_forward: the boundary the store was made from (0: the input)
     reason: str | None = None  # deleted: why the store was no longer usable
@@ -83,8 +83,8 @@ class PreInferenceRecord(Record):
     """One visit's part of the sweep plan (`auto` or `on`), with its estimates (seconds, bytes)."""
 
     kind: ClassVar[str] = "pre_inference"
-    block: int
-    boundary: int
+    block: int  # the visit's block
+    boundary: int  # the block's first layer: the boundary a store would hold
     decision: str  # store or live
     steps: int  # expected steps of the visit
     prefix_per_step: float  # the prefix forward a store saves per step
@@ -92,8 +92,8 @@ class PreInferenceRecord(Record):
     eval_prefix: float  # the prefix forward the visit's evaluation saves
     build: float  # making the store (0 when a valid one exists)
     build_from: int  # the boundary it would be made from (0: the input)
-    store_bytes: int
-    free_bytes: int
+    store_bytes: int  # the store's expected size
+    free_bytes: int  # free disk where the stores go
     saving_s: float  # this visit's saving from its store, build included (the sweep plan may still pay overall)
 
 
@@ -107,16 +107,16 @@ class SweepPlanRecord(Record):
     mode: str  # auto or on
     first_visit: int  # the sweep's visit the plan starts at
     chosen: str  # "live" or the stores it reads and how each is made
-    predicted_s: float
+    predicted_s: float  # the chosen plan's seconds
     alternative: str  # auto: the other plan ("live", or the cheapest plan that reads stores), or why there is none
     live_s: float  # the all-live plan
     sources: list[int]  # per visit from first_visit: the boundary read, 0 live
     builds: list[dict]  # per store made: boundary, from (0: the input), before_visit, seconds
     peak_bytes: int  # new store bytes on disk at the plan's peak
-    free_bytes: int
+    free_bytes: int  # free disk where the stores go
     layer_seconds: float  # the throughputs assumed: one layer's forward over one sample
-    write_bps: float
-    read_bps: float
+    write_bps: float  # store bytes written per second
+    read_bps: float  # store bytes read per second
     store_overhead_s: float  # making one store beyond its forward and bytes
     alternative_s: float | None = None  # None: no alternative
     note: str | None = None  # said once: the order gives stores no reuse
@@ -136,11 +136,11 @@ class PlanOutcomeRecord(Record):
     """At the end of a sweep: the plans' predicted seconds against the measured ones (visits and store builds)."""
 
     kind: ClassVar[str] = "plan_outcome"
-    sweep: int
+    sweep: int  # as in sweep_plan
     predicted_s: float  # this sweep
-    measured_s: float
+    measured_s: float  # this sweep
     run_predicted_s: float  # every sweep so far
-    run_measured_s: float
+    run_measured_s: float  # every sweep so far
 
     def line(self) -> str:
         error = self.run_predicted_s / self.run_measured_s - 1 if self.run_measured_s else 0.0
@@ -157,10 +157,10 @@ class BudgetPlanRecord(Record):
     budget: int  # bytes each visit may fill
     blocks: int  # the fewest blocks whose every visit fits
     predicted: list[int]  # the planner's peak of each block's visit, live
-    precision: str
-    recompute: bool
-    seq_len: int
-    micro_batch: int
+    precision: str  # the run's precision the plan priced
+    recompute: bool  # whether the plan priced recomputation
+    seq_len: int  # tokens per sample
+    micro_batch: int  # samples per micro-batch (--batch-size)
 
 
 RECORD_KINDS: dict[str, type[Record]] = {cls.kind: cls for cls in (StepRecord, VisitRecord, CacheRecord,
