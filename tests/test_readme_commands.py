@@ -1,5 +1,6 @@
-"""Every `preinfer` command in README.md runs as written: the quick ones (`plan`, `--help`) for real, the slow
-ones through the command line's own parser, so that a renamed or retyped flag fails here."""
+"""Every `preinfer` command in README.md and the guides in docs/ runs as written: the quick ones (`plan`, `--help`)
+for real, the slow ones through the command line's own parser, so that a renamed or retyped flag fails here.
+A `plan` of a model file the docs only name (`--model some/config.json`) is parsed, not run."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pytest
 
 from pipelines.cli import COMMANDS, build_parser, main
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def _argv(line: str) -> list[str] | None:
@@ -25,13 +28,14 @@ def _argv(line: str) -> list[str] | None:
     return [word for word in words[start:] if word != "..."]
 
 
-def readme_commands() -> list[list[str]]:
-    """The commands of README.md's code blocks, and its inline `preinfer ... --flag` examples (COMMAND stands
-    for each subcommand)."""
-    text = README.read_text()
+def page_commands(page: Path) -> list[list[str]]:
+    """The commands of a page's code blocks, and its inline `preinfer ... --flag` examples (COMMAND stands for
+    each subcommand); results.md's inline spans are fragments of prose (`cache --boundary K`), not commands."""
+    text = page.read_text()
     lines = [line for block in re.findall(r"^```[^\n]*\n(.*?)^```", text, re.S | re.M)
              for line in block.replace("\\\n", " ").splitlines()]
-    lines += [" ".join(span.split()) for span in re.findall(r"`(preinfer [^`]*--[^`]*)`", text)]
+    if page.name != "results.md":
+        lines += [" ".join(span.split()) for span in re.findall(r"`(preinfer [^`]*--[^`]*)`", text)]
     commands = []
     for line in lines:
         argv = _argv(line)
@@ -42,33 +46,79 @@ def readme_commands() -> list[list[str]]:
     return commands
 
 
-COMMAND_LINES = readme_commands()
+def _runs_here(argv: list[str]) -> bool:
+    """`plan` and `--help` run in a moment, unless the plan's model is a file the page only names."""
+    if "--help" in argv:
+        return True
+    model = argv[argv.index("--model") + 1] if "--model" in argv[:-1] else ""
+    return argv[0] == "plan" and ("/" not in model or Path(model).exists())
+
+
+def _id(command: tuple[str, list[str]]) -> str:
+    return f"{command[0]}: {' '.join(command[1])}"
+
+
+COMMAND_LINES = [(page.relative_to(ROOT).as_posix(), argv) for page in PAGES for argv in page_commands(page)]
 
 
 def test_the_readme_shows_every_command_but_the_demo():
-    assert {argv[0] for argv in COMMAND_LINES} == set(COMMANDS)  # the demo through `preinfer COMMAND --help`
-    assert len(COMMAND_LINES) >= 20
+    readme = [argv for page, argv in COMMAND_LINES if page == "README.md"]
+    assert {argv[0] for argv in readme} == set(COMMANDS)  # the demo through `preinfer COMMAND --help`
+    assert len(readme) >= 10
 
 
-QUICK = [argv for argv in COMMAND_LINES if argv[0] == "plan" or "--help" in argv]
-SLOW = [argv for argv in COMMAND_LINES if argv not in QUICK]
+def test_every_guide_is_read():
+    pages = {page for page, _ in COMMAND_LINES}
+    assert {"docs/fine-tuning.md", "docs/pre-inference.md", "docs/parallelism.md", "docs/reliability.md"} <= pages
+    assert len(COMMAND_LINES) >= 60
 
 
-@pytest.mark.parametrize("argv", QUICK, ids=" ".join)
-def test_a_quick_command_runs(argv, capsys):
+QUICK = [command for command in COMMAND_LINES if _runs_here(command[1])]
+SLOW = [command for command in COMMAND_LINES if command not in QUICK]
+
+
+@pytest.mark.parametrize("command", QUICK, ids=_id)
+def test_a_quick_command_runs(command, capsys):
+    page, argv = command
     try:
         code = main(argv)
     except SystemExit as exit_:  # --help
         code = exit_.code
     captured = capsys.readouterr()
-    assert code == 0, captured.err
+    assert code == 0, f"{page}: {captured.err}"
     assert captured.out.strip() and not captured.err
 
 
-@pytest.mark.parametrize("argv", SLOW, ids=" ".join)
-def test_a_slow_command_parses(argv, capsys):
+@pytest.mark.parametrize("command", SLOW, ids=_id)
+def test_a_slow_command_parses(command, capsys):
+    page, argv = command
     try:
         args = build_parser().parse_args(argv)
     except SystemExit:
-        pytest.fail(f"preinfer {' '.join(argv)}: {capsys.readouterr().err.strip()}")
+        pytest.fail(f"{page}: preinfer {' '.join(argv)}: {capsys.readouterr().err.strip()}")
     assert args.command == argv[0] and callable(args.run)
+
+
+def _anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings (outside code blocks)."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+    return {re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+            for title in re.findall(r"^#+ (.+)$", text, re.M)}
+
+
+def test_the_readme_is_short_and_links_every_guide():
+    assert len(README.read_bytes()) <= 10240
+    links = set(re.findall(r"\]\(docs/([^)#]+)", README.read_text()))
+    assert {page.name for page in PAGES[1:]} - {"README.md"} <= links
+    assert {"reference/cli.md", "reference/config.md", "reference/metrics.md"} <= links
+
+
+@pytest.mark.parametrize("page", PAGES + sorted((ROOT / "docs" / "reference").glob("*.md")), ids=lambda p: p.name)
+def test_every_relative_link_resolves(page: Path):
+    for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+        if "://" in target:
+            continue
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        assert linked.is_file(), f"{page.name}: {target}"
+        assert not anchor or anchor in _anchors(linked), f"{page.name}: {target}"
