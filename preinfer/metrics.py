@@ -1,7 +1,8 @@
 """The run's metrics log (JSON lines, one record per line) and its loss plot.
 
 Every record kind is one dataclass below; `to_dict` gives its JSON object (with `"kind"` first) and
-`parse_record` reads one back. README.md ("metrics.jsonl") documents the kinds for users who parse the file.
+`parse_record` reads one back. docs/reference/metrics.md, generated from these classes (a field's comment is its
+description), documents the kinds for users who parse the file.
 """
 
 from __future__ import annotations
