@@ -49,7 +49,9 @@ class StepRecord(Record):
 
 @dataclass
 class VisitRecord(Record):
-    """A finished visit of one block (also kept in the checkpoint and summary.json)."""
+    """A finished visit of one block (also kept in the checkpoint and summary.json). `memory` holds the meter's
+    peaks over the visit's first 2 steps: params, masters (mixed precision's fp32 copies), grads, optimizer,
+    activations, tracked_peak, rss_peak, cuda_peak."""
 
     kind: ClassVar[str] = "visit"
     sweep: int  # the sweep, from 0
@@ -152,7 +154,8 @@ class PlanOutcomeRecord(Record):
 
 @dataclass
 class BudgetPlanRecord(Record):
-    """The blocks `--ufp auto` chose under a memory budget, by the planner of `preinfer plan` (bytes)."""
+    """The blocks `--ufp auto` chose under a memory budget, by the planner of `preinfer plan` (bytes); written at
+    the start of the run, and again on --resume."""
 
     kind: ClassVar[str] = "budget_plan"
     budget: int  # bytes each visit may fill
