@@ -12,17 +12,16 @@ import torch
 
 import storage
 from storage import (
-    CorruptStoreError,
     Fingerprint,
-    IncompleteStoreError,
     LayoutMismatchError,
     StaleStoreError,
     StorageError,
-    UnsupportedFormatError,
     create_store,
     open_store,
     verify,
 )
+from storage.errors import CorruptStoreError, IncompleteStoreError, UnsupportedFormatError
+from storage.manifest import FORMAT_VERSION
 
 FP = Fingerprint("digest-a", {"model": "tiny-llama", "boundary": 2, "dataset": "topics", "seq_len": 8})
 ALL_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.bool]
@@ -121,7 +120,7 @@ def test_store_description(tmp_path):
     assert store.fields["hidden"] == storage.FieldSpec((3, 8), "bfloat16")
     assert store.fingerprint == FP and store.path == str(tmp_path / "s")
     manifest = store.manifest
-    assert manifest["format_version"] == storage.FORMAT_VERSION and manifest["backend"] == "zarr"
+    assert manifest["format_version"] == FORMAT_VERSION and manifest["backend"] == "zarr"
     assert manifest["codec"] == {"name": "blosc-zstd", "level": 1, "shuffle": "byte", "blocksize": 1 << 20}
     fill(store)
     store.finalize()
