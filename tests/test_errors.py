@@ -27,7 +27,8 @@ BUILTIN_ERRORS = {name for name, value in vars(builtins).items()
 # (file, function, builtin) -> why the builtin is the right one there: a protocol of Python or of our own interface.
 ALLOWED = {
     ("preinfer/__init__.py", "__getattr__", "AttributeError"):
-        "a module's __getattr__ (PEP 562) raises AttributeError: getattr, hasattr and `from preinfer import x` rely on it",
+        "a module's __getattr__ (PEP 562) raises AttributeError: getattr, hasattr and `from preinfer import x` "
+        "rely on it",
     ("storage/blobs.py", "MemoryBlobs.read", "FileNotFoundError"):
         "Blobs.read's contract: a missing blob raises FileNotFoundError, as a missing file (LocalBlobs) and a missing "
         "fsspec object (FsspecBlobs) do; its callers catch exactly that",

@@ -163,7 +163,8 @@ def python_examples() -> list[str]:
 
 
 def test_storage_names_used_reads_imports_and_attributes():
-    assert storage_names_used("import storage\nfrom storage import a, b\nstorage.c(storage.d.e)") == {"a", "b", "c", "d"}
+    source = "import storage\nfrom storage import a, b\nstorage.c(storage.d.e)"
+    assert storage_names_used(source) == {"a", "b", "c", "d"}
     assert storage_names_used("from storage.errors import X\nfrom x import storage") == set()
 
 
