@@ -12,6 +12,8 @@ from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from typing import Any
 
+from preinfer.errors import UsageError
+
 # Where CUDA builds of PyTorch come from (the tag names the CUDA version; pytorch.org lists the current ones).
 CUDA_WHEELS = "https://download.pytorch.org/whl/cu128"
 
@@ -77,14 +79,17 @@ SIZE_PATTERN = re.compile(r"([0-9_]*\.?[0-9_]+(?:e[+-]?[0-9]{1,2})?)\s*([a-z]*)"
 
 
 def parse_size(text: str) -> int:
-    """Bytes (rounded down) of a size such as 22GiB, 512MiB, 24GB or 1.5e9; ValueError says what was expected."""
+    """Bytes (rounded down) of a size such as 22GiB, 512MiB, 24GB or 1.5e9; UsageError says what was expected."""
     expected = f"a size such as 22GiB, 512MiB, 24GB or 1.5e9, got '{text}'"
     match = SIZE_PATTERN.fullmatch(str(text).strip())
     if match is None or match.group(2).lower() not in SIZE_UNITS:
-        raise ValueError(f"expected {expected}")
-    value = int(Decimal(match.group(1)) * SIZE_UNITS[match.group(2).lower()])
+        raise UsageError(f"expected {expected}")
+    try:
+        value = int(Decimal(match.group(1)) * SIZE_UNITS[match.group(2).lower()])
+    except InvalidOperation:  # digits the pattern lets through, such as a lone '_'
+        raise UsageError(f"expected {expected}") from None
     if value < 1:
-        raise ValueError(f"expected at least one byte, got '{text}'")
+        raise UsageError(f"expected at least one byte, got '{text}'")
     return value
 
 
@@ -92,7 +97,7 @@ def memory_size(text: str) -> int:
     """A memory size in bytes (`parse_size`)."""
     try:
         return parse_size(text)
-    except ValueError as error:
+    except UsageError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from preinfer.errors import BoundaryStateError
+
 
 @dataclass
 class BoundaryState:
@@ -53,7 +55,7 @@ class BoundaryState:
         names = {f.name for f in fields(cls)}
         unknown = set(tensors) - names
         if unknown:
-            raise KeyError(f"unknown boundary-state fields {sorted(unknown)}; expected {sorted(names)}")
+            raise BoundaryStateError(f"unknown boundary-state fields {sorted(unknown)}; expected {sorted(names)}")
         return cls(**tensors)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> BoundaryState:

@@ -8,7 +8,7 @@ from pathlib import Path
 from types import UnionType
 from typing import Any, get_args, get_type_hints
 
-from preinfer.errors import UsageError
+from preinfer.errors import PreinferError, UsageError
 
 
 @dataclass
@@ -205,4 +205,4 @@ def _toml_value(value: Any) -> str:
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"cannot write {value!r} as TOML")
+    raise PreinferError(f"cannot write {value!r} as TOML")

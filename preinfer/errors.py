@@ -1,4 +1,5 @@
-"""Exceptions of the model side. The CLI maps UsageError to exit code 2 and every other PreinferError to 1."""
+"""Exceptions of the model side and of `pipelines`: every error they raise is a PreinferError (tests/test_errors.py
+checks it). The CLI maps UsageError to exit code 2 and every other PreinferError to 1."""
 
 
 class PreinferError(Exception):
@@ -11,3 +12,8 @@ class UsageError(PreinferError):
 
 class UnsupportedModelError(UsageError):
     """A model whose structure no adapter recognises."""
+
+
+class BoundaryStateError(PreinferError):
+    """A boundary state or layer range that does not fit the call: fields a state has no place for, a loss
+    without labels, layers outside the model."""

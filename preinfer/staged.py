@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from preinfer.errors import UnsupportedModelError
+from preinfer.errors import BoundaryStateError, UnsupportedModelError
 from preinfer.moe import expert_tensors, use_row_invariant_experts
 from preinfer.boundary_state import BoundaryState
 
@@ -75,7 +75,7 @@ class StagedModel(ABC):
 
         `recompute`: under autograd, each layer saves only its input and is run again during backward."""
         if not 0 <= start <= stop <= self.num_layers:
-            raise ValueError(f"layer range [{start}, {stop}) is outside [0, {self.num_layers}]")
+            raise BoundaryStateError(f"layer range [{start}, {stop}) is outside [0, {self.num_layers}]")
         if start == stop:
             return state
         layer = _recomputed if recompute and torch.is_grad_enabled() else _direct
@@ -89,7 +89,7 @@ class StagedModel(ABC):
     def loss(self, state: BoundaryState) -> torch.Tensor:
         """Mean next-token cross entropy over the supervised (label != -100) positions of a final state."""
         if state.labels is None:
-            raise ValueError("this boundary state carries no labels; pass labels to embed()")
+            raise BoundaryStateError("this boundary state carries no labels; pass labels to embed()")
         return causal_lm_loss(self.logits(state), state.labels)
 
     def units(self) -> list[Unit]:

@@ -1,31 +1,22 @@
 """Activation stores: sharded zarr v3 / safetensors / memory formats behind one small interface.
 
-Everything other packages use is named here; the submodules are this package's own business."""
+Everything other packages use is named here, and nothing else (tests/test_import_graph.py checks both ways); the
+submodules are this package's own business."""
 
 from storage.api import STORE_ENTRIES, create_store, is_store, open_store
-from storage.blobs import Blobs, blobs_for
+from storage.blobs import blobs_for
 from storage.codecs import codec_spec
-from storage.encodings import ENCODINGS, Encoding, bytes_per_token, is_lossy, merge_stats, nonfinite_rows
-from storage.errors import (
-    CorruptStoreError,
-    IncompleteStoreError,
-    LayoutMismatchError,
-    StaleStoreError,
-    StorageError,
-    UnsupportedFormatError,
-    UnsupportedLocationError,
-)
-from storage.locations import SCHEMES, Location, UrlPath, disk_bytes, free_bytes, location, remove_tree
-from storage.manifest import FORMAT_VERSION, FORMATS, MANIFEST, FieldSpec, Fingerprint
+from storage.encodings import ENCODINGS, bytes_per_token, is_lossy, nonfinite_rows
+from storage.errors import LayoutMismatchError, StaleStoreError, StorageError
+from storage.locations import Location, disk_bytes, free_bytes, location, remove_tree
+from storage.manifest import FieldSpec, Fingerprint
 from storage.reader import Reader
 from storage.store import Store, format_ranges
-from storage.verify import VerifyReport, verify
+from storage.verify import verify
 
 __all__ = [
     "create_store", "open_store", "is_store", "verify", "codec_spec", "Store", "Reader", "Fingerprint", "FieldSpec",
-    "VerifyReport", "FORMAT_VERSION", "FORMATS", "MANIFEST", "STORE_ENTRIES", "StorageError", "StaleStoreError",
-    "CorruptStoreError", "IncompleteStoreError", "LayoutMismatchError", "UnsupportedFormatError", "ENCODINGS",
-    "Encoding", "bytes_per_token", "is_lossy", "merge_stats", "nonfinite_rows", "format_ranges",
-    "UnsupportedLocationError", "location", "Location", "UrlPath", "SCHEMES", "remove_tree", "disk_bytes",
-    "free_bytes", "Blobs", "blobs_for",
+    "STORE_ENTRIES", "StorageError", "StaleStoreError", "LayoutMismatchError", "ENCODINGS", "bytes_per_token",
+    "is_lossy", "nonfinite_rows", "format_ranges", "location", "Location", "remove_tree", "disk_bytes", "free_bytes",
+    "blobs_for",
 ]

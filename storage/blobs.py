@@ -9,6 +9,7 @@ import os
 import shutil
 import threading
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,41 +37,42 @@ def _process_lock(location: str, key: str) -> Iterator[None]:
         lock.release()
 
 
-class Blobs:
-    """Byte blobs addressed by '/'-separated keys relative to a root."""
+class Blobs(ABC):
+    """Byte blobs addressed by '/'-separated keys relative to a root. A kind of blobs provides the abstract
+    methods; `zarr_store` only the kinds a zarr store is written to (not process memory)."""
 
     location: str
 
+    @abstractmethod
     def read(self, key: str) -> bytes:
-        """The bytes of `key` (FileNotFoundError if absent)."""
-        raise NotImplementedError
+        """The bytes of `key` (FileNotFoundError if absent, as a file or an fsspec object)."""
 
     def read_buffer(self, key: str) -> np.ndarray:
         """The bytes of `key` as a writable uint8 array that the caller owns (tensors may view it without a copy)."""
         return np.frombuffer(bytearray(self.read(key)), dtype=np.uint8)
 
+    @abstractmethod
     def write(self, key: str, data: bytes) -> None:
         """Publish `data` under `key` atomically: readers see the old blob, or all of the new one."""
-        raise NotImplementedError
 
+    @abstractmethod
     def size(self, key: str) -> int | None:
         """The size of `key` in bytes, or None if it does not exist."""
-        raise NotImplementedError
 
+    @abstractmethod
     def list(self, prefix: str) -> dict[str, int]:
         """Every key under `prefix` (recursively) with its size."""
-        raise NotImplementedError
 
     def sync(self, key: str) -> None:
         """Make a blob written by someone else (zarr) durable before it is declared complete."""
 
+    @abstractmethod
     def remove_all(self) -> None:
         """Delete every blob under the root."""
-        raise NotImplementedError
 
+    @abstractmethod
     def remove(self, prefix: str) -> None:
         """Delete every blob under the directory `prefix` (nothing if there is none)."""
-        raise NotImplementedError
 
     def clear_locks(self) -> None:
         """Delete the writers' lock files, once no writer needs them (a complete store)."""
@@ -84,7 +86,7 @@ class Blobs:
 
     def zarr_store(self, prefix: str):
         """A zarr store rooted at `prefix`."""
-        raise NotImplementedError
+        raise StorageError(f"{self.location}: {type(self).__name__} cannot hold a zarr store")
 
 
 class LocalBlobs(Blobs):

@@ -188,16 +188,20 @@ def parse_manifest(raw: bytes, where: str) -> dict[str, Any]:
             raise UnsupportedFormatError(f"{where} names unknown format {manifest['backend']!r}; known: {FORMATS}")
         num_samples, per_shard = int(manifest["num_samples"]), int(manifest["samples_per_shard"])
         if num_samples <= 0 or per_shard <= 0 or manifest["num_shards"] != -(-num_samples // per_shard):
-            raise ValueError("inconsistent num_samples / samples_per_shard / num_shards")
+            raise _garbled(where, "inconsistent num_samples / samples_per_shard / num_shards")
         parse_fields({name: (spec["shape"], spec["dtype"]) for name, spec in manifest["fields"].items()})
         Fingerprint.coerce(manifest["fingerprint"])
         if not isinstance(manifest["shards"], dict) or not isinstance(manifest["codec"], dict):
-            raise ValueError("'shards' and 'codec' must be objects")
-    except UnsupportedFormatError:
+            raise _garbled(where, "'shards' and 'codec' must be objects")
+    except (UnsupportedFormatError, CorruptStoreError):
         raise
     except (KeyError, TypeError, ValueError, AttributeError, StorageError) as err:
-        raise CorruptStoreError(f"{where} is garbled: {type(err).__name__}: {err}; rebuild the store") from None
+        raise _garbled(where, f"{type(err).__name__}: {err}") from None
     return manifest
+
+
+def _garbled(where: str, problem: str) -> CorruptStoreError:
+    return CorruptStoreError(f"{where} is garbled: {problem}; rebuild the store")
 
 
 def check_fingerprint(stored: Fingerprint, expected: Any, where: str) -> None:

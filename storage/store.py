@@ -9,6 +9,7 @@ rerun resumes from them.
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
@@ -36,8 +37,11 @@ def format_ranges(indices: list[int], limit: int = 20) -> str:
     return ", ".join(text) + (f", ... ({len(runs) - limit} more runs)" if len(runs) > limit else "")
 
 
-class Store:
-    """A sharded activation store: fixed fields, `num_samples` samples in shards of `samples_per_shard`."""
+class Store(ABC):
+    """A sharded activation store: fixed fields, `num_samples` samples in shards of `samples_per_shard`.
+
+    A backend subclasses it, names its `format`, and provides `_write_data` and `_read_data`; `_create_layout`,
+    `_open_layout` and `_finalize_layout` are for a backend with a data layout of its own (no-ops here)."""
 
     format = ""
     data_prefix: str | None = None
@@ -352,19 +356,19 @@ class Store:
         }
 
     # ---- backend hooks -----------------------------------------------------------------------------------------
+    @abstractmethod
+    def _write_data(self, i: int, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
+        """Write the data of shard `i` durably; return {file key: {"size": bytes, ...}}."""
+
+    @abstractmethod
+    def _read_data(self, i: int, names: list[str]) -> dict[str, torch.Tensor]:
+        """Decode the named fields of shard `i`."""
+
     def _create_layout(self) -> None:
         """Create the backend's empty data layout (before the manifest is written)."""
 
     def _open_layout(self) -> None:
         """Open the backend's data layout."""
-
-    def _write_data(self, i: int, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
-        """Write the data of shard `i` durably; return {file key: {"size": bytes, ...}}."""
-        raise NotImplementedError
-
-    def _read_data(self, i: int, names: list[str]) -> dict[str, torch.Tensor]:
-        """Decode the named fields of shard `i`."""
-        raise NotImplementedError
 
     def _finalize_layout(self) -> None:
         """Backend work at finalize (e.g. an index file)."""

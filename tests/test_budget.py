@@ -12,6 +12,7 @@ from cli_run import run_cli
 import preinfer
 from pipelines.arguments import parse_size
 from pipelines.training import partition_for
+from preinfer.errors import UsageError
 from preinfer.budget import budget_settings, plan_budget
 from preinfer.config import load_config
 from preinfer.memory_model import (
@@ -45,9 +46,9 @@ def test_sizes_parse_in_decimal_and_binary_units(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["22GiBs", "lots", "-1GiB", "0", "0.1", "", "1e9e9", "GiB", "12 GiB 3"])
+@pytest.mark.parametrize("text", ["22GiBs", "lots", "-1GiB", "0", "0.1", "", "1e9e9", "GiB", "12 GiB 3", "_"])
 def test_malformed_sizes_are_refused(text):
-    with pytest.raises(ValueError, match="expected"):
+    with pytest.raises(UsageError, match="expected"):
         parse_size(text)
 
 

@@ -18,6 +18,7 @@ from pipelines.cache.shards import NonFiniteStates, write_shard
 from preinfer.memory_model import COMPRESSION, Settings, shape_for_size, store_bytes_per_token
 from preinfer.memory_model import STORE_DTYPES as PLAN_STORE_DTYPES
 from storage import ENCODINGS, StorageError, create_store, open_store
+from storage.encodings import merge_stats
 from test_cache import SEQ, cache, datasets_for, run_cli, staged_model, write_corpus
 
 LOSSY = list(ENCODINGS)
@@ -81,7 +82,7 @@ def test_the_measured_error_is_what_the_formats_promise():
     rms = {}
     for name, encoding in ENCODINGS.items():
         codes, scale = encoding.encode(x)
-        stats = storage.merge_stats([storage.encodings.error_stats(x, encoding.decode(codes, scale), scale,
+        stats = merge_stats([storage.encodings.error_stats(x, encoding.decode(codes, scale), scale,
                                                                      encoding.bound)])
         assert 0 < stats["max_over_bound"] <= 1 and stats["max_abs"] > 0
         rms[name] = stats["rms_rel"]
@@ -116,7 +117,7 @@ def test_a_lossy_store_encodes_on_write_and_decodes_on_read(tmp_path, format, na
     assert bool(((decoded["hidden"] - x[4:8]).abs() <= bound).all())
     errors = store.encoding_error()["hidden"]
     per_shard = [store.manifest["shards"][str(i)]["encoding_error"]["hidden"] for i in range(store.num_shards)]
-    assert errors == storage.merge_stats(per_shard) and 0 < errors["max_over_bound"] <= 1
+    assert errors == merge_stats(per_shard) and 0 < errors["max_over_bound"] <= 1
     batches = list(store.reader(3, shuffle=False, decode=torch.bfloat16))
     assert set(batches[0]) == {"hidden", "labels"} and batches[0]["hidden"].dtype == torch.bfloat16
     assert torch.equal(torch.cat([b["hidden"] for b in batches]),

@@ -1,10 +1,11 @@
 """The import graph of `preinfer/`, `storage/` and `pipelines/`, read from the source with `ast` (imports inside
-functions and under TYPE_CHECKING included): no cycle, the fixed dependency direction, and `pipelines/` and `bench/`
-using only `storage`'s public names."""
+functions and under TYPE_CHECKING included): no cycle, the fixed dependency direction, `pipelines/` and `bench/`
+using only `storage`'s public names, and every public name of `storage` used by them or by the docs' Python."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import storage
@@ -142,3 +143,32 @@ def test_pipelines_and_bench_use_only_storage_public_names():
                 elif node.attr in private and not (isinstance(owner, ast.Name) and owner.id == "self"):
                     problems.append(f"{where}:{node.lineno}: .{node.attr} (private to storage.Store)")
     assert problems == []
+
+
+def storage_names_used(source: str) -> set[str]:
+    """The names a module's source takes from `storage`: `from storage import x` and `storage.x`."""
+    used = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module == "storage":
+            used |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "storage":
+            used.add(node.attr)
+    return used
+
+
+def python_examples() -> list[str]:
+    """The ```python blocks of the README and the guides under docs/."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    return [block for page in pages for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S)]
+
+
+def test_storage_names_used_reads_imports_and_attributes():
+    source = "import storage\nfrom storage import a, b\nstorage.c(storage.d.e)"
+    assert storage_names_used(source) == {"a", "b", "c", "d"}
+    assert storage_names_used("from storage.errors import X\nfrom x import storage") == set()
+
+
+def test_every_public_name_of_storage_has_a_user_outside_it():
+    sources = [path.read_text() for path in [*(ROOT / "pipelines").rglob("*.py"), *(ROOT / "bench").glob("*.py")]]
+    used = set().union(*map(storage_names_used, sources + python_examples()))
+    assert sorted(set(storage.__all__) - used) == [], "public names of storage that nothing outside it uses"

@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 from cli_run import run_cli
 from preinfer.run_dir import RunDir
 from pipelines.cache.dask_runner import shutdown_local_clusters
-from storage import UnsupportedLocationError, create_store, location, open_store
+from storage import create_store, location, open_store
+from storage.errors import UnsupportedLocationError
 from test_cache import BATCH, PER_SHARD, SEQ, cache, datasets_for, staged_model, write_corpus
 from test_cache_processes import REPO, kill_once, start_slow_cache
 

@@ -17,7 +17,7 @@ from transformers import (
 )
 
 import preinfer
-from preinfer.errors import UnsupportedModelError
+from preinfer.errors import BoundaryStateError, UnsupportedModelError
 
 VOCAB, T, B = 97, 12, 3
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4)
@@ -165,7 +165,7 @@ def test_state_slices_and_round_trips_through_a_dict():
     assert len(one) == 1 and torch.equal(one.hidden[0], state.hidden[1])
     again = preinfer.BoundaryState.from_dict(state.to_dict())
     assert all(torch.equal(a, b) for a, b in zip(again.to_dict().values(), state.to_dict().values()))
-    with pytest.raises(KeyError, match="unknown"):
+    with pytest.raises(BoundaryStateError, match="unknown"):
         preinfer.BoundaryState.from_dict({**state.to_dict(), "extra": ids})
 
 

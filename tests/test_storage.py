@@ -12,17 +12,21 @@ import torch
 
 import storage
 from storage import (
-    CorruptStoreError,
     Fingerprint,
-    IncompleteStoreError,
     LayoutMismatchError,
     StaleStoreError,
     StorageError,
-    UnsupportedFormatError,
+    Store,
     create_store,
     open_store,
     verify,
 )
+from storage.blobs import Blobs, MemoryBlobs
+from storage.errors import CorruptStoreError, IncompleteStoreError, UnsupportedFormatError
+from storage.manifest import FORMAT_VERSION
+from storage.memory_backend import MemoryStore
+from storage.safetensors_backend import SafetensorsStore
+from storage.zarr_backend import ZarrStore
 
 FP = Fingerprint("digest-a", {"model": "tiny-llama", "boundary": 2, "dataset": "topics", "seq_len": 8})
 ALL_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.bool]
@@ -121,7 +125,7 @@ def test_store_description(tmp_path):
     assert store.fields["hidden"] == storage.FieldSpec((3, 8), "bfloat16")
     assert store.fingerprint == FP and store.path == str(tmp_path / "s")
     manifest = store.manifest
-    assert manifest["format_version"] == storage.FORMAT_VERSION and manifest["backend"] == "zarr"
+    assert manifest["format_version"] == FORMAT_VERSION and manifest["backend"] == "zarr"
     assert manifest["codec"] == {"name": "blosc-zstd", "level": 1, "shuffle": "byte", "blocksize": 1 << 20}
     fill(store)
     store.finalize()
@@ -349,13 +353,15 @@ def test_missing_zarr_array_metadata_reported(tmp_path):
     assert "zarr array of field 'mask'" in verify(path).manifest_error
 
 
-@pytest.mark.parametrize("damage", ["truncate", "garble", "empty", "not-a-manifest"])
+@pytest.mark.parametrize("damage", ["truncate", "garble", "empty", "not-a-manifest", "inconsistent"])
 def test_bad_manifest_is_a_clear_error(tmp_path, damage):
     path, _ = finished(tmp_path)
     manifest = pathlib.Path(path, "manifest.json")
     text = manifest.read_text()
+    assert '"num_shards": 3' in text
     manifest.write_text({"truncate": text[: len(text) // 2], "garble": text.replace('"fields"', '"fieldz"'),
-                         "empty": "", "not-a-manifest": "[1, 2]"}[damage])
+                         "empty": "", "not-a-manifest": "[1, 2]",
+                         "inconsistent": text.replace('"num_shards": 3', '"num_shards": 4')}[damage])
     with pytest.raises(CorruptStoreError, match=r"manifest\.json (is not valid JSON .* truncated or garbled|is garbled|is not a preinfer)"):
         open_store(path)
     report = verify(path)
@@ -382,6 +388,20 @@ def test_unknown_format_version_refused(tmp_path):
     with pytest.raises(UnsupportedFormatError, match="format version 99, but this tool reads only version 1"):
         open_store(path)
     assert not verify(path).ok
+
+
+def test_a_backend_provides_exactly_the_abstract_hooks(tmp_path):
+    assert Store.__abstractmethods__ == {"_write_data", "_read_data"}
+    assert Blobs.__abstractmethods__ == {"read", "write", "size", "list", "remove", "remove_all"}
+    assert all(not backend.__abstractmethods__ for backend in (ZarrStore, SafetensorsStore, MemoryStore))
+
+    class WritesOnly(Store):
+        def _write_data(self, i, tensors):
+            return {}
+
+    manifest = small_store(str(tmp_path / "s")).manifest
+    with pytest.raises(TypeError, match="_read_data"):
+        WritesOnly(MemoryBlobs("partial"), manifest)
 
 
 def test_storage_is_model_free_and_pickle_free():

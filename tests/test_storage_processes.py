@@ -13,7 +13,8 @@ import time
 import pytest
 import torch
 
-from storage import IncompleteStoreError, StorageError, create_store, open_store, verify
+from storage import StorageError, create_store, open_store, verify
+from storage.errors import IncompleteStoreError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIELDS = {"hidden": ((16, 32), torch.bfloat16), "labels": ((16,), torch.int64)}

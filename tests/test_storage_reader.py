@@ -8,7 +8,8 @@ import uuid
 import pytest
 import torch
 
-from storage import CorruptStoreError, Fingerprint, StorageError, create_store
+from storage import Fingerprint, StorageError, create_store
+from storage.errors import CorruptStoreError
 
 N, S = 37, 5  # 8 shards, the last one holds 2 samples
 

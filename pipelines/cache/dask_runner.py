@@ -29,6 +29,7 @@ from preinfer.staged import StagedModel
 from storage import Store, open_store
 from pipelines.cache.options import CacheOptions, LocalWorkers, SchedulerAddress
 from pipelines.cache.progress import Progress
+from pipelines.cache.result import CacheJobError
 from pipelines.cache.shards import (
     DatasetInputs, HostStager, StoreInputs, compute_shard, host_fields, is_disk_full, one_line, write_shard,
 )
@@ -112,7 +113,7 @@ def worker_model(spec: str, seed: int, device: str, boundary: int, expected: str
                 del _MODELS[key]  # the run's checkpoint moved on since this worker loaded it
                 continue
             break
-    raise RuntimeError(
+    raise CacheJobError(
         f"worker {_worker_name()}: the model loaded from {spec!r} has another prefix [0, {boundary}) than the "
         f"client's (digest {digests[boundary][:12]} != {expected[:12]}); workers must load the same weights "
         f"(save them to a directory or checkpoint the run first)"
@@ -244,8 +245,8 @@ class _Workerless:
         self.since = self.since or now
         if now - self.since < NO_WORKERS_TIMEOUT_S:
             return None
-        return RuntimeError(f"the Dask cluster ({cluster}) has had no workers for {now - self.since:.0f} s: its "
-                            f"workers were lost or never started")
+        return CacheJobError(f"the Dask cluster ({cluster}) has had no workers for {now - self.since:.0f} s: its "
+                             f"workers were lost or never started")
 
 
 def run(staged: StagedModel, jobs: list[SplitJob], boundary: int, opts: CacheOptions, bar: Progress,

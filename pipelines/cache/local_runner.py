@@ -11,6 +11,7 @@ import time
 from preinfer.staged import StagedModel
 from pipelines.cache.options import CacheOptions
 from pipelines.cache.progress import Progress
+from pipelines.cache.result import CacheJobError
 from pipelines.cache.shards import HostStager, compute_shard, host_fields, is_disk_full, one_line, write_shard
 from pipelines.cache.work import Failure, SplitJob
 
@@ -79,7 +80,7 @@ def run_local(staged: StagedModel, jobs: list[SplitJob], boundary: int, opts: Ca
                         break
                     except queue.Full:
                         if not thread.is_alive():
-                            raise RuntimeError("the cache writer thread stopped") from None
+                            raise CacheJobError("the cache writer thread stopped") from None
                 timing["blocked"] += time.perf_counter() - computed
     finally:
         work.put(None)

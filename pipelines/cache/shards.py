@@ -10,12 +10,14 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from preinfer.errors import PreinferError
 from preinfer.staged import StagedModel
 from preinfer.boundary_state import BoundaryState
 from pipelines.data.batches import TokenSamples
 from storage import Store, format_ranges, nonfinite_rows
 
-class NonFiniteStates(ValueError):
+
+class NonFiniteStates(PreinferError):
     """Computed boundary states hold NaN or inf: the shard is not written (and retrying cannot help)."""
 
 
@@ -181,13 +183,14 @@ def write_shard(store: Store, split: str, shard: int, tensors: dict[str, torch.T
             f"{split + ' ' if split else ''}shard {shard} (samples {lo}..{hi}): the boundary states of samples "
             f"{format_ranges([lo + r for r in bad])} hold NaN or inf (a diverged prefix?); nothing was stored"
         )
-    for attempt in range(retries + 1):
+    attempts = 0
+    while True:
+        attempts += 1
         try:
             if before_write is not None:
                 before_write(split, shard)
             store.write_shard(shard, tensors)
-            return attempt + 1
+            return attempts
         except Exception as err:
-            if attempt == retries or is_disk_full(err):
+            if attempts > retries or is_disk_full(err):
                 raise
-    raise AssertionError("unreachable")

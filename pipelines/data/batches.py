@@ -14,8 +14,13 @@ import torch
 
 import storage
 from preinfer.batch_source import LiveSources
+from preinfer.errors import PreinferError
 
 TOKEN_FIELDS = ("input_ids", "attention_mask", "labels")
+
+
+class NoBatchesError(PreinferError):
+    """A store that yields no batch to this rank's reader (fewer samples than one batch)."""
 
 
 class TokenSamples(Protocol):
@@ -102,7 +107,7 @@ class ReaderBatches:
             if batch is not None:
                 return batch
             self._batches = None
-        raise RuntimeError(f"store {self.store.path} yields no batches")
+        raise NoBatchesError(f"store {self.store.path} yields no batches")
 
     def one_pass(self) -> Iterator[dict[str, torch.Tensor]]:
         """Every sample once (the first `limit` ones if set) in stored order, on every rank, with a reader of its

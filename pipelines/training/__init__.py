@@ -133,7 +133,7 @@ def memory_budget(blocks: BlockConfig) -> int:
         return Settings(gpu=blocks.gpu).capacity()
     try:
         return parse_size(str(blocks.memory_budget))
-    except ValueError as error:
+    except UsageError as error:
         raise UsageError(f"[blocks] memory_budget: {error}") from None
 
 

@@ -18,11 +18,16 @@ from typing import Any
 
 import numpy as np
 
+from preinfer.errors import PreinferError
 from pipelines.data.token_store.layout import read_json, write_json
 from pipelines.data.samples import SPLITS, EncodedSplit
 
 PLAN = "plan.json"
 ENCODED = "encoded.json"
+
+
+class StagingError(PreinferError):
+    """The staging directory lacks a chunk the job counts as staged (removed while the job ran)."""
 
 
 class Staging:
@@ -68,7 +73,7 @@ class Staging:
         """{split: {"units": tokens of the LM stream or instruction rows, "documents": n}} of staged chunk `index`."""
         counts = read_json(self._chunk(index, ".json"))
         if counts is None or set(counts) != set(SPLITS):
-            raise FileNotFoundError(f"chunk {index} is not staged in {self.root}")
+            raise StagingError(f"chunk {index} is not staged in {self.root}")
         return counts
 
     def read_split(self, index: int, split: str, documents: int) -> EncodedSplit:
