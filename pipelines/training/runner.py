@@ -12,14 +12,16 @@ as an uninterrupted run. A second signal acts as usual."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 import preinfer
+from preinfer.batch_source import VisitSources
 from preinfer.config import Config
 from preinfer.precision import apply_precision, describe, weights_dtype
 from preinfer.run_dir import RunDir
-from pipelines.data.tokenizers import load_tokenizer
+from pipelines.data.tokenizers import Tokenizer, load_tokenizer
 from pipelines.training.distributed import init_distributed
 from pipelines.training.fit import train
 from pipelines.training.layout import OneProcess
@@ -27,6 +29,9 @@ from pipelines.training.partition_choice import partition_for
 from pipelines.training.run_directory import check_run_dir, finish_run
 from pipelines.training.store_input import StoreInput
 from pipelines.training.token_data import live_sources, load_datasets, samples_per_shard
+
+if TYPE_CHECKING:  # torch.distributed.pipelining loads only for pipelines
+    from pipelines.pipeline_parallel.layout import PipelineLayout
 
 
 def run(config: Config, resume: bool = False, quiet: bool = False) -> dict:
@@ -46,13 +51,7 @@ def run(config: Config, resume: bool = False, quiet: bool = False) -> dict:
         notes.append(store.check_prefix(layout.prefix(first), config))
     staged = preinfer.stage(model)
     partition, active = partition_for(staged, config, first_layer=first, precision=precision)
-    if store is not None:
-        chosen, tokenizer = store.sources(config, layout.replica, layout.replicas), load_tokenizer(config.model.tokenizer)
-    else:
-        data = load_datasets(config, quiet)
-        shard = samples_per_shard(config, staged)
-        live = live_sources(data, config, shard, layout.replica, layout.replicas)
-        chosen, tokenizer = layout.pre_inference(staged, data, live, shard, quiet), data.tokenizer
+    chosen, tokenizer = sources(config, layout, staged, store, quiet)
     trainer = train(config, staged, partition, active, chosen, resume, quiet, notes,
                     command="bcd" if store is None else "train", make=layout.make_trainer)
     layout.close()
@@ -68,7 +67,19 @@ def run(config: Config, resume: bool = False, quiet: bool = False) -> dict:
     return finish_run(trainer, run_dir, export)
 
 
-def layout_for(config: Config, first: int):
+def sources(config: Config, layout: OneProcess | PipelineLayout, staged: preinfer.StagedModel,
+            store: StoreInput | None, quiet: bool) -> tuple[VisitSources, Tokenizer]:
+    """What each visit reads, and the tokenizer the export is saved with: a cache's stores, or the token store's
+    splits (with pre-inference, as the layout runs it)."""
+    if store is not None:
+        return store.sources(config, layout.replica, layout.replicas), load_tokenizer(config.model.tokenizer)
+    data = load_datasets(config, quiet)
+    shard = samples_per_shard(config, staged)
+    live = live_sources(data, config, shard, layout.replica, layout.replicas)
+    return layout.pre_inference(staged, data, live, shard, quiet), data.tokenizer
+
+
+def layout_for(config: Config, first: int) -> OneProcess | PipelineLayout:
     """The run's layout: a pipeline when `run.pipeline` > 1 (its flags and stages checked here, before anything
     is loaded), else one process."""
     if config.run.pipeline > 1:
