@@ -18,7 +18,7 @@ Everything in one run of one process, on `small-llama`, `builtin:pydoc`, seq 128
 3. The share of the store runs' step time spent waiting for the reader (the trainer's per-step `wait_s` over
    the step time), over the measured steps; the first step of each visit (when the reader decodes its first
    shard) is shown apart. Target: <= 2%.
-4. Whole `bcd` runs (`pipelines.training.run_bcd`) with `--pre-inference off` and `auto`, alternating, each
+4. Whole `bcd` runs (`pipelines.training.run`) with `--pre-inference off` and `auto`, alternating, each
    --bcd-repeats times: UFP 1/3, --sweeps ascending sweeps, --bcd-samples samples per split, --bcd-epochs
    epochs per visit. Wall time, caching time (the `cache` records of metrics.jsonl), the auto rule's decisions
    with their numbers, the final eval losses (equal up to float noise: same sample order live and from stores).
@@ -66,7 +66,8 @@ from pipelines.cache import CacheOptions, cache_boundary, open_cache  # noqa: E4
 from pipelines.models import resolve_model  # noqa: E402
 from pipelines.data.batches import ReaderBatches  # noqa: E402
 from pipelines.models.suffix import load_suffix, to_device  # noqa: E402
-from pipelines.training import live_sources, load_datasets, partition_for, run_bcd, samples_per_shard  # noqa: E402
+from pipelines import training  # noqa: E402
+from pipelines.training import live_sources, load_datasets, partition_for, samples_per_shard  # noqa: E402
 from preinfer.config import Config, load_config  # noqa: E402
 from preinfer.metrics import (CacheRecord, PlanOutcomeRecord, PreInferenceRecord, Record, StepRecord,  # noqa: E402
                               SweepPlanRecord, VisitRecord, read_metrics)
@@ -309,7 +310,7 @@ def bcd_run(args: argparse.Namespace, mode: str, out: Path) -> dict:
                          stop=dict(epochs_per_visit=args.bcd_epochs),
                          run=dict(out=str(out)), pre_inference=dict(mode=mode, store_dir=str(out.parent / f"{out.name}-stores")))
     started, cpu = time.perf_counter(), time.process_time()
-    summary = run_bcd(config, quiet=True)
+    summary = training.run(config, quiet=True)
     wall, cpu = time.perf_counter() - started, time.process_time() - cpu
     records = read_metrics(RunDir(out).metrics)
     caches = [r.to_dict() for r in records if isinstance(r, CacheRecord)]
@@ -402,7 +403,7 @@ def scenario_run(args: argparse.Namespace, model: str, order: str, epochs: float
                          stop=dict(epochs_per_visit=epochs), run=dict(out=str(out)),
                          pre_inference=dict(mode=mode, store_dir=str(out.parent / f"{out.name}-stores")))
     started, cpu = time.perf_counter(), time.process_time()
-    summary = run_bcd(config, quiet=True)
+    summary = training.run(config, quiet=True)
     wall, cpu = time.perf_counter() - started, time.process_time() - cpu
     records = read_metrics(RunDir(out).metrics)
     plans = [r for r in records if isinstance(r, SweepPlanRecord)]

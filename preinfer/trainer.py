@@ -1,9 +1,11 @@
 """The BCD trainer: sweeps of visits; each visit trains one block while every other parameter stays frozen.
 
-One step: take a batch from the visit's source (token ids, or boundary states at some boundary k), run the
-frozen layers up to the active block under `no_grad` (they save nothing for backward), run the active block and
-everything above it with autograd (with `run.recompute`, each of those layers keeps only its input and runs again
-in backward), and step the active block's optimizer. Backward stops at the active block because its input
+One step (`train_step`): take `grad_accum` batches from the visit's source (token ids, or boundary states at some
+boundary k), count their supervised tokens, run `forward_backward_step` over them, and step the active block's
+optimizer. `forward_backward_step` is the one seam a subclass replaces (`PipelineTrainer` runs it over its
+stages): here, per micro-batch, the frozen layers up to the active block run under `no_grad` (they save nothing
+for backward), the active block and everything above it with autograd (with `run.recompute`, each of those
+layers keeps only its input and runs again in backward). Backward stops at the active block because its input
 carries no graph.
 
 Precision (`preinfer.precision`): under mixed precision the optimizer steps fp32 masters of the active block,
@@ -19,8 +21,8 @@ uninterrupted one.
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
-from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +32,7 @@ import torch.distributed as dist
 from preinfer.checkpoint import load_checkpoint, save_checkpoint
 from preinfer.grad_buckets import BucketedAllReduce
 from preinfer.config import Config
-from preinfer.errors import PreinferError
+from preinfer.errors import PreinferError, UsageError
 from preinfer.metrics import MetricsLog, Record, StepRecord, VisitRecord
 from preinfer.moe import ExpertGranular, RouterLoss
 from preinfer.optim import LrSchedule, StopRule, build_optimizer, step_budget
@@ -93,9 +95,10 @@ class Trainer:
         b = config.blocks
         self.experts = ExpertGranular(staged, b.experts, b.experts_with, b.experts_sample)
         if b.experts and self.world_size > 1:
-            raise PreinferError("--experts (expert-granular blocks) runs in one process; drop it or torchrun")
+            raise UsageError("--experts (expert-granular blocks) runs in one process; drop it, or torchrun and "
+                             "--pipeline")
         if b.experts and self.precision != "fp32":
-            raise PreinferError(f"--experts (expert-granular blocks) trains in fp32; drop it or --precision "
+            raise UsageError(f"--experts (expert-granular blocks) trains in fp32; drop it or --precision "
                                 f"{self.precision}")
         self.order(0)  # a bad order, fixed order or start block is refused before anything runs
         LrSchedule.for_visit(config.optim, step_budget(config.stop, 1))  # and a decay without a visit length
@@ -169,7 +172,7 @@ class Trainer:
                 return False
             for group in optimizer.param_groups:
                 group["lr"] = group["initial_lr"] * schedule.factor(p.visit_step)
-            loss, tokens, wait = self._step(block, train, optimizer, active)
+            loss, tokens, wait = self.train_step(block, train, optimizer, active)
             p.visit_step += 1
             p.global_step += 1
             p.tokens += tokens
@@ -235,13 +238,23 @@ class Trainer:
                       for b in train.one_pass())
             self.progress.experts[key] = self.experts.measure(block, states)
         self._unfreeze(block)
-        params = self.experts.activate(block, self.progress.experts.get(key, {}))
         masters, self.saved_masters = self.saved_masters or None, []
-        self.active = ActiveBlock(params, self.precision != "fp32", masters)
-        if self.world_size > 1:
-            self.reducer = BucketedAllReduce(self.active.masters)
-            self.active.watch(self.reducer.grad_ready)
+        self.active = ActiveBlock(self._trained(block), self.precision != "fp32", masters)
+        self.reducer = self._reducer(self.active)
         return self._optimizer(block, self.active.masters), self.active
+
+    def _trained(self, block: Block) -> list[torch.nn.Parameter]:
+        """The parameters a visit of `block` steps: all of them, or with `--experts` its chosen experts' and the
+        parts that train with them."""
+        return self.experts.activate(block, self.progress.experts.get(str(block.index), {}))
+
+    def _reducer(self, active: ActiveBlock) -> BucketedAllReduce | None:
+        """Data parallelism: the active block's gradient buckets, each launched as backward completes it."""
+        if self.world_size == 1:
+            return None
+        reducer = BucketedAllReduce(active.masters)
+        active.watch(reducer.grad_ready)
+        return reducer
 
     def _unfreeze(self, block: Block) -> None:
         """Freeze every parameter but `block`'s; train mode, except the frozen prefix below it (eval mode)."""
@@ -274,49 +287,87 @@ class Trainer:
         if not self.config.optim.keep_state:
             self.optimizer_states.pop(block.index, None)
 
-    def _step(self, block: Block, train: BatchSource, optimizer, active: ActiveBlock) -> tuple[float, int, dict]:
+    def train_step(self, block: Block, train: BatchSource, optimizer: torch.optim.Optimizer,
+                   active: ActiveBlock) -> tuple[float, int, dict]:
         """One optimizer step over `grad_accum` micro-batches; the loss is the mean over every supervised
         token of the global batch (all micro-batches, all ranks), so accumulation and data parallelism are exact.
-        Under fp16-mixed a step whose gradients are not finite is skipped (the weights stay as they are)."""
-        cfg = self.config.optim
+        The meter tracks and samples the steps it says are due. Under fp16-mixed a step whose gradients are not
+        finite is skipped (the weights stay as they are). Returns (loss, this rank's real tokens, timings)."""
         t0 = time.perf_counter()
-        batches = [_to_device(next(train), self.device) for _ in range(cfg.grad_accum)]
+        batches = self._fetch(train)
         wait = time.perf_counter() - t0
         count = torch.tensor(float(sum(supervised_tokens(b["labels"]) for b in batches)), device=self.device)
-        if self.world_size > 1:
-            dist.all_reduce(count)
-        total, tokens = 0.0, 0
+        self._sum_over_replicas(count)
         scale = self.scaler.scale if self.scaler is not None else 1.0
         if self.reducer is not None:
             self.reducer.start_step()
         metered = self.meter is not None and self.meter.due()
-        tracking = self.meter.track() if metered else nullcontext()
-        with tracking:
-            for index, batch in enumerate(batches):
-                active.last_micro_batch = index == len(batches) - 1
-                state = self._input_state(batch, block, train.boundary)
-                with self.router_loss.capture(block.start):
-                    out = self.staged.run(state, block.start, self.staged.num_layers, self.config.run.recompute)
-                loss = causal_lm_loss(self.staged.logits(out), out.labels, reduction="sum") / count
-                loss = loss + self.router_loss.loss(out.attention_mask) / (cfg.grad_accum * self.world_size)
-                (loss * scale if self.scaler is not None else loss).backward()
-                total += loss.item()
-                tokens += int(batch["attention_mask"].sum())
+        with self.meter.track() if metered else nullcontext():
+            total, tokens = self.forward_backward_step(batches, block, train, active, count, scale)
         if self.reducer is not None:
             self.reducer.finish()
-            total_t = torch.tensor(total, device=self.device)
-            dist.all_reduce(total_t)
-            total = total_t.item()
+        total, tokens = self._combine(total, tokens)
         self.experts.before_step()
         if self._update_allowed(active, scale):
-            if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(active.masters, cfg.grad_clip)
+            if self.config.optim.grad_clip > 0:
+                self._clip(active, self.config.optim.grad_clip)
             optimizer.step()
             active.cast_down()
+            self._after_update()
         if metered:
             self.meter.sample(optimizer)
-        optimizer.zero_grad(set_to_none=True)
+        self._zero_grad(optimizer)
         return total, tokens, {"wait_s": wait, "step_s": time.perf_counter() - t0}
+
+    def forward_backward_step(self, batches: list[dict], block: Block, train: BatchSource, active: ActiveBlock,
+                              count: torch.Tensor, scale: float) -> tuple[float, int]:
+        """Forward and backward of each micro-batch in turn, their gradients accumulating; returns the sum of
+        their losses (each a share of the mean over the `count` supervised tokens of the global batch) and their
+        real tokens."""
+        total, tokens = 0.0, 0
+        for index, batch in enumerate(batches):
+            active.last_micro_batch = index == len(batches) - 1
+            total += self._forward_backward(batch, block, train.boundary, count, scale)
+            tokens += int(batch["attention_mask"].sum())
+        return total, tokens
+
+    def _forward_backward(self, batch: dict, block: Block, boundary: int, count: torch.Tensor, scale: float) -> float:
+        """One micro-batch from the active block's input to the loss, and backward (the loss scaled under
+        fp16-mixed); returns its loss."""
+        state = self._input_state(batch, block, boundary)
+        with self.router_loss.capture(block.start):
+            out = self.staged.run(state, block.start, self.staged.num_layers, self.config.run.recompute)
+        loss = causal_lm_loss(self.staged.logits(out), out.labels, reduction="sum") / count
+        loss = loss + self.router_loss.loss(out.attention_mask) / (self.config.optim.grad_accum * self.world_size)
+        (loss * scale if self.scaler is not None else loss).backward()
+        return loss.item()
+
+    def _fetch(self, train: BatchSource) -> list[dict]:
+        """The step's `grad_accum` micro-batches, on the device."""
+        return [_to_device(next(train), self.device) for _ in range(self.config.optim.grad_accum)]
+
+    def _sum_over_replicas(self, tensor: torch.Tensor) -> None:
+        """Sum `tensor` in place over the data-parallel ranks."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor)
+
+    def _combine(self, total: float, tokens: int) -> tuple[float, int]:
+        """The step's loss over every rank (each holds its micro-batches' shares) and this rank's tokens."""
+        if self.world_size == 1:
+            return total, tokens
+        summed = torch.tensor(total, device=self.device)
+        dist.all_reduce(summed)
+        return summed.item(), tokens
+
+    def _clip(self, active: ActiveBlock, max_norm: float) -> None:
+        """Clip the active block's gradient norm."""
+        torch.nn.utils.clip_grad_norm_(active.masters, max_norm)
+
+    def _after_update(self) -> None:
+        """After the optimizer stepped and the masters were cast down (a pipeline shares its tied weight here)."""
+
+    def _zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
 
     def _update_allowed(self, active: ActiveBlock, scale: float) -> bool:
         """fp16-mixed: unscale the gradients if they are finite, else count a skipped step; always True
@@ -342,7 +393,14 @@ class Trainer:
             return self.staged.run(state, boundary, block.start)
 
     def evaluate(self, source: BatchSource) -> float:
-        return evaluate(self.staged, source, self.device)
+        """Mean next-token loss over every supervised token of the source's eval pass."""
+        with eval_mode(self.staged.model):
+            total, count = self._eval_sums(source)
+        return total / max(count, 1)
+
+    def _eval_sums(self, source: BatchSource) -> tuple[float, int]:
+        """(summed loss, supervised tokens) of the source's eval pass."""
+        return eval_sums(self.staged, source, self.device)
 
     def _save_visit_state(self, train: BatchSource, optimizer, block: Block, stop: StopRule) -> None:
         """Checkpoint mid-visit: the active block's optimizer state travels with the others."""
@@ -368,11 +426,17 @@ def batch_state(staged: StagedModel, batch: dict[str, torch.Tensor], boundary: i
     return state
 
 
-@torch.no_grad()
 def evaluate(staged: StagedModel, source: BatchSource, device: torch.device, max_batches: int | None = None) -> float:
     """Mean next-token loss over every supervised token of the source's eval pass (or its first batches)."""
-    modes = [(module, module.training) for module in staged.model.modules()]
-    staged.model.eval()
+    with eval_mode(staged.model):
+        total, count = eval_sums(staged, source, device, max_batches)
+    return total / max(count, 1)
+
+
+@torch.no_grad()
+def eval_sums(staged: StagedModel, source: BatchSource, device: torch.device,
+              max_batches: int | None = None) -> tuple[float, int]:
+    """(summed next-token loss, supervised tokens) of the source's eval pass (or its first batches)."""
     total, count = 0.0, 0
     for index, batch in enumerate(source.one_pass()):
         if max_batches is not None and index >= max_batches:
@@ -381,9 +445,20 @@ def evaluate(staged: StagedModel, source: BatchSource, device: torch.device, max
         out = staged.run(state, source.boundary, staged.num_layers)
         total += causal_lm_loss(staged.logits(out), out.labels, reduction="sum").item()
         count += supervised_tokens(out.labels)
-    for module, training in modes:  # mid-visit, the frozen prefix stays in eval mode
-        module.training = training
-    return total / max(count, 1)
+    return total, count
+
+
+@contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """The model in eval mode inside; every module's own mode back after (mid-visit, the frozen prefix stays in
+    eval mode)."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
 
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

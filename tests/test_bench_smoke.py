@@ -151,12 +151,12 @@ def test_peers_plain_loop_trains_like_preinfer_bcd_on_the_same_batches(tmp_path,
         return peers.parse_config(peers.bcd_flags(args, tmp_path / name, args.steps, args.ranges, args.seq_len,
                                                   args.batch_size))
 
-    from pipelines.training import run_bcd
+    from pipelines import training
     from preinfer.precision import apply_precision
     from preinfer.presets import build_preset
 
     plain = peers.plain_worker(config("plain"))
-    run_bcd(config("preinfer"), quiet=True)
+    training.run(config("preinfer"), quiet=True)
     mine = peers.preinfer_result(tmp_path / "preinfer")
     initial = build_preset(args.model, seed=0)
     apply_precision(initial, args.precision)

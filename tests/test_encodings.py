@@ -312,12 +312,12 @@ def test_train_from_a_lossy_cache_reads_decoded_states(lossy_cache, tmp_path, ca
 
 
 def test_bcd_builds_and_rolls_forward_lossy_stores(tmp_path, corpus):
-    from pipelines.training import run_bcd
+    from pipelines import training
     from test_from_store import cache_records, config_for
 
-    exact = run_bcd(config_for(tmp_path, corpus, "exact", mode="on"), quiet=True)
+    exact = training.run(config_for(tmp_path, corpus, "exact", mode="on"), quiet=True)
     config = config_for(tmp_path, corpus, "lossy", mode="on", store_dtype="float8_e4m3", keep_stores=True)
-    lossy = run_bcd(config, quiet=True)
+    lossy = training.run(config, quiet=True)
     hows = [r.how for r in cache_records(config.run.out)]
     assert "input" in hows and "roll_forward" in hows
     stores = [open_store(p.parent) for p in (tmp_path / "lossy").rglob("manifest.json")]

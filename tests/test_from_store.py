@@ -15,7 +15,8 @@ from pipelines.cache import open_cache
 from pipelines.cli import main
 from pipelines.data.batches import ReaderBatches
 from pipelines.models.suffix import load_suffix
-from pipelines.training import partition_for, run_bcd, train
+from pipelines import training
+from pipelines.training import partition_for, train
 from preinfer.config import Config
 from preinfer.metrics import CacheRecord, PlanOutcomeRecord, SweepPlanRecord, read_metrics
 from preinfer.run_dir import RunDir
@@ -77,7 +78,7 @@ def test_bcd_on_and_off_end_with_the_same_weights(tmp_path, corpus, preset):
     off_config = config_for(tmp_path, corpus, "off", preset, mode="off")
     on_config = config_for(tmp_path, corpus, "on", preset, mode="on")
     off_config.blocks.sweeps = on_config.blocks.sweeps = 2
-    off, on = run_bcd(off_config, quiet=True), run_bcd(on_config, quiet=True)
+    off, on = training.run(off_config, quiet=True), training.run(on_config, quiet=True)
     assert_close(weights(on_config.run.out), weights(off_config.run.out))
     assert [v["eval_loss"] for v in on["visits"]] == pytest.approx([v["eval_loss"] for v in off["visits"]], rel=1e-5)
     assert all(v["source_boundary"] == 0 for v in off["visits"])
@@ -96,7 +97,7 @@ def test_auto_forced_to_stores_ends_with_the_weights_of_off_and_revises_its_plan
     auto_config = config_for(tmp_path, corpus, "auto", mode="auto")
     for config in (off_config, auto_config):
         config.blocks.blocks, config.data.max_samples, config.stop.steps_per_visit = 4, 16, 8  # two epochs a visit
-    off, auto = run_bcd(off_config, quiet=True), run_bcd(auto_config, quiet=True)
+    off, auto = training.run(off_config, quiet=True), training.run(auto_config, quiet=True)
     assert_close(weights(auto_config.run.out), weights(off_config.run.out))
     assert [v["eval_loss"] for v in auto["visits"]] == pytest.approx([v["eval_loss"] for v in off["visits"]], rel=1e-5)
     records = read_metrics(RunDir(auto_config.run.out).metrics)
@@ -127,10 +128,10 @@ def test_auto_times_the_disk_before_its_first_plan(tmp_path, corpus, monkeypatch
         config.data.max_samples, config.stop.steps_per_visit = 16, 8  # two epochs a visit
     short_config.data.max_samples, short_config.stop.steps_per_visit = 16, 1
     monkeypatch.setattr(pre_inference, "ASSUMED_STORE_OVERHEAD_S", 0.0)
-    run_bcd(gated_config, quiet=True)
+    training.run(gated_config, quiet=True)
     monkeypatch.setattr(pre_inference, "PROBE_COST_S", 0.0)
     for config in (auto_config, on_config, short_config):
-        run_bcd(config, quiet=True)
+        training.run(config, quiet=True)
     records = read_metrics(RunDir(auto_config.run.out).metrics)
     probes = [i for i, r in enumerate(records) if isinstance(r, CacheRecord) and r.how == "probe"]
     plans = [i for i, r in enumerate(records) if isinstance(r, SweepPlanRecord)]
@@ -154,7 +155,7 @@ def test_on_builds_only_the_stores_its_visits_read(tmp_path, corpus):
     config.blocks.blocks = 4
     config.blocks.order = "descending"
     config.blocks.start_block = 1
-    summary = run_bcd(config, quiet=True)
+    summary = training.run(config, quiet=True)
     read = {v["source_boundary"] for v in summary["visits"]} - {0}
     made = {r.boundary for r in cache_records(config.run.out) if r.how in ("input", "roll_forward")}
     assert made == read and len(read) == 3
@@ -166,7 +167,7 @@ def test_the_plan_counts_the_steps_a_visit_takes(tmp_path, corpus):
 
     config = config_for(tmp_path, corpus, "tenth", mode="on")
     config.stop.steps_per_visit, config.stop.epochs_per_visit, config.data.max_samples = None, 0.1, 16
-    summary = run_bcd(config, quiet=True)
+    summary = training.run(config, quiet=True)
     planned = [r.steps for r in read_metrics(RunDir(config.run.out).metrics) if isinstance(r, PreInferenceRecord)]
     assert planned == [v["steps"] for v in summary["visits"] if v["source_boundary"]] == [1, 1]
 
@@ -200,7 +201,7 @@ def test_an_ascending_sweep_runs_the_prefix_from_the_input_once(tmp_path, corpus
     config = config_for(tmp_path, corpus, "asc", mode="on")
     config.blocks.blocks = 4
     config.blocks.sweeps = 2
-    run_bcd(config, quiet=True)
+    training.run(config, quiet=True)
     made = [(r.boundary, r.how) for r in cache_records(config.run.out) if r.how in ("input", "roll_forward")]
     per_sweep = len(made) // 2
     assert per_sweep == 3  # blocks 1, 2, 3 start above the input
@@ -224,7 +225,7 @@ def test_a_stale_store_is_rebuilt_not_used(tmp_path, corpus, monkeypatch):
         return original(self, block)
 
     monkeypatch.setattr(PreInference, "sources", sources)
-    summary = run_bcd(config, quiet=True)
+    summary = training.run(config, quiet=True)
     k1, k2 = (v["source_boundary"] for v in summary["visits"][1::-1])
     events = [(r.boundary, r.how) for r in cache_records(config.run.out) if r.how != "deleted"]
     assert events == [(k1, "input"), (k2, "roll_forward"), (k2, "reuse"), (k1, "input")]

@@ -17,7 +17,7 @@ from test_trainer import make_trainer, random_tokens, snapshot
 
 
 class FixedBatch:
-    """A batch source that yields one batch forever (enough for `Trainer._step` and `evaluate`)."""
+    """A batch source that yields one batch forever (enough for `Trainer.train_step` and `evaluate`)."""
 
     boundary = 0
 
@@ -63,7 +63,7 @@ def test_full_mode_loss_equals_the_frameworks_loss_with_router_logits():
         expected = model(**batch, output_router_logits=True)
         lm_only = model(**batch).loss
     assert expected.aux_loss.item() > 0 and expected.loss.item() != lm_only.item()
-    loss, _, _ = trainer._step(block, FixedBatch(batch), *trainer._activate(block))
+    loss, _, _ = trainer.train_step(block, FixedBatch(batch), *trainer._activate(block))
     assert loss == pytest.approx(expected.loss.item(), rel=1e-6, abs=1e-6)
 
 
@@ -157,7 +157,7 @@ def test_the_optimizer_state_is_the_chosen_slices():
     block = trainer.partition.blocks[0]
     trainer.progress.experts["0"] = {"1": [0, 5], "3": [2]}
     optimizer, active = trainer._activate(block)
-    trainer._step(block, FixedBatch(moe_batch(8)), optimizer, active)
+    trainer.train_step(block, FixedBatch(moe_batch(8)), optimizer, active)
     slices = [p[e] for name, p in fused_tensors(trainer.staged.model).items()
               for e in ([0, 5] if ".1." in name else [2])]
     step_counters = 4 * len(slices)
@@ -171,7 +171,7 @@ def test_a_chosen_expert_that_gets_no_tokens_is_not_moved():
     trainer.progress.experts["0"] = {"1": [0, 1], "3": [0, 1]}
     optimizer, active = trainer._activate(block)
     batch = FixedBatch(moe_batch(8))
-    trainer._step(block, batch, optimizer, active)  # both experts get tokens and momentum
+    trainer.train_step(block, batch, optimizer, active)  # both experts get tokens and momentum
     gate = sparse_blocks(trainer.staged.layers)[1].gate
     experts = sparse_blocks(trainer.staged.layers)[1].experts
 
@@ -184,7 +184,7 @@ def test_a_chosen_expert_that_gets_no_tokens_is_not_moved():
                 if fused is experts.gate_up_proj and expert == 0)
     moments = {k: v.clone() for k, v in optimizer.state[leaf].items()}
     before = experts.gate_up_proj.detach().clone()
-    trainer._step(block, batch, optimizer, active)
+    trainer.train_step(block, batch, optimizer, active)
     handle.remove()
     assert torch.equal(experts.gate_up_proj[0], before[0])
     assert all(torch.equal(optimizer.state[leaf][k], v) for k, v in moments.items())

@@ -15,7 +15,8 @@ from pipelines.cli import main
 from pipelines.data.batches import TOKEN_FIELDS, ReaderBatches, TokenShards
 from pipelines.data.token_store import TokenizeOptions, TokenStoreDataset, tokenize_corpus
 from pipelines.data.token_store.resolve import default_token_root
-from pipelines.training import load_datasets, run_bcd
+from pipelines import training
+from pipelines.training import load_datasets
 from preinfer.config import Config, load_config
 from pipelines.data.samples import TokenDataset, load_data
 from preinfer.errors import UsageError
@@ -49,13 +50,13 @@ def memory_batches(dataset: TokenDataset, config: Config, shuffle: bool) -> Read
 
 def test_training_through_the_token_store_equals_training_from_tensors_in_memory(tmp_path, corpus, monkeypatch):
     stored = small_config(tmp_path, corpus, "stored")
-    run_bcd(stored, quiet=True)
+    training.run(stored, quiet=True)
     tokenizer = load_tokenizer("byte")
     reference = {split: load_data(corpus, tokenizer, SEQ, split, 0.2) for split in ("train", "eval")}
-    monkeypatch.setattr(training, "live_sources", lambda data, config, *_: LiveSources(
+    monkeypatch.setattr(training.runner, "live_sources", lambda data, config, *_: LiveSources(
         memory_batches(reference["train"], config, True), memory_batches(reference["eval"], config, False)))
     memory = small_config(tmp_path, corpus, "memory")
-    run_bcd(memory, quiet=True)
+    training.run(memory, quiet=True)
     a, b = (load_file(str(RunDir(c.run.out).checkpoint_weights)) for c in (stored, memory))
     for name in b:
         relative = (a[name] - b[name]).norm() / b[name].norm().clamp_min(1e-12)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from pipelines import training
 from pipelines.arguments import add_s3_endpoint, use_s3_endpoint
 from pipelines.flags import PRE_INFERENCE_FLAGS, add_training_flags, config_for_command, print_summary
-from pipelines.training import run_bcd
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,11 +19,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     use_s3_endpoint(args)
     config = config_for_command(args)
-    if config.run.pipeline > 1:
-        from pipelines.pipeline_parallel import run_pipeline_bcd  # torch.distributed.pipelining loads only for pipelines
-
-        summary = run_pipeline_bcd(config, resume=args.resume)
-    else:
-        summary = run_bcd(config, resume=args.resume)
-    print_summary(summary, config)
+    print_summary(training.run(config, resume=args.resume), config)
     return 0

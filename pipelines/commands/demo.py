@@ -12,7 +12,7 @@ from preinfer.config import Config
 from preinfer.metrics import CacheRecord, Record, plot_losses, read_metrics
 from preinfer.run_dir import RunDir
 from pipelines.arguments import local_directory
-from pipelines.training import run_bcd
+from pipelines import training
 
 
 def demo_config(out: Path, pre_inference: str) -> Config:
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         if RunDir(config.run.out).holds_run():
             shutil.rmtree(config.run.out)
         print(f"\n== BCD of small-llama with --pre-inference {mode} ==")
-        runs[mode] = (run_bcd(config), read_metrics(RunDir(config.run.out).metrics))
+        runs[mode] = (training.run(config), read_metrics(RunDir(config.run.out).metrics))
     print("\n" + comparison(runs))
     plot_losses({f"pre-inference {m}": records for m, (_, records) in runs.items()}, out / "demo.png",
                 title="small-llama, BCD UFP 1/3: prefix live (off) against pre-inference (auto)")

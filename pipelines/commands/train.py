@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 
 from preinfer.errors import UsageError
+from pipelines import training
 from pipelines.arguments import add_s3_endpoint, use_s3_endpoint
 from pipelines.flags import STORE_FLAGS, add_training_flags, config_for_command, print_summary
-from pipelines.training import run_from_store
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,10 +22,5 @@ def run(args: argparse.Namespace) -> int:
     config = config_for_command(args)
     if config.store.path is None:
         raise UsageError("--store is required: a cache directory written by `preinfer cache`")
-    if config.run.pipeline > 1:
-        from pipelines.pipeline_parallel import run_pipeline_train  # torch.distributed.pipelining loads only for pipelines
-
-        print_summary(run_pipeline_train(config, resume=args.resume), config)
-    else:
-        print_summary(run_from_store(config, resume=args.resume), config)
+    print_summary(training.run(config, resume=args.resume), config)
     return 0

@@ -1,5 +1,7 @@
-"""The BCD trainer on a pipeline: the same sweeps, visits, stopping rules and records as `preinfer.trainer`,
-with each rank holding one stage.
+"""The BCD trainer on a pipeline: the same sweeps, visits, stopping rules, steps, memory sampling, refusals and
+records as `preinfer.trainer`, with each rank holding one stage. It replaces only what a stage does otherwise:
+the forward and backward of a step (over the stages), how the loss, tokens and gradient norm combine across
+stages, the tied weight's sharing, evaluation's sums, checkpoints and resuming.
 
 Per step: every rank of a replica reads the same batch; the visit's pipeline (`pipelines.pipeline_parallel.visit`) runs
 it; a tied weight held by both end stages (GPT-2's `wte` = `lm_head`) behaves as one tensor: when its block
@@ -15,8 +17,6 @@ weights into `checkpoint/model.safetensors`, which the export and `--model RUN_D
 from __future__ import annotations
 
 import os
-import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -31,7 +31,6 @@ from preinfer.metrics import Record, VisitRecord
 from preinfer.partition import Block
 from preinfer.precision import ActiveBlock
 from preinfer.batch_source import BatchSource
-from preinfer.staged import supervised_tokens
 from preinfer.trainer import Trainer
 from pipelines.pipeline_parallel.mesh import PipelineMesh
 from pipelines.pipeline_parallel.visit import VisitPipeline, evaluate_stage
@@ -55,21 +54,26 @@ class PipelineTrainer(Trainer):
         self.tied_hooks: list = []  # while the tied weight's block trains: the hooks joining its two gradients
         self.tied_sends: list[dist.Work] = []  # the last stage's sends of this step's head parts
 
-    def _activate(self, block: Block, train: BatchSource | None = None):
-        """As `Trainer._activate`, for the part of `block` this stage holds (none: an optimizer over nothing)."""
-        self._unfreeze(block)
-        local = [p for p in block.params if not p.is_meta and id(p) not in self.borrowed]
-        masters, self.saved_masters = self.saved_masters or None, []
-        self.active = ActiveBlock(local, self.precision != "fp32", masters)
-        if self.mesh.replicas > 1 and local:
-            self.reducer = BucketedAllReduce(self.active.masters, group=self.mesh.data_group)
-        optimizer = self._optimizer(block, self.active.masters)
-        run = self.config.run
+    def _activate(self, block: Block, train: BatchSource | None = None) -> tuple[torch.optim.Optimizer, ActiveBlock]:
+        """As `Trainer._activate`, for the part of `block` this stage holds (none: an optimizer over nothing);
+        then the visit's pipeline and, when `block` holds the tied weight, the hooks joining its gradients."""
+        optimizer, active = super()._activate(block, train)
         source = train.boundary if train is not None else 0
         self.pipeline = VisitPipeline(self.staged, self.stages, self.mesh, block, self.microbatches, self.schedule,
-                                      run.recompute, self.device, source)
+                                      self.config.run.recompute, self.device, source)
         self.tied_hooks = self._join_tied_grads() if self._owns_tied(block) else []
-        return optimizer, self.active
+        return optimizer, active
+
+    def _trained(self, block: Block) -> list[torch.nn.Parameter]:
+        """The parameters of `block` this stage holds and owns."""
+        return [p for p in block.params if not p.is_meta and id(p) not in self.borrowed]
+
+    def _reducer(self, active: ActiveBlock) -> BucketedAllReduce | None:
+        """Replicas: this stage's part of the active block, summed over its data group after the step's backward
+        (a pipeline step's micro-batches end a gradient only when the whole step has run)."""
+        if self.mesh.replicas == 1 or not active.masters:
+            return None
+        return BucketedAllReduce(active.masters, group=self.mesh.data_group)
 
     def _deactivate(self, block: Block) -> None:
         """As `Trainer._deactivate`; stages that idled below a store take the data cursor of the stage the store
@@ -83,49 +87,47 @@ class PipelineTrainer(Trainer):
             hook.remove()
         self.pipeline, self.tied_hooks = None, []
 
-    def _step(self, block: Block, train: BatchSource, optimizer, active: ActiveBlock) -> tuple[float, int, dict]:
-        """One optimizer step over `grad_accum` batches, each through the pipeline in micro-batches; the loss is
-        the mean over every supervised token of the global batch, as in `Trainer._step`."""
-        cfg = self.config.optim
-        t0 = time.perf_counter()
-        idle = self.pipeline.idle  # wholly below the store this visit reads: no batch, no work
-        batches = [] if idle else [{k: v.to(self.device) for k, v in next(train).items()}
-                                   for _ in range(cfg.grad_accum)]
-        wait = time.perf_counter() - t0
-        count = torch.tensor(float(sum(supervised_tokens(b["labels"]) for b in batches)), device=self.device)
-        if self.mesh.data_group is not None and not idle:
-            dist.all_reduce(count, group=self.mesh.data_group)
-        total, tokens = 0.0, 0
-        tracking = self.meter.track() if self.meter is not None else nullcontext()
-        with tracking:
-            for index, batch in enumerate(batches):
-                active.last_micro_batch = index == len(batches) - 1
-                total += self.pipeline.step(batch, count)
-                tokens += int(batch["attention_mask"].sum())
+    def forward_backward_step(self, batches: list[dict], block: Block, train: BatchSource, active: ActiveBlock,
+                              count: torch.Tensor, scale: float) -> tuple[float, int]:
+        """Each batch through the visit's pipeline in micro-batches (the last stage holds the loss); the tied
+        weight's gradients sent on the way have arrived when it returns."""
+        summed = super().forward_backward_step(batches, block, train, active, count, scale)
         for work in self.tied_sends:
             work.wait()
         self.tied_sends.clear()
-        if self.reducer is not None:
-            self.reducer.start_step()
-            self.reducer.finish()
+        return summed
+
+    def _forward_backward(self, batch: dict, block: Block, boundary: int, count: torch.Tensor, scale: float) -> float:
+        return self.pipeline.step(batch, count)
+
+    def _fetch(self, train: BatchSource) -> list[dict]:
+        """No batches for a stage wholly below the store this visit reads (it does no work)."""
+        return [] if self.pipeline.idle else super()._fetch(train)
+
+    def _sum_over_replicas(self, tensor: torch.Tensor) -> None:
+        if self.mesh.data_group is not None and not self.pipeline.idle:
+            dist.all_reduce(tensor, group=self.mesh.data_group)
+
+    def _combine(self, total: float, tokens: int) -> tuple[float, int]:
+        """The loss over every rank (only the last stage of each replica holds a share) and the replica's tokens,
+        also on the stages that idled below a store."""
         loss = torch.tensor(total, device=self.device, dtype=torch.float64)
-        dist.all_reduce(loss)  # only the last stage of each replica holds a share
-        if self.pipeline.first > 0:  # the replica's tokens, also on the stages that idled
+        dist.all_reduce(loss)
+        if self.pipeline.first > 0:
             counted = torch.tensor(tokens, dtype=torch.int64, device=self.device)
             dist.all_reduce(counted, op=dist.ReduceOp.MAX, group=self.mesh.pipe_group)
             tokens = int(counted)
-        if cfg.grad_clip > 0:
-            self._clip(active, cfg.grad_clip)
-        optimizer.step()
-        active.cast_down()
+        return loss.item(), tokens
+
+    def _after_update(self) -> None:
         if self.tied_hooks:
             self._share_tied_values()
-        if self.meter is not None:
-            self.meter.sample(optimizer)
-        optimizer.zero_grad(set_to_none=True)
+
+    def _zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Also the borrowed tied weight's gradient on the last stage (no optimizer of its own steps it)."""
+        super()._zero_grad(optimizer)
         for param in self.tied:
             param.grad = None
-        return loss.item(), tokens, {"wait_s": wait, "step_s": time.perf_counter() - t0}
 
     def _owns_tied(self, block: Block) -> bool:
         """`block` holds the tied weight (every rank of the two end stages agrees)."""
@@ -168,17 +170,13 @@ class PipelineTrainer(Trainer):
         for grad in grads:
             grad.mul_(coefficient.to(grad.dtype))
 
-    def evaluate(self, source: BatchSource) -> float:
-        """Mean next-token loss over the eval pass, forward through every stage; every rank gets it."""
-        modes = [(module, module.training) for module in self.staged.model.modules()]
-        self.staged.model.eval()
+    def _eval_sums(self, source: BatchSource) -> tuple[float, int]:
+        """The eval pass forward through every stage, its sums combined so that every rank gets them."""
         total, count = evaluate_stage(self.staged, self.stages, self.mesh, source.one_pass(), self.device,
                                       source.boundary)
-        for module, training in modes:
-            module.training = training
         both = torch.tensor([total, float(count)], dtype=torch.float64, device=self.device)
         dist.all_reduce(both, group=self.mesh.pipe_group)
-        return (both[0] / both[1].clamp_min(1)).item()
+        return both[0].item(), int(both[1].item())
 
     def emit(self, record: Record) -> None:
         """Records go out from rank 0; a visit record carries every rank's memory peaks (gathered here)."""

@@ -1,0 +1,136 @@
+"""A run on a pipeline of N stages x D data-parallel replicas under torchrun, as the one run path
+(`pipelines.training.runner.run`) asks of a layout: the flags a pipeline cannot take and the stages (cut from the
+model's shape alone) are checked before anything is loaded or written, then the world size; each rank loads only
+its stage's weights and trains it with `PipelineTrainer`, and the export is gathered from the stages'
+checkpoint."""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+from torch import nn
+
+import preinfer
+from preinfer.batch_source import LiveSources, VisitSources
+from preinfer.budget import PRECISION_DTYPES
+from preinfer.config import Config
+from preinfer.errors import UsageError
+from preinfer.memory_model import Block, Settings, shape_from_config
+from preinfer.precision import resolve_precision, weights_dtype
+from preinfer.run_dir import RunDir
+from preinfer.stage_cut import describe_stages, plan_stages, stage_cost
+from pipelines.models.suffix import Suffix, export_from_weights, load_modules, meta_model, prefix_digest, to_device
+from pipelines.pipeline_parallel.mesh import PipelineMesh, check_degree, make_mesh
+from pipelines.pipeline_parallel.stores import PipelineStores
+from pipelines.pipeline_parallel.trainer import PipelineTrainer
+from pipelines.training.partition_choice import partition_for
+from pipelines.training.token_data import Datasets
+
+
+class PipelineLayout:
+    """One stage of the pipeline per rank; stages cut layers [first, L) (above a store's boundary `first`)."""
+
+    def __init__(self, config: Config, first: int):
+        self.config = config
+        self.microbatches = check_flags(config)
+        self.stages, self.peaks = stage_layout(config, self.microbatches, first)
+        self.first = first
+        self.mesh: PipelineMesh | None = None
+        self.stores: PipelineStores | None = None
+
+    def join(self, rank: int, world: int) -> None:
+        """Refuse a world size the stages do not divide."""
+        check_degree(self.config.run.pipeline, world)
+
+    @property
+    def replica(self) -> int:
+        return self.mesh.replica
+
+    @property
+    def replicas(self) -> int:
+        return self.mesh.replicas
+
+    def load(self, first: int) -> nn.Module:
+        """Join the mesh and load this rank's stage (every other weight stays on the meta device)."""
+        r = self.config.run
+        self.mesh = make_mesh(r.pipeline, r.device)
+        stage = self.stages[self.mesh.stage]
+        model = load_modules(self.config.model.name, lambda s: s.stage_modules(stage.start, stage.stop, stage.embed,
+                                                                               stage.head),
+                             f"stage {self.mesh.stage}", seed=r.seed)
+        return to_device(model, r.device)
+
+    def notes(self) -> list[str]:
+        """The stages with their predicted peaks, and what pre-inference auto does on a pipeline."""
+        r = self.config.run
+        notes = [describe_stages(self.stages, self.peaks, self.mesh.replicas, self.microbatches, r.schedule)]
+        if self.first == 0 and self.config.pre_inference.mode == "auto":
+            notes.append("pre-inference auto: a pipeline run trains live (its sweep planner is not built for "
+                         "pipelines; --pre-inference on reads a store for every visit above the input)")
+        return notes
+
+    def prefix(self, boundary: int) -> Suffix:
+        """The digest of the model's weights below `boundary`, streamed from its files (no stage holds them)."""
+        return prefix_digest(self.config.model.name, boundary, self.config.run.seed)
+
+    def pre_inference(self, staged: preinfer.StagedModel, data: Datasets, live: LiveSources,
+                      shard: int, quiet: bool) -> VisitSources:
+        """Live sources, or with `--pre-inference on` stores the stages make for every visit above the input."""
+        if self.config.pre_inference.mode != "on":
+            return live
+        self.stores = PipelineStores(staged, self.stages, self.mesh, {"train": data.train, "eval": data.eval},
+                                     data.tokenizer, self.config, live, shard, quiet)
+        return self.stores
+
+    @property
+    def make_trainer(self) -> partial:
+        return partial(PipelineTrainer, mesh=self.mesh, stages=self.stages, microbatches=self.microbatches,
+                       schedule=self.config.run.schedule)
+
+    def export(self, directory: Path) -> bool:
+        """The model with the stages' gathered weights (`export_from_weights`)."""
+        return export_from_weights(self.config.model.name, RunDir(self.config.run.out).checkpoint_weights,
+                                   directory)
+
+    def close(self) -> None:
+        """Delete the stores the stages made (unless --keep-stores)."""
+        if self.stores is not None:
+            self.stores.close()
+
+
+def check_flags(config: Config) -> int:
+    """The micro-batch count; a UsageError for a flag a pipeline run cannot take."""
+    r, batch = config.run, config.data.batch_size
+    microbatches = r.microbatches or r.pipeline
+    if batch % microbatches:
+        raise UsageError(f"--microbatches {microbatches} does not divide --batch-size {batch}")
+    if r.schedule == "1f1b" and microbatches < r.pipeline:
+        raise UsageError(f"--schedule 1f1b needs at least as many --microbatches as --pipeline stages "
+                         f"({microbatches} < {r.pipeline}); give more or --schedule gpipe")
+    if config.pre_inference.mode == "on" and config.pre_inference.dask:
+        raise UsageError("--dask builds stores in other processes; on a pipeline the stages build them: drop --dask")
+    if r.precision == "fp16-mixed":
+        raise UsageError("--precision fp16-mixed (loss scaling) does not run on a pipeline; give bf16-mixed or fp32")
+    return microbatches
+
+
+def stage_layout(config: Config, microbatches: int, first: int = 0) -> tuple[list[Block], list[int]]:
+    """The stages of the run over layers `[first, L)` and each one's predicted peak (from the model's shape
+    alone: no weights are read)."""
+    model = meta_model(config.model.name)
+    staged = preinfer.stage(model)
+    if staged.expert_shares():
+        raise UsageError(f"--pipeline: {config.model.name} is a mixture-of-experts model; its router loss spans "
+                         f"stages, which is not built yet")
+    precision = resolve_precision(config.run.precision, weights_dtype(model))
+    partition, _ = partition_for(staged, config, first_layer=first, precision=precision)
+    blocks = [Block(b.start, b.stop, b.has_embed, b.has_head) for b in partition.blocks]
+    shape = shape_from_config(model.config)
+    r = config.run
+    settings = Settings(seq_len=config.data.seq_len, micro_batch=config.data.batch_size // microbatches,
+                        dtype=PRECISION_DTYPES[precision], recompute=r.recompute)
+    stages = plan_stages(shape, settings, r.pipeline, blocks, microbatches, r.schedule, first)
+    peaks = [stage_cost(shape, settings, stage, j, r.pipeline, blocks, microbatches, r.schedule)
+             for j, stage in enumerate(stages)]
+    return stages, peaks

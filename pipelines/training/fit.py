@@ -1,0 +1,56 @@
+"""Training a staged model as configured: the trainer built with its meter and progress display, the run
+directory created, a checkpoint resumed if asked, and the fit stopped cleanly by a signal."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+import preinfer
+from preinfer.batch_source import VisitSources
+from preinfer.config import Config
+from preinfer.meter import MemoryMeter
+from preinfer.partition import Partition
+from preinfer.run_dir import RunDir
+from preinfer.trainer import Trainer
+from pipelines.training.progress import ProgressUI
+from pipelines.training.run_directory import prepare_run_dir
+from pipelines.training.signals import RunStopped, StopOnSignals
+
+
+def train(config: Config, staged: preinfer.StagedModel, partition: Partition, active: int | None,
+          chosen: VisitSources, resume: bool, quiet: bool, notes: list[str] = (), command: str = "bcd",
+          make: Callable[..., Trainer] = Trainer) -> Trainer:
+    """Build the trainer with `make` (with its memory meter and progress display, shown by rank 0 only; it
+    checks the block order), create the run directory (rank 0), resume if asked, and run it; a signal stops it
+    with `RunStopped` after a checkpoint."""
+    torch.manual_seed(config.run.seed)
+    ui = ProgressUI(config, quiet or (dist.is_initialized() and dist.get_rank() != 0))
+    run = RunDir(config.run.out)
+    trainer = make(staged, partition, config, chosen, run, MemoryMeter(staged.model), on_record=ui.record,
+                   active_block=active)
+    if trainer.rank == 0:
+        prepare_run_dir(run, config, resume)
+    if partition.budget is not None:
+        trainer.emit(partition.budget)
+    for note in [*notes, partition.report()]:
+        ui.note(note)
+    if resume:
+        trainer.resume()
+    started = time.perf_counter()
+    with StopOnSignals(trainer) as signals:
+        trainer.fit()
+    trainer.wall_s = time.perf_counter() - started
+    ui.close()
+    if trainer.stopped:
+        signum = signals.received or signal.SIGTERM  # a rank stopped because another rank got the signal
+        print(f"preinfer {command}: stopped by {signal.Signals(signum).name} after step "
+              f"{trainer.progress.global_step}; checkpoint written; resume with "
+              f"`preinfer {command} --out {config.run.out} --resume`", file=sys.stderr)
+        raise RunStopped(128 + signum)
+    return trainer

@@ -1,0 +1,69 @@
+"""Where a run's model lives, as the one run path (`pipelines.training.runner.run`) asks: `OneProcess` holds the
+whole model (or the suffix above a store) in each process, one or data-parallel replicas under torchrun;
+`pipelines.pipeline_parallel.layout.PipelineLayout` holds one stage of a pipeline per rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+import preinfer
+from preinfer.batch_source import LiveSources, VisitSources
+from preinfer.config import Config
+from preinfer.trainer import Trainer
+from pipelines.models import resolve_model
+from pipelines.models.suffix import Suffix, export_full, load_suffix, to_device
+from pipelines.training.pre_inference import PreInference
+from pipelines.training.token_data import Datasets
+
+
+class OneProcess:
+    """The model whole in every process; under torchrun each rank is a data-parallel replica."""
+
+    make_trainer = Trainer
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.replica, self.replicas = 0, 1
+        self.model: nn.Module | None = None
+        self.suffix: Suffix | None = None  # above a store's boundary
+
+    def join(self, rank: int, world: int) -> None:
+        """Take this rank's place among `world` replicas."""
+        self.replica, self.replicas = rank, world
+
+    def load(self, first: int) -> nn.Module:
+        """The model on the run's device: whole, or above boundary `first` (the prefix on the meta device)."""
+        run = self.config.run
+        if first == 0:
+            self.model = resolve_model(self.config.model.name, seed=run.seed).to(run.device)
+            return self.model
+        self.suffix = load_suffix(self.config.model.name, first, seed=run.seed)
+        return to_device(self.suffix.model, run.device)
+
+    def notes(self) -> list[str]:
+        return []
+
+    def prefix(self, boundary: int) -> Suffix:
+        """The loaded suffix, with the digest of the weights below `boundary` (`load` was given it)."""
+        return self.suffix
+
+    def pre_inference(self, staged: preinfer.StagedModel, data: Datasets, live: LiveSources,
+                      shard: int, quiet: bool) -> VisitSources:
+        """The sources of each visit: live, or with pre-inference (`on`, `auto`) stores where they pay."""
+        if self.config.pre_inference.mode == "off":
+            return live
+        return PreInference(staged, {"train": data.train, "eval": data.eval}, data.tokenizer, self.config, live,
+                            shard, self.replica, self.replicas)
+
+    def export(self, directory: Path) -> bool:
+        """Write the trained model as a save_pretrained directory; False when a suffix's prefix is not at hand
+        (`export_full`)."""
+        if self.suffix is not None:
+            return export_full(self.suffix, directory)
+        self.model.save_pretrained(directory)
+        return True
+
+    def close(self) -> None:
+        """Nothing is left to clean up (pre-inference deletes its stores as it goes)."""

@@ -1,0 +1,79 @@
+"""Which blocks a run trains: the partition the config asks for, or the fewest blocks that fit a memory budget."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import preinfer
+from preinfer.budget import budget_settings, plan_budget
+from preinfer.config import BlockConfig, Config
+from preinfer.errors import UsageError
+from preinfer.memory_model import GPUS, Settings, shape_from_config
+from preinfer.partition import Partition, make_partition, parse_ranges, parse_ufp
+from pipelines.arguments import parse_size
+
+
+def partition_for(staged: preinfer.StagedModel, config: Config, first_layer: int = 0,
+                  precision: str = "fp32") -> tuple[Partition, int | None]:
+    """The blocks of the run and the one to train alone (`blocks.active`) or None. Full mode is one block;
+    otherwise ranges, then a block count, then UFP, whichever is set first; UFP auto plans the fewest blocks
+    that fit the memory budget in `precision` (see `budget_partition`)."""
+    b = config.blocks
+    if config.run.mode not in ("bcd", "full"):
+        raise UsageError(f"--mode '{config.run.mode}' is not one of bcd, full")
+    if b.ufp != "auto" and (b.memory_budget is not None or b.gpu is not None):
+        raise UsageError("--memory-budget and --gpu choose the blocks with --ufp auto; give --ufp auto or drop them")
+    if b.active is not None:
+        ranges, active = _active_ranges(b.active, first_layer, staged.num_layers)
+        return make_partition(staged, ranges=ranges, first_layer=first_layer), active
+    if config.run.mode == "full":
+        return make_partition(staged, num_blocks=1, first_layer=first_layer), None
+    common = dict(separate_ends=b.separate_ends, first_layer=first_layer)
+    if b.ranges is not None:
+        return make_partition(staged, ranges=b.ranges, **common), None
+    if b.blocks is not None:
+        return make_partition(staged, num_blocks=b.blocks, **common), None
+    if b.ufp == "auto":
+        return budget_partition(staged, config, first_layer, precision), None
+    return make_partition(staged, ufp=parse_ufp(b.ufp), **common), None
+
+
+def budget_partition(staged: preinfer.StagedModel, config: Config, first_layer: int, precision: str) -> Partition:
+    """The fewest blocks whose every live visit fits the memory budget by the planner of `preinfer plan` (same
+    precision, recomputation, sequence length and micro-batch), the plan attached; exit 2 naming what would fit
+    when even one layer per block does not."""
+    if first_layer:
+        raise UsageError("--ufp auto plans whole-model runs (preinfer bcd); give --ufp or --blocks to train from "
+                         "a store")
+    if config.blocks.separate_ends:
+        raise UsageError("--ufp auto plans blocks whose first holds the embedding and last the head; drop "
+                         "--separate-ends or give --blocks")
+    shape = shape_from_config(staged.model.config)
+    settings = budget_settings(memory_budget(config.blocks), precision, config.data.seq_len,
+                               config.data.batch_size, config.run.recompute)
+    plan = plan_budget(shape, settings, precision)
+    return replace(make_partition(staged, num_blocks=plan.blocks), budget=plan)
+
+
+def memory_budget(blocks: BlockConfig) -> int:
+    """Bytes of [blocks] memory_budget, or the planner's usable memory of [blocks] gpu."""
+    if (blocks.memory_budget is None) == (blocks.gpu is None):
+        raise UsageError("--ufp auto needs exactly one of --memory-budget SIZE and --gpu NAME")
+    if blocks.gpu is not None:
+        if blocks.gpu not in GPUS:
+            raise UsageError(f"[blocks] gpu = {blocks.gpu!r} is not one of {', '.join(GPUS)}")
+        return Settings(gpu=blocks.gpu).capacity()
+    try:
+        return parse_size(str(blocks.memory_budget))
+    except UsageError as error:
+        raise UsageError(f"[blocks] memory_budget: {error}") from None
+
+
+def _active_ranges(active: str, first: int, num_layers: int) -> tuple[str, int]:
+    """`--active a-b` as a partition of layers [first, L) whose block number `index` is exactly a..b."""
+    found = parse_ranges(active, num_layers, first=first, cover=False)
+    if len(found) != 1:
+        raise UsageError(f"--active '{active}' must be one layer range such as 4-5")
+    lo, hi = found[0]
+    pieces = [(a, b) for a, b in ((first, lo), (lo, hi), (hi, num_layers)) if b > a]
+    return ",".join(f"{a}-{b - 1}" for a, b in pieces), pieces.index((lo, hi))

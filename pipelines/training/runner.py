@@ -1,0 +1,97 @@
+"""The one run path of `preinfer bcd` and `preinfer train`: `run(config)` resolves the config into model, data,
+partition and sources, trains, then writes the run directory (its layout is `preinfer.run_dir.RunDir`). Where
+the model lives is the layout's business: one process or data-parallel replicas (`layout.OneProcess`), or a
+pipeline of `run.pipeline` stages (`pipelines.pipeline_parallel.layout.PipelineLayout`); the prefix runs live,
+or a cache's stores (`store.path`) stand in for it (`store_input.StoreInput`). Everything a bad input can trip on
+is resolved before the run directory is created, so a refused run leaves nothing behind.
+
+SIGINT and SIGTERM during training finish the current step, write a checkpoint and end the process with exit code
+128 + the signal number (130, 143) and one line saying how to resume; `--resume` then ends with the same weights
+as an uninterrupted run. A second signal acts as usual."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+import preinfer
+from preinfer.batch_source import VisitSources
+from preinfer.config import Config
+from preinfer.precision import apply_precision, describe, weights_dtype
+from preinfer.run_dir import RunDir
+from pipelines.data.tokenizers import Tokenizer, load_tokenizer
+from pipelines.training.distributed import init_distributed
+from pipelines.training.fit import train
+from pipelines.training.layout import OneProcess
+from pipelines.training.partition_choice import partition_for
+from pipelines.training.run_directory import check_run_dir, finish_run
+from pipelines.training.store_input import StoreInput
+from pipelines.training.token_data import live_sources, load_datasets, samples_per_shard
+
+if TYPE_CHECKING:  # torch.distributed.pipelining loads only for pipelines
+    from pipelines.pipeline_parallel.layout import PipelineLayout
+
+
+def run(config: Config, resume: bool = False, quiet: bool = False) -> dict:
+    """Train as configured and write the run directory; returns the summary."""
+    store = StoreInput(config) if config.store.path is not None else None
+    first = store.boundary if store is not None else 0
+    layout = layout_for(config, first)
+    rank, world = init_distributed(config.run.device)
+    layout.join(rank, world)
+    run_dir = RunDir(config.run.out)
+    if rank == 0:
+        check_run_dir(run_dir, resume)
+    model = layout.load(first)
+    precision, line = set_precision(model, config)
+    notes = [line, *layout.notes()]
+    if store is not None:
+        notes.append(store.check_prefix(layout.prefix(first), config))
+    staged = preinfer.stage(model)
+    partition, active = partition_for(staged, config, first_layer=first, precision=precision)
+    chosen, tokenizer = sources(config, layout, staged, store, quiet)
+    trainer = train(config, staged, partition, active, chosen, resume, quiet, notes,
+                    command="bcd" if store is None else "train", make=layout.make_trainer)
+    layout.close()
+
+    def export(directory: Path) -> None:
+        if not layout.export(directory):
+            return
+        if store is None:
+            tokenizer.save(directory)
+        else:
+            store.save_tokenizer(tokenizer, directory)
+
+    return finish_run(trainer, run_dir, export)
+
+
+def sources(config: Config, layout: OneProcess | PipelineLayout, staged: preinfer.StagedModel,
+            store: StoreInput | None, quiet: bool) -> tuple[VisitSources, Tokenizer]:
+    """What each visit reads, and the tokenizer the export is saved with: a cache's stores, or the token store's
+    splits (with pre-inference, as the layout runs it)."""
+    if store is not None:
+        return store.sources(config, layout.replica, layout.replicas), load_tokenizer(config.model.tokenizer)
+    data = load_datasets(config, quiet)
+    shard = samples_per_shard(config, staged)
+    live = live_sources(data, config, shard, layout.replica, layout.replicas)
+    return layout.pre_inference(staged, data, live, shard, quiet), data.tokenizer
+
+
+def layout_for(config: Config, first: int) -> OneProcess | PipelineLayout:
+    """The run's layout: a pipeline when `run.pipeline` > 1 (its flags and stages checked here, before anything
+    is loaded), else one process."""
+    if config.run.pipeline > 1:
+        from pipelines.pipeline_parallel.layout import PipelineLayout  # torch.distributed.pipelining loads only here
+
+        return PipelineLayout(config, first)
+    return OneProcess(config)
+
+
+def set_precision(model: nn.Module, config: Config) -> tuple[str, str]:
+    """Cast the model's weights to the run's precision (`run.precision`, auto: the weights' own); returns the
+    precision and the line the run starts with."""
+    loaded = weights_dtype(model)
+    precision = apply_precision(model, config.run.precision)
+    return precision, describe(precision, loaded)

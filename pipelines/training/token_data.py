@@ -1,0 +1,58 @@
+"""The token data of a live run: its train and eval splits from the token store, and the batches read from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+import preinfer
+from preinfer.config import Config
+from preinfer.batch_source import LiveSources
+from pipelines.cache import default_samples_per_shard
+from pipelines.data import batches
+from pipelines.data.token_store import TokenStoreDataset
+from pipelines.data.token_store.resolve import eval_samples, token_splits
+from pipelines.data.tokenizers import Tokenizer, load_tokenizer
+
+
+@dataclass
+class Datasets:
+    train: TokenStoreDataset
+    eval: TokenStoreDataset  # capped by --eval-tokens
+    tokenizer: Tokenizer
+
+
+def load_datasets(config: Config, quiet: bool = False) -> Datasets:
+    """The run's splits, read lazily from the token store of --data (built first if need be: by rank 0 alone
+    while the other ranks wait). --max-samples takes each split's first samples, --eval-tokens caps eval."""
+    tokenizer = load_tokenizer(config.model.tokenizer)
+    d = config.data
+
+    first = not dist.is_initialized() or dist.get_rank() == 0
+    if not first:
+        dist.barrier()
+    found = token_splits(d.path, tokenizer, d.seq_len, d.eval_fraction, ["train", "eval"], d.token_store,
+                         progress=not quiet)
+    if first and dist.is_initialized():
+        dist.barrier()
+    train, evaluation = found["train"], found["eval"]
+    if d.max_samples:
+        train, evaluation = train.head(d.max_samples), evaluation.head(d.max_samples)
+    capped = eval_samples(d.eval_tokens, d.seq_len)
+    if capped is not None and capped < len(evaluation):
+        evaluation = evaluation.head(capped)
+    return Datasets(train, evaluation, tokenizer)
+
+
+def samples_per_shard(config: Config, staged: preinfer.StagedModel) -> int:
+    """The configured shard size, or the caching job's default for boundary states in the compute dtype (the
+    same as `preinfer cache` picks, so live and stored runs read in the same order)."""
+    if config.data.samples_per_shard:
+        return config.data.samples_per_shard
+    return default_samples_per_shard(config.data.seq_len, staged.hidden_size, staged.compute_dtype)
+
+
+def live_sources(data: Datasets, config: Config, shard: int, rank: int = 0, world: int = 1) -> LiveSources:
+    """The run's token batches (see `pipelines.data.batches.live_sources`)."""
+    return batches.live_sources(data.train, data.eval, config.data.batch_size, shard, config.run.seed, rank, world)
