@@ -1,14 +1,14 @@
 """A 2-stage pipeline on CPU (gloo): step time and bubble fraction against the schedule's theory, and bytes sent
 between stages per step against the planner's estimate.
 
-Two processes under torchrun each hold one stage of the model (stages cut by `preinfer.stage_cut`), every layer
+Two processes under torchrun each hold one stage of the model (stages cut by `preinfer.memory.stage_cut`), every layer
 trains (one block: the whole model, so both stages run forward and backward), and each step runs a batch of B
 samples in M micro-batches through `pipelines.pipeline_parallel.visit.VisitPipeline`, for M in {2, 4, 8} and both
 schedules. Per stage and step it measures the time spent inside `PipelineStage.forward_one_chunk` and
 `backward_one_chunk` (busy) and the step's wall time; the measured bubble is 1 - busy / step (mean over the
 stages; `bubble_slowest`: of the busiest stage alone, which sets the pace), the theory's (N-1)/(M+N-1) for equal
 stages and free communication. Bytes sent are summed over the
-`PipelineStage` send operations of both stages; the planner's estimate is `preinfer.memory_model.traffic`'s
+`PipelineStage` send operations of both stages; the planner's estimate is `preinfer.memory.traffic.traffic`'s
 bytes per step (forward activations and backward gradients at each of the N-1 cuts).
 
     python bench/pipeline.py             # small-llama, seq 128, batch 8, 6 timed steps per row
@@ -57,9 +57,11 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.pipelining import PipelineStage
 
     import preinfer
-    from preinfer.memory_model import Block, Settings, shape_from_config
+    from preinfer.memory.layer_spans import LayerSpan
+    from preinfer.memory.settings import Settings
+    from preinfer.memory.shapes import shape_from_config
     from preinfer.partition import make_partition
-    from preinfer.stage_cut import plan_stages
+    from preinfer.memory.stage_cut import cut_stages
     from pipelines.pipeline_parallel.mesh import make_mesh
     from pipelines.pipeline_parallel.visit import VisitPipeline
     from pipelines.models.suffix import load_modules, meta_model
@@ -68,9 +70,9 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     mesh = make_mesh(STAGES, "cpu")
     shape = shape_from_config(meta_model(args.model).config)
-    whole = [Block(0, shape.layers, True, True)]
+    whole = [LayerSpan(0, shape.layers, True, True)]
     settings = Settings(seq_len=args.seq_len, micro_batch=args.batch_size // STAGES)
-    stages = plan_stages(shape, settings, STAGES, whole, STAGES)
+    stages = cut_stages(shape, settings, STAGES, whole, STAGES)
     stage = stages[mesh.stage]
     model = load_modules(args.model, lambda s: s.stage_modules(stage.start, stage.stop, stage.embed, stage.head),
                          f"stage {mesh.stage}")
@@ -139,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         worker(args)
         return 0
     from bench.common import machine, table, write_json
-    from preinfer.memory_model import Settings, resolve_shape, traffic
+    from preinfer.memory.settings import Settings
+    from preinfer.memory.shapes import resolve_shape
+    from preinfer.memory.traffic import traffic
 
     with tempfile.TemporaryDirectory() as tmp:
         found = Path(tmp) / "rows.json"

@@ -10,7 +10,7 @@ from typing import Any
 
 from preinfer.config import Config, load_config
 from preinfer.errors import UsageError
-from preinfer.memory_model import GPUS, USABLE_FRACTION
+from preinfer.memory.settings import GPUS, USABLE_FRACTION
 from preinfer.run_dir import RunDir
 from preinfer.optim import DEFAULT_LR, DEFAULT_WEIGHT_DECAY, LR_DECAYS
 from pipelines.arguments import (

@@ -8,15 +8,17 @@ from functools import partial
 from pathlib import Path
 
 import preinfer
-from preinfer.budget import PRECISION_DTYPES
+from preinfer.memory.budget import PRECISION_DTYPES
 from preinfer.config import Config
 from preinfer.errors import UsageError
-from preinfer.memory_model import Block, Settings, shape_from_config
+from preinfer.memory.layer_spans import LayerSpan
+from preinfer.memory.settings import Settings
+from preinfer.memory.shapes import shape_from_config
 from preinfer.precision import resolve_precision, weights_dtype
 from preinfer.run_dir import RunDir
 from preinfer.batch_source import LiveSources
 from pipelines.data.tokenizers import load_tokenizer
-from preinfer.stage_cut import describe_stages, plan_stages, stage_cost
+from preinfer.memory.stage_cut import describe_stages, cut_stages, stage_cost
 from pipelines.cache import open_cache
 from pipelines.pipeline_parallel.mesh import PipelineMesh, check_degree, make_mesh
 from pipelines.pipeline_parallel.stores import PipelineStores
@@ -48,7 +50,7 @@ def check_flags(config: Config) -> int:
     return microbatches
 
 
-def plan(config: Config, microbatches: int, first: int = 0) -> tuple[list[Block], list[int], str]:
+def plan(config: Config, microbatches: int, first: int = 0) -> tuple[list[LayerSpan], list[int], str]:
     """The stages of the run over layers `[first, L)` (above a store's boundary), each one's predicted peak, and
     the resolved precision (from the model's shape alone: no weights are read)."""
     model = meta_model(config.model.name)
@@ -58,12 +60,12 @@ def plan(config: Config, microbatches: int, first: int = 0) -> tuple[list[Block]
                          f"stages, which is not built yet")
     precision = resolve_precision(config.run.precision, weights_dtype(model))
     partition, _ = partition_for(staged, config, first_layer=first, precision=precision)
-    blocks = [Block(b.start, b.stop, b.has_embed, b.has_head) for b in partition.blocks]
+    blocks = [LayerSpan(b.start, b.stop, b.has_embed, b.has_head) for b in partition.blocks]
     shape = shape_from_config(model.config)
     r = config.run
     settings = Settings(seq_len=config.data.seq_len, micro_batch=config.data.batch_size // microbatches,
                         dtype=PRECISION_DTYPES[precision], recompute=r.recompute)
-    stages = plan_stages(shape, settings, r.pipeline, blocks, microbatches, r.schedule, first)
+    stages = cut_stages(shape, settings, r.pipeline, blocks, microbatches, r.schedule, first)
     peaks = [stage_cost(shape, settings, stage, j, r.pipeline, blocks, microbatches, r.schedule)
              for j, stage in enumerate(stages)]
     return stages, peaks, precision
@@ -125,7 +127,7 @@ def run_pipeline_train(config: Config, resume: bool = False, quiet: bool = False
     return finish_run(trainer, run, export)
 
 
-def start(config: Config, stages: list[Block], peaks: list[int], microbatches: int,
+def start(config: Config, stages: list[LayerSpan], peaks: list[int], microbatches: int,
           resume: bool) -> tuple[PipelineMesh, preinfer.StagedModel, list[str]]:
     """Join the process group and the mesh (the world size checked first, the run directory next), load this
     rank's stage and set its precision; returns the mesh, the staged model and the run's first lines."""
@@ -144,7 +146,7 @@ def start(config: Config, stages: list[Block], peaks: list[int], microbatches: i
                                                                         r.schedule)]
 
 
-def trainer_for(config: Config, mesh: PipelineMesh, stages: list[Block], microbatches: int):
+def trainer_for(config: Config, mesh: PipelineMesh, stages: list[LayerSpan], microbatches: int):
     """What `train` builds its trainer with."""
     return partial(PipelineTrainer, mesh=mesh, stages=stages, microbatches=microbatches,
                    schedule=config.run.schedule)

@@ -26,11 +26,12 @@ from tqdm import tqdm
 import storage
 
 import preinfer
-from preinfer.budget import budget_line, budget_settings, plan_budget, visit_against_budget
+from preinfer.memory.budget import budget_line, budget_settings, blocks_for_budget, visit_against_budget
 from preinfer.config import BlockConfig, Config, dump_toml
 from preinfer.errors import UsageError
-from preinfer.memory_model import GPUS, Settings, shape_from_config
-from preinfer.meter import MemoryMeter
+from preinfer.memory.settings import GPUS, Settings
+from preinfer.memory.shapes import shape_from_config
+from preinfer.memory.meter import MemoryMeter
 from preinfer.metrics import (
     BudgetPlanRecord, CacheRecord, PlanOutcomeRecord, PreInferenceRecord, Record, SweepPlanRecord, VisitRecord,
     plot_losses, read_metrics,
@@ -119,7 +120,7 @@ def budget_partition(staged: preinfer.StagedModel, config: Config, first_layer: 
     shape = shape_from_config(staged.model.config)
     settings = budget_settings(memory_budget(config.blocks), precision, config.data.seq_len,
                                config.data.batch_size, config.run.recompute)
-    plan = plan_budget(shape, settings, precision)
+    plan = blocks_for_budget(shape, settings, precision)
     return replace(make_partition(staged, num_blocks=plan.blocks), budget=plan)
 
 
