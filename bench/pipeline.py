@@ -1,4 +1,4 @@
-"""A 2-stage pipeline on CPU (gloo): step time and bubble fraction against the schedule's theory, and bytes sent
+"""A 2-stage pipeline on CPU (gloo): step time and bubble fraction against the pipeline schedule's theory, and bytes sent
 between stages per step against the planner's estimate.
 
 Two processes under torchrun each hold one stage of the model (stages cut by `preinfer.memory.stage_cut`), every layer
@@ -110,9 +110,9 @@ def worker(args: argparse.Namespace) -> None:
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     count = torch.tensor(float(args.batch_size * (args.seq_len - 1)))
     rows = []
-    for schedule in ("gpipe", "1f1b"):
+    for pipeline_schedule in ("gpipe", "1f1b"):
         for parts in [int(m) for m in args.microbatches.split(",")]:
-            pipe = VisitPipeline(staged, stages, mesh, block, parts, schedule, False, torch.device("cpu"))
+            pipe = VisitPipeline(staged, stages, mesh, block, parts, pipeline_schedule, False, torch.device("cpu"))
             steps = []
             for index in range(args.steps + 1):
                 counters.update(busy=0.0, bytes=0)
@@ -128,7 +128,7 @@ def worker(args: argparse.Namespace) -> None:
                                  steps[-1][2]], dtype=torch.float64)
             every = [torch.zeros_like(mine) for _ in range(STAGES)]
             dist.all_gather(every, mine)
-            rows.append(dict(schedule=schedule, microbatches=parts, step_s=max(float(e[0]) for e in every),
+            rows.append(dict(pipeline_schedule=pipeline_schedule, microbatches=parts, step_s=max(float(e[0]) for e in every),
                              busy_s=[float(e[1]) for e in every], bytes_sent=int(sum(float(e[2]) for e in every))))
     if dist.get_rank() == 0:
         Path(args.worker).write_text(json.dumps(dict(stages=[vars(s) for s in stages], rows=rows)))
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.model}, seq {args.seq_len} x batch {args.batch_size}, {STAGES} stages: "
           + ", ".join(f"stage {j} layers {s['start']}-{s['stop'] - 1}" for j, s in enumerate(measured["stages"])))
     print(table([dict(r, busy=" / ".join(f"{b:.3f}" for b in r["busy_s"])) for r in rows],
-                ["schedule", "microbatches", "step_s", "busy", "bubble", "bubble_slowest", "bubble_theory", "bytes_sent",
+                ["pipeline_schedule", "microbatches", "step_s", "busy", "bubble", "bubble_slowest", "bubble_theory", "bytes_sent",
                  "planner_bytes", "bytes_ratio"]))
     payload = dict(command=" ".join(["python", "bench/pipeline.py", *(argv if argv is not None else sys.argv[1:])]),
                    machine=machine(), settings=dict(model=args.model, seq_len=args.seq_len,

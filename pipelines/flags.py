@@ -143,7 +143,7 @@ TRAINING_FLAGS: list[Flag] = [
          "replicas of an N-stage pipeline; each rank holds only its stage's layers", dict(type=positive_int)),
     Flag("--microbatches", "run", "microbatches", "micro-batches each --batch-size batch is split into on a "
          "pipeline; must divide it", dict(type=positive_int), unset="as many as --pipeline stages"),
-    Flag("--schedule", "run", "schedule", "pipeline schedule (torch.distributed.pipelining)",
+    Flag("--pipeline-schedule", "run", "pipeline_schedule", "pipeline schedule (torch.distributed.pipelining)",
          dict(choices=["1f1b", "gpipe"])),
 ]
 

@@ -249,7 +249,7 @@ def bcd(tmp_path: Path, corpus: str, *flags: str) -> list[str]:
 
 @pytest.mark.parametrize("flags, expected", [
     (["--pipeline", "2", "--batch-size", "4", "--microbatches", "3"], "--microbatches 3 does not divide --batch-size 4"),
-    (["--pipeline", "5", "--microbatches", "4", "--schedule", "gpipe"], "--pipeline 5: more stages than the model's 4 layers"),
+    (["--pipeline", "5", "--microbatches", "4", "--pipeline-schedule", "gpipe"], "--pipeline 5: more stages than the model's 4 layers"),
     (["--pipeline", "2"], "--pipeline 2 does not divide the world size 1"),
 ])
 def test_bad_pipeline_input_is_one_line_and_exit_2(tmp_path, corpus, capsys, flags, expected):

@@ -38,9 +38,9 @@ def check_flags(config: Config) -> int:
     microbatches = r.microbatches or r.pipeline
     if batch % microbatches:
         raise UsageError(f"--microbatches {microbatches} does not divide --batch-size {batch}")
-    if r.schedule == "1f1b" and microbatches < r.pipeline:
-        raise UsageError(f"--schedule 1f1b needs at least as many --microbatches as --pipeline stages "
-                         f"({microbatches} < {r.pipeline}); give more or --schedule gpipe")
+    if r.pipeline_schedule == "1f1b" and microbatches < r.pipeline:
+        raise UsageError(f"--pipeline-schedule 1f1b needs at least as many --microbatches as --pipeline stages "
+                         f"({microbatches} < {r.pipeline}); give more or --pipeline-schedule gpipe")
     if config.pre_inference.mode == "on" and config.pre_inference.dask:
         raise UsageError("--dask builds stores in other processes; on a pipeline the stages build them: drop --dask")
     if r.precision == "fp16-mixed":
@@ -65,8 +65,8 @@ def plan(config: Config, microbatches: int, first: int = 0) -> tuple[list[LayerS
     r = config.run
     settings = Settings(seq_len=config.data.seq_len, micro_batch=config.data.batch_size // microbatches,
                         dtype=PRECISION_DTYPES[precision], recompute=r.recompute)
-    stages = cut_stages(shape, settings, r.pipeline, blocks, microbatches, r.schedule, first)
-    peaks = [stage_cost(shape, settings, stage, j, r.pipeline, blocks, microbatches, r.schedule)
+    stages = cut_stages(shape, settings, r.pipeline, blocks, microbatches, r.pipeline_schedule, first)
+    peaks = [stage_cost(shape, settings, stage, j, r.pipeline, blocks, microbatches, r.pipeline_schedule)
              for j, stage in enumerate(stages)]
     return stages, peaks, precision
 
@@ -143,10 +143,10 @@ def start(config: Config, stages: list[LayerSpan], peaks: list[int], microbatche
                          f"stage {mesh.stage}", seed=r.seed)
     staged = preinfer.stage(to_device(model, r.device))
     return mesh, staged, [set_precision(model, config), describe_stages(stages, peaks, replicas, microbatches,
-                                                                        r.schedule)]
+                                                                        r.pipeline_schedule)]
 
 
 def trainer_for(config: Config, mesh: PipelineMesh, stages: list[LayerSpan], microbatches: int):
     """What `train` builds its trainer with."""
     return partial(PipelineTrainer, mesh=mesh, stages=stages, microbatches=microbatches,
-                   schedule=config.run.schedule)
+                   schedule=config.run.pipeline_schedule)

@@ -16,7 +16,7 @@ from preinfer.memory.settings import Settings
 from preinfer.memory.shapes import ModelShape
 from preinfer.partition import minimax_cut
 
-SCHEDULES = ("1f1b", "gpipe")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 
 
 def in_flight(schedule: str, stage: int, degree: int, microbatches: int) -> int:
@@ -39,8 +39,8 @@ def cut_stages(m: ModelShape, settings: Settings, degree: int, blocks: list[Laye
         above = f"the {m.layers - first} layers above the store's boundary {first}" if first else \
             f"the model's {m.layers} layers"
         raise UsageError(f"--pipeline {degree}: more stages than {above}")
-    if schedule not in SCHEDULES:
-        raise UsageError(f"--schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if schedule not in PIPELINE_SCHEDULES:
+        raise UsageError(f"--pipeline-schedule {schedule!r} is not one of {', '.join(PIPELINE_SCHEDULES)}")
     layers = m.layers - first
 
     def cost(index: int, lo: int, hi: int) -> int:
