@@ -1,10 +1,10 @@
 """Peak memory of full-parameter Adam against BCD-Adam (live at UFP 1/2, 1/3, 1/4, and from a store).
 
 Each configuration runs in its own subprocess (so that process RSS peaks are separate) and trains with the real
-`preinfer.trainer.Trainer` and `preinfer.meter.MemoryMeter` for a few steps per visit, on the default corpus.
+`preinfer.trainer.Trainer` and `preinfer.memory.meter.MemoryMeter` for a few steps per visit, on the default corpus.
 Per configuration it reports the meter's peak tracked memory (max over visits of `tracked_peak`, with the
 components of that visit: params, grads, optimizer, activations) and the process peak RSS, each as a ratio to
-full Adam, beside the planner's prediction (`preinfer.memory_model`) and the reference paper's figures.
+full Adam, beside the planner's prediction (`preinfer.memory`) and the reference paper's figures.
 
 "From a store": every visit of a block above boundary 0 reads boundary states at the block's start boundary k
 and the prefix (embedding and layers < k) is not in memory at all. See `--help` and `store_worker` for how that
@@ -45,9 +45,12 @@ import torch  # noqa: E402
 from bench.common import machine  # noqa: E402
 
 import preinfer  # noqa: E402
-from preinfer import memory_model as mm  # noqa: E402
 from preinfer.config import Config, load_config  # noqa: E402
-from preinfer.meter import MemoryMeter  # noqa: E402
+from preinfer.memory.footprint import bcd_memory, full_memory  # noqa: E402
+from preinfer.memory.layer_spans import LayerSpan  # noqa: E402
+from preinfer.memory.meter import MemoryMeter  # noqa: E402
+from preinfer.memory.settings import Settings  # noqa: E402
+from preinfer.memory.shapes import ModelShape, resolve_shape  # noqa: E402
 from preinfer.partition import Block, Partition, make_partition  # noqa: E402
 from preinfer.presets import build_preset  # noqa: E402
 from preinfer.batch_source import LiveSources  # noqa: E402
@@ -237,22 +240,22 @@ def predict(model: str, seq_len: int, batch: int, rows: list[dict], num_layers: 
             recompute: bool, precision: str) -> list[int]:
     """The planner's total bytes for each measured visit (store None: full Adam), on the real partition's layer
     ranges (not the planner's even split)."""
-    shape = mm.resolve_shape(model)
-    settings = mm.Settings(seq_len=seq_len, micro_batch=batch, dtype=PLANNER_DTYPES[precision],
+    shape = resolve_shape(model)
+    settings = Settings(seq_len=seq_len, micro_batch=batch, dtype=PLANNER_DTYPES[precision],
                            blocks=max(len(rows), 1), recompute=recompute)
     if store is None:
-        return [mm.full_memory(shape, settings, recompute=recompute).total]
+        return [full_memory(shape, settings, recompute=recompute).total]
     all_blocks = full_blocks(shape, rows, num_layers)
     by_start = {b.start: i for i, b in enumerate(all_blocks)}
-    return [mm.bcd_memory(shape, settings, all_blocks, by_start[r["start"]], store).total for r in rows]
+    return [bcd_memory(shape, settings, all_blocks, by_start[r["start"]], store).total for r in rows]
 
 
-def full_blocks(shape: mm.ModelShape, rows: list[dict], num_layers: int) -> list[mm.Block]:
+def full_blocks(shape: ModelShape, rows: list[dict], num_layers: int) -> list[LayerSpan]:
     """Planner blocks for every measured block; a store run measures only the blocks above boundary 0, so the
     block below them is added back (it only matters for its index)."""
-    blocks = [mm.Block(r["start"], r["stop"], r["start"] == 0, r["stop"] == num_layers) for r in rows]
+    blocks = [LayerSpan(r["start"], r["stop"], r["start"] == 0, r["stop"] == num_layers) for r in rows]
     if blocks and blocks[0].start > 0:
-        blocks.insert(0, mm.Block(0, blocks[0].start, True, False))
+        blocks.insert(0, LayerSpan(0, blocks[0].start, True, False))
     return blocks
 
 
@@ -287,7 +290,7 @@ def run_configuration(args: argparse.Namespace, model: str, name: str, out: Path
 
 def summarise(model: str, name: str, data: dict, args: argparse.Namespace) -> dict:
     """Peaks of one configuration (worst visit, and worst visit above boundary 0), with the planner's figures."""
-    num_layers = mm.resolve_shape(model).layers
+    num_layers = resolve_shape(model).layers
     kind, ufp, recompute = parse_configuration(name)
     store = None if kind == "full" else kind == "store"
     visits = data["visits"]

@@ -23,7 +23,7 @@ shows medians, because the machine is shared. Measured per run:
   the optimizer is built inside it) to the end of its last step, summed over the blocks; evaluation and model
   loading are outside it. For `preinfer` that is the sum of its visits' `wall_s` (metrics.jsonl); for
   `preinfer-auto` the time spent building stores (its `cache` records) is added.
-- tracked peak memory: `preinfer.meter.MemoryMeter` on the same steps for every method (the steps the trainer
+- tracked peak memory: `preinfer.memory.meter.MemoryMeter` on the same steps for every method (the steps the trainer
   meters, `MemoryMeter.due`): weights, master copies, gradients (sampled after the optimizer step, where
   they and the optimizer state are all present), optimizer state and saved activations.
 - final eval loss: one function for all (`eval_loss`): each run's final weights, saved with `save_pretrained`
@@ -150,7 +150,7 @@ class MeteredLoop:
     (`MemoryMeter.due`: the first steps of each block)."""
 
     def __init__(self, model: torch.nn.Module):
-        from preinfer.meter import MemoryMeter
+        from preinfer.memory.meter import MemoryMeter
 
         self.model, self.meter, self.peak = model, MemoryMeter(model), 0
         self.metered = False

@@ -1,14 +1,14 @@
-"""A 2-stage pipeline on CPU (gloo): step time and bubble fraction against the schedule's theory, and bytes sent
+"""A 2-stage pipeline on CPU (gloo): step time and bubble fraction against the pipeline schedule's theory, and bytes sent
 between stages per step against the planner's estimate.
 
-Two processes under torchrun each hold one stage of the model (stages cut by `preinfer.stage_cut`), every layer
+Two processes under torchrun each hold one stage of the model (stages cut by `preinfer.memory.stage_cut`), every layer
 trains (one block: the whole model, so both stages run forward and backward), and each step runs a batch of B
 samples in M micro-batches through `pipelines.pipeline_parallel.visit.VisitPipeline`, for M in {2, 4, 8} and both
 schedules. Per stage and step it measures the time spent inside `PipelineStage.forward_one_chunk` and
 `backward_one_chunk` (busy) and the step's wall time; the measured bubble is 1 - busy / step (mean over the
 stages; `bubble_slowest`: of the busiest stage alone, which sets the pace), the theory's (N-1)/(M+N-1) for equal
 stages and free communication. Bytes sent are summed over the
-`PipelineStage` send operations of both stages; the planner's estimate is `preinfer.memory_model.traffic`'s
+`PipelineStage` send operations of both stages; the planner's estimate is `preinfer.memory.traffic.traffic`'s
 bytes per step (forward activations and backward gradients at each of the N-1 cuts).
 
     python bench/pipeline.py             # small-llama, seq 128, batch 8, 6 timed steps per row
@@ -57,9 +57,11 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.pipelining import PipelineStage
 
     import preinfer
-    from preinfer.memory_model import Block, Settings, shape_from_config
+    from preinfer.memory.layer_spans import LayerSpan
+    from preinfer.memory.settings import Settings
+    from preinfer.memory.shapes import shape_from_config
     from preinfer.partition import make_partition
-    from preinfer.stage_cut import plan_stages
+    from preinfer.memory.stage_cut import cut_stages
     from pipelines.pipeline_parallel.mesh import make_mesh
     from pipelines.pipeline_parallel.visit import VisitPipeline
     from pipelines.models.suffix import load_modules, meta_model
@@ -68,9 +70,9 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     mesh = make_mesh(STAGES, "cpu")
     shape = shape_from_config(meta_model(args.model).config)
-    whole = [Block(0, shape.layers, True, True)]
+    whole = [LayerSpan(0, shape.layers, True, True)]
     settings = Settings(seq_len=args.seq_len, micro_batch=args.batch_size // STAGES)
-    stages = plan_stages(shape, settings, STAGES, whole, STAGES)
+    stages = cut_stages(shape, settings, STAGES, whole, STAGES)
     stage = stages[mesh.stage]
     model = load_modules(args.model, lambda s: s.stage_modules(stage.start, stage.stop, stage.embed, stage.head),
                          f"stage {mesh.stage}")
@@ -108,9 +110,9 @@ def worker(args: argparse.Namespace) -> None:
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     count = torch.tensor(float(args.batch_size * (args.seq_len - 1)))
     rows = []
-    for schedule in ("gpipe", "1f1b"):
+    for pipeline_schedule in ("gpipe", "1f1b"):
         for parts in [int(m) for m in args.microbatches.split(",")]:
-            pipe = VisitPipeline(staged, stages, mesh, block, parts, schedule, False, torch.device("cpu"))
+            pipe = VisitPipeline(staged, stages, mesh, block, parts, pipeline_schedule, False, torch.device("cpu"))
             steps = []
             for index in range(args.steps + 1):
                 counters.update(busy=0.0, bytes=0)
@@ -126,7 +128,7 @@ def worker(args: argparse.Namespace) -> None:
                                  steps[-1][2]], dtype=torch.float64)
             every = [torch.zeros_like(mine) for _ in range(STAGES)]
             dist.all_gather(every, mine)
-            rows.append(dict(schedule=schedule, microbatches=parts, step_s=max(float(e[0]) for e in every),
+            rows.append(dict(pipeline_schedule=pipeline_schedule, microbatches=parts, step_s=max(float(e[0]) for e in every),
                              busy_s=[float(e[1]) for e in every], bytes_sent=int(sum(float(e[2]) for e in every))))
     if dist.get_rank() == 0:
         Path(args.worker).write_text(json.dumps(dict(stages=[vars(s) for s in stages], rows=rows)))
@@ -139,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         worker(args)
         return 0
     from bench.common import machine, table, write_json
-    from preinfer.memory_model import Settings, resolve_shape, traffic
+    from preinfer.memory.settings import Settings
+    from preinfer.memory.shapes import resolve_shape
+    from preinfer.memory.traffic import traffic
 
     with tempfile.TemporaryDirectory() as tmp:
         found = Path(tmp) / "rows.json"
@@ -162,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.model}, seq {args.seq_len} x batch {args.batch_size}, {STAGES} stages: "
           + ", ".join(f"stage {j} layers {s['start']}-{s['stop'] - 1}" for j, s in enumerate(measured["stages"])))
     print(table([dict(r, busy=" / ".join(f"{b:.3f}" for b in r["busy_s"])) for r in rows],
-                ["schedule", "microbatches", "step_s", "busy", "bubble", "bubble_slowest", "bubble_theory", "bytes_sent",
+                ["pipeline_schedule", "microbatches", "step_s", "busy", "bubble", "bubble_slowest", "bubble_theory", "bytes_sent",
                  "planner_bytes", "bytes_ratio"]))
     payload = dict(command=" ".join(["python", "bench/pipeline.py", *(argv if argv is not None else sys.argv[1:])]),
                    machine=machine(), settings=dict(model=args.model, seq_len=args.seq_len,

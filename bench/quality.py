@@ -111,7 +111,7 @@ def run_method(args: argparse.Namespace, name: str, steps: int, run_dir: Path) -
     from pipelines.models import resolve_model
     from pipelines.training import live_sources, load_datasets, prepare_run_dir, samples_per_shard
     from preinfer.config import load_config
-    from preinfer.meter import MemoryMeter
+    from preinfer.memory.meter import MemoryMeter
     from preinfer.metrics import Record, StepRecord
     from preinfer.partition import make_partition, parse_ufp
     from preinfer.precision import apply_precision

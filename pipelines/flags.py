@@ -10,7 +10,7 @@ from typing import Any
 
 from preinfer.config import Config, load_config
 from preinfer.errors import UsageError
-from preinfer.memory_model import GPUS, USABLE_FRACTION
+from preinfer.memory.settings import GPUS, USABLE_FRACTION
 from preinfer.run_dir import RunDir
 from preinfer.optim import DEFAULT_LR, DEFAULT_WEIGHT_DECAY, LR_DECAYS
 from pipelines.arguments import (
@@ -143,7 +143,7 @@ TRAINING_FLAGS: list[Flag] = [
          "replicas of an N-stage pipeline; each rank holds only its stage's layers", dict(type=positive_int)),
     Flag("--microbatches", "run", "microbatches", "micro-batches each --batch-size batch is split into on a "
          "pipeline; must divide it", dict(type=positive_int), unset="as many as --pipeline stages"),
-    Flag("--schedule", "run", "schedule", "pipeline schedule (torch.distributed.pipelining)",
+    Flag("--pipeline-schedule", "run", "pipeline_schedule", "pipeline schedule (torch.distributed.pipelining)",
          dict(choices=["1f1b", "gpipe"])),
 ]
 

@@ -1,4 +1,4 @@
-"""preinfer, the model side: staged models, partitions, schedules, the BCD trainer, fingerprints, memory."""
+"""preinfer, the model side: staged models, partitions, block orders, the BCD trainer, fingerprints, memory."""
 
 import importlib
 

@@ -81,7 +81,7 @@ class RunConfig:
     recompute: bool = False  # keep one hidden state per layer in the gradient path; run the layer again in backward
     pipeline: int = 1  # pipeline stages (under torchrun: world size = pipeline x data-parallel replicas)
     microbatches: int = 0  # micro-batches per step through the pipeline; 0: as many as stages
-    schedule: str = "1f1b"  # pipeline schedule: 1f1b or gpipe
+    pipeline_schedule: str = "1f1b"  # 1f1b or gpipe
 
 
 @dataclass
@@ -104,7 +104,7 @@ class StoreConfig:
     trust: bool = False  # use the store even if the model's prefix differs from the one it was made from
 
 
-# Keys of [run] in configs written before it was split: (section, key) they moved to.
+# Keys of [run] in configs written before it was split, or renamed since: (section, key) they moved to.
 MOVED_RUN_KEYS = {
     "pre_inference": ("pre_inference", "mode"),
     "store_dir": ("pre_inference", "store_dir"),
@@ -112,6 +112,7 @@ MOVED_RUN_KEYS = {
     "store_dtype": ("pre_inference", "store_dtype"),
     "keep_stores": ("pre_inference", "keep_stores"),
     "dask": ("pre_inference", "dask"),
+    "schedule": ("run", "pipeline_schedule"),
     "store": ("store", "path"),
     "trust_store": ("store", "trust"),
 }

@@ -13,11 +13,12 @@ import preinfer
 from pipelines.arguments import parse_size
 from pipelines.training import partition_for
 from preinfer.errors import UsageError
-from preinfer.budget import budget_settings, plan_budget
+from preinfer.memory.budget import budget_settings, blocks_for_budget
 from preinfer.config import load_config
-from preinfer.memory_model import (
-    Settings, auto_choice, bcd_memory, fewest_blocks, partition, resolve_shape, shape_for_size, worst_bcd,
-)
+from preinfer.memory.footprint import auto_choice, bcd_memory, fewest_blocks, worst_bcd
+from preinfer.memory.layer_spans import partition
+from preinfer.memory.settings import Settings
+from preinfer.memory.shapes import resolve_shape, shape_for_size
 from preinfer.metrics import parse_record
 from preinfer.presets import build_preset
 
@@ -57,7 +58,7 @@ def test_the_plan_is_the_planners_fewest_blocks():
     assert peaks(3) < peaks(2) < peaks(1)
     for blocks in (2, 3):
         settings = budget_settings(budget_between(blocks), "fp32", SEQ, BATCH, recompute=False)
-        plan = plan_budget(shape, settings, "fp32")
+        plan = blocks_for_budget(shape, settings, "fp32")
         chosen = partition(shape, blocks)
         assert plan.blocks == blocks == fewest_blocks(shape, settings)[0] == auto_choice(shape, settings)["blocks"]
         assert plan.predicted == [bcd_memory(shape, settings, chosen, k, store=False).total for k in range(blocks)]
@@ -68,8 +69,8 @@ def test_precision_and_recompute_change_the_plan():
     shape = shape_for_size("7b")
     settings = budget_settings(40 * 2**30, "bf16-mixed", 1024, 1, recompute=False)
     assert settings.dtype == "bf16-mixed"
-    bf16 = plan_budget(shape, settings, "bf16-mixed")
-    recompute = plan_budget(shape, replace(settings, recompute=True), "bf16-mixed")
+    bf16 = blocks_for_budget(shape, settings, "bf16-mixed")
+    recompute = blocks_for_budget(shape, replace(settings, recompute=True), "bf16-mixed")
     assert recompute.blocks <= bf16.blocks and max(recompute.predicted) < max(bf16.predicted)
     with pytest.raises(preinfer.UsageError, match="fp32"):
         budget_settings(2**30, "fp8", 1024, 1, recompute=False)
@@ -149,7 +150,7 @@ def test_nothing_fits_names_recompute_a_smaller_batch_and_the_pipeline_degree():
     settings = budget_settings(budget, "fp32", SEQ, BATCH, recompute=False)
     assert fewest_blocks(shape, settings) is None
     with pytest.raises(preinfer.UsageError) as refused:
-        plan_budget(shape, settings, "fp32")
+        blocks_for_budget(shape, settings, "fp32")
     message = str(refused.value)
     assert "even one layer per block needs" in message and "\n" not in message
     recompute = fewest_blocks(shape, replace(settings, recompute=True))
@@ -158,6 +159,6 @@ def test_nothing_fits_names_recompute_a_smaller_batch_and_the_pipeline_degree():
     batch_two = fewest_blocks(shape, replace(settings, micro_batch=2))
     assert f"--batch-size 2 ({batch_two[0]} blocks" in message
     seven = budget_settings(int(24e9 * 0.9), "fp32", 1024, 1, recompute=False)
-    message = str(pytest.raises(preinfer.UsageError, plan_budget, shape_for_size("7b"), seven, "fp32").value)
+    message = str(pytest.raises(preinfer.UsageError, blocks_for_budget, shape_for_size("7b"), seven, "fp32").value)
     degree = auto_choice(shape_for_size("7b"), seven)["pipeline_degree"]
     assert degree > 1 and f"a pipeline of {degree} GPUs" in message

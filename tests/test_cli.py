@@ -17,7 +17,7 @@ from pipelines.cli import PROCESS_ENVIRONMENT, main
 from pipelines.flags import PRE_INFERENCE_FLAGS, STORE_FLAGS, TRAINING_FLAGS
 from pipelines.models import resolve_model
 from preinfer.config import BlockConfig
-from preinfer.memory_model import Settings
+from preinfer.memory.settings import Settings
 
 TINY = ["--model", "tiny-llama", "--seq-len", "32", "--batch-size", "4", "--steps-per-visit", "2",
         "--eval-tokens", "256", "--lr", "1e-3"]
@@ -276,7 +276,7 @@ HEAVY = ("torch", "transformers", "zarr", "dask", "storage")
 @pytest.mark.parametrize("argv", [("plan", "--model", "7b", "--gpu", "4090"), ("--help",), ("plan", "--help")])
 def test_plan_for_a_size_and_the_command_list_import_neither_torch_nor_transformers(argv):
     modules = imported_modules(*argv)
-    assert ("preinfer.memory_model" in modules) == (argv[0] == "plan")
+    assert ("preinfer.memory.plan" in modules) == (argv[0] == "plan")
     heavy = {m for m in modules if m.split(".")[0] in HEAVY}
     assert not heavy, sorted(heavy)[:10]
 

@@ -15,8 +15,10 @@ from pipelines.cache import roll_forward
 from pipelines.cache.report import verify_cache
 from pipelines.cache.result import CacheJobError
 from pipelines.cache.shards import NonFiniteStates, write_shard
-from preinfer.memory_model import COMPRESSION, Settings, shape_for_size, store_bytes_per_token
-from preinfer.memory_model import STORE_DTYPES as PLAN_STORE_DTYPES
+from preinfer.memory.settings import Settings
+from preinfer.memory.shapes import shape_for_size
+from preinfer.memory.traffic import COMPRESSION, store_bytes_per_token
+from preinfer.memory.traffic import STORE_DTYPES as PLAN_STORE_DTYPES
 from storage import ENCODINGS, StorageError, create_store, open_store
 from storage.encodings import merge_stats
 from test_cache import SEQ, cache, datasets_for, run_cli, staged_model, write_corpus

@@ -89,10 +89,10 @@ def test_auto_forced_to_stores_ends_with_the_weights_of_off_and_revises_its_plan
     """A prefix forward assumed 1000x slower than it is makes `auto` plan stores (visits of two epochs, rolled
     forward); the first store built measures
     the real speed, and the rest of the sweep is planned again (logged). Weights equal `off`'s either way."""
-    from pipelines.training.pre_inference import PreInference
+    from pipelines.training.pre_inference import probe
 
-    measure = PreInference._layer_seconds
-    monkeypatch.setattr(PreInference, "_layer_seconds", lambda self: 1000 * measure(self))
+    measure = probe.layer_seconds
+    monkeypatch.setattr(probe, "layer_seconds", lambda staged, batch: 1000 * measure(staged, batch))
     off_config = config_for(tmp_path, corpus, "off", mode="off")
     auto_config = config_for(tmp_path, corpus, "auto", mode="auto")
     for config in (off_config, auto_config):
@@ -117,8 +117,8 @@ def test_auto_times_the_disk_before_its_first_plan(tmp_path, corpus, monkeypatch
     probe, nor does `auto` when no store could pay even on a free disk (one step a visit: a store's prefix forward
     over the split costs more than the visit's), nor when the stores of this tiny model could not save the probe's
     own assumed cost (the same run as the first, `PROBE_COST_S` left as it is)."""
-    from pipelines.training import pre_inference
-    from pipelines.training.pre_inference import ASSUMED_READ_BPS, ASSUMED_WRITE_BPS
+    from pipelines.training.pre_inference import probe
+    from pipelines.training.pre_inference.probe import ASSUMED_READ_BPS, ASSUMED_WRITE_BPS
 
     auto_config = config_for(tmp_path, corpus, "auto", mode="auto")
     on_config = config_for(tmp_path, corpus, "on", mode="on")
@@ -127,9 +127,9 @@ def test_auto_times_the_disk_before_its_first_plan(tmp_path, corpus, monkeypatch
     for config in (auto_config, gated_config):
         config.data.max_samples, config.stop.steps_per_visit = 16, 8  # two epochs a visit
     short_config.data.max_samples, short_config.stop.steps_per_visit = 16, 1
-    monkeypatch.setattr(pre_inference, "ASSUMED_STORE_OVERHEAD_S", 0.0)
+    monkeypatch.setattr(probe, "ASSUMED_STORE_OVERHEAD_S", 0.0)
     training.run(gated_config, quiet=True)
-    monkeypatch.setattr(pre_inference, "PROBE_COST_S", 0.0)
+    monkeypatch.setattr(probe, "PROBE_COST_S", 0.0)
     for config in (auto_config, on_config, short_config):
         training.run(config, quiet=True)
     records = read_metrics(RunDir(auto_config.run.out).metrics)

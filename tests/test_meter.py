@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from preinfer.meter import MemoryMeter, tensor_bytes
+from preinfer.memory.meter import MemoryMeter, tensor_bytes
 
 
 def _nbytes(tensors) -> int:

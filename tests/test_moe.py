@@ -8,7 +8,7 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import load_balancing_loss
 
 import preinfer
 from preinfer.errors import UsageError
-from preinfer.meter import MemoryMeter
+from preinfer.memory.meter import MemoryMeter
 from preinfer.moe import ROW_INVARIANT, RouterLoss, sparse_blocks
 from preinfer.partition import make_partition
 from preinfer.presets import build_preset

@@ -22,12 +22,14 @@ from pipelines.data.batches import token_batches
 from pipelines.training import load_datasets, partition_for, train
 from preinfer.config import Config
 from preinfer.errors import UsageError
-from preinfer.memory_model import Settings, partition, resolve_shape
+from preinfer.memory.layer_spans import partition
+from preinfer.memory.settings import Settings
+from preinfer.memory.shapes import resolve_shape
 from preinfer.metrics import CacheRecord, VisitRecord, read_metrics
 from preinfer.presets import build_preset
 from preinfer.run_dir import RunDir
 from preinfer.batch_source import LiveSources
-from preinfer.stage_cut import plan_stages, stage_cost
+from preinfer.memory.stage_cut import cut_stages, stage_cost
 from test_from_store import assert_close, cache_and_model, torchrun, weights
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -247,7 +249,7 @@ def bcd(tmp_path: Path, corpus: str, *flags: str) -> list[str]:
 
 @pytest.mark.parametrize("flags, expected", [
     (["--pipeline", "2", "--batch-size", "4", "--microbatches", "3"], "--microbatches 3 does not divide --batch-size 4"),
-    (["--pipeline", "5", "--microbatches", "4", "--schedule", "gpipe"], "--pipeline 5: more stages than the model's 4 layers"),
+    (["--pipeline", "5", "--microbatches", "4", "--pipeline-schedule", "gpipe"], "--pipeline 5: more stages than the model's 4 layers"),
     (["--pipeline", "2"], "--pipeline 2 does not divide the world size 1"),
 ])
 def test_bad_pipeline_input_is_one_line_and_exit_2(tmp_path, corpus, capsys, flags, expected):
@@ -262,7 +264,7 @@ def test_stages_are_contiguous_with_the_ends_and_minimise_the_largest_stage():
     shape = resolve_shape("medium-llama")
     settings = Settings(seq_len=128, micro_batch=2)
     blocks = partition(shape, 4)
-    stages = plan_stages(shape, settings, 3, blocks, microbatches=4)
+    stages = cut_stages(shape, settings, 3, blocks, microbatches=4)
     assert [s.start for s in stages][0] == 0 and stages[-1].stop == shape.layers
     assert all(a.stop == b.start for a, b in zip(stages, stages[1:]))
     assert [(s.embed, s.head) for s in stages] == [(True, False), (False, False), (False, True)]
@@ -281,7 +283,7 @@ def test_gpipe_keeps_every_micro_batch_in_flight_and_1f1b_fewer():
     shape = resolve_shape("tiny-llama")
     settings = Settings(seq_len=32, micro_batch=1)
     blocks = partition(shape, 2)
-    stage = plan_stages(shape, settings, 2, blocks, 8, "1f1b")[0]
+    stage = cut_stages(shape, settings, 2, blocks, 8, "1f1b")[0]
     gpipe = stage_cost(shape, settings, stage, 0, 2, blocks, 8, "gpipe")
     one_f_one_b = stage_cost(shape, settings, stage, 0, 2, blocks, 8, "1f1b")
     assert gpipe > one_f_one_b
@@ -289,4 +291,4 @@ def test_gpipe_keeps_every_micro_batch_in_flight_and_1f1b_fewer():
 
 def test_more_stages_than_layers_is_refused():
     with pytest.raises(UsageError, match="more stages than the model's 4 layers"):
-        plan_stages(resolve_shape("tiny-llama"), Settings(), 5, partition(resolve_shape("tiny-llama"), 2), 5)
+        cut_stages(resolve_shape("tiny-llama"), Settings(), 5, partition(resolve_shape("tiny-llama"), 2), 5)

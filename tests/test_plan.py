@@ -1,4 +1,4 @@
-"""The planner (`preinfer.memory_model`, `preinfer plan`) against the meter on real CPU steps, and its 7B figures."""
+"""The planner (`preinfer.memory`, `preinfer plan`) against the meter on real CPU steps, and its 7B figures."""
 
 from __future__ import annotations
 
@@ -10,11 +10,14 @@ import torch
 
 import preinfer
 from pipelines.cli import main
-from preinfer.memory_model import (
-    GIB, Settings, bcd_memory, block_params, fewest_blocks, flops_per_token, full_memory, partition,
-    plan_memory, resolve_shape, shape_for_size, step_activations,
-)
-from preinfer.meter import MemoryMeter
+from preinfer.memory.activations import step_activations
+from preinfer.memory.cost import flops_per_token
+from preinfer.memory.footprint import bcd_memory, fewest_blocks, full_memory
+from preinfer.memory.layer_spans import block_params, partition
+from preinfer.memory.plan import plan_memory
+from preinfer.memory.settings import GIB, Settings
+from preinfer.memory.shapes import resolve_shape, shape_for_size
+from preinfer.memory.meter import MemoryMeter
 from preinfer.partition import make_partition
 from preinfer.presets import build_preset
 

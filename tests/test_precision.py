@@ -13,7 +13,7 @@ from pipelines.cli import main
 from pipelines.models import resolve_model
 from preinfer.config import Config, dump_toml, load_config
 from preinfer.errors import UsageError
-from preinfer.meter import MemoryMeter
+from preinfer.memory.meter import MemoryMeter
 from preinfer.metrics import StepRecord, read_metrics
 from preinfer.precision import LossScaler, resolve_precision
 from preinfer.presets import build_preset, load_model

@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from pipelines.cache import CacheJobError, Part
-from pipelines.training.pre_inference import slowest
+from pipelines.training.pre_inference.ranks import slowest
 from pipelines.training.sweep_plan import Throughputs
 from storage import open_store
 from test_cache import assert_same_cache, cache, staged_model, stored_datasets, write_corpus

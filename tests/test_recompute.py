@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 import preinfer
 from preinfer.config import load_config
-from preinfer.meter import MemoryMeter
+from preinfer.memory.meter import MemoryMeter
 from preinfer.partition import make_partition
 from preinfer.presets import build_preset
 from pipelines.data.samples import TokenDataset

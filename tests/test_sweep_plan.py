@@ -6,7 +6,7 @@ import random
 import pytest
 
 from pipelines.training import sweep_plan
-from pipelines.training.sweep_plan import Throughputs, Visit, Workload, plan_sweep, schedule, store_cost
+from pipelines.training.sweep_plan import Throughputs, Visit, Workload, plan_for, plan_sweep, store_cost
 
 # small-llama-like: 6 layers, UFP 1/3 (blocks start at 0, 2, 4), seq 128 x hidden 256 float32, batch 8
 SAMPLE_BYTES = 128 * 256 * 4
@@ -73,7 +73,7 @@ def test_ascending_at_one_epoch_pays_over_the_sweep_though_no_single_visit_does(
     plan = plan_sweep(work, RATES)
     live = plan.live.seconds
     for alone in ((False, True, False, False), (False, False, True, False), (False, False, False, True)):
-        assert min(schedule(work, RATES, alone, *timing).seconds for timing in sweep_plan.TIMINGS) > live
+        assert min(plan_for(work, RATES, alone, *timing).seconds for timing in sweep_plan.TIMINGS) > live
     assert plan.chosen.sources == DEEP_ASCENDING and plan.chosen.seconds < live
     assert plan.chosen.peak_bytes == 2 * work.store_bytes  # a roll-forward holds its source and its result
     assert plan.chosen.deletes == ((8, 4), (16, 6), (24, 7))  # each after it fed the next, the last after its visit
@@ -120,7 +120,7 @@ def test_a_plan_never_exceeds_the_free_disk(seed):
     for mode in ("auto", "on"):
         plan = plan_sweep(work, rates, mode)
         if plan.chosen.peak_bytes > work.disk_budget:  # `on` only, and only when no timing of its stores fits
-            assert mode == "on" and all(schedule(work, rates, tuple(s > 0 for s in starts), *timing).peak_bytes
+            assert mode == "on" and all(plan_for(work, rates, tuple(s > 0 for s in starts), *timing).peak_bytes
                                         > work.disk_budget for timing in sweep_plan.TIMINGS)
         assert plan.best_store is None or plan.best_store.peak_bytes <= work.disk_budget
 

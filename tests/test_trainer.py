@@ -10,7 +10,7 @@ import preinfer
 from preinfer.config import Config
 from pipelines.data.samples import TokenDataset
 from preinfer.errors import UsageError
-from preinfer.meter import MemoryMeter
+from preinfer.memory.meter import MemoryMeter
 from preinfer.metrics import StepRecord
 from preinfer.partition import make_partition
 from preinfer.presets import build_preset

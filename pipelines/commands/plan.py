@@ -7,9 +7,11 @@ import json
 
 from preinfer.config import BlockConfig
 from preinfer.errors import UsageError
-from preinfer.memory_model import (
-    COMPRESSION, DTYPES, GIB, STORE_DTYPES, GPUS, SIZES, MemoryPlan, Settings, blocks_for_ufp, plan_memory, resolve_shape,
-)
+from preinfer.memory.layer_spans import blocks_for_ufp
+from preinfer.memory.plan import MemoryPlan, plan_memory
+from preinfer.memory.settings import DTYPES, GIB, GPUS, Settings
+from preinfer.memory.shapes import SIZES, resolve_shape
+from preinfer.memory.traffic import COMPRESSION, STORE_DTYPES
 from pipelines.arguments import memory_size, positive_float, positive_int, token_count, unit_fraction
 
 

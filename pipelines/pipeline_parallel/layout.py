@@ -13,13 +13,15 @@ from torch import nn
 
 import preinfer
 from preinfer.batch_source import LiveSources, VisitSources
-from preinfer.budget import PRECISION_DTYPES
+from preinfer.memory.budget import PRECISION_DTYPES
 from preinfer.config import Config
 from preinfer.errors import UsageError
-from preinfer.memory_model import Block, Settings, shape_from_config
+from preinfer.memory.layer_spans import LayerSpan
+from preinfer.memory.settings import Settings
+from preinfer.memory.shapes import shape_from_config
 from preinfer.precision import resolve_precision, weights_dtype
 from preinfer.run_dir import RunDir
-from preinfer.stage_cut import describe_stages, plan_stages, stage_cost
+from preinfer.memory.stage_cut import cut_stages, describe_stages, stage_cost
 from pipelines.models.suffix import Suffix, export_from_weights, load_modules, meta_model, prefix_digest, to_device
 from pipelines.pipeline_parallel.mesh import PipelineMesh, check_degree, make_mesh
 from pipelines.pipeline_parallel.stores import PipelineStores
@@ -64,7 +66,7 @@ class PipelineLayout:
     def notes(self) -> list[str]:
         """The stages with their predicted peaks, and what pre-inference auto does on a pipeline."""
         r = self.config.run
-        notes = [describe_stages(self.stages, self.peaks, self.mesh.replicas, self.microbatches, r.schedule)]
+        notes = [describe_stages(self.stages, self.peaks, self.mesh.replicas, self.microbatches, r.pipeline_schedule)]
         if self.first == 0 and self.config.pre_inference.mode == "auto":
             notes.append("pre-inference auto: a pipeline run trains live (its sweep planner is not built for "
                          "pipelines; --pre-inference on reads a store for every visit above the input)")
@@ -86,7 +88,7 @@ class PipelineLayout:
     @property
     def make_trainer(self) -> partial:
         return partial(PipelineTrainer, mesh=self.mesh, stages=self.stages, microbatches=self.microbatches,
-                       schedule=self.config.run.schedule)
+                       schedule=self.config.run.pipeline_schedule)
 
     def export(self, directory: Path) -> bool:
         """The model with the stages' gathered weights (`export_from_weights`)."""
@@ -105,9 +107,9 @@ def check_flags(config: Config) -> int:
     microbatches = r.microbatches or r.pipeline
     if batch % microbatches:
         raise UsageError(f"--microbatches {microbatches} does not divide --batch-size {batch}")
-    if r.schedule == "1f1b" and microbatches < r.pipeline:
-        raise UsageError(f"--schedule 1f1b needs at least as many --microbatches as --pipeline stages "
-                         f"({microbatches} < {r.pipeline}); give more or --schedule gpipe")
+    if r.pipeline_schedule == "1f1b" and microbatches < r.pipeline:
+        raise UsageError(f"--pipeline-schedule 1f1b needs at least as many --microbatches as --pipeline stages "
+                         f"({microbatches} < {r.pipeline}); give more or --pipeline-schedule gpipe")
     if config.pre_inference.mode == "on" and config.pre_inference.dask:
         raise UsageError("--dask builds stores in other processes; on a pipeline the stages build them: drop --dask")
     if r.precision == "fp16-mixed":
@@ -115,7 +117,7 @@ def check_flags(config: Config) -> int:
     return microbatches
 
 
-def stage_layout(config: Config, microbatches: int, first: int = 0) -> tuple[list[Block], list[int]]:
+def stage_layout(config: Config, microbatches: int, first: int = 0) -> tuple[list[LayerSpan], list[int]]:
     """The stages of the run over layers `[first, L)` and each one's predicted peak (from the model's shape
     alone: no weights are read)."""
     model = meta_model(config.model.name)
@@ -125,12 +127,12 @@ def stage_layout(config: Config, microbatches: int, first: int = 0) -> tuple[lis
                          f"stages, which is not built yet")
     precision = resolve_precision(config.run.precision, weights_dtype(model))
     partition, _ = partition_for(staged, config, first_layer=first, precision=precision)
-    blocks = [Block(b.start, b.stop, b.has_embed, b.has_head) for b in partition.blocks]
+    blocks = [LayerSpan(b.start, b.stop, b.has_embed, b.has_head) for b in partition.blocks]
     shape = shape_from_config(model.config)
     r = config.run
     settings = Settings(seq_len=config.data.seq_len, micro_batch=config.data.batch_size // microbatches,
                         dtype=PRECISION_DTYPES[precision], recompute=r.recompute)
-    stages = plan_stages(shape, settings, r.pipeline, blocks, microbatches, r.schedule, first)
-    peaks = [stage_cost(shape, settings, stage, j, r.pipeline, blocks, microbatches, r.schedule)
+    stages = cut_stages(shape, settings, r.pipeline, blocks, microbatches, r.pipeline_schedule, first)
+    peaks = [stage_cost(shape, settings, stage, j, r.pipeline, blocks, microbatches, r.pipeline_schedule)
              for j, stage in enumerate(stages)]
     return stages, peaks

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from preinfer.memory_model import Block
-from preinfer.partition import Block as PartBlock
+from preinfer.memory.layer_spans import LayerSpan
+from preinfer.partition import Block
 from preinfer.staged import StagedModel
 from preinfer.boundary_state import BoundaryState
 
@@ -25,7 +25,7 @@ class StageModule(nn.Module):
     The staged model is held outside the module's registry: the
     pipeline engine never sees the other stages' (meta-device) parameters."""
 
-    def __init__(self, staged: StagedModel, stage: Block, active: PartBlock | None = None, recompute: bool = False,
+    def __init__(self, staged: StagedModel, stage: LayerSpan, active: Block | None = None, recompute: bool = False,
                  source: int = 0):
         super().__init__()
         self._staged = [staged]

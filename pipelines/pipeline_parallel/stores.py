@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from preinfer.config import Config
 from preinfer.fingerprint import hash_tensors, named_prefix_tensors
-from preinfer.memory_model import Block as StageBlock
+from preinfer.memory.layer_spans import LayerSpan
 from preinfer.metrics import CacheRecord, Record
 from preinfer.partition import Block
 from preinfer.run_dir import RunDir
@@ -39,7 +39,7 @@ from pipelines.data.batches import ReaderBatches
 class PipelineStores:
     """A `preinfer.batch_source.VisitSources`: live token batches for blocks at the input, stores above it."""
 
-    def __init__(self, staged: StagedModel, stages: list[StageBlock], mesh: PipelineMesh, datasets: dict,
+    def __init__(self, staged: StagedModel, stages: list[LayerSpan], mesh: PipelineMesh, datasets: dict,
                  tokenizer, config: Config, live: LiveSources, shard: int, quiet: bool = False):
         self.staged, self.stages, self.mesh, self.datasets = staged, stages, mesh, datasets
         self.tokenizer, self.config, self.live, self.shard = tokenizer, config, live, shard
@@ -127,7 +127,7 @@ class PipelinePrefix:
     """The writer's view of the prefix [0, k) for the caching job: the hidden states the stages below send
     (or its own embedding on the first stage), then its own layers below k."""
 
-    def __init__(self, staged: StagedModel, stage: StageBlock, mesh: PipelineMesh, device: torch.device):
+    def __init__(self, staged: StagedModel, stage: LayerSpan, mesh: PipelineMesh, device: torch.device):
         self.staged, self.stage, self.mesh, self.device = staged, stage, mesh, device
         self.model, self.num_layers = staged.model, staged.num_layers
         self.hidden_size, self.compute_dtype = staged.hidden_size, staged.compute_dtype
@@ -144,7 +144,7 @@ class PipelinePrefix:
 
 
 @torch.inference_mode()
-def serve(staged: StagedModel, stage: StageBlock, mesh: PipelineMesh, datasets: dict, per_shard: int,
+def serve(staged: StagedModel, stage: LayerSpan, mesh: PipelineMesh, datasets: dict, per_shard: int,
           batch_size: int, device: torch.device) -> None:
     """A stage below the writer: its layers over every split's samples, in the caching job's shards and batches,
     sending each batch's hidden states up."""

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from preinfer.checkpoint import WEIGHTS, load_checkpoint, save_checkpoint
 from preinfer.errors import PreinferError
 from preinfer.grad_buckets import BucketedAllReduce
-from preinfer.memory_model import Block as StageBlock
+from preinfer.memory.layer_spans import LayerSpan
 from preinfer.metrics import Record, VisitRecord
 from preinfer.partition import Block
 from preinfer.precision import ActiveBlock
@@ -40,7 +40,7 @@ TIED_TAG = 7  # point-to-point messages of tied-weight gradients (apart from the
 
 
 class PipelineTrainer(Trainer):
-    def __init__(self, *args, mesh: PipelineMesh, stages: list[StageBlock], microbatches: int, schedule: str,
+    def __init__(self, *args, mesh: PipelineMesh, stages: list[LayerSpan], microbatches: int, schedule: str,
                  **kwargs):
         super().__init__(*args, **kwargs)
         self.mesh, self.stages, self.microbatches, self.schedule = mesh, stages, microbatches, schedule

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from preinfer.memory_model import Block
-from preinfer.partition import Block as PartBlock
+from preinfer.memory.layer_spans import LayerSpan
+from preinfer.partition import Block
 from preinfer.staged import StagedModel, causal_lm_loss, supervised_tokens
 from pipelines.pipeline_parallel.mesh import PipelineMesh
 from pipelines.pipeline_parallel.stage_module import StageModule
@@ -34,12 +34,12 @@ from pipelines.pipeline_parallel.stage_module import StageModule
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 
 
-def stage_of(stages: list[Block], layer: int) -> int:
+def stage_of(stages: list[LayerSpan], layer: int) -> int:
     """The stage holding `layer` (the last for the head's boundary, the first below the stages' first layer)."""
     return next((j for j, s in enumerate(stages) if layer < s.stop), len(stages) - 1)
 
 
-def entry_stage(stages: list[Block], block: PartBlock) -> int:
+def entry_stage(stages: list[LayerSpan], block: Block) -> int:
     """The first stage that trains for `block`: the one holding its first layer (the first stage when it holds
     the embedding, the last when it holds only the head)."""
     return 0 if block.has_embed else stage_of(stages, block.start)
@@ -48,7 +48,7 @@ def entry_stage(stages: list[Block], block: PartBlock) -> int:
 class VisitPipeline:
     """Runs the batches of one visit through this rank's stage (see the module docstring)."""
 
-    def __init__(self, staged: StagedModel, stages: list[Block], mesh: PipelineMesh, block: PartBlock,
+    def __init__(self, staged: StagedModel, stages: list[LayerSpan], mesh: PipelineMesh, block: Block,
                  microbatches: int, schedule: str, recompute: bool, device: torch.device, source: int = 0):
         self.staged, self.stages, self.mesh, self.device = staged, stages, mesh, device
         self.microbatches, self.schedule_name = microbatches, schedule
@@ -145,7 +145,7 @@ def receive_hidden(staged: StagedModel, mesh: PipelineMesh, shape: torch.Size, d
 
 
 @torch.no_grad()
-def evaluate_stage(staged: StagedModel, stages: list[Block], mesh: PipelineMesh, batches: Iterable[dict],
+def evaluate_stage(staged: StagedModel, stages: list[LayerSpan], mesh: PipelineMesh, batches: Iterable[dict],
                    device: torch.device, source: int = 0) -> tuple[float, int]:
     """Whole eval batches (at boundary `source`) forward through the stages of this rank's replica from the one
     holding `source`: (loss sum, supervised tokens) on the last stage, (0, 0) elsewhere."""

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import preinfer
 from preinfer.batch_source import VisitSources
 from preinfer.config import Config
-from preinfer.meter import MemoryMeter
+from preinfer.memory.meter import MemoryMeter
 from preinfer.partition import Partition
 from preinfer.run_dir import RunDir
 from preinfer.trainer import Trainer

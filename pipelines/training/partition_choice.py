@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import preinfer
-from preinfer.budget import budget_settings, plan_budget
+from preinfer.memory.budget import blocks_for_budget, budget_settings
 from preinfer.config import BlockConfig, Config
 from preinfer.errors import UsageError
-from preinfer.memory_model import GPUS, Settings, shape_from_config
+from preinfer.memory.settings import GPUS, Settings
+from preinfer.memory.shapes import shape_from_config
 from preinfer.partition import Partition, make_partition, parse_ranges, parse_ufp
 from pipelines.arguments import parse_size
 
@@ -51,7 +52,7 @@ def budget_partition(staged: preinfer.StagedModel, config: Config, first_layer: 
     shape = shape_from_config(staged.model.config)
     settings = budget_settings(memory_budget(config.blocks), precision, config.data.seq_len,
                                config.data.batch_size, config.run.recompute)
-    plan = plan_budget(shape, settings, precision)
+    plan = blocks_for_budget(shape, settings, precision)
     return replace(make_partition(staged, num_blocks=plan.blocks), budget=plan)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tqdm import tqdm
 
-from preinfer.budget import budget_line, visit_against_budget
+from preinfer.memory.budget import budget_line, visit_against_budget
 from preinfer.config import Config
 from preinfer.metrics import (
     BudgetPlanRecord, CacheRecord, PlanOutcomeRecord, PreInferenceRecord, Record, SweepPlanRecord, VisitRecord,

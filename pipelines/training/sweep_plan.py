@@ -33,7 +33,7 @@ STORE_MARGIN = 0.02
 OVERHEAD_FLOOR_S = 0.1
 # Up to this many visits that could read a store, every choice of them is priced; beyond, a local search.
 EXHAUSTIVE_VISITS = 10
-# The timings of a plan's builds: (eager, roll); see `schedule`.
+# The timings of a plan's builds: (eager, roll); see `plan_for`.
 TIMINGS = ((True, True), (False, True), (False, False))
 
 
@@ -103,7 +103,7 @@ class Build:
 
 @dataclass(frozen=True)
 class Plan:
-    """One schedule for a sweep. Times count events: 2t is the builds before visit t, 2t + 1 is visit t."""
+    """One plan for a sweep. Times count events: 2t is the builds before visit t, 2t + 1 is visit t."""
 
     sources: tuple[int, ...]  # per visit: the boundary it reads (0: the input, prefix run live)
     builds: tuple[Build, ...]
@@ -152,9 +152,9 @@ class SweepPlan:
 def plan_sweep(work: Workload, rates: Throughputs, mode: str = "auto") -> SweepPlan:
     """`auto`: the cheapest plan that fits the disk, if it beats live by more than `STORE_MARGIN`, else live;
     `on`: every visit above the input reads a store, timed to fit the disk if any timing does."""
-    live = schedule(work, rates, (False,) * len(work.visits))
+    live = plan_for(work, rates, (False,) * len(work.visits))
     eligible = tuple(v.start > 0 for v in work.visits)
-    everything = [schedule(work, rates, eligible, *timing) for timing in TIMINGS]
+    everything = [plan_for(work, rates, eligible, *timing) for timing in TIMINGS]
     fitting = [p for p in _candidates(work, rates, eligible) if p.reads_stores and p.peak_bytes <= work.disk_budget]
     best_store = min(fitting, key=lambda p: p.seconds, default=None)
     if mode == "on":
@@ -178,7 +178,7 @@ def _candidates(work: Workload, rates: Throughputs, eligible: tuple[bool, ...]) 
             for i, use in zip(positions, chosen):
                 uses[i] = use
             for timing in TIMINGS:
-                yield schedule(work, rates, tuple(uses), *timing)
+                yield plan_for(work, rates, tuple(uses), *timing)
         return
     for start in ((False,) * len(eligible), eligible):
         yield from _local_search(work, rates, start, positions)
@@ -187,7 +187,7 @@ def _candidates(work: Workload, rates: Throughputs, eligible: tuple[bool, ...]) 
 def _local_search(work: Workload, rates: Throughputs, uses: tuple[bool, ...], positions: list[int]) -> Iterator[Plan]:
     """Flip one visit at a time while that makes the plan cheaper (and fit the disk); yields every plan kept."""
     def best(choice: tuple[bool, ...]) -> Plan:
-        plans = [schedule(work, rates, choice, *timing) for timing in TIMINGS]
+        plans = [plan_for(work, rates, choice, *timing) for timing in TIMINGS]
         fits = [p for p in plans if p.peak_bytes <= work.disk_budget]
         return min(fits or plans, key=lambda p: (p.peak_bytes > work.disk_budget, p.seconds))
 
@@ -204,7 +204,7 @@ def _local_search(work: Workload, rates: Throughputs, uses: tuple[bool, ...], po
                 yield current
 
 
-def schedule(work: Workload, rates: Throughputs, uses: tuple[bool, ...], eager: bool = False,
+def plan_for(work: Workload, rates: Throughputs, uses: tuple[bool, ...], eager: bool = False,
              roll: bool = True) -> Plan:
     """The plan in which visit i reads the store at its own boundary iff uses[i]; with `eager`, each store is made
     as soon as no visit before its reader will change the layers below it, else just before its reader; with

@@ -1,6 +1,6 @@
 """Memory meter: peak bytes of parameters, gradients, optimizer state and saved activations of one model.
 
-How the peaks are measured (and why `tracked_peak` is coherent with the planner in `preinfer.memory_model`):
+How the peaks are measured (and why `tracked_peak` is coherent with the planner in `preinfer.memory`):
 
 - parameters: every parameter of the model (trainable or frozen), counted once per tensor, at every `sample()`.
 - gradients: every `.grad` present in the model or on the optimizer's tensors, at every `sample()` (call it after

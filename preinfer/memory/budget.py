@@ -1,14 +1,15 @@
-"""Blocks chosen by a memory budget (`--ufp auto`): the fewest blocks whose every visit fits, by the planner of
-`preinfer plan` (`preinfer.memory_model`), or, when even one layer per block does not fit, what would."""
+"""Blocks chosen by a memory budget (`--ufp auto`): the fewest blocks whose every visit fits, by the memory model of
+`preinfer plan` (`preinfer.memory`), or, when even one layer per block does not fit, what would."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 from preinfer.errors import UsageError
-from preinfer.memory_model import (
-    GIB, ModelShape, Settings, bcd_memory, fewest_blocks, partition, worst_bcd,
-)
+from preinfer.memory.footprint import bcd_memory, fewest_blocks, worst_bcd
+from preinfer.memory.layer_spans import partition
+from preinfer.memory.settings import GIB, Settings
+from preinfer.memory.shapes import ModelShape
 from preinfer.metrics import BudgetPlanRecord
 
 # The planner's byte counts of each training precision (fp16-mixed keeps the same bytes as bf16-mixed).
@@ -28,7 +29,7 @@ def budget_settings(budget: int, precision: str, seq_len: int, micro_batch: int,
                     recompute=recompute, budget_bytes=budget)
 
 
-def plan_budget(m: ModelShape, settings: Settings, precision: str) -> BudgetPlanRecord:
+def blocks_for_budget(m: ModelShape, settings: Settings, precision: str) -> BudgetPlanRecord:
     """The fewest blocks whose every live visit fits `settings.capacity()`, with each visit's predicted peak;
     a UsageError naming what would fit when even one layer per block does not."""
     found = fewest_blocks(m, settings)

@@ -1,5 +1,5 @@
 """Pipeline stages: the model's layers cut into contiguous ranges, one per pipeline rank, the embedding on the
-first and the head on the last, balanced by the planner's memory model (`preinfer.memory_model`).
+first and the head on the last, balanced by the planner's memory model (`preinfer.memory.footprint`).
 
 A stage's cost is its worst visit: its weights, the gradients and optimizer state of the part of the active
 block it holds, and the activations of the micro-batches it keeps in flight (GPipe: all M; 1F1B: at most
@@ -10,10 +10,13 @@ programming), so it never needs more than the parameter-balanced cut the planner
 from __future__ import annotations
 
 from preinfer.errors import UsageError
-from preinfer.memory_model import Block, ModelShape, Settings, stage_bytes
+from preinfer.memory.footprint import stage_bytes
+from preinfer.memory.layer_spans import LayerSpan
+from preinfer.memory.settings import Settings
+from preinfer.memory.shapes import ModelShape
 from preinfer.partition import minimax_cut
 
-SCHEDULES = ("1f1b", "gpipe")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 
 
 def in_flight(schedule: str, stage: int, degree: int, microbatches: int) -> int:
@@ -21,41 +24,42 @@ def in_flight(schedule: str, stage: int, degree: int, microbatches: int) -> int:
     return microbatches if schedule == "gpipe" else min(microbatches, degree - stage)
 
 
-def stage_cost(m: ModelShape, settings: Settings, stage: Block, index: int, degree: int, blocks: list[Block],
-               microbatches: int, schedule: str) -> int:
+def stage_cost(m: ModelShape, settings: Settings, stage: LayerSpan, index: int, degree: int,
+               blocks: list[LayerSpan], microbatches: int, schedule: str) -> int:
     """Peak bytes of stage `index` over every visit of `blocks`."""
     flight = in_flight(schedule, index, degree, microbatches)
     return max(stage_bytes(m, settings, stage, active, flight) for active in blocks)
 
 
-def plan_stages(m: ModelShape, settings: Settings, degree: int, blocks: list[Block], microbatches: int,
-                schedule: str = "1f1b", first: int = 0) -> list[Block]:
+def cut_stages(m: ModelShape, settings: Settings, degree: int, blocks: list[LayerSpan], microbatches: int,
+                schedule: str = "1f1b", first: int = 0) -> list[LayerSpan]:
     """`degree` contiguous stages of layers `[first, L)` (a store's suffix when `first` > 0: no embedding) whose
     largest peak (by `stage_cost`) is the smallest possible."""
     if degree > m.layers - first:
         above = f"the {m.layers - first} layers above the store's boundary {first}" if first else \
             f"the model's {m.layers} layers"
         raise UsageError(f"--pipeline {degree}: more stages than {above}")
-    if schedule not in SCHEDULES:
-        raise UsageError(f"--schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if schedule not in PIPELINE_SCHEDULES:
+        raise UsageError(f"--pipeline-schedule {schedule!r} is not one of {', '.join(PIPELINE_SCHEDULES)}")
     layers = m.layers - first
 
     def cost(index: int, lo: int, hi: int) -> int:
-        stage = Block(first + lo, first + hi, index == 0 and first == 0, index == degree - 1)
+        stage = LayerSpan(first + lo, first + hi, index == 0 and first == 0, index == degree - 1)
         return stage_cost(m, settings, stage, index, degree, blocks, microbatches, schedule)
 
     bounds = minimax_cut(layers, degree, cost)
-    return [Block(first + lo, first + hi, j == 0 and first == 0, j == degree - 1)
+    return [LayerSpan(first + lo, first + hi, j == 0 and first == 0, j == degree - 1)
             for j, (lo, hi) in enumerate(bounds)]
 
 
-def stage_label(stage: Block) -> str:
+def stage_label(stage: LayerSpan) -> str:
     """`embed+layers 0-1`, `layers 2-3+head`."""
     span = f"layer {stage.start}" if stage.stop - stage.start == 1 else f"layers {stage.start}-{stage.stop - 1}"
     return "+".join((["embed"] if stage.embed else []) + [span] + (["head"] if stage.head else []))
 
 
-def describe_stages(stages: list[Block], peaks: list[int], replicas: int, microbatches: int, schedule: str) -> str:
+def describe_stages(stages: list[LayerSpan], peaks: list[int], replicas: int, microbatches: int,
+                    schedule: str) -> str:
     """The stages as printed at the start of a pipeline run."""
     lines = [f"pipeline: {len(stages)} stages x {replicas} data-parallel replica(s), {schedule} schedule, "
              f"{microbatches} micro-batches per step; stages balanced by the planner's memory model:"]

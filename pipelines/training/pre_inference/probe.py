@@ -1,0 +1,89 @@
+"""The first estimates of a run with pre-inference, before any store is made: one layer's forward, timed on a
+training batch, and (for `auto`, when stores could pay at all) the disk, timed by a small probe store; until a
+store measures them, the assumed speeds below."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+
+import torch
+
+from preinfer.metrics import CacheRecord
+from preinfer.staged import StagedModel
+from pipelines.cache import CacheOptions, cache_boundary
+from pipelines.training import sweep_plan
+from pipelines.training.pre_inference.rates import read_bps
+from pipelines.training.sweep_plan import Throughputs, Workload, plan_sweep
+from storage import Location, remove_tree
+
+# Timed forwards of one layer over one training batch that give the first estimate of the prefix's speed.
+LAYER_PROBES = 5
+# Before the first plan of `auto` (when a store could pay at all), a store of the first training samples (one
+# shard, at most this many bytes of states) is written, read back and deleted, to time the store's disk, codec
+# and format on this machine.
+PROBE_BYTES = 8 * 2**20
+# `on` plans without the probe: until a store has been written and read, it assumes these speeds (bytes/s).
+ASSUMED_WRITE_BPS = 150e6
+ASSUMED_READ_BPS = 300e6
+# Until the probe or a store has measured it, a store's fixed cost (seconds: open, check, finalize, index, delete;
+# the probe measured 0.04-0.06 s on the development machine, later stores 0.01-0.04 s).
+ASSUMED_STORE_OVERHEAD_S = 0.05
+# What the probe itself is assumed to cost (seconds; 0.14-0.35 s in a fresh process on the development machine):
+# it is made only when a store could save more than this beyond `sweep_plan.STORE_MARGIN`, so that runs too short
+# for stores to matter do not pay for it.
+PROBE_COST_S = 0.2
+
+
+def first_estimate(staged: StagedModel, batch: dict) -> Throughputs:
+    """The measured layer forward (`layer_seconds`) and the assumed store speeds and fixed cost."""
+    return Throughputs(layer_seconds(staged, batch), ASSUMED_WRITE_BPS, ASSUMED_READ_BPS, ASSUMED_STORE_OVERHEAD_S)
+
+
+@torch.no_grad()
+def layer_seconds(staged: StagedModel, batch: dict) -> float:
+    """Median time of one layer's no_grad forward over one sample, measured once on a training batch (after one
+    untimed forward: the first allocates)."""
+    device = next(p for p in staged.model.parameters() if not p.is_meta).device
+    state = staged.embed(*(batch[k].to(device) for k in ("input_ids", "attention_mask", "labels")))
+    staged.run(state, 0, 1)
+    times = []
+    for _ in range(LAYER_PROBES):
+        started = time.perf_counter()
+        staged.run(state, 0, 1)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) / len(batch["input_ids"])
+
+
+def stores_could_pay(work: Workload, rates: Throughputs) -> bool:
+    """Whether stores could save more than the probe costs (`PROBE_COST_S`) beyond `STORE_MARGIN` on a disk that
+    costs nothing to write and read, each store still costing its fixed overhead (if not, timing the disk cannot
+    pay for itself, and the probe is not made)."""
+    free = plan_sweep(work, dataclasses.replace(rates, write_bps=math.inf, read_bps=math.inf), "auto")
+    return free.best_store is not None and (
+        free.best_store.seconds + PROBE_COST_S < (1 - sweep_plan.STORE_MARGIN) * free.live.seconds)
+
+
+def probe_store(staged: StagedModel, train, tokenizer, out: Location, options: CacheOptions, shard: int,
+                batch_size: int, sample_bytes: int, rates: Throughputs) -> tuple[Throughputs, CacheRecord]:
+    """`rates` with the first estimate of the write and read speeds and of a store's fixed cost, and the probe's
+    record: the store at boundary 1 of the first training samples (one shard, at most `PROBE_BYTES`), made by the
+    caching job's code at `out`, read back once and deleted. The first real store replaces the estimates."""
+    started = time.perf_counter()
+    samples = max(1, min(shard, len(train), PROBE_BYTES // sample_bytes))
+    try:
+        result = cache_boundary(staged, {"probe": train.head(samples)}, tokenizer, 1, out, options)
+        if result.write_seconds > 0:
+            rates = dataclasses.replace(rates, write_bps=samples * sample_bytes / result.write_seconds)
+        if (speed := read_bps(out, "probe", batch_size, sample_bytes)) is not None:
+            rates = dataclasses.replace(rates, read_bps=speed)
+    finally:
+        deleting = time.perf_counter()
+        remove_tree(out)
+    # the store's fixed cost (open, check, finalize, index, delete) until the first real store measures it
+    overhead = result.seconds - result.forward_seconds - result.write_seconds + time.perf_counter() - deleting
+    rates = dataclasses.replace(rates, store_overhead_s=max(overhead, 0.0))
+    return rates, CacheRecord(boundary=1, how="probe", seconds=time.perf_counter() - started,
+                              bytes=result.bytes_written)

@@ -1,0 +1,80 @@
+"""The stores of boundary states a run with pre-inference has made: kept by boundary while their fingerprint matches
+the current prefix, made (from the input, or rolled forward from a lower store) by the same code as `preinfer
+cache`, and deleted when no longer usable or no longer read (unless `keep_stores`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import torch.distributed as dist
+
+from preinfer.config import Config
+from preinfer.metrics import CacheRecord, Record
+from preinfer.staged import StagedModel
+from pipelines.cache import CacheOptions, CacheResult, cache_boundary, cache_fingerprint, open_cache, roll_forward
+from storage import Location, StorageError, remove_tree
+
+
+class Stores:
+    """The stores under `root` believed valid, by boundary; each rank makes its part of every store it builds."""
+
+    def __init__(self, staged: StagedModel, datasets: dict, tokenizer, config: Config, root: Location,
+                 options: CacheOptions, emit: Callable[[Record], None], rank: int = 0, world: int = 1):
+        self.staged, self.datasets, self.tokenizer, self.config = staged, datasets, tokenizer, config
+        self.root, self.options, self.emit, self.rank, self.world = root, options, emit, rank, world
+        self.paths: dict[int, Location] = {}  # boundary -> cache directory believed valid
+
+    def __contains__(self, boundary: int) -> bool:
+        return boundary in self.paths
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.paths)
+
+    def valid(self) -> list[int]:
+        """The boundaries whose store matches the current prefix."""
+        return [b for b in self.paths if self.is_valid(b)]
+
+    def is_valid(self, boundary: int) -> bool:
+        expected = cache_fingerprint(self.staged, self.datasets["train"], self.tokenizer, boundary,
+                                     self.config.pre_inference.store_dtype)
+        try:
+            stores = open_cache(self.paths[boundary], splits=["train"])
+        except StorageError:  # damaged or half-deleted: not usable, rebuilt on demand
+            return False
+        return stores["train"].fingerprint.digest == expected.digest
+
+    def ensure(self, boundary: int, source: int | None = None) -> tuple[Location, CacheResult | None, int]:
+        """A valid store at `boundary`: reused, or made from `source` (0: the input) if that is still valid, else
+        rolled forward from the nearest valid lower one, or made from the input. Returns its path, and for a store
+        made here the caching job's result and the boundary it was made from (None and 0 for one reused)."""
+        if boundary in self.paths and self.is_valid(boundary):
+            self.emit(CacheRecord(boundary=boundary, how="reuse", seconds=0.0, bytes=0))
+            return self.paths[boundary], None, 0
+        out = self.root / f"boundary-{boundary}"
+        valid = [b for b in self.valid() if b < boundary]
+        if source not in (0, *valid):
+            source = max(valid, default=0)
+        if source:
+            result = roll_forward(self.staged, self.paths[source], boundary, out, self.options)
+        else:
+            result = cache_boundary(self.staged, self.datasets, self.tokenizer, boundary, out, self.options)
+        self.paths[boundary] = out
+        self.emit(CacheRecord(boundary=boundary, how="roll_forward" if source else "input", from_=source,
+                              seconds=result.seconds, bytes=result.stored_bytes))
+        return out, result, source
+
+    def delete(self, boundary: int, reason: str) -> float | None:
+        """Forget the store at `boundary` and delete it unless `keep_stores`; the seconds deleting took (None:
+        kept)."""
+        path = self.paths.pop(boundary)
+        if self.config.pre_inference.keep_stores:
+            return None
+        if self.world > 1:
+            dist.barrier()  # no rank reads it any more
+        started = time.perf_counter()
+        if self.rank == 0:
+            remove_tree(path)
+        seconds = time.perf_counter() - started
+        self.emit(CacheRecord(boundary=boundary, how="deleted", reason=reason, seconds=seconds, bytes=0))
+        return seconds

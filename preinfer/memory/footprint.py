@@ -1,0 +1,125 @@
+"""Bytes per GPU: of full-parameter Adam, of each BCD visit (live or from a store) and of a pipeline stage, and the
+fewest blocks or the smallest pipeline that fits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from preinfer.memory.activations import step_activations
+from preinfer.memory.layer_spans import LayerSpan, block_params, partition
+from preinfer.memory.settings import DTYPES, Settings
+from preinfer.memory.shapes import ModelShape
+
+
+@dataclass
+class Memory:
+    """Bytes per GPU of one configuration, by component, and whether it fits."""
+
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+    total: int = 0
+    fits: bool = False
+    note: str = ""
+
+    def finish(self, capacity: int) -> Memory:
+        """Fill in the total and whether it fits `capacity` bytes."""
+        self.total = self.weights + self.grads + self.optimizer + self.activations
+        self.fits = self.total <= capacity
+        return self
+
+
+
+def _component_bytes(settings: Settings, resident: int, trainable: int) -> tuple[int, int, int]:
+    """Weights, gradient and optimizer-state bytes of `resident` and `trainable` parameter counts."""
+    d = DTYPES[settings.dtype]
+    return resident * d["weight"], trainable * d["grad"], trainable * (d["master"] + d["moments"])
+
+
+def full_memory(m: ModelShape, settings: Settings, recompute: bool) -> Memory:
+    """Full-parameter Adam on one GPU."""
+    n = m.total_params()
+    acts = step_activations(m, settings.micro_batch, settings.seq_len, DTYPES[settings.dtype]["act"], None, recompute)
+    return Memory(*_component_bytes(settings, n, n), acts.total()).finish(settings.capacity())
+
+
+def bcd_memory(m: ModelShape, settings: Settings, blocks: list[LayerSpan], k: int, store: bool) -> Memory:
+    """BCD-Adam on one GPU while block k trains: live (whole model resident) or from a store (suffix only).
+
+    From a store, only the suffix (layers >= the block's first layer, and the head) is resident; a tied GPT-2
+    head keeps the token embedding resident too, since it is the head's weight.
+    """
+    block = blocks[k]
+    resident = m.total_params()
+    if store:
+        resident = m.span_params(block.start, m.layers) + m.head_params()
+        resident += m.vocab * m.hidden if (m.tied and not block.embed) else 0
+        resident += m.embed_params() if block.embed else 0
+    c = DTYPES[settings.dtype]["act"]
+    acts = step_activations(m, settings.micro_batch, settings.seq_len, c, block, settings.recompute)
+    memory = Memory(*_component_bytes(settings, resident, block_params(m, block)), acts.total())
+    memory.note = f"block {k} (layers {block.start}-{block.stop - 1})"
+    return memory.finish(settings.capacity())
+
+
+def worst_bcd(m: ModelShape, settings: Settings, blocks: list[LayerSpan], store: bool) -> Memory:
+    """The visit with the largest footprint (from a store: blocks above the first; block 0 has no prefix)."""
+    candidates = range(1 if store and len(blocks) > 1 else 0, len(blocks))
+    return max((bcd_memory(m, settings, blocks, k, store) for k in candidates), key=lambda mem: mem.total)
+
+
+def pipeline_peak(m: ModelShape, settings: Settings, blocks: list[LayerSpan] | None, degree: int) -> int:
+    """Largest per-GPU bytes with `degree` pipeline stages (layers split evenly; None: full Adam).
+
+    1F1B schedule: stage j keeps the activations of (degree - j) micro-batches in flight."""
+    stages = partition(m, degree)
+    visits = [None] if blocks is None else blocks
+    return max(stage_bytes(m, settings, stage, active, degree - j)
+               for active in visits for j, stage in enumerate(stages))
+
+
+def stage_bytes(m: ModelShape, settings: Settings, stage: LayerSpan, active: LayerSpan | None, in_flight: int) -> int:
+    """Bytes one pipeline stage holds while `active` trains (None: full Adam): its layers' weights, gradients and
+    optimizer state for the part of the active block it holds, and the activations of `in_flight` micro-batches
+    (none below the active block, which runs forward only)."""
+    c = DTYPES[settings.dtype]["act"]
+    acts = step_activations(m, settings.micro_batch, settings.seq_len, c, active, settings.recompute)
+    params = block_params(m, stage)
+    params += m.vocab * m.hidden if m.tied and stage.head and not stage.embed else 0  # its copy of the tied weight
+    if active is None:
+        trainable = params
+    else:
+        lo, hi = max(stage.start, active.start), min(stage.stop, active.stop)
+        trainable = m.span_params(lo, max(lo, hi)) + (m.embed_params() if stage.embed and active.embed else 0)
+        trainable += m.head_params() if stage.head and active.head else 0
+    stage_acts = acts.total(stage.start, stage.stop, inputs=stage.embed, outputs=stage.head) * in_flight
+    return sum(_component_bytes(settings, params, trainable)) + stage_acts
+
+
+def fewest_blocks(m: ModelShape, settings: Settings, degree: int = 1) -> tuple[int, int] | None:
+    """The fewest blocks (largest UFP) whose worst live visit fits `settings.capacity()` per GPU with `degree`
+    pipeline stages, and that peak in bytes; None when even one layer per block does not fit."""
+    capacity = settings.capacity()
+    for n in range(1, m.layers + 1):
+        blocks = partition(m, n)
+        peak = worst_bcd(m, settings, blocks, store=False).total if degree == 1 else \
+            pipeline_peak(m, settings, blocks, degree)
+        if peak <= capacity:
+            return n, peak
+    return None
+
+
+def auto_choice(m: ModelShape, settings: Settings) -> dict:
+    """The fewest blocks (largest UFP) whose worst live visit fits one GPU, else the smallest pipeline degree."""
+    for degree in range(1, m.layers + 1):
+        found = fewest_blocks(m, settings, degree)
+        if found is not None:
+            return dict(blocks=found[0], ufp=1 / found[0], pipeline_degree=degree, per_gpu_bytes=found[1])
+    return dict(blocks=None, ufp=None, pipeline_degree=None, per_gpu_bytes=None)
+
+
+def full_pipeline_degree(m: ModelShape, settings: Settings) -> int | None:
+    """The smallest pipeline degree at which full-parameter Adam fits (None if not even one layer per GPU)."""
+    capacity = settings.capacity()
+    return next((p for p in range(1, m.layers + 1) if pipeline_peak(m, settings, None, p) <= capacity), None)

@@ -1,0 +1,66 @@
+"""The planner's inputs beside the model shape: the GPU table, bytes per parameter and per activation element of
+each dtype, and `Settings`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+GB = 10**9  # GPU memory is sold in decimal gigabytes (a "24 GB" RTX 4090 has 24e9 bytes, about 22.4 GiB)
+GIB = 2**30
+
+# Fraction of a GPU's memory a training process can fill with tensors: the CUDA context (~0.5 GB), cuBLAS
+# workspaces and the caching allocator's fragmentation take the rest (assumption: about 10%).
+USABLE_FRACTION = 0.9
+
+# GPU table: memory, dense peak TFLOPS in bf16 (tensor cores, fp32 accumulate) and in float32 (no TF32, PyTorch's
+# default for float32 matmuls), and $/hour from the reference paper's cloud prices (None where it gives none).
+GPUS: dict[str, dict] = {
+    "4090": dict(mem_gb=24, tflops_bf16=165.2, tflops_fp32=82.6, price=0.29),  # RTX 4090 (Ada), fp32-accumulate rate
+    "v100": dict(mem_gb=32, tflops_bf16=125.0, tflops_fp32=15.7, price=None),  # V100 SXM2: fp16 tensor cores (no bf16)
+    "a100-40": dict(mem_gb=40, tflops_bf16=312.0, tflops_fp32=19.5, price=1.20),  # A100 SXM4 40 GB
+    "a100-80": dict(mem_gb=80, tflops_bf16=312.0, tflops_fp32=19.5, price=1.20),  # A100 SXM4 80 GB
+    "a800": dict(mem_gb=80, tflops_bf16=312.0, tflops_fp32=19.5, price=0.69),  # A800: A100 silicon, slower NVLink
+    "dcu": dict(mem_gb=64, tflops_bf16=100.0, tflops_fp32=25.0, price=None),  # Hygon DCU K100 class, approximate
+}
+
+# Bytes per parameter: (weight, gradient, float32 master copy, optimizer moments m + v), and activation bytes c.
+# Adam's per-tensor `step` counters (4 bytes per parameter tensor) are neglected.
+DTYPES: dict[str, dict] = {
+    "float32": dict(weight=4, grad=4, master=0, moments=8, act=4),  # 4 W in all
+    # bf16 weights for every resident parameter; the trainable ones also have an fp32 master, an fp32 gradient
+    # (each bf16 gradient is added into it as autograd produces it) and fp32 moments: 2 + 16 bytes, as the
+    # trainer's meter measures and as BAdam counts it (2M + 16M/D GB)
+    "bf16-mixed": dict(weight=2, grad=4, master=4, moments=8, act=2),
+    "bf16": dict(weight=2, grad=2, master=0, moments=4, act=2),  # pure bf16, moments in bf16 too
+}
+
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The inputs of a plan other than the model shape."""
+
+    seq_len: int = 1024
+    micro_batch: int = 1
+    dtype: str = "float32"
+    recompute: bool = False
+    gpu: str = "4090"
+    gpu_mem_gb: float | None = None  # overrides the GPU table's memory
+    blocks: int = 3
+    tokens: int | None = None
+    bandwidth_gbps: float = 25.0  # 2 x 25 Gbps links in the paper's clusters; one link assumed
+    price_per_hour: float | None = None  # overrides the paper's price for the GPU
+    mfu: float = 0.4  # model-FLOPs utilisation: fraction of peak FLOPs a training step achieves (assumption)
+    compression: float | None = None  # store codec ratio; None: COMPRESSION of the store dtype
+    store_dtype: str | None = None  # one of STORE_DTYPES; None: float32 when training in float32, else bfloat16
+    pipeline: int | None = None  # pipeline degree for the traffic comparison; None: the plan's own (at least 2)
+    epochs_per_visit: float = 1.0  # epochs each visit trains over the dataset (one caching pass serves them all)
+    budget_bytes: int | None = None  # bytes the run may fill, given directly (--memory-budget); overrides the GPU's
+
+    def capacity(self) -> int:
+        """Bytes a training process can fill on one GPU (the memory budget where one is given)."""
+        if self.budget_bytes is not None:
+            return self.budget_bytes
+        gb = self.gpu_mem_gb if self.gpu_mem_gb is not None else GPUS[self.gpu]["mem_gb"]
+        return int(gb * GB * USABLE_FRACTION)
