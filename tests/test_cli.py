@@ -12,9 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cli_run import run_cli
-from pipelines.arguments import shown
 from pipelines.cli import PROCESS_ENVIRONMENT, main
-from pipelines.flags import PRE_INFERENCE_FLAGS, STORE_FLAGS, TRAINING_FLAGS
+from pipelines.flags import PRE_INFERENCE_FLAGS, STORE_FLAGS, TRAINING_FLAGS, shown
 from pipelines.models import resolve_model
 from preinfer.config import BlockConfig
 from preinfer.memory_model import Settings
@@ -161,7 +160,7 @@ def test_help_shows_each_training_default_as_the_config_dataclass_has_it(command
     data_flags = {"--data", "--seq-len", "--eval-fraction", "--max-samples", "--samples-per-shard"}
     assert {flag.name for flag in flags} - set(helps) == (data_flags if command == "train" else set())
     for flag in (flag for flag in flags if flag.name in helps):
-        value = flag.default()
+        value = flag.config_default()
         if value is None:
             expected = f"[{flag.unset}]" if flag.unset else "["
             assert (expected in helps[flag.name]) == bool(flag.unset), (flag.name, helps[flag.name])

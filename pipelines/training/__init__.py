@@ -42,7 +42,6 @@ from preinfer.batch_source import LiveSources, VisitSources
 from pipelines.data.tokenizers import Tokenizer, load_tokenizer
 from preinfer.trainer import Trainer
 from pipelines.data import batches as sources
-from pipelines.arguments import parse_size
 from pipelines.cache import default_samples_per_shard, open_cache
 from pipelines.models import resolve_model
 from pipelines.training.pre_inference import PreInference
@@ -131,10 +130,7 @@ def memory_budget(blocks: BlockConfig) -> int:
         if blocks.gpu not in GPUS:
             raise UsageError(f"[blocks] gpu = {blocks.gpu!r} is not one of {', '.join(GPUS)}")
         return Settings(gpu=blocks.gpu).capacity()
-    try:
-        return parse_size(str(blocks.memory_budget))
-    except ValueError as error:
-        raise UsageError(f"[blocks] memory_budget: {error}") from None
+    return blocks.memory_budget
 
 
 def _active_ranges(active: str, first: int, num_layers: int) -> tuple[str, int]:
