@@ -63,12 +63,12 @@ class Flag:
         text = f"{self.help}{note}"
         return text if default is None else f"{text} [{default.replace('%', '%%')}]"
 
-    def add_to(self, parser: Any, help: str, *names: str, **options: Any) -> None:
-        """Add the flag (under `names` too) to a parser or a group of one."""
+    def add_to(self, parser: Any, text: str, *names: str, **options: Any) -> None:
+        """Add the flag with help `text` (under `names` too) to a parser or a group of one."""
         options = {**self.options, **options}
         if self.name.startswith("-") and "action" not in options and "choices" not in options:
             options.setdefault("metavar", self.name.lstrip("-").upper().replace("-", "_"))
-        parser.add_argument(self.name, *names, help=help, **options)
+        parser.add_argument(self.name, *names, help=text, **options)
 
 
 def per_optimizer(defaults: dict[str, float]) -> str:
@@ -347,7 +347,7 @@ def add_flags(parser: Any, *names: str, command: str | None = None, defaults: di
         options: dict[str, Any] = dict(required=True) if name in required else {}
         if name in from_run:
             default, text = None, f"the run's, else {each.default_text(each.config_default())}"
-        elif options or each.options.get("required"):
+        elif options.get("required") or each.options.get("required"):
             default = text = None
         else:
             default = defaults.get(name, each.default)
