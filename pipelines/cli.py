@@ -12,7 +12,6 @@ import os
 import sys
 
 from preinfer.errors import PreinferError, UsageError
-from pipelines.arguments import DefaultsHelpFormatter
 
 # Subcommand name -> module in `pipelines.commands` defining `add_arguments(parser)` and `run(args) -> int`.
 COMMANDS = {
@@ -37,11 +36,8 @@ PROCESS_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with a one-line error (no usage dump), exit code 2, and each flag's default in its help."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
-        super().__init__(*args, **kwargs)
+    """argparse with a one-line error (no usage dump) and exit code 2; each flag's help, its default included, is
+    written once in `pipelines.flags`."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")

@@ -1,21 +1,24 @@
-"""The training flags shared by `bcd` and `train`: each maps to one field of the typed config, whose default
-`--help` shows."""
+"""Every flag of every `preinfer` command, defined once: its name, type, help and default, and for a training flag
+the config field it sets (whose default `--help` shows). A command's `add_arguments` takes its flags by name:
+`add_flags`, and `add_training_flags` for `bcd` and `train`. Torch-free at import, so that `preinfer plan` loads
+without torch."""
 
 from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, field
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from preinfer.config import Config, load_config
+from preinfer.config import DEFAULT_LR, DEFAULT_WEIGHT_DECAY, LR_DECAYS, BlockConfig, Config, DataConfig, load_config
 from preinfer.errors import UsageError
-from preinfer.memory.settings import GPUS, USABLE_FRACTION
-from preinfer.run_dir import RunDir
-from preinfer.optim import DEFAULT_LR, DEFAULT_WEIGHT_DECAY, LR_DECAYS
-from pipelines.arguments import (
+from preinfer.memory.settings import DTYPES, GPUS, USABLE_FRACTION, Settings
+from preinfer.memory.traffic import COMPRESSION, STORE_DTYPES
+from pipelines.flag_types import (
     device, device_problem, float_pair, local_directory, memory_size, non_negative_int, positive_float, positive_int,
-    shown, store_location,
+    store_location, token_count, unit_fraction,
 )
 
 PARTITION_KEYS = ("ufp", "blocks", "ranges")
@@ -24,33 +27,49 @@ PARTITION_KEYS = ("ufp", "blocks", "ranges")
 DEFAULT_EPOCHS_PER_VISIT = 1.0
 
 
+def shown(value: Any) -> str:
+    """A default as --help writes it: floats without trailing zeros, lists as the flag takes them (0.9,0.95)."""
+    if isinstance(value, list):
+        return ",".join(shown(v) for v in value)
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 @dataclass(frozen=True)
 class Flag:
-    """A flag that sets `[section] key` of the config; `--help` appends the dataclass default, or `unset` (what
-    the default None means) where given."""
+    """One flag: a training flag sets `[section] key` of the config, whose default its `--help` shows; any other
+    flag has its own `default`. `unset` says what a default of None means, where --help should say it."""
 
-    name: str
-    section: str
-    key: str
-    help: str
+    name: str  # --seq-len, or a positional's name
+    section: str | None = None
+    key: str | None = None
+    help: str = ""
     options: dict[str, Any] = field(default_factory=dict)  # argparse keywords: type, choices, action, metavar
     unset: str | None = None
+    default: Any = None  # the value of a flag that sets no config field, unless the command gives its own
 
-    def default(self) -> Any:
+    def config_default(self) -> Any:
         """The config dataclass's default."""
         return getattr(getattr(Config(), self.section), self.key)
 
-    def default_text(self) -> str | None:
-        """The default as --help shows it (nothing for a switch that is off)."""
-        value = self.default()
+    def default_text(self, value: Any) -> str | None:
+        """A default as --help shows it: nothing for a switch that is off, `unset` for None."""
         if value is None or value is False:
             return self.unset
         return shown(value)
 
-    def help_text(self) -> str:
-        """The help with the default appended."""
-        default = self.default_text()
-        return self.help if default is None else f"{self.help} [{default}]"
+    def help_text(self, default: str | None, note: str = "") -> str:
+        """The help, a note, then the default as [default]."""
+        text = f"{self.help}{note}"
+        return text if default is None else f"{text} [{default.replace('%', '%%')}]"
+
+    def add_to(self, parser: Any, text: str, *names: str, **options: Any) -> None:
+        """Add the flag with help `text` (under `names` too) to a parser or a group of one."""
+        options = {**self.options, **options}
+        if self.name.startswith("-") and "action" not in options and "choices" not in options:
+            options.setdefault("metavar", self.name.lstrip("-").upper().replace("-", "_"))
+        parser.add_argument(self.name, *names, help=text, **options)
 
 
 def per_optimizer(defaults: dict[str, float]) -> str:
@@ -59,19 +78,23 @@ def per_optimizer(defaults: dict[str, float]) -> str:
 
 
 SWITCH = dict(action="store_const", const=True)
+ON = dict(action="store_true")
+
+CORPUS = ("a .txt, .jsonl (either also .gz or .zst) or .parquet file, a directory or quoted glob of them, or "
+          "builtin:pydoc")
+STORE = "a cache directory (all its splits) or a single store: a local path or s3://BUCKET/PATH"
 
 TRAINING_FLAGS: list[Flag] = [
-    Flag("--model", "model", "name", "preset (tiny-gpt2, tiny-llama, small-llama, medium-llama, tiny-moe), a "
-                                     "save_pretrained directory, or a run directory"),
+    Flag("--model", "model", "name", "a preset (tiny-gpt2, tiny-llama, small-llama, medium-llama, tiny-moe), a "
+                                     "save_pretrained directory, or a run directory (its current weights)"),
     Flag("--tokenizer", "model", "tokenizer", "'byte' (built-in) or a local HF tokenizer directory"),
-    Flag("--data", "data", "path", "a corpus: .txt, .jsonl (either also .gz or .zst) or .parquet file, a directory "
-                                   "or quoted glob of them, or builtin:pydoc; or a token store written by "
-                                   "preinfer tokenize"),
+    Flag("--data", "data", "path", f"a corpus: {CORPUS}; or a token store written by preinfer tokenize"),
     Flag("--token-store", "data", "token_store", "where a corpus is tokenised once (one directory per corpus, "
                                                  "tokenizer and settings) and read lazily by every job",
          unset="$XDG_CACHE_HOME/preinfer/tokens"),
     Flag("--seq-len", "data", "seq_len", "tokens per sample", dict(type=positive_int)),
-    Flag("--batch-size", "data", "batch_size", "samples per micro-batch", dict(type=positive_int)),
+    Flag("--batch-size", "data", "batch_size", "samples per batch (in training, per micro-batch)",
+         dict(type=positive_int)),
     Flag("--eval-fraction", "data", "eval_fraction", "share of documents held out", dict(type=float)),
     Flag("--eval-tokens", "data", "eval_tokens", "evaluate on the first samples of the eval split holding this many "
                                                  "tokens, the same every visit; 0 = the whole split",
@@ -84,7 +107,8 @@ TRAINING_FLAGS: list[Flag] = [
     Flag("--ufp", "blocks", "ufp", "unfrozen parameter fraction per block, e.g. 1/3; auto: the fewest blocks whose "
                                    "every visit fits --memory-budget (or --gpu), by the planner of `preinfer plan`"),
     Flag("--memory-budget", "blocks", "memory_budget",
-         "with --ufp auto: the memory each visit may fill, e.g. 22GiB, 512MiB, 24GB (10^9 bytes) or 1.5e9",
+         "the memory each visit may fill, e.g. 22GiB, 512MiB, 24GB (10^9 bytes) or 1.5e9, instead of the GPU's "
+         "usable memory: the automatic UFP (bcd --ufp auto, plan) is the fewest blocks that fit it",
          dict(type=memory_size, metavar="SIZE")),
     Flag("--gpu", "blocks", "gpu", f"with --ufp auto: the budget is this GPU's usable memory in the planner "
                                    f"({USABLE_FRACTION:.0%}% of its own, as `preinfer plan --gpu`)",
@@ -121,16 +145,19 @@ TRAINING_FLAGS: list[Flag] = [
          "keep each block's optimizer state between its visits (costs that state's memory for every block: 2x "
          "the model's weights for Adam) instead of dropping it after each visit", SWITCH),
     Flag("--steps-per-visit", "stop", "steps_per_visit", "step budget per visit", dict(type=positive_int)),
-    Flag("--epochs-per-visit", "stop", "epochs_per_visit", "epoch budget per visit", dict(type=positive_float),
+    Flag("--epochs-per-visit", "stop", "epochs_per_visit", "epoch budget per visit (one caching pass serves them "
+         "all)", dict(type=positive_float),
          unset=f"{shown(DEFAULT_EPOCHS_PER_VISIT)} when no other stopping rule is given"),
     Flag("--patience", "stop", "patience", "plateau rule: steps without improvement", dict(type=positive_int)),
     Flag("--min-delta", "stop", "min_delta", "plateau rule: improvement that counts", dict(type=float)),
     Flag("--out", "run", "out", "run directory (local)", dict(type=local_directory)),
     Flag("--mode", "run", "mode", "bcd, or full-parameter training", dict(choices=["bcd", "full"])),
-    Flag("--seed", "run", "seed", "seed of initialisation, data order and block order", dict(type=int)),
+    Flag("--seed", "run", "seed", "seed of a preset's initialisation, and of a run's data and block "
+         "order", dict(type=int)),
     Flag("--checkpoint-every", "run", "checkpoint_every", "steps between checkpoints; 0 = after every visit",
          dict(type=non_negative_int)),
-    Flag("--device", "run", "device", "cpu, cuda, cuda:1 ...", dict(type=device)),
+    Flag("--device", "run", "device", "cpu, cuda, cuda:1 ...; with --dask local:N and a bare cuda, worker i takes GPU "
+                                      "i mod the visible GPUs", dict(type=device)),
     Flag("--precision", "run", "precision",
          "fp32, or every weight in 16 bits with fp32 masters, gradients and optimizer state for the active block "
          "only (fp16-mixed adds dynamic loss scaling); auto follows the model's weights",
@@ -156,13 +183,15 @@ PRE_INFERENCE_FLAGS: list[Flag] = [
          dict(choices=["auto", "on", "off"])),
     Flag("--store-dir", "pre_inference", "store_dir", "where the run keeps its stores: a local path or "
          "s3://BUCKET/PATH", dict(type=store_location), unset="<out>/stores"),
-    Flag("--store-format", "pre_inference", "store_format", "store backend", dict(choices=["zarr", "safetensors"])),
-    Flag("--store-dtype", "pre_inference", "store_dtype", "storage dtype; auto = the compute dtype, bit-exact; "
-         "float8_e4m3, float8_e5m2, int8: lossy 8-bit with a per-token scale (error measured per shard)",
+    Flag("--store-format", "pre_inference", "store_format", "store format", dict(choices=["zarr", "safetensors"])),
+    Flag("--store-dtype", "pre_inference", "store_dtype", "storage dtype of hidden states; auto = the compute dtype, "
+         "bit-exact; float8_e4m3, float8_e5m2, int8: lossy 8-bit codes with a per-token scale, decoding error "
+         "measured per shard",
          dict(choices=["auto", "float32", "bfloat16", "float16", "float8_e4m3", "float8_e5m2", "int8"])),
     Flag("--keep-stores", "pre_inference", "keep_stores", "keep stores that are no longer usable", SWITCH),
     Flag("--dask", "pre_inference", "dask",
-         "build stores on Dask: local:N (N worker processes) or tcp://HOST:PORT (not under torchrun)"),
+         "build stores on Dask: local:N (a LocalCluster of N worker processes, one Dask thread and cores/N torch "
+         "threads each) or tcp://HOST:PORT (an existing scheduler; not under torchrun)"),
 ]
 
 # Flags of `train` only: the cache it trains from.
@@ -175,17 +204,187 @@ STORE_FLAGS: list[Flag] = [
 ]
 
 
+# Flags of several commands that set no config field.
+SHARED_FLAGS: list[Flag] = [
+    Flag("--config", help="a TOML config file; flags override its values"),
+    Flag("--resume", help="continue the run in --out from its last checkpoint (its config.toml, then flags)",
+         options=ON),
+    Flag("--s3-endpoint", help="S3-compatible endpoint of s3:// stores, e.g. http://127.0.0.1:9000 (sets "
+                               "AWS_ENDPOINT_URL_S3)", options=dict(metavar="URL"),
+         unset="AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, else AWS"),
+    Flag("path", help=STORE, options=dict(metavar="STORE", type=store_location)),
+    Flag("--quiet", help="no progress bar", options=ON),
+    Flag("--json", help="print the result as JSON instead of text", options=ON),
+]
+
+
+def _prices() -> str:
+    """The GPU table's prices as one phrase."""
+    return ", ".join(f"{name} ${gpu['price']:.2f}" for name, gpu in GPUS.items() if gpu["price"] is not None)
+
+
+# Flags of one command (its meaning of a name other commands use differently, too). Defaults that are a job's
+# options (CacheOptions, TokenizeOptions) come from the command, which imports the job.
+COMMAND_FLAGS: dict[str, list[Flag]] = {
+    "cache": [
+        Flag("--boundary", help="K in [1, layers]: store the input of layer K (embedding and layers [0, K) are run)",
+             options=dict(type=int, required=True)),
+        Flag("--out", help="cache directory: one store per split in OUT/<split>/ and an index OUT/cache.json; a "
+                           "local path or s3://BUCKET/PATH", options=dict(type=store_location, required=True)),
+        Flag("--splits", help="comma-separated splits to cache"),
+        Flag("--from-store", help="roll forward: run only layers [K, --boundary) over the cache (or store) at "
+                                  "boundary K", options=dict(metavar="STORE_K", type=store_location)),
+        Flag("--codec", help="zarr codec: blosc-zstd, blosc-lz4, zstd, none", unset="blosc-zstd; none for safetensors"),
+        Flag("--samples-per-shard", help="samples per shard (the unit of writing, resuming and Dask tasks)",
+             options=dict(type=positive_int), unset="about 64 MiB of hidden states per shard, at least 1"),
+        Flag("--workers", help="1: one process, writing overlapped with compute; N > 1 is --dask local:N",
+             options=dict(type=positive_int), default=1),
+        Flag("--retries", help="times a failed shard is retried before the job gives up on it",
+             options=dict(type=non_negative_int)),
+        Flag("--resume", help="compute only the shards missing from the store at --out (the default)", options=ON),
+        Flag("--overwrite", help="replace a store with another fingerprint (or layout) at --out", options=ON),
+    ],
+    "eval": [
+        Flag("--split", help="the split to evaluate", options=dict(choices=["eval", "train"]), default="eval"),
+    ],
+    "verify": [
+        Flag("--sample", help="samples per store to recompute and compare, chosen at random",
+             options=dict(type=non_negative_int), default=8),
+        Flag("--seed", help="seed of the sample choice", options=dict(type=int), default=0),
+        Flag("--model-seed", "run", "seed", "initialisation seed of a preset", dict(type=int)),
+    ],
+    "tokenize": [
+        Flag("--data", help=f"the corpus to tokenise: {CORPUS}"),
+        Flag("--text-column", help="the field (.jsonl) or column (.parquet) that holds LM text"),
+        Flag("--out", help="the token store's directory: OUT/train/ and OUT/eval/ (zarr stores) and "
+                           "OUT/token-store.json", options=dict(required=True)),
+        Flag("--workers", help="processes that tokenise; the store is the same for any number",
+             options=dict(type=positive_int)),
+        Flag("--samples-per-shard", help="samples per shard (the unit of writing, resuming and reading)",
+             options=dict(type=positive_int), unset="about 4 MiB of ids"),
+        Flag("--overwrite", help="replace a token store of another corpus or setting at --out (a resumable, "
+                                 "unfinished one too); without it, an interrupted run of the same command resumes",
+             options=ON),
+    ],
+    "plan": [
+        Flag("--model", help="a preset (tiny-llama, small-llama, ...), a local model directory, a config.json, or a "
+                             "size: 1.5b, 7b, 13b, 20b (standard shapes)", options=dict(required=True)),
+        Flag("--arch", help="shape family for a size given to --model", options=dict(choices=["llama", "gpt2"]),
+             default="llama"),
+        Flag("--gpu", help="GPU type: memory, peak FLOPs and default price", options=dict(choices=list(GPUS)),
+             default=Settings.gpu),
+        Flag("--gpu-mem", help="GPU memory in GB, overriding the --gpu table's",
+             options=dict(type=positive_float, metavar="GB")),
+        Flag("--micro-batch", help="sequences per micro-batch step", options=dict(type=positive_int),
+             default=Settings.micro_batch),
+        Flag("--ufp", help="unfrozen parameter fraction per visit, e.g. 1/3 or 0.25: ceil(1/UFP) blocks",
+             options=dict(type=unit_fraction), default=BlockConfig.ufp),
+        Flag("--dtype", help="float32; bf16-mixed (bf16 weights, 2 bytes/parameter; the trainable parameters' "
+                             "float32 masters, gradients and Adam moments, 16 bytes more, as the trainer holds "
+                             "them); bf16 (everything bf16)", options=dict(choices=list(DTYPES)),
+             default=Settings.dtype),
+        Flag("--recompute", help="activation recomputation for the BCD rows (the full-Adam row is shown both ways)",
+             options=ON),
+        Flag("--tokens", help="dataset / training token budget, e.g. 1e9: store size on disk, transfer times and "
+                              "cost", options=dict(type=token_count)),
+        Flag("--bandwidth-gbps", help="inter-GPU link bandwidth in Gbit/s for the traffic comparison",
+             options=dict(type=positive_float), default=Settings.bandwidth_gbps),
+        Flag("--pipeline", help="pipeline degree for the traffic comparison", options=dict(type=positive_int),
+             unset="the plan's own, at least 2"),
+        Flag("--store-dtype", help="storage dtype of boundary states; float8_e4m3, float8_e5m2, int8: 8-bit codes "
+                                   "plus a float32 scale per token", options=dict(choices=list(STORE_DTYPES)),
+             unset="float32 when training in float32, else bfloat16"),
+        Flag("--compression", help="store codec ratio", options=dict(type=positive_float),
+             unset=", ".join(f"{ratio:g} for {kind} stores" for kind, ratio in COMPRESSION.items())),
+        Flag("--price-per-hour", help="GPU price per hour", options=dict(type=positive_float, metavar="USD"),
+             unset=f"the paper's: {_prices()}"),
+        Flag("--mfu", help="assumed model-FLOPs utilisation for the cost estimate", options=dict(type=unit_fraction),
+             default=Settings.mfu),
+    ],
+    "demo": [
+        Flag("--out", help="directory for the two run directories and demo.png; an earlier demo there is replaced",
+             options=dict(type=local_directory), default="runs/demo"),
+    ],
+}
+
+FLAGS: dict[str, Flag] = {flag.name: flag for flag in [*TRAINING_FLAGS, *PRE_INFERENCE_FLAGS, *STORE_FLAGS,
+                                                       *SHARED_FLAGS]}
+
+
+# The data flags of the commands that read a dataset beside a model (`cache`, `eval`, `verify`).
+DATA_FLAGS = ("--data", "--tokenizer", "--eval-fraction", "--token-store")
+
+
+def option_defaults(options: Any) -> dict[str, Any]:
+    """The defaults of a job's options dataclass by flag name: {"--batch-size": 16, ...}."""
+    return {"--" + each.name.replace("_", "-"): getattr(options, each.name) for each in fields(options)}
+
+
+def flag(name: str, command: str | None = None) -> Flag:
+    """The definition of `name` in `command`: its own, else the one every command shares."""
+    own = {f.name: f for f in COMMAND_FLAGS.get(command, [])}
+    return own.get(name) or FLAGS[name]
+
+
 def add_training_flags(parser: argparse.ArgumentParser, extra: list[Flag] = (), skip: tuple[str, ...] = ()) -> None:
-    """Every training flag and `extra`, defaulting to None so that the config file and the defaults show
+    """--config, every training flag and `extra`, defaulting to None so that the config file and the defaults show
     through."""
-    parser.add_argument("--config", help="a TOML config file; flags override its values")
-    for flag in [*TRAINING_FLAGS, *extra]:
-        if flag.name not in skip:
-            options = flag.options
-            if "action" not in options and "choices" not in options:
-                options = {"metavar": flag.name.lstrip("-").upper().replace("-", "_"), **options}
-            parser.add_argument(flag.name, dest=f"{flag.section}__{flag.key}", default=None,
-                                help=flag.help_text(), **options)
+    add_flags(parser, "--config")
+    for each in [*TRAINING_FLAGS, *extra]:
+        if each.name not in skip:
+            each.add_to(parser, each.help_text(each.default_text(each.config_default())),
+                        dest=f"{each.section}__{each.key}", default=None)
+
+
+def add_flags(parser: Any, *names: str, command: str | None = None, defaults: dict[str, Any] | None = None,
+              from_run: Iterable[str] = (), required: Iterable[str] = (), renamed: dict[str, str] | None = None
+              ) -> None:
+    """The flags `names` of `command` (a parser or a group of one). Each defaults to its definition's default,
+    or to `defaults`' value (a required flag has none); a flag in `from_run` defaults to the run directory's
+    value, else to the config's; `renamed` gives an old spelling that still works, with a note when used."""
+    defaults, renamed = defaults or {}, renamed or {}
+    for name in names:
+        each = flag(name, command)
+        options: dict[str, Any] = dict(required=True) if name in required else {}
+        if name in from_run:
+            default, text = None, f"the run's, else {each.default_text(each.config_default())}"
+        elif options.get("required") or each.options.get("required"):
+            default = text = None
+        else:
+            default = defaults.get(name, each.default)
+            text = each.default_text(default)
+        note, old = "", renamed.get(name)
+        if old:
+            note, options = f" ({old}: the old spelling)", {**options, "action": Renamed}
+        if default is not None:
+            options["default"] = default
+        each.add_to(parser, each.help_text(text, note), *([old] if old else []), **options)
+
+
+class Renamed(argparse.Action):
+    """A flag with an old spelling that still works this version, with a note on stderr when it is used."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string != self.option_strings[0]:
+            print(f"{parser.prog}: note: {option_string} is deprecated, use {self.option_strings[0]}",
+                  file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def use_s3_endpoint(args: argparse.Namespace) -> None:
+    """Apply --s3-endpoint: s3:// locations of this process and of the Dask workers it starts read
+    AWS_ENDPOINT_URL_S3."""
+    if args.s3_endpoint:
+        os.environ["AWS_ENDPOINT_URL_S3"] = args.s3_endpoint
+
+
+def data_flags(args: argparse.Namespace, base: Config) -> DataConfig:
+    """The data section of a run's config (`base`) with the data flags given on top: --data, --eval-fraction,
+    --token-store and, where the command takes it, --seq-len."""
+    data = base.data
+    return replace(data, path=args.data or data.path, token_store=args.token_store or data.token_store,
+                   eval_fraction=data.eval_fraction if args.eval_fraction is None else args.eval_fraction,
+                   seq_len=getattr(args, "seq_len", None) or data.seq_len)
 
 
 def config_from_args(args: argparse.Namespace, path: str | None = None) -> Config:
@@ -209,6 +408,8 @@ def config_from_args(args: argparse.Namespace, path: str | None = None) -> Confi
 def config_for_command(args: argparse.Namespace) -> Config:
     """The config of a `bcd` or `train` run: with --resume the run's own config.toml, else --config; then
     the flags; a visit with no stopping rule gets one epoch."""
+    from preinfer.run_dir import RunDir  # imports torch: `plan` and the command list load this module without it
+
     path = str(RunDir(args.run__out or Config().run.out).config) if args.resume else None
     config = config_from_args(args, path=path)
     problem = device_problem(config.run.device)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from types import UnionType
 from typing import Any, get_args, get_type_hints
 
 from preinfer.errors import PreinferError, UsageError
+from preinfer.sizes import parse_size
 
 
 @dataclass
@@ -32,7 +34,8 @@ class DataConfig:
 @dataclass
 class BlockConfig:
     ufp: str | None = "1/3"  # unfrozen parameter fraction per block ("auto": the fewest blocks that fit the budget)
-    memory_budget: int | float | str | None = None  # with ufp = "auto": bytes a visit may fill, e.g. "22GiB", 1.5e9
+    # with ufp = "auto": bytes a visit may fill; the config file may write a size, e.g. "22GiB" or 1.5e9
+    memory_budget: int | None = field(default=None, metadata={"parse": parse_size})
     gpu: str | None = None  # with ufp = "auto": the budget is this GPU's usable memory in the planner (4090, ...)
     blocks: int | None = None  # number of blocks (instead of ufp)
     ranges: str | None = None  # explicit inclusive layer ranges, e.g. "0-3,4-7" (instead of ufp)
@@ -45,6 +48,12 @@ class BlockConfig:
     experts: str | None = None  # "top:0.5": in sparse layers train only the experts carrying that share of tokens
     experts_with: str = "router,shared,attention,rest"  # what trains with the chosen experts ("none": nothing)
     experts_sample: int = 8  # training batches whose routing picks the experts
+
+
+# The reference paper's defaults of the optimizers, and the learning-rate decays after warmup.
+DEFAULT_LR = {"sgd": 0.1, "adam": 5e-5, "adamw": 5e-5}
+DEFAULT_WEIGHT_DECAY = {"sgd": 1e-5, "adam": 0.0, "adamw": 0.01}
+LR_DECAYS = ("none", "linear", "cosine")
 
 
 @dataclass
@@ -158,6 +167,7 @@ def _apply(config: Config, values: dict, source: str) -> None:
         if not is_dataclass(target) or not isinstance(entries, dict):
             raise UsageError(f"{source}: unknown config section [{section}]")
         hints = get_type_hints(type(target))
+        parsers = {f.name: f.metadata["parse"] for f in fields(target) if "parse" in f.metadata}
         for key, value in entries.items():
             if section == "data" and key == "eval_batches":
                 raise UsageError(f"{source}: [data] eval_batches is gone: write eval_tokens (tokens evaluated; 0: all)")
@@ -167,7 +177,17 @@ def _apply(config: Config, values: dict, source: str) -> None:
             if key not in hints:
                 raise UsageError(f"{source}: unknown key '{key}' in [{section}]")
             if value is not None:
-                setattr(target, key, _coerce(value, hints[key], f"{source}: [{section}] {key}"))
+                where = f"{source}: [{section}] {key}"
+                parsed = _parse(value, parsers[key], where) if key in parsers else _coerce(value, hints[key], where)
+                setattr(target, key, parsed)
+
+
+def _parse(value: Any, parse: Callable[[Any], Any], where: str) -> Any:
+    """A value written as text (a size) in the form the config holds (bytes)."""
+    try:
+        return parse(value)
+    except UsageError as error:
+        raise UsageError(f"{where} = {value!r}: {error}") from None
 
 
 def _coerce(value: Any, hint: Any, where: str) -> Any:

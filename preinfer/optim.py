@@ -8,12 +8,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from preinfer.config import OptimConfig, StopConfig
+from preinfer.config import DEFAULT_LR, DEFAULT_WEIGHT_DECAY, LR_DECAYS, OptimConfig, StopConfig
 from preinfer.errors import UsageError
-
-# The reference paper's defaults.
-DEFAULT_LR = {"sgd": 0.1, "adam": 5e-5, "adamw": 5e-5}
-DEFAULT_WEIGHT_DECAY = {"sgd": 1e-5, "adam": 0.0, "adamw": 0.01}
 
 
 def build_optimizer(params: list[nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -27,9 +23,6 @@ def build_optimizer(params: list[nn.Parameter], cfg: OptimConfig) -> torch.optim
         return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=wd)
     cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
     return cls(params, lr=lr, betas=tuple(cfg.betas), weight_decay=wd)
-
-
-LR_DECAYS = ("none", "linear", "cosine")
 
 
 @dataclass(frozen=True)

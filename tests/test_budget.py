@@ -10,7 +10,6 @@ import pytest
 
 from cli_run import run_cli
 import preinfer
-from pipelines.arguments import parse_size
 from pipelines.training import partition_for
 from preinfer.errors import UsageError
 from preinfer.memory.budget import budget_settings, blocks_for_budget
@@ -21,6 +20,7 @@ from preinfer.memory.settings import Settings
 from preinfer.memory.shapes import resolve_shape, shape_for_size
 from preinfer.metrics import parse_record
 from preinfer.presets import build_preset
+from preinfer.sizes import parse_size
 
 SEQ, BATCH = 32, 4
 TINY = ["--model", "tiny-llama", "--seq-len", str(SEQ), "--batch-size", str(BATCH), "--steps-per-visit", "2",

@@ -12,9 +12,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cli_run import run_cli
-from pipelines.arguments import shown
 from pipelines.cli import PROCESS_ENVIRONMENT, main
-from pipelines.flags import PRE_INFERENCE_FLAGS, STORE_FLAGS, TRAINING_FLAGS
+from pipelines.cache import STORE_DTYPES, STORE_FORMATS
+from pipelines.cli import COMMANDS
+from pipelines.flags import COMMAND_FLAGS, FLAGS, PRE_INFERENCE_FLAGS, SHARED_FLAGS, STORE_FLAGS, TRAINING_FLAGS, shown
 from pipelines.models import resolve_model
 from preinfer.config import BlockConfig
 from preinfer.memory.settings import Settings
@@ -144,7 +145,7 @@ def option_help(text: str) -> dict[str, str]:
     entries: dict[str, list[str]] = {}
     current: list[str] = []
     for line in text.split("options:", 1)[1].splitlines():
-        start = re.match(r"  (?:-\w, )?(--[a-z][a-z-]*)(.*)", line)
+        start = re.match(r"  (?:-\w, )?(--[a-z][a-z0-9-]*)(.*)", line)
         if start:
             current = entries.setdefault(start.group(1), [])
             line = start.group(2)
@@ -161,7 +162,7 @@ def test_help_shows_each_training_default_as_the_config_dataclass_has_it(command
     data_flags = {"--data", "--seq-len", "--eval-fraction", "--max-samples", "--samples-per-shard"}
     assert {flag.name for flag in flags} - set(helps) == (data_flags if command == "train" else set())
     for flag in (flag for flag in flags if flag.name in helps):
-        value = flag.default()
+        value = flag.config_default()
         if value is None:
             expected = f"[{flag.unset}]" if flag.unset else "["
             assert (expected in helps[flag.name]) == bool(flag.unset), (flag.name, helps[flag.name])
@@ -169,6 +170,53 @@ def test_help_shows_each_training_default_as_the_config_dataclass_has_it(command
             assert helps[flag.name].endswith(f"[{shown(value)}]"), (flag.name, helps[flag.name])
     assert helps["--batch-size"].endswith("[8]") and helps["--betas"].endswith("[0.9,0.95]")
     assert helps["--lr"].endswith("[sgd 0.1, adam 5e-05, adamw 5e-05]")
+
+
+def test_each_flag_is_defined_once():
+    shared = [flag.name for flag in [*TRAINING_FLAGS, *PRE_INFERENCE_FLAGS, *STORE_FLAGS, *SHARED_FLAGS]]
+    assert len(shared) == len(set(shared)) == len(FLAGS)
+    assert set(COMMAND_FLAGS) <= set(COMMANDS)
+    for command, flags in COMMAND_FLAGS.items():
+        names = [flag.name for flag in flags]
+        assert len(names) == len(set(names)), command
+
+
+def without_default(text: str) -> str:
+    """A flag's help without the default at its end."""
+    return re.sub(r" \[[^][]*\]$", "", text)
+
+
+# Flags that several commands take, and those commands.
+SHARED = {
+    "--data": ("bcd", "cache", "eval", "verify"),
+    "--tokenizer": ("bcd", "train", "cache", "eval", "verify", "tokenize"),
+    "--eval-fraction": ("bcd", "cache", "eval", "verify", "tokenize"),
+    "--seq-len": ("bcd", "cache", "eval", "tokenize", "plan"),
+    "--token-store": ("bcd", "train", "cache", "eval", "verify"),
+    "--model": ("bcd", "train", "cache", "eval", "verify"),
+    "--device": ("bcd", "train", "cache", "eval", "verify"),
+    "--dask": ("bcd", "cache"),
+    "--batch-size": ("bcd", "train", "cache", "eval"),
+    "--seed": ("bcd", "train", "cache"),
+    "--s3-endpoint": ("bcd", "train", "cache", "verify", "inspect"),
+    "--memory-budget": ("bcd", "train", "plan"),
+    "--json": ("cache", "eval", "inspect", "tokenize", "plan"),
+}
+
+
+@pytest.mark.parametrize("flag", SHARED)
+def test_a_flag_of_several_commands_has_one_help(flag, capsys):
+    helps = set()
+    for command in SHARED[flag]:
+        code, stdout, _ = run_cli([command, "--help"], capsys)
+        assert code == 0
+        helps.add(without_default(option_help(stdout)[flag]))
+    assert len(helps) == 1, helps
+
+
+def test_the_store_flags_offer_what_the_caching_job_takes():
+    assert FLAGS["--store-format"].options["choices"] == list(STORE_FORMATS)
+    assert FLAGS["--store-dtype"].options["choices"] == ["auto", *STORE_DTYPES]
 
 
 def test_plan_help_shows_the_planner_settings_defaults(capsys):

@@ -85,3 +85,25 @@ def test_flags_of_the_new_sections_reach_the_config(tmp_path):
     train = build_parser().parse_args(["train", "--store", "caches/k4", "--trust-store", "--out", str(tmp_path / "b")])
     config = config_for_command(train)
     assert (config.store.path, config.store.trust) == ("caches/k4", True)
+
+
+@pytest.mark.parametrize("written, expected", [('"22GiB"', 22 * 2**30), ("1.5e9", 1_500_000_000), ("4096", 4096),
+                                               ('"24GB"', 24 * 10**9)])
+def test_a_memory_budget_is_held_in_bytes_from_the_file_on(written, expected, tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text(f"[blocks]\nmemory_budget = {written}\n")
+    config = load_config(path)
+    assert config.blocks.memory_budget == expected and type(config.blocks.memory_budget) is int
+    path.write_text(dump_toml(config))
+    assert f"memory_budget = {expected}" in path.read_text() and load_config(path) == config
+
+
+@pytest.mark.parametrize("written", ['"a lot"', '"22GiBs"', "0", "true", '"-1GiB"'])
+def test_a_bad_memory_budget_in_the_file_is_one_line_naming_its_key(written, tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text(f"[blocks]\nmemory_budget = {written}\n")
+    with pytest.raises(UsageError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert "[blocks] memory_budget" in message and str(path) in message and "expected" in message
+    assert "\n" not in message

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import argparse
 
+from pipelines.flags import (
+    PRE_INFERENCE_FLAGS, add_flags, add_training_flags, config_for_command, print_summary, use_s3_endpoint,
+)
 from pipelines import training
-from pipelines.arguments import add_s3_endpoint, use_s3_endpoint
-from pipelines.flags import PRE_INFERENCE_FLAGS, add_training_flags, config_for_command, print_summary
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_training_flags(parser, extra=PRE_INFERENCE_FLAGS)
-    add_s3_endpoint(parser)
-    parser.add_argument("--resume", action="store_true",
-                        help="continue the run in --out from its last checkpoint (its config.toml, then flags)")
+    add_flags(parser, "--s3-endpoint", "--resume")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,20 +5,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 import preinfer
-from preinfer.config import Config
+from preinfer.config import Config, RunConfig
 from preinfer.errors import UsageError
 from pipelines.data.tokenizers import load_tokenizer
 from pipelines.cache import (
-    DEFAULT_SPLITS, STORE_DTYPES, STORE_FORMATS, CacheJobError, CacheOptions, CacheResult, cache_boundary,
-    check_boundary, roll_forward,
+    DEFAULT_SPLITS, CacheJobError, CacheOptions, CacheResult, cache_boundary, check_boundary, roll_forward,
 )
-from pipelines.arguments import (
-    add_s3_endpoint, device, non_negative_int, positive_int, store_location, use_s3_endpoint,
-)
-from pipelines.data_arguments import add_data_arguments, data_splits
+from pipelines.data.token_store.resolve import data_splits
+from pipelines.flags import DATA_FLAGS, add_flags, data_flags, option_defaults, use_s3_endpoint
 from pipelines.models import model_source
 from storage import location
 
@@ -26,64 +22,17 @@ from storage import location
 DEFAULTS = CacheOptions()
 
 
-class _Renamed(argparse.Action):
-    """A flag with an old spelling that still works this version, with a note on stderr when it is used."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        if option_string != self.option_strings[0]:
-            print(f"preinfer cache: note: {option_string} is deprecated, use {self.option_strings[0]}",
-                  file=sys.stderr)
-        setattr(namespace, self.dest, values)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True,
-                        help="a preset, a save_pretrained directory, or a BCD run directory (its current weights)")
-    parser.add_argument("--boundary", type=int, required=True,
-                        help="K in [1, layers]: store the input of layer K (embedding and layers [0, K) are run)")
-    parser.add_argument("--out", required=True, type=store_location,
-                        help="cache directory: one store per split in OUT/<split>/ and an index OUT/cache.json; "
-                             "a local path or s3://BUCKET/PATH")
-    add_data_arguments(parser)
-    parser.add_argument("--seq-len", type=positive_int, help="tokens per sample [the run's, else 128]")
-    parser.add_argument("--splits", default=",".join(DEFAULT_SPLITS),
-                        help="comma-separated splits to cache [train,eval]")
-    parser.add_argument("--from-store", metavar="STORE_K", type=store_location,
-                        help="roll forward: run only layers [K, --boundary) over the cache (or store) at boundary K")
-    parser.add_argument("--store-format", "--format", action=_Renamed, choices=STORE_FORMATS,
-                        default=DEFAULTS.store_format,
-                        help=f"store format (--format: the old spelling) [{DEFAULTS.store_format}]")
-    parser.add_argument("--codec", help="zarr codec: blosc-zstd, blosc-lz4, zstd, none [blosc-zstd; none for "
-                                        "safetensors]")
-    parser.add_argument("--store-dtype", "--dtype", action=_Renamed, choices=["auto", *STORE_DTYPES],
-                        default=DEFAULTS.store_dtype,
-                        help="storage dtype of hidden states; auto = the compute dtype, bit-exact; float8_e4m3, "
-                             "float8_e5m2, int8: lossy 8-bit codes with a per-token scale, decoding error measured "
-                             f"per shard (--dtype: the old spelling) [{DEFAULTS.store_dtype}]")
-    parser.add_argument("--batch-size", type=positive_int, default=DEFAULTS.batch_size,
-                        help=f"forward batch [{DEFAULTS.batch_size}]")
-    parser.add_argument("--samples-per-shard", type=positive_int,
-                        help="samples per shard (the unit of writing, resuming and Dask tasks) [about 64 MiB of "
-                             "hidden states per shard, at least 1]")
-    workers = parser.add_mutually_exclusive_group()
-    workers.add_argument("--workers", type=positive_int, default=1,
-                         help="1: one process, writing overlapped with compute; N > 1 is --dask local:N [1]")
-    workers.add_argument("--dask", help="local:N (a LocalCluster of N worker processes, one Dask thread and "
-                                        "cores/N torch threads each) or tcp://HOST:PORT (an existing scheduler)")
-    parser.add_argument("--retries", type=non_negative_int, default=DEFAULTS.retries,
-                        help=f"times a failed shard is retried before the job gives up on it [{DEFAULTS.retries}]")
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--resume", action="store_true",
-                      help="compute only the shards missing from the store at --out (the default)")
-    mode.add_argument("--overwrite", action="store_true",
-                      help="replace a store with another fingerprint (or layout) at --out")
-    parser.add_argument("--seed", type=int, help="initialisation seed of a preset [the run's, else 0]")
-    parser.add_argument("--device", type=device, default="cpu",
-                        help="cpu, cuda, cuda:1 ...; with --dask local:N and a bare cuda, worker i takes GPU i mod the "
-                             "visible GPUs [cpu]")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a summary line")
-    add_s3_endpoint(parser)
+    defaults = {**option_defaults(DEFAULTS), "--splits": ",".join(DEFAULT_SPLITS), "--device": RunConfig.device}
+    add_flags(parser, "--model", "--boundary", "--out", *DATA_FLAGS, "--seq-len", "--splits", "--from-store",
+              "--store-format", "--codec", "--store-dtype", "--batch-size", "--samples-per-shard", command="cache",
+              defaults=defaults, from_run=(*DATA_FLAGS, "--seq-len"), required=("--model",),
+              renamed={"--store-format": "--format", "--store-dtype": "--dtype"})
+    add_flags(parser.add_mutually_exclusive_group(), "--workers", "--dask", command="cache")
+    add_flags(parser, "--retries", command="cache", defaults=defaults)
+    add_flags(parser.add_mutually_exclusive_group(), "--resume", "--overwrite", command="cache")
+    add_flags(parser, "--seed", "--device", "--quiet", "--json", "--s3-endpoint", defaults=defaults,
+              from_run=("--seed",))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             check_boundary(staged, args.boundary)
             tokenizer = load_tokenizer(args.tokenizer or base.model.tokenizer)
-            datasets = data_splits(args, base, tokenizer, args.seq_len or base.data.seq_len, splits, not args.quiet)
+            datasets = data_splits(data_flags(args, base), tokenizer, splits, not args.quiet)
             result = cache_boundary(staged, datasets, tokenizer, args.boundary, out, options)
     except (PermissionError, NotADirectoryError, FileExistsError) as err:
         raise UsageError(f"--out {out}: {err.strerror or err} ({err.filename or out})") from None

@@ -11,7 +11,7 @@ from pathlib import Path
 from preinfer.config import Config
 from preinfer.metrics import CacheRecord, Record, plot_losses, read_metrics
 from preinfer.run_dir import RunDir
-from pipelines.arguments import local_directory
+from pipelines.flags import add_flags
 from pipelines import training
 
 
@@ -36,9 +36,7 @@ def demo_config(out: Path, pre_inference: str) -> Config:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="runs/demo", type=local_directory,
-                        help="directory for the two run directories and demo.png; an earlier demo there is "
-                             "replaced [runs/demo]")
+    add_flags(parser, "--out", command="demo")
 
 
 def run(args: argparse.Namespace) -> int:

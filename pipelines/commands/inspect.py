@@ -5,15 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from pipelines.arguments import add_s3_endpoint, store_location, use_s3_endpoint
+from pipelines.flags import add_flags, use_s3_endpoint
 from pipelines.cache.report import describe, format_description
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("path", metavar="STORE", type=store_location,
-                        help="a cache directory (all its splits) or a single store: a local path or s3://BUCKET/PATH")
-    parser.add_argument("--json", action="store_true", help="print the description as JSON")
-    add_s3_endpoint(parser)
+    add_flags(parser, "path", "--json", "--s3-endpoint")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,67 +5,23 @@ from __future__ import annotations
 import argparse
 import json
 
-from preinfer.config import BlockConfig
 from preinfer.errors import UsageError
 from preinfer.memory.layer_spans import blocks_for_ufp
 from preinfer.memory.plan import MemoryPlan, plan_memory
-from preinfer.memory.settings import DTYPES, GIB, GPUS, Settings
+from preinfer.memory.settings import GIB, Settings
 from preinfer.memory.shapes import SIZES, resolve_shape
-from preinfer.memory.traffic import COMPRESSION, STORE_DTYPES
-from pipelines.arguments import memory_size, positive_float, positive_int, token_count, unit_fraction
-
-
-def _prices() -> str:
-    """The GPU table's prices as one phrase."""
-    return ", ".join(f"{name} ${gpu['price']:.2f}" for name, gpu in GPUS.items() if gpu["price"] is not None)
+from pipelines.flags import add_flags
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `preinfer plan`; their defaults are `Settings`' (and the training default UFP)."""
-    parser.add_argument("--model", required=True,
-                        help="a preset (tiny-llama, small-llama, ...), a local model directory, a config.json, "
-                             "or a size: 1.5b, 7b, 13b, 20b (standard shapes)")
-    parser.add_argument("--arch", choices=["llama", "gpt2"], default="llama",
-                        help="shape family for a size given to --model")
-    parser.add_argument("--gpu", choices=list(GPUS), default=Settings.gpu,
-                        help="GPU type: memory, peak FLOPs and default price")
-    parser.add_argument("--gpu-mem", type=positive_float, metavar="GB",
-                        help="GPU memory in GB, overriding the --gpu table's")
-    parser.add_argument("--memory-budget", type=memory_size, metavar="SIZE",
-                        help="bytes a process may fill, e.g. 22GiB, 512MiB or 1.5e9, instead of the GPU's usable "
-                             "memory: the automatic UFP is then what `bcd --ufp auto --memory-budget SIZE` chooses")
-    parser.add_argument("--seq-len", type=positive_int, default=Settings.seq_len, help="tokens per sequence")
-    parser.add_argument("--micro-batch", type=positive_int, default=Settings.micro_batch,
-                        help="sequences per micro-batch step")
-    split = parser.add_mutually_exclusive_group()
-    split.add_argument("--ufp", type=unit_fraction, default=BlockConfig.ufp,
-                       help="unfrozen parameter fraction per visit, e.g. 1/3 or 0.25: ceil(1/UFP) blocks")
-    split.add_argument("--blocks", type=positive_int, help="number of blocks (instead of --ufp)")
-    parser.add_argument("--dtype", choices=list(DTYPES), default=Settings.dtype,
-                        help="float32; bf16-mixed (bf16 weights, 2 bytes/parameter; the trainable parameters' float32 "
-                             "masters, gradients and Adam moments, 16 bytes more, as the trainer holds them); "
-                             "bf16 (everything bf16)")
-    parser.add_argument("--recompute", action="store_true",
-                        help="activation recomputation for the BCD rows (the full-Adam row is shown both ways)")
-    parser.add_argument("--tokens", type=token_count,
-                        help="dataset / training token budget, e.g. 1e9: store size on disk, transfer times and cost")
-    parser.add_argument("--bandwidth-gbps", type=positive_float, default=Settings.bandwidth_gbps,
-                        help="inter-GPU link bandwidth in Gbit/s for the traffic comparison")
-    parser.add_argument("--pipeline", type=positive_int,
-                        help="pipeline degree for the traffic comparison [the plan's own, at least 2]")
-    parser.add_argument("--epochs-per-visit", type=positive_float, default=Settings.epochs_per_visit,
-                        help="epochs each BCD visit trains; one caching pass serves them all")
-    parser.add_argument("--store-dtype", choices=list(STORE_DTYPES),
-                        help="storage dtype of boundary states; float8_e4m3, float8_e5m2, int8: 8-bit codes plus a "
-                             "float32 scale per token [float32 when training in float32, else bfloat16]")
-    parser.add_argument("--compression", type=positive_float,
-                        help="store codec ratio [" + ", ".join(f"{ratio:g} for {kind} stores"
-                                                             for kind, ratio in COMPRESSION.items()) + "]")
-    parser.add_argument("--price-per-hour", type=positive_float, metavar="USD",
-                        help=f"GPU price per hour [the paper's: {_prices()}]")
-    parser.add_argument("--mfu", type=unit_fraction, default=Settings.mfu,
-                        help="assumed model-FLOPs utilisation for the cost estimate")
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    plan = dict(command="plan",
+                defaults={"--seq-len": Settings.seq_len, "--epochs-per-visit": Settings.epochs_per_visit})
+    add_flags(parser, "--model", "--arch", "--gpu", "--gpu-mem", "--memory-budget", "--seq-len", "--micro-batch",
+              **plan)
+    add_flags(parser.add_mutually_exclusive_group(), "--ufp", "--blocks", **plan)
+    add_flags(parser, "--dtype", "--recompute", "--tokens", "--bandwidth-gbps", "--pipeline", "--epochs-per-visit",
+              "--store-dtype", "--compression", "--price-per-hour", "--mfu", "--json", **plan)
 
 
 def settings_from_args(args: argparse.Namespace, layers: int) -> Settings:

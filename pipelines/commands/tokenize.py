@@ -5,36 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 
-from pipelines.flags import positive_int
+from pipelines.flags import add_flags, option_defaults
 from pipelines.data.token_store import TokenizeOptions, tokenize_corpus
 
 DEFAULTS = TokenizeOptions()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", default=DEFAULTS.data,
-                        help="a .txt, .jsonl (either also .gz or .zst) or .parquet file, a directory or a quoted glob "
-                             f"pattern of them, or builtin:pydoc [{DEFAULTS.data}]")
-    parser.add_argument("--tokenizer", default=DEFAULTS.tokenizer,
-                        help=f"'byte' (built-in) or a local HF tokenizer directory [{DEFAULTS.tokenizer}]")
-    parser.add_argument("--seq-len", type=positive_int, default=DEFAULTS.seq_len,
-                        help=f"tokens per sample [{DEFAULTS.seq_len}]")
-    parser.add_argument("--eval-fraction", type=float, default=DEFAULTS.eval_fraction,
-                        help=f"share of documents held out [{DEFAULTS.eval_fraction}]")
-    parser.add_argument("--text-column", default=DEFAULTS.text_column,
-                        help=f"the field (.jsonl) or column (.parquet) that holds LM text [{DEFAULTS.text_column}]")
-    parser.add_argument("--out", required=True,
-                        help="the token store's directory: OUT/train/ and OUT/eval/ (zarr stores) and "
-                             "OUT/token-store.json")
-    parser.add_argument("--workers", type=positive_int, default=DEFAULTS.workers,
-                        help=f"processes that tokenise; the store is the same for any number [{DEFAULTS.workers}]")
-    parser.add_argument("--samples-per-shard", type=positive_int,
-                        help="samples per shard (the unit of writing, resuming and reading) [about 4 MiB of ids]")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace a token store of another corpus or setting at --out (a resumable, unfinished "
-                             "one too); without it, an interrupted run of the same command resumes")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a summary line")
+    add_flags(parser, "--data", "--tokenizer", "--seq-len", "--eval-fraction", "--text-column", "--out", "--workers",
+              "--samples-per-shard", "--overwrite", "--quiet", "--json", command="tokenize",
+              defaults=option_defaults(DEFAULTS))
 
 
 def run(args: argparse.Namespace) -> int:

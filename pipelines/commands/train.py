@@ -5,16 +5,16 @@ from __future__ import annotations
 import argparse
 
 from preinfer.errors import UsageError
+from pipelines.flags import (
+    STORE_FLAGS, add_flags, add_training_flags, config_for_command, print_summary, use_s3_endpoint,
+)
 from pipelines import training
-from pipelines.arguments import add_s3_endpoint, use_s3_endpoint
-from pipelines.flags import STORE_FLAGS, add_training_flags, config_for_command, print_summary
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_training_flags(parser, extra=STORE_FLAGS, skip=("--data", "--seq-len", "--eval-fraction", "--max-samples",
                                                         "--samples-per-shard"))
-    add_s3_endpoint(parser)
-    parser.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    add_flags(parser, "--s3-endpoint", "--resume")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,28 +5,21 @@ from __future__ import annotations
 import argparse
 
 import preinfer
-from preinfer.config import Config
+from preinfer.config import Config, RunConfig
 from preinfer.errors import UsageError
 from pipelines.data.tokenizers import load_tokenizer
 from pipelines.cache.directory import DEFAULT_SPLITS, cache_splits
 from pipelines.cache.report import verify_cache
-from pipelines.arguments import add_s3_endpoint, device, non_negative_int, store_location, use_s3_endpoint
-from pipelines.data_arguments import add_data_arguments, data_splits
+from pipelines.data.token_store.resolve import data_splits
+from pipelines.flags import DATA_FLAGS, add_flags, data_flags, use_s3_endpoint
 from pipelines.models import model_source
 from storage import open_store
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("path", metavar="STORE", type=store_location,
-                        help="a cache directory (all its splits) or a single store: a local path or s3://BUCKET/PATH")
-    parser.add_argument("--model", help="recompute samples with this model (preset, directory or run directory)")
-    add_data_arguments(parser)
-    parser.add_argument("--sample", type=non_negative_int, default=8,
-                        help="samples per store to recompute and compare, chosen at random [8]")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sample choice [0]")
-    parser.add_argument("--model-seed", type=int, help="initialisation seed of a preset [the run's, else 0]")
-    parser.add_argument("--device", type=device, default="cpu", help="[cpu]")
-    add_s3_endpoint(parser)
+    add_flags(parser, "path", "--model", *DATA_FLAGS, "--sample", "--seed", "--model-seed", "--device",
+              "--s3-endpoint", command="verify", defaults={"--device": RunConfig.device},
+              from_run=(*DATA_FLAGS, "--model-seed"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,10 +35,11 @@ def run(args: argparse.Namespace) -> int:
         base = run_config or Config()
         staged = preinfer.stage(source.load().to(args.device).eval())
         tokenizer = load_tokenizer(args.tokenizer or base.model.tokenizer)
-        seq_len = int(open_store(next(iter(found.values())), check_files=False).fingerprint.parts.get(
-            "seq_len", base.data.seq_len))
+        data = data_flags(args, base)
+        data.seq_len = int(open_store(next(iter(found.values())), check_files=False).fingerprint.parts.get(
+            "seq_len", data.seq_len))
         names = [s for s in found if s] or list(DEFAULT_SPLITS)
-        datasets = data_splits(args, base, tokenizer, seq_len, names, progress=False)
+        datasets = data_splits(data, tokenizer, names, progress=False)
     checks = verify_cache(args.path, staged, datasets, tokenizer, samples=args.sample, seed=args.seed,
                           device=args.device)
     for check in checks:

@@ -11,7 +11,6 @@ from preinfer.errors import UsageError
 from preinfer.memory.settings import GPUS, Settings
 from preinfer.memory.shapes import shape_from_config
 from preinfer.partition import Partition, make_partition, parse_ranges, parse_ufp
-from pipelines.arguments import parse_size
 
 
 def partition_for(staged: preinfer.StagedModel, config: Config, first_layer: int = 0,
@@ -64,10 +63,7 @@ def memory_budget(blocks: BlockConfig) -> int:
         if blocks.gpu not in GPUS:
             raise UsageError(f"[blocks] gpu = {blocks.gpu!r} is not one of {', '.join(GPUS)}")
         return Settings(gpu=blocks.gpu).capacity()
-    try:
-        return parse_size(str(blocks.memory_budget))
-    except UsageError as error:
-        raise UsageError(f"[blocks] memory_budget: {error}") from None
+    return blocks.memory_budget
 
 
 def _active_ranges(active: str, first: int, num_layers: int) -> tuple[str, int]:

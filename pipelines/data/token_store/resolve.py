@@ -13,6 +13,7 @@ from pathlib import Path
 from pipelines.data.token_store.dataset import TokenStoreDataset, open_token_store
 from pipelines.data.token_store.job import TokenizeOptions, cache_path, token_fingerprint, tokenize_corpus
 from pipelines.data.token_store.layout import INFO, TokenStoreInfo, read_info
+from preinfer.config import DataConfig
 from preinfer.errors import UsageError
 from pipelines.data.tokenizers import Tokenizer
 
@@ -64,6 +65,18 @@ def token_splits(data: str, tokenizer: Tokenizer, seq_len: int, eval_fraction: f
     """The named splits of `data`'s token store (see `token_store_path`), read lazily."""
     path = token_store_path(data, tokenizer, seq_len, eval_fraction, root, progress)
     return {split: TokenStoreDataset(path, split) for split in splits}
+
+
+def data_splits(data: DataConfig, tokenizer: Tokenizer, splits: list[str], progress: bool = True
+                ) -> dict[str, TokenStoreDataset]:
+    """The named splits of a run's data (its corpus, sequence length, held-out share and token store root), read
+    lazily; a corpus that cannot be read is a UsageError naming it."""
+    try:
+        return token_splits(data.path, tokenizer, data.seq_len, data.eval_fraction, splits, data.token_store,
+                            progress)
+    except OSError as err:
+        raise UsageError(f"{err.filename or data.path}: cannot read it ({type(err).__name__}: "
+                         f"{err.strerror or err})") from None
 
 
 def eval_samples(eval_tokens: int, seq_len: int) -> int | None:

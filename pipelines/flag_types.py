@@ -1,18 +1,15 @@
-"""argparse pieces shared by every command: the types that turn a flag's text into a value (or say in one line
-what they expected), and the help formatter that shows each default. Torch-free at import, so that
-`preinfer plan` loads without torch."""
+"""The types that turn a flag's text into a value, or say in one line what they expected. Torch-free at import, so
+that `preinfer plan` loads without torch; the definitions of the flags themselves are in `pipelines.flags`."""
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
-import re
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
-from typing import Any
 
 from preinfer.errors import UsageError
+from preinfer.sizes import parse_size
 
 # Where CUDA builds of PyTorch come from (the tag names the CUDA version; pytorch.org lists the current ones).
 CUDA_WHEELS = "https://download.pytorch.org/whl/cu128"
@@ -72,27 +69,6 @@ def token_count(text: str) -> int:
     return int(value)
 
 
-# Units of a memory size: decimal (GB = 10^9 bytes, as GPU memory is sold) and binary (GiB = 2^30 bytes).
-SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-SIZE_PATTERN = re.compile(r"([0-9_]*\.?[0-9_]+(?:e[+-]?[0-9]{1,2})?)\s*([a-z]*)", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """Bytes (rounded down) of a size such as 22GiB, 512MiB, 24GB or 1.5e9; UsageError says what was expected."""
-    expected = f"a size such as 22GiB, 512MiB, 24GB or 1.5e9, got '{text}'"
-    match = SIZE_PATTERN.fullmatch(str(text).strip())
-    if match is None or match.group(2).lower() not in SIZE_UNITS:
-        raise UsageError(f"expected {expected}")
-    try:
-        value = int(Decimal(match.group(1)) * SIZE_UNITS[match.group(2).lower()])
-    except InvalidOperation:  # digits the pattern lets through, such as a lone '_'
-        raise UsageError(f"expected {expected}") from None
-    if value < 1:
-        raise UsageError(f"expected at least one byte, got '{text}'")
-    return value
-
-
 def memory_size(text: str) -> int:
     """A memory size in bytes (`parse_size`)."""
     try:
@@ -140,32 +116,6 @@ def device(text: str) -> str:
     return text
 
 
-def shown(value: Any) -> str:
-    """A default as --help writes it: floats without trailing zeros, lists as the flag takes them (0.9,0.95)."""
-    if isinstance(value, list):
-        return ",".join(shown(v) for v in value)
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    return f"{value:g}" if isinstance(value, float) else str(value)
-
-
-def run_or(default: Any) -> str:
-    """The help suffix of a flag that defaults to a run directory's value, else to `default`."""
-    return f"[the run's, else {shown(default)}]"
-
-
-class DefaultsHelpFormatter(argparse.HelpFormatter):
-    """Appends each flag's default to its help as [value], unless it has none (None, a switch that is off) or
-    its help already ends with one (a training flag's, from the config dataclass, or a phrase such as
-    [the run's, else 128])."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text, default = action.help or "", action.default
-        if not text or text.endswith("]") or default is None or default is False or default is argparse.SUPPRESS:
-            return text
-        return f"{text} [{shown(default).replace('%', '%%')}]"
-
-
 def store_location(text: str) -> str:
     """Where a store or cache is read or written: a local path, or a URL of a scheme stores support (s3://,
     memory://); any other scheme is refused rather than taken for a local directory."""
@@ -184,17 +134,3 @@ def local_directory(text: str) -> str:
     if sep and scheme != "file":
         raise argparse.ArgumentTypeError(f"{text}: a run directory must be a local path (only stores may be URLs)")
     return text.removeprefix("file://")
-
-
-def add_s3_endpoint(parser: argparse.ArgumentParser) -> None:
-    """The --s3-endpoint flag of the commands that read or write stores (see `use_s3_endpoint`)."""
-    parser.add_argument("--s3-endpoint", metavar="URL",
-                        help="S3-compatible endpoint of s3:// stores, e.g. http://127.0.0.1:9000 (sets "
-                             "AWS_ENDPOINT_URL_S3) [AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, else AWS]")
-
-
-def use_s3_endpoint(args: argparse.Namespace) -> None:
-    """Apply --s3-endpoint: s3:// locations of this process and of the Dask workers it starts read
-    AWS_ENDPOINT_URL_S3."""
-    if args.s3_endpoint:
-        os.environ["AWS_ENDPOINT_URL_S3"] = args.s3_endpoint
