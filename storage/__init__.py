@@ -16,6 +16,7 @@ from storage.errors import (
     UnsupportedLocationError,
 )
 from storage.locations import SCHEMES, Location, UrlPath, disk_bytes, free_bytes, location, remove_tree
+from storage.owner import OWNER_ENTRIES, OutputBusyError, owning
 from storage.manifest import FORMAT_VERSION, FORMATS, MANIFEST, FieldSpec, Fingerprint
 from storage.reader import Reader
 from storage.store import Store, format_ranges
@@ -27,5 +28,5 @@ __all__ = [
     "CorruptStoreError", "IncompleteStoreError", "LayoutMismatchError", "UnsupportedFormatError", "ENCODINGS",
     "Encoding", "bytes_per_token", "is_lossy", "merge_stats", "nonfinite_rows", "format_ranges",
     "UnsupportedLocationError", "location", "Location", "UrlPath", "SCHEMES", "remove_tree", "disk_bytes",
-    "free_bytes", "Blobs", "blobs_for",
+    "free_bytes", "Blobs", "blobs_for", "owning", "OutputBusyError", "OWNER_ENTRIES",
 ]

@@ -8,6 +8,7 @@ as an uninterrupted run. A second signal acts as usual."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -15,7 +16,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -28,7 +29,7 @@ import storage
 import preinfer
 from preinfer.budget import budget_line, budget_settings, plan_budget, visit_against_budget
 from preinfer.config import BlockConfig, Config, dump_toml
-from preinfer.errors import UsageError
+from preinfer.errors import PreinferError, UsageError
 from preinfer.memory_model import GPUS, Settings, shape_from_config
 from preinfer.meter import MemoryMeter
 from preinfer.metrics import (
@@ -161,24 +162,46 @@ def live_sources(data: Datasets, config: Config, shard: int, rank: int = 0, worl
 
 
 def check_run_dir(run: RunDir, resume: bool) -> None:
-    """Refuse an --out that is a file, that holds another run (unless resuming it), or nothing to resume."""
+    """Refuse an --out that is a file, a directory holding what a run does not write, another run (unless resuming
+    it; a run that stopped before its first checkpoint may be started again), or nothing to resume."""
     out = run.path
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file, not a directory")
     if resume:
-        if not run.checkpoint.is_dir():
+        if not run.has_checkpoint():
             raise UsageError(f"--resume: {out} holds no checkpoint to resume from")
         return
-    if run.holds_run():
+    foreign = run.foreign_entries()
+    if foreign:
+        raise UsageError(f"--out {out} is not a run directory (it holds {foreign[0]!r}"
+                         f"{' ...' if len(foreign) > 1 else ''}); choose an empty or new directory, nothing was deleted")
+    if run.holds_run() and not run.failed_start():
         raise UsageError(f"--out {out} already holds a run; pass --resume to continue it or choose another --out")
 
 
+@contextlib.contextmanager
+def owning_run(run: RunDir, resume: bool, rank: int = 0) -> Iterator[None]:
+    """Hold the run directory for the whole job (rank 0, for every rank), then check it (`check_run_dir`)."""
+    held = storage.owning(run.path, "--out") if rank == 0 else contextlib.nullcontext()
+    with held:
+        if rank == 0:
+            check_run_dir(run, resume)
+        yield
+
+
 def prepare_run_dir(run: RunDir, config: Config, resume: bool) -> None:
-    """Create the run directory with its config (a resumed run keeps its own); refusals as `check_run_dir`."""
+    """Create the run directory with its config (a resumed run keeps its own; a run started again after a failed
+    start drops that start's metrics); refusals as `check_run_dir`."""
     check_run_dir(run, resume)
-    if not resume:
+    if resume:
+        return
+    try:
         run.path.mkdir(parents=True, exist_ok=True)
-        run.config.write_text(dump_toml(config))
+        run.metrics.unlink(missing_ok=True)
+        run.write_config(dump_toml(config))
+    except OSError as err:
+        raise PreinferError(f"writing {run.config} failed ({err.strerror or err}); nothing of the run is written, "
+                            f"free space or fix the directory, then run the same command again") from None
 
 
 def init_distributed(device: str) -> tuple[int, int]:
@@ -194,11 +217,14 @@ def init_distributed(device: str) -> tuple[int, int]:
 
 def run_bcd(config: Config, resume: bool = False, quiet: bool = False) -> dict:
     """Train a whole model as configured (prefix live, or from stores with pre-inference) and write the run
-    directory; returns the summary."""
-    run = RunDir(config.run.out)
+    directory, held for the whole job (`owning_run`); returns the summary."""
     rank, world = init_distributed(config.run.device)
-    if rank == 0:
-        check_run_dir(run, resume)
+    with owning_run(RunDir(config.run.out), resume, rank):
+        return _run_bcd(config, resume, quiet, rank, world)
+
+
+def _run_bcd(config: Config, resume: bool, quiet: bool, rank: int, world: int) -> dict:
+    run = RunDir(config.run.out)
     model = resolve_model(config.model.name, seed=config.run.seed).to(config.run.device)
     notes = [set_precision(model, config)]
     data = load_datasets(config, quiet)
@@ -220,11 +246,15 @@ def run_bcd(config: Config, resume: bool = False, quiet: bool = False) -> dict:
 
 
 def run_from_store(config: Config, resume: bool = False, quiet: bool = False) -> dict:
-    """Train the blocks above a cache's boundary from its stores; the prefix is never loaded."""
-    run = RunDir(config.run.out)
+    """Train the blocks above a cache's boundary from its stores (the prefix is never loaded), the run directory
+    held for the whole job."""
     rank, world = init_distributed(config.run.device)
-    if rank == 0:
-        check_run_dir(run, resume)
+    with owning_run(RunDir(config.run.out), resume, rank):
+        return _run_from_store(config, resume, quiet, rank, world)
+
+
+def _run_from_store(config: Config, resume: bool, quiet: bool, rank: int, world: int) -> dict:
+    run = RunDir(config.run.out)
     stores = open_cache(config.store.path, splits=["train", "eval"])
     boundary = int(stores["train"].fingerprint.parts["boundary"])
     tokenizer = load_tokenizer(config.model.tokenizer)

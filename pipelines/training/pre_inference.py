@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -28,17 +29,19 @@ import torch
 import torch.distributed as dist
 
 from preinfer.config import Config
+from preinfer.errors import UsageError
 from preinfer.metrics import CacheRecord, PlanOutcomeRecord, PreInferenceRecord, Record, SweepPlanRecord
 from preinfer.optim import step_budget
 from preinfer.partition import Block
 from preinfer.run_dir import RunDir
 from preinfer.batch_source import BatchSource
 from preinfer.staged import StagedModel
-from storage import Location, StorageError, free_bytes, location, remove_tree
+from storage import Location, StorageError, blobs_for, free_bytes, location, owning, remove_tree
 from pipelines.training import sweep_plan
 from pipelines.cache import (
     CacheOptions, CacheResult, Part, bytes_per_token, cache_boundary, cache_fingerprint, open_cache, roll_forward,
 )
+from pipelines.cache.directory import check_out
 from pipelines.data.batches import ReaderBatches
 from pipelines.training.sweep_plan import (Plan, SweepPlan, Throughputs, Visit, Workload, plan_sweep, store_cost,
                                   visit_seconds)
@@ -74,6 +77,19 @@ class Tally:
     builds: int = 0
 
 
+STORE_NAME = re.compile(r"(boundary-|probe-rank)\d+")  # what pre-inference writes under its store directory
+
+
+def check_store_dir(root: Location) -> None:
+    """Refuse a store directory holding anything pre-inference does not write there (its stores, its probes)."""
+    if not root.is_dir():
+        return
+    foreign = sorted(p.name for p in root.iterdir() if not p.name.startswith(".") and not STORE_NAME.fullmatch(p.name))
+    if foreign:
+        raise UsageError(f"--store-dir {root} holds {foreign[0]!r}, which pre-inference does not write; choose an "
+                         f"empty or new directory, nothing was deleted")
+
+
 class PreInference:
     """A `preinfer.batch_source.VisitSources` that trains blocks above the input from stores (mode `on` or `auto`)."""
 
@@ -83,6 +99,7 @@ class PreInference:
         self.live, self.shard, self.rank, self.world = live, shard, rank, world
         self.mode = config.pre_inference.mode
         self.root = location(config.pre_inference.store_dir or RunDir(config.run.out).stores)
+        check_store_dir(self.root)
         settings = config.pre_inference  # checked here, before the run directory is made
         self.device = next(p for p in staged.model.parameters() if not p.is_meta).device
         self.options = CacheOptions(store_format=settings.store_format, store_dtype=settings.store_dtype,
@@ -319,16 +336,18 @@ class PreInference:
         train = self.datasets["train"]
         samples = max(1, min(self.shard, len(train), PROBE_BYTES // self.work.sample_bytes))
         out = self.root / f"probe-rank{self.rank}"  # each rank times its own writes
-        try:
-            result = cache_boundary(self.staged, {"probe": train.head(samples)}, self.tokenizer, 1, out,
-                                    self.options)
-            if result.write_seconds > 0:
-                self.rates = dataclasses.replace(self.rates,
-                                                 write_bps=samples * self.work.sample_bytes / result.write_seconds)
-            self._measure_read(out, "probe")
-        finally:
-            deleting = time.perf_counter()
-            remove_tree(out)
+        check_out(out, ["probe"], "overwrite")  # a directory that is not a probe's is refused, untouched
+        with owning(out, "--store-dir", temporary=True):  # held around the caching job's own hold of it
+            try:
+                result = cache_boundary(self.staged, {"probe": train.head(samples)}, self.tokenizer, 1, out,
+                                        self.options)
+                if result.write_seconds > 0:
+                    self.rates = dataclasses.replace(self.rates,
+                                                     write_bps=samples * self.work.sample_bytes / result.write_seconds)
+                self._measure_read(out, "probe")
+            finally:
+                deleting = time.perf_counter()
+                blobs_for(out).remove_all()  # the probe's own store (the directory goes with the lock)
         # the store's fixed cost (open, check, finalize, index, delete) until the first real store measures it
         overhead = result.seconds - result.forward_seconds - result.write_seconds + time.perf_counter() - deleting
         self.rates = dataclasses.replace(self.rates, store_overhead_s=max(overhead, 0.0))
