@@ -22,7 +22,8 @@ from storage import (
 )
 from pipelines.cache import dask_runner
 from pipelines.cache.directory import (
-    CACHE_FORMAT, CACHE_INDEX, cache_splits, check_out, holds_only_store_entries, read_index, write_index,
+    CACHE_FORMAT, CACHE_INDEX, cache_splits, check_not_a_file, check_out, holds_only_store_entries, read_index,
+    write_index,
 )
 from pipelines.cache.fingerprints import (
     check_boundary, default_samples_per_shard, dtype_name, state_fingerprint, store_fields,
@@ -51,10 +52,11 @@ def cache_boundary(staged: StagedModel, datasets: Mapping[str, TokenSamples], to
     if not datasets:
         raise UsageError("no splits to cache")
     out = location(out)
-    check_out(out, list(datasets), opts.mode)
-    prefix = prefix if prefix is not None else prefix_digest(staged, boundary)
-    token_fp = tokenizer.fingerprint()
+    check_not_a_file(out)
     with _owning(out, opts):
+        check_out(out, list(datasets), opts.mode)
+        prefix = prefix if prefix is not None else prefix_digest(staged, boundary)
+        token_fp = tokenizer.fingerprint()
         jobs = []
         for name, dataset in datasets.items():
             fp = state_fingerprint(prefix, boundary, dataset.fingerprint(), token_fp, dataset.seq_len,
@@ -84,8 +86,9 @@ def roll_forward(staged: StagedModel, source: str | os.PathLike, boundary: int, 
         found = {s: found[s] for s in splits}
     if source.resolve() == out.resolve() or any(p.resolve() == out.resolve() for p in found.values()):
         raise UsageError("--out must differ from --from-store (a roll-forward writes a new store)")
-    check_out(out, list(found), opts.mode)
+    check_not_a_file(out)
     with _owning(out, opts):
+        check_out(out, list(found), opts.mode)
         return _roll_forward_jobs(staged, found, source, boundary, out, opts, started)
 
 

@@ -154,7 +154,7 @@ def test_a_second_job_on_a_held_output_exits_1_naming_the_holder(command, tmp_pa
     finally:
         holder.stdin.close()
         holder.wait()
-    assert code == 1
+    assert code == 1, err
     assert f"pid {holder.pid} on host {HOST}" in one_line(err)
     assert (out / "theirs.bin").read_text() == "being written"
 
