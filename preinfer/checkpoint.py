@@ -42,7 +42,8 @@ def save_checkpoint(path: Path, model: nn.Module, optimizers: dict[int, dict], t
     atomically replaces `path` (see the module's docstring)."""
     tmp, old = _sibling(path, ".tmp"), _sibling(path, ".old")
     _settle(path)
-    shutil.rmtree(tmp, ignore_errors=True)
+    for leftover in (tmp, old):  # a killed save's: the newest complete checkpoint is at `path` now
+        shutil.rmtree(leftover, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(resident_state(model), str(tmp / WEIGHTS), metadata={"format": "pt"})
     tensors, optim_meta = {}, {}

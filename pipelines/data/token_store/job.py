@@ -133,6 +133,7 @@ def tokenize_corpus(options: TokenizeOptions) -> TokenizeResult:
     with storage.owning(out, "--out"):  # held for the whole job; a new --out that gets nothing goes again
         found = _prepare(out, fingerprint, options.overwrite)
         if found is not None:
+            Staging(out / STAGING).remove()  # what a job killed after describing the store left
             return TokenizeResult(out, found, True, 0, 0, time.perf_counter() - started)
         return _build(options, tokenizer, fingerprint, out, started)
 
