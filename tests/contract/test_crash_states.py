@@ -41,6 +41,15 @@ def files(root: Path) -> dict[str, bytes]:
     return found
 
 
+def reference_run(tmp_path_factory, argv: list[str]) -> Path:
+    """Run `preinfer ARGV` uninterrupted, its `--out` (last) moved into a fresh directory; returns that path."""
+    from pipelines.cli import main
+
+    out = tmp_path_factory.mktemp("reference") / argv[-1]
+    assert main([*argv[:-1], str(out)]) == 0
+    return out
+
+
 # ---- checkpoints ----
 
 
@@ -52,10 +61,7 @@ def bcd_args(corpus: str, out: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, corpus) -> dict[str, torch.Tensor]:
-    out = tmp_path_factory.mktemp("reference") / "run"
-    from pipelines.cli import main
-
-    assert main(bcd_args(corpus, out)) == 0
+    out = reference_run(tmp_path_factory, bcd_args(corpus, Path("run")))
     return load_file(str(out / "checkpoint" / "model.safetensors"))
 
 
@@ -121,11 +127,7 @@ def cache_args(corpus: str, out: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def cached(tmp_path_factory, corpus) -> dict[str, bytes]:
-    out = tmp_path_factory.mktemp("reference") / "cache"
-    from pipelines.cli import main
-
-    assert main(cache_args(corpus, out)) == 0
-    return files(out)
+    return files(reference_run(tmp_path_factory, cache_args(corpus, Path("cache"))))
 
 
 STORE_PHASES = [
@@ -137,17 +139,6 @@ STORE_PHASES = [
 ]
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-@pytest.mark.parametrize("phase", STORE_PHASES)
-def test_a_cache_killed_at_any_publish_phase_resumes_to_the_same_bytes(phase, tmp_path, corpus, cached, capsys):
-    out = tmp_path / "cache"
-    killed_at(phase, cache_args(corpus, out))
-    code, _, err = run_cli(cache_args(corpus, out), capsys)
-    assert code == 0, err
-    assert files(out) == cached
-
-
 # ---- token stores ----
 
 
@@ -157,11 +148,7 @@ def tokenize_args(corpus: str, out: Path, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def tokenized(tmp_path_factory, corpus) -> dict[str, bytes]:
-    out = tmp_path_factory.mktemp("reference") / "tokens"
-    from pipelines.cli import main
-
-    assert main(tokenize_args(corpus, out)) == 0
-    return files(out)
+    return files(reference_run(tmp_path_factory, tokenize_args(corpus, Path("tokens"))))
 
 
 TOKENIZE_PHASES = [
@@ -172,15 +159,21 @@ TOKENIZE_PHASES = [
 ]
 
 
+PUBLISH_PHASES = [("cache", phase) for phase in STORE_PHASES] + [("tokenize", phase) for phase in TOKENIZE_PHASES]
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("phase", TOKENIZE_PHASES)
-def test_tokenize_killed_at_any_publish_phase_resumes_to_the_same_bytes(phase, tmp_path, corpus, tokenized, capsys):
-    out = tmp_path / "tokens"
-    killed_at(phase, tokenize_args(corpus, out))
-    code, _, err = run_cli(tokenize_args(corpus, out), capsys)
+@pytest.mark.parametrize("job, phase", PUBLISH_PHASES)
+def test_a_job_killed_at_any_publish_phase_resumes_to_the_same_bytes(job, phase, tmp_path, corpus, request, capsys):
+    """The caching job (store publish) and tokenize (token store publish), killed, then the same command again."""
+    argv = {"cache": cache_args, "tokenize": tokenize_args}[job]
+    uninterrupted = request.getfixturevalue({"cache": "cached", "tokenize": "tokenized"}[job])
+    out = tmp_path / "out"
+    killed_at(phase, argv(corpus, out))
+    code, _, err = run_cli(argv(corpus, out), capsys)
     assert code == 0, err
-    assert files(out) == tokenized
+    assert files(out) == uninterrupted
 
 
 @pytest.mark.parametrize("extra", [[], ["--overwrite"]], ids=["rerun", "overwrite"])

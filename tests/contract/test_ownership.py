@@ -36,6 +36,14 @@ def snapshot(root: Path) -> dict[str, bytes]:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+def users_files(root: Path, *names: str) -> dict[str, bytes]:
+    """Files of a user's under `root`; their snapshot."""
+    for name in names:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(f"the user's {name}")
+    return snapshot(root)
+
+
 def one_line(err: str) -> str:
     """The error line of a refused command, asserting there is exactly one and no traceback."""
     lines = [line for line in err.strip().splitlines() if line.strip()]
@@ -59,10 +67,7 @@ def cache_args(corpus: str, out: str, *extra: str) -> list[str]:
 ], ids=["bcd", "train", "cache", "tokenize"])
 def test_a_directory_of_the_users_is_refused_and_kept(command, tmp_path, capsys):
     out = tmp_path / "mine"
-    (out / "checkpoint").mkdir(parents=True)
-    (out / "checkpoint" / "mine.txt").write_text("x")
-    (out / "loss.png").write_text("my plot")
-    before = snapshot(out)
+    before = users_files(out, "checkpoint/mine.txt", "loss.png")
     code, _, err = run_cli([*command, "--out", str(out)], capsys)
     assert code == 2
     line = one_line(err)
@@ -72,10 +77,7 @@ def test_a_directory_of_the_users_is_refused_and_kept(command, tmp_path, capsys)
 
 def test_a_store_dir_of_the_users_is_refused_and_kept(tmp_path, corpus, capsys):
     stores = tmp_path / "stores"
-    (stores / "probe-rank0").mkdir(parents=True)
-    (stores / "probe-rank0" / "mine.txt").write_text("x")
-    (stores / "notes.txt").write_text("mine")
-    before = snapshot(stores)
+    before = users_files(stores, "probe-rank0/mine.txt", "notes.txt")
     code, _, err = run_cli(["bcd", *TINY, "--data", corpus, "--blocks", "2", "--pre-inference", "auto", "--store-dir",
                             str(stores), "--out", str(tmp_path / "run")], capsys)
     assert code == 2 and "nothing was deleted" in one_line(err)
