@@ -140,6 +140,7 @@ def hold(out: Path) -> subprocess.Popen:
     return holder
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("command", [
     ["bcd", *TINY],
@@ -161,6 +162,7 @@ def test_a_second_job_on_a_held_output_exits_1_naming_the_holder(command, tmp_pa
     assert (out / "theirs.bin").read_text() == "being written"
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_lock_left_by_a_killed_job_is_taken_over_with_a_line(tmp_path, corpus, capsys):
     out = tmp_path / "tokens"
