@@ -6,7 +6,7 @@ holder's PID and host. The kernel releases it when the holder dies, however it d
 and says so; Linux maps `flock` on NFS to the server's locks. On object storage (s3://), where there are no locks,
 the lock is a lease object `OUT/.owner.json` naming the holder and an expiry time `LEASE_SECONDS` ahead, renewed by
 a heartbeat thread every `LEASE_SECONDS / 4`; a lease whose expiry has passed (its holder died or lost the store)
-is taken over. A new holder writes its lease, waits `SETTLE_SECONDS` and reads it back, so that of two jobs
+is taken over, and so is one held by a process of this host that is no longer running. A new holder writes its lease, waits `SETTLE_SECONDS` and reads it back, so that of two jobs
 starting together the one whose write landed last holds it and the other stops.
 """
 
@@ -152,15 +152,28 @@ class _Lease:
             self.fs.rm_file(self.key)
 
 
+def _gone(record: dict) -> bool:
+    """Whether the holder of a lease was a process of this host that is no longer running."""
+    if record.get("host") != socket.gethostname() or not isinstance(record.get("pid"), int):
+        return False
+    try:
+        os.kill(record["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
+
+
 @contextlib.contextmanager
 def _hold_lease(out: UrlPath, what: str, say: Callable[[str], None]) -> Iterator[None]:
     lease = _Lease(out)
     current = lease.read()
     if current:
         holder = holder_text(current.get("pid", "?"), current.get("host", "?"))
-        if float(current.get("expires", 0)) > time.time():
+        if float(current.get("expires", 0)) > time.time() and not _gone(current):
             raise _busy(out, what, holder)
-        say(f"{what} {out}: took over the owner lease of a job that is no longer renewing it ({holder})")
+        say(f"{what} {out}: took over the owner lease of a job that is no longer running ({holder})")
     lease.write()
     time.sleep(SETTLE_SECONDS)
     winner = lease.read() or {}

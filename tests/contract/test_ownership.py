@@ -249,7 +249,7 @@ def test_an_expired_s3_lease_is_taken_over_with_a_line(s3, corpus, capsys):
         {"pid": 4242, "host": "gone", "token": "old", "expires": time.time() - 1}).encode())
     code, _, err = run_cli(cache_args(corpus, "s3://contract/stale"), capsys)
     assert code == 0, err
-    assert "took over the owner lease of a job that is no longer renewing it (pid 4242 on host gone)" in err
+    assert "took over the owner lease of a job that is no longer running (pid 4242 on host gone)" in err
     s3.pipe_file("contract/live/.owner.json", json.dumps(
         {"pid": 4343, "host": "there", "token": "new", "expires": time.time() + 60}).encode())
     code, _, err = run_cli(cache_args(corpus, "s3://contract/live"), capsys)
