@@ -1,7 +1,14 @@
-"""Run checkpoints without pickle: weights and tensors in safetensors, everything else in JSON."""
+"""Run checkpoints without pickle: weights and tensors in safetensors, everything else in JSON.
+
+A checkpoint is written whole into `checkpoint.tmp/`, its files' sha256 recorded last in `digest.json`; then the
+previous checkpoint is renamed to `checkpoint.old/`, the new one to `checkpoint/`, and the old one deleted. A kill
+at any point leaves a complete checkpoint behind: `newest_checkpoint` picks the newest of the three whose files
+match their recorded digest, and the next save starts from there.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -16,7 +23,7 @@ from torch import nn
 
 from preinfer.errors import PreinferError
 
-WEIGHTS, TENSORS, STATE = "model.safetensors", "state.safetensors", "state.json"
+WEIGHTS, TENSORS, STATE, DIGEST = "model.safetensors", "state.safetensors", "state.json", "digest.json"
 
 
 @dataclass
@@ -32,9 +39,11 @@ class Checkpoint:
 def save_checkpoint(path: Path, model: nn.Module, optimizers: dict[int, dict], trainer_state: dict,
                     masters: list[torch.Tensor] = ()) -> None:
     """Write weights, optimizer states (by block), the active block's masters, trainer state and RNG states;
-    atomically replaces `path`."""
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    atomically replaces `path` (see the module's docstring)."""
+    tmp, old = _sibling(path, ".tmp"), _sibling(path, ".old")
+    _settle(path)
+    for leftover in (tmp, old):  # a killed save's: the newest complete checkpoint is at `path` now
+        shutil.rmtree(leftover, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(resident_state(model), str(tmp / WEIGHTS), metadata={"format": "pt"})
     tensors, optim_meta = {}, {}
@@ -47,20 +56,68 @@ def save_checkpoint(path: Path, model: nn.Module, optimizers: dict[int, dict], t
     meta = {"trainer": trainer_state, "optimizers": optim_meta, "masters": len(masters), "rng": _host_rng_state()}
     (tmp / STATE).write_text(json.dumps(meta, indent=1))
     _fsync_dir(tmp)
-    old = path.with_name(path.name + ".old")
+    _write_digest(tmp)
     if path.exists():
-        path.rename(old)
-    tmp.rename(path)
+        _retire(path, old)
+    _publish(tmp, path)
     shutil.rmtree(old, ignore_errors=True)
 
 
+def newest_checkpoint(path: Path) -> Path | None:
+    """The directory to resume the checkpoint `path` from: the newest complete one of `path.tmp` (a save killed
+    before its renames), `path` and `path.old` (killed between them); None if none is complete."""
+    for candidate in (_sibling(path, ".tmp"), path, _sibling(path, ".old")):
+        if is_complete(candidate, legacy=candidate != _sibling(path, ".tmp")):
+            return candidate
+    return None
+
+
+def is_complete(path: Path, legacy: bool = False) -> bool:
+    """Whether `path` holds a whole checkpoint: every file its digest record lists, with that sha256. `legacy`:
+    a checkpoint written before digests were recorded counts by its state file (only ever renamed into place
+    whole)."""
+    try:
+        recorded = json.loads((path / DIGEST).read_text())
+    except FileNotFoundError:
+        return legacy and (path / STATE).is_file() and (path / WEIGHTS).is_file()
+    except (OSError, ValueError):
+        return False
+    if not isinstance(recorded, dict) or set(recorded) != {WEIGHTS, TENSORS, STATE}:
+        return False
+    return all(_sha256(path / name) == digest for name, digest in recorded.items())
+
+
+def _retire(path: Path, old: Path) -> None:
+    """Move the previous checkpoint aside (the first rename of a save)."""
+    path.rename(old)
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Put the new checkpoint in place, durably (the second rename of a save)."""
+    tmp.rename(path)
+    _fsync_parent(path)
+
+
+def _settle(path: Path) -> None:
+    """Put the newest complete checkpoint at `path` before a save replaces it (a killed save may have left it in
+    `path.tmp` or only `path.old`); what is not complete is dropped."""
+    newest = newest_checkpoint(path)
+    if newest is None or newest == path:
+        return
+    if path.exists():
+        shutil.rmtree(path)
+    _publish(newest, path)
+
+
 def load_checkpoint(path: Path, model: nn.Module) -> Checkpoint:
-    """Load weights into `model` and restore RNG states; returns the rest."""
-    if not (path / STATE).is_file():
-        raise PreinferError(f"no checkpoint in {path} (expected {STATE}); start without --resume")
-    load_resident_state(model, load_file(str(path / WEIGHTS)), path / WEIGHTS)
-    tensors = load_file(str(path / TENSORS))
-    meta = json.loads((path / STATE).read_text())
+    """Load weights into `model` and restore RNG states from the newest complete checkpoint at `path` (see
+    `newest_checkpoint`); returns the rest."""
+    found = newest_checkpoint(path)
+    if found is None:
+        raise PreinferError(f"no complete checkpoint in {path} (expected {STATE}); start without --resume")
+    load_resident_state(model, load_file(str(found / WEIGHTS)), found / WEIGHTS)
+    tensors = load_file(str(found / TENSORS))
+    meta = json.loads((found / STATE).read_text())
     torch.set_rng_state(tensors["rng.torch"])
     _restore_host_rng(meta["rng"])
     optimizers = {int(b): _unflatten_optimizer(m, f"optim.{b}", tensors) for b, m in meta["optimizers"].items()}
@@ -134,7 +191,41 @@ def _restore_host_rng(state: dict) -> None:
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
 
 
+def _sibling(path: Path, suffix: str) -> Path:
+    return path.with_name(path.name + suffix)
+
+
+def _sha256(path: Path) -> str | None:
+    digest = hashlib.sha256()
+    try:
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    except OSError:
+        return None
+    return digest.hexdigest()
+
+
+def _write_digest(path: Path) -> None:
+    """Record the sha256 of each file of the checkpoint being written at `path`, durably, as its last file."""
+    record = {name: _sha256(path / name) for name in (WEIGHTS, TENSORS, STATE)}
+    with (path / DIGEST).open("w") as f:
+        json.dump(record, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_parent(path / DIGEST)
+
+
 def _fsync_dir(path: Path) -> None:
     for child in path.iterdir():
         with child.open("rb") as f:
             os.fsync(f.fileno())
+
+
+def _fsync_parent(path: Path) -> None:
+    """Make the entries of `path`'s directory (a rename, a new file) durable."""
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

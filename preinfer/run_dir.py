@@ -3,10 +3,15 @@ checkpoint/, export/, loss.png, summary.json, stores/); everything else asks it 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from preinfer.checkpoint import WEIGHTS
+from preinfer.checkpoint import WEIGHTS, newest_checkpoint
+
+# The entries a run writes in its directory (the checkpoint's with a save's two siblings).
+ENTRIES = frozenset({"config.toml", "metrics.jsonl", "checkpoint", "checkpoint.tmp", "checkpoint.old", "export",
+                     "loss.png", "summary.json", "stores"})
 
 
 @dataclass(frozen=True, init=False)
@@ -45,3 +50,36 @@ class RunDir:
     def is_resumable(self) -> bool:
         """A run with a checkpoint: its config and checkpoint weights exist."""
         return self.holds_run() and self.checkpoint_weights.is_file()
+
+    def has_checkpoint(self) -> bool:
+        """A checkpoint to resume from: a complete one (also one a killed save left beside `checkpoint/`), or a
+        pipeline run's directory of stage checkpoints."""
+        return self.checkpoint.is_dir() or newest_checkpoint(self.checkpoint) is not None
+
+    def failed_start(self) -> bool:
+        """A run that stopped before its first checkpoint (its config, maybe a metrics log, nothing else of note):
+        a rerun may start it afresh."""
+        later = (self.checkpoint, self.checkpoint.with_name("checkpoint.tmp"),
+                 self.checkpoint.with_name("checkpoint.old"), self.export, self.summary)
+        return self.holds_run() and not any(p.exists() for p in later)
+
+    def foreign_entries(self) -> list[str]:
+        """The entries of the directory a run does not write (every entry, where no run was started): a run
+        refuses a directory holding any."""
+        if not self.path.is_dir():
+            return []
+        names = sorted(p.name for p in self.path.iterdir() if not p.name.startswith("."))
+        return [n for n in names if n not in ENTRIES] if self.holds_run() else names
+
+    def write_config(self, text: str) -> None:
+        """Publish config.toml atomically: written beside, made durable, renamed into place (a failed write
+        leaves no partial file)."""
+        temporary = self.config.with_name(f".{self.config.name}.tmp-{os.getpid()}")
+        try:
+            with temporary.open("w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(temporary, self.config)
+        finally:
+            temporary.unlink(missing_ok=True)

@@ -15,6 +15,7 @@ from storage.manifest import (
     FORMATS, MANIFEST, Fingerprint, check_fingerprint, new_manifest, parse_fields, parse_manifest,
 )
 from storage.memory_backend import MemoryStore
+from storage.owner import OWNER_ENTRIES
 from storage.safetensors_backend import INDEX, SafetensorsStore
 from storage.store import MARKERS, Store, format_ranges
 from storage.zarr_backend import ZarrStore
@@ -22,7 +23,8 @@ from storage.zarr_backend import ZarrStore
 _STORES: dict[str, type[Store]] = {"zarr": ZarrStore, "safetensors": SafetensorsStore, "memory": MemoryStore}
 # The top-level entries of a store directory (a complete store, or one a killed writer left); create_store
 # replaces only a directory holding nothing else.
-STORE_ENTRIES = frozenset({MANIFEST, ZarrStore.data_prefix, SafetensorsStore.data_prefix, INDEX, MARKERS, LOCKS})
+STORE_ENTRIES = frozenset({MANIFEST, ZarrStore.data_prefix, SafetensorsStore.data_prefix, INDEX, MARKERS, LOCKS,
+                           *OWNER_ENTRIES})
 # The manifest entries that make up a store's layout, by the name LayoutMismatchError reports them under.
 _LAYOUT = {"format": "backend", "codec": "codec", "num_samples": "num_samples",
            "samples_per_shard": "samples_per_shard", "fields": "fields"}

@@ -17,6 +17,7 @@ import numpy as np
 
 from storage.errors import StorageError
 from storage.locations import UrlPath, location, storage_options
+from storage.owner import OWNER_ENTRIES
 
 # Where LocalBlobs keeps its writers' lock files (removed again once the store is complete).
 LOCKS = "locks"
@@ -68,7 +69,7 @@ class Blobs(ABC):
 
     @abstractmethod
     def remove_all(self) -> None:
-        """Delete every blob under the root."""
+        """Delete every blob under the root but the owner lock (`storage.owner`) of the job doing it."""
 
     @abstractmethod
     def remove(self, prefix: str) -> None:
@@ -147,7 +148,16 @@ class LocalBlobs(Blobs):
         self._sync_dir((self.root / key).parent)
 
     def remove_all(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
+        if not self.root.is_dir():
+            return
+        for entry in self.root.iterdir():
+            if entry.name in OWNER_ENTRIES:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+        self._sync_dir(self.root)
 
     def remove(self, prefix: str) -> None:
         directory = self.root / prefix
@@ -238,8 +248,12 @@ class FsspecBlobs(Blobs):
         return {self.fs._strip_protocol(p)[len(root) + 1:]: info["size"] for p, info in found.items()}
 
     def remove_all(self) -> None:
-        if self.fs.exists(self.root):
-            self.fs.rm(self.root, recursive=True)
+        if not self.fs.exists(self.root):
+            return
+        keep = {self._path(name) for name in OWNER_ENTRIES}
+        doomed = [p for p in self.fs.ls(self.root, detail=False) if p.rstrip("/") not in keep]
+        if doomed:
+            self.fs.rm(doomed, recursive=True)
 
     def remove(self, prefix: str) -> None:
         if self.fs.exists(self._path(prefix)):

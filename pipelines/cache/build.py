@@ -4,6 +4,7 @@ then finalize the stores and write the cache index."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -17,11 +18,12 @@ from preinfer.errors import UsageError
 from preinfer.fingerprint import prefix_digest
 from preinfer.staged import StagedModel
 from storage import (
-    LayoutMismatchError, Location, StaleStoreError, Store, create_store, is_lossy, location, open_store,
+    LayoutMismatchError, Location, StaleStoreError, Store, create_store, is_lossy, location, open_store, owning,
 )
 from pipelines.cache import dask_runner
 from pipelines.cache.directory import (
-    CACHE_FORMAT, CACHE_INDEX, cache_splits, check_out, holds_only_store_entries, read_index, write_index,
+    CACHE_FORMAT, CACHE_INDEX, cache_splits, check_not_a_file, check_out, holds_only_store_entries, read_index,
+    write_index,
 )
 from pipelines.cache.fingerprints import (
     check_boundary, default_samples_per_shard, dtype_name, state_fingerprint, store_fields,
@@ -50,17 +52,19 @@ def cache_boundary(staged: StagedModel, datasets: Mapping[str, TokenSamples], to
     if not datasets:
         raise UsageError("no splits to cache")
     out = location(out)
-    check_out(out, list(datasets), opts.mode)
-    prefix = prefix if prefix is not None else prefix_digest(staged, boundary)
-    token_fp = tokenizer.fingerprint()
-    jobs = []
-    for name, dataset in datasets.items():
-        fp = state_fingerprint(prefix, boundary, dataset.fingerprint(), token_fp, dataset.seq_len, opts.store_dtype,
-                               opts.model_name)
-        fields = store_fields(dataset.seq_len, staged.hidden_size, opts.dtype)
-        jobs.append(_split_work(name, out / name, fields, len(dataset), dataset.num_tokens, fp, opts,
-                                DatasetInputs(staged, dataset, opts.device), 0, dataset=dataset))
-    return _run_jobs(staged, jobs, out, boundary, 0, opts, started)
+    check_not_a_file(out)
+    with _owning(out, opts):
+        check_out(out, list(datasets), opts.mode)
+        prefix = prefix if prefix is not None else prefix_digest(staged, boundary)
+        token_fp = tokenizer.fingerprint()
+        jobs = []
+        for name, dataset in datasets.items():
+            fp = state_fingerprint(prefix, boundary, dataset.fingerprint(), token_fp, dataset.seq_len,
+                                   opts.store_dtype, opts.model_name)
+            fields = store_fields(dataset.seq_len, staged.hidden_size, opts.dtype)
+            jobs.append(_split_work(name, out / name, fields, len(dataset), dataset.num_tokens, fp, opts,
+                                    DatasetInputs(staged, dataset, opts.device), 0, dataset=dataset))
+        return _run_jobs(staged, jobs, out, boundary, 0, opts, started)
 
 
 def roll_forward(staged: StagedModel, source: str | os.PathLike, boundary: int, out: str | os.PathLike,
@@ -82,7 +86,15 @@ def roll_forward(staged: StagedModel, source: str | os.PathLike, boundary: int, 
         found = {s: found[s] for s in splits}
     if source.resolve() == out.resolve() or any(p.resolve() == out.resolve() for p in found.values()):
         raise UsageError("--out must differ from --from-store (a roll-forward writes a new store)")
-    check_out(out, list(found), opts.mode)
+    check_not_a_file(out)
+    with _owning(out, opts):
+        check_out(out, list(found), opts.mode)
+        return _roll_forward_jobs(staged, found, source, boundary, out, opts, started)
+
+
+def _roll_forward_jobs(staged: StagedModel, found: dict[str, Location], source: Location, boundary: int,
+                       out: Location, opts: CacheOptions, started: float) -> CacheResult:
+    """Check each source store against the model's prefix, plan its split and run them (see `roll_forward`)."""
     compute = dtype_name(staged.compute_dtype)
     jobs = []
     source_boundary = None
@@ -127,6 +139,11 @@ def roll_forward(staged: StagedModel, source: str | os.PathLike, boundary: int, 
 
 
 # ---- planning ---------------------------------------------------------------------------------------------------
+
+
+def _owning(out: Location, opts: CacheOptions) -> contextlib.AbstractContextManager:
+    """The owner lock of `out` for this job; a part of a shared job other than the first writes under the first's."""
+    return owning(out) if opts.part is None or opts.part.first else contextlib.nullcontext()
 
 
 def _after_the_first_part(opts: CacheOptions) -> CacheOptions:

@@ -67,10 +67,14 @@ def _is_ours(entry: Location, names: list[str]) -> bool:
     return holds_only_store_entries(entry)
 
 
-def check_out(out: Location, names: list[str], mode: str) -> None:
-    """Refuse an `--out` that is a file, or a directory holding something other than this cache."""
+def check_not_a_file(out: Location) -> None:
+    """Refuse an `--out` that is a file."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file, not a directory")
+
+
+def check_out(out: Location, names: list[str], mode: str) -> None:
+    """Refuse an `--out` (not a file: see `check_not_a_file`) holding something other than this cache."""
     if not out.is_dir():
         return
     if names == [""]:

@@ -26,7 +26,7 @@ from pipelines.training.distributed import init_distributed
 from pipelines.training.fit import train
 from pipelines.training.layout import OneProcess
 from pipelines.training.partition_choice import partition_for
-from pipelines.training.run_directory import check_run_dir, finish_run
+from pipelines.training.run_directory import finish_run, owning_run
 from pipelines.training.store_input import StoreInput
 from pipelines.training.token_data import live_sources, load_datasets, samples_per_shard
 
@@ -42,29 +42,28 @@ def run(config: Config, resume: bool = False, quiet: bool = False) -> dict:
     rank, world = init_distributed(config.run.device)
     layout.join(rank, world)
     run_dir = RunDir(config.run.out)
-    if rank == 0:
-        check_run_dir(run_dir, resume)
-    model = layout.load(first)
-    precision, line = set_precision(model, config)
-    notes = [line, *layout.notes()]
-    if store is not None:
-        notes.append(store.check_prefix(layout.prefix(first), config))
-    staged = preinfer.stage(model)
-    partition, active = partition_for(staged, config, first_layer=first, precision=precision)
-    chosen, tokenizer = sources(config, layout, staged, store, quiet)
-    trainer = train(config, staged, partition, active, chosen, resume, quiet, notes,
-                    command="bcd" if store is None else "train", make=layout.make_trainer)
-    layout.close()
+    with owning_run(run_dir, resume, rank):  # held for the whole job, then checked
+        model = layout.load(first)
+        precision, line = set_precision(model, config)
+        notes = [line, *layout.notes()]
+        if store is not None:
+            notes.append(store.check_prefix(layout.prefix(first), config))
+        staged = preinfer.stage(model)
+        partition, active = partition_for(staged, config, first_layer=first, precision=precision)
+        chosen, tokenizer = sources(config, layout, staged, store, quiet)
+        trainer = train(config, staged, partition, active, chosen, resume, quiet, notes,
+                        command="bcd" if store is None else "train", make=layout.make_trainer)
+        layout.close()
 
-    def export(directory: Path) -> None:
-        if not layout.export(directory):
-            return
-        if store is None:
-            tokenizer.save(directory)
-        else:
-            store.save_tokenizer(tokenizer, directory)
+        def export(directory: Path) -> None:
+            if not layout.export(directory):
+                return
+            if store is None:
+                tokenizer.save(directory)
+            else:
+                store.save_tokenizer(tokenizer, directory)
 
-    return finish_run(trainer, run_dir, export)
+        return finish_run(trainer, run_dir, export)
 
 
 def sources(config: Config, layout: OneProcess | PipelineLayout, staged: preinfer.StagedModel,

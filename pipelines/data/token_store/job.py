@@ -36,7 +36,7 @@ from pipelines.data.token_store.layout import (
     FORMAT_VERSION, INFO, STAGING, SplitInfo, TokenStoreInfo, default_samples_per_shard, read_info,
     store_fields, write_json,
 )
-from pipelines.data.token_store.staging import PLAN, Staging
+from pipelines.data.token_store.staging import Staging
 from pipelines.data.corpus import Document, corpus_fingerprint, iter_documents
 from pipelines.data.samples import (
     CHUNK_CHARS, SPLITS, SampleBlock, SamplePacker, check_arguments, document_chunks, encode_chunk, id_dtype,
@@ -128,16 +128,14 @@ def tokenize_corpus(options: TokenizeOptions) -> TokenizeResult:
         options.data, tokenizer, options.seq_len, options.eval_fraction, options.text_column
     )
     out = Path(options.out)
-    created = not out.exists()
-    found = _prepare(out, fingerprint, options.overwrite)
-    if found is not None:
-        return TokenizeResult(out, found, True, 0, 0, time.perf_counter() - started)
-    try:
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file, not a directory")
+    with storage.owning(out, "--out"):  # held for the whole job; a new --out that gets nothing goes again
+        found = _prepare(out, fingerprint, options.overwrite)
+        if found is not None:
+            Staging(out / STAGING).remove()  # what a job killed after describing the store left
+            return TokenizeResult(out, found, True, 0, 0, time.perf_counter() - started)
         return _build(options, tokenizer, fingerprint, out, started)
-    except UsageError:
-        if created and not any(out.iterdir()):
-            out.rmdir()
-        raise
 
 
 def _build(
@@ -181,8 +179,6 @@ def _build(
 def _prepare(out: Path, fingerprint: storage.Fingerprint, overwrite: bool) -> TokenStoreInfo | None:
     """The complete token store of `fingerprint` at `out` if there is one (unless `overwrite`); otherwise check that
     the job may write there (refusing another token store without `overwrite`, and anything else at all)."""
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} is a file, not a directory")
     info = None if overwrite else read_info(out)
     if info is not None:
         if info.digest == fingerprint.digest:
@@ -193,8 +189,9 @@ def _prepare(out: Path, fingerprint: storage.Fingerprint, overwrite: bool) -> To
             f"another --out"
         )
     if out.is_dir():
-        ours = (out / INFO).exists() or (out / STAGING / PLAN).exists()
-        strangers = sorted(name for name in (entry.name for entry in out.iterdir()) if not (ours and _own(name)))
+        ours = (out / INFO).exists() or Staging(out / STAGING).holds_only_staging()
+        strangers = sorted(name for name in (entry.name for entry in out.iterdir())
+                           if name not in storage.OWNER_ENTRIES and not (ours and _own(name)))
         if strangers:
             raise UsageError(
                 f"--out {out} is not empty and is not a token store (it holds {strangers[0]!r} ...); choose another "

@@ -88,11 +88,14 @@ def default_samples_per_shard(seq_len: int, dtype: np.dtype) -> int:
 def write_json(path: Path, record: dict[str, Any]) -> None:
     """Publish `record` as JSON at `path` atomically (a reader sees the old file or the whole new one)."""
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with temporary.open("w", encoding="utf-8") as stream:
-        json.dump(record, stream, indent=1, sort_keys=True)
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(temporary, path)
+    try:
+        with temporary.open("w", encoding="utf-8") as stream:
+            json.dump(record, stream, indent=1, sort_keys=True)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def read_json(path: Path) -> dict[str, Any] | None:

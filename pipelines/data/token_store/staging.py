@@ -12,6 +12,7 @@ files or none; arrays are read back without pickle.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ from pipelines.data.samples import SPLITS, EncodedSplit
 
 PLAN = "plan.json"
 ENCODED = "encoded.json"
+# The names of the staged files, and of their temporaries while they are written.
+STAGED = re.compile(r"\.?(plan\.json|encoded\.json|chunk-\d{6}\.(npz|json))(\.tmp-.*)?")
 
 
 class StagingError(PreinferError):
@@ -35,6 +38,13 @@ class Staging:
 
     def __init__(self, root: Path) -> None:
         self.root = root
+
+    def holds_only_staging(self) -> bool:
+        """Whether this is a staging directory: it exists and holds nothing but the files a tokenize job stages
+        (a job killed while publishing its first file leaves only that file's temporary)."""
+        if not self.root.is_dir():
+            return False
+        return all(STAGED.fullmatch(entry.name) for entry in self.root.iterdir())
 
     def plan(self) -> dict[str, Any] | None:
         """The plan of the work staged here, None if there is none."""

@@ -25,7 +25,7 @@ from pipelines.data.batches import ReaderBatches
 from pipelines.training.pre_inference import probe
 from pipelines.training.pre_inference.ranks import least
 from pipelines.training.pre_inference.rates import MeasuredRates
-from pipelines.training.pre_inference.stores import Stores
+from pipelines.training.pre_inference.stores import Stores, check_store_dir
 from pipelines.training.sweep_plan import (
     Plan, SweepPlan, Throughputs, Visit, Workload, plan_sweep, store_cost, visit_seconds,
 )
@@ -40,6 +40,7 @@ class PreInference:
         self.live, self.shard, self.rank, self.world = live, shard, rank, world
         self.mode = config.pre_inference.mode
         self.root = location(config.pre_inference.store_dir or RunDir(config.run.out).stores)
+        check_store_dir(self.root)
         settings = config.pre_inference  # checked here, before the run directory is made
         self.device = next(p for p in staged.model.parameters() if not p.is_meta).device
         self.options = CacheOptions(store_format=settings.store_format, store_dtype=settings.store_dtype,

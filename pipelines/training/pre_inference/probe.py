@@ -14,10 +14,11 @@ import torch
 from preinfer.metrics import CacheRecord
 from preinfer.staged import StagedModel
 from pipelines.cache import CacheOptions, cache_boundary
+from pipelines.cache.directory import check_out
 from pipelines.training import sweep_plan
 from pipelines.training.pre_inference.rates import read_bps
 from pipelines.training.sweep_plan import Throughputs, Workload, plan_sweep
-from storage import Location, remove_tree
+from storage import Location, blobs_for, owning
 
 # Timed forwards of one layer over one training batch that give the first estimate of the prefix's speed.
 LAYER_PROBES = 5
@@ -73,15 +74,17 @@ def probe_store(staged: StagedModel, train, tokenizer, out: Location, options: C
     caching job's code at `out`, read back once and deleted. The first real store replaces the estimates."""
     started = time.perf_counter()
     samples = max(1, min(shard, len(train), PROBE_BYTES // sample_bytes))
-    try:
-        result = cache_boundary(staged, {"probe": train.head(samples)}, tokenizer, 1, out, options)
-        if result.write_seconds > 0:
-            rates = dataclasses.replace(rates, write_bps=samples * sample_bytes / result.write_seconds)
-        if (speed := read_bps(out, "probe", batch_size, sample_bytes)) is not None:
-            rates = dataclasses.replace(rates, read_bps=speed)
-    finally:
-        deleting = time.perf_counter()
-        remove_tree(out)
+    check_out(out, ["probe"], "overwrite")  # a directory that is not a probe's is refused, untouched
+    with owning(out, "--store-dir", temporary=True):  # held around the caching job's own hold of it
+        try:
+            result = cache_boundary(staged, {"probe": train.head(samples)}, tokenizer, 1, out, options)
+            if result.write_seconds > 0:
+                rates = dataclasses.replace(rates, write_bps=samples * sample_bytes / result.write_seconds)
+            if (speed := read_bps(out, "probe", batch_size, sample_bytes)) is not None:
+                rates = dataclasses.replace(rates, read_bps=speed)
+        finally:
+            deleting = time.perf_counter()
+            blobs_for(out).remove_all()  # the probe's own store (the directory goes with the lock)
     # the store's fixed cost (open, check, finalize, index, delete) until the first real store measures it
     overhead = result.seconds - result.forward_seconds - result.write_seconds + time.perf_counter() - deleting
     rates = dataclasses.replace(rates, store_overhead_s=max(overhead, 0.0))

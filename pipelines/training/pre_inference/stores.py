@@ -4,16 +4,31 @@ cache`, and deleted when no longer usable or no longer read (unless `keep_stores
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 
 from preinfer.config import Config
+from preinfer.errors import UsageError
 from preinfer.metrics import CacheRecord, Record
 from preinfer.staged import StagedModel
 from pipelines.cache import CacheOptions, CacheResult, cache_boundary, cache_fingerprint, open_cache, roll_forward
 from storage import Location, StorageError, remove_tree
+
+
+STORE_NAME = re.compile(r"(boundary-|probe-rank)\d+")  # what pre-inference writes under its store directory
+
+
+def check_store_dir(root: Location) -> None:
+    """Refuse a store directory holding anything pre-inference does not write there (its stores, its probes)."""
+    if not root.is_dir():
+        return
+    foreign = sorted(p.name for p in root.iterdir() if not p.name.startswith(".") and not STORE_NAME.fullmatch(p.name))
+    if foreign:
+        raise UsageError(f"--store-dir {root} holds {foreign[0]!r}, which pre-inference does not write; choose an "
+                         f"empty or new directory, nothing was deleted")
 
 
 class Stores:

@@ -1,0 +1,70 @@
+"""Run `preinfer ARGS` with faults injected at the code's own phases (not at times):
+
+    python tests/contract/inject.py SPEC [SPEC ...] -- ARGS
+
+SPEC is `module:qualified.name@when[#n]=action`: at the n-th call (1: the first) of that function, `before` it runs
+or `after` it returns, do `action`: `exit` (the process dies at once, as under SIGKILL: os._exit(137), nothing
+flushed or cleaned up), `enospc` (raise OSError(ENOSPC) naming the function), or `pause:DIR` (create DIR/held, then
+wait until DIR/go exists: the test runs a second job meanwhile)."""
+
+import errno
+import functools
+import importlib
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def act(action: str, where: str) -> None:
+    if action == "exit":
+        os._exit(137)
+    if action == "enospc":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), where)
+    if action.startswith("pause:"):
+        directory = Path(action.removeprefix("pause:"))
+        (directory / "held").write_text(str(os.getpid()))
+        while not (directory / "go").exists():
+            time.sleep(0.05)
+        return
+    raise SystemExit(f"inject: unknown action {action!r}")
+
+
+def patch(spec: str) -> None:
+    target, action = spec.split("=", 1)
+    target, when = target.split("@")
+    when, _, nth = when.partition("#")
+    module_name, qualname = target.split(":")
+    owner = importlib.import_module(module_name)
+    *path, name = qualname.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    original = getattr(owner, name)
+    calls = {"n": 0}
+    wanted = int(nth or 1)
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        calls["n"] += 1
+        hit = calls["n"] == wanted
+        if hit and when == "before":
+            act(action, qualname)
+        result = original(*args, **kwargs)
+        if hit and when == "after":
+            act(action, qualname)
+        return result
+
+    setattr(owner, name, wrapper)
+
+
+def main() -> int:
+    split = sys.argv.index("--")
+    for spec in sys.argv[1:split]:
+        patch(spec)
+    from pipelines.cli import main as cli
+
+    return cli(sys.argv[split + 1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

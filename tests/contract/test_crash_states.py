@@ -1,0 +1,187 @@
+"""Crash states (issue 28, cases 9 and 10; DESIGN invariant 13): a job killed at each phase boundary of a checkpoint
+save, a store's publish and a token store's publish (the kill injected in that phase's function, as SIGKILL would
+leave it: `inject.py`), then run again or resumed, ends bit for bit where an uninterrupted job ends; a full disk
+(a writer that raises ENOSPC) says which path and how to go on, and that way works."""
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cli_run import run_cli
+
+REPO = Path(__file__).resolve().parents[2]
+INJECT = Path(__file__).with_name("inject.py")
+KILLED = 137
+
+
+def killed_at(spec: str, argv: list[str]) -> None:
+    """Run `preinfer ARGV` in a child killed at the phase `spec` names (see inject.py); assert it died there."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(INJECT), f"{spec}=exit", "--", *argv], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == KILLED, done.stderr[-2000:]
+
+
+def files(root: Path) -> dict[str, bytes]:
+    """Every file under `root` with its bytes; a manifest without its creation time."""
+    found = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            data = path.read_bytes()
+            if path.name == "manifest.json":
+                data = json.dumps({k: v for k, v in json.loads(data).items() if k != "created"}).encode()
+            found[path.relative_to(root).as_posix()] = data
+    return found
+
+
+def reference_run(tmp_path_factory, argv: list[str]) -> Path:
+    """Run `preinfer ARGV` uninterrupted, its `--out` (last) moved into a fresh directory; returns that path."""
+    from pipelines.cli import main
+
+    out = tmp_path_factory.mktemp("reference") / argv[-1]
+    assert main([*argv[:-1], str(out)]) == 0
+    return out
+
+
+# ---- checkpoints ----
+
+
+def bcd_args(corpus: str, out: Path) -> list[str]:
+    return ["bcd", "--model", "tiny-llama", "--data", corpus, "--seq-len", "32", "--batch-size", "4",
+            "--steps-per-visit", "3", "--blocks", "2", "--eval-tokens", "128", "--max-samples", "16", "--lr", "1e-3",
+            "--pre-inference", "off", "--checkpoint-every", "1", "--out", str(out)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, corpus) -> dict[str, torch.Tensor]:
+    out = reference_run(tmp_path_factory, bcd_args(corpus, Path("run")))
+    return load_file(str(out / "checkpoint" / "model.safetensors"))
+
+
+# (kill point, the checkpoint entries it leaves): the third save, before its digest, after it, between its two
+# renames (the old checkpoint moved aside, the new one not in place: issue 28's case 9), after both
+CHECKPOINT_PHASES = {
+    "preinfer.checkpoint:_write_digest@before#3": {"checkpoint", "checkpoint.tmp"},
+    "preinfer.checkpoint:_write_digest@after#3": {"checkpoint", "checkpoint.tmp"},
+    "preinfer.checkpoint:_retire@after#2": {"checkpoint.old", "checkpoint.tmp"},
+    "preinfer.checkpoint:_publish@after#3": {"checkpoint", "checkpoint.old"},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("phase", list(CHECKPOINT_PHASES))
+def test_a_save_killed_at_any_phase_resumes_to_the_uninterrupted_weights(phase, tmp_path, corpus, uninterrupted,
+                                                                        capsys):
+    out = tmp_path / "run"
+    killed_at(phase, bcd_args(corpus, out))
+    assert {p.name for p in out.iterdir() if p.name.startswith("checkpoint")} == CHECKPOINT_PHASES[phase]
+    code, _, err = run_cli([*bcd_args(corpus, out), "--resume"], capsys)
+    assert code == 0, err
+    got = load_file(str(out / "checkpoint" / "model.safetensors"))
+    assert set(got) == set(uninterrupted) and all(torch.equal(got[k], uninterrupted[k]) for k in got)
+    assert not (out / "checkpoint.tmp").exists() and not (out / "checkpoint.old").exists()
+
+
+def test_a_full_disk_at_the_start_names_the_path_and_a_rerun_works(tmp_path, corpus, capsys, monkeypatch):
+    """ENOSPC while config.toml is written (a writer that raises it, no tmpfs or quota needed): one line naming
+    the file and saying to run the same command again, nothing left behind; the same command then runs."""
+    import preinfer.run_dir
+
+    out = tmp_path / "run"
+    args = [*bcd_args(corpus, out), "--checkpoint-every", "0"]
+
+    class FullDisk:
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        @staticmethod
+        def fsync(fd):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(preinfer.run_dir, "os", FullDisk())
+    code, _, err = run_cli(args, capsys)
+    assert code == 1 and "Traceback" not in err, err
+    line = err.strip().splitlines()[-1]
+    assert str(out / "config.toml") in line and "No space left on device" in line and "same command again" in line
+    assert not out.exists()  # no partial config.toml, no run directory: nothing left behind
+    monkeypatch.undo()
+    code, _, err = run_cli(args, capsys)
+    assert code == 0, err
+
+
+# ---- stores ----
+
+
+def cache_args(corpus: str, out: Path) -> list[str]:
+    return ["cache", "--model", "tiny-llama", "--data", corpus, "--seq-len", "32", "--boundary", "2",
+            "--samples-per-shard", "16", "--quiet", "--out", str(out)]
+
+
+@pytest.fixture(scope="module")
+def cached(tmp_path_factory, corpus) -> dict[str, bytes]:
+    return files(reference_run(tmp_path_factory, cache_args(corpus, Path("cache"))))
+
+
+STORE_PHASES = [
+    "storage.store:Store.write_shard@after#2",  # a shard published, the rest not
+    "storage.store:Store.finalize@before#1",  # every shard of a split published, the manifest not
+    "storage.blobs:LocalBlobs.remove@before#1",  # the manifest published, the completion records not removed
+    "storage.blobs:LocalBlobs.clear_locks@before#1",  # the records removed, the writers' lock files not
+    "pipelines.cache.build:write_index@before",  # both stores final, the cache index not written
+]
+
+
+# ---- token stores ----
+
+
+def tokenize_args(corpus: str, out: Path, *extra: str) -> list[str]:
+    return ["tokenize", "--data", corpus, "--seq-len", "32", "--quiet", "--out", str(out), *extra]
+
+
+@pytest.fixture(scope="module")
+def tokenized(tmp_path_factory, corpus) -> dict[str, bytes]:
+    return files(reference_run(tmp_path_factory, tokenize_args(corpus, Path("tokens"))))
+
+
+TOKENIZE_PHASES = [
+    "pipelines.data.token_store.staging:Staging.finish_encoding@after",  # staged, nothing packed
+    "storage.store:Store.finalize@after#1",  # the train split published, eval not
+    "pipelines.data.token_store.job:write_json@before",  # both splits published, not described
+    "pipelines.data.token_store.job:write_json@after",  # described, the staging area not removed
+]
+
+
+PUBLISH_PHASES = [("cache", phase) for phase in STORE_PHASES] + [("tokenize", phase) for phase in TOKENIZE_PHASES]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("job, phase", PUBLISH_PHASES)
+def test_a_job_killed_at_any_publish_phase_resumes_to_the_same_bytes(job, phase, tmp_path, corpus, request, capsys):
+    """The caching job (store publish) and tokenize (token store publish), killed, then the same command again."""
+    argv = {"cache": cache_args, "tokenize": tokenize_args}[job]
+    uninterrupted = request.getfixturevalue({"cache": "cached", "tokenize": "tokenized"}[job])
+    out = tmp_path / "out"
+    killed_at(phase, argv(corpus, out))
+    code, _, err = run_cli(argv(corpus, out), capsys)
+    assert code == 0, err
+    assert files(out) == uninterrupted
+
+
+@pytest.mark.parametrize("extra", [[], ["--overwrite"]], ids=["rerun", "overwrite"])
+def test_a_staging_area_a_full_disk_left_is_resumed_or_overwritten(extra, tmp_path, corpus, tokenized, capsys):
+    """Issue 28's case 10: a full disk while the plan was published left only its temporary file."""
+    out = tmp_path / "tokens"
+    (out / "staging").mkdir(parents=True)
+    (out / "staging" / ".plan.json.tmp-4242").write_text('{"finger')
+    code, _, err = run_cli(tokenize_args(corpus, out, *extra), capsys)
+    assert code == 0, err
+    assert files(out) == tokenized
