@@ -10,7 +10,7 @@ from storage.encodings import ENCODINGS, bytes_per_token, is_lossy, nonfinite_ro
 from storage.errors import LayoutMismatchError, StaleStoreError, StorageError
 from storage.locations import Location, disk_bytes, free_bytes, location, remove_tree
 from storage.manifest import FieldSpec, Fingerprint
-from storage.owner import OWNER_ENTRIES, OutputBusyError, owning
+from storage.owner import OWNER_ENTRIES, owning
 from storage.reader import Reader
 from storage.store import Store, format_ranges
 from storage.verify import verify
@@ -19,5 +19,5 @@ __all__ = [
     "create_store", "open_store", "is_store", "verify", "codec_spec", "Store", "Reader", "Fingerprint", "FieldSpec",
     "STORE_ENTRIES", "StorageError", "StaleStoreError", "LayoutMismatchError", "ENCODINGS", "bytes_per_token",
     "is_lossy", "nonfinite_rows", "format_ranges", "location", "Location", "remove_tree", "disk_bytes", "free_bytes",
-    "blobs_for", "owning", "OutputBusyError", "OWNER_ENTRIES",
+    "blobs_for", "owning", "OWNER_ENTRIES",
 ]

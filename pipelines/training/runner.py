@@ -35,35 +35,39 @@ if TYPE_CHECKING:  # torch.distributed.pipelining loads only for pipelines
 
 
 def run(config: Config, resume: bool = False, quiet: bool = False) -> dict:
-    """Train as configured and write the run directory; returns the summary."""
+    """Train as configured and write the run directory, held for the whole job; returns the summary."""
+    rank, world = init_distributed(config.run.device)
+    run_dir = RunDir(config.run.out)
+    with owning_run(run_dir, resume, rank):  # held first, then checked: a second job names the holder
+        return _run(config, run_dir, resume, quiet, rank, world)
+
+
+def _run(config: Config, run_dir: RunDir, resume: bool, quiet: bool, rank: int, world: int) -> dict:
     store = StoreInput(config) if config.store.path is not None else None
     first = store.boundary if store is not None else 0
     layout = layout_for(config, first)
-    rank, world = init_distributed(config.run.device)
     layout.join(rank, world)
-    run_dir = RunDir(config.run.out)
-    with owning_run(run_dir, resume, rank):  # held for the whole job, then checked
-        model = layout.load(first)
-        precision, line = set_precision(model, config)
-        notes = [line, *layout.notes()]
-        if store is not None:
-            notes.append(store.check_prefix(layout.prefix(first), config))
-        staged = preinfer.stage(model)
-        partition, active = partition_for(staged, config, first_layer=first, precision=precision)
-        chosen, tokenizer = sources(config, layout, staged, store, quiet)
-        trainer = train(config, staged, partition, active, chosen, resume, quiet, notes,
-                        command="bcd" if store is None else "train", make=layout.make_trainer)
-        layout.close()
+    model = layout.load(first)
+    precision, line = set_precision(model, config)
+    notes = [line, *layout.notes()]
+    if store is not None:
+        notes.append(store.check_prefix(layout.prefix(first), config))
+    staged = preinfer.stage(model)
+    partition, active = partition_for(staged, config, first_layer=first, precision=precision)
+    chosen, tokenizer = sources(config, layout, staged, store, quiet)
+    trainer = train(config, staged, partition, active, chosen, resume, quiet, notes,
+                    command="bcd" if store is None else "train", make=layout.make_trainer)
+    layout.close()
 
-        def export(directory: Path) -> None:
-            if not layout.export(directory):
-                return
-            if store is None:
-                tokenizer.save(directory)
-            else:
-                store.save_tokenizer(tokenizer, directory)
+    def export(directory: Path) -> None:
+        if not layout.export(directory):
+            return
+        if store is None:
+            tokenizer.save(directory)
+        else:
+            store.save_tokenizer(tokenizer, directory)
 
-        return finish_run(trainer, run_dir, export)
+    return finish_run(trainer, run_dir, export)
 
 
 def sources(config: Config, layout: OneProcess | PipelineLayout, staged: preinfer.StagedModel,

@@ -87,26 +87,21 @@ def test_a_store_dir_of_the_users_is_refused_and_kept(tmp_path, corpus, capsys):
 def test_the_probe_refuses_a_probe_directory_it_did_not_write_and_deletes_nothing(tmp_path, corpus):
     """The pre-inference disk probe's own check: a `probe-rankN` holding a user's file stays whole, and the
     message that says nothing was deleted is true."""
-    from pipelines.training import load_datasets
-    from pipelines.training.pre_inference import PreInference
-    from preinfer.config import load_config
+    from pipelines.cache import CacheOptions
+    from pipelines.data.tokenizers import load_tokenizer
+    from pipelines.training.pre_inference import probe
+    from pipelines.training.sweep_plan import Throughputs
     import preinfer
     from pipelines.models import resolve_model
     from preinfer.errors import UsageError
 
     stores = tmp_path / "stores"
-    config = load_config(None, {"model": {"name": "tiny-llama"}, "data": {"path": corpus, "seq_len": 32,
-                                "max_samples": 8}, "run": {"out": str(tmp_path / "run")},
-                                "pre_inference": {"mode": "auto", "store_dir": str(stores)}})
-    data = load_datasets(config, quiet=True)
-    pre = PreInference(preinfer.stage(resolve_model("tiny-llama")), {"train": data.train, "eval": data.eval},
-                       data.tokenizer, config, None, 4)
     (stores / "probe-rank0").mkdir(parents=True)
     (stores / "probe-rank0" / "mine.txt").write_text("x")
-    pre.work = pre._workload([])
-    pre.rates = None
     with pytest.raises(UsageError, match="nothing was deleted"):
-        pre._probe_store()
+        probe.probe_store(preinfer.stage(resolve_model("tiny-llama")), [], load_tokenizer("byte"),
+                          stores / "probe-rank0", CacheOptions(mode="overwrite"), 4, 4, 1024,
+                          Throughputs(layer_seconds=1.0, write_bps=1.0, read_bps=1.0))
     assert (stores / "probe-rank0" / "mine.txt").read_text() == "x"
 
 
