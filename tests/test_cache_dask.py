@@ -45,6 +45,7 @@ def cli_args(corpus, out, *extra):
             str(out), "--samples-per-shard", str(PER_SHARD), "--batch-size", str(BATCH), "--quiet", *extra]
 
 
+@pytest.mark.distributed
 def test_dask_local_2_gives_the_store_of_one_worker_and_loads_the_model_once_per_worker(
         workers, corpus, reference, tmp_path, capsys):
     code, stdout, err = run_cli(cli_args(corpus, tmp_path / "c", "--dask", "local:2", "--json"), capsys)
@@ -63,6 +64,7 @@ def test_dask_local_2_gives_the_store_of_one_worker_and_loads_the_model_once_per
     assert_same_cache(tmp_path / "r3", tmp_path / "f3")
 
 
+@pytest.mark.distributed
 def test_a_dask_task_that_fails_once_is_retried(workers, corpus, reference, tmp_path):
     hook = functools.partial(fail_once, str(tmp_path), frozenset({"train/2", "eval/1"}))
     result = cache(staged_model(), stored_datasets(corpus), 2, tmp_path / "c", dask=workers, retries=1,
@@ -72,6 +74,7 @@ def test_a_dask_task_that_fails_once_is_retried(workers, corpus, reference, tmp_
     assert_same_cache(tmp_path / "c", reference)
 
 
+@pytest.mark.distributed
 def test_a_dask_shard_that_always_fails_is_named_and_the_rest_stay_intact(workers, corpus, reference, tmp_path,
                                                                         capsys, monkeypatch):
     cli_hook(monkeypatch, functools.partial(fail_shards, frozenset({"train/3"})))
@@ -86,12 +89,14 @@ def test_a_dask_shard_that_always_fails_is_named_and_the_rest_stay_intact(worker
     assert not (tmp_path / "c" / "cache.json").exists()
 
 
+@pytest.mark.distributed
 def test_workers_refuse_a_model_other_than_the_clients(workers, corpus, tmp_path):
     staged = staged_model(seed=1)  # the workers load tiny-llama with seed 0
     with pytest.raises(CacheJobError, match="another prefix"):
         cache(staged, {"eval": stored_datasets(corpus)["eval"]}, 2, tmp_path / "c", dask=workers, retries=0)
 
 
+@pytest.mark.distributed
 def test_an_overwrite_on_dask_rewrites_every_shard(workers, corpus, reference, tmp_path):
     """Workers must not trust what they knew about a store that was deleted and recreated at the same path."""
     data = {"eval": stored_datasets(corpus)["eval"]}
@@ -101,6 +106,7 @@ def test_an_overwrite_on_dask_rewrites_every_shard(workers, corpus, reference, t
     assert_same_cache(tmp_path / "c", reference, splits=("eval",))
 
 
+@pytest.mark.distributed
 def test_a_cluster_that_lost_every_worker_fails_the_job_instead_of_waiting_forever(corpus, tmp_path, monkeypatch):
     from distributed import Client, LocalCluster
 
@@ -123,6 +129,7 @@ def test_local_workers_take_the_visible_gpus_round_robin(device, name, gpus, exp
     assert worker_device(device, name, gpus) == expected
 
 
+@pytest.mark.distributed
 def test_local_cluster_workers_are_named_by_their_index_so_each_gets_its_own_gpu(workers):
     names = workers.run(lambda dask_worker: dask_worker.name)
     assert sorted(names.values()) == [0, 1]

@@ -13,6 +13,8 @@ import pytest
 
 from test_cache import PER_SHARD, BATCH, SEQ, assert_same_cache, cache, stored_datasets, run_cli, staged_model, write_corpus
 
+pytestmark = pytest.mark.distributed
+
 DASK = Path(sys.executable).parent / "dask"
 
 

@@ -8,8 +8,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from storage import open_store
 from test_cache import BATCH, PER_SHARD, SEQ, assert_same_cache, cache, stored_datasets, run_cli, staged_model, write_corpus
+
+pytestmark = pytest.mark.distributed
 
 REPO = Path(__file__).resolve().parents[1]
 # `preinfer cache` with a pause before every shard write (so that it can be killed in the middle).

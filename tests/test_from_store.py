@@ -370,12 +370,14 @@ def one_process_like(data_parallel: Path, tmp_path: Path, precision: str = "fp32
     return weights(str(tmp_path / "one")), weights(str(data_parallel / f"two-{precision}")), model_dir
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(600)
 def test_torchrun_two_ranks_equal_one_process_with_the_same_global_batch(data_parallel, tmp_path):
     one, two, _ = one_process_like(data_parallel, tmp_path)
     assert_close(one, two)
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(600)
 def test_torchrun_two_ranks_bf16_mixed_match_one_process_over_the_same_global_batches(data_parallel, tmp_path):
     """Two gloo ranks under torchrun (gradients summed in fp32 buckets) against one process whose batch is both
@@ -393,6 +395,7 @@ def test_torchrun_two_ranks_bf16_mixed_match_one_process_over_the_same_global_ba
             assert torch.equal(a, b), name
 
 
+@pytest.mark.distributed
 def test_torchrun_bcd_from_stores_the_ranks_make_together_ends_as_live(data_parallel):
     """bcd on two gloo ranks with pre-inference on (each store made once, every rank writing its share of the
     shards into it) and off: the same weights, a store made before block 1's visit of each sweep, and none left

@@ -205,6 +205,7 @@ def _bucket_rank(rank: int, init_file: str, results: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.distributed
 def test_bucketed_all_reduce_sums_exactly_whatever_order_the_gradients_complete_in(tmp_path):
     import torch.multiprocessing as mp
 

@@ -17,6 +17,8 @@ from pipelines.training.sweep_plan import Throughputs
 from storage import open_store
 from test_cache import assert_same_cache, cache, staged_model, stored_datasets, write_corpus
 
+pytestmark = pytest.mark.distributed
+
 # What each rank measured: the agreed throughputs take the largest time and the smallest speed of each.
 MEASURED = [Throughputs(1e-3, 2e8, 3e8, 0.05, {1: 0.2, 2: 0.4}),
             Throughputs(2e-3, 1e8, math.inf, 0.01, {1: 0.3, 2: 0.1})]

@@ -87,6 +87,7 @@ def assert_nothing_local(*directories: Path) -> None:
         assert not [p for p in directory.iterdir() if p.name.startswith("s3:")], directory
 
 
+@pytest.mark.distributed
 def test_cache_killed_and_resumed_on_s3_equals_a_local_store_and_trains(s3, workdir, tmp_path, capsys):
     corpus = write_corpus(tmp_path / "corpus.txt")
     url = f"s3://{BUCKET}/k2"
@@ -119,6 +120,7 @@ def test_cache_killed_and_resumed_on_s3_equals_a_local_store_and_trains(s3, work
     assert_nothing_local(workdir, tmp_path, REPO)
 
 
+@pytest.mark.distributed
 def test_dask_workers_write_the_store_from_its_url(s3, workdir, tmp_path):
     corpus = write_corpus(tmp_path / "corpus.txt", paragraphs=10)
     datasets = datasets_for(corpus)

@@ -320,6 +320,7 @@ tokenize_corpus(TokenizeOptions(data=sys.argv[3], out=sys.argv[4], seq_len=16, e
 """
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("target,after", [("chunk", 4), ("shard", 9)])
 def test_a_job_killed_with_sigkill_resumes_to_the_same_bytes(tmp_path, target, after):
     path = write_corpora(tmp_path / "corpora")["jsonl"]
