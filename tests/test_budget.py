@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import pytest
 
-from cli_run import run_cli
 import preinfer
 from pipelines.arguments import parse_size
 from pipelines.training import partition_for
@@ -19,6 +18,7 @@ from preinfer.memory_model import (
 )
 from preinfer.metrics import parse_record
 from preinfer.presets import build_preset
+from tests.helpers.cli_run import run_cli
 
 SEQ, BATCH = 32, 4
 TINY = ["--model", "tiny-llama", "--seq-len", str(SEQ), "--batch-size", str(BATCH), "--steps-per-visit", "2",

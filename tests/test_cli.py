@@ -11,13 +11,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from cli_run import run_cli
 from pipelines.arguments import shown
 from pipelines.cli import PROCESS_ENVIRONMENT, main
 from pipelines.flags import PRE_INFERENCE_FLAGS, STORE_FLAGS, TRAINING_FLAGS
 from pipelines.models import resolve_model
 from preinfer.config import BlockConfig
 from preinfer.memory_model import Settings
+from tests.helpers.cli_run import run_cli
 
 TINY = ["--model", "tiny-llama", "--seq-len", "32", "--batch-size", "4", "--steps-per-visit", "2",
         "--eval-tokens", "256", "--lr", "1e-3"]

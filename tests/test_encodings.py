@@ -18,7 +18,9 @@ from pipelines.cache.shards import NonFiniteStates, write_shard
 from preinfer.memory_model import COMPRESSION, Settings, shape_for_size, store_bytes_per_token
 from preinfer.memory_model import STORE_DTYPES as PLAN_STORE_DTYPES
 from storage import ENCODINGS, StorageError, create_store, open_store
-from test_cache import SEQ, cache, datasets_for, run_cli, staged_model, write_corpus
+from tests.helpers.cache_jobs import SEQ, cache, datasets_for, staged_model
+from tests.helpers.cli_run import run_cli
+from tests.helpers.corpus_samples import write_corpus
 
 LOSSY = list(ENCODINGS)
 TINY = float(np.nextafter(np.float32(0), np.float32(1)))  # float32's smallest subnormal
@@ -312,7 +314,7 @@ def test_train_from_a_lossy_cache_reads_decoded_states(lossy_cache, tmp_path, ca
 
 def test_bcd_builds_and_rolls_forward_lossy_stores(tmp_path, corpus):
     from pipelines.training import run_bcd
-    from test_from_store import cache_records, config_for
+    from tests.helpers.training_runs import cache_records, config_for
 
     exact = run_bcd(config_for(tmp_path, corpus, "exact", mode="on"), quiet=True)
     config = config_for(tmp_path, corpus, "lossy", mode="on", store_dtype="float8_e4m3", keep_stores=True)

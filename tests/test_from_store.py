@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,56 +18,8 @@ from preinfer.config import Config
 from preinfer.metrics import CacheRecord, PlanOutcomeRecord, SweepPlanRecord, read_metrics
 from preinfer.run_dir import RunDir
 from preinfer.batch_source import LiveSources
-from corpus_samples import paragraphs_corpus
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def config_for(tmp_path: Path, corpus: str, name: str, preset="tiny-llama", **pre_inference) -> Config:
-    config = Config()
-    config.model.name = preset
-    config.data.path = corpus
-    config.data.seq_len = 32
-    config.data.batch_size = 4
-    config.data.samples_per_shard = 8
-    config.data.eval_fraction = 0.2
-    config.blocks.ufp = None
-    config.blocks.blocks = 3
-    config.optim.lr = 1e-3
-    config.stop.steps_per_visit = 4
-    config.run.out = str(tmp_path / name)
-    for key, value in pre_inference.items():
-        setattr(config.pre_inference, key, value)
-    return config
-
-
-def weights(run_dir: str) -> dict[str, torch.Tensor]:
-    return load_file(str(RunDir(run_dir).checkpoint_weights))
-
-
-def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    """Every tensor within relative 1e-5 (Frobenius norm of the difference over the norm of the reference)."""
-    assert set(a) <= set(b)
-    for name in a:
-        relative = (a[name] - b[name]).norm() / b[name].norm().clamp_min(1e-12)
-        assert relative.item() <= 1e-5, (name, relative.item())
-
-
-def torchrun(tmp_path: Path, procs: int, runs: list[list[str]]) -> subprocess.CompletedProcess:
-    """The `preinfer` command lines `runs` in one torchrun job of `procs` gloo ranks."""
-    listing = tmp_path / f"runs-{procs}.json"
-    listing.write_text(json.dumps(runs))
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--standalone",
-         str(ROOT / "tests" / "pipeline_driver.py"), str(listing)],
-        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=500,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done
-
-
-def cache_records(run_dir: str) -> list[CacheRecord]:
-    return [r for r in read_metrics(RunDir(run_dir).metrics) if isinstance(r, CacheRecord)]
+from tests.helpers.corpus_samples import paragraphs_corpus
+from tests.helpers.training_runs import assert_close, cache_and_model, cache_records, config_for, torchrun, weights
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2", "tiny-moe"])
@@ -228,19 +178,6 @@ def test_a_stale_store_is_rebuilt_not_used(tmp_path, corpus, monkeypatch):
     k1, k2 = (v["source_boundary"] for v in summary["visits"][1::-1])
     events = [(r.boundary, r.how) for r in cache_records(config.run.out) if r.how != "deleted"]
     assert events == [(k1, "input"), (k2, "roll_forward"), (k2, "reuse"), (k1, "input")]
-
-
-def cache_and_model(tmp_path: Path, corpus: str, boundary: int = 2) -> tuple[str, str]:
-    """A save_pretrained model directory and a cache of its boundary states at `boundary`."""
-    from preinfer.presets import build_preset
-
-    model_dir = tmp_path / "model"
-    build_preset("tiny-llama", seed=3).save_pretrained(model_dir)
-    store = tmp_path / "cache"
-    code = main(["cache", "--model", str(model_dir), "--data", corpus, "--boundary", str(boundary),
-                 "--out", str(store), "--seq-len", "32", "--samples-per-shard", "8", "--eval-fraction", "0.2"])
-    assert code == 0
-    return str(model_dir), str(store)
 
 
 TRAIN = ["--batch-size", "4", "--steps-per-visit", "4", "--lr", "1e-3", "--blocks", "2", "--seed", "0"]

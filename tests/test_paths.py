@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from cli_run import run_cli
 from preinfer.metrics import CacheRecord, read_metrics
 from preinfer.run_dir import RunDir
 from storage import is_store, location, open_store
-from test_cache import BATCH, PER_SHARD, SEQ, write_corpus
+from tests.helpers.cache_jobs import BATCH, PER_SHARD, SEQ
+from tests.helpers.cli_run import run_cli
+from tests.helpers.corpus_samples import write_corpus
 
 # Each flag that takes a store (or a directory of stores), as the argv of a command with LOCATION in its place.
 STORE_FLAGS = {

@@ -28,7 +28,7 @@ from preinfer.presets import build_preset
 from preinfer.run_dir import RunDir
 from preinfer.batch_source import LiveSources
 from preinfer.stage_cut import plan_stages, stage_cost
-from test_from_store import assert_close, cache_and_model, torchrun, weights
+from tests.helpers.training_runs import assert_close, cache_and_model, torchrun, weights
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["--seq-len", "32", "--samples-per-shard", "8", "--eval-fraction", "0.2", "--sweeps", "2",

@@ -18,7 +18,7 @@ from preinfer.metrics import StepRecord, read_metrics
 from preinfer.precision import LossScaler, resolve_precision
 from preinfer.presets import build_preset, load_model
 from preinfer.run_dir import RunDir
-from test_trainer import make_trainer, snapshot
+from tests.helpers.trainers import make_trainer, snapshot
 
 MIXED = dict(run__precision="bf16-mixed", optim__lr=1e-2)
 

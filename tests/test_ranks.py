@@ -15,7 +15,8 @@ from pipelines.cache import CacheJobError, Part
 from pipelines.training.pre_inference import slowest
 from pipelines.training.sweep_plan import Throughputs
 from storage import open_store
-from test_cache import assert_same_cache, cache, staged_model, stored_datasets, write_corpus
+from tests.helpers.cache_jobs import assert_same_cache, cache, staged_model, stored_datasets
+from tests.helpers.corpus_samples import write_corpus
 
 pytestmark = pytest.mark.distributed
 

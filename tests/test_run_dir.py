@@ -5,12 +5,12 @@ import json
 
 import pytest
 
-from cli_run import run_cli
 from pipelines.models import model_source
 from preinfer.errors import PreinferError
 from preinfer.metrics import (RECORD_KINDS, CacheRecord, PlanOutcomeRecord, PreInferenceRecord, StepRecord,
                               SweepPlanRecord, VisitRecord, parse_record, read_metrics)
 from preinfer.run_dir import RunDir
+from tests.helpers.cli_run import run_cli
 
 TINY = ["--model", "tiny-llama", "--seq-len", "32", "--batch-size", "4", "--steps-per-visit", "2",
         "--eval-tokens", "128", "--lr", "1e-3", "--max-samples", "16"]

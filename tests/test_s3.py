@@ -14,12 +14,13 @@ import torch
 from moto.server import ThreadedMotoServer
 from safetensors.torch import load_file
 
-from cli_run import run_cli
 from preinfer.run_dir import RunDir
 from pipelines.cache.dask_runner import shutdown_local_clusters
 from storage import UnsupportedLocationError, create_store, location, open_store
-from test_cache import BATCH, PER_SHARD, SEQ, cache, datasets_for, staged_model, write_corpus
-from test_cache_processes import REPO, kill_once, start_slow_cache
+from tests.helpers.cache_jobs import BATCH, PER_SHARD, SEQ, cache, datasets_for, staged_model
+from tests.helpers.cli_run import run_cli
+from tests.helpers.corpus_samples import write_corpus
+from tests.helpers.slow_cache import REPO, kill_once, start_slow_cache
 
 BUCKET = "preinfer-test"
 

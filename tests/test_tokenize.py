@@ -21,7 +21,6 @@ import zstandard
 
 import pipelines.data.corpus as corpus
 import storage
-from corpus_samples import CASES, instruction_records, jsonl_text, text_corpus, text_records, write_corpora
 from pipelines.cli import main
 from pipelines.data.token_store import TokenizeOptions, TokenStoreDataset, cache_path, token_fingerprint, tokenize_corpus
 from pipelines.data.token_store.layout import store_fields
@@ -30,7 +29,11 @@ from pipelines.data.corpus import corpus_fingerprint, read_documents
 from pipelines.data.samples import id_dtype, load_data
 from preinfer.errors import UsageError
 from pipelines.data.tokenizers import load_tokenizer
-from test_data import CORPUS, raises_one_line, save_word_tokenizer
+from tests.helpers.corpus_samples import (
+    CASES, instruction_records, jsonl_text, text_corpus, text_records, write_corpora,
+)
+from tests.helpers.one_line_errors import raises_one_line
+from tests.helpers.word_tokenizer import CORPUS, save_word_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 BYTE = load_tokenizer("byte")
