@@ -41,6 +41,7 @@ def direct_prefix(staged, dataset, boundary, lo, hi, batch=BATCH) -> dict[str, t
 # ---- stored states and layout ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-gpt2"])
 def test_stored_states_equal_a_direct_prefix_forward_bit_exactly(model, cache_corpus, tmp_path):
     staged, data = staged_model(model), datasets_for(cache_corpus)
@@ -147,6 +148,7 @@ def test_another_fingerprint_at_out_is_refused_unless_overwrite(cache_corpus, tm
 # ---- resume ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_rerunning_a_completed_job_is_a_quick_no_op(cache_corpus, tmp_path, monkeypatch):
     staged, data = staged_model(), datasets_for(cache_corpus)
     cache(staged, data, 2, tmp_path / "c")
@@ -160,6 +162,7 @@ def test_rerunning_a_completed_job_is_a_quick_no_op(cache_corpus, tmp_path, monk
     assert changed == [] and "already complete" in result.summary()
 
 
+@pytest.mark.slow
 def test_resume_computes_only_the_missing_shards(cache_corpus, tmp_path):
     staged, data = staged_model(), datasets_for(cache_corpus)
     cache(staged, data, 2, tmp_path / "ref")
@@ -178,6 +181,7 @@ def test_resume_computes_only_the_missing_shards(cache_corpus, tmp_path):
 # ---- roll-forward ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_roll_forward_equals_a_fresh_run_store_and_fingerprint(cache_corpus, tmp_path, capsys):
     staged, data = staged_model(), datasets_for(cache_corpus)
     cache(staged, data, 1, tmp_path / "k1")
@@ -221,6 +225,7 @@ def test_roll_forward_refuses_a_stale_or_lower_dtype_source(cache_corpus, tmp_pa
 # ---- faults ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_shard_that_fails_once_is_retried(cache_corpus, tmp_path, monkeypatch):
     staged, data = staged_model(), datasets_for(cache_corpus)
     hook = functools.partial(fail_once, str(tmp_path), frozenset({"train/1", "eval/0"}))
@@ -231,6 +236,7 @@ def test_a_shard_that_fails_once_is_retried(cache_corpus, tmp_path, monkeypatch)
     assert_same_cache(tmp_path / "c", tmp_path / "ref")
 
 
+@pytest.mark.slow
 def test_a_shard_that_always_fails_names_itself_and_leaves_finished_shards_intact(cache_corpus, tmp_path, monkeypatch,
                                                                                  capsys):
     staged, data = staged_model(), stored_datasets(cache_corpus)
@@ -407,6 +413,7 @@ def test_the_old_flag_spellings_still_work_with_a_note(cache_corpus, tmp_path, c
     assert open_store(tmp_path / "new" / "eval").format == "safetensors"
 
 
+@pytest.mark.slow
 def test_a_split_directory_given_as_the_cache_is_one_line_naming_the_root(cache_corpus, tmp_path, capsys):
     cache(staged_model(), datasets_for(cache_corpus), 2, tmp_path / "c")
     code, _, err = run_cli(["train", "--store", str(tmp_path / "c" / "train"), "--model", "tiny-llama", "--out",

@@ -240,6 +240,7 @@ def test_roll_forward_from_a_lossy_store_reads_decoded_states(lossy_cache, tmp_p
     assert result.boundary == 3 and bool(((got - expected[: len(got)]).abs() <= bound * (1 + 1e-5) + 1e-5).all())
 
 
+@pytest.mark.slow
 def test_a_split_is_one_zarr_group_and_one_xarray_dataset(lossy_cache, tmp_path):
     xarray = pytest.importorskip("xarray")
     _, out = lossy_cache
@@ -303,6 +304,7 @@ def test_verify_reports_a_shard_whose_recorded_error_exceeds_the_bound(tmp_path)
     assert not report.ok and [p.shard for p in report.bad] == [1] and "1.5 x its bound" in str(report)
 
 
+@pytest.mark.slow
 def test_train_from_a_lossy_cache_reads_decoded_states(lossy_cache, tmp_path, capsys):
     _, out = lossy_cache
     code, _, err = run_cli(["train", "--store", str(out), "--model", "tiny-llama", "--out",
@@ -312,6 +314,7 @@ def test_train_from_a_lossy_cache_reads_decoded_states(lossy_cache, tmp_path, ca
     assert any(r.get("kind") == "visit" and 0 < r["eval_loss"] < 10 for r in losses)
 
 
+@pytest.mark.slow
 def test_bcd_builds_and_rolls_forward_lossy_stores(tmp_path, corpus):
     from pipelines.training import run_bcd
     from tests.helpers.training_runs import cache_records, config_for

@@ -22,6 +22,7 @@ from tests.helpers.corpus_samples import paragraphs_corpus
 from tests.helpers.training_runs import assert_close, cache_and_model, cache_records, config_for, torchrun, weights
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2", "tiny-moe"])
 def test_bcd_on_and_off_end_with_the_same_weights(tmp_path, corpus, preset):
     off_config = config_for(tmp_path, corpus, "off", preset, mode="off")
@@ -34,6 +35,7 @@ def test_bcd_on_and_off_end_with_the_same_weights(tmp_path, corpus, preset):
     assert [v["source_boundary"] > 0 for v in on["visits"]] == [False, True, True] * 2
 
 
+@pytest.mark.slow
 def test_auto_forced_to_stores_ends_with_the_weights_of_off_and_revises_its_plan(tmp_path, corpus, monkeypatch):
     """A prefix forward assumed 1000x slower than it is makes `auto` plan stores (visits of two epochs, rolled
     forward); the first store built measures
@@ -60,6 +62,7 @@ def test_auto_forced_to_stores_ends_with_the_weights_of_off_and_revises_its_plan
     assert len(outcome) == 1 and outcome[0].measured_s > 0 and outcome[0].run_predicted_s == outcome[0].predicted_s
 
 
+@pytest.mark.slow
 def test_auto_times_the_disk_before_its_first_plan(tmp_path, corpus, monkeypatch):
     """`auto`'s first plan uses write and read speeds measured here (a probe store, deleted after), not the
     assumed ones (visits of two epochs, the assumed fixed cost of a store and of the probe set to 0); `on` needs no
@@ -97,6 +100,7 @@ def test_auto_times_the_disk_before_its_first_plan(tmp_path, corpus, monkeypatch
     assert short_plans[0].chosen == "live" and short_plans[0].write_bps == ASSUMED_WRITE_BPS
 
 
+@pytest.mark.slow
 def test_on_builds_only_the_stores_its_visits_read(tmp_path, corpus):
     """A descending sweep with --start-block 1 visits 1, 0, 3, 2: the store at block 1's boundary is read first;
     block 0 changes every boundary, so blocks 3 and 2 each get one store; nothing else is made."""
@@ -146,6 +150,7 @@ def test_a_visit_resumed_mid_sweep_is_planned_on_its_own(tmp_path, corpus):
     assert [type(r) for r in records][-1] is PlanOutcomeRecord
 
 
+@pytest.mark.slow
 def test_an_ascending_sweep_runs_the_prefix_from_the_input_once(tmp_path, corpus):
     config = config_for(tmp_path, corpus, "asc", mode="on")
     config.blocks.blocks = 4
@@ -158,6 +163,7 @@ def test_an_ascending_sweep_runs_the_prefix_from_the_input_once(tmp_path, corpus
         assert [how for _, how in sweep] == ["input", "roll_forward", "roll_forward"]
 
 
+@pytest.mark.slow
 def test_a_stale_store_is_rebuilt_not_used(tmp_path, corpus, monkeypatch):
     """Descending `on` builds its stores at the sweep start; a prefix weight changed between visits makes the
     next visit rebuild its store instead of reusing it."""
@@ -202,6 +208,7 @@ def rewrite_prefix(model_dir: str, out: Path, how: str) -> str:
     return str(out)
 
 
+@pytest.mark.slow
 def test_train_never_loads_the_prefix(tmp_path, corpus):
     model_dir, store = cache_and_model(tmp_path, corpus)
     assert main(["train", "--store", store, "--model", model_dir, "--out", str(tmp_path / "ref"), *TRAIN]) == 0
@@ -228,6 +235,7 @@ def test_train_refuses_a_stale_store(tmp_path, corpus, capsys):
     assert "other weights" in err and "below boundary 2" in err
 
 
+@pytest.mark.slow
 def test_train_from_store_equals_live_training_of_the_same_block(tmp_path, corpus, capsys):
     """Invariant 3 through the CLI: `train --active` from a store against `bcd --active` live."""
     model_dir, store = cache_and_model(tmp_path, corpus)

@@ -79,6 +79,7 @@ def test_file_urls_and_local_paths_stay_local(tmp_path):
     assert location("memory://x/y").parent == location("memory://x") and location("memory://x/y").name == "y"
 
 
+@pytest.mark.slow
 def test_every_store_flag_takes_a_url(tmp_path, workdir, capsys):
     """memory:// (fsspec's in-process filesystem) through cache --out, --from-store, inspect, verify,
     train --store and bcd --store-dir: the stores land behind the URL, nothing in the working directory."""

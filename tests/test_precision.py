@@ -125,6 +125,7 @@ def test_full_mode_under_bf16_mixed_has_masters_of_everything():
     assert seen == [len(list(trainer.staged.model.parameters()))] * 2
 
 
+@pytest.mark.slow
 def test_a_bf16_directory_loads_as_bf16_trains_bf16_mixed_and_exports_bf16(tmp_path, capsys):
     model_dir = tmp_path / "bf16"
     build_preset("tiny-llama", seed=2).to(torch.bfloat16).save_pretrained(model_dir)

@@ -66,6 +66,7 @@ def test_unknown_kinds_and_missing_fields_are_refused(tmp_path):
         read_metrics(path)
 
 
+@pytest.mark.slow
 def test_a_run_writes_typed_records_and_resolves_as_a_model(tmp_path, capsys):
     out = tmp_path / "run"
     code, _, err = run_cli(["bcd", *TINY, "--blocks", "2", "--seed", "5", "--pre-inference", "on",

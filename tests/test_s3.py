@@ -136,6 +136,7 @@ def test_dask_workers_write_the_store_from_its_url(s3, workdir, tmp_path):
     assert_nothing_local(workdir, tmp_path)
 
 
+@pytest.mark.slow
 def test_a_shard_whose_completion_record_was_never_put_is_not_complete(s3, monkeypatch):
     fields = {"hidden": ((4,), torch.float32)}
     url = f"s3://{BUCKET}/half"

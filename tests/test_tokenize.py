@@ -285,6 +285,7 @@ def test_corpus_fingerprint_follows_content_not_place_or_time(tmp_path):
 # ---- the job ----
 
 
+@pytest.mark.slow
 def test_bytes_are_the_same_across_reruns_and_worker_counts(tmp_path, capsys):
     path = write_corpora(tmp_path / "corpora")["txt"]
     build(path, tmp_path / "one")
@@ -344,6 +345,7 @@ def test_a_job_killed_with_sigkill_resumes_to_the_same_bytes(tmp_path, target, a
     assert tree(out) == tree(tmp_path / "reference")
 
 
+@pytest.mark.slow
 def test_out_directory_rules(tmp_path, capsys, monkeypatch):
     path = write_corpora(tmp_path / "corpora")["jsonl"]
     other = tmp_path / "other"
@@ -382,6 +384,7 @@ def test_out_directory_rules(tmp_path, capsys, monkeypatch):
     assert code == 2 and "data file not found" in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_a_resumed_job_keeps_its_settings(tmp_path, monkeypatch):
     path = write_corpora(tmp_path / "corpora")["jsonl"]
     out = tmp_path / "tokens"
@@ -434,6 +437,7 @@ def test_lazy_reads_touch_only_the_shards_they_need(tmp_path):
     assert dataset.fingerprint() == TokenStoreDataset(tmp_path / "tokens", "train").fingerprint()
 
 
+@pytest.mark.slow
 def test_bench_data_runs_on_small_corpora(tmp_path):
     """The benchmark's own machinery on tiny corpora (no speed or memory assertion: only what holds anywhere)."""
     import importlib.util
