@@ -259,7 +259,8 @@ def test_a_shard_that_always_fails_names_itself_and_leaves_finished_shards_intac
     assert_same_cache(tmp_path / "c", tmp_path / "ref")
 
 
-def test_a_full_disk_stops_the_job_with_one_line_and_finished_shards_intact(cache_corpus, tmp_path, monkeypatch, capsys):
+def test_a_full_disk_stops_the_job_with_one_line_and_finished_shards_intact(cache_corpus, tmp_path, monkeypatch,
+                                                                            capsys):
     from storage.zarr_backend import ZarrStore
 
     original = ZarrStore._write_data
@@ -400,8 +401,8 @@ def test_a_shard_whose_forward_fails_is_named_and_the_others_are_written(cache_c
 
 
 def test_the_old_flag_spellings_still_work_with_a_note(cache_corpus, tmp_path, capsys):
-    argv = ["cache", "--model", "tiny-llama", "--data", cache_corpus, "--seq-len", str(SEQ), "--boundary", "2", "--splits",
-            "eval", "--samples-per-shard", str(PER_SHARD), "--quiet"]
+    argv = ["cache", "--model", "tiny-llama", "--data", cache_corpus, "--seq-len", str(SEQ), "--boundary", "2",
+            "--splits", "eval", "--samples-per-shard", str(PER_SHARD), "--quiet"]
     code, _, err = run_cli([*argv, "--out", str(tmp_path / "old"), "--dtype", "bfloat16", "--format",
                             "safetensors"], capsys)
     assert code == 0, err
