@@ -1,10 +1,11 @@
-# The two commands of the README: `make demo` and `make test`. Both set up .venv first.
+# The two commands of the README: `make demo` and `make test` (`make test-fast`: the tests marked neither slow nor
+# distributed). All set up .venv first.
 # Override the PyTorch requirement for another build, e.g. `make test TORCH='torch==2.5.1'`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test docs
+.PHONY: setup demo test test-fast docs
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -18,6 +19,9 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow and not distributed"
 
 # The generated reference pages (docs/reference/): every command's flags, the config keys, the metrics records.
 docs: setup

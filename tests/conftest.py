@@ -1,12 +1,12 @@
 """Test-wide settings: one intra-op thread (the tests' tensors are tiny; on a busy 2-core machine more threads
-only contend), inherited by the subprocesses the tests start; a small shared corpus."""
+only contend), inherited by the subprocesses the tests start; the corpora, one fixture per purpose."""
 
 import os
 
 import pytest
 import torch
 
-from corpus_samples import paragraphs_corpus
+from tests.helpers.corpus_samples import paragraphs_corpus, write_corpus
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
@@ -23,6 +23,12 @@ def token_store_cache(tmp_path_factory):
 def corpus(tmp_path_factory) -> str:
     """A small text corpus: 24 paragraphs, enough for a few dozen samples of 32 tokens in each split."""
     return paragraphs_corpus(tmp_path_factory.mktemp("data") / "corpus.txt")
+
+
+@pytest.fixture(scope="module")
+def cache_corpus(tmp_path_factory) -> str:
+    """The caching job's corpus: 60 paragraphs, ~200 samples of 32 tokens in train, several shards of each split."""
+    return write_corpus(tmp_path_factory.mktemp("data") / "corpus.txt")
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ def _load(name: str):
     return module
 
 
+@pytest.mark.slow
 def test_memory_quick(tmp_path):
     out = tmp_path / "memory.json"
     assert _load("memory").main(["--quick", "--in-process", "--out", str(out)]) == 0
@@ -52,6 +53,7 @@ def test_memory_quick(tmp_path):
     assert store["tracked_peak"] < live["tracked_peak_above_0"]
 
 
+@pytest.mark.slow
 def test_quality_quick(tmp_path):
     out = tmp_path / "quality.json"
     assert _load("quality").main(["--quick", "--in-process", "--out", str(out)]) == 0
@@ -70,6 +72,7 @@ def test_quality_quick(tmp_path):
     assert rows["full-adam"]["rel_to_full"] == 0
 
 
+@pytest.mark.slow
 def test_quality_until_plateau_stops_each_method_early(tmp_path):
     out = tmp_path / "quality.json"
     # A plateau tolerance of 100%: every run counts as plateaued once `window` evaluations follow its first.
@@ -92,6 +95,7 @@ def test_quality_until_plateau_stops_each_method_early(tmp_path):
     assert (tmp_path / "quality_runs" / "full-adam.json").stat().st_mtime_ns != kept
 
 
+@pytest.mark.slow
 def test_train_quick(tmp_path):
     out = tmp_path / "train.json"
     assert _load("train").main(["--quick", "--out", str(out), "--dir", str(tmp_path / "work")]) == 0
@@ -111,6 +115,7 @@ def test_train_quick(tmp_path):
     assert b["max_rel_eval_loss_diff"] < 1e-4
 
 
+@pytest.mark.slow
 def test_train_store_dtypes_quick(tmp_path, corpus):
     """bench/train.py --store-dtype: the top block of a trained run from the exact and a lossy store."""
     from pipelines.cli import main

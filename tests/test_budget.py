@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import pytest
 
-from cli_run import run_cli
 import preinfer
 from pipelines.training import partition_for
 from preinfer.errors import UsageError
@@ -21,6 +20,7 @@ from preinfer.memory.shapes import resolve_shape, shape_for_size
 from preinfer.metrics import parse_record
 from preinfer.presets import build_preset
 from preinfer.sizes import parse_size
+from tests.helpers.cli_run import run_cli
 
 SEQ, BATCH = 32, 4
 TINY = ["--model", "tiny-llama", "--seq-len", str(SEQ), "--batch-size", str(BATCH), "--steps-per-visit", "2",

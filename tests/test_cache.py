@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_run import run_cli
 import preinfer
 from pipelines.cache import (
     CacheOptions, cache_boundary, cache_fingerprint, default_samples_per_shard, roll_forward,
@@ -18,102 +17,14 @@ from pipelines.cache import local_runner, parse_dask, shards
 from pipelines.cache.fingerprints import store_fields
 from pipelines.cache.options import LocalWorkers, Part, SchedulerAddress
 from pipelines.cache.result import CacheJobError
-from pipelines.commands import cache as cache_command
-from pipelines.data.token_store import TokenStoreDataset
-from pipelines.data.token_store.resolve import token_splits
 from pipelines.data.samples import TokenDataset, load_data
-from preinfer.presets import build_preset
 from pipelines.data.tokenizers import load_tokenizer
 from storage import StaleStoreError, create_store, open_store
-
-SEQ = 32
-PER_SHARD = 16
-BATCH = 6  # does not divide PER_SHARD: each shard ends with a short batch
-
-
-def write_corpus(path: Path, paragraphs: int = 60) -> str:
-    """A small deterministic .txt corpus (~200 samples of 32 bytes in train, ~20 in eval)."""
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
-    text = "\n\n".join(
-        f"Paragraph {i}: " + " ".join(words[(i * 7 + j) % len(words)] for j in range(12 + i % 9))
-        for i in range(paragraphs)
-    )
-    path.write_text(text + "\n")
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("data") / "corpus.txt")
-
-
-def datasets_for(corpus: str, seq_len: int = SEQ) -> dict[str, TokenDataset]:
-    tokenizer = load_tokenizer("byte")
-    return {split: load_data(corpus, tokenizer, seq_len, split, 0.1) for split in ("train", "eval")}
-
-
-def stored_datasets(corpus: str) -> dict[str, TokenStoreDataset]:
-    """The splits as the CLI reads them: from the corpus's token store."""
-    return token_splits(corpus, load_tokenizer("byte"), SEQ, 0.1, ["train", "eval"], progress=False)
-
-
-def staged_model(name: str = "tiny-llama", seed: int = 0):
-    return preinfer.stage(build_preset(name, seed).eval())
-
-
-def cache(staged, datasets, boundary, out, **options):
-    options = {"samples_per_shard": PER_SHARD, "batch_size": BATCH, "progress": False, "model_name": "tiny-llama",
-               **options}
-    return cache_boundary(staged, datasets, load_tokenizer("byte"), boundary, out, CacheOptions(**options))
-
-
-def fail_shards(names: frozenset[str], split: str, shard: int) -> None:
-    """A `before_shard_write` hook: the shards `names` ("train/3") fail on every attempt."""
-    if f"{split}/{shard}" in names:
-        raise RuntimeError(f"injected fault on shard {split}/{shard}")
-
-
-def fail_once(marker_dir: str, names: frozenset[str], split: str, shard: int) -> None:
-    """A `before_shard_write` hook: the shards `names` fail once (a marker file in `marker_dir` records it)."""
-    if f"{split}/{shard}" in names:
-        try:
-            with open(Path(marker_dir) / f"fault-{split}-{shard}", "x"):
-                pass
-        except FileExistsError:
-            return
-        raise RuntimeError(f"injected fault on shard {split}/{shard}")
-
-
-def cli_hook(monkeypatch, hook) -> None:
-    """Make `preinfer cache` (run in this process) pass `hook` as its options' before_shard_write."""
-    monkeypatch.setattr(cache_command, "CacheOptions", functools.partial(CacheOptions, before_shard_write=hook))
-
-
-def store_tensors(path) -> list[dict[str, torch.Tensor]]:
-    store = open_store(path)
-    return [store.read_shard(i) for i in range(store.num_shards)]
-
-
-def assert_same_store(a, b) -> None:
-    """Same fingerprint, layout, completion records (checksums) and bit-identical tensors."""
-    sa, sb = open_store(a), open_store(b)
-    assert sa.fingerprint == sb.fingerprint
-    ma, mb = sa.manifest, sb.manifest
-    for key in ("backend", "codec", "num_samples", "samples_per_shard", "fields", "complete"):
-        assert ma[key] == mb[key], key
-    assert {i: r["fields"] for i, r in ma["shards"].items()} == {i: r["fields"] for i, r in mb["shards"].items()}
-    for x, y in zip(store_tensors(a), store_tensors(b)):
-        assert x.keys() == y.keys()
-        for name in x:
-            assert x[name].dtype == y[name].dtype and torch.equal(x[name].view(-1).view(torch.uint8)
-                                                                   if x[name].dtype == torch.bool else x[name],
-                                                                   y[name].view(-1).view(torch.uint8)
-                                                                   if y[name].dtype == torch.bool else y[name]), name
-
-
-def assert_same_cache(a: Path, b: Path, splits=("train", "eval")) -> None:
-    for split in splits:
-        assert_same_store(a / split, b / split)
+from tests.helpers.cache_jobs import (
+    BATCH, PER_SHARD, SEQ, assert_same_cache, cache, datasets_for, staged_model, stored_datasets,
+)
+from tests.helpers.cli_run import run_cli
+from tests.helpers.shard_faults import cli_hook, fail_once, fail_shards
 
 
 def direct_prefix(staged, dataset, boundary, lo, hi, batch=BATCH) -> dict[str, torch.Tensor]:
@@ -130,9 +41,10 @@ def direct_prefix(staged, dataset, boundary, lo, hi, batch=BATCH) -> dict[str, t
 # ---- stored states and layout ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-gpt2"])
-def test_stored_states_equal_a_direct_prefix_forward_bit_exactly(model, corpus, tmp_path):
-    staged, data = staged_model(model), datasets_for(corpus)
+def test_stored_states_equal_a_direct_prefix_forward_bit_exactly(model, cache_corpus, tmp_path):
+    staged, data = staged_model(model), datasets_for(cache_corpus)
     result = cache(staged, data, 2, tmp_path / "c", model_name=model)
     assert set(result.splits) == {"train", "eval"} and result.shards_computed == result.shards_skipped + sum(
         s.num_shards for s in result.splits.values())
@@ -154,8 +66,8 @@ def test_stored_states_equal_a_direct_prefix_forward_bit_exactly(model, corpus, 
     assert index["boundary"] == 2 and set(index["splits"]) == {"train", "eval"}
 
 
-def test_a_lower_dtype_is_explicit_and_recorded(corpus, tmp_path):
-    staged, data = staged_model(), datasets_for(corpus)
+def test_a_lower_dtype_is_explicit_and_recorded(cache_corpus, tmp_path):
+    staged, data = staged_model(), datasets_for(cache_corpus)
     result = cache(staged, {"eval": data["eval"]}, 2, tmp_path / "c", store_dtype="bfloat16",
                    store_format="safetensors")
     store = open_store(tmp_path / "c" / "eval")
@@ -174,9 +86,9 @@ def test_default_samples_per_shard_aims_at_64_mib():
 # ---- fingerprints ---------------------------------------------------------------------------------------------
 
 
-def test_fingerprint_changes_exactly_when_it_should(corpus):
+def test_fingerprint_changes_exactly_when_it_should(cache_corpus):
     tokenizer = load_tokenizer("byte")
-    staged, data = staged_model(), datasets_for(corpus)
+    staged, data = staged_model(), datasets_for(cache_corpus)
     train = data["train"]
     base = cache_fingerprint(staged, train, tokenizer, 2, "auto", "tiny-llama")
 
@@ -200,7 +112,7 @@ def test_fingerprint_changes_exactly_when_it_should(corpus):
     assert fp(dataset=data["eval"]).digest != base.digest
     shorter = TokenDataset(train.input_ids[:-1], train.attention_mask[:-1], train.labels[:-1], train.source, "train")
     assert fp(dataset=shorter).digest != base.digest
-    other_len = load_data(corpus, tokenizer, SEQ * 2, "train", 0.1)
+    other_len = load_data(cache_corpus, tokenizer, SEQ * 2, "train", 0.1)
     changed_len = fp(dataset=other_len)
     assert changed_len.digest != base.digest and changed_len.parts["seq_len"] == SEQ * 2
 
@@ -215,8 +127,8 @@ def test_a_tied_weight_changes_every_boundary_above_its_first_use():
     assert cache_fingerprint(staged, dataset, load_tokenizer("byte"), 1).digest != before.digest
 
 
-def test_another_fingerprint_at_out_is_refused_unless_overwrite(corpus, tmp_path, capsys):
-    staged, data = staged_model(), datasets_for(corpus)
+def test_another_fingerprint_at_out_is_refused_unless_overwrite(cache_corpus, tmp_path, capsys):
+    staged, data = staged_model(), datasets_for(cache_corpus)
     eval_only = {"eval": data["eval"]}
     cache(staged, eval_only, 2, tmp_path / "c")
     with torch.no_grad():
@@ -226,7 +138,7 @@ def test_another_fingerprint_at_out_is_refused_unless_overwrite(corpus, tmp_path
     result = cache(staged, eval_only, 2, tmp_path / "c", mode="overwrite")
     assert open_store(tmp_path / "c" / "eval").fingerprint == result.splits["eval"].fingerprint
     # the CLI: exit 1, one line naming the differing part
-    argv = ["cache", "--model", "tiny-llama", "--data", corpus, "--seq-len", str(SEQ), "--boundary", "3",
+    argv = ["cache", "--model", "tiny-llama", "--data", cache_corpus, "--seq-len", str(SEQ), "--boundary", "3",
             "--out", str(tmp_path / "c"), "--splits", "eval", "--samples-per-shard", str(PER_SHARD), "--quiet"]
     code, _, err = run_cli(argv, capsys)
     assert code == 1 and "boundary: store has 2, expected 3" in err and "--overwrite" in err
@@ -236,8 +148,9 @@ def test_another_fingerprint_at_out_is_refused_unless_overwrite(corpus, tmp_path
 # ---- resume ---------------------------------------------------------------------------------------------------
 
 
-def test_rerunning_a_completed_job_is_a_quick_no_op(corpus, tmp_path, monkeypatch):
-    staged, data = staged_model(), datasets_for(corpus)
+@pytest.mark.slow
+def test_rerunning_a_completed_job_is_a_quick_no_op(cache_corpus, tmp_path, monkeypatch):
+    staged, data = staged_model(), datasets_for(cache_corpus)
     cache(staged, data, 2, tmp_path / "c")
     files = {p: p.stat().st_mtime_ns for p in (tmp_path / "c").rglob("*") if p.is_file() and "locks" not in p.parts}
     monkeypatch.setattr(staged, "run", lambda *a, **k: pytest.fail("a completed store must not run the model"))
@@ -249,8 +162,9 @@ def test_rerunning_a_completed_job_is_a_quick_no_op(corpus, tmp_path, monkeypatc
     assert changed == [] and "already complete" in result.summary()
 
 
-def test_resume_computes_only_the_missing_shards(corpus, tmp_path):
-    staged, data = staged_model(), datasets_for(corpus)
+@pytest.mark.slow
+def test_resume_computes_only_the_missing_shards(cache_corpus, tmp_path):
+    staged, data = staged_model(), datasets_for(cache_corpus)
     cache(staged, data, 2, tmp_path / "ref")
     store = create_store(
         tmp_path / "c" / "train", store_fields(SEQ, 64, torch.float32), len(data["train"]), PER_SHARD,
@@ -267,8 +181,9 @@ def test_resume_computes_only_the_missing_shards(corpus, tmp_path):
 # ---- roll-forward ---------------------------------------------------------------------------------------------
 
 
-def test_roll_forward_equals_a_fresh_run_store_and_fingerprint(corpus, tmp_path, capsys):
-    staged, data = staged_model(), datasets_for(corpus)
+@pytest.mark.slow
+def test_roll_forward_equals_a_fresh_run_store_and_fingerprint(cache_corpus, tmp_path, capsys):
+    staged, data = staged_model(), datasets_for(cache_corpus)
     cache(staged, data, 1, tmp_path / "k1")
     with torch.no_grad():  # a visit of block [1, 3) trained those layers; the store at 1 stays valid
         for p in staged.layers[1].parameters():
@@ -280,7 +195,7 @@ def test_roll_forward_equals_a_fresh_run_store_and_fingerprint(corpus, tmp_path,
     assert rolled.tokens == fresh.tokens
     assert_same_cache(tmp_path / "rolled", tmp_path / "fresh")
     # the CLI, from the stored weights of a preset: a fresh cache at 2 and a roll 2 -> 4 against a fresh 4
-    common = ["--model", "tiny-llama", "--data", corpus, "--seq-len", str(SEQ), "--samples-per-shard",
+    common = ["--model", "tiny-llama", "--data", cache_corpus, "--seq-len", str(SEQ), "--samples-per-shard",
               str(PER_SHARD), "--batch-size", str(BATCH), "--splits", "eval", "--quiet"]
     for boundary, out, extra in ((2, "k2", []), (4, "k4", []), (4, "r4", ["--from-store", str(tmp_path / "k2")])):
         code, stdout, err = run_cli(["cache", *common, "--boundary", str(boundary), "--out", str(tmp_path / out),
@@ -290,8 +205,8 @@ def test_roll_forward_equals_a_fresh_run_store_and_fingerprint(corpus, tmp_path,
     assert_same_cache(tmp_path / "r4", tmp_path / "k4", splits=("eval",))
 
 
-def test_roll_forward_refuses_a_stale_or_lower_dtype_source(corpus, tmp_path):
-    staged, data = staged_model(), datasets_for(corpus)
+def test_roll_forward_refuses_a_stale_or_lower_dtype_source(cache_corpus, tmp_path):
+    staged, data = staged_model(), datasets_for(cache_corpus)
     eval_only = {"eval": data["eval"]}
     cache(staged, eval_only, 1, tmp_path / "k1")
     cache(staged, eval_only, 1, tmp_path / "bf16", store_dtype="bfloat16")
@@ -310,8 +225,9 @@ def test_roll_forward_refuses_a_stale_or_lower_dtype_source(corpus, tmp_path):
 # ---- faults ---------------------------------------------------------------------------------------------------
 
 
-def test_a_shard_that_fails_once_is_retried(corpus, tmp_path, monkeypatch):
-    staged, data = staged_model(), datasets_for(corpus)
+@pytest.mark.slow
+def test_a_shard_that_fails_once_is_retried(cache_corpus, tmp_path, monkeypatch):
+    staged, data = staged_model(), datasets_for(cache_corpus)
     hook = functools.partial(fail_once, str(tmp_path), frozenset({"train/1", "eval/0"}))
     result = cache(staged, data, 2, tmp_path / "c", retries=1, before_shard_write=hook)
     assert (tmp_path / "fault-train-1").exists() and (tmp_path / "fault-eval-0").exists()
@@ -320,12 +236,13 @@ def test_a_shard_that_fails_once_is_retried(corpus, tmp_path, monkeypatch):
     assert_same_cache(tmp_path / "c", tmp_path / "ref")
 
 
-def test_a_shard_that_always_fails_names_itself_and_leaves_finished_shards_intact(corpus, tmp_path, monkeypatch,
+@pytest.mark.slow
+def test_a_shard_that_always_fails_names_itself_and_leaves_finished_shards_intact(cache_corpus, tmp_path, monkeypatch,
                                                                                  capsys):
-    staged, data = staged_model(), stored_datasets(corpus)
+    staged, data = staged_model(), stored_datasets(cache_corpus)
     cache(staged, data, 2, tmp_path / "ref")
     cli_hook(monkeypatch, functools.partial(fail_shards, frozenset({"train/1"})))
-    argv = ["cache", "--model", "tiny-llama", "--data", corpus, "--seq-len", str(SEQ), "--boundary", "2",
+    argv = ["cache", "--model", "tiny-llama", "--data", cache_corpus, "--seq-len", str(SEQ), "--boundary", "2",
             "--out", str(tmp_path / "c"), "--samples-per-shard", str(PER_SHARD), "--batch-size", str(BATCH),
             "--retries", "1", "--quiet"]
     code, _, err = run_cli(argv, capsys)
@@ -342,7 +259,8 @@ def test_a_shard_that_always_fails_names_itself_and_leaves_finished_shards_intac
     assert_same_cache(tmp_path / "c", tmp_path / "ref")
 
 
-def test_a_full_disk_stops_the_job_with_one_line_and_finished_shards_intact(corpus, tmp_path, monkeypatch, capsys):
+def test_a_full_disk_stops_the_job_with_one_line_and_finished_shards_intact(cache_corpus, tmp_path, monkeypatch,
+                                                                            capsys):
     from storage.zarr_backend import ZarrStore
 
     original = ZarrStore._write_data
@@ -355,7 +273,7 @@ def test_a_full_disk_stops_the_job_with_one_line_and_finished_shards_intact(corp
         return original(self, i, tensors)
 
     monkeypatch.setattr(ZarrStore, "_write_data", full_disk)
-    argv = ["cache", "--model", "tiny-llama", "--data", corpus, "--seq-len", str(SEQ), "--boundary", "2",
+    argv = ["cache", "--model", "tiny-llama", "--data", cache_corpus, "--seq-len", str(SEQ), "--boundary", "2",
             "--out", str(tmp_path / "c"), "--samples-per-shard", str(PER_SHARD), "--quiet"]
     code, _, err = run_cli(argv, capsys)
     assert code == 1 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
@@ -393,14 +311,14 @@ def not_utf8(tmp_path):
         (["--dask", "nowhere"], "--dask"),
     ],
 )
-def test_bad_input_is_one_line_and_exit_code_2(extra, message, corpus, tmp_path, capsys):
+def test_bad_input_is_one_line_and_exit_code_2(extra, message, cache_corpus, tmp_path, capsys):
     (tmp_path / "a_file").write_text("x")
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "notes.txt").write_text("mine")
     replace = {"NOT_UTF8": not_utf8(tmp_path), "A_FILE": str(tmp_path / "a_file"),
                "FOREIGN": str(tmp_path / "foreign")}
     extra = [replace.get(x, x) for x in extra]
-    argv = ["cache", "--model", "tiny-llama", "--data", corpus, "--seq-len", str(SEQ), "--boundary", "2",
+    argv = ["cache", "--model", "tiny-llama", "--data", cache_corpus, "--seq-len", str(SEQ), "--boundary", "2",
             "--out", str(tmp_path / "c"), "--quiet", *extra]
     code, _, err = run_cli(argv, capsys)
     assert code == 2, err
@@ -409,18 +327,18 @@ def test_bad_input_is_one_line_and_exit_code_2(extra, message, corpus, tmp_path,
     assert not (tmp_path / "c" / "train").exists()
 
 
-def test_an_unreadable_data_file_is_exit_code_2(corpus, tmp_path, monkeypatch, capsys):
+def test_an_unreadable_data_file_is_exit_code_2(cache_corpus, tmp_path, monkeypatch, capsys):
     original = Path.open
 
     def denied(self, *args, **kwargs):
-        if str(self) == corpus:
+        if str(self) == cache_corpus:
             raise PermissionError(errno.EACCES, "Permission denied", str(self))
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(Path, "open", denied)
-    code, _, err = run_cli(["cache", "--model", "tiny-llama", "--data", corpus, "--boundary", "2", "--out",
+    code, _, err = run_cli(["cache", "--model", "tiny-llama", "--data", cache_corpus, "--boundary", "2", "--out",
                             str(tmp_path / "c"), "--quiet"], capsys)
-    assert code == 2 and f"{corpus}: cannot read it" in err and "Permission denied" in err
+    assert code == 2 and f"{cache_corpus}: cannot read it" in err and "Permission denied" in err
 
 
 # ---- the CUDA staging path, on CPU ----------------------------------------------------------------------------
@@ -434,8 +352,8 @@ class CountingEvent:
         self.waited += 1
 
 
-def test_asynchronous_host_staging_path_runs_on_cpu_and_reuses_buffers(corpus, tmp_path, monkeypatch):
-    staged, data = staged_model(), datasets_for(corpus)
+def test_asynchronous_host_staging_path_runs_on_cpu_and_reuses_buffers(cache_corpus, tmp_path, monkeypatch):
+    staged, data = staged_model(), datasets_for(cache_corpus)
     dataset = data["train"]
     fields = {n: (shape, dtype) for n, (shape, dtype) in store_fields(SEQ, 64, torch.float32).items()}
     stager = shards.HostStager("cpu", asynchronous=True, max_pooled=1)
@@ -466,8 +384,8 @@ def test_asynchronous_host_staging_path_runs_on_cpu_and_reuses_buffers(corpus, t
     assert event.waited == result.shards_computed > 0
 
 
-def test_a_shard_whose_forward_fails_is_named_and_the_others_are_written(corpus, tmp_path, monkeypatch):
-    staged, data = staged_model(), datasets_for(corpus)
+def test_a_shard_whose_forward_fails_is_named_and_the_others_are_written(cache_corpus, tmp_path, monkeypatch):
+    staged, data = staged_model(), datasets_for(cache_corpus)
     original = shards.DatasetInputs.__call__
 
     def broken(self, a, b):
@@ -482,9 +400,9 @@ def test_a_shard_whose_forward_fails_is_named_and_the_others_are_written(corpus,
     assert store.missing_shards() == [1] and len(store.completed_shards()) == store.num_shards - 1
 
 
-def test_the_old_flag_spellings_still_work_with_a_note(corpus, tmp_path, capsys):
-    argv = ["cache", "--model", "tiny-llama", "--data", corpus, "--seq-len", str(SEQ), "--boundary", "2", "--splits",
-            "eval", "--samples-per-shard", str(PER_SHARD), "--quiet"]
+def test_the_old_flag_spellings_still_work_with_a_note(cache_corpus, tmp_path, capsys):
+    argv = ["cache", "--model", "tiny-llama", "--data", cache_corpus, "--seq-len", str(SEQ), "--boundary", "2",
+            "--splits", "eval", "--samples-per-shard", str(PER_SHARD), "--quiet"]
     code, _, err = run_cli([*argv, "--out", str(tmp_path / "old"), "--dtype", "bfloat16", "--format",
                             "safetensors"], capsys)
     assert code == 0, err
@@ -496,8 +414,9 @@ def test_the_old_flag_spellings_still_work_with_a_note(corpus, tmp_path, capsys)
     assert open_store(tmp_path / "new" / "eval").format == "safetensors"
 
 
-def test_a_split_directory_given_as_the_cache_is_one_line_naming_the_root(corpus, tmp_path, capsys):
-    cache(staged_model(), datasets_for(corpus), 2, tmp_path / "c")
+@pytest.mark.slow
+def test_a_split_directory_given_as_the_cache_is_one_line_naming_the_root(cache_corpus, tmp_path, capsys):
+    cache(staged_model(), datasets_for(cache_corpus), 2, tmp_path / "c")
     code, _, err = run_cli(["train", "--store", str(tmp_path / "c" / "train"), "--model", "tiny-llama", "--out",
                             str(tmp_path / "run"), "--steps-per-visit", "1"], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err

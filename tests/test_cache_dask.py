@@ -7,28 +7,21 @@ import json
 import pytest
 import torch
 
-from cli_run import run_cli
 from pipelines.cache import CacheOptions, roll_forward
 from pipelines.cache import dask_runner
 from pipelines.cache.dask_runner import local_client, shutdown_local_clusters, worker_device
 from pipelines.cache.result import CacheJobError
 from storage import open_store
-from test_cache import (
-    PER_SHARD, BATCH, SEQ, assert_same_cache, cache, cli_hook, stored_datasets, fail_once, fail_shards,
-    staged_model, write_corpus,
-)
+from tests.helpers.cache_jobs import BATCH, PER_SHARD, SEQ, assert_same_cache, cache, staged_model, stored_datasets
+from tests.helpers.cli_run import run_cli
+from tests.helpers.shard_faults import cli_hook, fail_once, fail_shards
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("data") / "corpus.txt")
-
-
-@pytest.fixture(scope="module")
-def reference(corpus, tmp_path_factory):
+def reference(cache_corpus, tmp_path_factory):
     """The single-process store (`--workers 1`) the Dask runs must equal."""
     out = tmp_path_factory.mktemp("ref") / "c"
-    cache(staged_model(), stored_datasets(corpus), 2, out)
+    cache(staged_model(), stored_datasets(cache_corpus), 2, out)
     return out
 
 
@@ -40,14 +33,15 @@ def workers():
     shutdown_local_clusters()
 
 
-def cli_args(corpus, out, *extra):
-    return ["cache", "--model", "tiny-llama", "--data", corpus, "--seq-len", str(SEQ), "--boundary", "2", "--out",
+def cli_args(cache_corpus, out, *extra):
+    return ["cache", "--model", "tiny-llama", "--data", cache_corpus, "--seq-len", str(SEQ), "--boundary", "2", "--out",
             str(out), "--samples-per-shard", str(PER_SHARD), "--batch-size", str(BATCH), "--quiet", *extra]
 
 
+@pytest.mark.distributed
 def test_dask_local_2_gives_the_store_of_one_worker_and_loads_the_model_once_per_worker(
-        workers, corpus, reference, tmp_path, capsys):
-    code, stdout, err = run_cli(cli_args(corpus, tmp_path / "c", "--dask", "local:2", "--json"), capsys)
+        workers, cache_corpus, reference, tmp_path, capsys):
+    code, stdout, err = run_cli(cli_args(cache_corpus, tmp_path / "c", "--dask", "local:2", "--json"), capsys)
     assert code == 0, err
     result = json.loads(stdout)
     assert result["workers"] == "local:2" and result["shards_computed"] > 4
@@ -59,24 +53,26 @@ def test_dask_local_2_gives_the_store_of_one_worker_and_loads_the_model_once_per
     rolled = roll_forward(staged, tmp_path / "c", 3, tmp_path / "r3", CacheOptions(
         samples_per_shard=PER_SHARD, batch_size=BATCH, progress=False, model_name="tiny-llama", dask="local:2"))
     assert set(rolled.model_loads.values()) == {1}
-    cache(staged, stored_datasets(corpus), 3, tmp_path / "f3")
+    cache(staged, stored_datasets(cache_corpus), 3, tmp_path / "f3")
     assert_same_cache(tmp_path / "r3", tmp_path / "f3")
 
 
-def test_a_dask_task_that_fails_once_is_retried(workers, corpus, reference, tmp_path):
+@pytest.mark.distributed
+def test_a_dask_task_that_fails_once_is_retried(workers, cache_corpus, reference, tmp_path):
     hook = functools.partial(fail_once, str(tmp_path), frozenset({"train/2", "eval/1"}))
-    result = cache(staged_model(), stored_datasets(corpus), 2, tmp_path / "c", dask=workers, retries=1,
+    result = cache(staged_model(), stored_datasets(cache_corpus), 2, tmp_path / "c", dask=workers, retries=1,
                    before_shard_write=hook)
     assert (tmp_path / "fault-train-2").exists() and (tmp_path / "fault-eval-1").exists()
     assert result.shards_computed == sum(s.num_shards for s in result.splits.values())
     assert_same_cache(tmp_path / "c", reference)
 
 
-def test_a_dask_shard_that_always_fails_is_named_and_the_rest_stay_intact(workers, corpus, reference, tmp_path,
+@pytest.mark.distributed
+def test_a_dask_shard_that_always_fails_is_named_and_the_rest_stay_intact(workers, cache_corpus, reference, tmp_path,
                                                                         capsys, monkeypatch):
     cli_hook(monkeypatch, functools.partial(fail_shards, frozenset({"train/3"})))
     address = workers.scheduler.address
-    code, _, err = run_cli(cli_args(corpus, tmp_path / "c", "--dask", address, "--retries", "1"), capsys)
+    code, _, err = run_cli(cli_args(cache_corpus, tmp_path / "c", "--dask", address, "--retries", "1"), capsys)
     assert code == 1 and len(err.strip().splitlines()) == 1, err
     assert "train shard 3 (samples 48..64)" in err and "injected fault" in err
     store, ref = open_store(tmp_path / "c" / "train"), open_store(reference / "train")
@@ -86,29 +82,32 @@ def test_a_dask_shard_that_always_fails_is_named_and_the_rest_stay_intact(worker
     assert not (tmp_path / "c" / "cache.json").exists()
 
 
-def test_workers_refuse_a_model_other_than_the_clients(workers, corpus, tmp_path):
+@pytest.mark.distributed
+def test_workers_refuse_a_model_other_than_the_clients(workers, cache_corpus, tmp_path):
     staged = staged_model(seed=1)  # the workers load tiny-llama with seed 0
     with pytest.raises(CacheJobError, match="another prefix"):
-        cache(staged, {"eval": stored_datasets(corpus)["eval"]}, 2, tmp_path / "c", dask=workers, retries=0)
+        cache(staged, {"eval": stored_datasets(cache_corpus)["eval"]}, 2, tmp_path / "c", dask=workers, retries=0)
 
 
-def test_an_overwrite_on_dask_rewrites_every_shard(workers, corpus, reference, tmp_path):
+@pytest.mark.distributed
+def test_an_overwrite_on_dask_rewrites_every_shard(workers, cache_corpus, reference, tmp_path):
     """Workers must not trust what they knew about a store that was deleted and recreated at the same path."""
-    data = {"eval": stored_datasets(corpus)["eval"]}
+    data = {"eval": stored_datasets(cache_corpus)["eval"]}
     for _ in range(2):
         result = cache(staged_model(), data, 2, tmp_path / "c", dask=workers, mode="overwrite")
         assert result.shards_computed == result.splits["eval"].num_shards
     assert_same_cache(tmp_path / "c", reference, splits=("eval",))
 
 
-def test_a_cluster_that_lost_every_worker_fails_the_job_instead_of_waiting_forever(corpus, tmp_path, monkeypatch):
+@pytest.mark.distributed
+def test_a_cluster_that_lost_every_worker_fails_the_job_instead_of_waiting_forever(cache_corpus, tmp_path, monkeypatch):
     from distributed import Client, LocalCluster
 
     monkeypatch.setattr(dask_runner, "POLL_S", 0.2)
     monkeypatch.setattr(dask_runner, "NO_WORKERS_TIMEOUT_S", 1.0)
     with LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client:
         with pytest.raises(CacheJobError, match=r"no workers for \d+ s.*0 of \d+ shards are finished"):
-            cache(staged_model(), {"eval": stored_datasets(corpus)["eval"]}, 2, tmp_path / "c", dask=client)
+            cache(staged_model(), {"eval": stored_datasets(cache_corpus)["eval"]}, 2, tmp_path / "c", dask=client)
 
 
 @pytest.mark.parametrize("device, name, gpus, expected", [
@@ -123,6 +122,7 @@ def test_local_workers_take_the_visible_gpus_round_robin(device, name, gpus, exp
     assert worker_device(device, name, gpus) == expected
 
 
+@pytest.mark.distributed
 def test_local_cluster_workers_are_named_by_their_index_so_each_gets_its_own_gpu(workers):
     names = workers.run(lambda dask_worker: dask_worker.name)
     assert sorted(names.values()) == [0, 1]

@@ -11,7 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from test_cache import PER_SHARD, BATCH, SEQ, assert_same_cache, cache, stored_datasets, run_cli, staged_model, write_corpus
+from tests.helpers.cache_jobs import BATCH, PER_SHARD, SEQ, assert_same_cache, cache, staged_model, stored_datasets
+from tests.helpers.cli_run import run_cli
+from tests.helpers.corpus_samples import write_corpus
+
+pytestmark = pytest.mark.distributed
 
 DASK = Path(sys.executable).parent / "dask"
 

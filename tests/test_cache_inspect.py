@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from test_cache import SEQ, cache, stored_datasets, run_cli, staged_model, write_corpus
+from tests.helpers.cache_jobs import SEQ, cache, staged_model, stored_datasets
+from tests.helpers.cli_run import run_cli
+from tests.helpers.corpus_samples import write_corpus
 
 
 @pytest.fixture(scope="module")

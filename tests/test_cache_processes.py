@@ -1,44 +1,16 @@
 """A caching job killed with SIGKILL in the middle (a real subprocess) resumes to the store of an uninterrupted run."""
 
-import os
 import signal
-import subprocess
-import sys
-import time
-from collections.abc import Callable
-from pathlib import Path
+
+import pytest
 
 from storage import open_store
-from test_cache import BATCH, PER_SHARD, SEQ, assert_same_cache, cache, stored_datasets, run_cli, staged_model, write_corpus
+from tests.helpers.cache_jobs import BATCH, PER_SHARD, SEQ, assert_same_cache, cache, staged_model, stored_datasets
+from tests.helpers.cli_run import run_cli
+from tests.helpers.corpus_samples import write_corpus
+from tests.helpers.slow_cache import REPO, kill_once, start_slow_cache
 
-REPO = Path(__file__).resolve().parents[1]
-# `preinfer cache` with a pause before every shard write (so that it can be killed in the middle).
-SLOW_CACHE = """
-import functools, sys, time
-from pipelines.cli import main
-from pipelines.commands import cache
-
-cache.CacheOptions = functools.partial(cache.CacheOptions, before_shard_write=lambda split, shard: time.sleep(0.2))
-sys.exit(main(sys.argv[1:]))
-"""
-
-
-def start_slow_cache(args: list[str], cwd: Path, **env: str) -> subprocess.Popen:
-    """`preinfer cache ARGS` as SLOW_CACHE in a subprocess that imports this checkout."""
-    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen([sys.executable, "-c", SLOW_CACHE, *args], cwd=cwd, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-
-def kill_once(proc: subprocess.Popen, enough_done: Callable[[], bool]) -> None:
-    """SIGKILL the job as soon as `enough_done()` (within 2 minutes), asserting it was still running."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None and not enough_done():
-        time.sleep(0.05)
-    assert proc.poll() is None, f"the job ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    proc.stderr.close()
+pytestmark = pytest.mark.distributed
 
 
 def test_a_job_killed_with_sigkill_resumes_to_an_identical_store(tmp_path, capsys):

@@ -11,7 +11,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from cli_run import run_cli
 from pipelines.cli import PROCESS_ENVIRONMENT, main
 from pipelines.cache import STORE_DTYPES, STORE_FORMATS
 from pipelines.cli import COMMANDS
@@ -19,11 +18,13 @@ from pipelines.flags import COMMAND_FLAGS, FLAGS, PRE_INFERENCE_FLAGS, SHARED_FL
 from pipelines.models import resolve_model
 from preinfer.config import BlockConfig
 from preinfer.memory.settings import Settings
+from tests.helpers.cli_run import run_cli
 
 TINY = ["--model", "tiny-llama", "--seq-len", "32", "--batch-size", "4", "--steps-per-visit", "2",
         "--eval-tokens", "256", "--lr", "1e-3"]
 
 
+@pytest.mark.slow
 def test_bcd_writes_the_run_directory_and_a_loadable_export(tmp_path, capsys):
     out = tmp_path / "run"
     began = time.time()
@@ -100,6 +101,7 @@ def test_a_decaying_rate_without_a_visit_length_is_refused_before_anything_is_wr
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_the_console_entry_point_reports_errors_without_traceback(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "pipelines.cli", "bcd", "--model", "nope", "--out", str(tmp_path / "r")],
@@ -280,6 +282,7 @@ def test_cuda_from_a_config_file_on_a_cpu_only_pytorch_is_refused(tmp_path, caps
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_cuda_through_the_console_entry_point_on_this_pytorch(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pipelines.cli", "eval", "--model", "tiny-llama", "--device",
                            "cuda:99"], capture_output=True, text=True, timeout=120)
@@ -291,6 +294,7 @@ def clean_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in PROCESS_ENVIRONMENT}
 
 
+@pytest.mark.slow
 def test_importing_the_packages_changes_no_process_setting():
     code = ("import os, pipelines, preinfer, storage, pipelines.cli, pipelines.flags, pipelines.training; "
             "assert not {'OMP_WAIT_POLICY'} & set(os.environ), os.environ['OMP_WAIT_POLICY']")

@@ -5,19 +5,18 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 
-from corpus_samples import CASES, write_corpora
 from pipelines.data.corpus import read_documents
 from pipelines.data.samples import IGNORE_INDEX, TokenDataset, format_prompt, in_eval_split, load_data, sample_blocks
-from preinfer.errors import UsageError
 from preinfer.presets import BYTE_EOS_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE
 from pipelines.data.tokenizers import load_tokenizer
+from tests.helpers.corpus_samples import CASES, write_corpora
+from tests.helpers.one_line_errors import raises_one_line
+from tests.helpers.word_tokenizer import CORPUS, save_word_tokenizer
 
 BYTE = load_tokenizer("byte")
 EOS = BYTE_EOS_ID
@@ -30,14 +29,6 @@ def write_jsonl(path: Path, records: list) -> Path:
 
 def byte_ids(text: str) -> list[int]:
     return list(text.encode("utf-8"))
-
-
-@contextmanager
-def raises_one_line(match: str) -> Iterator[pytest.ExceptionInfo]:
-    """pytest.raises for a UsageError whose message matches `match` and is one line."""
-    with pytest.raises(UsageError, match=match) as caught:
-        yield caught
-    assert "\n" not in str(caught.value)
 
 
 def split_documents(dataset: TokenDataset) -> list[str]:
@@ -264,25 +255,6 @@ def test_dataset_fingerprint_is_stable_and_content_sensitive(tmp_path):
 
 
 # ---- Hugging Face tokenizer directory ----
-
-
-def save_word_tokenizer(directory: Path, corpus: list[str], with_pad: bool = True) -> Path:
-    """A tiny WordLevel tokenizer trained on `corpus`, saved as a Hugging Face tokenizer directory."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["[UNK]", "[EOS]"] + (["[PAD]"] if with_pad else [])
-    backend = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.train_from_iterator(corpus, trainers.WordLevelTrainer(special_tokens=specials))
-    extra = {"pad_token": "[PAD]"} if with_pad else {}
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="[EOS]", **extra).save_pretrained(
-        directory
-    )
-    return directory
-
-
-CORPUS = ["the cat sat on the mat", "a dog ran in the park", "### Instruction : Response Input"]
 
 
 def test_hf_tokenizer_directory(tmp_path):

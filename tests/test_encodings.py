@@ -21,7 +21,9 @@ from preinfer.memory.traffic import COMPRESSION, store_bytes_per_token
 from preinfer.memory.traffic import STORE_DTYPES as PLAN_STORE_DTYPES
 from storage import ENCODINGS, StorageError, create_store, open_store
 from storage.encodings import merge_stats
-from test_cache import SEQ, cache, datasets_for, run_cli, staged_model, write_corpus
+from tests.helpers.cache_jobs import SEQ, cache, datasets_for, staged_model
+from tests.helpers.cli_run import run_cli
+from tests.helpers.corpus_samples import write_corpus
 
 LOSSY = list(ENCODINGS)
 TINY = float(np.nextafter(np.float32(0), np.float32(1)))  # float32's smallest subnormal
@@ -241,6 +243,7 @@ def test_roll_forward_from_a_lossy_store_reads_decoded_states(lossy_cache, tmp_p
     assert result.boundary == 3 and bool(((got - expected[: len(got)]).abs() <= bound * (1 + 1e-5) + 1e-5).all())
 
 
+@pytest.mark.slow
 def test_a_split_is_one_zarr_group_and_one_xarray_dataset(lossy_cache, tmp_path):
     xarray = pytest.importorskip("xarray")
     _, out = lossy_cache
@@ -304,6 +307,7 @@ def test_verify_reports_a_shard_whose_recorded_error_exceeds_the_bound(tmp_path)
     assert not report.ok and [p.shard for p in report.bad] == [1] and "1.5 x its bound" in str(report)
 
 
+@pytest.mark.slow
 def test_train_from_a_lossy_cache_reads_decoded_states(lossy_cache, tmp_path, capsys):
     _, out = lossy_cache
     code, _, err = run_cli(["train", "--store", str(out), "--model", "tiny-llama", "--out",
@@ -313,9 +317,10 @@ def test_train_from_a_lossy_cache_reads_decoded_states(lossy_cache, tmp_path, ca
     assert any(r.get("kind") == "visit" and 0 < r["eval_loss"] < 10 for r in losses)
 
 
+@pytest.mark.slow
 def test_bcd_builds_and_rolls_forward_lossy_stores(tmp_path, corpus):
     from pipelines import training
-    from test_from_store import cache_records, config_for
+    from tests.helpers.training_runs import cache_records, config_for
 
     exact = training.run(config_for(tmp_path, corpus, "exact", mode="on"), quiet=True)
     config = config_for(tmp_path, corpus, "lossy", mode="on", store_dtype="float8_e4m3", keep_stores=True)

@@ -75,6 +75,7 @@ def test_the_byte_tokenizer_saved_for_hf_encodes_and_decodes_exactly(tmp_path):
         assert loaded.decode(ids, skip_special_tokens=True) == ours.decode(ids), ids
 
 
+@pytest.mark.slow
 def test_a_byte_tokenizer_run_exports_a_runnable_model(tmp_path, corpus):
     out = tmp_path / "run"
     assert run_cli(["bcd", *TINY, "--data", corpus, "--out", str(out)]) == 0
@@ -83,6 +84,7 @@ def test_a_byte_tokenizer_run_exports_a_runnable_model(tmp_path, corpus):
     assert_generates(export, ByteTokenizer())
 
 
+@pytest.mark.slow
 def test_an_hf_tokenizer_run_exports_its_tokenizer(tmp_path, corpus, hf_tokenizer_dir):
     out = tmp_path / "run"
     assert run_cli(["bcd", *TINY, "--data", corpus, "--tokenizer", hf_tokenizer_dir, "--out", str(out)]) == 0
@@ -92,6 +94,7 @@ def test_an_hf_tokenizer_run_exports_its_tokenizer(tmp_path, corpus, hf_tokenize
     assert_generates(export, tokenizer)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["byte", "hf"])
 def test_train_from_a_store_exports_the_tokenizer_the_store_was_made_with(tmp_path, corpus, hf_tokenizer_dir, kind):
     from preinfer.presets import build_preset

@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,58 +19,11 @@ from preinfer.config import Config
 from preinfer.metrics import CacheRecord, PlanOutcomeRecord, SweepPlanRecord, read_metrics
 from preinfer.run_dir import RunDir
 from preinfer.batch_source import LiveSources
-from corpus_samples import paragraphs_corpus
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def config_for(tmp_path: Path, corpus: str, name: str, preset="tiny-llama", **pre_inference) -> Config:
-    config = Config()
-    config.model.name = preset
-    config.data.path = corpus
-    config.data.seq_len = 32
-    config.data.batch_size = 4
-    config.data.samples_per_shard = 8
-    config.data.eval_fraction = 0.2
-    config.blocks.ufp = None
-    config.blocks.blocks = 3
-    config.optim.lr = 1e-3
-    config.stop.steps_per_visit = 4
-    config.run.out = str(tmp_path / name)
-    for key, value in pre_inference.items():
-        setattr(config.pre_inference, key, value)
-    return config
+from tests.helpers.corpus_samples import paragraphs_corpus
+from tests.helpers.training_runs import assert_close, cache_and_model, cache_records, config_for, torchrun, weights
 
 
-def weights(run_dir: str) -> dict[str, torch.Tensor]:
-    return load_file(str(RunDir(run_dir).checkpoint_weights))
-
-
-def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    """Every tensor within relative 1e-5 (Frobenius norm of the difference over the norm of the reference)."""
-    assert set(a) <= set(b)
-    for name in a:
-        relative = (a[name] - b[name]).norm() / b[name].norm().clamp_min(1e-12)
-        assert relative.item() <= 1e-5, (name, relative.item())
-
-
-def torchrun(tmp_path: Path, procs: int, runs: list[list[str]]) -> subprocess.CompletedProcess:
-    """The `preinfer` command lines `runs` in one torchrun job of `procs` gloo ranks."""
-    listing = tmp_path / f"runs-{procs}.json"
-    listing.write_text(json.dumps(runs))
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--standalone",
-         str(ROOT / "tests" / "pipeline_driver.py"), str(listing)],
-        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=500,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done
-
-
-def cache_records(run_dir: str) -> list[CacheRecord]:
-    return [r for r in read_metrics(RunDir(run_dir).metrics) if isinstance(r, CacheRecord)]
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2", "tiny-moe"])
 def test_bcd_on_and_off_end_with_the_same_weights(tmp_path, corpus, preset):
     off_config = config_for(tmp_path, corpus, "off", preset, mode="off")
@@ -85,6 +36,7 @@ def test_bcd_on_and_off_end_with_the_same_weights(tmp_path, corpus, preset):
     assert [v["source_boundary"] > 0 for v in on["visits"]] == [False, True, True] * 2
 
 
+@pytest.mark.slow
 def test_auto_forced_to_stores_ends_with_the_weights_of_off_and_revises_its_plan(tmp_path, corpus, monkeypatch):
     """A prefix forward assumed 1000x slower than it is makes `auto` plan stores (visits of two epochs, rolled
     forward); the first store built measures
@@ -111,6 +63,7 @@ def test_auto_forced_to_stores_ends_with_the_weights_of_off_and_revises_its_plan
     assert len(outcome) == 1 and outcome[0].measured_s > 0 and outcome[0].run_predicted_s == outcome[0].predicted_s
 
 
+@pytest.mark.slow
 def test_auto_times_the_disk_before_its_first_plan(tmp_path, corpus, monkeypatch):
     """`auto`'s first plan uses write and read speeds measured here (a probe store, deleted after), not the
     assumed ones (visits of two epochs, the assumed fixed cost of a store and of the probe set to 0); `on` needs no
@@ -148,6 +101,7 @@ def test_auto_times_the_disk_before_its_first_plan(tmp_path, corpus, monkeypatch
     assert short_plans[0].chosen == "live" and short_plans[0].write_bps == ASSUMED_WRITE_BPS
 
 
+@pytest.mark.slow
 def test_on_builds_only_the_stores_its_visits_read(tmp_path, corpus):
     """A descending sweep with --start-block 1 visits 1, 0, 3, 2: the store at block 1's boundary is read first;
     block 0 changes every boundary, so blocks 3 and 2 each get one store; nothing else is made."""
@@ -197,6 +151,7 @@ def test_a_visit_resumed_mid_sweep_is_planned_on_its_own(tmp_path, corpus):
     assert [type(r) for r in records][-1] is PlanOutcomeRecord
 
 
+@pytest.mark.slow
 def test_an_ascending_sweep_runs_the_prefix_from_the_input_once(tmp_path, corpus):
     config = config_for(tmp_path, corpus, "asc", mode="on")
     config.blocks.blocks = 4
@@ -209,6 +164,7 @@ def test_an_ascending_sweep_runs_the_prefix_from_the_input_once(tmp_path, corpus
         assert [how for _, how in sweep] == ["input", "roll_forward", "roll_forward"]
 
 
+@pytest.mark.slow
 def test_a_stale_store_is_rebuilt_not_used(tmp_path, corpus, monkeypatch):
     """Descending `on` builds its stores at the sweep start; a prefix weight changed between visits makes the
     next visit rebuild its store instead of reusing it."""
@@ -229,19 +185,6 @@ def test_a_stale_store_is_rebuilt_not_used(tmp_path, corpus, monkeypatch):
     k1, k2 = (v["source_boundary"] for v in summary["visits"][1::-1])
     events = [(r.boundary, r.how) for r in cache_records(config.run.out) if r.how != "deleted"]
     assert events == [(k1, "input"), (k2, "roll_forward"), (k2, "reuse"), (k1, "input")]
-
-
-def cache_and_model(tmp_path: Path, corpus: str, boundary: int = 2) -> tuple[str, str]:
-    """A save_pretrained model directory and a cache of its boundary states at `boundary`."""
-    from preinfer.presets import build_preset
-
-    model_dir = tmp_path / "model"
-    build_preset("tiny-llama", seed=3).save_pretrained(model_dir)
-    store = tmp_path / "cache"
-    code = main(["cache", "--model", str(model_dir), "--data", corpus, "--boundary", str(boundary),
-                 "--out", str(store), "--seq-len", "32", "--samples-per-shard", "8", "--eval-fraction", "0.2"])
-    assert code == 0
-    return str(model_dir), str(store)
 
 
 TRAIN = ["--batch-size", "4", "--steps-per-visit", "4", "--lr", "1e-3", "--blocks", "2", "--seed", "0"]
@@ -266,6 +209,7 @@ def rewrite_prefix(model_dir: str, out: Path, how: str) -> str:
     return str(out)
 
 
+@pytest.mark.slow
 def test_train_never_loads_the_prefix(tmp_path, corpus):
     model_dir, store = cache_and_model(tmp_path, corpus)
     assert main(["train", "--store", store, "--model", model_dir, "--out", str(tmp_path / "ref"), *TRAIN]) == 0
@@ -292,6 +236,7 @@ def test_train_refuses_a_stale_store(tmp_path, corpus, capsys):
     assert "other weights" in err and "below boundary 2" in err
 
 
+@pytest.mark.slow
 def test_train_from_store_equals_live_training_of_the_same_block(tmp_path, corpus, capsys):
     """Invariant 3 through the CLI: `train --active` from a store against `bcd --active` live."""
     model_dir, store = cache_and_model(tmp_path, corpus)
@@ -371,12 +316,14 @@ def one_process_like(data_parallel: Path, tmp_path: Path, precision: str = "fp32
     return weights(str(tmp_path / "one")), weights(str(data_parallel / f"two-{precision}")), model_dir
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(600)
 def test_torchrun_two_ranks_equal_one_process_with_the_same_global_batch(data_parallel, tmp_path):
     one, two, _ = one_process_like(data_parallel, tmp_path)
     assert_close(one, two)
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(600)
 def test_torchrun_two_ranks_bf16_mixed_match_one_process_over_the_same_global_batches(data_parallel, tmp_path):
     """Two gloo ranks under torchrun (gradients summed in fp32 buckets) against one process whose batch is both
@@ -394,6 +341,7 @@ def test_torchrun_two_ranks_bf16_mixed_match_one_process_over_the_same_global_ba
             assert torch.equal(a, b), name
 
 
+@pytest.mark.distributed
 def test_torchrun_bcd_from_stores_the_ranks_make_together_ends_as_live(data_parallel):
     """bcd on two gloo ranks with pre-inference on (each store made once, every rank writing its share of the
     shards into it) and off: the same weights, a store made before block 1's visit of each sweep, and none left

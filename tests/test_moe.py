@@ -13,7 +13,7 @@ from preinfer.moe import ROW_INVARIANT, RouterLoss, sparse_blocks
 from preinfer.partition import make_partition
 from preinfer.presets import build_preset
 from preinfer.trainer import evaluate
-from test_trainer import make_trainer, random_tokens, snapshot
+from tests.helpers.trainers import make_trainer, random_tokens, snapshot
 
 
 class FixedBatch:

@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from cli_run import run_cli
 from preinfer.metrics import CacheRecord, read_metrics
 from preinfer.run_dir import RunDir
 from storage import is_store, location, open_store
-from test_cache import BATCH, PER_SHARD, SEQ, write_corpus
+from tests.helpers.cache_jobs import BATCH, PER_SHARD, SEQ
+from tests.helpers.cli_run import run_cli
+from tests.helpers.corpus_samples import write_corpus
 
 # Each flag that takes a store (or a directory of stores), as the argv of a command with LOCATION in its place.
 STORE_FLAGS = {
@@ -78,6 +79,7 @@ def test_file_urls_and_local_paths_stay_local(tmp_path):
     assert location("memory://x/y").parent == location("memory://x") and location("memory://x/y").name == "y"
 
 
+@pytest.mark.slow
 def test_every_store_flag_takes_a_url(tmp_path, workdir, capsys):
     """memory:// (fsspec's in-process filesystem) through cache --out, --from-store, inspect, verify,
     train --store and bcd --store-dir: the stores land behind the URL, nothing in the working directory."""

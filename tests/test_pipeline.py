@@ -30,7 +30,7 @@ from preinfer.presets import build_preset
 from preinfer.run_dir import RunDir
 from preinfer.batch_source import LiveSources
 from preinfer.memory.stage_cut import cut_stages, stage_cost
-from test_from_store import assert_close, cache_and_model, torchrun, weights
+from tests.helpers.training_runs import assert_close, cache_and_model, torchrun, weights
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["--seq-len", "32", "--samples-per-shard", "8", "--eval-fraction", "0.2", "--sweeps", "2",
@@ -83,6 +83,7 @@ def two_ranks(tmp_path_factory, corpus):
     return tmp, done.stdout
 
 
+@pytest.mark.distributed
 def test_the_command_plan_prints_runs_on_the_pipeline_it_recommends(two_ranks):
     tmp, _ = two_ranks
     records = visits(tmp / "planned")
@@ -96,6 +97,7 @@ def one_process(tmp: Path, corpus: str, model: str, blocks: str, more: list[str]
     return weights(str(tmp / name))
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", list(RUNS))
 def test_a_two_stage_pipeline_ends_with_the_weights_of_one_process(two_ranks, corpus, tmp_path, name):
@@ -111,6 +113,7 @@ def test_a_two_stage_pipeline_ends_with_the_weights_of_one_process(two_ranks, co
             assert torch.equal(value, pipeline[key]), key
 
 
+@pytest.mark.distributed
 def test_a_resumed_pipeline_run_ends_as_an_uninterrupted_one(two_ranks):
     """Each stage resumes from its own checkpoint (`checkpoint/stage-J/`): one sweep, then --resume for the
     second, against the llama run of two sweeps."""
@@ -121,6 +124,7 @@ def test_a_resumed_pipeline_run_ends_as_an_uninterrupted_one(two_ranks):
         "model.safetensors", "stage-0", "stage-1"]
 
 
+@pytest.mark.distributed
 def test_training_from_a_store_on_two_stages_equals_one_process(two_ranks, tmp_path):
     """The store feeds the first stage (layers 1.. of a cache at boundary 1); the export adds the prefix from
     the model directory."""
@@ -139,6 +143,7 @@ def visits(run: Path) -> list[VisitRecord]:
     return [r for r in read_metrics(RunDir(run).metrics) if isinstance(r, VisitRecord)]
 
 
+@pytest.mark.distributed
 def test_stages_do_only_what_they_must_and_hold_only_their_layers(two_ranks):
     """tiny-llama in 4 blocks on stages embed+layer 0 | layers 1-3+head: the last block's visits leave stage 0
     below it (forward only: nothing saved for backward, no gradient, no optimizer state), block 0's visits leave
@@ -166,6 +171,7 @@ def test_stages_do_only_what_they_must_and_hold_only_their_layers(two_ranks):
     assert stdout.count("final eval loss") == len(RUNS) + 4  # one rank reports
 
 
+@pytest.mark.distributed
 def test_with_pre_inference_the_stages_make_the_store_and_those_below_it_idle(two_ranks):
     """tiny-llama in 2 blocks on stages embed+layer 0 | layers 1-3+head: block 1 reads a store at boundary 2,
     which stage 0 (forward) and stage 1 (layer 1, writing) made; while block 1 trains, stage 0 runs nothing."""
@@ -180,6 +186,7 @@ def test_with_pre_inference_the_stages_make_the_store_and_those_below_it_idle(tw
     assert "stage(s) 0-0 below it run nothing this visit" in stdout
 
 
+@pytest.mark.distributed
 def test_the_tied_weight_is_one_tensor_on_both_end_stages(two_ranks):
     tmp, _ = two_ranks
     stage0 = load_file(str(tmp / "gpt2" / "checkpoint" / "stage-0" / "model.safetensors"))
@@ -218,6 +225,7 @@ class ReplicaMicroBatches:
             reader.load_state_dict(saved)
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(600)
 def test_a_pipeline_of_two_times_two_replicas_equals_one_process_reading_both_replicas(tmp_path, corpus):
     torchrun(tmp_path, 4, [["bcd", "--model", "tiny-llama", "--blocks", "2", "--data", corpus, *COMMON,

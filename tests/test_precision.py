@@ -18,7 +18,7 @@ from preinfer.metrics import StepRecord, read_metrics
 from preinfer.precision import LossScaler, resolve_precision
 from preinfer.presets import build_preset, load_model
 from preinfer.run_dir import RunDir
-from test_trainer import make_trainer, snapshot
+from tests.helpers.trainers import make_trainer, snapshot
 
 MIXED = dict(run__precision="bf16-mixed", optim__lr=1e-2)
 
@@ -125,6 +125,7 @@ def test_full_mode_under_bf16_mixed_has_masters_of_everything():
     assert seen == [len(list(trainer.staged.model.parameters()))] * 2
 
 
+@pytest.mark.slow
 def test_a_bf16_directory_loads_as_bf16_trains_bf16_mixed_and_exports_bf16(tmp_path, capsys):
     model_dir = tmp_path / "bf16"
     build_preset("tiny-llama", seed=2).to(torch.bfloat16).save_pretrained(model_dir)
@@ -205,6 +206,7 @@ def _bucket_rank(rank: int, init_file: str, results: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.distributed
 def test_bucketed_all_reduce_sums_exactly_whatever_order_the_gradients_complete_in(tmp_path):
     import torch.multiprocessing as mp
 

@@ -18,6 +18,8 @@ from pipelines.cli import main
 from preinfer.metrics import StepRecord, read_metrics
 from preinfer.run_dir import RunDir
 
+pytestmark = pytest.mark.distributed
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 60
 

@@ -15,7 +15,10 @@ from pipelines.cache import CacheJobError, Part
 from pipelines.training.pre_inference.ranks import slowest
 from pipelines.training.sweep_plan import Throughputs
 from storage import open_store
-from test_cache import assert_same_cache, cache, staged_model, stored_datasets, write_corpus
+from tests.helpers.cache_jobs import assert_same_cache, cache, staged_model, stored_datasets
+from tests.helpers.corpus_samples import write_corpus
+
+pytestmark = pytest.mark.distributed
 
 # What each rank measured: the agreed throughputs take the largest time and the smallest speed of each.
 MEASURED = [Throughputs(1e-3, 2e8, 3e8, 0.05, {1: 0.2, 2: 0.4}),

@@ -5,12 +5,12 @@ import json
 
 import pytest
 
-from cli_run import run_cli
 from pipelines.models import model_source
 from preinfer.errors import PreinferError
 from preinfer.metrics import (RECORD_KINDS, CacheRecord, PlanOutcomeRecord, PreInferenceRecord, StepRecord,
                               SweepPlanRecord, VisitRecord, parse_record, read_metrics)
 from preinfer.run_dir import RunDir
+from tests.helpers.cli_run import run_cli
 
 TINY = ["--model", "tiny-llama", "--seq-len", "32", "--batch-size", "4", "--steps-per-visit", "2",
         "--eval-tokens", "128", "--lr", "1e-3", "--max-samples", "16"]
@@ -66,6 +66,7 @@ def test_unknown_kinds_and_missing_fields_are_refused(tmp_path):
         read_metrics(path)
 
 
+@pytest.mark.slow
 def test_a_run_writes_typed_records_and_resolves_as_a_model(tmp_path, capsys):
     out = tmp_path / "run"
     code, _, err = run_cli(["bcd", *TINY, "--blocks", "2", "--seed", "5", "--pre-inference", "on",

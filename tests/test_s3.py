@@ -14,13 +14,14 @@ import torch
 from moto.server import ThreadedMotoServer
 from safetensors.torch import load_file
 
-from cli_run import run_cli
 from preinfer.run_dir import RunDir
 from pipelines.cache.dask_runner import shutdown_local_clusters
 from storage import create_store, location, open_store
 from storage.errors import UnsupportedLocationError
-from test_cache import BATCH, PER_SHARD, SEQ, cache, datasets_for, staged_model, write_corpus
-from test_cache_processes import REPO, kill_once, start_slow_cache
+from tests.helpers.cache_jobs import BATCH, PER_SHARD, SEQ, cache, datasets_for, staged_model
+from tests.helpers.cli_run import run_cli
+from tests.helpers.corpus_samples import write_corpus
+from tests.helpers.slow_cache import REPO, kill_once, start_slow_cache
 
 BUCKET = "preinfer-test"
 
@@ -88,6 +89,7 @@ def assert_nothing_local(*directories: Path) -> None:
         assert not [p for p in directory.iterdir() if p.name.startswith("s3:")], directory
 
 
+@pytest.mark.distributed
 def test_cache_killed_and_resumed_on_s3_equals_a_local_store_and_trains(s3, workdir, tmp_path, capsys):
     corpus = write_corpus(tmp_path / "corpus.txt")
     url = f"s3://{BUCKET}/k2"
@@ -120,6 +122,7 @@ def test_cache_killed_and_resumed_on_s3_equals_a_local_store_and_trains(s3, work
     assert_nothing_local(workdir, tmp_path, REPO)
 
 
+@pytest.mark.distributed
 def test_dask_workers_write_the_store_from_its_url(s3, workdir, tmp_path):
     corpus = write_corpus(tmp_path / "corpus.txt", paragraphs=10)
     datasets = datasets_for(corpus)
@@ -134,6 +137,7 @@ def test_dask_workers_write_the_store_from_its_url(s3, workdir, tmp_path):
     assert_nothing_local(workdir, tmp_path)
 
 
+@pytest.mark.slow
 def test_a_shard_whose_completion_record_was_never_put_is_not_complete(s3, monkeypatch):
     fields = {"hidden": ((4,), torch.float32)}
     url = f"s3://{BUCKET}/half"

@@ -16,6 +16,8 @@ import torch
 from storage import StorageError, create_store, open_store, verify
 from storage.errors import IncompleteStoreError
 
+pytestmark = pytest.mark.distributed
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIELDS = {"hidden": ((16, 32), torch.bfloat16), "labels": ((16,), torch.int64)}
 

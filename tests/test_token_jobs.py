@@ -23,7 +23,7 @@ from preinfer.errors import UsageError
 from preinfer.run_dir import RunDir
 from preinfer.batch_source import LiveSources
 from pipelines.data.tokenizers import load_tokenizer
-from test_from_store import config_for
+from tests.helpers.training_runs import config_for
 
 SEQ = 32
 

@@ -21,7 +21,6 @@ import zstandard
 
 import pipelines.data.corpus as corpus
 import storage
-from corpus_samples import CASES, instruction_records, jsonl_text, text_corpus, text_records, write_corpora
 from pipelines.cli import main
 from pipelines.data.token_store import TokenizeOptions, TokenStoreDataset, cache_path, token_fingerprint, tokenize_corpus
 from pipelines.data.token_store.layout import store_fields
@@ -30,7 +29,11 @@ from pipelines.data.corpus import corpus_fingerprint, read_documents
 from pipelines.data.samples import id_dtype, load_data
 from preinfer.errors import UsageError
 from pipelines.data.tokenizers import load_tokenizer
-from test_data import CORPUS, raises_one_line, save_word_tokenizer
+from tests.helpers.corpus_samples import (
+    CASES, instruction_records, jsonl_text, text_corpus, text_records, write_corpora,
+)
+from tests.helpers.one_line_errors import raises_one_line
+from tests.helpers.word_tokenizer import CORPUS, save_word_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 BYTE = load_tokenizer("byte")
@@ -282,6 +285,7 @@ def test_corpus_fingerprint_follows_content_not_place_or_time(tmp_path):
 # ---- the job ----
 
 
+@pytest.mark.slow
 def test_bytes_are_the_same_across_reruns_and_worker_counts(tmp_path, capsys):
     path = write_corpora(tmp_path / "corpora")["txt"]
     build(path, tmp_path / "one")
@@ -320,6 +324,7 @@ tokenize_corpus(TokenizeOptions(data=sys.argv[3], out=sys.argv[4], seq_len=16, e
 """
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("target,after", [("chunk", 4), ("shard", 9)])
 def test_a_job_killed_with_sigkill_resumes_to_the_same_bytes(tmp_path, target, after):
     path = write_corpora(tmp_path / "corpora")["jsonl"]
@@ -340,6 +345,7 @@ def test_a_job_killed_with_sigkill_resumes_to_the_same_bytes(tmp_path, target, a
     assert tree(out) == tree(tmp_path / "reference")
 
 
+@pytest.mark.slow
 def test_out_directory_rules(tmp_path, capsys, monkeypatch):
     path = write_corpora(tmp_path / "corpora")["jsonl"]
     other = tmp_path / "other"
@@ -378,6 +384,7 @@ def test_out_directory_rules(tmp_path, capsys, monkeypatch):
     assert code == 2 and "data file not found" in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_a_resumed_job_keeps_its_settings(tmp_path, monkeypatch):
     path = write_corpora(tmp_path / "corpora")["jsonl"]
     out = tmp_path / "tokens"
@@ -430,6 +437,7 @@ def test_lazy_reads_touch_only_the_shards_they_need(tmp_path):
     assert dataset.fingerprint() == TokenStoreDataset(tmp_path / "tokens", "train").fingerprint()
 
 
+@pytest.mark.slow
 def test_bench_data_runs_on_small_corpora(tmp_path):
     """The benchmark's own machinery on tiny corpora (no speed or memory assertion: only what holds anywhere)."""
     import importlib.util

@@ -6,46 +6,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
-import preinfer
-from preinfer.config import Config
-from pipelines.data.samples import TokenDataset
 from preinfer.errors import UsageError
 from preinfer.memory.meter import MemoryMeter
 from preinfer.metrics import StepRecord
-from preinfer.partition import make_partition
-from preinfer.presets import build_preset
-from preinfer.run_dir import RunDir
 from preinfer.block_order import sweep_order
-from preinfer.trainer import Trainer
-from pipelines.data.batches import live_sources
-
-
-def random_tokens(n=24, t=16, vocab=258, seed=0, split="train") -> TokenDataset:
-    """A token dataset of random sequences with some right padding."""
-    gen = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, vocab, (n, t), generator=gen)
-    lengths = torch.randint(t // 2, t + 1, (n,), generator=gen)
-    attention_mask = torch.arange(t) < lengths[:, None]
-    return TokenDataset(input_ids, attention_mask, input_ids.masked_fill(~attention_mask, -100), "random", split)
-
-
-def make_trainer(preset="tiny-llama", run_dir=None, on_record=None, **overrides):
-    config = Config()
-    config.optim.lr = 1e-3
-    config.stop.steps_per_visit = 3
-    config.data.batch_size = 4
-    for key, value in overrides.items():
-        section, name = key.split("__")
-        setattr(getattr(config, section), name, value)
-    staged = preinfer.stage(build_preset(preset, seed=0))
-    partition = make_partition(staged, num_blocks=config.blocks.blocks or 3)
-    sources = live_sources(random_tokens(), random_tokens(n=8, seed=1, split="eval"), config.data.batch_size,
-                           samples_per_shard=8, seed=config.run.seed)
-    return Trainer(staged, partition, config, sources, run_dir=run_dir and RunDir(run_dir), on_record=on_record)
-
-
-def snapshot(model):
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+from tests.helpers.trainers import make_trainer, snapshot
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])

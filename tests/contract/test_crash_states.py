@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cli_run import run_cli
+from tests.helpers.cli_run import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
-INJECT = Path(__file__).with_name("inject.py")
+INJECT = Path(__file__).parents[1] / "helpers" / "inject.py"
 KILLED = 137
 
 

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from moto.server import ThreadedMotoServer
 
-from cli_run import run_cli
+from tests.helpers.cli_run import run_cli
 from storage import location
 
 REPO = Path(__file__).resolve().parents[2]
-INJECT = Path(__file__).with_name("inject.py")
+INJECT = Path(__file__).parents[1] / "helpers" / "inject.py"
 TINY = ["--model", "tiny-llama", "--seq-len", "32", "--batch-size", "4", "--steps-per-visit", "2",
         "--eval-tokens", "128", "--lr", "1e-3", "--max-samples", "16"]
 HOST = socket.gethostname()

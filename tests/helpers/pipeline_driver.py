@@ -1,6 +1,7 @@
 """Runs several `preinfer` command lines, one after the other, in the processes of one torchrun job (so that
-their start-up, torch and transformers imports included, is paid once): `torchrun ... tests/pipeline_driver.py
-RUNS.json`, where RUNS.json is a list of argument lists. Exits with the first non-zero exit code."""
+their start-up, torch and transformers imports included, is paid once):
+`torchrun ... tests/helpers/pipeline_driver.py RUNS.json`, where RUNS.json is a list of argument lists. Exits with
+the first non-zero exit code."""
 
 import json
 import sys

@@ -1,5 +1,6 @@
 """Small corpora made the same way on every machine and Python version (words chosen by sha256, no RNG), in every
-input form the data side reads; shared by the data and token-store tests."""
+input form the data side reads; shared by the data and token-store tests, and the small corpora of the
+corpus fixtures."""
 
 from __future__ import annotations
 
@@ -97,4 +98,16 @@ def paragraphs_corpus(path: Path) -> str:
     tokens in each split; returns its path."""
     paragraphs = [f"Paragraph {i}: " + " ".join(f"word{(i * 7 + j) % 23}" for j in range(30)) for i in range(24)]
     path.write_text("\n\n".join(paragraphs))
+    return str(path)
+
+
+def write_corpus(path: Path, paragraphs: int = 60) -> str:
+    """The caching tests' corpus (the `cache_corpus` fixture): a small deterministic .txt corpus (~200 samples of 32
+    bytes in train, ~20 in eval, so several shards of PER_SHARD); returns its path."""
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    text = "\n\n".join(
+        f"Paragraph {i}: " + " ".join(words[(i * 7 + j) % len(words)] for j in range(12 + i % 9))
+        for i in range(paragraphs)
+    )
+    path.write_text(text + "\n")
     return str(path)

@@ -1,6 +1,6 @@
 """Run `preinfer ARGS` with faults injected at the code's own phases (not at times):
 
-    python tests/contract/inject.py SPEC [SPEC ...] -- ARGS
+    python tests/helpers/inject.py SPEC [SPEC ...] -- ARGS
 
 SPEC is `module:qualified.name@when[#n]=action`: at the n-th call (1: the first) of that function, `before` it runs
 or `after` it returns, do `action`: `exit` (the process dies at once, as under SIGKILL: os._exit(137), nothing

@@ -1,0 +1,78 @@
+"""Training runs as the tests make them: a small config, a cached model, torchrun jobs, and their weights and
+records."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from pipelines.cli import main
+from preinfer.config import Config
+from preinfer.metrics import CacheRecord, read_metrics
+from preinfer.run_dir import RunDir
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def config_for(tmp_path: Path, corpus: str, name: str, preset="tiny-llama", **pre_inference) -> Config:
+    config = Config()
+    config.model.name = preset
+    config.data.path = corpus
+    config.data.seq_len = 32
+    config.data.batch_size = 4
+    config.data.samples_per_shard = 8
+    config.data.eval_fraction = 0.2
+    config.blocks.ufp = None
+    config.blocks.blocks = 3
+    config.optim.lr = 1e-3
+    config.stop.steps_per_visit = 4
+    config.run.out = str(tmp_path / name)
+    for key, value in pre_inference.items():
+        setattr(config.pre_inference, key, value)
+    return config
+
+
+def weights(run_dir: str) -> dict[str, torch.Tensor]:
+    return load_file(str(RunDir(run_dir).checkpoint_weights))
+
+
+def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Every tensor within relative 1e-5 (Frobenius norm of the difference over the norm of the reference)."""
+    assert set(a) <= set(b)
+    for name in a:
+        relative = (a[name] - b[name]).norm() / b[name].norm().clamp_min(1e-12)
+        assert relative.item() <= 1e-5, (name, relative.item())
+
+
+def torchrun(tmp_path: Path, procs: int, runs: list[list[str]]) -> subprocess.CompletedProcess:
+    """The `preinfer` command lines `runs` in one torchrun job of `procs` gloo ranks."""
+    listing = tmp_path / f"runs-{procs}.json"
+    listing.write_text(json.dumps(runs))
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--standalone",
+         str(ROOT / "tests" / "helpers" / "pipeline_driver.py"), str(listing)],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=500,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+def cache_records(run_dir: str) -> list[CacheRecord]:
+    return [r for r in read_metrics(RunDir(run_dir).metrics) if isinstance(r, CacheRecord)]
+
+
+def cache_and_model(tmp_path: Path, corpus: str, boundary: int = 2) -> tuple[str, str]:
+    """A save_pretrained model directory and a cache of its boundary states at `boundary`."""
+    from preinfer.presets import build_preset
+
+    model_dir = tmp_path / "model"
+    build_preset("tiny-llama", seed=3).save_pretrained(model_dir)
+    store = tmp_path / "cache"
+    code = main(["cache", "--model", str(model_dir), "--data", corpus, "--boundary", str(boundary),
+                 "--out", str(store), "--seq-len", "32", "--samples-per-shard", "8", "--eval-fraction", "0.2"])
+    assert code == 0
+    return str(model_dir), str(store)
