@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from preinfer.config import Config, load_config
+from preinfer.config import Config, check_resume, load_config
 from preinfer.errors import UsageError
 from preinfer.memory_model import GPUS, USABLE_FRACTION
 from preinfer.run_dir import RunDir
@@ -208,8 +208,10 @@ def config_from_args(args: argparse.Namespace, path: str | None = None) -> Confi
 
 def config_for_command(args: argparse.Namespace) -> Config:
     """The config of a `bcd` or `train` run: with --resume the run's own config.toml, else --config; then
-    the flags; a visit with no stopping rule gets one epoch."""
-    path = str(RunDir(args.run__out or Config().run.out).config) if args.resume else None
+    the flags (with --resume, only those of RESUMABLE_KEYS may change it); a visit with no stopping rule gets
+    one epoch."""
+    run = RunDir(args.run__out or Config().run.out)
+    path = str(run.config) if args.resume else None
     config = config_from_args(args, path=path)
     problem = device_problem(config.run.device)
     if problem:
@@ -218,6 +220,8 @@ def config_for_command(args: argparse.Namespace) -> Config:
     stop = config.stop
     if stop.steps_per_visit is None and stop.epochs_per_visit is None and stop.patience is None:
         stop.epochs_per_visit = DEFAULT_EPOCHS_PER_VISIT
+    if args.resume:
+        check_resume(load_config(path), config, str(run.path))
     return config
 
 

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from preinfer.errors import PreinferError
+from preinfer.errors import DivergedError, PreinferError
 
 WEIGHTS, TENSORS, STATE = "model.safetensors", "state.safetensors", "state.json"
 
@@ -32,7 +32,8 @@ class Checkpoint:
 def save_checkpoint(path: Path, model: nn.Module, optimizers: dict[int, dict], trainer_state: dict,
                     masters: list[torch.Tensor] = ()) -> None:
     """Write weights, optimizer states (by block), the active block's masters, trainer state and RNG states;
-    atomically replaces `path`."""
+    atomically replaces `path`. Weights that are not finite are refused: the checkpoint before stays."""
+    _refuse_non_finite(model, trainer_state.get("global_step"))
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -66,6 +67,17 @@ def load_checkpoint(path: Path, model: nn.Module) -> Checkpoint:
     optimizers = {int(b): _unflatten_optimizer(m, f"optim.{b}", tensors) for b, m in meta["optimizers"].items()}
     masters = [tensors[f"master.{index}"] for index in range(meta.get("masters", 0))]
     return Checkpoint(optimizers, meta["trainer"], masters)
+
+
+def _refuse_non_finite(model: nn.Module, step: int | None) -> None:
+    """A DivergedError naming the first weight with a NaN or infinity."""
+    floats = [(name, t) for name, t in _resident(model).items() if t.is_floating_point()]
+    if not floats or bool(torch.stack([t.isfinite().all() for _, t in floats]).all()):
+        return
+    name = next(name for name, t in floats if not bool(t.isfinite().all()))
+    raise DivergedError(f"training diverged: weight {name} is not finite after step {step}; no checkpoint of it "
+                        f"was written (the run directory keeps its last one); start again with a lower --lr or "
+                        f"with --grad-clip")
 
 
 def resident_state(model: nn.Module) -> dict[str, torch.Tensor]:

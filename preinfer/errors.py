@@ -11,3 +11,7 @@ class UsageError(PreinferError):
 
 class UnsupportedModelError(UsageError):
     """A model whose structure no adapter recognises."""
+
+
+class DivergedError(PreinferError):
+    """Training produced a non-finite loss or weights; the run stops before writing them."""

@@ -18,6 +18,7 @@ uninterrupted one.
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import nullcontext
 from collections.abc import Callable
@@ -30,7 +31,7 @@ import torch.distributed as dist
 from preinfer.checkpoint import load_checkpoint, save_checkpoint
 from preinfer.grad_buckets import BucketedAllReduce
 from preinfer.config import Config
-from preinfer.errors import PreinferError
+from preinfer.errors import DivergedError, PreinferError
 from preinfer.metrics import MetricsLog, Record, StepRecord, VisitRecord
 from preinfer.moe import ExpertGranular, RouterLoss
 from preinfer.optim import LrSchedule, StopRule, build_optimizer, step_budget
@@ -170,6 +171,10 @@ class Trainer:
             for group in optimizer.param_groups:
                 group["lr"] = group["initial_lr"] * schedule.factor(p.visit_step)
             loss, tokens, wait = self._step(block, train, optimizer, active)
+            if not math.isfinite(loss):
+                raise DivergedError(f"training diverged: the loss is {loss} at step {p.global_step + 1} (sweep "
+                                    f"{p.sweep}, block {block.index}); the run stopped, its last checkpoint kept; "
+                                    f"start again with a lower --lr or with --grad-clip")
             p.visit_step += 1
             p.global_step += 1
             p.tokens += tokens

@@ -27,12 +27,13 @@ import storage
 
 import preinfer
 from preinfer.budget import budget_line, budget_settings, plan_budget, visit_against_budget
-from preinfer.config import BlockConfig, Config, dump_toml
+from preinfer.config import BlockConfig, Config, dump_toml, load_config, resume_changes
 from preinfer.errors import UsageError
 from preinfer.memory_model import GPUS, Settings, shape_from_config
 from preinfer.meter import MemoryMeter
 from preinfer.metrics import (
-    BudgetPlanRecord, CacheRecord, PlanOutcomeRecord, PreInferenceRecord, Record, SweepPlanRecord, VisitRecord,
+    BudgetPlanRecord, CacheRecord, PlanOutcomeRecord, PreInferenceRecord, Record, ResumeRecord, SweepPlanRecord,
+    VisitRecord,
     plot_losses, read_metrics,
 )
 from preinfer.partition import Partition, make_partition, parse_ranges, parse_ufp
@@ -305,12 +306,14 @@ def train(config: Config, staged: preinfer.StagedModel, partition: Partition, ac
     for note in [*notes, partition.report()]:
         ui.note(note)
     if resume:
-        trainer.resume()
+        resume_run(trainer, run, config)
     started = time.perf_counter()
     with StopOnSignals(trainer) as signals:
-        trainer.fit()
+        try:
+            trainer.fit()
+        finally:
+            ui.close()  # a failure's one line starts a line of its own
     trainer.wall_s = time.perf_counter() - started
-    ui.close()
     if trainer.stopped:
         signum = signals.received or signal.SIGTERM  # a rank stopped because another rank got the signal
         print(f"preinfer {command}: stopped by {signal.Signals(signum).name} after step "
@@ -318,6 +321,15 @@ def train(config: Config, staged: preinfer.StagedModel, partition: Partition, ac
               f"`preinfer {command} --out {config.run.out} --resume`", file=sys.stderr)
         raise RunStopped(128 + signum)
     return trainer
+
+
+def resume_run(trainer: Trainer, run: RunDir, config: Config) -> None:
+    """Restore the checkpoint, drop what the log holds past it, and record the resume with the config keys the
+    command changed (`preinfer.config.RESUMABLE_KEYS`)."""
+    trainer.resume()
+    p = trainer.progress
+    trainer.log.rewind(p.global_step, len(p.visits))
+    trainer.emit(ResumeRecord(step=p.global_step, changed=resume_changes(load_config(run.config), config)))
 
 
 class RunStopped(SystemExit):
@@ -406,6 +418,10 @@ class ProgressUI:
             elif record.how == "probe":
                 tqdm.write(f"pre-inference: timed the stores' disk with a {record.bytes / 2**20:.1f} MiB store at "
                            f"boundary 1 in {record.seconds:.1f} s (deleted)")
+            return
+        if isinstance(record, ResumeRecord):
+            changed = "; ".join(f"{key} {before!r} -> {after!r}" for key, (before, after) in record.changed.items())
+            tqdm.write(f"resumed after step {record.step}" + (f"; changed {changed}" if changed else ""))
             return
         if isinstance(record, BudgetPlanRecord):
             self.budget = record.budget
