@@ -11,10 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from preinfer.errors import DivergedError, PreinferError
+from preinfer.errors import CheckpointError, DivergedError, PreinferError, first_line
 
 WEIGHTS, TENSORS, STATE = "model.safetensors", "state.safetensors", "state.json"
 
@@ -59,14 +60,51 @@ def load_checkpoint(path: Path, model: nn.Module) -> Checkpoint:
     """Load weights into `model` and restore RNG states; returns the rest."""
     if not (path / STATE).is_file():
         raise PreinferError(f"no checkpoint in {path} (expected {STATE}); start without --resume")
-    load_resident_state(model, load_file(str(path / WEIGHTS)), path / WEIGHTS)
-    tensors = load_file(str(path / TENSORS))
-    meta = json.loads((path / STATE).read_text())
-    torch.set_rng_state(tensors["rng.torch"])
-    _restore_host_rng(meta["rng"])
-    optimizers = {int(b): _unflatten_optimizer(m, f"optim.{b}", tensors) for b, m in meta["optimizers"].items()}
-    masters = [tensors[f"master.{index}"] for index in range(meta.get("masters", 0))]
+    meta = _read_state(path / STATE)
+    tensors = read_tensors(path / TENSORS)
+    load_resident_state(model, read_tensors(path / WEIGHTS), path / WEIGHTS)
+    missing = [name for name in ["rng.torch", *(f"master.{i}" for i in range(meta["masters"]))] if name not in tensors]
+    if missing:
+        raise CheckpointError(f"{path / TENSORS} lacks {missing[0]}; the run cannot resume from this checkpoint")
+    try:
+        optimizers = {int(b): _unflatten_optimizer(m, f"optim.{b}", tensors) for b, m in meta["optimizers"].items()}
+        torch.set_rng_state(tensors["rng.torch"])
+        _restore_host_rng(meta["rng"])
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as err:
+        raise CheckpointError(f"{path / STATE}: optimizers or rng do not fit the checkpoint's tensors ({err!r:.80}); "
+                              f"the run cannot resume from this checkpoint") from None
+    masters = [tensors[f"master.{index}"] for index in range(meta["masters"])]
     return Checkpoint(optimizers, meta["trainer"], masters)
+
+
+# The top-level fields of state.json and their JSON types.
+STATE_FIELDS = {"trainer": dict, "optimizers": dict, "masters": int, "rng": dict}
+
+
+def _read_state(file: Path) -> dict:
+    """state.json, its top-level fields checked (the trainer's own by `Progress.from_state`)."""
+    try:
+        meta = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{file} is not readable JSON ({err}); the run cannot resume from it") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(meta).__name__}")
+    meta.setdefault("masters", 0)
+    for key, kind in STATE_FIELDS.items():
+        value = meta.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
+            raise CheckpointError(f"{file}: {key} = {value!r:.60}: expected "
+                                  f"{'an integer >= 0' if kind is int else 'a JSON object'}")
+    return meta
+
+
+def read_tensors(file: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's safetensors file; a damaged one is a CheckpointError naming it."""
+    try:
+        return load_file(str(file))
+    except (OSError, SafetensorError) as err:
+        raise CheckpointError(f"{file} is damaged ({first_line(err)}); the run cannot resume from this "
+                              f"checkpoint") from None
 
 
 def _refuse_non_finite(model: nn.Module, step: int | None) -> None:
