@@ -30,6 +30,18 @@ def cache_splits(path: str | os.PathLike | Location) -> dict[str, Location]:
     return {name: path / name for name in names}
 
 
+def listed_splits_missing(path: str | os.PathLike | Location, found: Mapping[str, Location]) -> dict[str, Location]:
+    """{split: where its store should be} for the splits the cache index lists that `found` (`cache_splits`) lacks."""
+    if "" in found:
+        return {}
+    root = location(path)
+    listed = read_index(root).get("splits")
+    if not isinstance(listed, dict):
+        return {}
+    return {split: root / str(entry.get("path", split) if isinstance(entry, dict) else split)
+            for split, entry in listed.items() if split not in found}
+
+
 def open_cache(path: str | os.PathLike | Location, splits: list[str] | None = None,
                expect: Mapping[str, Fingerprint] | None = None) -> dict[str, Store]:
     """The stores of a cache directory (or {"": store} for a single store), checked against `expect`; `splits`
