@@ -76,10 +76,18 @@ def load_datasets(config: Config, quiet: bool = False) -> Datasets:
     train, evaluation = found["train"], found["eval"]
     if d.max_samples:
         train, evaluation = train.head(d.max_samples), evaluation.head(d.max_samples)
+    check_batch_size(d.batch_size, len(train), f"the train split of {d.path}")
     capped = eval_samples(d.eval_tokens, d.seq_len)
     if capped is not None and capped < len(evaluation):
         evaluation = evaluation.head(capped)
     return Datasets(train, evaluation, tokenizer)
+
+
+def check_batch_size(batch_size: int, samples: int, split: str) -> None:
+    """Refuse a batch larger than the split it is drawn from."""
+    if batch_size > samples:
+        raise UsageError(f"--batch-size {batch_size} is more than the {samples} samples of {split}; give at most "
+                         f"{samples}")
 
 
 def partition_for(staged: preinfer.StagedModel, config: Config, first_layer: int = 0,
@@ -227,6 +235,7 @@ def run_from_store(config: Config, resume: bool = False, quiet: bool = False) ->
     if rank == 0:
         check_run_dir(run, resume)
     stores = open_cache(config.store.path, splits=["train", "eval"])
+    check_batch_size(config.data.batch_size, stores["train"].num_samples, f"the train store of {config.store.path}")
     boundary = int(stores["train"].fingerprint.parts["boundary"])
     tokenizer = load_tokenizer(config.model.tokenizer)
     suffix = load_suffix(config.model.name, boundary, seed=config.run.seed)
@@ -245,6 +254,9 @@ def run_from_store(config: Config, resume: bool = False, quiet: bool = False) ->
     def export(directory: Path) -> None:
         if export_full(suffix, directory):
             save_store_tokenizer(tokenizer, stores["train"], directory)
+        else:
+            print(f"no export written: {config.model.name} has no weights below boundary {boundary} (a preset's "
+                  f"prefix exists only as the store's states); the trained layers are in {run.checkpoint_weights}")
 
     return finish_run(trainer, run, export)
 
