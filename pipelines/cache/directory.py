@@ -79,10 +79,11 @@ def _is_ours(entry: Location, names: list[str]) -> bool:
     return holds_only_store_entries(entry)
 
 
-def check_out(out: Location, names: list[str], mode: str) -> None:
-    """Refuse an `--out` that is a file, or a directory holding something other than this cache."""
+def check_out(out: Location, names: list[str], mode: str, flag: str = "--out") -> None:
+    """Refuse an output directory (given by `flag`) that is a file, or a directory holding something other than
+    this cache."""
     if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} is a file, not a directory")
+        raise UsageError(f"{flag} {out} is a file, not a directory")
     if not out.is_dir():
         return
     if names == [""]:
@@ -90,11 +91,11 @@ def check_out(out: Location, names: list[str], mode: str) -> None:
     foreign = sorted(p.name for p in out.iterdir() if not p.name.startswith(".") and not _is_ours(p, names))
     if foreign:
         raise UsageError(
-            f"--out {out} is not a cache directory (it holds {foreign[0]!r}{' ...' if len(foreign) > 1 else ''}); "
+            f"{flag} {out} is not a cache directory (it holds {foreign[0]!r}{' ...' if len(foreign) > 1 else ''}); "
             f"choose an empty or new directory, nothing was deleted"
         )
     if mode == "refuse" and any((out / n).exists() for n in names):
-        raise UsageError(f"--out {out} already holds a cache; choose another directory or rebuild it")
+        raise UsageError(f"{flag} {out} already holds a cache; choose another directory or rebuild it")
 
 
 def read_index(root: Location) -> dict[str, Any]:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from preinfer.config import Config
+from preinfer.errors import UsageError
 from preinfer.metrics import CacheRecord, PlanOutcomeRecord, PreInferenceRecord, Record, SweepPlanRecord
 from preinfer.optim import step_budget
 from preinfer.partition import Block
@@ -84,10 +85,13 @@ class PreInference:
         self.mode = config.pre_inference.mode
         self.root = location(config.pre_inference.store_dir or RunDir(config.run.out).stores)
         settings = config.pre_inference  # checked here, before the run directory is made
+        if self.root.exists() and not self.root.is_dir():
+            raise UsageError(f"--store-dir {self.root} is a file, not a directory")
         self.device = next(p for p in staged.model.parameters() if not p.is_meta).device
         self.options = CacheOptions(store_format=settings.store_format, store_dtype=settings.store_dtype,
                                     samples_per_shard=shard, mode="overwrite", progress=False,
-                                    model_name=config.model.name, dask=settings.dask)  # a job of this rank alone
+                                    model_name=config.model.name, dask=settings.dask,
+                                    out_flag="--store-dir")  # a job of this rank alone
         # the stores the run trains from: under data parallelism every rank makes its share of each
         self.store_options = self.options if world == 1 else dataclasses.replace(
             self.options, part=Part(rank, world, dist.barrier))
