@@ -13,7 +13,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_training_flags(parser, extra=PRE_INFERENCE_FLAGS)
     add_s3_endpoint(parser)
     parser.add_argument("--resume", action="store_true",
-                        help="continue the run in --out from its last checkpoint (its config.toml, then flags)")
+                        help="continue the run in --out from its last checkpoint with its own config.toml; flags may "
+                             "change only --checkpoint-every, --device, --token-store and --dask (recorded in "
+                             "metrics.jsonl)")
 
 
 def run(args: argparse.Namespace) -> int:
