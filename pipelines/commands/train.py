@@ -14,7 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_training_flags(parser, extra=STORE_FLAGS, skip=("--data", "--seq-len", "--eval-fraction", "--max-samples",
                                                         "--samples-per-shard"))
     add_s3_endpoint(parser)
-    parser.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint with its own config.toml; flags may "
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in --out from its last checkpoint with its own config.toml; flags may "
                              "change only --checkpoint-every and --device (recorded in metrics.jsonl)")
 
 

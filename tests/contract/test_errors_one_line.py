@@ -9,14 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import BertConfig, BertModel
 
 from cli_run import failure_line, run_cli, tree
 from preinfer.presets import build_preset
-
-TINY = ["--model", "tiny-llama", "--seq-len", "32", "--batch-size", "4", "--steps-per-visit", "2",
-        "--eval-tokens", "64", "--lr", "1e-3", "--blocks", "2", "--pre-inference", "off"]
-
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> Path:
@@ -36,34 +31,24 @@ def damaged_copy(source: Path, target: Path, damage) -> Path:
     ("truncated", lambda data: data[: len(data) // 2], "file not fully covered"),
     ("header", lambda data: b"\xff" * 8 + data[8:], "header too large"),
 ])
-def test_a_damaged_model_file_is_one_line(llama, corpus, tmp_path, capsys, how, damage, message):
+def test_a_damaged_model_file_is_one_line(tiny, llama, corpus, tmp_path, capsys, how, damage, message):
     model = damaged_copy(llama, tmp_path / how, damage)
     out = tmp_path / "run"
-    code, _, err = run_cli(["bcd", *TINY, "--model", str(model), "--data", corpus, "--out", str(out)], capsys)
+    code, _, err = run_cli(["bcd", *tiny, "--model", str(model), "--data", corpus, "--out", str(out)], capsys)
     line = failure_line(err)
     assert code == 2 and str(model) in line and message in line and not out.exists()
 
 
-def test_a_pickled_model_is_refused_in_one_line_without_unpickling(llama, corpus, tmp_path, capsys, monkeypatch):
+def test_a_pickled_model_is_refused_in_one_line_without_unpickling(tiny, llama, corpus, tmp_path, capsys,
+                                                                   monkeypatch):
     model = tmp_path / "pickled"
     shutil.copytree(llama, model)
     torch.save(load_file(str(model / "model.safetensors")), model / "pytorch_model.bin")
     (model / "model.safetensors").unlink()
     monkeypatch.setattr(torch, "load", lambda *args, **kwargs: pytest.fail("a read path unpickled a file"))
-    code, _, err = run_cli(["bcd", *TINY, "--model", str(model), "--data", corpus, "--out", str(tmp_path / "run")],
+    code, _, err = run_cli(["bcd", *tiny, "--model", str(model), "--data", corpus, "--out", str(tmp_path / "run")],
                            capsys)
     assert code == 2 and "safetensors weights only" in failure_line(err) and not (tmp_path / "run").exists()
-
-
-@pytest.fixture(scope="module")
-def run_dir(corpus, tmp_path_factory) -> tuple[Path, list[str]]:
-    """A finished tiny run and the flags that resume it."""
-    out = tmp_path_factory.mktemp("run") / "run"
-    argv = ["bcd", *TINY, "--data", corpus, "--out", str(out)]
-    from pipelines.cli import main
-
-    assert main(argv) == 0
-    return out, [*argv, "--resume"]
 
 
 @pytest.mark.slow
@@ -75,18 +60,18 @@ def run_dir(corpus, tmp_path_factory) -> tuple[Path, list[str]]:
     ("state.json", lambda data: json.dumps({**json.loads(data), "masters": "two"}).encode(),
      "state.json: masters = 'two'"),
 ])
-def test_a_damaged_checkpoint_is_one_line(run_dir, tmp_path, capsys, name, damage, message):
+def test_a_damaged_checkpoint_is_one_line(finished, tmp_path, capsys, name, damage, message):
     out = tmp_path / "run"
-    shutil.copytree(run_dir[0], out)
+    shutil.copytree(finished[0], out)
     file = out / "checkpoint" / name
     file.write_bytes(damage(file.read_bytes()))
     before = tree(out)
-    code, _, err = run_cli([*run_dir[1][:-2], str(out), "--resume"], capsys)
+    code, _, err = run_cli([*finished[1][:-1], str(out), "--resume"], capsys)
     assert code == 1 and message in failure_line(err)
     assert tree(out) == before
 
 
-def test_an_unreadable_data_file_is_one_line(corpus, tmp_path, capsys, monkeypatch):
+def test_an_unreadable_data_file_is_one_line(tiny, corpus, tmp_path, capsys, monkeypatch):
     data = tmp_path / "locked.txt"
     shutil.copy(corpus, data)
     real_open = Path.open
@@ -97,21 +82,13 @@ def test_an_unreadable_data_file_is_one_line(corpus, tmp_path, capsys, monkeypat
         return real_open(path, *args, **kwargs)
 
     monkeypatch.setattr(Path, "open", open_)  # chmod 000 does not stop root
-    code, _, err = run_cli(["bcd", *TINY, "--data", str(data), "--out", str(tmp_path / "run")], capsys)
+    code, _, err = run_cli(["bcd", *tiny, "--data", str(data), "--out", str(tmp_path / "run")], capsys)
     line = failure_line(err)
     assert code == 2 and f"{data}: cannot read it (PermissionError" in line and not (tmp_path / "run").exists()
 
 
-@pytest.fixture
-def bert(tmp_path) -> Path:
-    path = tmp_path / "bert"
-    BertModel(BertConfig(vocab_size=258, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         intermediate_size=64)).save_pretrained(path)
-    return path
-
-
-def test_the_framework_load_report_shows_only_with_verbose(bert, corpus, tmp_path, capsys):
-    argv = ["bcd", *TINY, "--model", str(bert), "--data", corpus, "--out", str(tmp_path / "run")]
+def test_the_framework_load_report_shows_only_with_verbose(tiny, bert, corpus, tmp_path, capsys):
+    argv = ["bcd", *tiny, "--model", str(bert), "--data", corpus, "--out", str(tmp_path / "run")]
     code, _, err = run_cli(argv, capsys)
     assert code == 2 and "cannot stage a BertLMHeadModel" in failure_line(err)
     logger = logging.getLogger("preinfer")
@@ -125,17 +102,17 @@ def test_the_framework_load_report_shows_only_with_verbose(bert, corpus, tmp_pat
     assert not (tmp_path / "run").exists()
 
 
-def test_a_garbled_token_store_points_to_tokenize(corpus, tmp_path, capsys):
+def test_a_garbled_token_store_points_to_tokenize(tiny, corpus, tmp_path, capsys):
     store = tmp_path / "tokens"
     assert run_cli(["tokenize", "--data", corpus, "--out", str(store), "--seq-len", "32"], capsys)[0] == 0
     (store / "token-store.json").write_text('{"format": 1')
-    code, _, err = run_cli(["bcd", *TINY, "--data", str(store), "--out", str(tmp_path / "run")], capsys)
+    code, _, err = run_cli(["bcd", *tiny, "--data", str(store), "--out", str(tmp_path / "run")], capsys)
     line = failure_line(err)
     assert code == 2 and "`preinfer tokenize --overwrite`" in line and "pass --overwrite" not in line
 
 
 @pytest.mark.parametrize("make", ["file", "foreign"])
-def test_a_store_dir_problem_names_store_dir(corpus, tmp_path, capsys, make):
+def test_a_store_dir_problem_names_store_dir(tiny, corpus, tmp_path, capsys, make):
     store_dir = tmp_path / "stores"
     if make == "file":
         store_dir.write_text("mine")
@@ -143,21 +120,11 @@ def test_a_store_dir_problem_names_store_dir(corpus, tmp_path, capsys, make):
         (store_dir / "boundary-2").mkdir(parents=True)
         (store_dir / "boundary-2" / "mine.txt").write_text("mine")
     before = tree(store_dir) if store_dir.is_dir() else store_dir.read_text()
-    code, _, err = run_cli(["bcd", *TINY[:-1], "on", "--data", corpus, "--store-dir", str(store_dir),
+    code, _, err = run_cli(["bcd", *tiny[:-1], "on", "--data", corpus, "--store-dir", str(store_dir),
                             "--out", str(tmp_path / "run")], capsys)
     line = failure_line(err)
     assert code == 2 and line.startswith(f"preinfer bcd: error: --store-dir {store_dir}") and "--out" not in line
     assert (tree(store_dir) if store_dir.is_dir() else store_dir.read_text()) == before
-
-
-@pytest.fixture(scope="module")
-def cache(corpus, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("cache") / "c"
-    from pipelines.cli import main
-
-    assert main(["cache", "--model", "tiny-llama", "--data", corpus, "--boundary", "2", "--out", str(out),
-                 "--seq-len", "32", "--samples-per-shard", "8", "--quiet"]) == 0
-    return out
 
 
 @pytest.mark.slow

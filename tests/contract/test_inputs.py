@@ -3,44 +3,17 @@ result are refused in one line, leaving nothing behind."""
 
 import json
 import math
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import BertConfig, BertModel
 
 from cli_run import failure_line, run_cli, tree
 from preinfer.presets import build_preset, load_model
 
-TINY = ["--model", "tiny-llama", "--seq-len", "32", "--batch-size", "4", "--steps-per-visit", "2",
-        "--eval-tokens", "64", "--lr", "1e-3", "--blocks", "2", "--pre-inference", "off"]
-
-
-@pytest.fixture(scope="module")
-def finished(corpus, tmp_path_factory):
-    """A finished tiny bcd run (2 blocks, 2 steps each) and the flags that made it."""
-    out = tmp_path_factory.mktemp("finished") / "run"
-    argv = ["bcd", *TINY, "--data", corpus, "--out", str(out)]
-    from pipelines.cli import main
-
-    assert main(argv) == 0
-    return out, argv
-
-
-@pytest.fixture(scope="module")
-def cache(corpus, tmp_path_factory):
-    """A cache of tiny-llama at boundary 2 (train and eval splits), made by `preinfer cache`."""
-    out = tmp_path_factory.mktemp("cache") / "c"
-    from pipelines.cli import main
-
-    assert main(["cache", "--model", "tiny-llama", "--data", corpus, "--boundary", "2", "--out", str(out),
-                 "--seq-len", "32", "--samples-per-shard", "8", "--quiet"]) == 0
-    return out
-
-
-def copy_tree(source, target):
-    import shutil
-
+def copy_tree(source: Path, target: Path) -> Path:
     shutil.copytree(source, target)
     return target
 
@@ -89,7 +62,8 @@ def test_resume_drops_what_a_killed_run_logged_after_its_checkpoint(finished, tm
     ("cursor", 7, "trainer.cursor = 7"),
     ("sweep", -1, "trainer.sweep = -1"),
 ])
-def test_a_checkpoint_state_field_out_of_type_or_range_is_one_line(finished, tmp_path, capsys, field, value, named):
+def test_a_checkpoint_state_field_out_of_type_or_range_is_one_line(finished, tmp_path, capsys, field, value,
+                                                                   named):
     out = copy_tree(finished[0], tmp_path / "run")
     state = json.loads((out / "checkpoint" / "state.json").read_text())
     state["trainer"][field] = value
@@ -109,23 +83,25 @@ def test_a_checkpoint_state_field_out_of_type_or_range_is_one_line(finished, tmp
     (["--grad-clip", "nan"], "--grad-clip nan"),
     (["--min-delta", "nan"], "--min-delta nan"),
 ])
-def test_optimizer_values_out_of_range_are_refused_before_anything_is_written(tmp_path, capsys, flags, named):
+def test_optimizer_values_out_of_range_are_refused_before_anything_is_written(tiny, tmp_path, capsys, flags,
+                                                                              named):
     out = tmp_path / "run"
-    code, _, err = run_cli(["bcd", *TINY, "--out", str(out), *flags], capsys)
+    code, _, err = run_cli(["bcd", *tiny, "--out", str(out), *flags], capsys)
     assert code == 2 and named in failure_line(err)
     assert not out.exists()
 
 
-def test_optimizer_values_from_a_config_file_are_checked_too(tmp_path, capsys):
+def test_optimizer_values_from_a_config_file_are_checked_too(tiny, tmp_path, capsys):
     config = tmp_path / "run.toml"
     config.write_text("[optim]\nbetas = [0.9, -0.1]\n")
-    code, _, err = run_cli(["bcd", *TINY, "--config", str(config), "--out", str(tmp_path / "run")], capsys)
+    code, _, err = run_cli(["bcd", *tiny, "--config", str(config), "--out", str(tmp_path / "run")], capsys)
     assert code == 2 and "[optim] betas" in failure_line(err) and not (tmp_path / "run").exists()
 
 
-def test_a_diverging_run_stops_naming_the_step_and_keeps_its_last_finite_checkpoint(corpus, tmp_path, capsys):
+def test_a_diverging_run_stops_naming_the_step_and_keeps_its_last_finite_checkpoint(tiny, corpus, tmp_path,
+                                                                                   capsys):
     out = tmp_path / "run"
-    code, _, err = run_cli(["bcd", *TINY, "--data", corpus, "--out", str(out), "--optimizer", "sgd", "--lr", "1e30",
+    code, _, err = run_cli(["bcd", *tiny, "--data", corpus, "--out", str(out), "--optimizer", "sgd", "--lr", "1e30",
                             "--steps-per-visit", "4", "--checkpoint-every", "1"], capsys)
     line = failure_line(err)
     assert code == 1 and "training diverged" in line and "step 2" in line
@@ -138,42 +114,40 @@ def test_a_diverging_run_stops_naming_the_step_and_keeps_its_last_finite_checkpo
     assert all(math.isfinite(loss) for loss in losses)
 
 
-def test_a_run_whose_weights_overflow_exports_nothing(corpus, tmp_path, capsys):
+def test_a_run_whose_weights_overflow_exports_nothing(tiny, corpus, tmp_path, capsys):
     """Both steps' losses are finite, the second step's update is not: the end-of-visit checkpoint refuses the
     weights."""
     out = tmp_path / "run"
-    code, _, err = run_cli(["bcd", *TINY, "--data", corpus, "--out", str(out), "--optimizer", "sgd", "--lr", "1e30"],
+    code, _, err = run_cli(["bcd", *tiny, "--data", corpus, "--out", str(out), "--optimizer", "sgd", "--lr", "1e30"],
                            capsys)
     assert code == 1 and "is not finite after step 2" in failure_line(err)
     assert not (out / "checkpoint").exists() and not (out / "export").exists()
 
 
-def test_a_batch_larger_than_the_split_is_refused(corpus, tmp_path, capsys):
+def test_a_batch_larger_than_the_split_is_refused(tiny, corpus, tmp_path, capsys):
     out = tmp_path / "run"
-    code, _, err = run_cli(["bcd", *TINY, "--data", corpus, "--out", str(out), "--batch-size", "1000000000"], capsys)
+    code, _, err = run_cli(["bcd", *tiny, "--data", corpus, "--out", str(out), "--batch-size", "1000000000"], capsys)
     assert code == 2 and "--batch-size 1000000000 is more than the" in failure_line(err)
     assert not out.exists()
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    """Saved models: tiny-llama whole and without layer 1, tiny-gpt2 (its head tied to the embedding, saved
-    once), and a BERT."""
+    """Saved models: tiny-llama whole and without layer 1, and tiny-gpt2 (its head tied to the embedding, saved
+    once)."""
     root = tmp_path_factory.mktemp("models")
     build_preset("tiny-llama").save_pretrained(root / "llama")
     build_preset("tiny-gpt2").save_pretrained(root / "gpt2")
     copy_tree(root / "llama", root / "no-layer-1")
     tensors = load_file(str(root / "llama" / "model.safetensors"))
-    save_file({k: v for k, v in tensors.items() if ".layers.1." not in k}, str(root / "no-layer-1" / "model.safetensors"),
-              metadata={"format": "pt"})
-    BertModel(BertConfig(vocab_size=258, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         intermediate_size=64)).save_pretrained(root / "bert")
+    kept = {name: tensor for name, tensor in tensors.items() if ".layers.1." not in name}
+    save_file(kept, str(root / "no-layer-1" / "model.safetensors"), metadata={"format": "pt"})
     return root
 
 
-def test_a_model_missing_a_layer_is_refused_naming_its_first_tensor(model_dirs, corpus, tmp_path, capsys):
+def test_a_model_missing_a_layer_is_refused_naming_its_first_tensor(tiny, model_dirs, corpus, tmp_path, capsys):
     out = tmp_path / "run"
-    code, _, err = run_cli(["bcd", *TINY, "--model", str(model_dirs / "no-layer-1"), "--data", corpus,
+    code, _, err = run_cli(["bcd", *tiny, "--model", str(model_dirs / "no-layer-1"), "--data", corpus,
                             "--out", str(out)], capsys)
     line = failure_line(err)
     assert code == 2 and "lack model.layers.1.self_attn.q_proj.weight and 8 more" in line
@@ -188,8 +162,8 @@ def test_tied_weights_saved_once_count_as_present(model_dirs):
     assert torch.equal(model.transformer.wte.weight, expected.transformer.wte.weight)
 
 
-def test_plan_refuses_an_architecture_it_cannot_stage(model_dirs, capsys):
-    for spec in (model_dirs / "bert", model_dirs / "bert" / "config.json"):
+def test_plan_refuses_an_architecture_it_cannot_stage(bert, capsys):
+    for spec in (bert, bert / "config.json"):
         code, stdout, err = run_cli(["plan", "--model", str(spec)], capsys)
         assert code == 2 and "cannot stage a BertLMHeadModel" in failure_line(err) and stdout == ""
 
