@@ -163,9 +163,10 @@ def check_values(config: Config) -> None:
             raise UsageError(f"{flag} {shown} ([{section}] {key}): expected {expected}")
 
 
-# Config keys a resumed run may change: where and how it runs, not what it trains. Each change is recorded in
-# metrics.jsonl as a `resume` record; a change of any other key refuses --resume.
-RESUMABLE_KEYS = ("run.checkpoint_every", "run.device", "data.token_store", "pre_inference.dask")
+# Config keys a resumed run may change: where and how it runs, not what it trains, and the number of sweeps (a run
+# resumed for more sweeps ends as one run of that many). Each change is recorded in metrics.jsonl as a `resume`
+# record; a change of any other key refuses --resume.
+RESUMABLE_KEYS = ("run.checkpoint_every", "run.device", "data.token_store", "pre_inference.dask", "blocks.sweeps")
 # The block partition: the first of these that is set wins (ranges, then blocks, then ufp).
 PARTITION_ORDER = ("ranges", "blocks", "ufp")
 

@@ -14,8 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_s3_endpoint(parser)
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in --out from its last checkpoint with its own config.toml; flags may "
-                             "change only --checkpoint-every, --device, --token-store and --dask (recorded in "
-                             "metrics.jsonl)")
+                             "change only --checkpoint-every, --device, --token-store, --dask and (to train on) "
+                             "--sweeps, each recorded in metrics.jsonl")
 
 
 def run(args: argparse.Namespace) -> int:

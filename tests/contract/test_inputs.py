@@ -29,13 +29,17 @@ def test_resume_refuses_flags_that_change_the_run(finished, capsys):
 
 
 @pytest.mark.slow
-def test_resume_with_the_same_flags_and_a_new_checkpoint_interval_is_recorded(finished, tmp_path, capsys):
+def test_resume_with_the_same_flags_a_new_checkpoint_interval_and_more_sweeps_is_recorded(finished, tmp_path,
+                                                                                           capsys):
     out = copy_tree(finished[0], tmp_path / "run")
     argv = [*finished[1][:-1], str(out)]
-    code, _, err = run_cli([*argv, "--resume", "--checkpoint-every", "3"], capsys)
+    code, _, err = run_cli([*argv, "--resume", "--checkpoint-every", "3", "--sweeps", "2"], capsys)
     assert code == 0, err
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert records[-1] == {"kind": "resume", "step": 4, "changed": {"run.checkpoint_every": [0, 3]}}
+    resumed = next(r for r in records if r["kind"] == "resume")
+    assert resumed == {"kind": "resume", "step": 4,
+                       "changed": {"blocks.sweeps": [1, 2], "run.checkpoint_every": [0, 3]}}
+    assert [r["step"] for r in records if r["kind"] == "step"] == list(range(1, 9))  # the second sweep trained
     assert "checkpoint_every = 0" in (out / "config.toml").read_text()  # the run's own config stays
 
 
