@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 
@@ -72,7 +73,9 @@ def build_parser() -> ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CommandParser)
     for name, (module_name, help_text) in COMMANDS.items():
-        sub.add_parser(name, module=module_name, help=help_text, description=help_text)
+        command = sub.add_parser(name, module=module_name, help=help_text, description=help_text)
+        command.add_argument("--verbose", action="store_true",
+                             help="also show the framework's messages (transformers' load report and warnings)")
     return parser
 
 
@@ -98,9 +101,20 @@ def _failures() -> tuple[type[Exception], ...]:
     return (PreinferError,) if storage_error is None else (PreinferError, storage_error)
 
 
+def show_framework_messages() -> None:
+    """Print what `preinfer`'s loggers say at INFO (the framework's messages, `preinfer.presets.FRAMEWORK_LOG`)
+    to stderr."""
+    logger = logging.getLogger("preinfer")
+    if not logger.handlers:
+        logger.addHandler(logging.StreamHandler(sys.stderr))
+    logger.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     set_process_environment()
     args = build_parser().parse_args(argv)
+    if args.verbose:
+        show_framework_messages()
     try:
         return args.run(args) or 0
     except UsageError as err:

@@ -12,7 +12,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from preinfer.config import DEFAULT_LR, DEFAULT_WEIGHT_DECAY, LR_DECAYS, BlockConfig, Config, DataConfig, load_config
+from preinfer.config import (
+    DEFAULT_LR, DEFAULT_WEIGHT_DECAY, LR_DECAYS, BlockConfig, Config, DataConfig, check_resume, load_config,
+)
 from preinfer.errors import UsageError
 from preinfer.memory.settings import DTYPES, GPUS, USABLE_FRACTION, Settings
 from preinfer.memory.traffic import COMPRESSION, STORE_DTYPES
@@ -207,8 +209,9 @@ STORE_FLAGS: list[Flag] = [
 # Flags of several commands that set no config field.
 SHARED_FLAGS: list[Flag] = [
     Flag("--config", help="a TOML config file; flags override its values"),
-    Flag("--resume", help="continue the run in --out from its last checkpoint (its config.toml, then flags)",
-         options=ON),
+    Flag("--resume", help="continue the run in --out from its last checkpoint with its own config.toml; flags may "
+                          "change only --checkpoint-every, --device, --token-store, --dask and (to train on) --sweeps, "
+                          "each recorded in metrics.jsonl", options=ON),
     Flag("--s3-endpoint", help="S3-compatible endpoint of s3:// stores, e.g. http://127.0.0.1:9000 (sets "
                                "AWS_ENDPOINT_URL_S3)", options=dict(metavar="URL"),
          unset="AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, else AWS"),
@@ -407,10 +410,12 @@ def config_from_args(args: argparse.Namespace, path: str | None = None) -> Confi
 
 def config_for_command(args: argparse.Namespace) -> Config:
     """The config of a `bcd` or `train` run: with --resume the run's own config.toml, else --config; then
-    the flags; a visit with no stopping rule gets one epoch."""
+    the flags (with --resume, only those of RESUMABLE_KEYS may change it); a visit with no stopping rule gets
+    one epoch."""
     from preinfer.run_dir import RunDir  # imports torch: `plan` and the command list load this module without it
 
-    path = str(RunDir(args.run__out or Config().run.out).config) if args.resume else None
+    run = RunDir(args.run__out or Config().run.out)
+    path = str(run.config) if args.resume else None
     config = config_from_args(args, path=path)
     problem = device_problem(config.run.device)
     if problem:
@@ -419,6 +424,8 @@ def config_for_command(args: argparse.Namespace) -> Config:
     stop = config.stop
     if stop.steps_per_visit is None and stop.epochs_per_visit is None and stop.patience is None:
         stop.epochs_per_visit = DEFAULT_EPOCHS_PER_VISIT
+    if args.resume:
+        check_resume(load_config(path), config, str(run.path))
     return config
 
 

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from preinfer.errors import PreinferError
+from preinfer.errors import CheckpointError, DivergedError, PreinferError, first_line
 
 WEIGHTS, TENSORS, STATE, DIGEST = "model.safetensors", "state.safetensors", "state.json", "digest.json"
 
@@ -39,7 +40,9 @@ class Checkpoint:
 def save_checkpoint(path: Path, model: nn.Module, optimizers: dict[int, dict], trainer_state: dict,
                     masters: list[torch.Tensor] = ()) -> None:
     """Write weights, optimizer states (by block), the active block's masters, trainer state and RNG states;
-    atomically replaces `path` (see the module's docstring)."""
+    atomically replaces `path` (see the module's docstring). Weights that are not finite are refused: the
+    checkpoint before stays."""
+    _refuse_non_finite(model, trainer_state.get("global_step"))
     tmp, old = _sibling(path, ".tmp"), _sibling(path, ".old")
     _settle(path)
     for leftover in (tmp, old):  # a killed save's: the newest complete checkpoint is at `path` now
@@ -115,14 +118,62 @@ def load_checkpoint(path: Path, model: nn.Module) -> Checkpoint:
     found = newest_checkpoint(path)
     if found is None:
         raise PreinferError(f"no complete checkpoint in {path} (expected {STATE}); start without --resume")
-    load_resident_state(model, load_file(str(found / WEIGHTS)), found / WEIGHTS)
-    tensors = load_file(str(found / TENSORS))
-    meta = json.loads((found / STATE).read_text())
-    torch.set_rng_state(tensors["rng.torch"])
-    _restore_host_rng(meta["rng"])
-    optimizers = {int(b): _unflatten_optimizer(m, f"optim.{b}", tensors) for b, m in meta["optimizers"].items()}
-    masters = [tensors[f"master.{index}"] for index in range(meta.get("masters", 0))]
+    meta = _read_state(found / STATE)
+    tensors = read_tensors(found / TENSORS)
+    load_resident_state(model, read_tensors(found / WEIGHTS), found / WEIGHTS)
+    missing = [name for name in ["rng.torch", *(f"master.{i}" for i in range(meta["masters"]))] if name not in tensors]
+    if missing:
+        raise CheckpointError(f"{found / TENSORS} lacks {missing[0]}; the run cannot resume from this checkpoint")
+    try:
+        optimizers = {int(b): _unflatten_optimizer(m, f"optim.{b}", tensors) for b, m in meta["optimizers"].items()}
+        torch.set_rng_state(tensors["rng.torch"])
+        _restore_host_rng(meta["rng"])
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as err:
+        raise CheckpointError(f"{found / STATE}: optimizers or rng do not fit the checkpoint's tensors ({err!r:.80}); "
+                              f"the run cannot resume from this checkpoint") from None
+    masters = [tensors[f"master.{index}"] for index in range(meta["masters"])]
     return Checkpoint(optimizers, meta["trainer"], masters)
+
+
+# The top-level fields of state.json and their JSON types.
+STATE_FIELDS = {"trainer": dict, "optimizers": dict, "masters": int, "rng": dict}
+
+
+def _read_state(file: Path) -> dict:
+    """state.json, its top-level fields checked (the trainer's own by `Progress.from_state`)."""
+    try:
+        meta = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{file} is not readable JSON ({err}); the run cannot resume from it") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(meta).__name__}")
+    meta.setdefault("masters", 0)
+    for key, kind in STATE_FIELDS.items():
+        value = meta.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
+            raise CheckpointError(f"{file}: {key} = {value!r:.60}: expected "
+                                  f"{'an integer >= 0' if kind is int else 'a JSON object'}")
+    return meta
+
+
+def read_tensors(file: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's safetensors file; a damaged one is a CheckpointError naming it."""
+    try:
+        return load_file(str(file))
+    except (OSError, SafetensorError) as err:
+        raise CheckpointError(f"{file} is damaged ({first_line(err)}); the run cannot resume from this "
+                              f"checkpoint") from None
+
+
+def _refuse_non_finite(model: nn.Module, step: int | None) -> None:
+    """A DivergedError naming the first weight with a NaN or infinity."""
+    floats = [(name, t) for name, t in _resident(model).items() if t.is_floating_point()]
+    if not floats or bool(torch.stack([t.isfinite().all() for _, t in floats]).all()):
+        return
+    name = next(name for name, t in floats if not bool(t.isfinite().all()))
+    raise DivergedError(f"training diverged: weight {name} is not finite after step {step}; no checkpoint of it "
+                        f"was written (the run directory keeps its last one); start again with a lower --lr or "
+                        f"with --grad-clip")
 
 
 def resident_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import tomllib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
@@ -148,7 +149,67 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
     if path is not None:
         _apply(config, _read_toml(Path(path)), source=str(path))
     _apply(config, overrides or {}, source="flags")
+    check_values(config)
     return config
+
+
+def check_values(config: Config) -> None:
+    """Refuse optimizer and stopping values that are not finite or out of range, naming the flag."""
+    o, s = config.optim, config.stop
+    checks = [
+        ("optim", "betas", "--betas", len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "two numbers in [0, 1)"),
+        ("optim", "lr", "--lr", o.lr is None or 0 < o.lr < math.inf, "a finite number above 0"),
+        ("optim", "momentum", "--momentum", 0 <= o.momentum < math.inf, "a finite number >= 0"),
+        ("optim", "weight_decay", "--weight-decay", o.weight_decay is None or 0 <= o.weight_decay < math.inf,
+         "a finite number >= 0"),
+        ("optim", "grad_clip", "--grad-clip", 0 <= o.grad_clip < math.inf, "a finite number >= 0 (0 = off)"),
+        ("stop", "min_delta", "--min-delta", 0 <= s.min_delta < math.inf, "a finite number >= 0"),
+        ("stop", "smoothing", "[stop] smoothing", 0 <= s.smoothing < 1, "a number in [0, 1)"),
+    ]
+    for section, key, flag, ok, expected in checks:
+        if not ok:
+            value = getattr(getattr(config, section), key)
+            shown = ",".join(map(str, value)) if isinstance(value, list) else value
+            raise UsageError(f"{flag} {shown} ([{section}] {key}): expected {expected}")
+
+
+# Config keys a resumed run may change: where and how it runs, not what it trains, and the number of sweeps (a run
+# resumed for more sweeps ends as one run of that many). Each change is recorded in metrics.jsonl as a `resume`
+# record; a change of any other key refuses --resume.
+RESUMABLE_KEYS = ("run.checkpoint_every", "run.device", "data.token_store", "pre_inference.dask", "blocks.sweeps")
+# The block partition: the first of these that is set wins (ranges, then blocks, then ufp).
+PARTITION_ORDER = ("ranges", "blocks", "ufp")
+
+
+def resume_changes(saved: Config, asked: Config) -> dict[str, list[Any]]:
+    """{"section.key": [saved value, asked value]} for every config key in which `asked` differs from the run's
+    saved config; the run directory's own path is not compared (it may have moved), the partition by the choice
+    that wins."""
+    before, after = _comparable(saved), _comparable(asked)
+    return {key: [before[key], after[key]] for key in before if before[key] != after[key] and key != "run.out"}
+
+
+def check_resume(saved: Config, asked: Config, where: str) -> dict[str, list[Any]]:
+    """The changes of `resume_changes` when every one is in RESUMABLE_KEYS; else refuse, listing the others."""
+    changes = resume_changes(saved, asked)
+    refused = [f"[{key.replace('.', '] ', 1)} {changes[key][0]!r} -> {changes[key][1]!r}"
+               for key in changes if key not in RESUMABLE_KEYS]
+    if refused:
+        allowed = ", ".join(f"[{key.replace('.', '] ', 1)}" for key in RESUMABLE_KEYS)
+        raise UsageError(f"--resume continues the run in {where} as configured, but the flags change "
+                         f"{'; '.join(refused)}; drop them (only {allowed} may change) or start a new run in "
+                         f"another --out")
+    return changes
+
+
+def _comparable(config: Config) -> dict[str, Any]:
+    values = {f"{section}.{key}": value for section, entries in config.to_dict().items()
+              for key, value in entries.items()}
+    chosen = next((key for key in PARTITION_ORDER if values[f"blocks.{key}"] is not None), None)
+    for key in PARTITION_ORDER:
+        if key != chosen:
+            values[f"blocks.{key}"] = None
+    return values
 
 
 def _read_toml(path: Path) -> dict:

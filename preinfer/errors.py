@@ -17,3 +17,17 @@ class UnsupportedModelError(UsageError):
 class BoundaryStateError(PreinferError):
     """A boundary state or layer range that does not fit the call: fields a state has no place for, a loss
     without labels, layers outside the model."""
+
+
+class DivergedError(PreinferError):
+    """Training produced a non-finite loss or weights; the run stops before writing them."""
+
+
+class CheckpointError(PreinferError):
+    """A checkpoint that cannot be resumed from: a damaged file or a field out of its type or range."""
+
+
+def first_line(error: BaseException) -> str:
+    """An exception's message up to its first line break (a library's multi-line message in a one-line error)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

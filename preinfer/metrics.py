@@ -167,9 +167,19 @@ class BudgetPlanRecord(Record):
     micro_batch: int  # samples per micro-batch (--batch-size)
 
 
+@dataclass
+class ResumeRecord(Record):
+    """A run resumed from its checkpoint, and the config keys the resuming command changed."""
+
+    kind: ClassVar[str] = "resume"
+    step: int  # the checkpoint's step: the run continues after it
+    changed: dict[str, list] = field(default_factory=dict)  # "section.key": [before, after] (RESUMABLE_KEYS only)
+
+
 RECORD_KINDS: dict[str, type[Record]] = {cls.kind: cls for cls in (StepRecord, VisitRecord, CacheRecord,
                                                                    PreInferenceRecord, BudgetPlanRecord,
-                                                                   SweepPlanRecord, PlanOutcomeRecord)}
+                                                                   SweepPlanRecord, PlanOutcomeRecord,
+                                                                   ResumeRecord)}
 
 
 def parse_record(data: dict[str, Any]) -> Record:
@@ -206,6 +216,28 @@ class MetricsLog:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+    def rewind(self, step: int, visits: int) -> None:
+        """Drop what a killed run logged after its checkpoint (at `step`, with `visits` finished visits): the step
+        records after `step`, the visit records after the first `visits`, and a last line cut short; the
+        resumed run logs them again."""
+        if self.path is None or not self.path.is_file():
+            return
+        self.close()
+        kept, seen = [], 0
+        for line in self.path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            seen += record.get("kind") == "visit"
+            if record.get("kind") == "step" and record.get("step", 0) > step or (
+                    record.get("kind") == "visit" and seen > visits):
+                continue
+            kept.append(line + "\n")
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(self.path)
 
 
 def read_metrics(path: Path) -> list[Record]:

@@ -20,19 +20,20 @@ uninterrupted one.
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import contextmanager, nullcontext
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from preinfer.checkpoint import load_checkpoint, save_checkpoint
+from preinfer.checkpoint import STATE, load_checkpoint, save_checkpoint
 from preinfer.grad_buckets import BucketedAllReduce
 from preinfer.config import Config
-from preinfer.errors import PreinferError, UsageError
+from preinfer.errors import CheckpointError, DivergedError, PreinferError, UsageError
 from preinfer.metrics import MetricsLog, Record, StepRecord, VisitRecord
 from preinfer.moe import ExpertGranular, RouterLoss
 from preinfer.optim import LrSchedule, StopRule, build_optimizer, step_budget
@@ -59,6 +60,36 @@ class Progress:
     visits: list[dict] = field(default_factory=list)  # each finished visit's VisitRecord.to_dict()
     loss_scaler: dict | None = None  # fp16-mixed: the LossScaler's state
     experts: dict[str, dict[str, list[int]]] = field(default_factory=dict)  # block -> layer -> its chosen experts
+
+    @classmethod
+    def from_state(cls, state: object, source: str, sweeps: int, visits_per_sweep: int) -> Progress:
+        """The progress a checkpoint saved, each field checked (its type, and the sweep and visit within the
+        run's `sweeps` and `visits_per_sweep`); a bad one is a CheckpointError naming it."""
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{source}: trainer: expected a JSON object, got {type(state).__name__}")
+        known = {f.name for f in fields(cls)}
+        for key, value in state.items():
+            if key not in known:
+                raise CheckpointError(f"{source}: trainer.{key}: not a field of the trainer's progress")
+            kind, expected = PROGRESS_FIELDS[key]
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise CheckpointError(f"{source}: trainer.{key} = {value!r:.60}: expected {expected}")
+        limits = {"sweep": sweeps, "visit": visits_per_sweep}
+        for key in ("sweep", "visit", "visit_step", "global_step", "tokens"):
+            value = state.get(key, 0)
+            if not 0 <= value <= limits.get(key, value):
+                bound = f" at most {limits[key]}" if key in limits else ""
+                raise CheckpointError(f"{source}: trainer.{key} = {value}: expected an integer >= 0{bound}")
+        return cls(**state)
+
+
+# Each Progress field's JSON type, and how a message names it.
+_DICT_OR_NONE = ((dict, type(None)), "an object or null")
+PROGRESS_FIELDS = {
+    **{key: (int, "an integer") for key in ("sweep", "visit", "visit_step", "global_step", "tokens")},
+    "cursor": _DICT_OR_NONE, "stop": _DICT_OR_NONE, "loss_scaler": _DICT_OR_NONE,
+    "visits": (list, "a list of visit records"), "experts": (dict, "an object"),
+}
 
 
 class Trainer:
@@ -114,10 +145,15 @@ class Trainer:
         """Continue from the run directory's checkpoint."""
         checkpoint = load_checkpoint(self.checkpoint_dir, self.staged.model)
         self.optimizer_states = checkpoint.optimizers
-        self.progress = Progress(**checkpoint.trainer)
+        self.progress = self.restored_progress(checkpoint.trainer, self.checkpoint_dir)
         self.saved_masters = checkpoint.masters
         if self.scaler is not None and self.progress.loss_scaler is not None:
             self.scaler.load_state_dict(self.progress.loss_scaler)
+
+    def restored_progress(self, state: object, directory: Path) -> Progress:
+        """A checkpoint's progress, checked against this run's sweeps and blocks."""
+        return type(self.progress).from_state(state, str(directory / STATE), self.config.blocks.sweeps,
+                                              len(self.order(0)))
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -173,6 +209,10 @@ class Trainer:
             for group in optimizer.param_groups:
                 group["lr"] = group["initial_lr"] * schedule.factor(p.visit_step)
             loss, tokens, wait = self.train_step(block, train, optimizer, active)
+            if not math.isfinite(loss):
+                raise DivergedError(f"training diverged: the loss is {loss} at step {p.global_step + 1} (sweep "
+                                    f"{p.sweep}, block {block.index}); the run stopped, its last checkpoint kept; "
+                                    f"start again with a lower --lr or with --grad-clip")
             p.visit_step += 1
             p.global_step += 1
             p.tokens += tokens

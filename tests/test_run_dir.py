@@ -51,7 +51,7 @@ def test_json_keys_of_records():
     assert deleted["reason"].startswith("block 0") and "from" not in deleted
     assert set(reused) == {"kind", "boundary", "how", "seconds", "bytes"}
     assert set(RECORD_KINDS) == {"step", "visit", "cache", "pre_inference", "budget_plan", "sweep_plan",
-                                 "plan_outcome"}
+                                 "plan_outcome", "resume"}
     assert decision["saving_s"] == 0.8 and visit["memory"] == {"params": 10, "activations": 4}
 
 

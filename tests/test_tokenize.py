@@ -365,7 +365,7 @@ def test_out_directory_rules(tmp_path, capsys, monkeypatch):
     assert tree(out) == before
     assert build(path, out, seq_len=20, overwrite=True).seq_len == 20
     (out / "token-store.json").write_text("{garbled", encoding="utf-8")
-    with raises_one_line(r"token-store\.json: unreadable .*pass --overwrite"):
+    with raises_one_line(r"token-store\.json: unreadable .*`preinfer tokenize --overwrite`"):
         build(path, out, seq_len=20)
     assert build(path, out, seq_len=20, overwrite=True).seq_len == 20
     with pytest.raises(UsageError, match=r"built for another corpus or setting \(seq_len"):

@@ -52,9 +52,9 @@ def cache_boundary(staged: StagedModel, datasets: Mapping[str, TokenSamples], to
     if not datasets:
         raise UsageError("no splits to cache")
     out = location(out)
-    check_not_a_file(out)
+    check_not_a_file(out, opts.out_flag)
     with _owning(out, opts):
-        check_out(out, list(datasets), opts.mode)
+        check_out(out, list(datasets), opts.mode, opts.out_flag)
         prefix = prefix if prefix is not None else prefix_digest(staged, boundary)
         token_fp = tokenizer.fingerprint()
         jobs = []
@@ -86,9 +86,9 @@ def roll_forward(staged: StagedModel, source: str | os.PathLike, boundary: int, 
         found = {s: found[s] for s in splits}
     if source.resolve() == out.resolve() or any(p.resolve() == out.resolve() for p in found.values()):
         raise UsageError("--out must differ from --from-store (a roll-forward writes a new store)")
-    check_not_a_file(out)
+    check_not_a_file(out, opts.out_flag)
     with _owning(out, opts):
-        check_out(out, list(found), opts.mode)
+        check_out(out, list(found), opts.mode, opts.out_flag)
         return _roll_forward_jobs(staged, found, source, boundary, out, opts, started)
 
 
@@ -159,10 +159,10 @@ def _prepare_store(path: Location, split: str, fields, num_samples: int, per_sha
     """Create the store of one split, or reopen the one there to resume it (refusing another fingerprint)."""
     where = f"{split} store {path}" if split else f"store {path}"
     if path.exists() and not path.is_dir():
-        raise UsageError(f"--out {path} is a file, not a directory")
+        raise UsageError(f"{opts.out_flag} {path} is a file, not a directory")
     overwrite = opts.mode == "overwrite"
     if overwrite and path.is_dir() and not holds_only_store_entries(path):
-        raise UsageError(f"{path} is not an activation store; not deleting it (choose another --out)")
+        raise UsageError(f"{path} is not an activation store; not deleting it (choose another {opts.out_flag})")
     try:
         return create_store(path, fields, num_samples, per_shard, fingerprint, format=opts.store_format,
                             codec=opts.codec, overwrite=overwrite)
@@ -170,7 +170,7 @@ def _prepare_store(path: Location, split: str, fields, num_samples: int, per_sha
         stored = open_store(path, check_files=False).fingerprint
         raise StaleStoreError(
             f"{where} was built for another fingerprint ({'; '.join(stored.differences(fingerprint))}); "
-            f"pass --overwrite to rebuild it, or choose another --out"
+            f"pass --overwrite to rebuild it, or choose another {opts.out_flag}"
         ) from None
     except LayoutMismatchError as err:
         differs = [f"{name} {old!r} (now {new!r})" for name, (old, new) in err.differences.items()]

@@ -30,6 +30,18 @@ def cache_splits(path: str | os.PathLike | Location) -> dict[str, Location]:
     return {name: path / name for name in names}
 
 
+def listed_splits_missing(path: str | os.PathLike | Location, found: Mapping[str, Location]) -> dict[str, Location]:
+    """{split: where its store should be} for the splits the cache index lists that `found` (`cache_splits`) lacks."""
+    if "" in found:
+        return {}
+    root = location(path)
+    listed = read_index(root).get("splits")
+    if not isinstance(listed, dict):
+        return {}
+    return {split: root / str(entry.get("path", split) if isinstance(entry, dict) else split)
+            for split, entry in listed.items() if split not in found}
+
+
 def open_cache(path: str | os.PathLike | Location, splits: list[str] | None = None,
                expect: Mapping[str, Fingerprint] | None = None) -> dict[str, Store]:
     """The stores of a cache directory (or {"": store} for a single store), checked against `expect`; `splits`
@@ -67,14 +79,15 @@ def _is_ours(entry: Location, names: list[str]) -> bool:
     return holds_only_store_entries(entry)
 
 
-def check_not_a_file(out: Location) -> None:
-    """Refuse an `--out` that is a file."""
+def check_not_a_file(out: Location, flag: str = "--out") -> None:
+    """Refuse an output directory (given by `flag`) that is a file."""
     if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} is a file, not a directory")
+        raise UsageError(f"{flag} {out} is a file, not a directory")
 
 
-def check_out(out: Location, names: list[str], mode: str) -> None:
-    """Refuse an `--out` (not a file: see `check_not_a_file`) holding something other than this cache."""
+def check_out(out: Location, names: list[str], mode: str, flag: str = "--out") -> None:
+    """Refuse an output directory (given by `flag`; not a file: see `check_not_a_file`) holding something other
+    than this cache."""
     if not out.is_dir():
         return
     if names == [""]:
@@ -82,11 +95,11 @@ def check_out(out: Location, names: list[str], mode: str) -> None:
     foreign = sorted(p.name for p in out.iterdir() if not p.name.startswith(".") and not _is_ours(p, names))
     if foreign:
         raise UsageError(
-            f"--out {out} is not a cache directory (it holds {foreign[0]!r}{' ...' if len(foreign) > 1 else ''}); "
+            f"{flag} {out} is not a cache directory (it holds {foreign[0]!r}{' ...' if len(foreign) > 1 else ''}); "
             f"choose an empty or new directory, nothing was deleted"
         )
     if mode == "refuse" and any((out / n).exists() for n in names):
-        raise UsageError(f"--out {out} already holds a cache; choose another directory or rebuild it")
+        raise UsageError(f"{flag} {out} already holds a cache; choose another directory or rebuild it")
 
 
 def read_index(root: Location) -> dict[str, Any]:

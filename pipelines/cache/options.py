@@ -116,7 +116,8 @@ class CacheOptions:
     "tcp://host:port" (parsed into a `DaskTarget`) or a `distributed.Client`. `before_shard_write(split, shard)` is
     called before every attempt to write a shard, on the Dask workers too (so it must pickle: a module-level
     function or a functools.partial of one). `part`: None (this process runs the whole job) or this process's
-    `Part` of a job run by several processes at once (no Dask then)."""
+    `Part` of a job run by several processes at once (no Dask then). `out_flag`: the flag that chose the output
+    directory, as messages name it."""
 
     store_format: str = "zarr"
     store_dtype: str = "auto"
@@ -132,6 +133,7 @@ class CacheOptions:
     device: str | None = None
     before_shard_write: Callable[[str, int], None] | None = None
     part: Part | None = None
+    out_flag: str = "--out"  # how messages name where the job writes (bcd's pre-inference: --store-dir)
 
     def __post_init__(self) -> None:
         if self.store_format not in STORE_FORMATS:

@@ -19,7 +19,7 @@ import torch
 from pipelines.data.batches import TokenSamples
 from preinfer.staged import StagedModel
 from storage import Store, StorageError, disk_bytes, location, open_store, verify
-from pipelines.cache.directory import cache_splits, read_index
+from pipelines.cache.directory import CACHE_INDEX, cache_splits, listed_splits_missing, read_index
 from pipelines.cache.fingerprints import cache_fingerprint
 from pipelines.cache.shards import DatasetInputs
 
@@ -53,6 +53,7 @@ def describe(path: str | os.PathLike) -> list[dict[str, Any]]:
             "format": store.format, "codec": store.codec,
             "samples": store.num_samples, "seq_len": seq_len,
             "tokens": store.num_samples * seq_len if seq_len else None, "real_tokens": real,
+            "written_tokens": _written_samples(store, done) * seq_len if seq_len else None,
             "shards": store.num_shards, "samples_per_shard": store.samples_per_shard,
             "complete_shards": len(done), "missing_shards": store.num_shards - len(done),
             "finalized": bool(manifest.get("complete")),
@@ -64,6 +65,12 @@ def describe(path: str | os.PathLike) -> list[dict[str, Any]]:
                           for name, stats in store.encoding_error().items()},
         })
     return infos
+
+
+def _written_samples(store: Store, done: list[int]) -> int:
+    """The samples in the complete shards `done` (the last shard may hold fewer)."""
+    per = store.samples_per_shard
+    return sum(min(per, store.num_samples - index * per) for index in done)
 
 
 def _status(shards: int, complete: int, manifest: dict[str, Any]) -> str:
@@ -88,8 +95,12 @@ def format_description(info: dict[str, Any]) -> str:
     codec_text = codec.get("name", "?") + (f" level {codec['level']}" if codec.get("name") != "none" else "")
     tokens = f"{info['tokens']:,}" if info["tokens"] is not None else "?"
     if info["real_tokens"] is not None:
-        real = info["real_tokens"]
-        tokens += " (all real, no padding)" if real == info["tokens"] else f" ({real:,} real, the rest padding)"
+        real, written = info["real_tokens"], info.get("written_tokens", info["tokens"])
+        if written != info["tokens"]:
+            tokens += (f" ({real:,} real and {written - real:,} padding in the {info['complete_shards']} complete "
+                       f"shards; {info['tokens'] - written:,} not written yet)")
+        else:
+            tokens += " (all real, no padding)" if real == info["tokens"] else f" ({real:,} real, the rest padding)"
     ratio = f"{info['compression_ratio']:.2f}x" if info["compression_ratio"] else "-"
     lines = [
         f"{info['split'] + ': ' if info['split'] else ''}{info['path']}",
@@ -159,7 +170,9 @@ def verify_cache(path: str | os.PathLike, staged: StagedModel | None = None,
     found = cache_splits(path)
     if not found:
         raise StorageError(f"no activation store or cache directory at {path}")
-    checks = []
+    checks = [StoreCheck(split, str(store_path), f"{split}: MISSING: {CACHE_INDEX} lists this split, but "
+                                                 f"{store_path} holds no store manifest", False)
+              for split, store_path in listed_splits_missing(path, found).items()]
     for split, store_path in found.items():
         report = verify(store_path)
         check = StoreCheck(split, str(store_path), f"{split + ': ' if split else ''}{report}", report.ok)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from preinfer.errors import UsageError
+from preinfer.errors import UsageError, first_line
 
 BUILTIN_CORPORA = ("builtin:pydoc",)
 COMPRESSIONS = ("", ".gz", ".zst")
@@ -185,12 +185,7 @@ def _binary(path: Path) -> Iterator[BinaryIO]:
                 stream = raw
             yield stream
     except (OSError, EOFError, zlib.error, zstandard.ZstdError) as error:
-        raise UsageError(f"{path}: cannot read it ({type(error).__name__}: {_first_line(error)})") from None
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else "no details"
+        raise UsageError(f"{path}: cannot read it ({type(error).__name__}: {first_line(error)})") from None
 
 
 def _not_utf8(path: Path, offset: int) -> UsageError:
@@ -328,7 +323,7 @@ def _parquet_file(path: Path):
     try:
         return pyarrow.parquet.ParquetFile(path)
     except (OSError, ValueError) as error:  # pyarrow's ArrowInvalid is a ValueError
-        raise UsageError(f"{path}: not a readable Parquet file ({_first_line(error)})") from None
+        raise UsageError(f"{path}: not a readable Parquet file ({first_line(error)})") from None
 
 
 def _parquet_documents(path: Path, text_column: str) -> Iterator[Document]:
@@ -346,7 +341,7 @@ def _parquet_documents(path: Path, text_column: str) -> Iterator[Document]:
                 number += 1
                 yield parse(f"{path}: row {number}", record)
     except (OSError, ValueError) as error:
-        raise UsageError(f"{path}: cannot read the rows after row {number} ({_first_line(error)})") from None
+        raise UsageError(f"{path}: cannot read the rows after row {number} ({first_line(error)})") from None
 
 
 # ---- fingerprint ----
@@ -376,8 +371,11 @@ def _file_digest(path: Path) -> tuple[int, str]:
     """(size, sha256 hex) of a file's bytes, read in blocks."""
     digest = hashlib.sha256()
     size = 0
-    with path.open("rb") as stream:
-        while block := stream.read(READ_BLOCK):
-            digest.update(block)
-            size += len(block)
+    try:
+        with path.open("rb") as stream:
+            while block := stream.read(READ_BLOCK):
+                digest.update(block)
+                size += len(block)
+    except OSError as error:
+        raise UsageError(f"{path}: cannot read it ({type(error).__name__}: {first_line(error)})") from None
     return size, digest.hexdigest()

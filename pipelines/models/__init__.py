@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from safetensors.torch import load_file
 from torch import nn
 
-from preinfer.checkpoint import load_resident_state
+from preinfer.checkpoint import load_resident_state, read_tensors
 from preinfer.config import Config, load_config
 from preinfer.precision import cast_weights
 from preinfer.presets import load_model
@@ -52,7 +51,7 @@ def resolve_model(spec: str, seed: int = 0) -> nn.Module:
     if run.is_resumable():
         config = load_config(run.config)
         model = load_model(config.model.name, seed=config.run.seed)
-        weights = load_file(str(run.checkpoint_weights))
+        weights = read_tensors(run.checkpoint_weights)
         cast_weights(model, next(t.dtype for t in weights.values() if t.is_floating_point()))
         load_resident_state(model, weights, run.checkpoint_weights)
         return model

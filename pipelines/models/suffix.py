@@ -13,14 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import preinfer
 from preinfer.config import load_config
-from preinfer.errors import UsageError
+from preinfer.errors import UsageError, first_line
 from preinfer.fingerprint import hash_tensors, named_prefix_tensors
 from preinfer.precision import cast_weights, weights_dtype
 from preinfer.presets import PRESETS, build_preset, preset_config
@@ -38,9 +38,12 @@ class TensorFiles:
         self.files = files
         self.where: dict[str, Path] = {}
         for file in files:
-            with safe_open(str(file), "pt") as f:
-                for key in f.keys():
-                    self.where[key] = file
+            try:
+                with safe_open(str(file), "pt") as f:
+                    for key in f.keys():
+                        self.where[key] = file
+            except (OSError, SafetensorError) as err:
+                raise UsageError(f"cannot read the weights in {file}: {first_line(err)}") from None
 
     @classmethod
     def of_directory(cls, directory: Path) -> TensorFiles:

@@ -207,7 +207,7 @@ class PipelineTrainer(Trainer):
             raise PreinferError(f"the stage checkpoints in {self.checkpoint_dir} are of different steps "
                                 f"({int(lowest)} to {int(highest)}); the run cannot resume from them")
         self.optimizer_states = checkpoint.optimizers
-        self.progress = type(self.progress)(**checkpoint.trainer)
+        self.progress = self.restored_progress(checkpoint.trainer, self.stage_dir)
         self.saved_masters = checkpoint.masters
 
     def _checkpoint(self, optimizers: dict[int, dict] | None = None, masters: list[torch.Tensor] = ()) -> None:

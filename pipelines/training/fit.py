@@ -13,8 +13,9 @@ import torch.distributed as dist
 
 import preinfer
 from preinfer.batch_source import VisitSources
-from preinfer.config import Config
+from preinfer.config import Config, load_config, resume_changes
 from preinfer.memory.meter import MemoryMeter
+from preinfer.metrics import ResumeRecord
 from preinfer.partition import Partition
 from preinfer.run_dir import RunDir
 from preinfer.trainer import Trainer
@@ -41,12 +42,14 @@ def train(config: Config, staged: preinfer.StagedModel, partition: Partition, ac
     for note in [*notes, partition.report()]:
         ui.note(note)
     if resume:
-        trainer.resume()
+        resume_run(trainer, run, config)
     started = time.perf_counter()
     with StopOnSignals(trainer) as signals:
-        trainer.fit()
+        try:
+            trainer.fit()
+        finally:
+            ui.close()  # a failure's one line starts a line of its own
     trainer.wall_s = time.perf_counter() - started
-    ui.close()
     if trainer.stopped:
         signum = signals.received or signal.SIGTERM  # a rank stopped because another rank got the signal
         print(f"preinfer {command}: stopped by {signal.Signals(signum).name} after step "
@@ -54,3 +57,12 @@ def train(config: Config, staged: preinfer.StagedModel, partition: Partition, ac
               f"`preinfer {command} --out {config.run.out} --resume`", file=sys.stderr)
         raise RunStopped(128 + signum)
     return trainer
+
+
+def resume_run(trainer: Trainer, run: RunDir, config: Config) -> None:
+    """Restore the checkpoint, drop what the log holds past it, and record the resume with the config keys the
+    command changed (`preinfer.config.RESUMABLE_KEYS`)."""
+    trainer.resume()
+    p = trainer.progress
+    trainer.log.rewind(p.global_step, len(p.visits))
+    trainer.emit(ResumeRecord(step=p.global_step, changed=resume_changes(load_config(run.config), config)))

@@ -7,7 +7,8 @@ from tqdm import tqdm
 from preinfer.memory.budget import budget_line, visit_against_budget
 from preinfer.config import Config
 from preinfer.metrics import (
-    BudgetPlanRecord, CacheRecord, PlanOutcomeRecord, PreInferenceRecord, Record, SweepPlanRecord, VisitRecord,
+    BudgetPlanRecord, CacheRecord, PlanOutcomeRecord, PreInferenceRecord, Record, ResumeRecord, SweepPlanRecord,
+    VisitRecord,
 )
 
 
@@ -37,6 +38,10 @@ class ProgressUI:
             elif record.how == "probe":
                 tqdm.write(f"pre-inference: timed the stores' disk with a {record.bytes / 2**20:.1f} MiB store at "
                            f"boundary 1 in {record.seconds:.1f} s (deleted)")
+            return
+        if isinstance(record, ResumeRecord):
+            changed = "; ".join(f"{key} {before!r} -> {after!r}" for key, (before, after) in record.changed.items())
+            tqdm.write(f"resumed after step {record.step}" + (f"; changed {changed}" if changed else ""))
             return
         if isinstance(record, BudgetPlanRecord):
             self.budget = record.budget

@@ -61,6 +61,8 @@ def _run(config: Config, run_dir: RunDir, resume: bool, quiet: bool, rank: int, 
 
     def export(directory: Path) -> None:
         if not layout.export(directory):
+            print(f"no export written: {config.model.name} has no weights below boundary {first} (a preset's prefix "
+                  f"exists only as the store's states); the trained layers are in {run_dir.checkpoint_weights}")
             return
         if store is None:
             tokenizer.save(directory)

@@ -10,6 +10,7 @@ import storage
 from preinfer.batch_source import LiveSources
 from preinfer.config import Config
 from pipelines.cache import open_cache
+from pipelines.training.token_data import check_batch_size
 from pipelines.data.batches import ReaderBatches
 from pipelines.data.token_store.resolve import eval_samples
 from pipelines.data.tokenizers import Tokenizer
@@ -23,6 +24,7 @@ class StoreInput:
         self.stores = open_cache(config.store.path, splits=["train", "eval"])
         self.train, self.eval = self.stores["train"], self.stores["eval"]
         self.boundary = int(self.train.fingerprint.parts["boundary"])
+        check_batch_size(config.data.batch_size, self.train.num_samples, f"the train store of {config.store.path}")
 
     def sources(self, config: Config, rank: int, world: int) -> LiveSources:
         """Shuffled train batches (this data-parallel rank's share) and the eval batches, in order, capped by

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 import preinfer
 from preinfer.config import Config
+from preinfer.errors import UsageError
 from preinfer.batch_source import LiveSources
 from pipelines.cache import default_samples_per_shard
 from pipelines.data import batches
@@ -39,10 +40,18 @@ def load_datasets(config: Config, quiet: bool = False) -> Datasets:
     train, evaluation = found["train"], found["eval"]
     if d.max_samples:
         train, evaluation = train.head(d.max_samples), evaluation.head(d.max_samples)
+    check_batch_size(d.batch_size, len(train), f"the train split of {d.path}")
     capped = eval_samples(d.eval_tokens, d.seq_len)
     if capped is not None and capped < len(evaluation):
         evaluation = evaluation.head(capped)
     return Datasets(train, evaluation, tokenizer)
+
+
+def check_batch_size(batch_size: int, samples: int, split: str) -> None:
+    """Refuse a batch larger than the split it is drawn from."""
+    if batch_size > samples:
+        raise UsageError(f"--batch-size {batch_size} is more than the {samples} samples of {split}; give at most "
+                         f"{samples}")
 
 
 def samples_per_shard(config: Config, staged: preinfer.StagedModel) -> int:

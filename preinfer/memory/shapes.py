@@ -157,7 +157,7 @@ def resolve_shape(spec: str, arch: str = "llama") -> ModelShape:
     config loads torch and transformers."""
     if spec.lower() in SIZES["llama"]:
         return shape_for_size(spec, arch)
-    from preinfer.presets import PRESETS, local_config
+    from preinfer.presets import PRESETS, check_stageable, local_config
 
     path = Path(spec)
     if path.is_file():
@@ -168,9 +168,13 @@ def resolve_shape(spec: str, arch: str = "llama") -> ModelShape:
             config = AutoConfig.for_model(**config_dict)
         except (OSError, ValueError, KeyError) as err:
             raise UsageError(f"cannot read a model config from '{spec}': {err}") from err
+        check_stageable(config, spec)
         return shape_from_config(config, path.stem)
     if spec not in PRESETS and not path.is_dir():
         sizes = ", ".join(SIZES["llama"])
         raise UsageError(f"--model '{spec}' is not a size ({sizes}), a preset ({', '.join(PRESETS)}), "
                          "a model directory or a config.json")
-    return shape_from_config(local_config(spec), path.name if path.is_dir() else spec)
+    config = local_config(spec)
+    if spec not in PRESETS:
+        check_stageable(config, spec)
+    return shape_from_config(config, path.name if path.is_dir() else spec)

@@ -98,6 +98,10 @@ def write_json(path: Path, record: dict[str, Any]) -> None:
         temporary.unlink(missing_ok=True)
 
 
+# What to do about a damaged token store, in every command that reads one (only `tokenize` has --overwrite).
+REBUILD = "rebuild the token store with `preinfer tokenize --overwrite` (or delete it)"
+
+
 def read_json(path: Path) -> dict[str, Any] | None:
     """The JSON object at `path`, None if there is no file; a garbled file is refused in one line."""
     try:
@@ -106,9 +110,9 @@ def read_json(path: Path) -> dict[str, Any] | None:
         return None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         problem = f"{type(error).__name__}: {error}"
-        raise UsageError(f"{path}: unreadable ({problem}); delete it or pass --overwrite") from None
+        raise UsageError(f"{path}: unreadable ({problem}); {REBUILD}") from None
     if not isinstance(record, dict):
-        raise UsageError(f"{path}: expected a JSON object; delete it or pass --overwrite")
+        raise UsageError(f"{path}: expected a JSON object; {REBUILD}")
     return record
 
 
@@ -121,15 +125,14 @@ def read_info(root: Path) -> TokenStoreInfo | None:
     if record.get("format") != FORMAT or record.get("format_version") != FORMAT_VERSION:
         raise UsageError(
             f"{where}: not a token store of format {FORMAT} version {FORMAT_VERSION} (found "
-            f"{record.get('format')!r} version {record.get('format_version')!r}); rebuild it with "
-            f"`preinfer tokenize --overwrite`"
+            f"{record.get('format')!r} version {record.get('format_version')!r}); {REBUILD}"
         )
     try:
         fields = {key: record[key] for key in TokenStoreInfo.__dataclass_fields__}
         fields["splits"] = {name: SplitInfo(**split) for name, split in fields["splits"].items()}
         info = TokenStoreInfo(**fields)
     except (KeyError, TypeError, AttributeError) as error:
-        raise UsageError(f"{where}: garbled ({type(error).__name__}: {error}); rebuild it with --overwrite") from None
+        raise UsageError(f"{where}: garbled ({type(error).__name__}: {error}); {REBUILD}") from None
     if info.kind not in KINDS:
         raise UsageError(f"{where}: unknown kind {info.kind!r}; expected one of {', '.join(KINDS)}")
     return info

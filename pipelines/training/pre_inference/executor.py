@@ -45,7 +45,8 @@ class PreInference:
         self.device = next(p for p in staged.model.parameters() if not p.is_meta).device
         self.options = CacheOptions(store_format=settings.store_format, store_dtype=settings.store_dtype,
                                     samples_per_shard=shard, mode="overwrite", progress=False,
-                                    model_name=config.model.name, dask=settings.dask)  # a job of this rank alone
+                                    model_name=config.model.name, dask=settings.dask,
+                                    out_flag="--store-dir")  # a job of this rank alone
         # the stores the run trains from: under data parallelism every rank makes its share of each
         self.store_options = self.options if world == 1 else dataclasses.replace(
             self.options, part=Part(rank, world, dist.barrier))

@@ -74,7 +74,7 @@ def probe_store(staged: StagedModel, train, tokenizer, out: Location, options: C
     caching job's code at `out`, read back once and deleted. The first real store replaces the estimates."""
     started = time.perf_counter()
     samples = max(1, min(shard, len(train), PROBE_BYTES // sample_bytes))
-    check_out(out, ["probe"], "overwrite")  # a directory that is not a probe's is refused, untouched
+    check_out(out, ["probe"], "overwrite", "--store-dir")  # a directory that is not a probe's is refused, untouched
     with owning(out, "--store-dir", temporary=True):  # held around the caching job's own hold of it
         try:
             result = cache_boundary(staged, {"probe": train.head(samples)}, tokenizer, 1, out, options)

@@ -22,7 +22,10 @@ STORE_NAME = re.compile(r"(boundary-|probe-rank)\d+")  # what pre-inference writ
 
 
 def check_store_dir(root: Location) -> None:
-    """Refuse a store directory holding anything pre-inference does not write there (its stores, its probes)."""
+    """Refuse a store directory that is a file or holds anything pre-inference does not write there (its stores,
+    its probes)."""
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"--store-dir {root} is a file, not a directory")
     if not root.is_dir():
         return
     foreign = sorted(p.name for p in root.iterdir() if not p.name.startswith(".") and not STORE_NAME.fullmatch(p.name))
