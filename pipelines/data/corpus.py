@@ -6,8 +6,9 @@ Sources (`spec`):
   order.
 - a `.txt` file: documents are its paragraphs (separated by one or more blank lines; a blank line holds only spaces
   and tabs; "\r\n" and "\r" count as "\n"), so that it can be split.
-- a `.jsonl` file: LM text if the first record has the text field (`text_column`, default `text`); instruction data
-  if it has `instruction` (optional `input`, required `output`). Every record must then be of the same kind.
+- a `.jsonl` file: LM text if the first record has the text field (`text_column`, default `text`); chat data if it
+  has `messages` or ShareGPT `conversations` (`pipelines.data.conversations`); instruction data if it has
+  `instruction` (optional `input`, required `output`). Every record must then be of the same kind.
 - a `.parquet` file: the same rule on its columns (pyarrow reads it by row groups; `pip install 'preinfer[parquet]'`).
 - `.txt` and `.jsonl` files may be compressed: `.txt.gz`, `.jsonl.zst`, ...
 - a directory: every data file under it, in path order; a glob pattern (`data/*.jsonl.gz`, `shards/**/*.parquet`):
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from pipelines.data.conversations import Conversation, chat_field, chat_record
 from preinfer.errors import UsageError
 
 BUILTIN_CORPORA = ("builtin:pydoc",)
@@ -43,7 +45,7 @@ DATA_SUFFIXES = tuple(f"{kind}{compression}" for kind in (".txt", ".jsonl") for 
     ".parquet",
 )
 SUFFIXES_IN_WORDS = ".txt or .jsonl files (plain, .gz or .zst) or .parquet files"
-LM_TEXT, INSTRUCTION_DATA = "LM text", "instruction data"
+LM_TEXT, INSTRUCTION_DATA, CHAT_DATA = "LM text", "instruction data", "chat data"
 PARQUET_EXTRA = "pip install 'preinfer[parquet]'"
 READ_BLOCK = 1 << 20  # bytes read (and decoded) at a time from a text file
 PARQUET_BATCH = 1024  # rows converted to Python at a time
@@ -64,11 +66,13 @@ class InstructionExample:
         return json.dumps([self.instruction, self.input, self.output])
 
 
-Document = str | InstructionExample
+Document = str | InstructionExample | Conversation
 
 
 def kind_name(document: Document) -> str:
     """The kind of data a document belongs to, in words."""
+    if isinstance(document, Conversation):
+        return CHAT_DATA
     return INSTRUCTION_DATA if isinstance(document, InstructionExample) else LM_TEXT
 
 
@@ -293,12 +297,22 @@ def _record_parser(where: str, fields: set[str], text_column: str) -> Callable[[
     if text_column in fields:
         kind = f"LM text (the first record has '{text_column}')"
         return lambda where_, record: _string_field(where_, record, text_column, kind)
+    if chat_field(fields) is not None:
+        return chat_record
     if "instruction" in fields or "output" in fields:
         return _instruction_record
     raise UsageError(
-        f"{where}: record has neither a '{text_column}' field (LM text) nor 'instruction'/'output' fields "
-        f"(instruction data); its fields are {sorted(fields)}"
+        f"{where}: record has neither a '{text_column}' field (LM text), nor 'messages' or 'conversations' (chat "
+        f"data), nor 'instruction'/'output' fields (instruction data); its fields are {sorted(fields)}"
     )
+
+
+def record_columns(names: set[str], text_column: str) -> list[str]:
+    """The columns of a table that its records are read from (the rule of `_record_parser`)."""
+    if text_column in names:
+        return [text_column]
+    chat = chat_field(names)
+    return [chat] if chat is not None else sorted(names & {"instruction", "input", "output"})
 
 
 def _instruction_record(where: str, record: dict) -> InstructionExample:
@@ -338,7 +352,7 @@ def _parquet_documents(path: Path, text_column: str) -> Iterator[Document]:
     if parquet.metadata.num_rows == 0:
         return
     parse = _record_parser(f"{path}: row 1", names, text_column)
-    wanted = [text_column] if text_column in names else sorted(names & {"instruction", "input", "output"})
+    wanted = record_columns(names, text_column)
     number = 0
     try:
         for batch in parquet.iter_batches(batch_size=PARQUET_BATCH, columns=wanted):
