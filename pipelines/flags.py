@@ -63,7 +63,11 @@ SWITCH = dict(action="store_const", const=True)
 TRAINING_FLAGS: list[Flag] = [
     Flag("--model", "model", "name", "preset (tiny-gpt2, tiny-llama, small-llama, medium-llama, tiny-moe), a "
                                      "save_pretrained directory, or a run directory"),
-    Flag("--tokenizer", "model", "tokenizer", "'byte' (built-in) or a local HF tokenizer directory"),
+    Flag("--tokenizer", "model", "tokenizer", "auto: the model directory's own tokenizer (the run's for a run "
+                                              "directory, the byte tokenizer for a preset); 'byte' (built-in); or a "
+                                              "local HF tokenizer directory"),
+    Flag("--chat-template", "model", "chat_template", "a file whose Jinja chat template renders chat and instruction "
+                                                      "data instead of the tokenizer's own", unset="the tokenizer's"),
     Flag("--data", "data", "path", "a corpus: .txt, .jsonl (either also .gz or .zst) or .parquet file, a directory "
                                    "or quoted glob of them, or builtin:pydoc; or a token store written by "
                                    "preinfer tokenize"),

@@ -10,7 +10,7 @@ import sys
 import preinfer
 from preinfer.config import Config
 from preinfer.errors import UsageError
-from pipelines.data.tokenizers import load_tokenizer
+from pipelines.data.tokenizer_choice import model_tokenizer
 from pipelines.cache import (
     DEFAULT_SPLITS, STORE_DTYPES, STORE_FORMATS, CacheJobError, CacheOptions, CacheResult, cache_boundary,
     check_boundary, roll_forward,
@@ -111,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
             result = roll_forward(staged, args.from_store, args.boundary, out, options, splits=chosen)
         else:
             check_boundary(staged, args.boundary)
-            tokenizer = load_tokenizer(args.tokenizer or base.model.tokenizer)
+            tokenizer = model_tokenizer(args.tokenizer or base.model.tokenizer, args.model,
+                                        base.model.chat_template).tokenizer
             datasets = data_splits(args, base, tokenizer, args.seq_len or base.data.seq_len, splits, not args.quiet)
             result = cache_boundary(staged, datasets, tokenizer, args.boundary, out, options)
     except (PermissionError, NotADirectoryError, FileExistsError) as err:

@@ -10,7 +10,7 @@ import torch
 
 import preinfer
 from preinfer.config import Config, DataConfig, RunConfig
-from pipelines.data.tokenizers import load_tokenizer
+from pipelines.data.tokenizer_choice import model_tokenizer
 from preinfer.trainer import evaluate
 from pipelines.arguments import device, positive_int, run_or
 from pipelines.data_arguments import add_data_arguments, data_splits
@@ -33,7 +33,8 @@ def run(args: argparse.Namespace) -> int:
     base = run_config or Config()
     data_path = args.data or base.data.path
     seq_len = args.seq_len or base.data.seq_len
-    tokenizer = load_tokenizer(args.tokenizer or base.model.tokenizer)
+    tokenizer = model_tokenizer(args.tokenizer or base.model.tokenizer, args.model,
+                                    base.model.chat_template).tokenizer
     dataset = data_splits(args, base, tokenizer, seq_len, [args.split], progress=not args.json)[args.split]
     staged = preinfer.stage(source.load().to(args.device))
     batches = token_batches(dataset, args.batch_size, samples_per_shard=dataset.store.samples_per_shard,

@@ -17,6 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"pattern of them, or builtin:pydoc [{DEFAULTS.data}]")
     parser.add_argument("--tokenizer", default=DEFAULTS.tokenizer,
                         help=f"'byte' (built-in) or a local HF tokenizer directory [{DEFAULTS.tokenizer}]")
+    parser.add_argument("--chat-template", help="a file whose Jinja chat template renders chat and instruction data "
+                                                "instead of the tokenizer's own [the tokenizer's]")
     parser.add_argument("--seq-len", type=positive_int, default=DEFAULTS.seq_len,
                         help=f"tokens per sample [{DEFAULTS.seq_len}]")
     parser.add_argument("--eval-fraction", type=float, default=DEFAULTS.eval_fraction,
@@ -39,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     options = TokenizeOptions(
-        data=args.data, tokenizer=args.tokenizer, seq_len=args.seq_len, eval_fraction=args.eval_fraction,
+        data=args.data, tokenizer=args.tokenizer, chat_template=args.chat_template, seq_len=args.seq_len, eval_fraction=args.eval_fraction,
         out=args.out, text_column=args.text_column, workers=args.workers, samples_per_shard=args.samples_per_shard,
         overwrite=args.overwrite, progress=not args.quiet,
     )

@@ -15,7 +15,7 @@ from preinfer.memory_model import Block, Settings, shape_from_config
 from preinfer.precision import resolve_precision, weights_dtype
 from preinfer.run_dir import RunDir
 from preinfer.batch_source import LiveSources
-from pipelines.data.tokenizers import load_tokenizer
+from pipelines.data.tokenizer_choice import model_tokenizer
 from preinfer.stage_cut import describe_stages, plan_stages, stage_cost
 from pipelines.cache import open_cache
 from pipelines.pipeline_parallel.mesh import PipelineMesh, check_degree, make_mesh
@@ -120,7 +120,8 @@ def run_pipeline_train(config: Config, resume: bool = False, quiet: bool = False
 
     def export(directory: Path) -> None:
         if export_from_weights(config.model.name, run.checkpoint_weights, directory):
-            save_store_tokenizer(load_tokenizer(config.model.tokenizer), stores["train"], directory)
+            tokenizer = model_tokenizer(config.model.tokenizer, config.model.name, config.model.chat_template)
+            save_store_tokenizer(tokenizer.tokenizer, stores["train"], directory)
 
     return finish_run(trainer, run, export)
 

@@ -39,7 +39,8 @@ from preinfer.partition import Partition, make_partition, parse_ranges, parse_uf
 from preinfer.precision import apply_precision, describe, resolve_precision, weights_dtype
 from preinfer.run_dir import RunDir
 from preinfer.batch_source import LiveSources, VisitSources
-from pipelines.data.tokenizers import Tokenizer, load_tokenizer
+from pipelines.data.tokenizers import Tokenizer
+from pipelines.data.tokenizer_choice import announce, model_tokenizer
 from preinfer.trainer import Trainer
 from pipelines.data import batches as sources
 from pipelines.arguments import parse_size
@@ -62,8 +63,8 @@ class Datasets:
 def load_datasets(config: Config, quiet: bool = False) -> Datasets:
     """The run's splits, read lazily from the token store of --data (built first if need be: by rank 0 alone
     while the other ranks wait). --max-samples takes each split's first samples, --eval-tokens caps eval."""
-    tokenizer = load_tokenizer(config.model.tokenizer)
-    d = config.data
+    choice = model_tokenizer(config.model.tokenizer, config.model.name, config.model.chat_template)
+    tokenizer, d = choice.tokenizer, config.data
 
     first = not dist.is_initialized() or dist.get_rank() == 0
     if not first:
@@ -72,6 +73,7 @@ def load_datasets(config: Config, quiet: bool = False) -> Datasets:
                          progress=not quiet)
     if first and dist.is_initialized():
         dist.barrier()
+    announce(choice, found, quiet or not first)
     train, evaluation = found["train"], found["eval"]
     if d.max_samples:
         train, evaluation = train.head(d.max_samples), evaluation.head(d.max_samples)
@@ -227,7 +229,7 @@ def run_from_store(config: Config, resume: bool = False, quiet: bool = False) ->
         check_run_dir(run, resume)
     stores = open_cache(config.store.path, splits=["train", "eval"])
     boundary = int(stores["train"].fingerprint.parts["boundary"])
-    tokenizer = load_tokenizer(config.model.tokenizer)
+    tokenizer = model_tokenizer(config.model.tokenizer, config.model.name, config.model.chat_template).tokenizer
     suffix = load_suffix(config.model.name, boundary, seed=config.run.seed)
     notes = [check_prefix(stores["train"], suffix, config)]
     staged = preinfer.stage(to_device(suffix.model, config.run.device))
