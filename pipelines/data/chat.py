@@ -52,8 +52,15 @@ def render_conversations(tokenizer: Tokenizer, conversations: Sequence[Conversat
 
 
 def _render(backend, template: str, messages: list[dict[str, str]], generation_prompt: bool = False) -> str:
-    return backend.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                       add_generation_prompt=generation_prompt)
+    """The template's text of `messages`; a template that fails is refused in one line."""
+    from jinja2 import TemplateError
+
+    try:
+        return backend.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                           add_generation_prompt=generation_prompt)
+    except TemplateError as error:
+        raise UsageError(f"the chat template cannot render a conversation ({type(error).__name__}: "
+                         f"{str(error).splitlines()[0] if str(error) else 'no details'})") from None
 
 
 def assistant_spans(backend, template: str, conversation: Conversation) -> tuple[str, list[tuple[int, int]]]:
