@@ -90,7 +90,8 @@ def _offsets(backend, texts: list[str]) -> list[tuple[list[int], list[tuple[int,
     try:
         batch = backend(texts, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     except NotImplementedError:
-        raise UsageError("chat data needs a fast tokenizer (one with tokenizer.json) to find assistant tokens") from None
+        raise UsageError("chat data needs a fast tokenizer (one with tokenizer.json) to find assistant tokens"
+                         ) from None
     return list(zip(batch["input_ids"], batch["offset_mapping"]))
 
 

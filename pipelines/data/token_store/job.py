@@ -286,7 +286,8 @@ _WORKER: dict[str, Any] = {}
 def _start_worker(options: TokenizeOptions) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker: no thread pool of its own
     _WORKER.update(
-        options=options, tokenizer=load_tokenizer(options.tokenizer, options.chat_template), staging=Staging(Path(options.out) / STAGING)
+        options=options, tokenizer=load_tokenizer(options.tokenizer, options.chat_template),
+        staging=Staging(Path(options.out) / STAGING),
     )
 
 
