@@ -14,6 +14,7 @@ import preinfer
 from pipelines.cache import open_cache
 from pipelines.cli import main
 from pipelines.data.batches import ReaderBatches
+from pipelines.data.tokenizers import ByteTokenizer
 from pipelines.models.suffix import load_suffix
 from pipelines.training import partition_for, run_bcd, train
 from preinfer.config import Config
@@ -236,6 +237,7 @@ def cache_and_model(tmp_path: Path, corpus: str, boundary: int = 2) -> tuple[str
 
     model_dir = tmp_path / "model"
     build_preset("tiny-llama", seed=3).save_pretrained(model_dir)
+    ByteTokenizer().save(model_dir)  # its own tokenizer, which --tokenizer auto takes
     store = tmp_path / "cache"
     code = main(["cache", "--model", str(model_dir), "--data", corpus, "--boundary", str(boundary),
                  "--out", str(store), "--seq-len", "32", "--samples-per-shard", "8", "--eval-fraction", "0.2"])
