@@ -82,14 +82,18 @@ def per_optimizer(defaults: dict[str, float]) -> str:
 SWITCH = dict(action="store_const", const=True)
 ON = dict(action="store_true")
 
-CORPUS = ("a .txt, .jsonl (either also .gz or .zst) or .parquet file, a directory or quoted glob of them, or "
-          "builtin:pydoc")
+CORPUS = ("a .txt, .jsonl (either also .gz or .zst), .parquet or .arrow file, a directory or quoted glob of them "
+          "(a datasets save_to_disk folder or a local dataset repository too), or builtin:pydoc")
 STORE = "a cache directory (all its splits) or a single store: a local path or s3://BUCKET/PATH"
 
 TRAINING_FLAGS: list[Flag] = [
     Flag("--model", "model", "name", "a preset (tiny-gpt2, tiny-llama, small-llama, medium-llama, tiny-moe), a "
                                      "save_pretrained directory, or a run directory (its current weights)"),
-    Flag("--tokenizer", "model", "tokenizer", "'byte' (built-in) or a local HF tokenizer directory"),
+    Flag("--tokenizer", "model", "tokenizer", "auto: the model directory's own tokenizer (the run's for a run "
+                                              "directory, the byte tokenizer for a preset); 'byte' (built-in); or a "
+                                              "local HF tokenizer directory"),
+    Flag("--chat-template", "model", "chat_template", "a file whose Jinja chat template renders chat and instruction "
+                                                      "data instead of the tokenizer's own", unset="the tokenizer's"),
     Flag("--data", "data", "path", f"a corpus: {CORPUS}; or a token store written by preinfer tokenize"),
     Flag("--token-store", "data", "token_store", "where a corpus is tokenised once (one directory per corpus, "
                                                  "tokenizer and settings) and read lazily by every job",

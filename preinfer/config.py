@@ -17,7 +17,8 @@ from preinfer.sizes import parse_size
 @dataclass
 class ModelConfig:
     name: str = "small-llama"  # a preset, a save_pretrained directory, or a run directory
-    tokenizer: str = "byte"  # the built-in byte tokenizer, or a local Hugging Face tokenizer directory
+    tokenizer: str = "auto"  # auto (the model's own; byte for a preset), byte, or a local HF tokenizer directory
+    chat_template: str | None = None  # a file whose Jinja chat template replaces the tokenizer's own
 
 
 @dataclass

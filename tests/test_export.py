@@ -20,15 +20,16 @@ TINY = ["--model", "tiny-llama", "--seq-len", "32", "--batch-size", "4", "--step
 
 @pytest.fixture(scope="module")
 def hf_tokenizer_dir(tmp_path_factory, corpus) -> str:
-    """A small BPE tokenizer trained here on the corpus (no downloads), saved as an HF tokenizer directory."""
-    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    """A small BPE tokenizer trained here on the corpus (no downloads), saved as an HF tokenizer directory: the 256
+    bytes and two special tokens, which fit the presets' 258-row embedding (byte-level, so it needs no <unk>)."""
+    backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<pad>", "<eos>"],
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<pad>", "<eos>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     backend.train([corpus], trainer)
     directory = tmp_path_factory.mktemp("hf-tokenizer")
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>",
+    PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>",
                             eos_token="<eos>").save_pretrained(directory)
     return str(directory)
 
@@ -111,8 +112,9 @@ def test_train_from_a_store_exports_the_tokenizer_the_store_was_made_with(tmp_pa
     export = RunDir(tmp_path / "run").export
     assert_encodes_like(export, load_tokenizer(spec))
     assert_generates(export, load_tokenizer(spec))
-    if kind == "hf":  # trained without naming the store's tokenizer: the export says what is missing
-        assert run_cli([*train, "--out", str(tmp_path / "unnamed")]) == 0
+    if kind == "hf":  # trained with another tokenizer than the store's: the export says what is missing
+        assert run_cli([*train, "--out", str(tmp_path / "unnamed")]) == 2  # auto: the model directory has none
+        assert run_cli([*train, "--tokenizer", "byte", "--out", str(tmp_path / "unnamed")]) == 0
         unnamed = RunDir(tmp_path / "unnamed").export
         assert (unnamed / "model.safetensors").is_file() and not (unnamed / "tokenizer.json").exists()
         assert "tokenizer" in (unnamed / "README.md").read_text()

@@ -131,10 +131,12 @@ def test_a_bf16_directory_loads_as_bf16_trains_bf16_mixed_and_exports_bf16(tmp_p
     build_preset("tiny-llama", seed=2).to(torch.bfloat16).save_pretrained(model_dir)
     assert load_model(str(model_dir)).model.embed_tokens.weight.dtype == torch.bfloat16
     out = tmp_path / "run"
-    code = main(["bcd", "--model", str(model_dir), "--seq-len", "32", "--batch-size", "4", "--steps-per-visit", "2",
-                 "--eval-tokens", "128", "--max-samples", "16", "--blocks", "2", "--out", str(out)])
+    code = main(["bcd", "--model", str(model_dir), "--tokenizer", "byte", "--seq-len", "32", "--batch-size", "4",
+                 "--steps-per-visit", "2", "--eval-tokens", "128", "--max-samples", "16", "--blocks", "2",
+                 "--out", str(out)])
     assert code == 0
-    assert "precision: bf16-mixed" in capsys.readouterr().out.splitlines()[0]
+    lines = capsys.readouterr().out.splitlines()  # the tokenizer's two lines, then the precision's
+    assert lines[0].startswith("tokenizer: byte (given by --tokenizer") and "precision: bf16-mixed" in lines[2]
     exported = AutoModelForCausalLM.from_pretrained(out / "export")
     assert exported.dtype == torch.bfloat16
     current = resolve_model(str(out))
@@ -146,10 +148,10 @@ def test_fp32_precision_of_a_bf16_directory_trains_in_fp32(tmp_path, capsys):
     model_dir = tmp_path / "bf16"
     build_preset("tiny-llama", seed=2).to(torch.bfloat16).save_pretrained(model_dir)
     out = tmp_path / "run"
-    assert main(["bcd", "--model", str(model_dir), "--precision", "fp32", "--seq-len", "32", "--batch-size", "4",
-                 "--steps-per-visit", "1", "--eval-tokens", "128", "--max-samples", "16", "--blocks", "1",
-                 "--out", str(out)]) == 0
-    assert capsys.readouterr().out.startswith("precision: fp32")
+    assert main(["bcd", "--model", str(model_dir), "--tokenizer", "byte", "--precision", "fp32", "--seq-len", "32",
+                 "--batch-size", "4", "--steps-per-visit", "1", "--eval-tokens", "128", "--max-samples", "16",
+                 "--blocks", "1", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.splitlines()[2].startswith("precision: fp32")
     assert {t.dtype for t in load_file(str(out / "checkpoint" / "model.safetensors")).values()} == {torch.float32}
 
 

@@ -9,7 +9,7 @@ import json
 import preinfer
 from preinfer.config import Config, RunConfig
 from preinfer.errors import UsageError
-from pipelines.data.tokenizers import load_tokenizer
+from pipelines.data.tokenizer_choice import model_tokenizer
 from pipelines.cache import (
     DEFAULT_SPLITS, CacheJobError, CacheOptions, CacheResult, cache_boundary, check_boundary, roll_forward,
 )
@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
             result = roll_forward(staged, args.from_store, args.boundary, out, options, splits=chosen)
         else:
             check_boundary(staged, args.boundary)
-            tokenizer = load_tokenizer(args.tokenizer or base.model.tokenizer)
+            tokenizer = model_tokenizer(args.tokenizer or base.model.tokenizer, args.model,
+                                        base.model.chat_template).tokenizer
             datasets = data_splits(data_flags(args, base), tokenizer, splits, not args.quiet)
             result = cache_boundary(staged, datasets, tokenizer, args.boundary, out, options)
     except (PermissionError, NotADirectoryError, FileExistsError) as err:

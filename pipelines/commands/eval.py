@@ -10,7 +10,7 @@ import torch
 
 import preinfer
 from preinfer.config import Config, RunConfig
-from pipelines.data.tokenizers import load_tokenizer
+from pipelines.data.tokenizer_choice import model_tokenizer
 from preinfer.trainer import evaluate
 from pipelines.data.token_store.resolve import data_splits
 from pipelines.flags import DATA_FLAGS, add_flags, data_flags
@@ -28,7 +28,8 @@ def run(args: argparse.Namespace) -> int:
     source, run_config = model_source(args.model)
     base = run_config or Config()
     data = data_flags(args, base)
-    tokenizer = load_tokenizer(args.tokenizer or base.model.tokenizer)
+    tokenizer = model_tokenizer(args.tokenizer or base.model.tokenizer, args.model,
+                                base.model.chat_template).tokenizer
     dataset = data_splits(data, tokenizer, [args.split], progress=not args.json)[args.split]
     staged = preinfer.stage(source.load().to(args.device))
     batches = token_batches(dataset, args.batch_size, samples_per_shard=dataset.store.samples_per_shard,

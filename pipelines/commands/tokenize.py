@@ -12,14 +12,15 @@ DEFAULTS = TokenizeOptions()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_flags(parser, "--data", "--tokenizer", "--seq-len", "--eval-fraction", "--text-column", "--out", "--workers",
-              "--samples-per-shard", "--overwrite", "--quiet", "--json", command="tokenize",
+    add_flags(parser, "--data", "--tokenizer", "--chat-template", "--seq-len", "--eval-fraction", "--text-column",
+              "--out", "--workers", "--samples-per-shard", "--overwrite", "--quiet", "--json", command="tokenize",
               defaults=option_defaults(DEFAULTS))
 
 
 def run(args: argparse.Namespace) -> int:
     options = TokenizeOptions(
-        data=args.data, tokenizer=args.tokenizer, seq_len=args.seq_len, eval_fraction=args.eval_fraction,
+        data=args.data, tokenizer=args.tokenizer, chat_template=args.chat_template, seq_len=args.seq_len,
+        eval_fraction=args.eval_fraction,
         out=args.out, text_column=args.text_column, workers=args.workers, samples_per_shard=args.samples_per_shard,
         overwrite=args.overwrite, progress=not args.quiet,
     )

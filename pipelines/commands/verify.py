@@ -7,7 +7,7 @@ import argparse
 import preinfer
 from preinfer.config import Config, RunConfig
 from preinfer.errors import UsageError
-from pipelines.data.tokenizers import load_tokenizer
+from pipelines.data.tokenizer_choice import model_tokenizer
 from pipelines.cache.directory import DEFAULT_SPLITS, cache_splits
 from pipelines.cache.report import verify_cache
 from pipelines.data.token_store.resolve import data_splits
@@ -34,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
         source, run_config = model_source(args.model, args.model_seed)
         base = run_config or Config()
         staged = preinfer.stage(source.load().to(args.device).eval())
-        tokenizer = load_tokenizer(args.tokenizer or base.model.tokenizer)
+        tokenizer = model_tokenizer(args.tokenizer or base.model.tokenizer, args.model,
+                                    base.model.chat_template).tokenizer
         data = data_flags(args, base)
         data.seq_len = int(open_store(next(iter(found.values())), check_files=False).fingerprint.parts.get(
             "seq_len", data.seq_len))

@@ -6,9 +6,14 @@ Sources (`spec`):
   order.
 - a `.txt` file: documents are its paragraphs (separated by one or more blank lines; a blank line holds only spaces
   and tabs; "\r\n" and "\r" count as "\n"), so that it can be split.
-- a `.jsonl` file: LM text if the first record has the text field (`text_column`, default `text`); instruction data
-  if it has `instruction` (optional `input`, required `output`). Every record must then be of the same kind.
+- a `.jsonl` file: LM text if the first record has the text field (`text_column`, default `text`); chat data if it
+  has `messages` or ShareGPT `conversations` (`pipelines.data.conversations`); instruction data if it has
+  `instruction` (optional `input`, required `output`). Every record must then be of the same kind.
 - a `.parquet` file: the same rule on its columns (pyarrow reads it by row groups; `pip install 'preinfer[parquet]'`).
+- an `.arrow` file (Arrow IPC, as Hugging Face `datasets` writes them): the same rule, one record batch at a time.
+- a Hugging Face dataset folder: a `save_to_disk` directory (its `.arrow` files; of a `DatasetDict`, the `train`
+  split's), or a local dataset repository laid out as `data/*.parquet` or `data/*.jsonl` (every data file under it,
+  all its splits; a glob such as `repo/data/train-*` takes one).
 - `.txt` and `.jsonl` files may be compressed: `.txt.gz`, `.jsonl.zst`, ...
 - a directory: every data file under it, in path order; a glob pattern (`data/*.jsonl.gz`, `shards/**/*.parquet`):
   the data files it matches, in path order (directories it matches are read as directories). All files of one
@@ -35,15 +40,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from pipelines.data.conversations import Conversation, chat_field, chat_record
 from preinfer.errors import UsageError, first_line
 
 BUILTIN_CORPORA = ("builtin:pydoc",)
 COMPRESSIONS = ("", ".gz", ".zst")
 DATA_SUFFIXES = tuple(f"{kind}{compression}" for kind in (".txt", ".jsonl") for compression in COMPRESSIONS) + (
-    ".parquet",
+    ".parquet", ".arrow",
 )
-SUFFIXES_IN_WORDS = ".txt or .jsonl files (plain, .gz or .zst) or .parquet files"
-LM_TEXT, INSTRUCTION_DATA = "LM text", "instruction data"
+SUFFIXES_IN_WORDS = ".txt or .jsonl files (plain, .gz or .zst), .parquet or .arrow files"
+DATASET_DICT = "dataset_dict.json"  # what `DatasetDict.save_to_disk` writes beside its splits' directories
+HF_EXTRA = "pip install 'preinfer[hf]'"
+LM_TEXT, INSTRUCTION_DATA, CHAT_DATA = "LM text", "instruction data", "chat data"
 PARQUET_EXTRA = "pip install 'preinfer[parquet]'"
 READ_BLOCK = 1 << 20  # bytes read (and decoded) at a time from a text file
 PARQUET_BATCH = 1024  # rows converted to Python at a time
@@ -64,11 +72,13 @@ class InstructionExample:
         return json.dumps([self.instruction, self.input, self.output])
 
 
-Document = str | InstructionExample
+Document = str | InstructionExample | Conversation
 
 
 def kind_name(document: Document) -> str:
     """The kind of data a document belongs to, in words."""
+    if isinstance(document, Conversation):
+        return CHAT_DATA
     return INSTRUCTION_DATA if isinstance(document, InstructionExample) else LM_TEXT
 
 
@@ -83,6 +93,8 @@ def data_suffix(path: Path) -> str | None:
 def corpus_files(spec: str) -> list[Path]:
     """The data files of a file, directory or glob `spec`, in reading order (not for built-in corpora)."""
     path = Path(spec)
+    if (path / DATASET_DICT).is_file():
+        return corpus_files(str(_train_split(path)))
     if path.is_dir():
         files = _data_files(path.rglob("*"))
         if not files:
@@ -105,6 +117,18 @@ def corpus_files(spec: str) -> list[Path]:
     if not files:
         raise UsageError(f"the pattern '{spec}' matches no {SUFFIXES_IN_WORDS}")
     return files
+
+
+def _train_split(path: Path) -> Path:
+    """The `train` split's directory of a saved `DatasetDict`."""
+    try:
+        splits = json.loads((path / DATASET_DICT).read_text(encoding="utf-8"))["splits"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        raise UsageError(f"{path / DATASET_DICT}: not a readable DatasetDict description (no 'splits' list)") from None
+    if "train" not in splits or not (path / "train").is_dir():
+        raise UsageError(f"{path} is a DatasetDict without a 'train' split (it has {splits}); pass --data "
+                         f"{path}/SPLIT to read one of them")
+    return path / "train"
 
 
 def _data_files(paths: Iterable[Path]) -> list[Path]:
@@ -165,6 +189,8 @@ def _file_documents(path: Path, text_column: str) -> Iterator[Document]:
     suffix = data_suffix(path) or ""
     if suffix == ".parquet":
         return _parquet_documents(path, text_column)
+    if suffix == ".arrow":
+        return _arrow_documents(path, text_column)
     if suffix.startswith(".txt"):
         return _text_documents(path)
     return _jsonl_documents(path, text_column)
@@ -288,12 +314,22 @@ def _record_parser(where: str, fields: set[str], text_column: str) -> Callable[[
     if text_column in fields:
         kind = f"LM text (the first record has '{text_column}')"
         return lambda where_, record: _string_field(where_, record, text_column, kind)
+    if chat_field(fields) is not None:
+        return chat_record
     if "instruction" in fields or "output" in fields:
         return _instruction_record
     raise UsageError(
-        f"{where}: record has neither a '{text_column}' field (LM text) nor 'instruction'/'output' fields "
-        f"(instruction data); its fields are {sorted(fields)}"
+        f"{where}: record has neither a '{text_column}' field (LM text), nor 'messages' or 'conversations' (chat "
+        f"data), nor 'instruction'/'output' fields (instruction data); its fields are {sorted(fields)}"
     )
+
+
+def record_columns(names: set[str], text_column: str) -> list[str]:
+    """The columns of a table that its records are read from (the rule of `_record_parser`)."""
+    if text_column in names:
+        return [text_column]
+    chat = chat_field(names)
+    return [chat] if chat is not None else sorted(names & {"instruction", "input", "output"})
 
 
 def _instruction_record(where: str, record: dict) -> InstructionExample:
@@ -333,12 +369,46 @@ def _parquet_documents(path: Path, text_column: str) -> Iterator[Document]:
     if parquet.metadata.num_rows == 0:
         return
     parse = _record_parser(f"{path}: row 1", names, text_column)
-    wanted = [text_column] if text_column in names else sorted(names & {"instruction", "input", "output"})
+    wanted = record_columns(names, text_column)
     number = 0
     try:
         for batch in parquet.iter_batches(batch_size=PARQUET_BATCH, columns=wanted):
             for record in batch.to_pylist():
                 number += 1
+                yield parse(f"{path}: row {number}", record)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"{path}: cannot read the rows after row {number} ({first_line(error)})") from None
+
+
+def _arrow_batches(path: Path) -> tuple[list[str], Iterator]:
+    """(column names, record batches) of an Arrow IPC file (the stream format `datasets` writes, or the file
+    format), read one batch at a time."""
+    try:
+        import pyarrow.ipc
+    except ImportError:
+        raise UsageError(f"{path}: reading .arrow files needs pyarrow, which is not installed: {HF_EXTRA}") from None
+    try:
+        stream = pyarrow.ipc.open_stream(path)
+        return stream.schema.names, iter(stream)
+    except (OSError, ValueError):
+        pass
+    try:
+        file = pyarrow.ipc.open_file(path)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"{path}: not a readable Arrow IPC file ({first_line(error)})") from None
+    return file.schema.names, (file.get_batch(index) for index in range(file.num_record_batches))
+
+
+def _arrow_documents(path: Path, text_column: str) -> Iterator[Document]:
+    """LM text, chat or instruction records from an Arrow file's columns, one record batch at a time."""
+    names, batches = _arrow_batches(path)
+    columns = record_columns(set(names), text_column) or names
+    parse, number = None, 0
+    try:
+        for batch in batches:
+            for record in batch.select(columns).to_pylist():
+                number += 1
+                parse = parse or _record_parser(f"{path}: row {number}", set(names), text_column)
                 yield parse(f"{path}: row {number}", record)
     except (OSError, ValueError) as error:
         raise UsageError(f"{path}: cannot read the rows after row {number} ({first_line(error)})") from None

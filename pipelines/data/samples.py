@@ -2,20 +2,29 @@
 block by block with bounded memory (`sample_blocks`, and the token store built from `encode_chunk` and
 `SamplePacker`). Where documents come from: `pipelines.data.corpus`.
 
-LM text: each document is tokenised and followed by eos, all are concatenated and cut into sequences of `seq_len`
-tokens (the short tail is dropped); every position is attended and supervised (labels == input_ids).
+LM text: each document is tokenised, preceded by the tokenizer's BOS where it adds one and followed by eos; all are
+concatenated and cut into sequences of `seq_len` tokens (the short tail is dropped); every position is attended and
+supervised (labels == input_ids).
 
-Instruction data: tokens = encode(prompt) + encode(output) + [eos] (see `format_prompt`), truncated to `seq_len`
-and right-padded with pad; labels are -100 on the prompt and the padding. Examples whose prompt fills all of
-`seq_len` are dropped (with a warning).
+Chat data (`messages`, ShareGPT `conversations`, and Alpaca records when the tokenizer has a chat template): each
+conversation is rendered by the chat template (`pipelines.data.chat`) into one right-padded sample of `seq_len`
+tokens (never packed); labels are the ids on the assistant mask and -100 elsewhere. A conversation longer than
+`seq_len` is cut right after its last assistant turn that ends within `seq_len` (a turn boundary, never inside a
+turn); one whose first assistant turn does not end within `seq_len`, or that has no assistant turn, is dropped. Both
+are counted (`SplitInfo.truncated`, documents - samples) and reported.
+
+Instruction data without a chat template (the byte tokenizer): tokens = BOS + encode(prompt) + encode(output) +
+[eos] (see `format_prompt`), truncated to `seq_len` and right-padded with pad; labels are -100 on the prompt and the
+padding. Examples whose prompt fills all of `seq_len` are dropped (with a warning). A conversation of one user turn
+and one assistant turn is read as such an example; any other is refused (it needs a chat template).
 
 Train/eval split: by document (by example for instruction data), before packing. A document goes to eval when the
 first 8 bytes of the sha256 of its content, read as a fraction of 2**64, are below `eval_fraction`: deterministic,
 independent of order, and a document never lands in both splits.
 
 Compact form (`SampleBlock`): token ids in the smallest integer dtype of the vocabulary, plus, for instruction
-data, each sample's prompt length and length; `SampleBlock.tensors` recovers the exact int64 ids, bool mask and
-int64 labels.
+and chat data, each sample's prompt length and length, and for chat data its assistant mask (uint8);
+`SampleBlock.tensors` recovers the exact int64 ids, bool mask and int64 labels.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pipelines.data.chat import render_conversations
+from pipelines.data.conversations import Conversation, alpaca_conversation
 from pipelines.data.corpus import Document, InstructionExample, iter_documents
 from preinfer.errors import UsageError
 from pipelines.data.tokenizers import Tokenizer
@@ -37,6 +48,7 @@ from pipelines.data.tokenizers import Tokenizer
 logger = logging.getLogger(__name__)
 
 SPLITS = ("train", "eval")
+LM, INSTRUCTION, CHAT = "lm", "instruction", "chat"  # kinds of samples
 IGNORE_INDEX = -100
 CHUNK_CHARS = 1 << 22  # characters of documents tokenised together (the unit of work of streaming and of workers)
 BLOCK_SAMPLES = 4096  # samples per block of `sample_blocks` by default
@@ -112,7 +124,8 @@ def load_data(
     blocks = list(sample_blocks(spec, tokenizer, seq_len, split, eval_fraction, text_column=text_column))
     ids = np.concatenate([block.ids for block in blocks])
     lengths = None if blocks[0].lengths is None else np.concatenate([block.lengths for block in blocks])
-    tensors = SampleBlock(ids, lengths).tensors()
+    label_mask = None if blocks[0].label_mask is None else np.concatenate([block.label_mask for block in blocks])
+    tensors = SampleBlock(ids, lengths, label_mask).tensors()
     return TokenDataset(**tensors, source=spec, split=split)
 
 
@@ -125,7 +138,7 @@ def sample_blocks(
     check_arguments(seq_len, split, eval_fraction)
     packer = None
     for chunk in document_chunks(iter_documents(spec, text_column)):
-        packer = packer or SamplePacker(seq_len, is_instruction(chunk[0]), block_samples)
+        packer = packer or SamplePacker(seq_len, sample_kind(chunk[0], tokenizer), block_samples)
         yield from packer.add(encode_chunk(chunk, tokenizer, seq_len, eval_fraction, (split,))[split])
     if packer is None:
         raise UsageError(f"{spec}: no documents found (empty dataset)")
@@ -150,17 +163,39 @@ def in_eval_split(key: str, eval_fraction: float) -> bool:
 
 
 def _split_key(document: Document) -> str:
-    return document.key() if isinstance(document, InstructionExample) else document
+    return document if isinstance(document, str) else document.key()
 
 
-def is_instruction(document: Document) -> bool:
-    """Whether `document` is instruction data (else LM text)."""
-    return isinstance(document, InstructionExample)
+def sample_kind(document: Document, tokenizer: Tokenizer) -> str:
+    """The kind of samples `document` makes with `tokenizer`: LM text, chat (a record with turns or instructions
+    and a tokenizer with a chat template) or instruction data (the fixed prompt format)."""
+    if isinstance(document, str):
+        return LM
+    return CHAT if tokenizer.chat_template is not None else INSTRUCTION
+
+
+def as_kind(document: Document, kind: str) -> Document:
+    """`document` in the form samples of `kind` are made from: Alpaca records as conversations for chat; a
+    conversation of one user and one assistant turn as an instruction example for the fixed prompt format."""
+    if kind == CHAT and isinstance(document, InstructionExample):
+        return alpaca_conversation(document.instruction, document.input, document.output)
+    if kind == INSTRUCTION and isinstance(document, Conversation):
+        roles = [role for role, _ in document.turns]
+        if roles != ["user", "assistant"]:
+            raise UsageError(
+                f"a conversation with turns {roles} needs a chat template, and the tokenizer has none (the byte "
+                f"tokenizer's fixed prompt format holds one user and one assistant turn); pass --tokenizer DIR of a "
+                f"tokenizer with a chat template"
+            )
+        return InstructionExample(document.turns[0][1], "", document.turns[1][1])
+    return document
 
 
 def _chars(document: Document) -> int:
     if isinstance(document, InstructionExample):
         return len(document.instruction) + len(document.input) + len(document.output)
+    if isinstance(document, Conversation):
+        return document.chars
     return len(document)
 
 
@@ -191,11 +226,13 @@ def id_dtype(vocab_size: int) -> np.dtype:
 
 @dataclass(frozen=True)
 class SampleBlock:
-    """Consecutive samples in compact form: ids [n, seq_len] in the vocabulary's id dtype; for instruction data also
-    `lengths` [n, 2] int32, each sample's (prompt length, length); LM text has neither padding nor prompt."""
+    """Consecutive samples in compact form: ids [n, seq_len] in the vocabulary's id dtype; for instruction and chat
+    data also `lengths` [n, 2] int32, each sample's (prompt length, length), and for chat data `label_mask`
+    [n, seq_len] uint8, 1 on the tokens the loss covers; LM text has neither padding nor prompt."""
 
     ids: np.ndarray
     lengths: np.ndarray | None = None
+    label_mask: np.ndarray | None = None
 
     def __len__(self) -> int:
         return self.ids.shape[0]
@@ -207,7 +244,7 @@ class SampleBlock:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The trainer's tensors: input_ids int64, attention_mask bool (real tokens), labels int64 (-100 on prompt
-        and padding)."""
+        and padding, and outside the assistant mask of chat data)."""
         input_ids = torch.from_numpy(self.ids.astype(np.int64))
         if self.lengths is None:
             mask = torch.ones_like(input_ids, dtype=torch.bool)
@@ -215,18 +252,24 @@ class SampleBlock:
         positions = torch.arange(input_ids.shape[1])
         lengths = torch.from_numpy(self.lengths.astype(np.int64))
         mask = positions < lengths[:, 1:]
-        labels = torch.where(mask & (positions >= lengths[:, :1]), input_ids, IGNORE_INDEX)
+        supervised = mask & (positions >= lengths[:, :1])
+        if self.label_mask is not None:
+            supervised &= torch.from_numpy(self.label_mask.astype(bool))
+        labels = torch.where(supervised, input_ids, IGNORE_INDEX)
         return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
 
 
 @dataclass(frozen=True)
 class EncodedSplit:
     """One split's share of a chunk of documents, tokenised: LM text as one stream of ids (each document followed by
-    eos); instruction data as padded rows [kept, seq_len] with their (prompt length, length) [kept, 2]."""
+    eos); instruction and chat data as padded rows [kept, seq_len] with their (prompt length, length) [kept, 2], chat
+    data also with its assistant mask [kept, seq_len]."""
 
     ids: np.ndarray
     lengths: np.ndarray | None
     documents: int  # documents (or examples, dropped ones included) of the split in the chunk
+    label_mask: np.ndarray | None = None
+    truncated: int = 0  # conversations cut at a turn boundary to fit seq_len
 
     @property
     def tokens(self) -> int:
@@ -245,35 +288,39 @@ def encode_chunk(
 ) -> dict[str, EncodedSplit]:
     """The documents of each of `splits`, tokenised, in the dtype `id_dtype(tokenizer.vocab_size)`."""
     dtype = id_dtype(tokenizer.vocab_size)
+    kind = sample_kind(documents[0], tokenizer) if documents else LM
     chosen: dict[str, list] = {split: [] for split in splits}
-    for document in documents:
+    for document in (as_kind(document, kind) for document in documents):
         split = "eval" if in_eval_split(_split_key(document), eval_fraction) else "train"
         if split in chosen:
             chosen[split].append(document)
-    instruction = bool(documents) and is_instruction(documents[0])
     encoded = {}
     for split, members in chosen.items():
-        if instruction:
-            ids, lengths = _instruction_rows(members, tokenizer, seq_len, dtype)
+        if kind == CHAT:
+            encoded[split] = _chat_rows(members, tokenizer, seq_len, dtype)
+        elif kind == INSTRUCTION:
+            encoded[split] = EncodedSplit(*_instruction_rows(members, tokenizer, seq_len, dtype), len(members))
         else:
-            ids, lengths = _packed_stream(members, tokenizer, dtype), None
-        encoded[split] = EncodedSplit(ids, lengths, len(members))
+            encoded[split] = EncodedSplit(_packed_stream(members, tokenizer, dtype), None, len(members))
     return encoded
 
 
 def _packed_stream(documents: list[str], tokenizer: Tokenizer, dtype: np.dtype) -> np.ndarray:
-    """The documents' ids, each followed by eos, as one stream."""
+    """The documents' ids, each preceded by BOS (where the tokenizer adds one) and followed by eos, as one stream."""
     eos = np.array([tokenizer.eos_id], dtype=dtype)
-    pieces = [piece for ids in tokenizer.encode_batch(documents) for piece in (ids, eos)]
+    bos = np.array(tokenizer.bos_ids, dtype=dtype)
+    pieces = [piece for ids in tokenizer.encode_batch(documents) for piece in (bos, ids, eos)]
     return np.concatenate(pieces).astype(dtype, copy=False) if pieces else np.zeros(0, dtype)
 
 
 def _instruction_rows(
     examples: list[InstructionExample], tokenizer: Tokenizer, seq_len: int, dtype: np.dtype
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Prompt + response + eos per row, truncated to seq_len and right-padded; rows whose prompt fills seq_len are
-    left out. Returns (ids [kept, seq_len], (prompt length, length) [kept, 2])."""
-    prompts = tokenizer.encode_batch([format_prompt(example.instruction, example.input) for example in examples])
+    """BOS + prompt + response + eos per row, truncated to seq_len and right-padded; rows whose prompt fills seq_len
+    are left out. Returns (ids [kept, seq_len], (prompt length, length) [kept, 2])."""
+    bos = np.array(tokenizer.bos_ids, dtype=np.int64)
+    prompts = [np.concatenate([bos, prompt]) for prompt in
+               tokenizer.encode_batch([format_prompt(example.instruction, example.input) for example in examples])]
     outputs = tokenizer.encode_batch([example.output for example in examples])
     kept = [(prompt, output) for prompt, output in zip(prompts, outputs) if len(prompt) < seq_len]
     ids = np.full((len(kept), seq_len), tokenizer.pad_id, dtype=dtype)
@@ -285,14 +332,32 @@ def _instruction_rows(
     return ids, lengths
 
 
+def _chat_rows(conversations: list[Conversation], tokenizer: Tokenizer, seq_len: int, dtype: np.dtype) -> EncodedSplit:
+    """Each conversation rendered by the chat template as one right-padded row, cut after its last assistant turn
+    that ends within seq_len when it is longer (dropped when none does); prompt length 0, labels by the mask."""
+    rendered = [(chat, chat.fitted(seq_len)) for chat in render_conversations(tokenizer, conversations)]
+    kept = [(chat, length) for chat, length in rendered if length is not None]
+    ids = np.full((len(kept), seq_len), tokenizer.pad_id, dtype=dtype)
+    lengths = np.zeros((len(kept), 2), dtype=np.int32)
+    label_mask = np.zeros((len(kept), seq_len), dtype=np.uint8)
+    for row, (chat, length) in enumerate(kept):
+        ids[row, :length] = chat.ids[:length]
+        label_mask[row, :length] = chat.mask[:length]
+        lengths[row] = 0, length
+    truncated = sum(length < len(chat.ids) for chat, length in kept)
+    return EncodedSplit(ids, lengths, len(conversations), label_mask, truncated)
+
+
 class SamplePacker:
     """Cuts one split's encoded chunks, added in corpus order, into samples handed out in blocks of `block_samples`:
-    LM streams packed across chunk ends, instruction rows as they are. Counts what it saw, for `check`."""
+    LM streams packed across chunk ends, instruction and chat rows as they are. Counts what it saw, for `check`."""
 
-    def __init__(self, seq_len: int, instruction: bool, block_samples: int) -> None:
-        self.seq_len, self.instruction, self.block_samples = seq_len, instruction, block_samples
+    def __init__(self, seq_len: int, kind: str, block_samples: int) -> None:
+        self.seq_len, self.kind, self.block_samples = seq_len, kind, block_samples
+        self.instruction = kind != LM  # rows of padded samples
         self.documents = 0  # documents (examples) added
         self.units = 0  # tokens of the LM stream, or rows of instruction data, added
+        self.truncated = 0  # conversations cut at a turn boundary
         self.samples = 0  # samples handed out
         self._pending: list[EncodedSplit] = []
 
@@ -304,6 +369,7 @@ class SamplePacker:
         """The blocks completed by `part`."""
         self.documents += part.documents
         self.units += len(part.ids)
+        self.truncated += part.truncated
         self._pending.append(part)
         return self._blocks(final=False)
 
@@ -320,12 +386,15 @@ class SamplePacker:
             return []
         ids = np.concatenate([part.ids for part in self._pending])
         lengths = np.concatenate([part.lengths for part in self._pending]) if self.instruction else None
+        masks = np.concatenate([part.label_mask for part in self._pending]) if self.kind == CHAT else None
         blocks = []
         for start in range(0, usable, block_units):
             stop = min(start + block_units, usable)
             rows = None if lengths is None else lengths[start:stop]
-            blocks.append(SampleBlock(ids[start:stop].reshape(-1, self.seq_len), rows))
-        self._pending = [EncodedSplit(ids[usable:].copy(), None if lengths is None else lengths[usable:].copy(), 0)]
+            label_mask = None if masks is None else masks[start:stop]
+            blocks.append(SampleBlock(ids[start:stop].reshape(-1, self.seq_len), rows, label_mask))
+        self._pending = [EncodedSplit(ids[usable:].copy(), None if lengths is None else lengths[usable:].copy(), 0,
+                                      None if masks is None else masks[usable:].copy())]
         self.samples += sum(len(block) for block in blocks)
         return blocks
 
@@ -340,6 +409,8 @@ class SamplePacker:
                 f"seq_len={self.seq_len}"
             )
         dropped = self.documents - self.units
+        if self.kind == CHAT:
+            return self._chat_report(where, dropped)
         if dropped:
             logger.warning(
                 "%s: dropped %d of %d instruction examples whose prompt fills all seq_len=%d tokens (no response "
@@ -352,8 +423,22 @@ class SamplePacker:
             f"prompt fills seq_len={self.seq_len})"
         )
 
+    def _chat_report(self, where: str, dropped: int) -> str | None:
+        if dropped or self.truncated:
+            logger.warning("%s: %s", where, chat_fit_line(self.documents, self.truncated, dropped, self.seq_len))
+        if self.samples:
+            return None
+        return (f"{where}: no conversation left ({self.documents} in this split, {dropped} dropped: none has an "
+                f"assistant turn ending within seq_len={self.seq_len})")
+
     def check(self, where: str) -> None:
         """Raise a one-line UsageError if the split has no samples (see `report`)."""
         problem = self.report(where)
         if problem:
             raise UsageError(problem)
+
+
+def chat_fit_line(conversations: int, truncated: int, dropped: int, seq_len: int) -> str:
+    """What the seq_len rule did to a split's conversations, in words."""
+    return (f"{conversations} conversations: {truncated} cut after their last assistant turn ending within "
+            f"seq_len={seq_len}, {dropped} dropped (no assistant turn ends within it)")

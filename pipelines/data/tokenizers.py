@@ -1,4 +1,9 @@
-"""Tokenizers: the built-in byte-level one (no files) and a local Hugging Face tokenizer directory."""
+"""Tokenizers: the built-in byte-level one (no files) and a local Hugging Face tokenizer directory.
+
+Special tokens are the tokenizer's own: `bos_ids` are what it puts before a text (`add_special_tokens=True`
+semantics: Llama's and Mistral's BOS, nothing for GPT-2 or Qwen2), its eos ends each document and its pad token
+pads (eos where it has none). Its chat template (or the one of `--chat-template FILE`) renders conversations
+(`pipelines.data.chat`)."""
 
 from __future__ import annotations
 
@@ -21,6 +26,9 @@ class Tokenizer(Protocol):
     vocab_size: int
     pad_id: int
     eos_id: int
+    bos_ids: tuple[int, ...]  # the special tokens put before each text (empty when the tokenizer adds none)
+    chat_template: str | None  # the Jinja chat template conversations are rendered with; None: no template
+    chat_template_file: str | None  # the --chat-template file that overrides the tokenizer's own, if any
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without any special tokens."""
@@ -55,6 +63,9 @@ class ByteTokenizer:
     vocab_size = BYTE_VOCAB_SIZE
     pad_id = BYTE_PAD_ID
     eos_id = BYTE_EOS_ID
+    bos_ids: tuple[int, ...] = ()
+    chat_template = None
+    chat_template_file = None
 
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0].tolist()
@@ -98,9 +109,10 @@ def _byte_level_chars() -> list[str]:
 
 
 class HFTokenizer:
-    """A Hugging Face tokenizer loaded from a local directory; encodes without special tokens (no BOS)."""
+    """A Hugging Face tokenizer loaded from a local directory; `encode` gives a text's ids without special tokens,
+    and `bos_ids` the ones the tokenizer puts before a text. `chat_template_file` replaces its chat template."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, chat_template_file: str | None = None) -> None:
         from transformers import AutoTokenizer
 
         try:
@@ -116,6 +128,17 @@ class HFTokenizer:
         self.vocab_size = len(self._tok)
         self.eos_id = int(self._tok.eos_token_id)
         self.pad_id = int(self._tok.pad_token_id) if self._tok.pad_token_id is not None else self.eos_id
+        self.bos_ids = _bos_ids(self._tok)
+        self.chat_template_file = chat_template_file
+        if chat_template_file is not None:
+            self._tok.chat_template = read_chat_template(chat_template_file)
+        template = getattr(self._tok, "chat_template", None)
+        self.chat_template = template if isinstance(template, str) and template.strip() else None
+
+    @property
+    def backend(self):
+        """The transformers tokenizer itself (chat templates are rendered with it)."""
+        return self._tok
 
     def _tokenizer_files(self, directory: Path) -> list[Path]:
         """The files in `directory` that define the tokenizer (transformers builds an empty one without them)."""
@@ -164,15 +187,46 @@ class HFTokenizer:
                 "vocab_size": self.vocab_size,
                 "pad": self.pad_id,
                 "eos": self.eos_id,
-                "add_special_tokens": False,
+                "bos_ids": list(self.bos_ids),
+                "chat_template": self.chat_template,
             }
         )
 
 
-def load_tokenizer(spec: str = "byte") -> Tokenizer:
-    """`byte` for the built-in byte-level tokenizer, or a local directory holding a Hugging Face tokenizer."""
+def _bos_ids(tok) -> tuple[int, ...]:
+    """The special tokens `tok` puts before a text when asked to add special tokens (BOS), found by encoding a
+    probe both ways."""
+    plain = tok.encode("a", add_special_tokens=False, verbose=False)
+    full = tok.encode("a", add_special_tokens=True, verbose=False)
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return tuple(int(i) for i in full[:start])
+    return ()
+
+
+def read_chat_template(path: str) -> str:
+    """The Jinja chat template in file `path` (a .jinja file, or a JSON file with a `chat_template` field)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsageError(f"--chat-template {path}: cannot read it ({type(error).__name__})") from None
+    if path.endswith(".json"):
+        try:
+            text = json.loads(text)["chat_template"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise UsageError(f"--chat-template {path}: expected a JSON object with a 'chat_template' string") from None
+    if not isinstance(text, str) or not text.strip():
+        raise UsageError(f"--chat-template {path}: the template is empty")
+    return text
+
+
+def load_tokenizer(spec: str = "byte", chat_template_file: str | None = None) -> Tokenizer:
+    """`byte` for the built-in byte-level tokenizer, or a local directory holding a Hugging Face tokenizer (its chat
+    template replaced by the one in `chat_template_file`, if given)."""
     if spec == "byte":
+        if chat_template_file is not None:
+            raise UsageError("--chat-template needs a Hugging Face tokenizer (--tokenizer DIR), not the byte tokenizer")
         return ByteTokenizer()
     if not Path(spec).is_dir():
         raise UsageError(f"tokenizer '{spec}' is neither 'byte' nor an existing local directory")
-    return HFTokenizer(spec)
+    return HFTokenizer(spec, chat_template_file)

@@ -21,7 +21,8 @@ from preinfer.batch_source import VisitSources
 from preinfer.config import Config
 from preinfer.precision import apply_precision, describe, weights_dtype
 from preinfer.run_dir import RunDir
-from pipelines.data.tokenizers import Tokenizer, load_tokenizer
+from pipelines.data.tokenizer_choice import model_tokenizer
+from pipelines.data.tokenizers import Tokenizer
 from pipelines.training.distributed import init_distributed
 from pipelines.training.fit import train
 from pipelines.training.layout import OneProcess
@@ -77,7 +78,9 @@ def sources(config: Config, layout: OneProcess | PipelineLayout, staged: preinfe
     """What each visit reads, and the tokenizer the export is saved with: a cache's stores, or the token store's
     splits (with pre-inference, as the layout runs it)."""
     if store is not None:
-        return store.sources(config, layout.replica, layout.replicas), load_tokenizer(config.model.tokenizer)
+        m = config.model
+        tokenizer = model_tokenizer(m.tokenizer, m.name, m.chat_template).tokenizer
+        return store.sources(config, layout.replica, layout.replicas), tokenizer
     data = load_datasets(config, quiet)
     shard = samples_per_shard(config, staged)
     live = live_sources(data, config, shard, layout.replica, layout.replicas)

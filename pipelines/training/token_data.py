@@ -14,7 +14,8 @@ from pipelines.cache import default_samples_per_shard
 from pipelines.data import batches
 from pipelines.data.token_store import TokenStoreDataset
 from pipelines.data.token_store.resolve import eval_samples, token_splits
-from pipelines.data.tokenizers import Tokenizer, load_tokenizer
+from pipelines.data.tokenizer_choice import announce, model_tokenizer
+from pipelines.data.tokenizers import Tokenizer
 
 
 @dataclass
@@ -27,8 +28,8 @@ class Datasets:
 def load_datasets(config: Config, quiet: bool = False) -> Datasets:
     """The run's splits, read lazily from the token store of --data (built first if need be: by rank 0 alone
     while the other ranks wait). --max-samples takes each split's first samples, --eval-tokens caps eval."""
-    tokenizer = load_tokenizer(config.model.tokenizer)
-    d = config.data
+    choice = model_tokenizer(config.model.tokenizer, config.model.name, config.model.chat_template)
+    tokenizer, d = choice.tokenizer, config.data
 
     first = not dist.is_initialized() or dist.get_rank() == 0
     if not first:
@@ -37,6 +38,7 @@ def load_datasets(config: Config, quiet: bool = False) -> Datasets:
                          progress=not quiet)
     if first and dist.is_initialized():
         dist.barrier()
+    announce(choice, found, quiet or not first)
     train, evaluation = found["train"], found["eval"]
     if d.max_samples:
         train, evaluation = train.head(d.max_samples), evaluation.head(d.max_samples)

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipelines.cli import main
+from pipelines.data.tokenizers import ByteTokenizer
 from preinfer.config import Config
 from preinfer.metrics import CacheRecord, read_metrics
 from preinfer.run_dir import RunDir
@@ -71,6 +72,7 @@ def cache_and_model(tmp_path: Path, corpus: str, boundary: int = 2) -> tuple[str
 
     model_dir = tmp_path / "model"
     build_preset("tiny-llama", seed=3).save_pretrained(model_dir)
+    ByteTokenizer().save(model_dir)  # its own tokenizer, which --tokenizer auto takes
     store = tmp_path / "cache"
     code = main(["cache", "--model", str(model_dir), "--data", corpus, "--boundary", str(boundary),
                  "--out", str(store), "--seq-len", "32", "--samples-per-shard", "8", "--eval-fraction", "0.2"])

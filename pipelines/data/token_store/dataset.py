@@ -118,8 +118,8 @@ class TokenStoreDataset:
         per_shard = self.store.samples_per_shard
         shard_of = positions // per_shard
         ids = np.empty((len(positions), self.seq_len), dtype=self._dtype)
-        instruction = self.info.kind == "instruction"
-        lengths = np.empty((len(positions), 2), dtype=np.int32) if instruction else None
+        lengths = np.empty((len(positions), 2), dtype=np.int32) if self.info.kind != "lm" else None
+        label_mask = np.empty((len(positions), self.seq_len), np.uint8) if self.info.kind == "chat" else None
         for shard in np.unique(shard_of).tolist():
             rows = np.flatnonzero(shard_of == shard)
             stored = self._shard(shard)
@@ -127,7 +127,9 @@ class TokenStoreDataset:
             ids[rows] = stored.ids[within]
             if lengths is not None:
                 lengths[rows] = stored.lengths[within]
-        return SampleBlock(ids, lengths)
+            if label_mask is not None:
+                label_mask[rows] = stored.label_mask[within]
+        return SampleBlock(ids, lengths, label_mask)
 
     def _shard(self, shard: int) -> SampleBlock:
         """Shard `shard` decoded to compact form, from the few kept or read now."""
@@ -136,8 +138,8 @@ class TokenStoreDataset:
             return self._shards[shard]
         tensors = self.store.read_shard(shard)
         ids = tensors["ids"].numpy()
-        lengths = tensors["lengths"].numpy() if "lengths" in tensors else None
-        self._shards[shard] = SampleBlock(ids, lengths)
+        lengths, label_mask = (tensors[name].numpy() if name in tensors else None for name in ("lengths", "label_mask"))
+        self._shards[shard] = SampleBlock(ids, lengths, label_mask)
         while len(self._shards) > self._cached_shards:
             self._shards.popitem(last=False)
         return self._shards[shard]

@@ -40,7 +40,7 @@ from pipelines.data.token_store.staging import Staging
 from pipelines.data.corpus import Document, corpus_fingerprint, iter_documents
 from pipelines.data.samples import (
     CHUNK_CHARS, SPLITS, SampleBlock, SamplePacker, check_arguments, document_chunks, encode_chunk, id_dtype,
-    is_instruction,
+    sample_kind,
 )
 from preinfer.errors import UsageError
 from pipelines.data.tokenizers import Tokenizer, load_tokenizer
@@ -55,6 +55,7 @@ class TokenizeOptions:
 
     data: str = "builtin:pydoc"
     tokenizer: str = "byte"
+    chat_template: str | None = None  # a file whose chat template replaces the tokenizer's own
     seq_len: int = 128
     eval_fraction: float = 0.1
     out: str = "tokens"
@@ -123,7 +124,7 @@ def tokenize_corpus(options: TokenizeOptions) -> TokenizeResult:
     """Build (or resume, or find complete) the token store of `options` at `options.out`."""
     started = time.perf_counter()
     options.check()
-    tokenizer = load_tokenizer(options.tokenizer)
+    tokenizer = load_tokenizer(options.tokenizer, options.chat_template)
     fingerprint = token_fingerprint(
         options.data, tokenizer, options.seq_len, options.eval_fraction, options.text_column
     )
@@ -254,7 +255,7 @@ def _encode(options: TokenizeOptions, staging: Staging, tokenizer: Tokenizer) ->
     kind, count = None, 0
     try:
         for index, chunk in enumerate(chunks):
-            kind = kind or ("instruction" if is_instruction(chunk[0]) else "lm")
+            kind = kind or sample_kind(chunk[0], tokenizer)
             count = index + 1
             if not staging.is_staged(index):
                 encoder.submit(index, chunk)
@@ -282,7 +283,8 @@ _WORKER: dict[str, Any] = {}
 def _start_worker(options: TokenizeOptions) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker: no thread pool of its own
     _WORKER.update(
-        options=options, tokenizer=load_tokenizer(options.tokenizer), staging=Staging(Path(options.out) / STAGING)
+        options=options, tokenizer=load_tokenizer(options.tokenizer, options.chat_template),
+        staging=Staging(Path(options.out) / STAGING),
     )
 
 
@@ -350,7 +352,7 @@ class _Packing:
 
     def _samples(self, counts: list[dict[str, int]]) -> int:
         units = sum(count["units"] for count in counts)
-        return units if self.kind == "instruction" else units // self.options.seq_len
+        return units if self.kind != "lm" else units // self.options.seq_len
 
     def has_samples(self) -> bool:
         """Whether any split will have samples."""
@@ -368,7 +370,7 @@ class _Packing:
             fields = store_fields(self.kind, self.options.seq_len, self.dtype)
             store = storage.create_store(path, fields, samples, self.per_shard, self.fingerprint, codec=CODEC)
         done = set(store.completed_shards()) if store is not None else set()
-        packer = SamplePacker(self.options.seq_len, self.kind == "instruction", self.per_shard)
+        packer = SamplePacker(self.options.seq_len, self.kind, self.per_shard)
         tokens = 0
         for shard, block in enumerate(self._blocks(packer, split, counts)):
             tokens += block.tokens
@@ -378,11 +380,11 @@ class _Packing:
         problem = packer.report(f"{self.options.data} ({split})")
         if store is not None:
             store.finalize()
-        return SplitInfo(packer.samples, tokens, packer.documents, problem)
+        return SplitInfo(packer.samples, tokens, packer.documents, problem, packer.truncated)
 
     def _blocks(self, packer: SamplePacker, split: str, counts: list[dict[str, int]]) -> Iterable[SampleBlock]:
         for index, count in enumerate(counts):
-            yield from packer.add(self.staging.read_split(index, split, count["documents"]))
+            yield from packer.add(self.staging.read_split(index, split, count))
         yield from packer.finish()
 
 
@@ -390,4 +392,6 @@ def _shard_tensors(block: SampleBlock) -> dict[str, torch.Tensor]:
     tensors = {"ids": torch.from_numpy(np.ascontiguousarray(block.ids))}
     if block.lengths is not None:
         tensors["lengths"] = torch.from_numpy(np.ascontiguousarray(block.lengths, dtype=np.int32))
+    if block.label_mask is not None:
+        tensors["label_mask"] = torch.from_numpy(np.ascontiguousarray(block.label_mask, dtype=np.uint8))
     return tensors

@@ -7,8 +7,9 @@
 Fields of a split's store, per sample:
 - `ids`: the sample's token ids [seq_len] in the smallest dtype of the vocabulary (uint8, uint16 or int32, see
   `pipelines.data.samples.id_dtype`).
-- `lengths` (instruction data only): [prompt length, length] int32. Labels are the ids on [prompt length, length)
-  and -100 elsewhere; the mask is true on [0, length).
+- `lengths` (instruction and chat data): [prompt length, length] int32. Labels are the ids on [prompt length,
+  length) and -100 elsewhere; the mask is true on [0, length).
+- `label_mask` (chat data only): [seq_len] uint8, the assistant mask: labels are further -100 where it is 0.
 LM text stores ids only: its mask is all true and its labels equal its ids.
 """
 
@@ -30,7 +31,7 @@ STAGING = "staging"
 FORMAT = "preinfer-token-store"
 FORMAT_VERSION = 2  # 1 packed the ids' bytes into int32 words
 SHARD_BYTES = 4 << 20  # stored `ids` bytes per shard by default (the unit of writing, resuming and reading)
-KINDS = ("lm", "instruction")
+KINDS = ("lm", "instruction", "chat")
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class SplitInfo:
     tokens: int  # real (unpadded) tokens in its samples
     documents: int  # documents (or instruction examples, dropped ones included)
     problem: str | None = None
+    truncated: int = 0  # conversations cut at a turn boundary to fit seq_len
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,7 @@ class TokenStoreInfo:
     """The description of a complete token store (`token-store.json`)."""
 
     fingerprint: dict[str, Any]  # {"digest": sha256 hex, "parts": readable parts}
-    kind: str  # "lm" or "instruction"
+    kind: str  # "lm", "instruction" or "chat"
     seq_len: int
     id_dtype: str
     vocab_size: int
@@ -75,8 +77,10 @@ class TokenStoreInfo:
 def store_fields(kind: str, seq_len: int, dtype: np.dtype) -> dict[str, tuple[tuple[int, ...], str]]:
     """The fields of a split's store."""
     fields = {"ids": ((seq_len,), dtype.name)}
-    if kind == "instruction":
+    if kind != "lm":
         fields["lengths"] = ((2,), "int32")
+    if kind == "chat":
+        fields["label_mask"] = ((seq_len,), "uint8")
     return fields
 
 

@@ -39,7 +39,8 @@ def token_store_path(data: str, tokenizer: Tokenizer, seq_len: int, eval_fractio
     fingerprint = token_fingerprint(data, tokenizer, seq_len, eval_fraction)
     path = cache_path(root or default_token_root(), fingerprint)
     if read_info(path) is None:
-        tokenize_corpus(TokenizeOptions(data=data, tokenizer=tokenizer.name, seq_len=seq_len,
+        tokenize_corpus(TokenizeOptions(data=data, tokenizer=tokenizer.name, chat_template=tokenizer.chat_template_file,
+                                        seq_len=seq_len,
                                         eval_fraction=eval_fraction, out=str(path),
                                         progress=progress and sys.stderr.isatty()))
     return path

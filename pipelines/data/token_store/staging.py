@@ -69,6 +69,8 @@ class Staging:
             arrays[f"{split}.ids"] = part.ids
             if part.lengths is not None:
                 arrays[f"{split}.lengths"] = part.lengths
+            if part.label_mask is not None:
+                arrays[f"{split}.label_mask"] = part.label_mask
         target = self._chunk(index, ".npz")
         temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
         with temporary.open("wb") as stream:
@@ -76,21 +78,25 @@ class Staging:
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(temporary, target)
-        counts = {split: {"units": len(part.ids), "documents": part.documents} for split, part in encoded.items()}
+        counts = {split: {"units": len(part.ids), "documents": part.documents, "truncated": part.truncated}
+                  for split, part in encoded.items()}
         write_json(self._chunk(index, ".json"), counts)
 
     def counts(self, index: int) -> dict[str, dict[str, int]]:
-        """{split: {"units": tokens of the LM stream or instruction rows, "documents": n}} of staged chunk `index`."""
+        """{split: {"units": tokens of the LM stream or padded rows, "documents": n, "truncated": conversations cut}}
+        of staged chunk `index`."""
         counts = read_json(self._chunk(index, ".json"))
         if counts is None or set(counts) != set(SPLITS):
             raise StagingError(f"chunk {index} is not staged in {self.root}")
         return counts
 
-    def read_split(self, index: int, split: str, documents: int) -> EncodedSplit:
-        """The encoded part of `split` in staged chunk `index`."""
+    def read_split(self, index: int, split: str, count: dict[str, int]) -> EncodedSplit:
+        """The encoded part of `split` in staged chunk `index`, whose counts (`counts(index)[split]`) are `count`."""
         with np.load(self._chunk(index, ".npz"), allow_pickle=False) as arrays:
-            lengths = arrays[f"{split}.lengths"] if f"{split}.lengths" in arrays.files else None
-            return EncodedSplit(arrays[f"{split}.ids"], lengths, documents)
+            lengths, label_mask = (arrays[f"{split}.{name}"] if f"{split}.{name}" in arrays.files else None
+                                   for name in ("lengths", "label_mask"))
+            return EncodedSplit(arrays[f"{split}.ids"], lengths, count["documents"], label_mask,
+                                count.get("truncated", 0))
 
     def encoded(self) -> dict[str, Any] | None:
         """{"chunks": n, "kind": ...} once every chunk is staged, else None."""

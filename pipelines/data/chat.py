@@ -1,0 +1,116 @@
+"""Conversations rendered by a tokenizer's chat template, with their assistant mask: the tokens the loss covers.
+
+The mask covers every assistant turn's tokens, its end-of-turn token included (`<|im_end|>`, `<|eot_id|>`), and
+nothing else: not the system and user turns, not the header that opens an assistant turn, not the separator after
+its end-of-turn token. A template that marks assistant turns with `{% generation %}` gets transformers' own mask
+(`return_assistant_tokens_mask`). Any other template is rendered turn by turn: assistant turn i spans the
+characters from the end of turns [0, i) rendered with the generation prompt to the end of turns [0, i]
+rendered, trailing whitespace left out; the tokens overlapping those characters are masked (transformers' rule
+for its own spans). Such a template must render each conversation as the prefix of its continuations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipelines.data.conversations import Conversation
+from pipelines.data.tokenizers import Tokenizer
+from preinfer.errors import UsageError
+
+GENERATION_TAG = "{% generation %}"
+
+
+@dataclass(frozen=True)
+class ChatTokens:
+    """One rendered conversation: its ids, its assistant mask and where each assistant turn ends."""
+
+    ids: np.ndarray  # int64 [n]
+    mask: np.ndarray  # uint8 [n], 1 on the tokens the loss covers
+    ends: tuple[int, ...]  # the token index just past each assistant turn (its end-of-turn token included)
+
+    def fitted(self, seq_len: int) -> int | None:
+        """How many leading tokens to keep within `seq_len`: all of them when they fit, else up to the end of the
+        last assistant turn that ends within `seq_len`; None (drop it) when no assistant turn does."""
+        if len(self.ids) <= seq_len and self.ends:
+            return len(self.ids)
+        return max((end for end in self.ends if end <= seq_len), default=None)
+
+
+def render_conversations(tokenizer: Tokenizer, conversations: Sequence[Conversation]) -> list[ChatTokens]:
+    """Each conversation rendered by `tokenizer`'s chat template, with its assistant mask (see the module)."""
+    if tokenizer.chat_template is None:
+        raise UsageError(f"tokenizer {tokenizer.name!r} has no chat template; pass --chat-template FILE")
+    backend = tokenizer.backend
+    if GENERATION_TAG in tokenizer.chat_template:
+        return [_marked(backend, tokenizer.chat_template, conversation) for conversation in conversations]
+    texts, spans = zip(*(assistant_spans(backend, tokenizer.chat_template, c) for c in conversations))
+    encoded = _offsets(backend, list(texts))
+    return [_masked(ids, offsets, turn_spans) for (ids, offsets), turn_spans in zip(encoded, spans)]
+
+
+def _render(backend, template: str, messages: list[dict[str, str]], generation_prompt: bool = False) -> str:
+    """The template's text of `messages`; a template that fails is refused in one line."""
+    from jinja2 import TemplateError
+
+    try:
+        return backend.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                           add_generation_prompt=generation_prompt)
+    except TemplateError as error:
+        raise UsageError(f"the chat template cannot render a conversation ({type(error).__name__}: "
+                         f"{str(error).splitlines()[0] if str(error) else 'no details'})") from None
+
+
+def assistant_spans(backend, template: str, conversation: Conversation) -> tuple[str, list[tuple[int, int]]]:
+    """(the rendered conversation, the character span [start, end) of each assistant turn), found turn by turn."""
+    messages = conversation.messages()
+    text = _render(backend, template, messages)
+    spans = []
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = _render(backend, template, messages[:index], generation_prompt=True)
+        through = _render(backend, template, messages[: index + 1])
+        if not (through.startswith(before) and text.startswith(through)):
+            raise UsageError(
+                "the chat template does not render a conversation as the beginning of its continuations, so its "
+                "assistant turns cannot be found; mark them with {% generation %} ... {% endgeneration %} "
+                "(--chat-template FILE)"
+            )
+        end = len(through.rstrip())
+        if end > len(before):
+            spans.append((len(before), end))
+    return text, spans
+
+
+def _offsets(backend, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    """(ids, character offsets) of each text, special tokens only where the text holds them."""
+    try:
+        batch = backend(texts, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+    except NotImplementedError:
+        raise UsageError("chat data needs a fast tokenizer (one with tokenizer.json) to find assistant tokens"
+                         ) from None
+    return list(zip(batch["input_ids"], batch["offset_mapping"]))
+
+
+def _masked(ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> ChatTokens:
+    """The tokens overlapping each span masked (transformers' rule for `return_assistant_tokens_mask`)."""
+    mask = np.zeros(len(ids), dtype=np.uint8)
+    ends = []
+    for start, end in spans:
+        hit = [token for token, (first, last) in enumerate(offsets) if first < end and last > start]
+        if hit:
+            mask[hit[0] : hit[-1] + 1] = 1
+            ends.append(hit[-1] + 1)
+    return ChatTokens(np.asarray(ids, dtype=np.int64), mask, tuple(ends))
+
+
+def _marked(backend, template: str, conversation: Conversation) -> ChatTokens:
+    """A conversation whose template marks the assistant turns: transformers' own mask."""
+    out = backend.apply_chat_template(conversation.messages(), chat_template=template, tokenize=True,
+                                      return_dict=True, return_assistant_tokens_mask=True)
+    mask = np.asarray(out["assistant_masks"], dtype=np.uint8)
+    ends = tuple(int(i) + 1 for i in np.flatnonzero(np.diff(np.append(mask, 0).astype(np.int8)) == -1))
+    return ChatTokens(np.asarray(out["input_ids"], dtype=np.int64), mask, ends)
