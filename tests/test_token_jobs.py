@@ -15,7 +15,6 @@ from pipelines.cli import main
 from pipelines.data.batches import TOKEN_FIELDS, ReaderBatches, TokenShards
 from pipelines.data.token_store import TokenizeOptions, TokenStoreDataset, tokenize_corpus
 from pipelines.data.token_store.resolve import default_token_root
-from pipelines import training
 from pipelines.training import load_datasets
 from preinfer.config import Config, load_config
 from pipelines.data.samples import TokenDataset, load_data
