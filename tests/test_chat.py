@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, pipeline
 
-from chat_templates import CHATML, SPECIALS, TEMPLATES, save_tokenizer
-from cli_run import run_cli
+from tests.helpers.chat_templates import CHATML, SPECIALS, TEMPLATES, save_tokenizer
+from tests.helpers.cli_run import run_cli
 from pipelines.data.chat import render_conversations
 from pipelines.data.conversations import Conversation
 from pipelines.data.samples import IGNORE_INDEX, encode_chunk, load_data

@@ -7,7 +7,7 @@ import datasets  # the hf extra, which the test extra includes
 import pytest
 import torch
 
-from chat_templates import CHATML, save_tokenizer
+from tests.helpers.chat_templates import CHATML, save_tokenizer
 from pipelines.data.corpus import read_documents
 from pipelines.data.samples import load_data
 from pipelines.data.tokenizers import load_tokenizer
