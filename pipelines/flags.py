@@ -12,7 +12,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from preinfer.config import DEFAULT_LR, DEFAULT_WEIGHT_DECAY, LR_DECAYS, BlockConfig, Config, DataConfig, load_config
+from preinfer.config import (
+    ATTENTIONS, DEFAULT_LR, DEFAULT_WEIGHT_DECAY, LR_DECAYS, BlockConfig, Config, DataConfig, load_config,
+)
 from preinfer.errors import UsageError
 from preinfer.memory.settings import DTYPES, GPUS, USABLE_FRACTION, Settings
 from preinfer.memory.traffic import COMPRESSION, STORE_DTYPES
@@ -88,6 +90,10 @@ TRAINING_FLAGS: list[Flag] = [
     Flag("--model", "model", "name", "a preset (tiny-gpt2, tiny-llama, small-llama, medium-llama, tiny-moe), a "
                                      "save_pretrained directory, or a run directory (its current weights)"),
     Flag("--tokenizer", "model", "tokenizer", "'byte' (built-in) or a local HF tokenizer directory"),
+    Flag("--attention", "model", "attention",
+         "attention implementation: sdpa (PyTorch's scaled_dot_product_attention; on CUDA its flash and "
+         "memory-efficient kernels, which keep no [T, T] attention probabilities for backward) or eager; the "
+         "planner prices each, and a store records the one it was made with", dict(choices=list(ATTENTIONS))),
     Flag("--data", "data", "path", f"a corpus: {CORPUS}; or a token store written by preinfer tokenize"),
     Flag("--token-store", "data", "token_store", "where a corpus is tokenised once (one directory per corpus, "
                                                  "tokenizer and settings) and read lazily by every job",

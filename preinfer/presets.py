@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrainedConfig, Qwen2MoeConfig
 
+from preinfer.config import DEFAULT_ATTENTION, check_attention
 from preinfer.errors import UsageError
 
 # Vocabulary of the built-in byte-level tokenizer: 256 byte values, then <pad> and <eos>.
@@ -56,8 +57,8 @@ PRESETS: dict[str, tuple[type[PreTrainedConfig], dict]] = {
 }
 
 
-def preset_config(name: str) -> PreTrainedConfig:
-    """The Hugging Face config of a preset, in float32 with eager attention."""
+def preset_config(name: str, attention: str = DEFAULT_ATTENTION) -> PreTrainedConfig:
+    """The Hugging Face config of a preset, in float32 with the `attention` implementation."""
     if name not in PRESETS:
         raise UsageError(f"unknown model preset '{name}'; presets are {', '.join(PRESETS)} (or give a local directory)")
     cls, kwargs = PRESETS[name]
@@ -65,25 +66,26 @@ def preset_config(name: str) -> PreTrainedConfig:
         **kwargs, tie_word_embeddings=cls is GPT2Config,
         bos_token_id=BYTE_EOS_ID, eos_token_id=BYTE_EOS_ID, pad_token_id=BYTE_PAD_ID,
     )
-    config._attn_implementation = "eager"
+    config._attn_implementation = check_attention(attention)
     return config
 
 
-def build_preset(name: str, seed: int = 0) -> torch.nn.Module:
-    """A preset model, randomly initialised from `seed` (the same seed gives the same weights)."""
-    config = preset_config(name)
+def build_preset(name: str, seed: int = 0, attention: str = DEFAULT_ATTENTION) -> torch.nn.Module:
+    """A preset model, randomly initialised from `seed` (the same seed gives the same weights; the attention
+    implementation does not change them)."""
+    config = preset_config(name, attention)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)
     return model.float()
 
 
-def load_model(spec: str, seed: int = 0) -> torch.nn.Module:
+def load_model(spec: str, seed: int = 0, attention: str = DEFAULT_ATTENTION) -> torch.nn.Module:
     """A model from a preset name (float32) or a local directory written by `save_pretrained`, in the dtype its
-    weights were saved in (never the network)."""
+    weights were saved in (never the network), running the `attention` implementation."""
     path = Path(spec)
     if spec in PRESETS:
-        return build_preset(spec, seed)
+        return build_preset(spec, seed, attention)
     if not path.exists():
         raise UsageError(
             f"--model '{spec}' is neither a preset ({', '.join(PRESETS)}) nor an existing local directory"
@@ -91,8 +93,8 @@ def load_model(spec: str, seed: int = 0) -> torch.nn.Module:
     if not (path / "config.json").is_file():
         raise UsageError(f"--model directory '{spec}' has no config.json (expected a save_pretrained directory)")
     try:
-        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, attn_implementation="eager",
-                                                    dtype="auto")
+        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype="auto",
+                                                    attn_implementation=check_attention(attention))
     except (OSError, ValueError) as err:
         raise UsageError(f"cannot load the model in '{spec}': {err}") from err
 
