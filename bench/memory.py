@@ -17,10 +17,15 @@ each row is given as a ratio to full Adam without and with it.
     python bench/memory.py                 # small-llama and medium-llama at 256x8 and 128x1 (4.5 min of CPU)
     python bench/memory.py --quick         # tiny-llama, seq 32, batch 2, one step per visit (seconds)
     python bench/memory.py --precision bf16-mixed --regimes 128x1    # bf16 weights, fp32 masters of the block
+    python bench/memory.py --attention eager,sdpa --regimes 512x1,1024x1,2048x1 --ufps 1/3 --store-ufps '' \
+        --recomputed ''                    # both attention implementations, and their saved-activation ratio
 
 "--precision bf16-mixed": every weight resident in bf16; the active block (under full Adam: every parameter) has
 fp32 masters, fp32 gradients and fp32 Adam moments; stores hold bf16 states; the planner's rows are its
 `bf16-mixed` dtype.
+
+"--attention eager,sdpa": every configuration with each attention implementation (the model's and the planner's);
+`attention_ratios` gives, per model, regime and configuration, the saved-activation bytes of eager over sdpa.
 """
 
 from __future__ import annotations
@@ -80,7 +85,7 @@ def rss_now() -> int:
 def worker_config(args: argparse.Namespace, mode: str, ufp: str | None, recompute: bool) -> Config:
     """The training config of one memory run: Adam, a few steps per visit, one sweep, one eval batch."""
     return load_config(overrides=dict(
-        model=dict(name=args.model),
+        model=dict(name=args.model, attention=args.attention),
         data=dict(seq_len=args.seq_len, batch_size=args.batch_size, eval_tokens=args.seq_len * args.batch_size),
         blocks=dict(ufp=ufp or "1", sweeps=1, order="ascending"),
         optim=dict(name="adam", lr=1e-4),
@@ -103,7 +108,7 @@ def live_worker(args: argparse.Namespace, mode: str, ufp: str | None, recompute:
     torch.manual_seed(0)
     data = load_datasets(config)
     rss_start = rss_now()
-    model = build_preset(args.model, seed=0)
+    model = build_preset(args.model, seed=0, attention=args.attention)
     staged = preinfer.stage(model)
     if mode == "full":
         partition = make_partition(staged, num_blocks=1)
@@ -140,7 +145,7 @@ def cache_worker(args: argparse.Namespace, ufp: str) -> dict:
 
     config = worker_config(args, "bcd", ufp, recompute=False)
     data = load_datasets(config)
-    model = build_preset(args.model, seed=0).eval()
+    model = build_preset(args.model, seed=0, attention=args.attention).eval()
     apply_precision(model, args.precision)
     staged = preinfer.stage(model)
     dtype = staged.compute_dtype
@@ -149,7 +154,7 @@ def cache_worker(args: argparse.Namespace, ufp: str) -> dict:
     for block in upper_blocks(staged, ufp):
         k = block.start
         digest, parts = boundary_fingerprint(prefix_digest(staged, k), k, data.train.fingerprint(), "byte", t,
-                                             str(dtype).removeprefix("torch."), args.model)
+                                             str(dtype).removeprefix("torch."), staged.attention, args.model)
         fields = {"hidden": ((t, h), dtype), "attention_mask": ((t,), torch.bool),
                   "position_ids": ((t,), torch.int64), "labels": ((t,), torch.int64)}
         per_shard = min(n, samples_per_shard(config, staged))
@@ -184,7 +189,7 @@ def store_worker(args: argparse.Namespace, ufp: str, recompute: bool) -> dict:
     gc.collect()
     rows = []
     for start in starts:
-        model = load_suffix(args.model, start, seed=0).model
+        model = load_suffix(args.model, start, 0, args.attention).model
         staged = preinfer.stage(model)
         block = next(b for b in make_partition(staged, ufp=float(Fraction(ufp))).blocks if b.start == start)
         total = sum(p.numel() for p in model.parameters())
@@ -237,12 +242,12 @@ def run_worker(args: argparse.Namespace) -> None:
 
 
 def predict(model: str, seq_len: int, batch: int, rows: list[dict], num_layers: int, store: bool | None,
-            recompute: bool, precision: str) -> list[int]:
+            recompute: bool, precision: str, attention: str) -> list[int]:
     """The planner's total bytes for each measured visit (store None: full Adam), on the real partition's layer
     ranges (not the planner's even split)."""
     shape = resolve_shape(model)
     settings = Settings(seq_len=seq_len, micro_batch=batch, dtype=PLANNER_DTYPES[precision],
-                           blocks=max(len(rows), 1), recompute=recompute)
+                           blocks=max(len(rows), 1), recompute=recompute, attention=attention)
     if store is None:
         return [full_memory(shape, settings, recompute=recompute).total]
     all_blocks = full_blocks(shape, rows, num_layers)
@@ -274,14 +279,15 @@ def run_configuration(args: argparse.Namespace, model: str, name: str, out: Path
     kind, ufp, _ = parse_configuration(name)
     if kind == "store":
         run_configuration(args, model, f"cache:{ufp}", out)
-    result = out / f"_{model}_{name.replace(':', '_').replace('/', '-').replace('+', '_')}.json"
+    result = out / f"_{model}_{args.attention}_{name.replace(':', '_').replace('/', '-').replace('+', '_')}.json"
     if args.in_process:
         run_worker(argparse.Namespace(**{**vars(args), "worker": name, "result": str(result), "model": model}))
     else:
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--result", str(result),
                    "--model", model, "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
                    "--steps", str(args.steps), "--threads", str(args.threads),
-                   "--store-samples", str(args.store_samples), "--precision", args.precision]
+                   "--store-samples", str(args.store_samples), "--precision", args.precision,
+                   "--attention", args.attention]
         subprocess.run(command, check=True, cwd=ROOT)
     data = json.loads(result.read_text())
     result.unlink()
@@ -294,7 +300,8 @@ def summarise(model: str, name: str, data: dict, args: argparse.Namespace) -> di
     kind, ufp, recompute = parse_configuration(name)
     store = None if kind == "full" else kind == "store"
     visits = data["visits"]
-    predictions = predict(model, args.seq_len, args.batch_size, visits, num_layers, store, recompute, args.precision)
+    predictions = predict(model, args.seq_len, args.batch_size, visits, num_layers, store, recompute, args.precision,
+                          args.attention)
     for visit, predicted in zip(visits, predictions):
         visit["planner_total"] = predicted
     worst = max(visits, key=lambda v: v["memory"]["tracked_peak"])
@@ -302,7 +309,7 @@ def summarise(model: str, name: str, data: dict, args: argparse.Namespace) -> di
     worst_upper = max(upper, key=lambda v: v["memory"]["tracked_peak"]) if upper else None
     return dict(
         model=model, regime=f"{args.seq_len}x{args.batch_size}", seq_len=args.seq_len, batch_size=args.batch_size,
-        config=name, mode="full" if kind == "full" else "bcd", ufp=ufp, recompute=recompute,
+        attention=args.attention, config=name, mode="full" if kind == "full" else "bcd", ufp=ufp, recompute=recompute,
         source="store" if store else "live",
         tracked_peak=worst["memory"]["tracked_peak"], worst_block=worst["block"],
         components={k: worst["memory"][k] for k in COMPONENTS},
@@ -318,11 +325,11 @@ def summarise(model: str, name: str, data: dict, args: argparse.Namespace) -> di
 def add_ratios(rows: list[dict]) -> None:
     """Each row's peaks as ratios to full Adam on the same model and regime (sequence length x batch), and to
     full Adam with recomputation where it was measured."""
-    full = {(r["model"], r["regime"]): r for r in rows if r["config"] == "full"}
-    full_recompute = {(r["model"], r["regime"]): r for r in rows if r["config"] == "full+recompute"}
+    full = {(r["model"], r["regime"], r["attention"]): r for r in rows if r["config"] == "full"}
+    full_recompute = {(r["model"], r["regime"], r["attention"]): r for r in rows if r["config"] == "full+recompute"}
     for r in rows:
-        base = full[(r["model"], r["regime"])]
-        base_recompute = full_recompute.get((r["model"], r["regime"]))
+        base = full[(r["model"], r["regime"], r["attention"])]
+        base_recompute = full_recompute.get((r["model"], r["regime"], r["attention"]))
         r["ratio_tracked_to_full_recompute"] = (r["tracked_peak"] / base_recompute["tracked_peak"]
                                                 if base_recompute else None)
         r["activation_share_of_full"] = base["components"]["activations"] / base["tracked_peak"]
@@ -336,13 +343,29 @@ def add_ratios(rows: list[dict]) -> None:
         r["paper_ratio"] = 1 - PAPER_REDUCTION[r["ufp"]] if r["ufp"] in PAPER_REDUCTION else None
 
 
+def attention_ratios(rows: list[dict]) -> dict:
+    """Per model, regime and configuration measured with both implementations: saved-activation bytes (the
+    worst visit's, by the meter) of eager over sdpa, and each one's planner error."""
+    by_key = {(r["model"], r["regime"], r["config"], r["attention"]): r for r in rows}
+    out = {}
+    for (model, regime, config, attention), eager in by_key.items():
+        sdpa = by_key.get((model, regime, config, "sdpa"))
+        if attention != "eager" or sdpa is None:
+            continue
+        out[f"{model} {regime} {config}"] = dict(
+            saved_activations_eager_over_sdpa=eager["components"]["activations"] / sdpa["components"]["activations"],
+            activations_eager=eager["components"]["activations"], activations_sdpa=sdpa["components"]["activations"],
+            planner_error_eager=eager["planner_error"], planner_error_sdpa=sdpa["planner_error"])
+    return out
+
+
 def check_targets(rows: list[dict]) -> dict:
     """The issue's targets per model and regime: live BCD at 1/3 <= 0.55x full Adam's tracked peak; from a
     store <= 0.45x (with live BCD over the same blocks, above boundary 0, beside it); each without and with
     recomputation (`+recompute`, also as a ratio to full Adam with recomputation)."""
     out = {}
-    for key in sorted({(r["model"], r["regime"]) for r in rows}):
-        mine = {r["config"]: r for r in rows if (r["model"], r["regime"]) == key}
+    for key in sorted({(r["model"], r["regime"], r["attention"]) for r in rows}):
+        mine = {r["config"]: r for r in rows if (r["model"], r["regime"], r["attention"]) == key}
         checks = dict(activation_share_of_full=mine["full"]["activation_share_of_full"])
         for suffix in ("", "+recompute"):
             live, store = mine.get("live:1/3" + suffix), mine.get("store:1/3" + suffix)
@@ -356,7 +379,7 @@ def check_targets(rows: list[dict]) -> dict:
                 holds=store["ratio_tracked"] <= TARGETS["bcd_store"],
                 ratio_to_full_recompute=store["ratio_tracked_to_full_recompute"],
                 live_same_blocks_ratio=live["ratio_tracked_above_0"] if live else None)
-        out[f"{key[0]} {key[1]}"] = checks
+        out[f"{key[0]} {key[1]} {key[2]}"] = checks
     return out
 
 
@@ -370,14 +393,14 @@ def ratio(x: float | None) -> str:
 
 def table(rows: list[dict]) -> str:
     """A Markdown table of every configuration."""
-    head = ("| model | seq x batch | configuration | worst block | tracked peak MiB | params | masters | grads | optimizer | activations "
+    head = ("| model | seq x batch | attention | configuration | worst block | tracked peak MiB | params | masters | grads | optimizer | activations "
             "| x full (tracked) | x full + recompute | planner MiB | planner x full | planner error | paper x full "
             "| blocks > 0: x full | RSS peak MiB | x full (RSS) | x full (RSS above start) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         c = r["components"]
         lines.append(
-            f"| {r['model']} | {r['regime']} | {label(r)} | {r['worst_block']} | {mib(r['tracked_peak'])} | {mib(c['params'])} "
+            f"| {r['model']} | {r['regime']} | {r['attention']} | {label(r)} | {r['worst_block']} | {mib(r['tracked_peak'])} | {mib(c['params'])} "
             f"| {mib(c['masters'])} | {mib(c['grads'])} | {mib(c['optimizer'])} | {mib(c['activations'])} | {ratio(r['ratio_tracked'])} "
             f"| {ratio(r['ratio_tracked_to_full_recompute'])} | {mib(r['planner_total'])} | {ratio(r['ratio_planner'])} | {r['planner_error']:+.1%} "
             f"| {ratio(r['paper_ratio'])} | {ratio(r['ratio_tracked_above_0'])} | {mib(r['rss_peak'])} "
@@ -408,6 +431,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch threads per worker")
     p.add_argument("--precision", default="fp32", choices=list(PLANNER_DTYPES),
                    help="fp32, or bf16-mixed: bf16 weights, fp32 masters, gradients and Adam state of the block")
+    p.add_argument("--attention", default="sdpa",
+                   help="attention implementations, comma-separated: sdpa, eager or eager,sdpa (each configuration "
+                        "runs with each; with both, the saved-activation ratio eager/sdpa is reported)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "memory.json")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: tiny-llama, seq 32, batch 2, 1 step per visit (seconds)")
@@ -439,24 +465,30 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     names = configurations(args.ufps.split(","), [u for u in args.store_ufps.split(",") if u],
                            [c for c in args.recomputed.split(",") if c])
+    attentions = args.attention.split(",")
     for seq_len, batch_size in parse_regimes(args.regimes):
         args.seq_len, args.batch_size = seq_len, batch_size
         for model in args.models.split(","):
-            for name in names:
-                print(f"[memory] {model} seq {seq_len} x batch {batch_size}: {name} ...", flush=True)
-                rows.append(summarise(model, name, run_configuration(args, model, name, args.out.parent), args))
+            for args.attention in attentions:
+                for name in names:
+                    print(f"[memory] {model} seq {seq_len} x batch {batch_size}, {args.attention}: {name} ...",
+                          flush=True)
+                    rows.append(summarise(model, name, run_configuration(args, model, name, args.out.parent), args))
     add_ratios(rows)
     shutil.rmtree(args.out.parent / "_stores", ignore_errors=True)
     result = dict(
         benchmark="memory", command=" ".join(["python", "bench/memory.py", *(argv or sys.argv[1:])]),
         machine=machine(), settings=dict(regimes=args.regimes, steps_per_visit=args.steps, store_samples=args.store_samples,
-                                         precision=args.precision, optimizer="adam", threads=args.threads),
+                                         precision=args.precision, optimizer="adam", threads=args.threads,
+                                         attention=attentions),
         paper=dict(reduction_by_ufp=PAPER_REDUCTION, average_reduction=PAPER_AVERAGE_REDUCTION),
-        targets=check_targets(rows), rows=rows, wall_s=time.perf_counter() - started,
+        targets=check_targets(rows), attention_ratios=attention_ratios(rows), rows=rows,
+        wall_s=time.perf_counter() - started,
     )
     args.out.write_text(json.dumps(result, indent=1))
     print(table(rows))
     print(json.dumps(result["targets"], indent=1))
+    print(json.dumps(result["attention_ratios"], indent=1))
     print(f"wrote {args.out} in {result['wall_s']:.0f} s")
     return 0
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from preinfer.config import (
-    DEFAULT_LR, DEFAULT_WEIGHT_DECAY, LR_DECAYS, BlockConfig, Config, DataConfig, check_resume, load_config,
+    ATTENTIONS, DEFAULT_LR, DEFAULT_WEIGHT_DECAY, LR_DECAYS, BlockConfig, Config, DataConfig, check_resume,
+    load_config,
 )
 from preinfer.errors import UsageError
 from preinfer.memory.settings import DTYPES, GPUS, USABLE_FRACTION, Settings
@@ -94,6 +95,10 @@ TRAINING_FLAGS: list[Flag] = [
                                               "local HF tokenizer directory"),
     Flag("--chat-template", "model", "chat_template", "a file whose Jinja chat template renders chat and instruction "
                                                       "data instead of the tokenizer's own", unset="the tokenizer's"),
+    Flag("--attention", "model", "attention",
+         "attention implementation: sdpa (PyTorch's scaled_dot_product_attention; on CUDA its flash and "
+         "memory-efficient kernels, which keep no [T, T] attention probabilities for backward) or eager; the "
+         "planner prices each, and a store records the one it was made with", dict(choices=list(ATTENTIONS))),
     Flag("--data", "data", "path", f"a corpus: {CORPUS}; or a token store written by preinfer tokenize"),
     Flag("--token-store", "data", "token_store", "where a corpus is tokenised once (one directory per corpus, "
                                                  "tokenizer and settings) and read lazily by every job",

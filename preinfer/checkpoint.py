@@ -54,7 +54,7 @@ def save_checkpoint(path: Path, model: nn.Module, optimizers: dict[int, dict], t
         optim_meta[str(block)] = _flatten_optimizer(state, f"optim.{block}", tensors)
     for index, master in enumerate(masters):
         tensors[f"master.{index}"] = master.detach().contiguous()
-    tensors["rng.torch"] = torch.get_rng_state()
+    tensors.update(_torch_rng_states())
     save_file(tensors, str(tmp / TENSORS))
     meta = {"trainer": trainer_state, "optimizers": optim_meta, "masters": len(masters), "rng": _host_rng_state()}
     (tmp / STATE).write_text(json.dumps(meta, indent=1))
@@ -126,7 +126,7 @@ def load_checkpoint(path: Path, model: nn.Module) -> Checkpoint:
         raise CheckpointError(f"{found / TENSORS} lacks {missing[0]}; the run cannot resume from this checkpoint")
     try:
         optimizers = {int(b): _unflatten_optimizer(m, f"optim.{b}", tensors) for b, m in meta["optimizers"].items()}
-        torch.set_rng_state(tensors["rng.torch"])
+        _restore_torch_rng(tensors)
         _restore_host_rng(meta["rng"])
     except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as err:
         raise CheckpointError(f"{found / STATE}: optimizers or rng do not fit the checkpoint's tensors ({err!r:.80}); "
@@ -224,6 +224,24 @@ def _unflatten_optimizer(meta: dict, prefix: str, tensors: dict[str, torch.Tenso
             index, key = name[len(prefix) + 1 :].split(".", 1)
             state[int(index)][key] = value
     return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def _torch_rng_states() -> dict[str, torch.Tensor]:
+    """torch's generator states as tensors: the CPU one (`rng.torch`) and, where CUDA is in use, every CUDA
+    device's (`rng.cuda.<i>`), so that a resume on accelerators draws what the uninterrupted run would."""
+    states = {"rng.torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        states.update({f"rng.cuda.{i}": state for i, state in enumerate(torch.cuda.get_rng_state_all())})
+    return states
+
+
+def _restore_torch_rng(tensors: dict[str, torch.Tensor]) -> None:
+    """Set the generator states `_torch_rng_states` saved: the CPU one, and each CUDA device's that this machine
+    has (a checkpoint written without CUDA leaves the CUDA generators as they are)."""
+    torch.set_rng_state(tensors["rng.torch"])
+    saved = sum(1 for name in tensors if name.startswith("rng.cuda."))
+    if saved and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([tensors[f"rng.cuda.{i}"] for i in range(min(saved, torch.cuda.device_count()))])
 
 
 def _host_rng_state() -> dict:

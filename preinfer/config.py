@@ -14,11 +14,25 @@ from preinfer.errors import PreinferError, UsageError
 from preinfer.sizes import parse_size
 
 
+# Attention implementations a model runs with (transformers' names): PyTorch's scaled_dot_product_attention
+# (flash and memory-efficient kernels where the device has them), or the framework's eager matmul-softmax-matmul.
+ATTENTIONS = ("sdpa", "eager")
+DEFAULT_ATTENTION = "sdpa"
+
+
+def check_attention(attention: str, where: str = "--attention") -> str:
+    """`attention` if it is one of ATTENTIONS, else a one-line UsageError naming `where`."""
+    if attention not in ATTENTIONS:
+        raise UsageError(f"{where} {attention!r}: expected {' or '.join(ATTENTIONS)}")
+    return attention
+
+
 @dataclass
 class ModelConfig:
     name: str = "small-llama"  # a preset, a save_pretrained directory, or a run directory
     tokenizer: str = "auto"  # auto (the model's own; byte for a preset), byte, or a local HF tokenizer directory
     chat_template: str | None = None  # a file whose Jinja chat template replaces the tokenizer's own
+    attention: str = DEFAULT_ATTENTION  # sdpa or eager: the attention implementation every job runs the model with
 
 
 @dataclass
@@ -151,6 +165,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
         _apply(config, _read_toml(Path(path)), source=str(path))
     _apply(config, overrides or {}, source="flags")
     check_values(config)
+    check_attention(config.model.attention, f"{path or 'flags'}: [model] attention =")
     return config
 
 

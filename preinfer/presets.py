@@ -12,6 +12,7 @@ from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrainedConfig, Qwen2MoeConfig
 from transformers.utils import logging as framework_logging
 
+from preinfer.config import DEFAULT_ATTENTION, check_attention
 from preinfer.errors import UsageError, first_line
 from preinfer.staged import stage
 
@@ -66,8 +67,8 @@ PRESETS: dict[str, tuple[type[PreTrainedConfig], dict]] = {
 }
 
 
-def preset_config(name: str) -> PreTrainedConfig:
-    """The Hugging Face config of a preset, in float32 with eager attention."""
+def preset_config(name: str, attention: str = DEFAULT_ATTENTION) -> PreTrainedConfig:
+    """The Hugging Face config of a preset, in float32 with the `attention` implementation."""
     if name not in PRESETS:
         raise UsageError(f"unknown model preset '{name}'; presets are {', '.join(PRESETS)} (or give a local directory)")
     cls, kwargs = PRESETS[name]
@@ -75,25 +76,26 @@ def preset_config(name: str) -> PreTrainedConfig:
         **kwargs, tie_word_embeddings=cls is GPT2Config,
         bos_token_id=BYTE_EOS_ID, eos_token_id=BYTE_EOS_ID, pad_token_id=BYTE_PAD_ID,
     )
-    config._attn_implementation = "eager"
+    config._attn_implementation = check_attention(attention)
     return config
 
 
-def build_preset(name: str, seed: int = 0) -> torch.nn.Module:
-    """A preset model, randomly initialised from `seed` (the same seed gives the same weights)."""
-    config = preset_config(name)
+def build_preset(name: str, seed: int = 0, attention: str = DEFAULT_ATTENTION) -> torch.nn.Module:
+    """A preset model, randomly initialised from `seed` (the same seed gives the same weights; the attention
+    implementation does not change them)."""
+    config = preset_config(name, attention)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)
     return model.float()
 
 
-def load_model(spec: str, seed: int = 0) -> torch.nn.Module:
+def load_model(spec: str, seed: int = 0, attention: str = DEFAULT_ATTENTION) -> torch.nn.Module:
     """A model from a preset name (float32) or a local directory written by `save_pretrained`, in the dtype its
-    weights were saved in (never the network)."""
+    weights were saved in (never the network), running the `attention` implementation."""
     path = Path(spec)
     if spec in PRESETS:
-        return build_preset(spec, seed)
+        return build_preset(spec, seed, attention)
     if not path.exists():
         raise UsageError(
             f"--model '{spec}' is neither a preset ({', '.join(PRESETS)}) nor an existing local directory"
@@ -104,7 +106,7 @@ def load_model(spec: str, seed: int = 0) -> torch.nn.Module:
     try:
         with framework_messages():
             model, info = AutoModelForCausalLM.from_pretrained(
-                path, local_files_only=True, attn_implementation="eager", dtype="auto", use_safetensors=True,
+                path, local_files_only=True, attn_implementation=check_attention(attention), dtype="auto", use_safetensors=True,
                 output_loading_info=True)
     except (OSError, ValueError, SafetensorError) as err:
         raise UsageError(f"cannot load the model in '{spec}' (safetensors weights only): "

@@ -52,6 +52,12 @@ class StagedModel(ABC):
         return self.embed_modules()[0].weight.shape[1]
 
     @property
+    def attention(self) -> str:
+        """The attention implementation the layers run (transformers' name: sdpa, eager), which the masks follow;
+        "" for a model without a Hugging Face config."""
+        return getattr(getattr(self.model, "config", None), "_attn_implementation", None) or ""
+
+    @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype hidden states are computed in (the embedding's): what `auto` stores keep and what states
         read from a store are cast to."""
@@ -168,7 +174,9 @@ def supervised_tokens(labels: torch.Tensor) -> int:
 
 
 def _causal_mask(config, hidden: torch.Tensor, state: BoundaryState, sliding: bool):
-    """The framework's own 4D mask (causal, padding, and sliding window where the layer uses one)."""
+    """The framework's own mask (causal, padding, and sliding window where the layer uses one) in the form the
+    config's attention implementation takes: eager an additive float [B, 1, T, T] mask; sdpa a boolean one, or
+    None when no position is padded (the kernel's own causal flag then, as in the framework's forward)."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     make = create_sliding_window_causal_mask if sliding else create_causal_mask

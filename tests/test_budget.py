@@ -57,7 +57,7 @@ def test_the_plan_is_the_planners_fewest_blocks():
     shape = resolve_shape("tiny-llama")
     assert peaks(3) < peaks(2) < peaks(1)
     for blocks in (2, 3):
-        settings = budget_settings(budget_between(blocks), "fp32", SEQ, BATCH, recompute=False)
+        settings = budget_settings(budget_between(blocks), "fp32", SEQ, BATCH, recompute=False, attention="sdpa")
         plan = blocks_for_budget(shape, settings, "fp32")
         chosen = partition(shape, blocks)
         assert plan.blocks == blocks == fewest_blocks(shape, settings)[0] == auto_choice(shape, settings)["blocks"]
@@ -67,13 +67,13 @@ def test_the_plan_is_the_planners_fewest_blocks():
 
 def test_precision_and_recompute_change_the_plan():
     shape = shape_for_size("7b")
-    settings = budget_settings(40 * 2**30, "bf16-mixed", 1024, 1, recompute=False)
+    settings = budget_settings(40 * 2**30, "bf16-mixed", 1024, 1, recompute=False, attention="eager")
     assert settings.dtype == "bf16-mixed"
     bf16 = blocks_for_budget(shape, settings, "bf16-mixed")
     recompute = blocks_for_budget(shape, replace(settings, recompute=True), "bf16-mixed")
     assert recompute.blocks <= bf16.blocks and max(recompute.predicted) < max(bf16.predicted)
     with pytest.raises(preinfer.UsageError, match="fp32"):
-        budget_settings(2**30, "fp8", 1024, 1, recompute=False)
+        budget_settings(2**30, "fp8", 1024, 1, recompute=False, attention="sdpa")
 
 
 def test_partition_for_builds_the_planners_blocks():
@@ -97,7 +97,7 @@ def test_auto_run_logs_the_plan_and_every_visit_is_under_the_budget(tmp_path, ca
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     plan = next(r for r in records if r["kind"] == "budget_plan")
     shape = resolve_shape("tiny-llama")
-    settings = budget_settings(budget, "fp32", SEQ, BATCH, recompute=False)
+    settings = budget_settings(budget, "fp32", SEQ, BATCH, recompute=False, attention="sdpa")
     assert plan["blocks"] == fewest_blocks(shape, settings)[0] == 3
     assert plan["budget"] == budget
     visits = [r for r in records if r["kind"] == "visit"]
@@ -147,7 +147,7 @@ def test_impossible_or_malformed_budgets_exit_2_in_one_line_and_write_nothing(ar
 def test_nothing_fits_names_recompute_a_smaller_batch_and_the_pipeline_degree():
     shape = resolve_shape("tiny-llama")
     budget = (peaks(shape.layers, recompute=True) + peaks(shape.layers)) // 2
-    settings = budget_settings(budget, "fp32", SEQ, BATCH, recompute=False)
+    settings = budget_settings(budget, "fp32", SEQ, BATCH, recompute=False, attention="sdpa")
     assert fewest_blocks(shape, settings) is None
     with pytest.raises(preinfer.UsageError) as refused:
         blocks_for_budget(shape, settings, "fp32")
@@ -158,7 +158,7 @@ def test_nothing_fits_names_recompute_a_smaller_batch_and_the_pipeline_degree():
     assert fewest_blocks(shape, replace(settings, micro_batch=3)) is None
     batch_two = fewest_blocks(shape, replace(settings, micro_batch=2))
     assert f"--batch-size 2 ({batch_two[0]} blocks" in message
-    seven = budget_settings(int(24e9 * 0.9), "fp32", 1024, 1, recompute=False)
+    seven = budget_settings(int(24e9 * 0.9), "fp32", 1024, 1, recompute=False, attention="sdpa")
     message = str(pytest.raises(preinfer.UsageError, blocks_for_budget, shape_for_size("7b"), seven, "fp32").value)
     degree = auto_choice(shape_for_size("7b"), seven)["pipeline_degree"]
     assert degree > 1 and f"a pipeline of {degree} GPUs" in message

@@ -115,6 +115,9 @@ def test_fingerprint_changes_exactly_when_it_should(cache_corpus):
     other_len = load_data(cache_corpus, tokenizer, SEQ * 2, "train", 0.1)
     changed_len = fp(dataset=other_len)
     assert changed_len.digest != base.digest and changed_len.parts["seq_len"] == SEQ * 2
+    staged.model.set_attn_implementation("eager")  # the same weights' states differ in their last bits
+    eager = fp()
+    assert eager.digest != base.digest and [d.split(":")[0] for d in eager.differences(base)] == ["attention"]
 
 
 def test_a_tied_weight_changes_every_boundary_above_its_first_use():

@@ -43,13 +43,13 @@ def test_bcd_writes_the_run_directory_and_a_loadable_export(tmp_path, capsys):
     assert {"params", "grads", "optimizer", "activations", "rss_peak"} <= set(visit["memory"])
 
     current = resolve_model(str(out)).eval()
-    same_kernels = AutoModelForCausalLM.from_pretrained(out / "export", attn_implementation="eager").eval()
-    default = AutoModelForCausalLM.from_pretrained(out / "export").eval()
+    same_kernels = AutoModelForCausalLM.from_pretrained(out / "export", attn_implementation="sdpa").eval()
+    eager = AutoModelForCausalLM.from_pretrained(out / "export", attn_implementation="eager").eval()
     ids = torch.randint(0, 258, (2, 16))
     with torch.no_grad():
-        expected = current(ids).logits
+        expected = current(ids).logits  # the run's attention: the default, sdpa
         assert torch.equal(same_kernels(ids).logits, expected)
-        assert torch.allclose(default(ids).logits, expected, atol=1e-5)
+        assert torch.allclose(eager(ids).logits, expected, atol=1e-5)
     code, stdout, _ = run_cli(["eval", "--model", str(out), "--json"], capsys)
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())

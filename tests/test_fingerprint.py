@@ -32,10 +32,10 @@ def test_prefix_digest_is_reproducible_and_equal_for_equal_weights():
 
 
 def test_boundary_fingerprint_covers_every_part():
-    base = dict(prefix="p", boundary=2, dataset="d", tokenizer="t", seq_len=128, dtype="float32")
+    base = dict(prefix="p", boundary=2, dataset="d", tokenizer="t", seq_len=128, dtype="float32", attention="sdpa")
     digest, parts = boundary_fingerprint(**base, model="tiny-llama")
     assert parts["model"] == "tiny-llama" and parts["boundary"] == 2
     assert boundary_fingerprint(**base, model="renamed")[0] == digest
     for key, other in [("prefix", "q"), ("boundary", 3), ("dataset", "e"), ("tokenizer", "u"),
-                       ("seq_len", 64), ("dtype", "bfloat16")]:
+                       ("seq_len", 64), ("dtype", "bfloat16"), ("attention", "eager")]:
         assert boundary_fingerprint(**{**base, key: other})[0] != digest, key

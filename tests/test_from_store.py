@@ -24,10 +24,14 @@ from tests.helpers.training_runs import assert_close, cache_and_model, cache_rec
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2", "tiny-moe"])
-def test_bcd_on_and_off_end_with_the_same_weights(tmp_path, corpus, preset):
+@pytest.mark.parametrize("preset,attention", [("tiny-llama", None), ("tiny-gpt2", None), ("tiny-moe", None),
+                                              ("tiny-llama", "eager")])
+def test_bcd_on_and_off_end_with_the_same_weights(tmp_path, corpus, preset, attention):
+    """With the default attention (sdpa) and with eager."""
     off_config = config_for(tmp_path, corpus, "off", preset, mode="off")
     on_config = config_for(tmp_path, corpus, "on", preset, mode="on")
+    assert off_config.model.attention == "sdpa"
+    off_config.model.attention = on_config.model.attention = attention or "sdpa"
     off_config.blocks.sweeps = on_config.blocks.sweeps = 2
     off, on = training.run(off_config, quiet=True), training.run(on_config, quiet=True)
     assert_close(weights(on_config.run.out), weights(off_config.run.out))

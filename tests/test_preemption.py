@@ -80,3 +80,35 @@ def test_sigint_mid_visit_checkpoints_and_exits_130(tmp_path, corpus):
     state = stopped_at(out)
     assert 0 < state["visit_step"] < STEPS
     assert state["global_step"] == int(stopped.stderr.strip().split("after step ")[1].split(";")[0])
+
+
+class FakeCuda:
+    """Two CUDA devices whose generator states are given tensors, and the states set back on them."""
+
+    def __init__(self, monkeypatch, devices: int):
+        self.states = [torch.full((16,), i + 1, dtype=torch.uint8) for i in range(devices)]
+        self.restored: list[torch.Tensor] | None = None
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: devices > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: devices)
+        monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [s.clone() for s in self.states])
+        monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: setattr(self, "restored", list(states)))
+
+
+@pytest.mark.parametrize("devices", [0, 2])
+def test_checkpoints_carry_every_cuda_generator_state(tmp_path, monkeypatch, devices):
+    """Invariant 8 on accelerators: each CUDA device's generator state is saved, and set again on resume."""
+    from preinfer.checkpoint import load_checkpoint, save_checkpoint
+
+    cuda = FakeCuda(monkeypatch, devices)
+    model = torch.nn.Linear(3, 2)
+    save_checkpoint(tmp_path / "checkpoint", model, {}, {"step": 1})
+    saved = load_file(str(tmp_path / "checkpoint" / "state.safetensors"))
+    assert sorted(name for name in saved if name.startswith("rng.cuda.")) == [f"rng.cuda.{i}" for i in range(devices)]
+    for i, state in enumerate(cuda.states):
+        assert torch.equal(saved[f"rng.cuda.{i}"], state)
+    cuda.states = [torch.zeros(16, dtype=torch.uint8) for _ in range(devices)]  # the generators moved on
+    load_checkpoint(tmp_path / "checkpoint", model)
+    if devices:
+        assert [s.tolist() for s in cuda.restored] == [[i + 1] * 16 for i in range(devices)]
+    else:
+        assert cuda.restored is None

@@ -17,7 +17,10 @@ from transformers import (
 )
 
 import preinfer
+from preinfer.config import ATTENTIONS
 from preinfer.errors import BoundaryStateError, UnsupportedModelError
+from preinfer.presets import build_preset
+from preinfer.staged import _causal_mask
 
 VOCAB, T, B = 97, 12, 3
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4)
@@ -42,9 +45,9 @@ CONFIGS = {
 }
 
 
-def hf_model(name: str) -> nn.Module:
+def hf_model(name: str, attention: str = "eager") -> nn.Module:
     config = CONFIGS[name]()
-    config._attn_implementation = "eager"
+    config._attn_implementation = attention
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).float().eval()
 
@@ -59,11 +62,9 @@ def batch(padded: bool):
     return ids, mask
 
 
-@pytest.mark.parametrize("padded", [False, True], ids=["dense", "right-padded"])
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_composition_through_every_boundary(name, padded):
-    model = hf_model(name)
-    ids, mask = batch(padded)
+def assert_composes(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> None:
+    """Split forward through every boundary k (embed, run(0, k), run(k, L), logits) equals the framework's own
+    forward of the same model within 1e-5 at the real (unpadded) positions."""
     real = mask.bool()
     with torch.no_grad():
         expected = model(input_ids=ids, attention_mask=mask).logits  # before staging: the framework's own experts
@@ -73,6 +74,35 @@ def test_composition_through_every_boundary(name, padded):
             state = staged.run(staged.run(state, 0, k), k, staged.num_layers)
             got = staged.logits(state)
             assert (got[real] - expected[real]).abs().max().item() <= 1e-5, f"boundary {k}"
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "right-padded"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_composition_through_every_boundary(name, padded, attention):
+    model = hf_model(name, attention)
+    assert model.config._attn_implementation == attention
+    assert_composes(model, *batch(padded))
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2", "tiny-moe"])
+def test_presets_compose_with_each_attention(name, attention):
+    """Invariant 1 on the presets a run builds, with the attention implementation it asks for: the staged masks
+    take the form that implementation needs (sdpa: boolean with padding, none without)."""
+    model = build_preset(name, attention=attention).eval()
+    assert preinfer.stage(model).attention == attention
+    ids, mask = batch(padded=True)
+    assert_composes(model, ids % model.config.vocab_size, mask)
+
+
+def test_sdpa_masks_are_boolean_with_padding_and_absent_without():
+    staged = preinfer.stage(build_preset("tiny-llama", attention="sdpa"))
+    ids, mask = batch(padded=True)
+    padded = staged.embed(ids, mask)
+    dense = staged.embed(ids)
+    assert _causal_mask(staged.config, padded.hidden, padded, sliding=False).dtype == torch.bool
+    assert _causal_mask(staged.config, dense.hidden, dense, sliding=False) is None
 
 
 def test_padding_never_changes_real_positions():

@@ -60,7 +60,8 @@ def cache_boundary(staged: StagedModel, datasets: Mapping[str, TokenSamples], to
         jobs = []
         for name, dataset in datasets.items():
             fp = state_fingerprint(prefix, boundary, dataset.fingerprint(), token_fp, dataset.seq_len,
-                                   opts.store_dtype, opts.model_name)
+                                   opts.store_dtype, staged.attention,
+                                   opts.model_name)
             fields = store_fields(dataset.seq_len, staged.hidden_size, opts.dtype)
             jobs.append(_split_work(name, out / name, fields, len(dataset), dataset.num_tokens, fp, opts,
                                     DatasetInputs(staged, dataset, opts.device), 0, dataset=dataset))
@@ -120,7 +121,8 @@ def _roll_forward_jobs(staged: StagedModel, found: dict[str, Location], source: 
             )
         for b in (k, boundary):
             prefixes.setdefault(b, prefix_digest(staged, b))
-        expected = state_fingerprint(prefixes[k], k, data_fp, token_fp, seq_len, src_dtype, str(parts.get("model", "")))
+        expected = state_fingerprint(prefixes[k], k, data_fp, token_fp, seq_len, src_dtype, staged.attention,
+                                     str(parts.get("model", "")))
         if expected.digest != src.fingerprint.digest:
             raise StaleStoreError(
                 f"--from-store {path} does not match the model's current prefix [0, {k}) "
@@ -129,7 +131,7 @@ def _roll_forward_jobs(staged: StagedModel, found: dict[str, Location], source: 
             )
         src.require_complete()
         fp = state_fingerprint(prefixes[boundary], boundary, data_fp, token_fp, seq_len, opts.store_dtype,
-                               opts.model_name)
+                               staged.attention, opts.model_name)
         fields = store_fields(seq_len, staged.hidden_size, opts.dtype)
         target = out if name == "" else out / name
         jobs.append(_split_work(name, target, fields, src.num_samples, _stored_tokens(src, source, name), fp, opts,

@@ -60,6 +60,7 @@ class ShardTask:
     batch_size: int
     model_spec: str
     model_seed: int
+    model_attention: str  # the client's attention implementation: the workers' states must equal its own
     device: str
     prefix: str  # prefix digest at `boundary` of the client's model
     inputs: TokenStoreDataset | dict[str, torch.Tensor] | None = None  # the input's split, or tokens of [lo, hi)
@@ -93,13 +94,14 @@ def worker_device(device: str, worker_name: Any, gpus: int) -> str:
     return f"cuda:{worker_name % gpus}"
 
 
-def worker_model(spec: str, seed: int, device: str, boundary: int, expected: str) -> StagedModel:
-    """The staged model of `spec` in this worker process, loaded once, whose prefix at `boundary` is `expected`."""
-    key = (spec, seed, device)
+def worker_model(spec: str, seed: int, attention: str, device: str, boundary: int, expected: str) -> StagedModel:
+    """The staged model of `spec` (running `attention`) in this worker process, loaded once, whose prefix at
+    `boundary` is `expected`."""
+    key = (spec, seed, attention, device)
     with _LOCK:
         for attempt in range(2):
             if key not in _MODELS:
-                model = resolve_model(spec, seed=seed).to(device).eval()
+                model = resolve_model(spec, seed, attention).to(device).eval()
                 _MODELS[key] = preinfer.stage(model)
                 _DIGESTS[key] = {}
                 _STATS["loads"] += 1
@@ -151,7 +153,8 @@ def run_task(task: ShardTask) -> dict[str, Any]:
         _STATS["threads_set"] = True
     gpus = torch.cuda.device_count() if task.device == "cuda" else 0
     device = worker_device(task.device, getattr(_current_worker(), "name", None), gpus)
-    staged = worker_model(task.model_spec, task.model_seed, device, task.boundary, task.prefix)
+    staged = worker_model(task.model_spec, task.model_seed, task.model_attention, device, task.boundary,
+                          task.prefix)
     store = _store(task.store_path, task.store_digest)
     if task.inputs is not None:
         inputs = DatasetInputs(staged, task.inputs, device, offset=task.lo)
@@ -277,7 +280,8 @@ def run(staged: StagedModel, jobs: list[SplitJob], boundary: int, opts: CacheOpt
                 inputs = {k: v.clone() for k, v in job.dataset[lo:hi].items()}  # in-memory samples travel
             task = ShardTask(
                 job.name, str(job.store.path), job.store.fingerprint.digest, shard, lo, hi, boundary,
-                job.start_layer, opts.batch_size, opts.model_name, opts.model_seed, str(opts.device), prefix,
+                job.start_layer, opts.batch_size, opts.model_name, opts.model_seed, staged.attention,
+                str(opts.device), prefix,
                 inputs, None if job.source_path is None else str(job.source_path), job.source_digest, threads,
                 opts.before_shard_write,
             )

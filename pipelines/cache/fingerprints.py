@@ -34,9 +34,11 @@ def check_boundary(staged: StagedModel, boundary: int, above: int = 0) -> None:
 
 
 def state_fingerprint(prefix: str, boundary: int, dataset: str, tokenizer: str, seq_len: int, dtype: str,
-                      model_name: str) -> Fingerprint:
-    """The fingerprint of boundary states from its parts (`prefix`: the prefix digest at `boundary`)."""
-    digest, parts = boundary_fingerprint(prefix, boundary, dataset, tokenizer, seq_len, dtype, model=model_name)
+                      attention: str, model_name: str) -> Fingerprint:
+    """The fingerprint of boundary states from its parts (`prefix`: the prefix digest at `boundary`; `attention`:
+    the implementation the prefix ran)."""
+    digest, parts = boundary_fingerprint(prefix, boundary, dataset, tokenizer, seq_len, dtype, attention,
+                                         model=model_name)
     return Fingerprint(digest, parts)
 
 
@@ -45,7 +47,7 @@ def cache_fingerprint(staged: StagedModel, dataset: TokenSamples, tokenizer: Any
     """The fingerprint of `dataset`'s boundary states at `boundary` stored in `dtype` ("auto": the compute dtype)."""
     stored = store_dtype_name(resolve_store_dtype(dtype, staged.compute_dtype))
     return state_fingerprint(prefix_digest(staged, boundary), boundary, dataset.fingerprint(),
-                             tokenizer.fingerprint(), dataset.seq_len, stored, model_name)
+                             tokenizer.fingerprint(), dataset.seq_len, stored, staged.attention, model_name)
 
 
 def bytes_per_token(store_dtype: str, hidden_size: int, compute_dtype: torch.dtype) -> int:

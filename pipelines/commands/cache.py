@@ -31,8 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser.add_mutually_exclusive_group(), "--workers", "--dask", command="cache")
     add_flags(parser, "--retries", command="cache", defaults=defaults)
     add_flags(parser.add_mutually_exclusive_group(), "--resume", "--overwrite", command="cache")
-    add_flags(parser, "--seed", "--device", "--quiet", "--json", "--s3-endpoint", defaults=defaults,
-              from_run=("--seed",))
+    add_flags(parser, "--attention", "--seed", "--device", "--quiet", "--json", "--s3-endpoint", defaults=defaults,
+              from_run=("--attention", "--seed"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     if not splits or unknown:
         raise UsageError(f"--splits {args.splits!r}: choose from {', '.join(DEFAULT_SPLITS)}")
     dask = args.dask or (f"local:{args.workers}" if args.workers > 1 else None)
-    source, run_config = model_source(args.model, args.seed)
+    source, run_config = model_source(args.model, args.seed, args.attention)
     base, seed = run_config or Config(), source.seed
     options = CacheOptions(
         store_format=args.store_format, store_dtype=args.store_dtype, batch_size=args.batch_size,

@@ -19,13 +19,13 @@ from pipelines.data.batches import token_batches
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_flags(parser, "--model", *DATA_FLAGS, "--seq-len", "--batch-size", "--split", "--device", "--json",
-              command="eval", defaults={"--batch-size": 16, "--device": RunConfig.device},
-              from_run=(*DATA_FLAGS, "--seq-len"), required=("--model",))
+    add_flags(parser, "--model", *DATA_FLAGS, "--seq-len", "--attention", "--batch-size", "--split", "--device",
+              "--json", command="eval", defaults={"--batch-size": 16, "--device": RunConfig.device},
+              from_run=(*DATA_FLAGS, "--seq-len", "--attention"), required=("--model",))
 
 
 def run(args: argparse.Namespace) -> int:
-    source, run_config = model_source(args.model)
+    source, run_config = model_source(args.model, attention=args.attention)
     base = run_config or Config()
     data = data_flags(args, base)
     tokenizer = model_tokenizer(args.tokenizer or base.model.tokenizer, args.model,

@@ -15,12 +15,12 @@ from pipelines.flags import add_flags
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `preinfer plan`; their defaults are `Settings`' (and the training default UFP)."""
-    plan = dict(command="plan",
-                defaults={"--seq-len": Settings.seq_len, "--epochs-per-visit": Settings.epochs_per_visit})
+    plan = dict(command="plan", defaults={"--seq-len": Settings.seq_len, "--epochs-per-visit": Settings.epochs_per_visit,
+                                          "--attention": Settings.attention})
     add_flags(parser, "--model", "--arch", "--gpu", "--gpu-mem", "--memory-budget", "--seq-len", "--micro-batch",
               **plan)
     add_flags(parser.add_mutually_exclusive_group(), "--ufp", "--blocks", **plan)
-    add_flags(parser, "--dtype", "--recompute", "--tokens", "--bandwidth-gbps", "--pipeline", "--epochs-per-visit",
+    add_flags(parser, "--dtype", "--recompute", "--attention", "--tokens", "--bandwidth-gbps", "--pipeline", "--epochs-per-visit",
               "--store-dtype", "--compression", "--price-per-hour", "--mfu", "--json", **plan)
 
 
@@ -31,7 +31,7 @@ def settings_from_args(args: argparse.Namespace, layers: int) -> Settings:
     blocks = args.blocks or blocks_for_ufp(args.ufp, layers)
     return Settings(
         seq_len=args.seq_len, micro_batch=args.micro_batch, dtype=args.dtype, recompute=args.recompute,
-        gpu=args.gpu, gpu_mem_gb=args.gpu_mem, blocks=blocks, tokens=args.tokens,
+        attention=args.attention, gpu=args.gpu, gpu_mem_gb=args.gpu_mem, blocks=blocks, tokens=args.tokens,
         bandwidth_gbps=args.bandwidth_gbps, price_per_hour=args.price_per_hour, mfu=args.mfu,
         compression=args.compression, store_dtype=args.store_dtype, pipeline=args.pipeline,
         epochs_per_visit=args.epochs_per_visit, budget_bytes=args.memory_budget,
@@ -61,7 +61,8 @@ def pipeline_command(result: MemoryPlan, model_spec: str | None) -> str:
     model = model_spec or f"<a {result.model['name']} model directory>"
     flags = [f"--model {model}", f"--blocks {auto['blocks']}", f"--pipeline {degree}", f"--microbatches {degree}",
              f"--batch-size {s['micro_batch'] * degree}", f"--seq-len {s['seq_len']}",
-             f"--precision {RUN_PRECISIONS[s['dtype']]}", *(["--recompute"] if s["recompute"] else [])]
+             f"--precision {RUN_PRECISIONS[s['dtype']]}", f"--attention {s['attention']}",
+             *(["--recompute"] if s["recompute"] else [])]
     return f"torchrun --nproc-per-node {degree} -m pipelines.cli bcd " + " ".join(flags)
 
 
@@ -71,7 +72,8 @@ def render(result: MemoryPlan, model_spec: str | None = None) -> str:
     m, s = result.model, result.settings
     lines = [
         f"model {m['name']} ({m['arch']}, {m['params'] / 1e9:.3g}B parameters, {m['layers']} layers); "
-        f"{s['dtype']}, seq {s['seq_len']} x micro-batch {s['micro_batch']}, {s['blocks']} blocks (UFP 1/{s['blocks']})",
+        f"{s['dtype']}, {s['attention']} attention, seq {s['seq_len']} x micro-batch {s['micro_batch']}, "
+        f"{s['blocks']} blocks (UFP 1/{s['blocks']})",
         f"GPU {s['gpu'] if s['gpu_mem_gb'] is None else str(s['gpu_mem_gb']) + ' GB'}: "
         f"{_gib(result.capacity_bytes)} GiB usable{' (--memory-budget)' if s['budget_bytes'] else ''}; "
         f"W (weight bytes) = {_gib(result.weight_bytes)} GiB",

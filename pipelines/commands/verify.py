@@ -17,9 +17,9 @@ from storage import open_store
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_flags(parser, "path", "--model", *DATA_FLAGS, "--sample", "--seed", "--model-seed", "--device",
+    add_flags(parser, "path", "--model", *DATA_FLAGS, "--attention", "--sample", "--seed", "--model-seed", "--device",
               "--s3-endpoint", command="verify", defaults={"--device": RunConfig.device},
-              from_run=(*DATA_FLAGS, "--model-seed"))
+              from_run=(*DATA_FLAGS, "--model-seed", "--attention"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,14 +31,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"no activation store or cache directory at {args.path}")
     staged = datasets = tokenizer = None
     if args.model:
-        source, run_config = model_source(args.model, args.model_seed)
+        parts = open_store(next(iter(found.values())), check_files=False).fingerprint.parts
+        source, run_config = model_source(args.model, args.model_seed, args.attention or parts.get("attention"))
         base = run_config or Config()
         staged = preinfer.stage(source.load().to(args.device).eval())
         tokenizer = model_tokenizer(args.tokenizer or base.model.tokenizer, args.model,
                                     base.model.chat_template).tokenizer
         data = data_flags(args, base)
-        data.seq_len = int(open_store(next(iter(found.values())), check_files=False).fingerprint.parts.get(
-            "seq_len", data.seq_len))
+        data.seq_len = int(parts.get("seq_len", data.seq_len))
         names = [s for s in found if s] or list(DEFAULT_SPLITS)
         datasets = data_splits(data, tokenizer, names, progress=False)
     checks = verify_cache(args.path, staged, datasets, tokenizer, samples=args.sample, seed=args.seed,

@@ -19,7 +19,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import preinfer
-from preinfer.config import load_config
+from preinfer.config import DEFAULT_ATTENTION, load_config
 from preinfer.errors import UsageError, first_line
 from preinfer.fingerprint import hash_tensors, named_prefix_tensors
 from preinfer.precision import cast_weights, weights_dtype
@@ -81,39 +81,40 @@ class Suffix:
     files: TensorFiles | None  # where the prefix lives, for a full export; None for presets
 
 
-def load_suffix(spec: str, boundary: int, seed: int = 0) -> Suffix:
+def load_suffix(spec: str, boundary: int, seed: int = 0, attention: str = DEFAULT_ATTENTION) -> Suffix:
     """The model `spec` (preset, save_pretrained directory or run directory) with only the suffix from
-    `boundary` in memory, in the dtype of its weight files. A preset is built whole from its seed and then loses
-    its prefix."""
+    `boundary` in memory, in the dtype of its weight files, running the `attention` implementation. A preset is
+    built whole from its seed and then loses its prefix."""
     if spec in PRESETS:
-        model = build_preset(spec, seed)
+        model = build_preset(spec, seed, attention)
         staged = preinfer.stage(model)
         digest = hash_tensors(named_prefix_tensors(staged, boundary))
         _keep_only(model, staged.suffix_modules(boundary))
         return Suffix(model, boundary, digest, None)
-    model, files = _load_modules(spec, lambda staged: staged.suffix_modules(boundary), f"boundary {boundary}")
+    model, files = _load_modules(spec, lambda staged: staged.suffix_modules(boundary), f"boundary {boundary}",
+                                 attention)
     staged = preinfer.stage(model)
     return Suffix(model, boundary, _file_digest(staged, boundary, files, _aliases(model)), files)
 
 
 def load_modules(spec: str, modules_of: Callable[[preinfer.StagedModel], list[nn.Module]], what: str,
-                 seed: int = 0) -> nn.Module:
+                 seed: int = 0, attention: str = DEFAULT_ATTENTION) -> nn.Module:
     """The model `spec` with only the tensors of `modules_of(staged model)` in memory (the rest on the meta
     device), read by name from its weight files; `what` names the part in errors. A preset is built whole from
     its seed (its initialisation draws every tensor in turn) and then loses the rest."""
     if spec in PRESETS:
-        model = build_preset(spec, seed)
+        model = build_preset(spec, seed, attention)
         _keep_only(model, modules_of(preinfer.stage(model)))
         return model
-    return _load_modules(spec, modules_of, what)[0]
+    return _load_modules(spec, modules_of, what, attention)[0]
 
 
 def _load_modules(spec: str, modules_of: Callable[[preinfer.StagedModel], list[nn.Module]],
-                  what: str) -> tuple[nn.Module, TensorFiles]:
+                  what: str, attention: str) -> tuple[nn.Module, TensorFiles]:
     """A model built on the meta device whose tensors used by `modules_of(staged)` are read from its files."""
     config, files = _config_and_files(spec)
     with torch.device("meta"):
-        model = cast_weights(AutoModelForCausalLM.from_config(config, attn_implementation="eager"), files.dtype())
+        model = cast_weights(AutoModelForCausalLM.from_config(config, attn_implementation=attention), files.dtype())
     staged = preinfer.stage(model)
     aliases = _aliases(model)
     stored = {id(t) for _, t in _persistent_tensors(model)}
@@ -169,16 +170,16 @@ def export_full(suffix: Suffix, out: Path) -> bool:
     return True
 
 
-def meta_model(spec: str) -> nn.Module:
+def meta_model(spec: str, attention: str = DEFAULT_ATTENTION) -> nn.Module:
     """The model `spec` names built on the meta device (no storage), in its weight files' dtype: its shape
     without its weights."""
     if spec in PRESETS:
-        config, dtype = preset_config(spec), torch.float32
+        config, dtype = preset_config(spec, attention), torch.float32
     else:
         config, files = _config_and_files(spec)
         dtype = files.dtype()
     with torch.device("meta"):
-        return cast_weights(AutoModelForCausalLM.from_config(config, attn_implementation="eager"), dtype)
+        return cast_weights(AutoModelForCausalLM.from_config(config, attn_implementation=attention), dtype)
 
 
 def export_from_weights(spec: str, weights: Path, out: Path) -> bool:

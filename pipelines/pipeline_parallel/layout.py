@@ -60,7 +60,7 @@ class PipelineLayout:
         stage = self.stages[self.mesh.stage]
         model = load_modules(self.config.model.name, lambda s: s.stage_modules(stage.start, stage.stop, stage.embed,
                                                                                stage.head),
-                             f"stage {self.mesh.stage}", seed=r.seed)
+                             f"stage {self.mesh.stage}", r.seed, self.config.model.attention)
         return to_device(model, r.device)
 
     def notes(self) -> list[str]:
@@ -120,7 +120,7 @@ def check_flags(config: Config) -> int:
 def stage_layout(config: Config, microbatches: int, first: int = 0) -> tuple[list[LayerSpan], list[int]]:
     """The stages of the run over layers `[first, L)` and each one's predicted peak (from the model's shape
     alone: no weights are read)."""
-    model = meta_model(config.model.name)
+    model = meta_model(config.model.name, config.model.attention)
     staged = preinfer.stage(model)
     if staged.expert_shares():
         raise UsageError(f"--pipeline: {config.model.name} is a mixture-of-experts model; its router loss spans "
@@ -131,7 +131,8 @@ def stage_layout(config: Config, microbatches: int, first: int = 0) -> tuple[lis
     shape = shape_from_config(model.config)
     r = config.run
     settings = Settings(seq_len=config.data.seq_len, micro_batch=config.data.batch_size // microbatches,
-                        dtype=PRECISION_DTYPES[precision], recompute=r.recompute)
+                        dtype=PRECISION_DTYPES[precision], recompute=r.recompute,
+                        attention=config.model.attention)
     stages = cut_stages(shape, settings, r.pipeline, blocks, microbatches, r.pipeline_schedule, first)
     peaks = [stage_cost(shape, settings, stage, j, r.pipeline, blocks, microbatches, r.pipeline_schedule)
              for j, stage in enumerate(stages)]

@@ -35,11 +35,11 @@ class OneProcess:
 
     def load(self, first: int) -> nn.Module:
         """The model on the run's device: whole, or above boundary `first` (the prefix on the meta device)."""
-        run = self.config.run
+        run, model = self.config.run, self.config.model
         if first == 0:
-            self.model = resolve_model(self.config.model.name, seed=run.seed).to(run.device)
+            self.model = resolve_model(model.name, run.seed, model.attention).to(run.device)
             return self.model
-        self.suffix = load_suffix(self.config.model.name, first, seed=run.seed)
+        self.suffix = load_suffix(model.name, first, run.seed, model.attention)
         return to_device(self.suffix.model, run.device)
 
     def notes(self) -> list[str]:

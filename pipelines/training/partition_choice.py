@@ -50,7 +50,7 @@ def budget_partition(staged: preinfer.StagedModel, config: Config, first_layer: 
                          "--separate-ends or give --blocks")
     shape = shape_from_config(staged.model.config)
     settings = budget_settings(memory_budget(config.blocks), precision, config.data.seq_len,
-                               config.data.batch_size, config.run.recompute)
+                               config.data.batch_size, config.run.recompute, config.model.attention)
     plan = blocks_for_budget(shape, settings, precision)
     return replace(make_partition(staged, num_blocks=plan.blocks), budget=plan)
 

@@ -1,7 +1,7 @@
 """Activations saved for backward, per layer and per step (elements -> bytes).
 
-Activations count what PyTorch's eager autograd saves for backward in the Hugging Face Llama and GPT-2 layers
-(eager attention), tensor by tensor, as `preinfer.memory.meter.MemoryMeter` measures it. A tensor saved by a
+Activations count what PyTorch's autograd saves for backward in the Hugging Face Llama and GPT-2 layers, with
+eager or sdpa attention, tensor by tensor, as `preinfer.memory.meter.MemoryMeter` measures it. A tensor saved by a
 linear layer for its weight gradient exists only when that layer trains; a tensor saved for the input gradient
 exists only when its input requires grad. Notation: b micro-batch, s sequence length, h hidden size, a heads, d head dim,
 i MLP width, V vocabulary, c bytes of one activation element (4 in float32, 2 in bf16).
@@ -16,6 +16,13 @@ Llama layer (RMSNorm, rotary attention, SwiGLU MLP), float32, trainable layer wh
   A frozen layer in the gradient path (above the active block) keeps x, rsqrt, q, k, v, probabilities, the
   residual sum, rsqrt, gate, SiLU and up outputs: 5*bsh + 3*bsi + b*a*s^2 + 2*bs. The first trainable layer
   above a frozen prefix (or a store) drops x and its rsqrt: 9*bsh + 4*bsi + b*a*s^2 + bs.
+With sdpa attention (PyTorch's scaled_dot_product_attention: flash on CPU and CUDA, memory-efficient on CUDA) no
+[b, a, s, s] tensor is saved: the kernel keeps q, k and v (k and v at the key/value heads: with no padding mask
+the framework passes GQA through, `enable_gqa`), its output (the o_proj input, one storage) and a float32
+log-sum-exp per query row, b*a*s; backward recomputes the probabilities. Llama's attention term becomes
+2*bsad + 2*b*s*kv*d elements + 4*b*a*s bytes, in every layer in the gradient path. A padded batch (conversations)
+passes a mask instead: k and v are then repeated to every head and the mask is saved per layer (b*s^2 elements);
+the planner prices unpadded batches (packed samples).
 GPT-2 layers are counted the same way (LayerNorm keeps input, mean, rstd; q, k, v are copied contiguous for
 the batched matmuls; tanh-GELU keeps four 4h tensors); dropout masks are counted at 1 byte (CUDA's fused
 dropout), while PyTorch's CPU path keeps c-byte float masks. Without dropout this matches the meter exactly.
@@ -36,46 +43,57 @@ from preinfer.memory.shapes import ModelShape
 
 
 def _llama_layer_acts(m: ModelShape, b: int, s: int, c: int, trainable: bool, input_grad: bool,
-                      index: int | None = None) -> int:
+                      index: int | None, attention: str) -> int:
     """Bytes Llama layer `index` saves for backward. A sparse (MoE) layer counts its MLP at the width one token
     activates (`mlp_width`), plus the router's float32 probabilities and each routed copy of a token's input
     (kept for the experts' weight gradients): an estimate, not checked against the meter."""
     bsh, bsad, probs = b * s * m.hidden, b * s * m.heads * m.head_dim, b * m.heads * s * s
+    bskd = b * s * m.kv_heads * m.head_dim
     bsi = b * s * m.mlp_width(index)
     routing = b * s * m.experts * 4 + (b * s * m.experts_per_token * m.hidden * c if trainable else 0)
     f32 = 4  # RMSNorm upcasts its input to float32 and keeps that copy and rsqrt in float32
     total = (bsh + b * s) * f32 if input_grad else 0  # norm 1: input (pow), rsqrt
-    if trainable:  # weight gradients: both norms' normalised x and outputs, o_proj input, down_proj input
-        total += 4 * bsh * c + bsad * c + bsi * c
-    total += 3 * bsad * c + probs * c  # q, repeated k, repeated v; softmax output (the matmul's input)
-    if c != f32:
-        total += probs * f32  # softmax runs with dtype=float32 and keeps that output, then a 16-bit copy
+    if trainable:  # weight gradients: both norms' normalised x and outputs, down_proj input
+        total += 4 * bsh * c + bsi * c
+    if attention == "sdpa":  # q, k, v at the key/value heads, output (= o_proj input), float32 log-sum-exp
+        total += (2 * bsad + 2 * bskd) * c + b * m.heads * s * f32
+    else:
+        total += bsad * c if trainable else 0  # o_proj input
+        total += 3 * bsad * c + probs * c  # q, repeated k, repeated v; softmax output (the matmul's input)
+        if c != f32:
+            total += probs * f32  # softmax runs with dtype=float32 and keeps that output, then a 16-bit copy
     total += (bsh + b * s) * f32  # norm 2: residual sum (pow), rsqrt
     total += routing if m.is_sparse(index) else 0
     return total + 3 * bsi * c  # gate output (SiLU input), SiLU output, up output
 
 
 def _gpt2_layer_acts(m: ModelShape, b: int, s: int, c: int, trainable: bool, input_grad: bool,
-                     index: int | None = None) -> int:
+                     index: int | None, attention: str) -> int:
     """Bytes one GPT-2 layer saves for backward (dropout masks: 1 byte each, CUDA's fused dropout)."""
     bsh, bsi, probs = b * s * m.hidden, b * s * m.intermediate, b * m.heads * s * s
     layer_norm = bsh * c + 2 * b * s * 4  # input, mean and rstd in float32 (for input and weight gradients)
     total = 2 * layer_norm  # ln_1 (its input or its weight needs grad), ln_2 (residual sum)
-    if trainable:  # weight gradients: c_attn, attention c_proj, c_fc, MLP c_proj inputs
-        total += 3 * bsh * c + bsi * c
-    total += 3 * bsh * c + probs * c  # contiguous q, k, v copies for the batched matmuls; softmax output
+    if trainable:  # weight gradients: c_attn, c_fc, MLP c_proj inputs
+        total += 2 * bsh * c + bsi * c
+    if attention == "sdpa":  # q, k, v as views of c_attn's output; output (= c_proj input); float32 log-sum-exp
+        total += 4 * bsh * c + b * m.heads * s * 4
+    else:
+        total += bsh * c if trainable else 0  # attention c_proj input
+        total += 3 * bsh * c + probs * c  # contiguous q, k, v copies for the batched matmuls; softmax output
     if m.dropout > 0:  # CUDA keeps a 1-byte mask; PyTorch's CPU path keeps a c-byte float mask instead
-        total += probs * (1 + c) + 2 * bsh  # attention dropout mask and output; two residual dropout masks
+        # eager: attention dropout mask and output (sdpa's kernels draw theirs again in backward); two residual
+        total += (probs * (1 + c) if attention == "eager" else 0) + 2 * bsh
     return total + 4 * bsi * c  # tanh-GELU as elementwise ops: x (pow), tanh output, 0.5*x, 1 + tanh
 
 
 def layer_activation_bytes(m: ModelShape, b: int, s: int, c: int, trainable: bool, input_grad: bool,
-                           index: int | None = None) -> int:
-    """Bytes decoder layer `index` saves for backward (0 when neither it nor anything below it trains)."""
+                           index: int | None, attention: str) -> int:
+    """Bytes decoder layer `index` saves for backward with `attention` (sdpa, eager) (0 when neither it nor
+    anything below it trains)."""
     if not trainable and not input_grad:
         return 0
     layer = _gpt2_layer_acts if m.arch == "gpt2" else _llama_layer_acts
-    return layer(m, b, s, c, trainable, input_grad, index)
+    return layer(m, b, s, c, trainable, input_grad, index, attention)
 
 
 def input_side_bytes(m: ModelShape, b: int, s: int, embed_trains: bool, any_layer_in_path: bool, c: int) -> int:
@@ -129,8 +147,10 @@ class StepActs:
 
 
 @functools.lru_cache(maxsize=4096)
-def step_activations(m: ModelShape, b: int, s: int, c: int, active: LayerSpan | None, recompute: bool) -> StepActs:
-    """Activations saved in one step with `active` training (None: every parameter trains, full Adam).
+def step_activations(m: ModelShape, b: int, s: int, c: int, active: LayerSpan | None, recompute: bool,
+                     attention: str) -> StepActs:
+    """Activations saved in one step with `active` training (None: every parameter trains, full Adam) and the
+    `attention` implementation (sdpa, eager).
 
     Layers below the active block run without grad (or are not resident, from a store): they save nothing.
     Recomputation (activation checkpointing of every layer in the gradient path) keeps each layer's 16/32-bit
@@ -141,7 +161,7 @@ def step_activations(m: ModelShape, b: int, s: int, c: int, active: LayerSpan | 
     head_trains = active is None or active.head
     input_grad, per_layer = embed_trains, []
     for layer in range(m.layers):
-        per_layer.append(layer_activation_bytes(m, b, s, c, layer in train, input_grad, layer))
+        per_layer.append(layer_activation_bytes(m, b, s, c, layer in train, input_grad, layer, attention))
         input_grad = input_grad or layer in train
     recomputed = ()
     if recompute:

@@ -21,12 +21,13 @@ def size_text(n: float) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.2f} MiB"
 
 
-def budget_settings(budget: int, precision: str, seq_len: int, micro_batch: int, recompute: bool) -> Settings:
+def budget_settings(budget: int, precision: str, seq_len: int, micro_batch: int, recompute: bool,
+                    attention: str) -> Settings:
     """The planner's settings of a run under a memory budget of `budget` bytes."""
     if precision not in PRECISION_DTYPES:
         raise UsageError(f"precision '{precision}' is not one of {', '.join(PRECISION_DTYPES)}")
     return Settings(seq_len=seq_len, micro_batch=micro_batch, dtype=PRECISION_DTYPES[precision],
-                    recompute=recompute, budget_bytes=budget)
+                    recompute=recompute, attention=attention, budget_bytes=budget)
 
 
 def blocks_for_budget(m: ModelShape, settings: Settings, precision: str) -> BudgetPlanRecord:

@@ -40,7 +40,8 @@ def _component_bytes(settings: Settings, resident: int, trainable: int) -> tuple
 def full_memory(m: ModelShape, settings: Settings, recompute: bool) -> Memory:
     """Full-parameter Adam on one GPU."""
     n = m.total_params()
-    acts = step_activations(m, settings.micro_batch, settings.seq_len, DTYPES[settings.dtype]["act"], None, recompute)
+    acts = step_activations(m, settings.micro_batch, settings.seq_len, DTYPES[settings.dtype]["act"], None, recompute,
+                            settings.attention)
     return Memory(*_component_bytes(settings, n, n), acts.total()).finish(settings.capacity())
 
 
@@ -57,7 +58,8 @@ def bcd_memory(m: ModelShape, settings: Settings, blocks: list[LayerSpan], k: in
         resident += m.vocab * m.hidden if (m.tied and not block.embed) else 0
         resident += m.embed_params() if block.embed else 0
     c = DTYPES[settings.dtype]["act"]
-    acts = step_activations(m, settings.micro_batch, settings.seq_len, c, block, settings.recompute)
+    acts = step_activations(m, settings.micro_batch, settings.seq_len, c, block, settings.recompute,
+                            settings.attention)
     memory = Memory(*_component_bytes(settings, resident, block_params(m, block)), acts.total())
     memory.note = f"block {k} (layers {block.start}-{block.stop - 1})"
     return memory.finish(settings.capacity())
@@ -84,7 +86,8 @@ def stage_bytes(m: ModelShape, settings: Settings, stage: LayerSpan, active: Lay
     optimizer state for the part of the active block it holds, and the activations of `in_flight` micro-batches
     (none below the active block, which runs forward only)."""
     c = DTYPES[settings.dtype]["act"]
-    acts = step_activations(m, settings.micro_batch, settings.seq_len, c, active, settings.recompute)
+    acts = step_activations(m, settings.micro_batch, settings.seq_len, c, active, settings.recompute,
+                            settings.attention)
     params = block_params(m, stage)
     params += m.vocab * m.hidden if m.tied and stage.head and not stage.embed else 0  # its copy of the tied weight
     if active is None:

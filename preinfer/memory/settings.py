@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from preinfer.config import DEFAULT_ATTENTION
+
 
 GB = 10**9  # GPU memory is sold in decimal gigabytes (a "24 GB" RTX 4090 has 24e9 bytes, about 22.4 GiB)
 GIB = 2**30
@@ -45,6 +47,7 @@ class Settings:
     micro_batch: int = 1
     dtype: str = "float32"
     recompute: bool = False
+    attention: str = DEFAULT_ATTENTION  # sdpa (no [T, T] probabilities saved) or eager
     gpu: str = "4090"
     gpu_mem_gb: float | None = None  # overrides the GPU table's memory
     blocks: int = 3
