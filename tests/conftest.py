@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.helpers.corpus_samples import paragraphs_corpus, write_corpus
+from tests.helpers.pinned_rates import PINNED, pin_rates
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
@@ -38,3 +39,11 @@ def workdir(tmp_path, monkeypatch):
     work.mkdir()
     monkeypatch.chdir(work)
     return work
+
+
+@pytest.fixture
+def pinned_rates(monkeypatch):
+    """Pre-inference plans with `pinned_rates.PINNED` wherever it would measure a throughput (for tests that assert
+    which visits read a store or how a store is made: those choices follow the measured speeds)."""
+    pin_rates(monkeypatch.setattr)
+    return PINNED

@@ -20,6 +20,8 @@ from preinfer.config import BlockConfig
 from preinfer.memory.settings import Settings
 from tests.helpers.cli_run import run_cli
 
+# Seconds a child command may take: one that imports torch takes ~40 s on a loaded 2-core machine.
+CHILD_TIMEOUT_S = 240
 TINY = ["--model", "tiny-llama", "--seq-len", "32", "--batch-size", "4", "--steps-per-visit", "2",
         "--eval-tokens", "256", "--lr", "1e-3"]
 
@@ -105,7 +107,7 @@ def test_a_decaying_rate_without_a_visit_length_is_refused_before_anything_is_wr
 def test_the_console_entry_point_reports_errors_without_traceback(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "pipelines.cli", "bcd", "--model", "nope", "--out", str(tmp_path / "r")],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "nope" in proc.stderr and "Traceback" not in proc.stderr
@@ -285,7 +287,7 @@ def test_cuda_from_a_config_file_on_a_cpu_only_pytorch_is_refused(tmp_path, caps
 @pytest.mark.slow
 def test_cuda_through_the_console_entry_point_on_this_pytorch(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pipelines.cli", "eval", "--model", "tiny-llama", "--device",
-                           "cuda:99"], capture_output=True, text=True, timeout=120)
+                           "cuda:99"], capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert f"PyTorch {torch.__version__}" in proc.stderr
 
@@ -299,7 +301,7 @@ def test_importing_the_packages_changes_no_process_setting():
     code = ("import os, pipelines, preinfer, storage, pipelines.cli, pipelines.flags, pipelines.training; "
             "assert not {'OMP_WAIT_POLICY'} & set(os.environ), os.environ['OMP_WAIT_POLICY']")
     proc = subprocess.run([sys.executable, "-c", code], env=clean_environment(), capture_output=True, text=True,
-                          timeout=120)
+                          timeout=CHILD_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr
 
 
@@ -315,7 +317,7 @@ def test_the_command_line_sets_omp_wait_policy_unless_the_environment_does(monke
 def imported_modules(*argv: str) -> set[str]:
     """The modules `python -X importtime -m pipelines.cli ARGV` imports."""
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "pipelines.cli", *argv],
-                          env=clean_environment(), capture_output=True, text=True, timeout=120)
+                          env=clean_environment(), capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
     assert len(lines) > 20  # the report is there
@@ -338,7 +340,7 @@ def test_only_the_chosen_command_module_is_imported(argv):
     code = ("import sys\nfrom pipelines.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
             "print(' '.join(sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code, *argv], env=clean_environment(), capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=CHILD_TIMEOUT_S)
     modules = set(proc.stdout.split())
     commands = {m for m in modules if m.startswith("pipelines.commands.")}
     assert commands == ({"pipelines.commands.plan"} if argv[0] == "plan" else set())

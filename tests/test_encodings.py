@@ -318,7 +318,9 @@ def test_train_from_a_lossy_cache_reads_decoded_states(lossy_cache, tmp_path, ca
 
 
 @pytest.mark.slow
-def test_bcd_builds_and_rolls_forward_lossy_stores(tmp_path, corpus):
+def test_bcd_builds_and_rolls_forward_lossy_stores(tmp_path, corpus, pinned_rates):
+    """With pre-inference on, the stores of an ascending sweep are made from the input, then rolled forward (a
+    layer's forward pinned slow enough against the disk for that to be the cheaper way), in float8."""
     from pipelines import training
     from tests.helpers.training_runs import cache_records, config_for
 

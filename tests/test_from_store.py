@@ -20,6 +20,7 @@ from preinfer.metrics import CacheRecord, PlanOutcomeRecord, SweepPlanRecord, re
 from preinfer.run_dir import RunDir
 from preinfer.batch_source import LiveSources
 from tests.helpers.corpus_samples import paragraphs_corpus
+from tests.helpers.pinned_rates import PINNED, pin_layer_forward
 from tests.helpers.training_runs import assert_close, cache_and_model, cache_records, config_for, torchrun, weights
 
 
@@ -41,14 +42,12 @@ def test_bcd_on_and_off_end_with_the_same_weights(tmp_path, corpus, preset, atte
 
 
 @pytest.mark.slow
-def test_auto_forced_to_stores_ends_with_the_weights_of_off_and_revises_its_plan(tmp_path, corpus, monkeypatch):
-    """A prefix forward assumed 1000x slower than it is makes `auto` plan stores (visits of two epochs, rolled
-    forward); the first store built measures
-    the real speed, and the rest of the sweep is planned again (logged). Weights equal `off`'s either way."""
-    from pipelines.training.pre_inference import probe
-
-    measure = probe.layer_seconds
-    monkeypatch.setattr(probe, "layer_seconds", lambda staged, batch: 1000 * measure(staged, batch))
+def test_auto_forced_to_stores_ends_with_the_weights_of_off_and_revises_its_plan(tmp_path, corpus, monkeypatch,
+                                                                                 pinned_rates):
+    """A prefix forward first estimated 1000x slower than the stores then measure it (both given, not timed) makes
+    `auto` plan stores (visits of two epochs, rolled forward); the first store built measures the other speed, and
+    the rest of the sweep is planned again (logged). Weights equal `off`'s either way."""
+    pin_layer_forward(monkeypatch.setattr, 1000 * pinned_rates.layer_seconds)
     off_config = config_for(tmp_path, corpus, "off", mode="off")
     auto_config = config_for(tmp_path, corpus, "auto", mode="auto")
     for config in (off_config, auto_config):
@@ -59,8 +58,7 @@ def test_auto_forced_to_stores_ends_with_the_weights_of_off_and_revises_its_plan
     records = read_metrics(RunDir(auto_config.run.out).metrics)
     plans = [r for r in records if isinstance(r, SweepPlanRecord)]
     assert plans[0].reason == "sweep start" and plans[0].sources[1] > 0 and plans[0].predicted_s < plans[0].live_s
-    # the store for block 1 is made; whether block 1 still reads it is the revised plan's call (at the real speed,
-    # a one-layer prefix may cost less than reading, depending on the machine's load)
+    # the store for block 1 is made; whether block 1 still reads it is the revised plan's call
     assert any(r.boundary == plans[0].sources[1] and r.how == "input" for r in cache_records(auto_config.run.out))
     assert any(p.reason.startswith("revised: layer_seconds") for p in plans[1:])
     outcome = [r for r in records if isinstance(r, PlanOutcomeRecord)]
@@ -73,9 +71,12 @@ def test_auto_times_the_disk_before_its_first_plan(tmp_path, corpus, monkeypatch
     assumed ones (visits of two epochs, the assumed fixed cost of a store and of the probe set to 0); `on` needs no
     probe, nor does `auto` when no store could pay even on a free disk (one step a visit: a store's prefix forward
     over the split costs more than the visit's), nor when the stores of this tiny model could not save the probe's
-    own assumed cost (the same run as the first, `PROBE_COST_S` left as it is)."""
+    own assumed cost (the same run as the first, `PROBE_COST_S` left as it is). The layer forward those choices
+    weigh is given (`PINNED`), not timed; the disk is measured."""
     from pipelines.training.pre_inference import probe
     from pipelines.training.pre_inference.probe import ASSUMED_READ_BPS, ASSUMED_WRITE_BPS
+
+    pin_layer_forward(monkeypatch.setattr, PINNED.layer_seconds)
 
     auto_config = config_for(tmp_path, corpus, "auto", mode="auto")
     on_config = config_for(tmp_path, corpus, "on", mode="on")
@@ -156,7 +157,8 @@ def test_a_visit_resumed_mid_sweep_is_planned_on_its_own(tmp_path, corpus):
 
 
 @pytest.mark.slow
-def test_an_ascending_sweep_runs_the_prefix_from_the_input_once(tmp_path, corpus):
+def test_an_ascending_sweep_runs_the_prefix_from_the_input_once(tmp_path, corpus, pinned_rates):
+    """With a layer's forward pinned slow enough against the disk, each store above the first is rolled forward."""
     config = config_for(tmp_path, corpus, "asc", mode="on")
     config.blocks.blocks = 4
     config.blocks.sweeps = 2
@@ -169,9 +171,10 @@ def test_an_ascending_sweep_runs_the_prefix_from_the_input_once(tmp_path, corpus
 
 
 @pytest.mark.slow
-def test_a_stale_store_is_rebuilt_not_used(tmp_path, corpus, monkeypatch):
-    """Descending `on` builds its stores at the sweep start; a prefix weight changed between visits makes the
-    next visit rebuild its store instead of reusing it."""
+def test_a_stale_store_is_rebuilt_not_used(tmp_path, corpus, monkeypatch, pinned_rates):
+    """Descending `on` builds its stores at the sweep start (a layer's forward pinned slow enough against the disk
+    for the upper to be rolled forward from the lower); a prefix weight changed between visits makes the next visit
+    rebuild its store instead of reusing it."""
     from pipelines.training.pre_inference import PreInference
 
     config = config_for(tmp_path, corpus, "stale", mode="on")
@@ -280,8 +283,8 @@ class BothRanks:
 def data_parallel(tmp_path_factory) -> Path:
     """One torchrun job of two gloo ranks for the data-parallel tests (one start-up for all): `train --store` of
     a cache at boundary 2 in fp32 and in bf16-mixed (batch 2 a rank), then bcd with pre-inference on and off (2
-    sweeps of 2 steps a visit) and auto (one visit of layers 2-3, long enough for stores to pay); returns its
-    directory (corpus.txt, model, cache and a run directory each)."""
+    sweeps of 2 steps a visit) and auto (one visit of layers 2-3, long enough for stores to pay at the pinned
+    throughputs); returns its directory (corpus.txt, model, cache and a run directory each)."""
     tmp = tmp_path_factory.mktemp("data-parallel")
     corpus = paragraphs_corpus(tmp / "corpus.txt")
     model_dir, store = cache_and_model(tmp, corpus)
@@ -295,7 +298,7 @@ def data_parallel(tmp_path_factory) -> Path:
              for mode in ("on", "off")]
     runs.append([*bcd, "--active", "2-3", "--steps-per-visit", "400", "--pre-inference", "auto", "--out",
                  str(tmp / "auto")])
-    torchrun(tmp, 2, runs)
+    torchrun(tmp, 2, runs, pinned=True)
     return tmp
 
 

@@ -22,6 +22,23 @@ pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 60
+# `preinfer bcd` that, once it has logged its first step, waits until the test says it has sent its signal (the
+# file SIGNAL_SENT names appears): the signal arrives mid-visit however slowly the test is scheduled.
+HELD_BCD = """
+import os, pathlib, sys, time
+from pipelines.cli import main
+from preinfer.metrics import MetricsLog, StepRecord
+
+write, sent = MetricsLog.write, pathlib.Path(os.environ["SIGNAL_SENT"])
+
+def write_then_wait(self, record):
+    write(self, record)
+    while isinstance(record, StepRecord) and record.step == 1 and not sent.exists():
+        time.sleep(0.01)
+
+MetricsLog.write = write_then_wait
+sys.exit(main(sys.argv[1:]))
+"""
 
 
 def bcd_args(corpus: str, out: Path) -> list[str]:
@@ -31,16 +48,19 @@ def bcd_args(corpus: str, out: Path) -> list[str]:
 
 
 def interrupt(corpus: str, out: Path, signum: int) -> subprocess.CompletedProcess:
-    """Run `preinfer bcd` in a child process and send it `signum` once it has logged its first step."""
-    child = subprocess.Popen([sys.executable, "-m", "pipelines.cli", *bcd_args(corpus, out)], cwd=ROOT,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    """Run `preinfer bcd` in a child process and send it `signum` once it has logged its first step (it waits there
+    until the signal is sent)."""
+    sent = out.parent / f"{out.name}.signal-sent"
+    child = subprocess.Popen([sys.executable, "-c", HELD_BCD, *bcd_args(corpus, out)], cwd=ROOT,
+                             env={**os.environ, "OMP_NUM_THREADS": "1", "SIGNAL_SENT": str(sent)},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = RunDir(out).metrics
     deadline = time.monotonic() + 300
     while not (metrics.is_file() and '"kind": "step"' in metrics.read_text()):
         assert child.poll() is None and time.monotonic() < deadline, "the run ended before its first step"
         time.sleep(0.01)
     child.send_signal(signum)
+    sent.touch()
     stdout, stderr = child.communicate(timeout=300)
     return subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
 

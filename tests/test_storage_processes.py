@@ -47,7 +47,8 @@ def content(store, i):
             "labels": torch.arange(start, stop)[:, None].expand(-1, 16).contiguous()}
 
 
-def wait_for(path: pathlib.Path, proc: subprocess.Popen, timeout: float = 60) -> None:
+def wait_for(path: pathlib.Path, proc: subprocess.Popen, timeout: float = 240) -> None:
+    """Until the child touches `path` (it starts Python and imports torch first: minutes on a loaded machine)."""
     deadline = time.monotonic() + timeout
     while not path.exists():
         assert proc.poll() is None, proc.communicate()

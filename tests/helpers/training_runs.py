@@ -49,10 +49,11 @@ def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
         assert relative.item() <= 1e-5, (name, relative.item())
 
 
-def torchrun(tmp_path: Path, procs: int, runs: list[list[str]]) -> subprocess.CompletedProcess:
-    """The `preinfer` command lines `runs` in one torchrun job of `procs` gloo ranks."""
+def torchrun(tmp_path: Path, procs: int, runs: list[list[str]], pinned: bool = False) -> subprocess.CompletedProcess:
+    """The `preinfer` command lines `runs` in one torchrun job of `procs` gloo ranks (`pinned`: pre-inference plans
+    with `pinned_rates.PINNED`, not with what it measures)."""
     listing = tmp_path / f"runs-{procs}.json"
-    listing.write_text(json.dumps(runs))
+    listing.write_text(json.dumps({"pinned": pinned, "runs": runs}))
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--standalone",
          str(ROOT / "tests" / "helpers" / "pipeline_driver.py"), str(listing)],
