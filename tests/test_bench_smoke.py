@@ -177,3 +177,21 @@ def test_peers_plain_loop_trains_like_preinfer_bcd_on_the_same_batches(tmp_path,
     assert plain["steps"] == mine["steps"] == 2 * args.steps
     assert plain["tracked_peak"] > 0 and mine["tracked_peak"] > 0
     assert mine["stamps"] == sorted(mine["stamps"][:args.steps]) + sorted(mine["stamps"][args.steps:])
+
+
+def test_chat_data_writes_a_conversation_per_prose_section(tmp_path):
+    out = tmp_path / "pydoc-chat.jsonl"
+    assert _load("chat_data").main(["--out", str(out)]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    from pydoc_data.topics import topics
+
+    assert len(topics) < len(records)  # sections, not only topics
+    for record in records:
+        user, assistant = record["messages"]
+        assert user["role"] == "user" and user["content"].startswith("What is ") and user["content"].endswith(
+            " in Python?")
+        assert assistant["role"] == "assistant" and len(assistant["content"]) >= 40
+        assert "\n" not in assistant["content"] and not assistant["content"].startswith(" ")
+    first = records[0]["messages"]
+    assert first[0]["content"] == 'What is The "assert" statement in Python?'
+    assert first[1]["content"] == " ".join(topics["assert"].split("\n\n")[1].split())
