@@ -55,7 +55,7 @@ def main() -> None:
     import preinfer
     from pipelines.cache import CacheOptions, cache_boundary
     from pipelines.cache.dask_runner import shutdown_local_clusters
-    from pipelines.data.samples import TokenDataset, load_data
+    from pipelines.data.in_memory import TokenDataset, load_data
     from preinfer.presets import build_preset
     from pipelines.data.tokenizers import load_tokenizer
 

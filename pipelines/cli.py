@@ -102,7 +102,7 @@ def _failures() -> tuple[type[Exception], ...]:
 
 
 def show_framework_messages() -> None:
-    """Print what `preinfer`'s loggers say at INFO (the framework's messages, `preinfer.presets.FRAMEWORK_LOG`)
+    """Print what `preinfer`'s loggers say at INFO (the framework's messages, `preinfer.model_config.FRAMEWORK_LOG`)
     to stderr."""
     logger = logging.getLogger("preinfer")
     if not logger.handlers:

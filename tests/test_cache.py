@@ -17,7 +17,7 @@ from pipelines.cache import local_runner, parse_dask, shards
 from pipelines.cache.fingerprints import store_fields
 from pipelines.cache.options import LocalWorkers, Part, SchedulerAddress
 from pipelines.cache.result import CacheJobError
-from pipelines.data.samples import TokenDataset, load_data
+from pipelines.data.in_memory import TokenDataset, load_data
 from pipelines.data.tokenizers import load_tokenizer
 from storage import StaleStoreError, create_store, open_store
 from tests.helpers.cache_jobs import (

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from pipelines.data.corpus import read_documents
-from pipelines.data.samples import IGNORE_INDEX, TokenDataset, format_prompt, in_eval_split, load_data, sample_blocks
+from pipelines.data.samples import IGNORE_INDEX, format_prompt, in_eval_split
+from pipelines.data.in_memory import TokenDataset, load_data, sample_blocks
 from preinfer.presets import BYTE_EOS_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE
 from pipelines.data.tokenizers import load_tokenizer
 from tests.helpers.corpus_samples import CASES, write_corpora

@@ -32,7 +32,7 @@ ALLOWED = {
     ("storage/blobs.py", "MemoryBlobs.read", "FileNotFoundError"):
         "Blobs.read's contract: a missing blob raises FileNotFoundError, as a missing file (LocalBlobs) and a missing "
         "fsspec object (FsspecBlobs) do; its callers catch exactly that",
-    ("pipelines/data/samples.py", "TokenDataset.__getitem__", "IndexError"):
+    ("pipelines/data/in_memory.py", "TokenDataset.__getitem__", "IndexError"):
         "the sequence protocol: an index out of range is an IndexError (iteration by index stops on it)",
     ("pipelines/data/token_store/dataset.py", "TokenStoreDataset._positions", "IndexError"):
         "the index check of TokenStoreDataset.__getitem__: the sequence protocol's IndexError",

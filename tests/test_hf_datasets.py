@@ -9,7 +9,7 @@ import torch
 
 from tests.helpers.chat_templates import CHATML, save_tokenizer
 from pipelines.data.corpus import read_documents
-from pipelines.data.samples import load_data
+from pipelines.data.in_memory import load_data
 from pipelines.data.tokenizers import load_tokenizer
 from preinfer.errors import UsageError
 

@@ -10,13 +10,13 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from pipelines.cli import main
-from pipelines.models import resolve_model
+from pipelines.models import load_model, resolve_model
 from preinfer.config import Config, dump_toml, load_config
 from preinfer.errors import UsageError
 from preinfer.memory.meter import MemoryMeter
 from preinfer.metrics import StepRecord, read_metrics
 from preinfer.precision import LossScaler, resolve_precision
-from preinfer.presets import build_preset, load_model
+from preinfer.presets import build_preset
 from preinfer.run_dir import RunDir
 from tests.helpers.trainers import make_trainer, snapshot
 

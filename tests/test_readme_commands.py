@@ -9,6 +9,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipelines.cli import COMMANDS, build_parser, main
 
@@ -122,3 +123,17 @@ def test_every_relative_link_resolves(page: Path):
         linked = (page.parent / path).resolve() if path else page
         assert linked.is_file(), f"{page.name}: {target}"
         assert not anchor or anchor in _anchors(linked), f"{page.name}: {target}"
+
+
+def test_the_in_memory_data_example_runs():
+    """concepts.md's example of `pipelines.data.in_memory` runs as written and gives what its comments say."""
+    blocks = [block for page in PAGES for block in re.findall(r"^```python\n(.*?)^```", page.read_text(), re.S | re.M)
+              if "pipelines.data.in_memory" in block]
+    assert len(blocks) == 1
+    names: dict = {}
+    exec(blocks[0], names)
+    data, batch = names["data"], names["batch"]
+    assert {key: tuple(value.shape) for key, value in batch.items()} == {
+        "input_ids": (8, 64), "attention_mask": (8, 64), "labels": (8, 64)}
+    streamed = torch.cat([torch.from_numpy(block.ids.astype("int64")) for block in names["blocks"]])
+    assert torch.equal(streamed, data.input_ids)

@@ -13,7 +13,7 @@ from preinfer.config import load_config
 from preinfer.memory.meter import MemoryMeter
 from preinfer.partition import make_partition
 from preinfer.presets import build_preset
-from pipelines.data.samples import TokenDataset
+from pipelines.data.in_memory import TokenDataset
 from preinfer.run_dir import RunDir
 from preinfer.trainer import Trainer
 from pipelines.data.batches import live_sources

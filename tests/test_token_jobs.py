@@ -17,7 +17,7 @@ from pipelines.data.token_store import TokenizeOptions, TokenStoreDataset, token
 from pipelines.data.token_store.resolve import default_token_root
 from pipelines.training import load_datasets
 from preinfer.config import Config, load_config
-from pipelines.data.samples import TokenDataset, load_data
+from pipelines.data.in_memory import TokenDataset, load_data
 from preinfer.errors import UsageError
 from preinfer.run_dir import RunDir
 from preinfer.batch_source import LiveSources

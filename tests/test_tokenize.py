@@ -26,7 +26,8 @@ from pipelines.data.token_store import TokenizeOptions, TokenStoreDataset, cache
 from pipelines.data.token_store.layout import store_fields
 from pipelines.data.token_store.staging import Staging
 from pipelines.data.corpus import corpus_fingerprint, read_documents
-from pipelines.data.samples import id_dtype, load_data
+from pipelines.data.samples import id_dtype
+from pipelines.data.in_memory import load_data
 from preinfer.errors import UsageError
 from pipelines.data.tokenizers import load_tokenizer
 from tests.helpers.corpus_samples import (

@@ -24,7 +24,8 @@ class NoBatchesError(PreinferError):
 
 
 class TokenSamples(Protocol):
-    """Token samples by index (`pipelines.data.token_store.TokenStoreDataset`, or `pipelines.data.samples.TokenDataset`)."""
+    """Token samples by index (`pipelines.data.token_store.TokenStoreDataset`, or
+    `pipelines.data.in_memory.TokenDataset`)."""
 
     @property
     def seq_len(self) -> int: ...

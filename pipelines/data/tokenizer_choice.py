@@ -20,7 +20,8 @@ from pipelines.data.tokenizers import Tokenizer, load_tokenizer
 from pipelines.models import is_run_dir
 from preinfer.config import load_config
 from preinfer.errors import UsageError
-from preinfer.presets import PRESETS, local_config
+from preinfer.model_config import local_config
+from preinfer.presets import PRESETS
 from preinfer.run_dir import RunDir
 
 AUTO = "auto"

@@ -1,76 +1,30 @@
-"""Suffix-only models: everything from boundary k on is loaded, the prefix never is.
+"""Part of a model in memory: the suffix from boundary k (`load_suffix`; the prefix is never loaded) or any set of
+its modules, such as a pipeline stage's (`load_modules`).
 
-The model is built on the meta device (no storage), then only the tensors that layers >= k, the head, shared
-modules (rotary tables) and a tied embedding use are read from the weight files, one by one. The prefix's
-fingerprint is hashed by streaming its tensors from the same files without keeping them.
+The model is built on the meta device (no storage), then only the tensors the part uses (for a suffix: layers >= k,
+the head, shared modules such as rotary tables, and a tied embedding) are read from the weight files, one by one.
+The prefix's fingerprint is hashed by streaming its tensors from the same files without keeping them.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
 import preinfer
 from preinfer.config import DEFAULT_ATTENTION, load_config
-from preinfer.errors import UsageError, first_line
+from preinfer.errors import UsageError
 from preinfer.fingerprint import hash_tensors, named_prefix_tensors
-from preinfer.precision import cast_weights, weights_dtype
+from preinfer.precision import cast_weights
 from preinfer.presets import PRESETS, build_preset, preset_config
 from preinfer.run_dir import RunDir
-from pipelines.models import is_run_dir
-
-
-SAFETENSORS_FLOATS = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
-
-
-class TensorFiles:
-    """Read-only access by name to the tensors of one or more safetensors files."""
-
-    def __init__(self, files: list[Path]):
-        self.files = files
-        self.where: dict[str, Path] = {}
-        for file in files:
-            try:
-                with safe_open(str(file), "pt") as f:
-                    for key in f.keys():
-                        self.where[key] = file
-            except (OSError, SafetensorError) as err:
-                raise UsageError(f"cannot read the weights in {file}: {first_line(err)}") from None
-
-    @classmethod
-    def of_directory(cls, directory: Path) -> TensorFiles:
-        """The weight files of a save_pretrained directory (single file or sharded with an index)."""
-        index = directory / "model.safetensors.index.json"
-        if index.is_file():
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            return cls([directory / name for name in names])
-        if (directory / "model.safetensors").is_file():
-            return cls([directory / "model.safetensors"])
-        raise UsageError(f"{directory} holds no model.safetensors (or index): cannot load a suffix from it")
-
-    def find(self, aliases: list[str]) -> str | None:
-        return next((name for name in aliases if name in self.where), None)
-
-    def get(self, name: str) -> torch.Tensor:
-        with safe_open(str(self.where[name]), "pt") as f:
-            return f.get_tensor(name)
-
-    def dtype(self) -> torch.dtype:
-        """The dtype of the first floating-point tensor (what `from_pretrained` loads the model in)."""
-        for name, file in self.where.items():
-            with safe_open(str(file), "pt") as f:
-                kind = f.get_slice(name).get_dtype()
-            if kind in SAFETENSORS_FLOATS:
-                return SAFETENSORS_FLOATS[kind]
-        return torch.float32
+from pipelines.models.source import is_run_dir
+from pipelines.models.tensor_files import TensorFiles, persistent_tensors, tensor_aliases
 
 
 @dataclass
@@ -94,7 +48,7 @@ def load_suffix(spec: str, boundary: int, seed: int = 0, attention: str = DEFAUL
     model, files = _load_modules(spec, lambda staged: staged.suffix_modules(boundary), f"boundary {boundary}",
                                  attention)
     staged = preinfer.stage(model)
-    return Suffix(model, boundary, _file_digest(staged, boundary, files, _aliases(model)), files)
+    return Suffix(model, boundary, _file_digest(staged, boundary, files, tensor_aliases(model)), files)
 
 
 def load_modules(spec: str, modules_of: Callable[[preinfer.StagedModel], list[nn.Module]], what: str,
@@ -112,12 +66,12 @@ def load_modules(spec: str, modules_of: Callable[[preinfer.StagedModel], list[nn
 def _load_modules(spec: str, modules_of: Callable[[preinfer.StagedModel], list[nn.Module]],
                   what: str, attention: str) -> tuple[nn.Module, TensorFiles]:
     """A model built on the meta device whose tensors used by `modules_of(staged)` are read from its files."""
-    config, files = _config_and_files(spec)
+    config, files = config_and_files(spec)
     with torch.device("meta"):
         model = cast_weights(AutoModelForCausalLM.from_config(config, attn_implementation=attention), files.dtype())
     staged = preinfer.stage(model)
-    aliases = _aliases(model)
-    stored = {id(t) for _, t in _persistent_tensors(model)}
+    aliases = tensor_aliases(model)
+    stored = {id(t) for _, t in persistent_tensors(model)}
     for tensor in _tensors_of(modules_of(staged)):
         if id(tensor) not in stored:
             continue  # derived from the config (rotary tables): rebuilt below
@@ -145,52 +99,16 @@ def to_device(model: nn.Module, device: str | torch.device) -> nn.Module:
     return model
 
 
-def export_full(suffix: Suffix, out: Path) -> bool:
-    """Write a complete save_pretrained directory in the model's resident dtype: trained suffix from memory, prefix
-    copied from the source files. False (nothing written) when the prefix is not available."""
-    model = suffix.model
-    tensors: dict[str, torch.Tensor] = {}
-    aliases = _aliases(model)
-    seen: set[int] = set()
-    for name, tensor in _persistent_tensors(model):
-        if id(tensor) in seen:
-            continue
-        seen.add(id(tensor))
-        if not tensor.is_meta:
-            tensors[name] = tensor.detach().contiguous()
-            continue
-        source = suffix.files.find(aliases[id(tensor)]) if suffix.files is not None else None
-        if source is None:
-            return False
-        tensors[name] = suffix.files.get(source).to(tensor.dtype)
-    out.mkdir(parents=True, exist_ok=True)
-    model.config.dtype = weights_dtype(model)
-    model.config.save_pretrained(out)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return True
-
-
 def meta_model(spec: str, attention: str = DEFAULT_ATTENTION) -> nn.Module:
     """The model `spec` names built on the meta device (no storage), in its weight files' dtype: its shape
     without its weights."""
     if spec in PRESETS:
         config, dtype = preset_config(spec, attention), torch.float32
     else:
-        config, files = _config_and_files(spec)
+        config, files = config_and_files(spec)
         dtype = files.dtype()
     with torch.device("meta"):
         return cast_weights(AutoModelForCausalLM.from_config(config, attn_implementation=attention), dtype)
-
-
-def export_from_weights(spec: str, weights: Path, out: Path) -> bool:
-    """A save_pretrained directory of the model `spec` with every tensor read by name from `weights` (a
-    pipeline run's gathered stages), and those `weights` lacks (the prefix below a store) from `spec`'s own
-    files; False (nothing written) when they are not there (a preset's prefix)."""
-    model = meta_model(spec)
-    own = [] if spec in PRESETS else _config_and_files(spec)[1].files
-    files = TensorFiles([*own, weights])  # a name in both: the trained tensor
-    cast_weights(model, TensorFiles([weights]).dtype())
-    return export_full(Suffix(model, 0, None, files), out)
 
 
 def prefix_digest(spec: str, boundary: int, seed: int = 0) -> Suffix:
@@ -201,13 +119,14 @@ def prefix_digest(spec: str, boundary: int, seed: int = 0) -> Suffix:
         digest = hash_tensors(named_prefix_tensors(preinfer.stage(build_preset(spec, seed)), boundary))
         return Suffix(meta_model(spec), boundary, digest, None)
     model = meta_model(spec)
-    files = _config_and_files(spec)[1]
+    files = config_and_files(spec)[1]
     staged = preinfer.stage(model)
     staged.rebuild_shared_modules()
-    return Suffix(model, boundary, _file_digest(staged, boundary, files, _aliases(model)), files)
+    return Suffix(model, boundary, _file_digest(staged, boundary, files, tensor_aliases(model)), files)
 
 
-def _config_and_files(spec: str):
+def config_and_files(spec: str) -> tuple[PreTrainedConfig, TensorFiles]:
+    """The config of the model `spec` (a run directory: its base model's) and the files that hold its weights."""
     path = Path(spec)
     if is_run_dir(spec):
         run = RunDir(spec)
@@ -239,14 +158,6 @@ def _file_digest(staged, boundary: int, files: TensorFiles, aliases: dict[int, l
     return None if missing else digest
 
 
-def _aliases(model: nn.Module) -> dict[int, list[str]]:
-    """Tensor id -> every name it goes by (tied weights have several), first name first."""
-    names: dict[int, list[str]] = {}
-    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        names.setdefault(id(tensor), []).append(name)
-    return names
-
-
 def _tensors_of(modules: list[nn.Module]) -> list[torch.Tensor]:
     seen: dict[int, torch.Tensor] = {}
     for module in modules:
@@ -275,9 +186,3 @@ def _replace(model: nn.Module, old: torch.Tensor, value: torch.Tensor) -> None:
             for key, current in registry.items():
                 if current is old:
                     registry[key] = new
-
-
-def _persistent_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    keys = set(model.state_dict().keys())
-    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-    return [(name, t) for name, t in named if name in keys]

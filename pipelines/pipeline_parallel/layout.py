@@ -22,7 +22,8 @@ from preinfer.memory.shapes import shape_from_config
 from preinfer.precision import resolve_precision, weights_dtype
 from preinfer.run_dir import RunDir
 from preinfer.memory.stage_cut import cut_stages, describe_stages, stage_cost
-from pipelines.models.suffix import Suffix, export_from_weights, load_modules, meta_model, prefix_digest, to_device
+from pipelines.models.export import export_from_weights
+from pipelines.models.suffix import Suffix, load_modules, meta_model, prefix_digest, to_device
 from pipelines.pipeline_parallel.mesh import PipelineMesh, check_degree, make_mesh
 from pipelines.pipeline_parallel.stores import PipelineStores
 from pipelines.pipeline_parallel.trainer import PipelineTrainer

@@ -13,7 +13,8 @@ from preinfer.batch_source import LiveSources, VisitSources
 from preinfer.config import Config
 from preinfer.trainer import Trainer
 from pipelines.models import resolve_model
-from pipelines.models.suffix import Suffix, export_full, load_suffix, to_device
+from pipelines.models.export import export_full
+from pipelines.models.suffix import Suffix, load_suffix, to_device
 from pipelines.training.pre_inference import PreInference
 from pipelines.training.token_data import Datasets
 

@@ -157,7 +157,8 @@ def resolve_shape(spec: str, arch: str = "llama") -> ModelShape:
     config loads torch and transformers."""
     if spec.lower() in SIZES["llama"]:
         return shape_for_size(spec, arch)
-    from preinfer.presets import PRESETS, check_stageable, local_config
+    from preinfer.model_config import check_stageable, local_config
+    from preinfer.presets import PRESETS
 
     path = Path(spec)
     if path.is_file():

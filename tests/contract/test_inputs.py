@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.helpers.cli_run import failure_line, run_cli, tree
-from preinfer.presets import build_preset, load_model
+from pipelines.models import load_model
+from preinfer.presets import build_preset
 
 def copy_tree(source: Path, target: Path) -> Path:
     shutil.copytree(source, target)

@@ -6,7 +6,7 @@ import torch
 
 import preinfer
 from pipelines.cache import CacheOptions, cache_boundary
-from pipelines.data.samples import TokenDataset, load_data
+from pipelines.data.in_memory import TokenDataset, load_data
 from pipelines.data.token_store import TokenStoreDataset
 from pipelines.data.token_store.resolve import token_splits
 from pipelines.data.tokenizers import load_tokenizer

@@ -4,7 +4,7 @@ import torch
 
 import preinfer
 from pipelines.data.batches import live_sources
-from pipelines.data.samples import TokenDataset
+from pipelines.data.in_memory import TokenDataset
 from preinfer.config import Config
 from preinfer.partition import make_partition
 from preinfer.presets import build_preset

@@ -1,5 +1,5 @@
-"""One split of a token store, read lazily: the batches of `pipelines.data.samples.TokenDataset` for any index, decoding
-only the shards that hold the samples asked for (a few recent shards stay decoded)."""
+"""One split of a token store, read lazily: the batches of `pipelines.data.in_memory.TokenDataset` for any index,
+decoding only the shards that hold the samples asked for (a few recent shards stay decoded)."""
 
 from __future__ import annotations
 

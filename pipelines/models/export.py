@@ -1,0 +1,50 @@
+"""Writing a trained model as a complete `save_pretrained` directory: the tensors in memory, and those that are
+not (a prefix below a store, on the meta device) copied from the source model's files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from preinfer.precision import cast_weights, weights_dtype
+from preinfer.presets import PRESETS
+from pipelines.models.suffix import Suffix, config_and_files, meta_model
+from pipelines.models.tensor_files import TensorFiles, persistent_tensors, tensor_aliases
+
+
+def export_full(suffix: Suffix, out: Path) -> bool:
+    """Write a complete save_pretrained directory in the model's resident dtype: trained suffix from memory, prefix
+    copied from the source files. False (nothing written) when the prefix is not available."""
+    model = suffix.model
+    tensors: dict[str, torch.Tensor] = {}
+    aliases = tensor_aliases(model)
+    seen: set[int] = set()
+    for name, tensor in persistent_tensors(model):
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        if not tensor.is_meta:
+            tensors[name] = tensor.detach().contiguous()
+            continue
+        source = suffix.files.find(aliases[id(tensor)]) if suffix.files is not None else None
+        if source is None:
+            return False
+        tensors[name] = suffix.files.get(source).to(tensor.dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.dtype = weights_dtype(model)
+    model.config.save_pretrained(out)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return True
+
+
+def export_from_weights(spec: str, weights: Path, out: Path) -> bool:
+    """A save_pretrained directory of the model `spec` with every tensor read by name from `weights` (a
+    pipeline run's gathered stages), and those `weights` lacks (the prefix below a store) from `spec`'s own
+    files; False (nothing written) when they are not there (a preset's prefix)."""
+    model = meta_model(spec)
+    own = [] if spec in PRESETS else config_and_files(spec)[1].files
+    files = TensorFiles([*own, weights])  # a name in both: the trained tensor
+    cast_weights(model, TensorFiles([weights]).dtype())
+    return export_full(Suffix(model, 0, None, files), out)

@@ -1,0 +1,61 @@
+"""Resolving `--model`: a preset, a `save_pretrained` directory, or a BCD run directory (its current weights).
+
+`model_source` is the one place that tells a run directory from the others: commands take their defaults (data,
+tokenizer, seed) from the run's config when `--model` names one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from preinfer.checkpoint import load_resident_state, read_tensors
+from preinfer.config import DEFAULT_ATTENTION, Config, load_config
+from preinfer.precision import cast_weights
+from preinfer.run_dir import RunDir
+from pipelines.models.pretrained import load_model
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model to load: `spec` as `--model` gave it, the seed that initialises a preset, and the attention
+    implementation it runs."""
+
+    spec: str
+    seed: int
+    attention: str = DEFAULT_ATTENTION
+
+    def load(self) -> nn.Module:
+        return resolve_model(self.spec, self.seed, self.attention)
+
+
+def model_source(spec: str, seed: int | None = None, attention: str | None = None) -> tuple[ModelSource, Config | None]:
+    """(the model to load, the run's config) for a run directory, else (the model, None); `seed` initialises a
+    preset (None: the run's seed, else 0); `attention` None: the run's, else the default."""
+    run = load_config(RunDir(spec).config) if is_run_dir(spec) else None
+    chosen = seed if seed is not None else run.run.seed if run is not None else 0
+    implementation = attention or (run.model.attention if run is not None else DEFAULT_ATTENTION)
+    return ModelSource(spec, chosen, implementation), run
+
+
+def is_run_dir(spec: str) -> bool:
+    """`spec` is a run directory with a checkpoint."""
+    return RunDir(spec).is_resumable()
+
+
+def resolve_model(spec: str, seed: int = 0, attention: str = DEFAULT_ATTENTION) -> nn.Module:
+    """The model `spec` names, running the `attention` implementation; a run directory gives its current weights:
+    its export when that is up to date (a finished run, also one trained from a store), else its base model with
+    the checkpoint's weights, in their dtype."""
+    run = RunDir(spec)
+    if run.export_is_current():
+        return load_model(str(run.export), seed, attention)
+    if run.is_resumable():
+        config = load_config(run.config)
+        model = load_model(config.model.name, config.run.seed, attention)
+        weights = read_tensors(run.checkpoint_weights)
+        cast_weights(model, next(t.dtype for t in weights.values() if t.is_floating_point()))
+        load_resident_state(model, weights, run.checkpoint_weights)
+        return model
+    return load_model(spec, seed, attention)
