@@ -116,6 +116,8 @@ def load_checkpoint(path: Path, model: nn.Module) -> Checkpoint:
     """Load weights into `model` and restore RNG states from the newest complete checkpoint at `path` (see
     `newest_checkpoint`); returns the rest."""
     found = newest_checkpoint(path)
+    if found is None and path.is_dir():
+        raise _why_incomplete(path)
     if found is None:
         raise PreinferError(f"no complete checkpoint in {path} (expected {STATE}); start without --resume")
     meta = _read_state(found / STATE)
@@ -137,6 +139,23 @@ def load_checkpoint(path: Path, model: nn.Module) -> Checkpoint:
 
 # The top-level fields of state.json and their JSON types.
 STATE_FIELDS = {"trainer": dict, "optimizers": dict, "masters": int, "rng": dict}
+
+
+def _why_incomplete(path: Path) -> CheckpointError:
+    """What is wrong with the checkpoint at `path`, which failed its digest: the first file that does not read as
+    a checkpoint's, else the first whose sha256 is not the one recorded (changed after it was written)."""
+    try:
+        _read_state(path / STATE)
+        for name in (TENSORS, WEIGHTS):
+            read_tensors(path / name)
+        recorded = json.loads((path / DIGEST).read_text())
+    except CheckpointError as error:
+        return error
+    except (OSError, ValueError):
+        return CheckpointError(f"{path / DIGEST} is missing or damaged; the run cannot resume from this checkpoint")
+    changed = next((name for name, digest in recorded.items() if _sha256(path / name) != digest), DIGEST)
+    return CheckpointError(f"{path / changed} does not match the sha256 recorded in {path / DIGEST} (changed after "
+                           f"the checkpoint was written); the run cannot resume from this checkpoint")
 
 
 def _read_state(file: Path) -> dict:
