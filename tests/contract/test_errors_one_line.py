@@ -59,6 +59,8 @@ def test_a_pickled_model_is_refused_in_one_line_without_unpickling(tiny, llama, 
     ("state.json", lambda data: json.dumps({**json.loads(data), "rng": [1]}).encode(), "state.json: rng = [1]"),
     ("state.json", lambda data: json.dumps({**json.loads(data), "masters": "two"}).encode(),
      "state.json: masters = 'two'"),
+    ("state.json", lambda data: json.dumps({**json.loads(data), "edited": True}).encode(),
+     "state.json does not match the sha256 recorded"),
 ])
 def test_a_damaged_checkpoint_is_one_line(finished, tmp_path, capsys, name, damage, message):
     out = tmp_path / "run"
