@@ -19,6 +19,8 @@ on until the Trainer's `max_steps`.
   `trainer.train(resume_from_checkpoint=...)` continues the same visit at the same step.
 - `VisitSchedule` sets each step's learning rate from the visit's step (`preinfer.optim.LrSchedule`: warmup from
   1/warmup, then none, linear or cosine decay to the visit's last step).
+- `meter` (a `preinfer.memory.meter.MemoryMeter` of the model), if given, tracks the first steps of each visit as
+  `preinfer bcd` does; each finished visit's peaks land in `optimizer.visit_memory`.
 - `BlockCallback` checks the `TrainingArguments` when the Trainer is made: `fp16=True` / `bf16=True` (autocast
   over float32 weights) are refused in favour of `precision`. Under mixed precision it hands
   `max_grad_norm` to the optimizer, which clips the fp32 masters (the 16-bit weights hold no gradient there);
@@ -32,6 +34,7 @@ the Trainer logs is the true one) and a step whose gradients are not finite is s
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -41,6 +44,7 @@ from transformers import TrainerCallback
 from preinfer.block_order import parse_fixed_order, sweep_order
 from preinfer.config import OptimConfig
 from preinfer.errors import CheckpointError, UsageError
+from preinfer.memory.meter import MemoryMeter
 from preinfer.optim import LrSchedule, build_optimizer
 from preinfer.partition import Block, Partition, make_partition, parse_ufp
 from preinfer.precision import ActiveBlock, LossScaler, apply_precision
@@ -55,9 +59,11 @@ class BlockOptimizer:
     """The optimizer `Trainer` steps: the active block's optimizer, rebuilt at each visit boundary."""
 
     def __init__(self, staged: StagedModel, partition: Partition, optim: OptimConfig, steps_per_visit: int,
-                 order: Callable[[int], list[int]], precision: str):
+                 order: Callable[[int], list[int]], precision: str, meter: MemoryMeter | None = None):
         self.staged, self.partition, self.optim, self.steps_per_visit = staged, partition, optim, steps_per_visit
-        self.order, self.precision = order, precision
+        self.order, self.precision, self.meter = order, precision, meter
+        self.metered = False  # the meter tracks the current step (the callback sets it)
+        self.visit_memory: list[dict[str, int]] = []  # with a meter: each finished visit's peaks, as bcd reports them
         self.scaler = LossScaler() if precision == "fp16-mixed" else None
         self.grad_clip = optim.grad_clip
         self.sweep = self.visit = self.visit_step = self.global_step = 0
@@ -123,6 +129,8 @@ class BlockOptimizer:
                 torch.nn.utils.clip_grad_norm_(self.active.masters, self.grad_clip)
             self.inner.step()
             self.active.cast_down()
+        if self.metered:  # gradients, masters and optimizer state all present
+            self.meter.sample(self.inner)
         self.zero_grad()
         self.visit_step += 1
         self.global_step += 1
@@ -141,6 +149,9 @@ class BlockOptimizer:
         return finite
 
     def _next_visit(self) -> None:
+        if self.meter is not None:
+            self.visit_memory.append(self.meter.report())
+            self.meter.reset()
         self._deactivate()
         self.visit, self.visit_step = self.visit + 1, 0
         if self.visit == len(self.order(self.sweep)):
@@ -211,10 +222,23 @@ class VisitSchedule:
 
 
 class BlockCallback(TrainerCallback):
-    """Checks the Trainer's arguments against BCD's precision when the Trainer is made."""
+    """Checks the Trainer's arguments against BCD's precision when the Trainer is made; with a meter, tracks the
+    forward and backward of the steps it says are due."""
 
     def __init__(self, optimizer: BlockOptimizer):
         self.optimizer = optimizer
+        self._tracking = contextlib.ExitStack()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        meter = self.optimizer.meter
+        self.optimizer.metered = meter is not None and meter.due()
+        if self.optimizer.metered:
+            self._tracking.enter_context(meter.track())
+        return control
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self._tracking.close()
+        return control
 
     def on_init_end(self, args, state, control, **kwargs):
         for flag in ("fp16", "bf16"):
@@ -254,6 +278,7 @@ class BlockCoordinateDescent:
         decay: str = "none",
         keep_state: bool = False,
         precision: str = "auto",
+        meter: MemoryMeter | None = None,
     ):
         if not isinstance(steps_per_visit, int) or steps_per_visit < 1:
             raise UsageError(f"steps_per_visit={steps_per_visit!r}: expected an integer >= 1")
@@ -273,7 +298,8 @@ class BlockCoordinateDescent:
         optim = OptimConfig(name=optimizer, lr=lr, betas=list(betas), momentum=momentum, weight_decay=weight_decay,
                             warmup_steps=warmup_steps, decay=decay, keep_state=keep_state)
         schedule = LrSchedule.for_visit(optim, steps_per_visit)
-        self.optimizer = BlockOptimizer(self.staged, self.partition, optim, steps_per_visit, visits, self.precision)
+        self.optimizer = BlockOptimizer(self.staged, self.partition, optim, steps_per_visit, visits, self.precision,
+                                        meter)
         self.scheduler = VisitSchedule(self.optimizer, schedule)
         self.callback = BlockCallback(self.optimizer)
         if self.optimizer.scaler is not None:

@@ -44,10 +44,11 @@ def live_batches(count: int, batch_size: int = 4) -> list[dict]:
     return [next(sources.train) for _ in range(count)]
 
 
-def hf_run(out, data, callbacks=(), resume=None, precision="fp32", **overrides):
-    """A tiny Llama trained by BCD through transformers.Trainer; returns the model and the BCD object."""
+def hf_run(out, data, callbacks=(), resume=None, precision="fp32", meter=False, **overrides):
+    """A tiny Llama trained by BCD through transformers.Trainer (with a memory meter); returns the model and the
+    BCD object."""
     model = build_preset("tiny-llama", seed=0)
-    bcd = BlockCoordinateDescent(model, precision=precision, **OPTIONS)
+    bcd = BlockCoordinateDescent(model, precision=precision, meter=MemoryMeter(model) if meter else None, **OPTIONS)
     trainer = Trainer(model=model, args=hf_args(out, **overrides), train_dataset=data, optimizers=bcd.optimizers,
                       callbacks=[bcd.callback, *callbacks])
     trainer.train(resume_from_checkpoint=resume)
@@ -62,10 +63,14 @@ def test_hf_trainer_ends_with_preinfer_bcd_s_weights_over_the_same_batches(tmp_p
     config.stop.steps_per_visit, config.blocks.order, config.run.precision = 3, "descending", "fp32"
     staged = preinfer.stage(build_preset("tiny-llama", seed=0))
     sources = live_sources(random_tokens(), random_tokens(n=8, seed=1, split="eval"), 4, samples_per_shard=8, seed=0)
-    ours = BlockTrainer(staged, make_partition(staged, num_blocks=3), config, sources)
+    ours = BlockTrainer(staged, make_partition(staged, num_blocks=3), config, sources,
+                        meter=MemoryMeter(staged.model))
     ours.fit()
 
-    model, _ = hf_run(tmp_path, samples_of(live_batches(18)), gradient_accumulation_steps=2)
+    model, bcd = hf_run(tmp_path, samples_of(live_batches(18)), gradient_accumulation_steps=2, meter=True)
+    kept = ("params", "masters", "grads", "optimizer")  # the meter's peaks of the two, activations aside
+    assert [{k: memory[k] for k in kept} for memory in bcd.optimizer.visit_memory] == [
+        {k: visit["memory"][k] for k in kept} for visit in ours.progress.visits]
     expected, got = snapshot(staged.model), snapshot(model)
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
