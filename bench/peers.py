@@ -13,6 +13,10 @@ ascending order, for the same steps per block, with Adam (lr, betas, no weight d
 - `badam`: BAdam's `BlockOptimizer` (`pip install badam`, a benchmark-only extra: `pip install -e .[peers]`)
   wrapping the same Adam, with `block_prefix_list` naming each block's parameters, `switch_mode="ascending"`,
   `switch_block_every` = the steps per block; the same loop and batches as `plain` otherwise.
+- `hf-trainer`: `preinfer.hf.BlockCoordinateDescent` (docs/trainer.md) in `transformers.Trainer`, over the same
+  batches (their samples in order, `train_sampling_strategy="sequential"`, the same batch size) and blocks, with
+  the same Adam and no clipping; steps/s from each visit's first step's start to its last step's end (Trainer's
+  callbacks), tracked peak from the integration's own meter. Target: at least 0.95x `preinfer` (x_preinfer).
 - `preinfer`: the real command line, `python -m pipelines.cli bcd ... --pre-inference off` in its own process
   (the settings above as flags); `preinfer-auto`: the same with `--pre-inference auto`.
 
@@ -74,16 +78,15 @@ from contextlib import nullcontext
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # before bench/, whose storage.py would stand for the package
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.common import machine, run_paced, table  # noqa: E402
 
-METHODS = ("plain", "badam", "preinfer", "preinfer-auto")
-TARGETS = dict(steps_per_s=1.0, window=0.97, eval_loss=0.01)
+METHODS = ("plain", "badam", "hf-trainer", "preinfer", "preinfer-auto")
+TARGETS = dict(steps_per_s=1.0, window=0.97, eval_loss=0.01, hf_trainer_x_preinfer=0.95)
 # A pacer stops after this many seconds, whether or not it was told to.
 PACE_LIMIT_S = 3600
 
@@ -252,6 +255,45 @@ def badam_worker(config) -> dict:
     return finished(model, loop, stamps, times, train_s, config)
 
 
+def hf_trainer_worker(config) -> dict:
+    """`preinfer.hf.BlockCoordinateDescent` inside `transformers.Trainer`: the same blocks, batches (their samples
+    in order, batched by the same size, no shuffling) and Adam; the meter is the integration's own."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from preinfer.hf import BlockCoordinateDescent
+    from preinfer.memory.meter import MemoryMeter
+
+    model, precision, blocks, batches = prepared(config)
+    o, steps = config.optim, config.stop.steps_per_visit
+    bcd = BlockCoordinateDescent(model, ranges=config.blocks.ranges, steps_per_visit=steps, optimizer="adam",
+                                 lr=o.lr, betas=tuple(o.betas), weight_decay=0.0, precision=precision,
+                                 meter=MemoryMeter(model))
+    stamps, times, visits = [], [], []
+
+    class Clock(TrainerCallback):  # each visit from its first step's start to its last step's end
+        def on_step_begin(self, args, state, control, **kwargs):
+            if bcd.optimizer.visit_step == 0:
+                visits.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            stamps.append(time.perf_counter() - visits[-1])
+            times.append(time.time())
+
+    samples = [{key: value[i] for key, value in batch.items()} for batch in batches
+               for i in range(len(batch["input_ids"]))]
+    args = TrainingArguments(output_dir=str(config.run.out), per_device_train_batch_size=config.data.batch_size,
+                             max_steps=len(batches), train_sampling_strategy="sequential", max_grad_norm=0.0,
+                             report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
+                             use_cpu=config.run.device == "cpu", seed=config.run.seed)
+    Trainer(model=model, args=args, train_dataset=samples, optimizers=bcd.optimizers,
+            callbacks=[bcd.callback, Clock()]).train()
+    ends = [stamps[(i + 1) * steps - 1] for i in range(len(blocks))]
+    memory = [*bcd.optimizer.visit_memory, bcd.optimizer.meter.report()]
+    model.save_pretrained(config.run.out)
+    return dict(steps=len(stamps), train_s=sum(ends), stamps=stamps, times=times,
+                tracked_peak=max(m["tracked_peak"] for m in memory), model_dir=str(config.run.out))
+
+
 def finished(model: torch.nn.Module, loop: MeteredLoop, stamps: list[float], times: list[float], train_s: float,
              config) -> dict:
     """A worker's result (`times`: each step's end on the clock); its final weights saved with save_pretrained
@@ -265,7 +307,8 @@ def finished(model: torch.nn.Module, loop: MeteredLoop, stamps: list[float], tim
 def run_worker(method: str, flags: list[str], result: Path, ready: Path | None, until: Path | None) -> None:
     config = parse_config(flags)
     Path(config.run.out).mkdir(parents=True, exist_ok=True)
-    out = plain_worker(config, ready, until) if method == "plain" else badam_worker(config)
+    workers = {"badam": badam_worker, "hf-trainer": hf_trainer_worker}
+    out = plain_worker(config, ready, until) if method == "plain" else workers[method](config)
     result.write_text(json.dumps(out))
 
 
@@ -371,11 +414,11 @@ def compare(args: argparse.Namespace, scratch: Path) -> dict:
 
 
 def add_ratios(rows: list[dict], runs: dict[str, list[dict]]) -> None:
-    """Each method's steps/s over plain's and BAdam's (median over rounds of the same round's ratio), peak over
+    """Each method's steps/s over plain's, BAdam's and preinfer's (median over rounds of the same round's ratio), peak over
     BAdam's, eval loss against plain's."""
     for row in rows:
         mine = runs[row["method"]]
-        for peer in ("plain", "badam"):
+        for peer in ("plain", "badam", "preinfer"):
             if peer in runs:
                 theirs = runs[peer]
                 row[f"x_{peer}"] = statistics.median(a["steps_per_s"] / b["steps_per_s"] for a, b in zip(mine, theirs))
@@ -467,7 +510,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "peers.json")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: tiny-llama, seq 32, batch 2, 3 steps per block, plain and preinfer")
-    p.add_argument("--worker", choices=["plain", "badam"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["plain", "badam", "hf-trainer"], help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--ready", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--until", type=Path, help=argparse.SUPPRESS)
@@ -498,7 +541,8 @@ def main(argv: list[str] | None = None) -> int:
                   targets=TARGETS, **comparison, long_visit=long, wall_s=time.perf_counter() - started)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
-    columns = ["method", "steps", "steps_per_s", *[c for c in ("x_plain", "x_badam") if c in result["rows"][0]],
+    columns = ["method", "steps", "steps_per_s",
+               *[c for c in ("x_plain", "x_badam", "x_preinfer") if c in result["rows"][0]],
                "tracked_peak_mib", *(["peak_x_badam"] if "peak_x_badam" in result["rows"][0] else []), "eval_loss",
                *(["eval_vs_plain"] if "eval_vs_plain" in result["rows"][0] else [])]
     print(table(result["rows"], columns))

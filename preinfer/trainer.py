@@ -277,7 +277,7 @@ class Trainer:
             states = ((batch_state(self.staged, _to_device(b, self.device), train.boundary), train.boundary)
                       for b in train.one_pass())
             self.progress.experts[key] = self.experts.measure(block, states)
-        self._unfreeze(block)
+        unfreeze(self.staged, block)
         masters, self.saved_masters = self.saved_masters or None, []
         self.active = ActiveBlock(self._trained(block), self.precision != "fp32", masters)
         self.reducer = self._reducer(self.active)
@@ -295,15 +295,6 @@ class Trainer:
         reducer = BucketedAllReduce(active.masters)
         active.watch(reducer.grad_ready)
         return reducer
-
-    def _unfreeze(self, block: Block) -> None:
-        """Freeze every parameter but `block`'s; train mode, except the frozen prefix below it (eval mode)."""
-        self.staged.model.requires_grad_(False)
-        for param in block.params:
-            param.requires_grad_(True)
-        self.staged.model.train()
-        for module in self.staged.prefix_modules(block.start):
-            module.eval()
 
     def _optimizer(self, block: Block, tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
         """The optimizer stepping `tensors` (the visit's masters; none: an optimizer over nothing, for a pipeline
@@ -454,6 +445,16 @@ class Trainer:
             return
         states = self.optimizer_states if optimizers is None else optimizers
         save_checkpoint(self.checkpoint_dir, self.staged.model, states, vars(self.progress), masters)
+
+
+def unfreeze(staged: StagedModel, block: Block) -> None:
+    """Freeze every parameter but `block`'s; train mode, except the frozen prefix below it (eval mode)."""
+    staged.model.requires_grad_(False)
+    for param in block.params:
+        param.requires_grad_(True)
+    staged.model.train()
+    for module in staged.prefix_modules(block.start):
+        module.eval()
 
 
 def batch_state(staged: StagedModel, batch: dict[str, torch.Tensor], boundary: int) -> BoundaryState:

@@ -179,6 +179,25 @@ def test_peers_plain_loop_trains_like_preinfer_bcd_on_the_same_batches(tmp_path,
     assert mine["stamps"] == sorted(mine["stamps"][:args.steps]) + sorted(mine["stamps"][args.steps:])
 
 
+@pytest.mark.slow
+def test_peers_hf_trainer_row_trains_like_the_plain_loop_on_the_same_batches(tmp_path, corpus):
+    """The `hf-trainer` row: preinfer.hf in transformers.Trainer, the same blocks, batches and Adam as `plain`."""
+    peers = _load("peers")
+    args = peers.parse_args(["--quick", "--data", corpus])
+
+    def config(name: str):
+        return peers.parse_config(peers.bcd_flags(args, tmp_path / name, args.steps, args.ranges, args.seq_len,
+                                                  args.batch_size))
+
+    plain, hf = peers.plain_worker(config("plain")), peers.hf_trainer_worker(config("hf"))
+    batches = peers.eval_batches(args, peers.bcd_flags(args, tmp_path / "x", 1, args.ranges, args.seq_len,
+                                                       args.batch_size))
+    losses = [peers.eval_loss(run["model_dir"], batches) for run in (plain, hf)]
+    assert abs(losses[1] / losses[0] - 1) < 1e-3
+    assert hf["steps"] == plain["steps"] == 2 * args.steps and len(hf["stamps"]) == len(hf["times"])
+    assert hf["tracked_peak"] > 0 and 0 < hf["train_s"] <= hf["stamps"][args.steps - 1] + hf["stamps"][-1] + 1e-9
+
+
 def test_chat_data_writes_a_conversation_per_prose_section(tmp_path):
     out = tmp_path / "pydoc-chat.jsonl"
     assert _load("chat_data").main(["--out", str(out)]) == 0

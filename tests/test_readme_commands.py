@@ -137,3 +137,16 @@ def test_the_in_memory_data_example_runs():
         "input_ids": (8, 64), "attention_mask": (8, 64), "labels": (8, 64)}
     streamed = torch.cat([torch.from_numpy(block.ids.astype("int64")) for block in names["blocks"]])
     assert torch.equal(streamed, data.input_ids)
+
+
+@pytest.mark.slow
+def test_the_trainer_guide_s_example_runs_as_written(tmp_path, monkeypatch):
+    """docs/trainer.md's Python block, executed as it stands, trains by blocks through transformers.Trainer and
+    leaves a checkpoint whose optimizer state holds the block position."""
+    (code,) = re.findall(r"^```python\n(.*?)^```", (ROOT / "docs" / "trainer.md").read_text(), re.S | re.M)
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(code, "docs/trainer.md", "exec"), scope)
+    assert (scope["bcd"].optimizer.sweep, scope["bcd"].optimizer.visit) == (1, 0)  # 2 visits of 4 steps each
+    saved = torch.load(tmp_path / "runs/hf-bcd/checkpoint-4/optimizer.pt", weights_only=True)
+    assert saved["position"] == dict(sweep=0, visit=1, visit_step=0, global_step=4)

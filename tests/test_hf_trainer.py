@@ -1,0 +1,176 @@
+"""BCD inside `transformers.Trainer` (`preinfer.hf`): the same weights as our own trainer over the same batches, a
+mid-visit resume, what a visit may touch, the precision flags, and TRL's SFTTrainer."""
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
+from trl import SFTConfig, SFTTrainer
+
+import preinfer
+from pipelines.data.batches import live_sources
+from preinfer.config import Config
+from preinfer.errors import UsageError
+from preinfer.hf import BlockCoordinateDescent
+from preinfer.memory.meter import MemoryMeter
+from preinfer.partition import make_partition
+from preinfer.presets import build_preset
+from preinfer.trainer import Trainer as BlockTrainer
+from tests.helpers.chat_templates import save_tokenizer
+from tests.helpers.trainers import random_tokens, snapshot
+
+pytestmark = pytest.mark.slow
+
+OPTIONS = dict(blocks=3, steps_per_visit=3, lr=1e-3, order="descending", warmup_steps=1, decay="cosine")
+
+
+def hf_args(out, **overrides) -> TrainingArguments:
+    """Sequential batches of 4 samples, no clipping, no logging or reporting, on the CPU."""
+    settings = dict(output_dir=str(out), per_device_train_batch_size=4, max_steps=9, report_to=[], save_strategy="no",
+                    max_grad_norm=0.0, train_sampling_strategy="sequential", use_cpu=True, disable_tqdm=True,
+                    logging_strategy="no")
+    return TrainingArguments(**{**settings, **overrides})
+
+
+def samples_of(batches: list[dict]) -> list[dict]:
+    """The batches' samples, in order: a Trainer batching them by 4 in sequence gets the same batches back."""
+    return [{key: value[i] for key, value in batch.items()} for batch in batches for i in range(len(batch["input_ids"]))]
+
+
+def live_batches(count: int, batch_size: int = 4) -> list[dict]:
+    """The first `count` training batches of `preinfer bcd`'s live source over the test's tokens."""
+    sources = live_sources(random_tokens(), random_tokens(n=8, seed=1, split="eval"), batch_size,
+                           samples_per_shard=8, seed=0)
+    return [next(sources.train) for _ in range(count)]
+
+
+def hf_run(out, data, callbacks=(), resume=None, precision="fp32", meter=False, **overrides):
+    """A tiny Llama trained by BCD through transformers.Trainer (with a memory meter); returns the model and the
+    BCD object."""
+    model = build_preset("tiny-llama", seed=0)
+    bcd = BlockCoordinateDescent(model, precision=precision, meter=MemoryMeter(model) if meter else None, **OPTIONS)
+    trainer = Trainer(model=model, args=hf_args(out, **overrides), train_dataset=data, optimizers=bcd.optimizers,
+                      callbacks=[bcd.callback, *callbacks])
+    trainer.train(resume_from_checkpoint=resume)
+    return model, bcd
+
+
+def test_hf_trainer_ends_with_preinfer_bcd_s_weights_over_the_same_batches(tmp_path):
+    """Gradient accumulation 2: Trainer's loss over the micro-batch's label tokens, divided by the step's
+    supervised tokens (num_items_in_batch), is our loss over the global batch's supervised tokens."""
+    config = Config()
+    config.optim.lr, config.optim.warmup_steps, config.optim.decay, config.optim.grad_accum = 1e-3, 1, "cosine", 2
+    config.stop.steps_per_visit, config.blocks.order, config.run.precision = 3, "descending", "fp32"
+    staged = preinfer.stage(build_preset("tiny-llama", seed=0))
+    sources = live_sources(random_tokens(), random_tokens(n=8, seed=1, split="eval"), 4, samples_per_shard=8, seed=0)
+    ours = BlockTrainer(staged, make_partition(staged, num_blocks=3), config, sources,
+                        meter=MemoryMeter(staged.model))
+    ours.fit()
+
+    model, bcd = hf_run(tmp_path, samples_of(live_batches(18)), gradient_accumulation_steps=2, meter=True)
+    kept = ("params", "masters", "grads", "optimizer")  # the meter's peaks of the two, activations aside
+    assert [{k: memory[k] for k in kept} for memory in bcd.optimizer.visit_memory] == [
+        {k: visit["memory"][k] for k in kept} for visit in ours.progress.visits]
+    expected, got = snapshot(staged.model), snapshot(model)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert any(not torch.equal(value, snapshot(build_preset("tiny-llama", seed=0))[name])
+               for name, value in got.items())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_a_resume_from_a_mid_visit_checkpoint_ends_as_the_uninterrupted_run(tmp_path, precision):
+    data = samples_of(live_batches(9))
+    whole, bcd = hf_run(tmp_path / "a", data, precision=precision, save_strategy="steps", save_steps=4)
+    saved = torch.load(tmp_path / "a" / "checkpoint-4" / "optimizer.pt", weights_only=True)
+    assert saved["position"] == dict(sweep=0, visit=1, visit_step=1, global_step=4)  # block 1, step 2 of 3
+    assert saved["order"] == [2, 1, 0]
+    assert len(saved["masters"]) == (0 if precision == "fp32" else len(bcd.partition.blocks[1].params))
+    resumed, _ = hf_run(tmp_path / "b", data, precision=precision, resume=str(tmp_path / "a" / "checkpoint-4"))
+    expected, got = snapshot(whole), snapshot(resumed)
+    assert all(torch.equal(expected[name], got[name]) for name in expected)
+
+
+class VisitWatch(TrainerCallback):
+    """Around each optimizer step: which weights changed, which had gradients, what the optimizer holds."""
+
+    def __init__(self, bcd: BlockCoordinateDescent):
+        self.bcd, self.meter, self.steps = bcd, MemoryMeter(bcd.staged.model), []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.block, self.before = self.bcd.optimizer.block, snapshot(self.bcd.staged.model)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        model = self.bcd.staged.model
+        self.grads = {id(p) for p in [*model.parameters(), *self.bcd.optimizer.active.masters] if p.grad is not None}
+
+    def adam_stepped(self, adam: torch.optim.Optimizer) -> None:
+        """Right after the active block's Adam stepped (before a visit's last step switches blocks)."""
+        self.meter.reset()
+        self.meter.sample(adam)
+        self.stepped = {id(p) for p in adam.state}
+        self.optimizer_bytes = self.meter.report()["optimizer"]
+
+    def on_step_end(self, args, state, control, **kwargs):
+        after = snapshot(self.bcd.staged.model)
+        mine = {id(p) for p in self.block.params}
+        names = {name for name, p in self.bcd.staged.model.named_parameters() if id(p) in mine}
+        self.steps.append(dict(block=self.block, grads=self.grads, stepped=self.stepped, mine=mine,
+                               optimizer_bytes=self.optimizer_bytes,
+                               changed={n for n in after if not torch.equal(after[n], self.before[n])},
+                               names=names))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_a_visit_touches_only_its_block_and_holds_optimizer_state_for_it_alone(tmp_path, monkeypatch, precision):
+    model = build_preset("tiny-llama", seed=0)
+    bcd = BlockCoordinateDescent(model, precision=precision, **OPTIONS)
+    watch = VisitWatch(bcd)
+    real_step = torch.optim.Adam.step
+
+    def spy_step(adam, *args, **kwargs):
+        out = real_step(adam, *args, **kwargs)
+        watch.adam_stepped(adam)
+        return out
+
+    monkeypatch.setattr(torch.optim.Adam, "step", spy_step)
+    Trainer(model=model, args=hf_args(tmp_path), train_dataset=samples_of(live_batches(9)),
+            optimizers=bcd.optimizers, callbacks=[bcd.callback, watch]).train()
+    assert [step["block"].index for step in watch.steps] == [2, 2, 2, 1, 1, 1, 0, 0, 0]
+    for step in watch.steps:
+        assert step["changed"] and step["changed"] <= step["names"]  # every frozen weight bit-identical
+        assert step["changed"] == step["names"] or precision != "fp32"  # (a bf16 norm weight may round back)
+        if precision == "fp32":  # the gradients are the block's own
+            assert step["grads"] == step["mine"] == step["stepped"]
+        else:  # every 16-bit gradient went into its fp32 master, which the optimizer steps
+            assert step["grads"] == step["stepped"] and not step["grads"] & {id(p) for p in model.parameters()}
+        assert len(step["stepped"]) == len(step["block"].params)
+        adam = sum(2 * 4 * p.numel() + 4 for p in step["block"].params)  # fp32 moments and step counter
+        assert step["optimizer_bytes"] == adam
+
+
+@pytest.mark.parametrize("flag", ["fp16", "bf16"])
+def test_trainer_s_autocast_flags_are_refused_for_bcd_s_precision(tmp_path, flag):
+    model = build_preset("tiny-llama", seed=0)
+    bcd = BlockCoordinateDescent(model, **OPTIONS)
+    with pytest.raises(UsageError, match=f"drop {flag}=True and pass precision='{flag}-mixed'"):
+        Trainer(model=model, args=hf_args(tmp_path, **{flag: True}), train_dataset=samples_of(live_batches(1)),
+                optimizers=bcd.optimizers, callbacks=[bcd.callback])
+
+
+def test_trl_sft_trainer_trains_by_blocks(tmp_path):
+    model = build_preset("tiny-llama", seed=0)
+    bcd = BlockCoordinateDescent(model, **OPTIONS)
+    before = snapshot(model)
+    args = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=4, report_to=[],
+                     save_strategy="no", use_cpu=True, disable_tqdm=True, logging_strategy="no", max_grad_norm=0.0,
+                     bf16=False)  # SFTConfig autocasts in bf16 by default: BCD refuses it (precision= instead)
+    data = Dataset.from_list([{"input_ids": sample["input_ids"].tolist()} for sample in samples_of(live_batches(4))])
+    tokenizer = AutoTokenizer.from_pretrained(save_tokenizer(tmp_path / "tokenizer"))
+    SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer, optimizers=bcd.optimizers,
+               callbacks=[bcd.callback]).train()
+    changed = {name for name, p in model.named_parameters() if not torch.equal(before[name], p)}
+    trained = {name for name, p in model.named_parameters() if any(p is q for b in bcd.partition.blocks[1:]
+                                                                   for q in b.params)}
+    assert changed == trained  # 3 steps of block 2, 1 of block 1; block 0 untouched
+    assert (bcd.optimizer.visit, bcd.optimizer.visit_step) == (1, 1)
