@@ -147,8 +147,12 @@ TRAINING_FLAGS: list[Flag] = [
     Flag("--momentum", "optim", "momentum", "SGD momentum", dict(type=float)),
     Flag("--weight-decay", "optim", "weight_decay", "weight decay", dict(type=float),
          unset=per_optimizer(DEFAULT_WEIGHT_DECAY)),
-    Flag("--warmup-steps", "optim", "warmup_steps", "linear warmup per visit", dict(type=non_negative_int)),
-    Flag("--lr-decay", "optim", "decay", "after warmup, the rate falls to 0 at each visit's last step",
+    Flag("--warmup-steps", "optim", "warmup_steps", "linear warmup per visit (step 0 at 1/warmup of the rate)",
+         dict(type=non_negative_int)),
+    Flag("--warmup-ratio", "optim", "warmup_ratio", "instead of --warmup-steps: warmup over this share of each "
+         "visit's steps, rounded up", dict(type=float)),
+    Flag("--lr-decay", "optim", "decay", "the schedule after warmup, transformers.get_scheduler's by name (none: "
+         "constant_with_warmup); linear and cosine fall to 0 at each visit's last step",
          dict(choices=list(LR_DECAYS))),
     Flag("--grad-clip", "optim", "grad_clip", "max gradient norm; 0 = off", dict(type=float)),
     Flag("--grad-accum", "optim", "grad_accum", "micro-batches per step", dict(type=positive_int)),
