@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from preinfer.config import (
-    ATTENTIONS, DEFAULT_LR, DEFAULT_WEIGHT_DECAY, LR_DECAYS, BlockConfig, Config, DataConfig, check_resume,
+    ATTENTIONS, DEFAULT_LR, DEFAULT_WEIGHT_DECAY, LR_DECAYS, TRACKERS, BlockConfig, Config, DataConfig, check_resume,
     load_config,
 )
 from preinfer.errors import UsageError
@@ -187,6 +187,9 @@ TRAINING_FLAGS: list[Flag] = [
          "pipeline; must divide it", dict(type=positive_int), unset="as many as --pipeline stages"),
     Flag("--pipeline-schedule", "run", "pipeline_schedule", "pipeline schedule (torch.distributed.pipelining)",
          dict(choices=["1f1b", "gpipe"])),
+    Flag("--report-to", "run", "report_to", f"experiment trackers the run's records go to (rank 0): a comma list of "
+         f"{', '.join(TRACKERS)}, offline by default (event files, W&B offline, an MLflow file store in --out); "
+         f"each needs its extra, pip install 'preinfer[tensorboard]'"),
 ]
 
 # Flags of `bcd` only: where visits above the input get their boundary states.

@@ -109,6 +109,7 @@ class RunConfig:
     pipeline: int = 1  # pipeline stages (under torchrun: world size = pipeline x data-parallel replicas)
     microbatches: int = 0  # micro-batches per step through the pipeline; 0: as many as stages
     pipeline_schedule: str = "1f1b"  # 1f1b or gpipe
+    report_to: str = "none"  # experiment trackers, a comma list of tensorboard, wandb, mlflow (rank 0 reports)
 
 
 @dataclass
@@ -129,6 +130,10 @@ class StoreConfig:
 
     path: str | None = None  # a cache directory written by `preinfer cache`
     trust: bool = False  # use the store even if the model's prefix differs from the one it was made from
+
+
+# The experiment trackers `report_to` may name (pipelines.training.trackers).
+TRACKERS = ("tensorboard", "wandb", "mlflow")
 
 
 # Keys of [run] in configs written before it was split, or renamed since: (section, key) they moved to.
@@ -184,6 +189,8 @@ def check_values(config: Config) -> None:
         ("optim", "warmup_ratio", "--warmup-ratio", not (o.warmup_ratio and o.warmup_steps),
          "0 when --warmup-steps is given (one of the two)"),
         ("optim", "grad_clip", "--grad-clip", 0 <= o.grad_clip < math.inf, "a finite number >= 0 (0 = off)"),
+        ("run", "report_to", "--report-to", set(report_names(config.run.report_to)) <= {"none", *TRACKERS},
+         f"a comma list of none, {', '.join(TRACKERS)}"),
         ("stop", "min_delta", "--min-delta", 0 <= s.min_delta < math.inf, "a finite number >= 0"),
         ("stop", "smoothing", "[stop] smoothing", 0 <= s.smoothing < 1, "a number in [0, 1)"),
     ]
@@ -194,10 +201,16 @@ def check_values(config: Config) -> None:
             raise UsageError(f"{flag} {shown} ([{section}] {key}): expected {expected}")
 
 
+def report_names(report_to: str) -> list[str]:
+    """The names in a `run.report_to` value."""
+    return [name.strip() for name in report_to.split(",") if name.strip()]
+
+
 # Config keys a resumed run may change: where and how it runs, not what it trains, and the number of sweeps (a run
 # resumed for more sweeps ends as one run of that many). Each change is recorded in metrics.jsonl as a `resume`
 # record; a change of any other key refuses --resume.
-RESUMABLE_KEYS = ("run.checkpoint_every", "run.device", "data.token_store", "pre_inference.dask", "blocks.sweeps")
+RESUMABLE_KEYS = ("run.checkpoint_every", "run.device", "run.report_to", "data.token_store", "pre_inference.dask",
+                  "blocks.sweeps")
 # The block partition: the first of these that is set wins (ranges, then blocks, then ufp).
 PARTITION_ORDER = ("ranges", "blocks", "ufp")
 
