@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from preinfer.config import (
-    ATTENTIONS, DEFAULT_LR, DEFAULT_WEIGHT_DECAY, LR_DECAYS, BlockConfig, Config, DataConfig, check_resume,
+    ATTENTIONS, DEFAULT_LR, DEFAULT_WEIGHT_DECAY, LR_DECAYS, TRACKERS, BlockConfig, Config, DataConfig, check_resume,
     load_config,
 )
 from preinfer.errors import UsageError
@@ -147,8 +147,12 @@ TRAINING_FLAGS: list[Flag] = [
     Flag("--momentum", "optim", "momentum", "SGD momentum", dict(type=float)),
     Flag("--weight-decay", "optim", "weight_decay", "weight decay", dict(type=float),
          unset=per_optimizer(DEFAULT_WEIGHT_DECAY)),
-    Flag("--warmup-steps", "optim", "warmup_steps", "linear warmup per visit", dict(type=non_negative_int)),
-    Flag("--lr-decay", "optim", "decay", "after warmup, the rate falls to 0 at each visit's last step",
+    Flag("--warmup-steps", "optim", "warmup_steps", "linear warmup per visit (step 0 at 1/warmup of the rate)",
+         dict(type=non_negative_int)),
+    Flag("--warmup-ratio", "optim", "warmup_ratio", "instead of --warmup-steps: warmup over this share of each "
+         "visit's steps, rounded up", dict(type=float)),
+    Flag("--lr-decay", "optim", "decay", "the schedule after warmup, transformers.get_scheduler's by name (none: "
+         "constant_with_warmup); linear and cosine fall to 0 at each visit's last step",
          dict(choices=list(LR_DECAYS))),
     Flag("--grad-clip", "optim", "grad_clip", "max gradient norm; 0 = off", dict(type=float)),
     Flag("--grad-accum", "optim", "grad_accum", "micro-batches per step", dict(type=positive_int)),
@@ -183,6 +187,9 @@ TRAINING_FLAGS: list[Flag] = [
          "pipeline; must divide it", dict(type=positive_int), unset="as many as --pipeline stages"),
     Flag("--pipeline-schedule", "run", "pipeline_schedule", "pipeline schedule (torch.distributed.pipelining)",
          dict(choices=["1f1b", "gpipe"])),
+    Flag("--report-to", "run", "report_to", f"experiment trackers the run's records go to (rank 0): a comma list of "
+         f"{', '.join(TRACKERS)}, offline by default (event files, W&B offline, an MLflow file store in --out); "
+         f"each needs its extra, pip install 'preinfer[tensorboard]'"),
 ]
 
 # Flags of `bcd` only: where visits above the input get their boundary states.

@@ -69,7 +69,8 @@ class BlockConfig:
 # The reference paper's defaults of the optimizers, and the learning-rate decays after warmup.
 DEFAULT_LR = {"sgd": 0.1, "adam": 5e-5, "adamw": 5e-5}
 DEFAULT_WEIGHT_DECAY = {"sgd": 1e-5, "adam": 0.0, "adamw": 0.01}
-LR_DECAYS = ("none", "linear", "cosine")
+# transformers' schedules by name (get_scheduler) that need no options of their own; "none" is constant_with_warmup.
+LR_DECAYS = ("none", "linear", "cosine", "cosine_with_restarts", "polynomial", "constant_with_warmup", "inverse_sqrt")
 
 
 @dataclass
@@ -79,8 +80,9 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     momentum: float = 0.9  # sgd only
     weight_decay: float | None = None  # None: sgd 1e-5, adam 0, adamw 0.01
-    warmup_steps: int = 0  # linear warmup at the start of every visit
-    decay: str = "none"  # none, linear, cosine: after warmup the rate falls to 0 at each visit's last step
+    warmup_steps: int = 0  # linear warmup at the start of every visit (step 0 at 1/warmup of the rate)
+    warmup_ratio: float = 0.0  # instead of warmup_steps: this share of each visit's steps, rounded up
+    decay: str = "none"  # a transformers schedule after warmup: none, linear, cosine (to 0 at the visit's last step)...
     grad_clip: float = 0.0  # max gradient norm of the active block; 0 disables
     grad_accum: int = 1  # micro-batches per optimizer step
     keep_state: bool = False  # keep each block's optimizer state between its visits (costs its memory)
@@ -107,6 +109,7 @@ class RunConfig:
     pipeline: int = 1  # pipeline stages (under torchrun: world size = pipeline x data-parallel replicas)
     microbatches: int = 0  # micro-batches per step through the pipeline; 0: as many as stages
     pipeline_schedule: str = "1f1b"  # 1f1b or gpipe
+    report_to: str = "none"  # experiment trackers, a comma list of tensorboard, wandb, mlflow (rank 0 reports)
 
 
 @dataclass
@@ -127,6 +130,10 @@ class StoreConfig:
 
     path: str | None = None  # a cache directory written by `preinfer cache`
     trust: bool = False  # use the store even if the model's prefix differs from the one it was made from
+
+
+# The experiment trackers `report_to` may name (pipelines.training.trackers).
+TRACKERS = ("tensorboard", "wandb", "mlflow")
 
 
 # Keys of [run] in configs written before it was split, or renamed since: (section, key) they moved to.
@@ -178,7 +185,12 @@ def check_values(config: Config) -> None:
         ("optim", "momentum", "--momentum", 0 <= o.momentum < math.inf, "a finite number >= 0"),
         ("optim", "weight_decay", "--weight-decay", o.weight_decay is None or 0 <= o.weight_decay < math.inf,
          "a finite number >= 0"),
+        ("optim", "warmup_ratio", "--warmup-ratio", 0 <= o.warmup_ratio < 1, "a number in [0, 1)"),
+        ("optim", "warmup_ratio", "--warmup-ratio", not (o.warmup_ratio and o.warmup_steps),
+         "0 when --warmup-steps is given (one of the two)"),
         ("optim", "grad_clip", "--grad-clip", 0 <= o.grad_clip < math.inf, "a finite number >= 0 (0 = off)"),
+        ("run", "report_to", "--report-to", set(report_names(config.run.report_to)) <= {"none", *TRACKERS},
+         f"a comma list of none, {', '.join(TRACKERS)}"),
         ("stop", "min_delta", "--min-delta", 0 <= s.min_delta < math.inf, "a finite number >= 0"),
         ("stop", "smoothing", "[stop] smoothing", 0 <= s.smoothing < 1, "a number in [0, 1)"),
     ]
@@ -189,10 +201,16 @@ def check_values(config: Config) -> None:
             raise UsageError(f"{flag} {shown} ([{section}] {key}): expected {expected}")
 
 
+def report_names(report_to: str) -> list[str]:
+    """The names in a `run.report_to` value."""
+    return [name.strip() for name in report_to.split(",") if name.strip()]
+
+
 # Config keys a resumed run may change: where and how it runs, not what it trains, and the number of sweeps (a run
 # resumed for more sweeps ends as one run of that many). Each change is recorded in metrics.jsonl as a `resume`
 # record; a change of any other key refuses --resume.
-RESUMABLE_KEYS = ("run.checkpoint_every", "run.device", "data.token_store", "pre_inference.dask", "blocks.sweeps")
+RESUMABLE_KEYS = ("run.checkpoint_every", "run.device", "run.report_to", "data.token_store", "pre_inference.dask",
+                  "blocks.sweeps")
 # The block partition: the first of these that is set wins (ranges, then blocks, then ufp).
 PARTITION_ORDER = ("ranges", "blocks", "ufp")
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
+from transformers import get_scheduler
 
 from preinfer.config import DEFAULT_LR, DEFAULT_WEIGHT_DECAY, LR_DECAYS, OptimConfig, StopConfig
 from preinfer.errors import UsageError
@@ -27,31 +29,55 @@ def build_optimizer(params: list[nn.Parameter], cfg: OptimConfig) -> torch.optim
 
 @dataclass(frozen=True)
 class LrSchedule:
-    """A visit's learning rate, step by step, as a fraction of the full rate: linear warmup over `warmup` steps
-    (step 0 at 1/warmup), then `decay` over the rest of the visit's `steps`: "none", or "linear" or "cosine" to 0
-    (the decay of transformers' get_linear_schedule_with_warmup and get_cosine_schedule_with_warmup)."""
+    """A visit's learning rate, step by step, as a fraction of the full rate: `transformers.get_scheduler`'s
+    schedule `decay` ("none" is its constant_with_warmup) over the visit's `steps`, built per visit, except that
+    our linear warmup starts at 1/warmup where transformers' starts at 0 (a documented choice: no step of a
+    visit trains at rate 0); after warmup every value is transformers'."""
 
     warmup: int = 0
     decay: str = "none"
     steps: int | None = None
+    lr: float = 1.0  # the visit's full rate (a schedule such as polynomial's end rate is absolute)
+    after_warmup: Callable[[int], float] | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.after_warmup is None:
+            object.__setattr__(self, "after_warmup", transformers_factor(self.decay, self.warmup, self.steps, self.lr))
 
     @classmethod
-    def for_visit(cls, cfg: OptimConfig, steps: int | None) -> LrSchedule:
+    def for_visit(cls, cfg: OptimConfig, steps: int | None, lr: float = 1.0) -> LrSchedule:
         """The schedule of a visit of at most `steps` steps (None: it ends on a plateau, not at a known step)."""
         if cfg.decay not in LR_DECAYS:
             raise UsageError(f"--lr-decay {cfg.decay!r} is not one of {', '.join(LR_DECAYS)}")
-        if cfg.decay != "none" and steps is None:
+        if cfg.decay not in OPEN_ENDED_DECAYS and steps is None:
             raise UsageError(f"--lr-decay {cfg.decay} needs each visit's length: --steps-per-visit or "
                              f"--epochs-per-visit (a visit that ends on a plateau has no known last step)")
-        return cls(cfg.warmup_steps, cfg.decay, steps)
+        if cfg.warmup_ratio and steps is None:
+            raise UsageError("--warmup-ratio needs each visit's length: --steps-per-visit or --epochs-per-visit "
+                             "(a visit that ends on a plateau has no known last step); or give --warmup-steps")
+        return cls(warmup_steps(cfg, steps), cfg.decay, steps, lr)
 
     def factor(self, step: int) -> float:
         if step < self.warmup:
             return (step + 1) / self.warmup
-        if self.decay == "none":
-            return 1.0
-        progress = min(1.0, (step - self.warmup) / max(1, self.steps - self.warmup))
-        return 1.0 - progress if self.decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.after_warmup(step)
+
+
+# Schedules defined without a last step (the others fall to their end at each visit's last step).
+OPEN_ENDED_DECAYS = ("none", "constant_with_warmup", "inverse_sqrt")
+
+
+def warmup_steps(cfg: OptimConfig, steps: int | None) -> int:
+    """--warmup-steps, or --warmup-ratio of the visit's steps rounded up (as transformers' TrainingArguments)."""
+    return math.ceil(cfg.warmup_ratio * steps) if cfg.warmup_ratio else cfg.warmup_steps
+
+
+def transformers_factor(decay: str, warmup: int, steps: int | None, lr: float) -> Callable[[int], float]:
+    """transformers' schedule `decay` ("none": constant_with_warmup) as a function of the step: its LambdaLR's
+    lambda, built over a stand-in optimizer at rate `lr` (the trainer sets the rates of its own)."""
+    name = "constant_with_warmup" if decay == "none" else decay
+    stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+    return get_scheduler(name, stand_in, num_warmup_steps=warmup, num_training_steps=steps).lr_lambdas[0]
 
 
 @dataclass

@@ -196,7 +196,7 @@ class Trainer:
         stop = StopRule.for_visit(cfg.stop, -(-train.batches_per_epoch // cfg.optim.grad_accum))
         if p.stop is not None:
             stop.load_state_dict(p.stop)
-        schedule = LrSchedule.for_visit(cfg.optim, stop.max_steps)
+        schedule = LrSchedule.for_visit(cfg.optim, stop.max_steps, optimizer.param_groups[0]["initial_lr"])
         if self.meter is not None:
             self.meter.reset()
         started, reason = time.perf_counter(), None

@@ -21,6 +21,7 @@ from preinfer.run_dir import RunDir
 from preinfer.trainer import Trainer
 from pipelines.training.progress import ProgressUI
 from pipelines.training.run_directory import prepare_run_dir
+from pipelines.training.trackers import Trackers
 from pipelines.training.signals import RunStopped, StopOnSignals
 
 
@@ -37,6 +38,8 @@ def train(config: Config, staged: preinfer.StagedModel, partition: Partition, ac
                    active_block=active)
     if trainer.rank == 0:
         prepare_run_dir(run, config, resume)
+    trackers = Trackers.open(config, run.path, trainer.rank)
+    trainer.on_record = lambda record: (ui.record(record), trackers.record(record))
     if partition.budget is not None:
         trainer.emit(partition.budget)
     for note in [*notes, partition.report()]:
@@ -49,6 +52,7 @@ def train(config: Config, staged: preinfer.StagedModel, partition: Partition, ac
             trainer.fit()
         finally:
             ui.close()  # a failure's one line starts a line of its own
+            trackers.close()
     trainer.wall_s = time.perf_counter() - started
     if trainer.stopped:
         signum = signals.received or signal.SIGTERM  # a rank stopped because another rank got the signal

@@ -29,6 +29,7 @@ from pipelines.training.layout import OneProcess
 from pipelines.training.partition_choice import partition_for
 from pipelines.training.run_directory import finish_run, owning_run
 from pipelines.training.store_input import StoreInput
+from pipelines.training.trackers import check_trackers
 from pipelines.training.token_data import live_sources, load_datasets, samples_per_shard
 
 if TYPE_CHECKING:  # torch.distributed.pipelining loads only for pipelines
@@ -37,6 +38,7 @@ if TYPE_CHECKING:  # torch.distributed.pipelining loads only for pipelines
 
 def run(config: Config, resume: bool = False, quiet: bool = False) -> dict:
     """Train as configured and write the run directory, held for the whole job; returns the summary."""
+    check_trackers(config.run.report_to)  # a tracker not installed: refused before anything is made
     rank, world = init_distributed(config.run.device)
     run_dir = RunDir(config.run.out)
     with owning_run(run_dir, resume, rank):  # held first, then checked: a second job names the holder
