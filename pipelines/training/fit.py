@@ -14,6 +14,7 @@ import torch.distributed as dist
 import preinfer
 from preinfer.batch_source import VisitSources
 from preinfer.config import Config, load_config, resume_changes
+from preinfer.errors import CheckpointWriteError, PreinferError
 from preinfer.memory.meter import MemoryMeter
 from preinfer.metrics import ResumeRecord
 from preinfer.partition import Partition
@@ -47,6 +48,8 @@ def train(config: Config, staged: preinfer.StagedModel, partition: Partition, ac
     with StopOnSignals(trainer) as signals:
         try:
             trainer.fit()
+        except CheckpointWriteError as err:
+            raise PreinferError(f"{err}; free space, then {how_to_continue(err, command, run)}") from None
         finally:
             ui.close()  # a failure's one line starts a line of its own
     trainer.wall_s = time.perf_counter() - started
@@ -57,6 +60,14 @@ def train(config: Config, staged: preinfer.StagedModel, partition: Partition, ac
               f"`preinfer {command} --out {config.run.out} --resume`", file=sys.stderr)
         raise RunStopped(128 + signum)
     return trainer
+
+
+def how_to_continue(err: CheckpointWriteError, command: str, run: RunDir) -> str:
+    """What continues a run whose checkpoint could not be written: resuming from the one kept, or (none kept) the
+    same command again, which starts the run over."""
+    if err.resumable:
+        return f"run `preinfer {command} --out {run.path} --resume`"
+    return "run the same command again (it starts the run over)"
 
 
 def resume_run(trainer: Trainer, run: RunDir, config: Config) -> None:

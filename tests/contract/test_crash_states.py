@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from tests.helpers.cli_run import run_cli
+from preinfer.checkpoint import is_complete
+from tests.helpers.cli_run import failure_line, run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 INJECT = Path(__file__).parents[1] / "helpers" / "inject.py"
@@ -115,6 +117,59 @@ def test_a_full_disk_at_the_start_names_the_path_and_a_rerun_works(tmp_path, cor
     monkeypatch.undo()
     code, _, err = run_cli(args, capsys)
     assert code == 0, err
+
+
+def full_disk_at(call: int, write, error: Exception):
+    """`write`, except that its `call`-th call (1: the first) leaves a partial file, as a full disk does, and raises
+    `error`."""
+    calls = {"n": 0}
+
+    def writer(tensors, filename, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == call:
+            Path(filename).write_bytes(b"partial")
+            raise error
+        return write(tensors, filename, *args, **kwargs)
+
+    return writer
+
+
+ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("call, error, how", [
+    (6, ENOSPC, "resume"),  # the third save's second file: the second save's checkpoint is kept
+    (6, SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"), "resume"),
+    (1, ENOSPC, "again"),  # the first save's first file: no checkpoint yet, the run starts over
+], ids=["third-save", "third-save-safetensors", "first-save"])
+def test_a_full_disk_while_a_checkpoint_is_written_names_it_and_the_named_way_on_works(call, error, how, tmp_path,
+                                                                                      corpus, uninterrupted,
+                                                                                      capsys, monkeypatch):
+    """ENOSPC from the checkpoint's writer: one line naming the checkpoint being written, the last complete one kept
+    (or none yet), and what to run after freeing space; that command ends with the uninterrupted run's weights."""
+    import preinfer.checkpoint
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(preinfer.checkpoint, "save_file", full_disk_at(call, preinfer.checkpoint.save_file, error))
+    code, _, err = run_cli(bcd_args(corpus, out), capsys)
+    line = failure_line(err)
+    assert code == 1 and f"writing the checkpoint {out / 'checkpoint.tmp'} failed" in line
+    assert "No space left on device" in line and "free space, then run" in line
+    assert not (out / "checkpoint.tmp").exists()  # the partial checkpoint is gone, its space given back
+    if how == "resume":
+        assert f"kept in {out / 'checkpoint'}" in line and f"`preinfer bcd --out {out} --resume`" in line
+        assert is_complete(out / "checkpoint")
+        rerun = ["bcd", "--out", str(out), "--resume"]  # what the line says to run
+    else:
+        assert "no complete checkpoint was written yet" in line and "run the same command again" in line
+        assert "--resume" not in line and not (out / "checkpoint").exists()
+        rerun = bcd_args(corpus, out)
+    monkeypatch.undo()
+    code, _, err = run_cli(rerun, capsys)
+    assert code == 0, err
+    got = load_file(str(out / "checkpoint" / "model.safetensors"))
+    assert set(got) == set(uninterrupted) and all(torch.equal(got[k], uninterrupted[k]) for k in got)
 
 
 # ---- stores ----
