@@ -4,6 +4,8 @@ leave it: `inject.py`), then run again or resumed, ends bit for bit where an uni
 (a writer that raises ENOSPC) says which path and how to go on, and that way works."""
 
 import errno
+import functools
+import importlib
 import json
 import os
 import subprocess
@@ -240,3 +242,75 @@ def test_a_staging_area_a_full_disk_left_is_resumed_or_overwritten(extra, tmp_pa
     code, _, err = run_cli(tokenize_args(corpus, out, *extra), capsys)
     assert code == 0, err
     assert files(out) == tokenized
+
+
+def raises_at(call: int, function, error: Exception):
+    """`function`, except that its `call`-th call (1: the first) raises `error` instead."""
+    calls = {"n": 0}
+
+    @functools.wraps(function)
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == call:
+            raise error
+        return function(*args, **kwargs)
+
+    return failing
+
+
+# (a writer's module and name, the call of it that finds the disk full): tokenize's staging, its shard writes and its
+# publish; the caching job's shard writes and its publish (with the path its line names, under --out)
+TOKENIZE_WRITERS = {
+    "staging-chunk": ("pipelines.data.token_store.staging", "np.savez", 1),
+    "staging-record": ("pipelines.data.token_store.staging", "write_json", 2),
+    "shard": ("storage.store", "Store.write_shard", 2),
+    "publish-split": ("storage.store", "Store.finalize", 1),
+    "publish-description": ("pipelines.data.token_store.job", "write_json", 1),
+}
+CACHE_WRITERS = {
+    "shard": ("storage.store", "Store.write_shard", 2, "train"),
+    "publish-split": ("storage.store", "Store.finalize", 2, "eval"),
+    "publish-index": ("pipelines.cache.build", "write_index", 1, ""),
+}
+
+
+def full_disk(monkeypatch, module: str, qualname: str, call: int) -> None:
+    """Make the `call`-th call of `module:qualname` (a writer) raise ENOSPC, until monkeypatch.undo()."""
+    owner = importlib.import_module(module)
+    *path, name = qualname.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    monkeypatch.setattr(owner, name, raises_at(call, getattr(owner, name), ENOSPC))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("writer", list(TOKENIZE_WRITERS))
+def test_a_full_disk_in_tokenize_names_out_and_the_same_command_resumes_it(writer, tmp_path, corpus, tokenized,
+                                                                           capsys, monkeypatch):
+    out = tmp_path / "tokens"
+    full_disk(monkeypatch, *TOKENIZE_WRITERS[writer])
+    code, _, err = run_cli(tokenize_args(corpus, out), capsys)
+    line = failure_line(err)
+    assert code == 1 and f"writing the token store in {out} failed (No space left on device)" in line
+    assert "free space, then run the same command again" in line
+    monkeypatch.undo()
+    code, _, err = run_cli(tokenize_args(corpus, out), capsys)
+    assert code == 0, err
+    assert files(out) == tokenized
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("writer", list(CACHE_WRITERS))
+def test_a_full_disk_in_the_caching_job_names_the_path_and_the_same_command_resumes_it(writer, tmp_path, corpus,
+                                                                                       cached, capsys, monkeypatch):
+    out = tmp_path / "cache"
+    *patched, where = CACHE_WRITERS[writer]
+    full_disk(monkeypatch, *patched)
+    code, _, err = run_cli(cache_args(corpus, out), capsys)
+    line = failure_line(err)
+    assert code == 1 and f"disk full while writing the cache in {out / where if where else out}: " in line
+    assert "No space left on device" in line and "Free space, then" in line and "rerun the same command" in line
+    monkeypatch.undo()
+    code, _, err = run_cli(cache_args(corpus, out), capsys)
+    assert code == 0, err
+    assert files(out) == cached
