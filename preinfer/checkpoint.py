@@ -88,7 +88,7 @@ def _write_failed(where: Path, path: Path, err: Exception) -> CheckpointWriteErr
     kept = newest_checkpoint(path)
     reason = getattr(err, "strerror", None) or first_line(err)
     state = f"the last complete checkpoint is kept in {kept}" if kept else "no complete checkpoint was written yet"
-    return CheckpointWriteError(f"writing the checkpoint {where} failed ({reason}); {state}", resumable=bool(kept))
+    return CheckpointWriteError(f"writing the checkpoint {where} failed ({reason}); {state}")
 
 
 def newest_checkpoint(path: Path) -> Path | None:

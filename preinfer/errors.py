@@ -30,12 +30,7 @@ class CheckpointError(PreinferError):
 
 
 class CheckpointWriteError(PreinferError):
-    """Writing a checkpoint failed (a full disk, a failing device); `resumable`: a complete earlier checkpoint is
-    kept, so the run can resume from it."""
-
-    def __init__(self, message: str, resumable: bool):
-        super().__init__(message)
-        self.resumable = resumable
+    """Writing a checkpoint failed (a full disk, a failing device); the message says which complete one is kept."""
 
 
 def first_line(error: BaseException) -> str:

@@ -139,6 +139,21 @@ def full_disk_at(call: int, write, error: Exception):
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
+def raises_at(call: int, function, error: Exception):
+    """`function`, except that its `call`-th call (1: the first) raises `error` instead."""
+    calls = {"n": 0}
+
+    @functools.wraps(function)
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == call:
+            raise error
+        return function(*args, **kwargs)
+
+    return failing
+
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("call, error, how", [
     (6, ENOSPC, "resume"),  # the third save's second file: the second save's checkpoint is kept
@@ -172,6 +187,40 @@ def test_a_full_disk_while_a_checkpoint_is_written_names_it_and_the_named_way_on
     assert code == 0, err
     got = load_file(str(out / "checkpoint" / "model.safetensors"))
     assert set(got) == set(uninterrupted) and all(torch.equal(got[k], uninterrupted[k]) for k in got)
+
+
+# (a writer's module and name, the call that finds the disk full, what the line says to run): a metrics record before
+# any checkpoint, one after the third, and the loss plot of a finished run
+RUN_WRITERS = {
+    "metrics-first": ("preinfer.metrics", "MetricsLog.write", 1, "again"),
+    "metrics-later": ("preinfer.metrics", "MetricsLog.write", 8, "resume"),
+    "finish": ("pipelines.training.run_directory", "plot_losses", 1, "resume"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("writer", list(RUN_WRITERS))
+def test_a_full_disk_elsewhere_in_a_run_says_what_continues_it_and_that_works(writer, tmp_path, corpus,
+                                                                               uninterrupted, capsys, monkeypatch):
+    out = tmp_path / "run"
+    *patched, how = RUN_WRITERS[writer]
+    full_disk(monkeypatch, *patched)
+    code, _, err = run_cli(bcd_args(corpus, out), capsys)
+    line = err.strip().splitlines()[-1]  # after the export's progress bar (transformers' own), when finishing
+    assert "Traceback" not in err and line.startswith("preinfer bcd: error: ")
+    assert code == 1 and f"the run in {out} stopped (No space left on device)" in line and "free space" in line
+    if how == "resume":
+        assert line.endswith(f"then run `preinfer bcd --out {out} --resume`")
+        rerun = ["bcd", "--out", str(out), "--resume"]
+    else:
+        assert line.endswith("then run the same command again (no checkpoint was written: it starts the run over)")
+        rerun = bcd_args(corpus, out)
+    monkeypatch.undo()
+    code, _, err = run_cli(rerun, capsys)
+    assert code == 0, err
+    got = load_file(str(out / "checkpoint" / "model.safetensors"))
+    assert set(got) == set(uninterrupted) and all(torch.equal(got[k], uninterrupted[k]) for k in got)
+    assert (out / "summary.json").is_file() and (out / "loss.png").is_file() and (out / "export").is_dir()
 
 
 # ---- stores ----
@@ -242,20 +291,6 @@ def test_a_staging_area_a_full_disk_left_is_resumed_or_overwritten(extra, tmp_pa
     code, _, err = run_cli(tokenize_args(corpus, out, *extra), capsys)
     assert code == 0, err
     assert files(out) == tokenized
-
-
-def raises_at(call: int, function, error: Exception):
-    """`function`, except that its `call`-th call (1: the first) raises `error` instead."""
-    calls = {"n": 0}
-
-    @functools.wraps(function)
-    def failing(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == call:
-            raise error
-        return function(*args, **kwargs)
-
-    return failing
 
 
 # (a writer's module and name, the call of it that finds the disk full): tokenize's staging, its shard writes and its
