@@ -92,6 +92,9 @@ def test_a_save_killed_at_any_phase_resumes_to_the_uninterrupted_weights(phase, 
     got = load_file(str(out / "checkpoint" / "model.safetensors"))
     assert set(got) == set(uninterrupted) and all(torch.equal(got[k], uninterrupted[k]) for k in got)
     assert not (out / "checkpoint.tmp").exists() and not (out / "checkpoint.old").exists()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "step"] == list(range(1, 7))  # a step logged before the
+    assert [r["kind"] for r in records].count("visit") == 2  # kill is kept once, not twice
 
 
 def test_a_full_disk_at_the_start_names_the_path_and_a_rerun_works(tmp_path, corpus, capsys, monkeypatch):
