@@ -156,6 +156,25 @@ def raises_at(call: int, function, error: Exception):
     return failing
 
 
+def stopped(argv: list[str], capsys, one_line: bool = True) -> str:
+    """Run `preinfer ARGV` on a disk that fills: it exits 1 without a traceback; its one error line (the last of
+    stderr when not `one_line`: a finished run's export prints transformers' progress bar first)."""
+    code, _, err = run_cli(argv, capsys)
+    assert code == 1 and "Traceback" not in err, err
+    return failure_line(err) if one_line else err.strip().splitlines()[-1]
+
+
+def works_once_freed(argv: list[str], capsys, monkeypatch) -> None:
+    """With the disk's space back (the patched writer undone), `preinfer ARGV` ends with exit 0."""
+    monkeypatch.undo()
+    code, _, err = run_cli(argv, capsys)
+    assert code == 0, err
+
+
+def assert_weights(out: Path, expected: dict[str, torch.Tensor]) -> None:
+    got = load_file(str(out / "checkpoint" / "model.safetensors"))
+    assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in got)
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("call, error, how", [
@@ -172,9 +191,8 @@ def test_a_full_disk_while_a_checkpoint_is_written_names_it_and_the_named_way_on
 
     out = tmp_path / "run"
     monkeypatch.setattr(preinfer.checkpoint, "save_file", full_disk_at(call, preinfer.checkpoint.save_file, error))
-    code, _, err = run_cli(bcd_args(corpus, out), capsys)
-    line = failure_line(err)
-    assert code == 1 and f"writing the checkpoint {out / 'checkpoint.tmp'} failed" in line
+    line = stopped(bcd_args(corpus, out), capsys)
+    assert f"writing the checkpoint {out / 'checkpoint.tmp'} failed" in line
     assert "No space left on device" in line and "free space, then run" in line
     assert not (out / "checkpoint.tmp").exists()  # the partial checkpoint is gone, its space given back
     if how == "resume":
@@ -185,11 +203,8 @@ def test_a_full_disk_while_a_checkpoint_is_written_names_it_and_the_named_way_on
         assert "no complete checkpoint was written yet" in line and "run the same command again" in line
         assert "--resume" not in line and not (out / "checkpoint").exists()
         rerun = bcd_args(corpus, out)
-    monkeypatch.undo()
-    code, _, err = run_cli(rerun, capsys)
-    assert code == 0, err
-    got = load_file(str(out / "checkpoint" / "model.safetensors"))
-    assert set(got) == set(uninterrupted) and all(torch.equal(got[k], uninterrupted[k]) for k in got)
+    works_once_freed(rerun, capsys, monkeypatch)
+    assert_weights(out, uninterrupted)
 
 
 # (a writer's module and name, the call that finds the disk full, what the line says to run): a metrics record before
@@ -208,21 +223,16 @@ def test_a_full_disk_elsewhere_in_a_run_says_what_continues_it_and_that_works(wr
     out = tmp_path / "run"
     *patched, how = RUN_WRITERS[writer]
     full_disk(monkeypatch, *patched)
-    code, _, err = run_cli(bcd_args(corpus, out), capsys)
-    line = err.strip().splitlines()[-1]  # after the export's progress bar (transformers' own), when finishing
-    assert "Traceback" not in err and line.startswith("preinfer bcd: error: ")
-    assert code == 1 and f"the run in {out} stopped (No space left on device)" in line and "free space" in line
+    line = stopped(bcd_args(corpus, out), capsys, one_line=writer != "finish")
+    assert f"the run in {out} stopped (No space left on device)" in line and "free space" in line
     if how == "resume":
         assert line.endswith(f"then run `preinfer bcd --out {out} --resume`")
         rerun = ["bcd", "--out", str(out), "--resume"]
     else:
         assert line.endswith("then run the same command again (no checkpoint was written: it starts the run over)")
         rerun = bcd_args(corpus, out)
-    monkeypatch.undo()
-    code, _, err = run_cli(rerun, capsys)
-    assert code == 0, err
-    got = load_file(str(out / "checkpoint" / "model.safetensors"))
-    assert set(got) == set(uninterrupted) and all(torch.equal(got[k], uninterrupted[k]) for k in got)
+    works_once_freed(rerun, capsys, monkeypatch)
+    assert_weights(out, uninterrupted)
     assert (out / "summary.json").is_file() and (out / "loss.png").is_file() and (out / "export").is_dir()
 
 
@@ -327,13 +337,10 @@ def test_a_full_disk_in_tokenize_names_out_and_the_same_command_resumes_it(write
                                                                            capsys, monkeypatch):
     out = tmp_path / "tokens"
     full_disk(monkeypatch, *TOKENIZE_WRITERS[writer])
-    code, _, err = run_cli(tokenize_args(corpus, out), capsys)
-    line = failure_line(err)
-    assert code == 1 and f"writing the token store in {out} failed (No space left on device)" in line
+    line = stopped(tokenize_args(corpus, out), capsys)
+    assert f"writing the token store in {out} failed (No space left on device)" in line
     assert "free space, then run the same command again" in line
-    monkeypatch.undo()
-    code, _, err = run_cli(tokenize_args(corpus, out), capsys)
-    assert code == 0, err
+    works_once_freed(tokenize_args(corpus, out), capsys, monkeypatch)
     assert files(out) == tokenized
 
 
@@ -344,11 +351,8 @@ def test_a_full_disk_in_the_caching_job_names_the_path_and_the_same_command_resu
     out = tmp_path / "cache"
     *patched, where = CACHE_WRITERS[writer]
     full_disk(monkeypatch, *patched)
-    code, _, err = run_cli(cache_args(corpus, out), capsys)
-    line = failure_line(err)
-    assert code == 1 and f"disk full while writing the cache in {out / where if where else out}: " in line
+    line = stopped(cache_args(corpus, out), capsys)
+    assert f"disk full while writing the cache in {out / where if where else out}: " in line
     assert "No space left on device" in line and "Free space, then" in line and "rerun the same command" in line
-    monkeypatch.undo()
-    code, _, err = run_cli(cache_args(corpus, out), capsys)
-    assert code == 0, err
+    works_once_freed(cache_args(corpus, out), capsys, monkeypatch)
     assert files(out) == cached
