@@ -22,7 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from preinfer.errors import CheckpointError, DivergedError, PreinferError, first_line
+from preinfer.errors import CheckpointError, CheckpointWriteError, DivergedError, PreinferError, first_line
 
 WEIGHTS, TENSORS, STATE, DIGEST = "model.safetensors", "state.safetensors", "state.json", "digest.json"
 
@@ -44,9 +44,29 @@ def save_checkpoint(path: Path, model: nn.Module, optimizers: dict[int, dict], t
     checkpoint before stays."""
     _refuse_non_finite(model, trainer_state.get("global_step"))
     tmp, old = _sibling(path, ".tmp"), _sibling(path, ".old")
-    _settle(path)
-    for leftover in (tmp, old):  # a killed save's: the newest complete checkpoint is at `path` now
-        shutil.rmtree(leftover, ignore_errors=True)
+    try:
+        _settle(path)
+        for leftover in (tmp, old):  # a killed save's: the newest complete checkpoint is at `path` now
+            shutil.rmtree(leftover, ignore_errors=True)
+    except OSError as err:
+        raise _write_failed(path, path, err) from None
+    try:
+        _write_whole(tmp, model, optimizers, trainer_state, masters)
+    except (OSError, SafetensorError) as err:
+        shutil.rmtree(tmp, ignore_errors=True)  # incomplete: its space back, the checkpoint before kept
+        raise _write_failed(tmp, path, err) from None
+    try:
+        if path.exists():
+            _retire(path, old)
+        _publish(tmp, path)
+    except OSError as err:  # the new checkpoint is complete in `tmp`, or the previous one in `old`
+        raise _write_failed(path, path, err) from None
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_whole(tmp: Path, model: nn.Module, optimizers: dict[int, dict], trainer_state: dict,
+                 masters: list[torch.Tensor]) -> None:
+    """Write a whole checkpoint into `tmp`, its digest last."""
     tmp.mkdir(parents=True)
     save_file(resident_state(model), str(tmp / WEIGHTS), metadata={"format": "pt"})
     tensors, optim_meta = {}, {}
@@ -60,10 +80,15 @@ def save_checkpoint(path: Path, model: nn.Module, optimizers: dict[int, dict], t
     (tmp / STATE).write_text(json.dumps(meta, indent=1))
     _fsync_dir(tmp)
     _write_digest(tmp)
-    if path.exists():
-        _retire(path, old)
-    _publish(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_failed(where: Path, path: Path, err: Exception) -> CheckpointWriteError:
+    """The error of a save that failed writing `where`: whether (and where) a complete checkpoint of `path` is
+    kept to resume from."""
+    kept = newest_checkpoint(path)
+    reason = getattr(err, "strerror", None) or first_line(err)
+    state = f"the last complete checkpoint is kept in {kept}" if kept else "no complete checkpoint was written yet"
+    return CheckpointWriteError(f"writing the checkpoint {where} failed ({reason}); {state}")
 
 
 def newest_checkpoint(path: Path) -> Path | None:

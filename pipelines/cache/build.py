@@ -259,7 +259,7 @@ def _run_jobs(staged: StagedModel, jobs: list[SplitJob], out: Location, boundary
         try:
             write_index(out, _index(result))
         except OSError as err:
-            raise failure(jobs, [], err) from None
+            raise failure(jobs, [], err, out) from None
     if part is not None:
         part.barrier()  # the stores are finalized and indexed
         if not first:
@@ -281,11 +281,11 @@ def _require_shared(jobs: list[SplitJob], part: Part) -> None:
 
 def _finalize(jobs: list[SplitJob]) -> None:
     """Fold each store's completion records into its manifest (a no-op rewrite when complete) and count its bytes."""
-    try:
-        for job in jobs:
+    for job in jobs:
+        try:
             job.store.finalize()
-    except OSError as err:
-        raise failure(jobs, [], err) from None
+        except OSError as err:
+            raise failure(jobs, [], err, job.store.path) from None
     _count_stored_bytes(jobs)
 
 

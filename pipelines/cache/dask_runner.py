@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 import preinfer
-from preinfer.errors import UsageError
+from preinfer.errors import UsageError, is_disk_full
 from preinfer.fingerprint import prefix_digest
 from preinfer.staged import StagedModel
 from storage import Store, open_store
@@ -31,7 +31,7 @@ from pipelines.cache.options import CacheOptions, LocalWorkers, SchedulerAddress
 from pipelines.cache.progress import Progress
 from pipelines.cache.result import CacheJobError
 from pipelines.cache.shards import (
-    DatasetInputs, HostStager, StoreInputs, compute_shard, host_fields, is_disk_full, one_line, write_shard,
+    DatasetInputs, HostStager, StoreInputs, compute_shard, host_fields, one_line, write_shard,
 )
 from pipelines.cache.work import Failure, SplitJob
 from pipelines.cache.worker_imports import worker_plugin

@@ -8,11 +8,12 @@ import queue
 import threading
 import time
 
+from preinfer.errors import is_disk_full
 from preinfer.staged import StagedModel
 from pipelines.cache.options import CacheOptions
 from pipelines.cache.progress import Progress
 from pipelines.cache.result import CacheJobError
-from pipelines.cache.shards import HostStager, compute_shard, host_fields, is_disk_full, one_line, write_shard
+from pipelines.cache.shards import HostStager, compute_shard, host_fields, one_line, write_shard
 from pipelines.cache.work import Failure, SplitJob
 
 QUEUE_DEPTH = 2

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from preinfer.errors import PreinferError
+from preinfer.errors import PreinferError, is_disk_full
 from storage import Fingerprint
-from pipelines.cache.shards import is_disk_full, one_line
+from pipelines.cache.shards import one_line
 from pipelines.cache.work import Failure, SplitJob, SplitResult
 
 
@@ -74,15 +74,17 @@ class CacheResult:
         )
 
 
-def failure(jobs: list[SplitJob], failed: list[Failure], fatal: BaseException | None) -> CacheJobError:
-    """The error of a job whose shards `failed` or that `fatal` stopped, saying what is intact and how to resume."""
+def failure(jobs: list[SplitJob], failed: list[Failure], fatal: BaseException | None,
+            where: str | Path | None = None) -> CacheJobError:
+    """The error of a job whose shards `failed` or that `fatal` stopped (writing `where`: by default the first
+    split's store), saying what is intact and how to resume."""
     done = sum(len(job.store.completed_shards()) for job in jobs)
     total = sum(job.store.num_shards for job in jobs)
     intact = f"{done} of {total} shards are finished and intact; rerun the same command to resume"
     if fatal is not None:
         if is_disk_full(fatal):
-            return CacheJobError(f"disk full while writing the cache in {jobs[0].store.path}: {one_line(fatal)}. "
-                                 f"Free space, then {intact[0].lower()}{intact[1:]}")
+            return CacheJobError(f"disk full while writing the cache in {where or jobs[0].store.path}: "
+                                 f"{one_line(fatal)}. Free space, then {intact[0].lower()}{intact[1:]}")
         return CacheJobError(f"{one_line(fatal)}. {intact}")
     by_name = {job.name: job for job in jobs}
     names = []

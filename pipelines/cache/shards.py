@@ -4,13 +4,12 @@ the options' `before_shard_write` hook)."""
 
 from __future__ import annotations
 
-import errno
 import threading
 from collections.abc import Callable, Mapping
 
 import torch
 
-from preinfer.errors import PreinferError
+from preinfer.errors import PreinferError, is_disk_full
 from preinfer.staged import StagedModel
 from preinfer.boundary_state import BoundaryState
 from pipelines.data.batches import TokenSamples
@@ -151,18 +150,6 @@ def compute_shard(staged: StagedModel, inputs: Callable[[int, int], BoundaryStat
 
 
 # ---- writing one shard (retries, the hook) --------------------------------------------------------------------
-
-
-def is_disk_full(err: BaseException | None) -> bool:
-    """Whether `err` (or what caused it; or its text, for an exception that crossed a process) is a full disk."""
-    seen = 0
-    while err is not None and seen < 20:
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if "[Errno 28]" in str(err) or "No space left on device" in str(err):
-            return True
-        err, seen = err.__cause__ or err.__context__, seen + 1
-    return False
 
 
 def one_line(err: BaseException) -> str:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import preinfer
 from preinfer.batch_source import VisitSources
 from preinfer.config import Config, load_config, resume_changes
+from preinfer.errors import CheckpointWriteError, PreinferError, is_disk_full
 from preinfer.memory.meter import MemoryMeter
 from preinfer.metrics import ResumeRecord
 from preinfer.partition import Partition
@@ -50,6 +51,8 @@ def train(config: Config, staged: preinfer.StagedModel, partition: Partition, ac
     with StopOnSignals(trainer) as signals:
         try:
             trainer.fit()
+        except (OSError, CheckpointWriteError) as err:
+            raise stopped_writing(err, command, run) from None
         finally:
             ui.close()  # a failure's one line starts a line of its own
             trackers.close()
@@ -61,6 +64,17 @@ def train(config: Config, staged: preinfer.StagedModel, partition: Partition, ac
               f"`preinfer {command} --out {config.run.out} --resume`", file=sys.stderr)
         raise RunStopped(128 + signum)
     return trainer
+
+
+def stopped_writing(err: OSError | CheckpointWriteError, command: str, run: RunDir) -> PreinferError:
+    """The one line of a run a full disk (or a failing one) stopped: what failed, and what continues the run:
+    resuming from its last complete checkpoint, or (none written yet) the same command again."""
+    what = str(err) if isinstance(err, CheckpointWriteError) else \
+        f"the run in {run.path} stopped ({err.strerror or err}{f' at {err.filename}' if err.filename else ''})"
+    first = "free space" if is_disk_full(err) else "fix that"
+    then = f"run `preinfer {command} --out {run.path} --resume`" if run.has_checkpoint() else \
+        "run the same command again (no checkpoint was written: it starts the run over)"
+    return PreinferError(f"{what}; {first}, then {then}")
 
 
 def resume_run(trainer: Trainer, run: RunDir, config: Config) -> None:

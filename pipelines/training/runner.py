@@ -24,7 +24,7 @@ from preinfer.run_dir import RunDir
 from pipelines.data.tokenizer_choice import model_tokenizer
 from pipelines.data.tokenizers import Tokenizer
 from pipelines.training.distributed import init_distributed
-from pipelines.training.fit import train
+from pipelines.training.fit import stopped_writing, train
 from pipelines.training.layout import OneProcess
 from pipelines.training.partition_choice import partition_for
 from pipelines.training.run_directory import finish_run, owning_run
@@ -58,8 +58,9 @@ def _run(config: Config, run_dir: RunDir, resume: bool, quiet: bool, rank: int, 
     staged = preinfer.stage(model)
     partition, active = partition_for(staged, config, first_layer=first, precision=precision)
     chosen, tokenizer = sources(config, layout, staged, store, quiet)
-    trainer = train(config, staged, partition, active, chosen, resume, quiet, notes,
-                    command="bcd" if store is None else "train", make=layout.make_trainer)
+    command = "bcd" if store is None else "train"
+    trainer = train(config, staged, partition, active, chosen, resume, quiet, notes, command=command,
+                    make=layout.make_trainer)
     layout.close()
 
     def export(directory: Path) -> None:
@@ -72,7 +73,10 @@ def _run(config: Config, run_dir: RunDir, resume: bool, quiet: bool, rank: int, 
         else:
             store.save_tokenizer(tokenizer, directory)
 
-    return finish_run(trainer, run_dir, export)
+    try:
+        return finish_run(trainer, run_dir, export)
+    except OSError as err:
+        raise stopped_writing(err, command, run_dir) from None
 
 
 def sources(config: Config, layout: OneProcess | PipelineLayout, staged: preinfer.StagedModel,

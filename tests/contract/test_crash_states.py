@@ -4,6 +4,8 @@ leave it: `inject.py`), then run again or resumed, ends bit for bit where an uni
 (a writer that raises ENOSPC) says which path and how to go on, and that way works."""
 
 import errno
+import functools
+import importlib
 import json
 import os
 import subprocess
@@ -12,9 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from tests.helpers.cli_run import run_cli
+from preinfer.checkpoint import is_complete
+from tests.helpers.cli_run import failure_line, run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 INJECT = Path(__file__).parents[1] / "helpers" / "inject.py"
@@ -88,6 +92,9 @@ def test_a_save_killed_at_any_phase_resumes_to_the_uninterrupted_weights(phase, 
     got = load_file(str(out / "checkpoint" / "model.safetensors"))
     assert set(got) == set(uninterrupted) and all(torch.equal(got[k], uninterrupted[k]) for k in got)
     assert not (out / "checkpoint.tmp").exists() and not (out / "checkpoint.old").exists()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "step"] == list(range(1, 7))  # a step logged before the
+    assert [r["kind"] for r in records].count("visit") == 2  # kill is kept once, not twice
 
 
 def test_a_full_disk_at_the_start_names_the_path_and_a_rerun_works(tmp_path, corpus, capsys, monkeypatch):
@@ -115,6 +122,118 @@ def test_a_full_disk_at_the_start_names_the_path_and_a_rerun_works(tmp_path, cor
     monkeypatch.undo()
     code, _, err = run_cli(args, capsys)
     assert code == 0, err
+
+
+def full_disk_at(call: int, write, error: Exception):
+    """`write`, except that its `call`-th call (1: the first) leaves a partial file, as a full disk does, and raises
+    `error`."""
+    calls = {"n": 0}
+
+    def writer(tensors, filename, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == call:
+            Path(filename).write_bytes(b"partial")
+            raise error
+        return write(tensors, filename, *args, **kwargs)
+
+    return writer
+
+
+ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def raises_at(call: int, function, error: Exception):
+    """`function`, except that its `call`-th call (1: the first) raises `error` instead."""
+    calls = {"n": 0}
+
+    @functools.wraps(function)
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == call:
+            raise error
+        return function(*args, **kwargs)
+
+    return failing
+
+
+def stopped(argv: list[str], capsys, one_line: bool = True) -> str:
+    """Run `preinfer ARGV` on a disk that fills: it exits 1 without a traceback; its one error line (the last of
+    stderr when not `one_line`: a finished run's export prints transformers' progress bar first)."""
+    code, _, err = run_cli(argv, capsys)
+    assert code == 1 and "Traceback" not in err, err
+    return failure_line(err) if one_line else err.strip().splitlines()[-1]
+
+
+def works_once_freed(argv: list[str], capsys, monkeypatch) -> None:
+    """With the disk's space back (the patched writer undone), `preinfer ARGV` ends with exit 0."""
+    monkeypatch.undo()
+    code, _, err = run_cli(argv, capsys)
+    assert code == 0, err
+
+
+def assert_weights(out: Path, expected: dict[str, torch.Tensor]) -> None:
+    got = load_file(str(out / "checkpoint" / "model.safetensors"))
+    assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in got)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("call, error, how", [
+    (6, ENOSPC, "resume"),  # the third save's second file: the second save's checkpoint is kept
+    (6, SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"), "resume"),
+    (1, ENOSPC, "again"),  # the first save's first file: no checkpoint yet, the run starts over
+], ids=["third-save", "third-save-safetensors", "first-save"])
+def test_a_full_disk_while_a_checkpoint_is_written_names_it_and_the_named_way_on_works(call, error, how, tmp_path,
+                                                                                      corpus, uninterrupted,
+                                                                                      capsys, monkeypatch):
+    """ENOSPC from the checkpoint's writer: one line naming the checkpoint being written, the last complete one kept
+    (or none yet), and what to run after freeing space; that command ends with the uninterrupted run's weights."""
+    import preinfer.checkpoint
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(preinfer.checkpoint, "save_file", full_disk_at(call, preinfer.checkpoint.save_file, error))
+    line = stopped(bcd_args(corpus, out), capsys)
+    assert f"writing the checkpoint {out / 'checkpoint.tmp'} failed" in line
+    assert "No space left on device" in line and "free space, then run" in line
+    assert not (out / "checkpoint.tmp").exists()  # the partial checkpoint is gone, its space given back
+    if how == "resume":
+        assert f"kept in {out / 'checkpoint'}" in line and f"`preinfer bcd --out {out} --resume`" in line
+        assert is_complete(out / "checkpoint")
+        rerun = ["bcd", "--out", str(out), "--resume"]  # what the line says to run
+    else:
+        assert "no complete checkpoint was written yet" in line and "run the same command again" in line
+        assert "--resume" not in line and not (out / "checkpoint").exists()
+        rerun = bcd_args(corpus, out)
+    works_once_freed(rerun, capsys, monkeypatch)
+    assert_weights(out, uninterrupted)
+
+
+# (a writer's module and name, the call that finds the disk full, what the line says to run): a metrics record before
+# any checkpoint, one after the third, and the loss plot of a finished run
+RUN_WRITERS = {
+    "metrics-first": ("preinfer.metrics", "MetricsLog.write", 1, "again"),
+    "metrics-later": ("preinfer.metrics", "MetricsLog.write", 8, "resume"),
+    "finish": ("pipelines.training.run_directory", "plot_losses", 1, "resume"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("writer", list(RUN_WRITERS))
+def test_a_full_disk_elsewhere_in_a_run_says_what_continues_it_and_that_works(writer, tmp_path, corpus,
+                                                                               uninterrupted, capsys, monkeypatch):
+    out = tmp_path / "run"
+    *patched, how = RUN_WRITERS[writer]
+    full_disk(monkeypatch, *patched)
+    line = stopped(bcd_args(corpus, out), capsys, one_line=writer != "finish")
+    assert f"the run in {out} stopped (No space left on device)" in line and "free space" in line
+    if how == "resume":
+        assert line.endswith(f"then run `preinfer bcd --out {out} --resume`")
+        rerun = ["bcd", "--out", str(out), "--resume"]
+    else:
+        assert line.endswith("then run the same command again (no checkpoint was written: it starts the run over)")
+        rerun = bcd_args(corpus, out)
+    works_once_freed(rerun, capsys, monkeypatch)
+    assert_weights(out, uninterrupted)
+    assert (out / "summary.json").is_file() and (out / "loss.png").is_file() and (out / "export").is_dir()
 
 
 # ---- stores ----
@@ -185,3 +304,55 @@ def test_a_staging_area_a_full_disk_left_is_resumed_or_overwritten(extra, tmp_pa
     code, _, err = run_cli(tokenize_args(corpus, out, *extra), capsys)
     assert code == 0, err
     assert files(out) == tokenized
+
+
+# (a writer's module and name, the call of it that finds the disk full): tokenize's staging, its shard writes and its
+# publish; the caching job's shard writes and its publish (with the path its line names, under --out)
+TOKENIZE_WRITERS = {
+    "staging-chunk": ("pipelines.data.token_store.staging", "np.savez", 1),
+    "staging-record": ("pipelines.data.token_store.staging", "write_json", 2),
+    "shard": ("storage.store", "Store.write_shard", 2),
+    "publish-split": ("storage.store", "Store.finalize", 1),
+    "publish-description": ("pipelines.data.token_store.job", "write_json", 1),
+}
+CACHE_WRITERS = {
+    "shard": ("storage.store", "Store.write_shard", 2, "train"),
+    "publish-split": ("storage.store", "Store.finalize", 2, "eval"),
+    "publish-index": ("pipelines.cache.build", "write_index", 1, ""),
+}
+
+
+def full_disk(monkeypatch, module: str, qualname: str, call: int) -> None:
+    """Make the `call`-th call of `module:qualname` (a writer) raise ENOSPC, until monkeypatch.undo()."""
+    owner = importlib.import_module(module)
+    *path, name = qualname.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    monkeypatch.setattr(owner, name, raises_at(call, getattr(owner, name), ENOSPC))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("writer", list(TOKENIZE_WRITERS))
+def test_a_full_disk_in_tokenize_names_out_and_the_same_command_resumes_it(writer, tmp_path, corpus, tokenized,
+                                                                           capsys, monkeypatch):
+    out = tmp_path / "tokens"
+    full_disk(monkeypatch, *TOKENIZE_WRITERS[writer])
+    line = stopped(tokenize_args(corpus, out), capsys)
+    assert f"writing the token store in {out} failed (No space left on device)" in line
+    assert "free space, then run the same command again" in line
+    works_once_freed(tokenize_args(corpus, out), capsys, monkeypatch)
+    assert files(out) == tokenized
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("writer", list(CACHE_WRITERS))
+def test_a_full_disk_in_the_caching_job_names_the_path_and_the_same_command_resumes_it(writer, tmp_path, corpus,
+                                                                                       cached, capsys, monkeypatch):
+    out = tmp_path / "cache"
+    *patched, where = CACHE_WRITERS[writer]
+    full_disk(monkeypatch, *patched)
+    line = stopped(cache_args(corpus, out), capsys)
+    assert f"disk full while writing the cache in {out / where if where else out}: " in line
+    assert "No space left on device" in line and "Free space, then" in line and "rerun the same command" in line
+    works_once_freed(cache_args(corpus, out), capsys, monkeypatch)
+    assert files(out) == cached

@@ -1,6 +1,7 @@
 """The contract on inputs (issue 28): resume means the same run, and inputs that would give a silently wrong
 result are refused in one line, leaving nothing behind."""
 
+import hashlib
 import json
 import math
 import shutil
@@ -13,6 +14,13 @@ from safetensors.torch import load_file, save_file
 from tests.helpers.cli_run import failure_line, run_cli, tree
 from pipelines.models import load_model
 from preinfer.presets import build_preset
+
+def record_digest(checkpoint: Path) -> None:
+    """Record the sha256 of the checkpoint's files as they are now (its digest.json)."""
+    names = ("model.safetensors", "state.safetensors", "state.json")
+    digests = {name: hashlib.sha256((checkpoint / name).read_bytes()).hexdigest() for name in names}
+    (checkpoint / "digest.json").write_text(json.dumps(digests))
+
 
 def copy_tree(source: Path, target: Path) -> Path:
     shutil.copytree(source, target)
@@ -73,6 +81,7 @@ def test_a_checkpoint_state_field_out_of_type_or_range_is_one_line(finished, tmp
     state = json.loads((out / "checkpoint" / "state.json").read_text())
     state["trainer"][field] = value
     (out / "checkpoint" / "state.json").write_text(json.dumps(state))
+    record_digest(out / "checkpoint")  # the values are wrong, not the file: what a faulty writer leaves
     before = tree(out)
     code, _, err = run_cli([*finished[1][:-1], str(out), "--resume"], capsys)
     assert code == 1 and named in failure_line(err)

@@ -42,7 +42,7 @@ from pipelines.data.samples import (
     CHUNK_CHARS, SPLITS, SampleBlock, SamplePacker, check_arguments, document_chunks, encode_chunk, id_dtype,
     sample_kind,
 )
-from preinfer.errors import UsageError
+from preinfer.errors import PreinferError, UsageError, is_disk_full
 from pipelines.data.tokenizers import Tokenizer, load_tokenizer
 
 CODEC = "zstd"  # token ids compress better unshuffled (see bench/data.py)
@@ -136,7 +136,19 @@ def tokenize_corpus(options: TokenizeOptions) -> TokenizeResult:
         if found is not None:
             Staging(out / STAGING).remove()  # what a job killed after describing the store left
             return TokenizeResult(out, found, True, 0, 0, time.perf_counter() - started)
-        return _build(options, tokenizer, fingerprint, out, started)
+        try:
+            return _build(options, tokenizer, fingerprint, out, started)
+        except OSError as err:
+            raise _stopped(out, err) from None
+
+
+def _stopped(out: Path, err: OSError) -> PreinferError:
+    """The one line of a job a full disk (or a failing one) stopped: where, why, and that the same command
+    resumes it (what is staged and written stays)."""
+    where = f" at {err.filename}" if err.filename else ""
+    first = "free space" if is_disk_full(err) else "fix that"
+    return PreinferError(f"writing the token store in {out} failed ({err.strerror or err}{where}); {first}, then run "
+                         f"the same command again: it resumes from the chunks and shards already written")
 
 
 def _build(
