@@ -43,7 +43,7 @@ RUNS = {  # name: (model, blocks, more flags); each runs at --batch-size 4 --pip
 }
 
 
-PLAN = ["plan", "--model", "tiny-llama", "--seq-len", "32", "--micro-batch", "2", "--memory-budget", "2.5MiB"]
+PLAN = ["plan", "--model", "tiny-llama", "--seq-len", "32", "--micro-batch", "2", "--memory-budget", "2.2MiB"]
 TORCHRUN = ["torchrun", "--nproc-per-node", "2", "-m", "pipelines.cli"]
 
 
