@@ -20,7 +20,10 @@ ascending order, for the same steps per block, with Adam (lr, betas, no weight d
 - `preinfer`: the real command line, `python -m pipelines.cli bcd ... --pre-inference off` in its own process
   (the settings above as flags); `preinfer-auto`: the same with `--pre-inference auto`.
 
-Each run is a process of its own; the methods alternate (A B C A B C ...) for --repeats rounds and the table
+Each run is a process of its own, with the command line's own environment (`pipelines.cli.PROCESS_ENVIRONMENT`:
+`OMP_WAIT_POLICY=PASSIVE` unless the environment sets it), which `preinfer bcd` sets for itself: without it the
+workers' OpenMP threads spin while they wait, and on busy cores a tiny-llama step of the Trainer or the plain loop
+took 100-3000 ms against preinfer's 20 ms (docs/trainer.md, "Speed"). The methods alternate (A B C A B C ...) for --repeats rounds and the table
 shows medians, because the machine is shared. Measured per run:
 
 - steps/s: the steps over the training time, which is, per block, from the start of the visit (plain, badam:
@@ -84,6 +87,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.common import machine, run_paced, table  # noqa: E402
+from pipelines.cli import set_process_environment  # noqa: E402
 
 METHODS = ("plain", "badam", "hf-trainer", "preinfer", "preinfer-auto")
 TARGETS = dict(steps_per_s=1.0, window=0.97, eval_loss=0.01, hf_trainer_x_preinfer=0.95)
@@ -527,6 +531,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    set_process_environment()  # every method's process gets the OpenMP setting `preinfer bcd` gives itself
     if args.worker:
         run_worker(args.worker, args.flags, args.result, args.ready, args.until)
         return 0

@@ -198,6 +198,18 @@ def test_peers_hf_trainer_row_trains_like_the_plain_loop_on_the_same_batches(tmp
     assert hf["tracked_peak"] > 0 and 0 < hf["train_s"] <= hf["stamps"][args.steps - 1] + hf["stamps"][-1] + 1e-9
 
 
+
+@pytest.mark.slow
+def test_trainer_overhead_times_each_method_s_steps_but_each_visit_s_first(tmp_path):
+    """Every method of bench/trainer_overhead.py trains 2 blocks of 3 steps: 2 step times per visit, all positive."""
+    overhead = _load("trainer_overhead")
+    args = overhead.parse_args(["--steps", "3"])
+    for method in overhead.METHODS:
+        flags = overhead.peers.bcd_flags(args, tmp_path / method, args.steps, args.ranges, args.seq_len,
+                                         args.batch_size)
+        times = overhead.run(method, overhead.peers.parse_config(flags), flags, tmp_path / method)
+        assert len(times) == 2 * (args.steps - 1) and min(times) > 0, method
+
 def test_chat_data_writes_a_conversation_per_prose_section(tmp_path):
     out = tmp_path / "pydoc-chat.jsonl"
     assert _load("chat_data").main(["--out", str(out)]) == 0
