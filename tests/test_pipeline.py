@@ -228,8 +228,11 @@ class ReplicaMicroBatches:
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
 def test_a_pipeline_of_two_times_two_replicas_equals_one_process_reading_both_replicas(tmp_path, corpus):
+    """In eager attention: PyTorch's CPU sdpa kernel rounds differently for micro-batches of 2 samples (the mesh's)
+    and of 1 (the one process's), and Adam carries that to 1.2e-5 relative on one weight after 2 sweeps."""
     torchrun(tmp_path, 4, [["bcd", "--model", "tiny-llama", "--blocks", "2", "--data", corpus, *COMMON,
-                            "--batch-size", "4", "--pipeline", "2", "--out", str(tmp_path / "mesh")]])
+                            "--batch-size", "4", "--pipeline", "2", "--attention", "eager",
+                            "--out", str(tmp_path / "mesh")]])
     records = visits(tmp_path / "mesh")
     assert sorted((r["stage"], r["replica"]) for r in records[0].ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
@@ -240,9 +243,9 @@ def test_a_pipeline_of_two_times_two_replicas_equals_one_process_reading_both_re
     config.blocks.ufp, config.blocks.blocks, config.blocks.sweeps = None, 2, 2
     config.optim.lr, config.optim.grad_accum = 1e-3, 4
     config.stop.steps_per_visit = 2
-    config.run.out = str(tmp_path / "one")
+    config.run.out, config.model.attention = str(tmp_path / "one"), "eager"
     data = load_datasets(config, quiet=True)
-    staged = preinfer.stage(build_preset("tiny-llama"))
+    staged = preinfer.stage(build_preset("tiny-llama", attention="eager"))
     blocks, _ = partition_for(staged, config)
     evaluation = token_batches(data.eval, 4, 8, 0, shuffle=False)
     train(config, staged, blocks, None, LiveSources(ReplicaMicroBatches(data.train, 4, 8), evaluation),

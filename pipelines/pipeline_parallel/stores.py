@@ -131,6 +131,7 @@ class PipelinePrefix:
         self.staged, self.stage, self.mesh, self.device = staged, stage, mesh, device
         self.model, self.num_layers = staged.model, staged.num_layers
         self.hidden_size, self.compute_dtype = staged.hidden_size, staged.compute_dtype
+        self.attention = staged.attention  # what the store's fingerprint records
 
     def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
               labels: torch.Tensor | None = None) -> BoundaryState:
