@@ -4,6 +4,7 @@ No timing assertions: only the JSON's shape and values that hold on any machine.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import math
@@ -148,13 +149,17 @@ def test_peers_long_visit_windows_take_the_plain_loop_over_the_same_seconds():
         peers.aligned_windows(trainer, dict(times=pacer["times"][:8]), 2, 10)
 
 
+def peers_config(peers, args, tmp_path, name: str):
+    """The config of one bench/peers.py method's run `name` under `tmp_path`, as the bench builds it."""
+    return peers.parse_config(peers.bcd_flags(args, tmp_path / name, args.steps, args.ranges, args.seq_len,
+                                              args.batch_size))
+
+
 def test_peers_plain_loop_trains_like_preinfer_bcd_on_the_same_batches(tmp_path, corpus):
     peers = _load("peers")
     args = peers.parse_args(["--quick", "--data", corpus])
 
-    def config(name: str):
-        return peers.parse_config(peers.bcd_flags(args, tmp_path / name, args.steps, args.ranges, args.seq_len,
-                                                  args.batch_size))
+    config = functools.partial(peers_config, peers, args, tmp_path)
 
     from pipelines import training
     from preinfer.precision import apply_precision
@@ -185,9 +190,7 @@ def test_peers_hf_trainer_row_trains_like_the_plain_loop_on_the_same_batches(tmp
     peers = _load("peers")
     args = peers.parse_args(["--quick", "--data", corpus])
 
-    def config(name: str):
-        return peers.parse_config(peers.bcd_flags(args, tmp_path / name, args.steps, args.ranges, args.seq_len,
-                                                  args.batch_size))
+    config = functools.partial(peers_config, peers, args, tmp_path)
 
     plain, hf = peers.plain_worker(config("plain")), peers.hf_trainer_worker(config("hf"))
     batches = peers.eval_batches(args, peers.bcd_flags(args, tmp_path / "x", 1, args.ranges, args.seq_len,
