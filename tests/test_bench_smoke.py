@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,15 @@ def _load(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_no_bench_script_is_named_like_an_importable_module():
+    """`python bench/X.py` puts bench/ first on sys.path, so a script named like a package it imports (as
+    bench/storage.py was) would be imported in that package's place."""
+    assert str(ROOT / "bench") not in sys.path
+    scripts = sorted(p.stem for p in (ROOT / "bench").glob("*.py"))
+    assert "train" in scripts and importlib.util.find_spec("storage") is not None
+    assert [name for name in scripts if importlib.util.find_spec(name) is not None] == []
 
 
 @pytest.mark.slow

@@ -122,3 +122,9 @@ def test_every_relative_link_resolves(page: Path):
         linked = (page.parent / path).resolve() if path else page
         assert linked.is_file(), f"{page.name}: {target}"
         assert not anchor or anchor in _anchors(linked), f"{page.name}: {target}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_bench_script_named_exists(page: Path):
+    named = set(re.findall(r"\bbench/\w+\.py\b", page.read_text()))
+    assert {name for name in named if not (ROOT / name).is_file()} == set(), page.name
