@@ -189,6 +189,16 @@ def test_peers_plain_loop_trains_like_preinfer_bcd_on_the_same_batches(tmp_path,
     assert mine["stamps"] == sorted(mine["stamps"][:args.steps]) + sorted(mine["stamps"][args.steps:])
 
 
+def test_peers_every_method_runs_the_attention_of_attention(tmp_path, corpus):
+    peers = _load("peers")
+    args = peers.parse_args(["--quick", "--data", corpus, "--attention", "eager"])
+    config = peers.parse_config(peers.bcd_flags(args, tmp_path / "run", 1, args.ranges, args.seq_len,
+                                                args.batch_size))
+    assert config.model.attention == "eager"  # preinfer's run
+    model = peers.prepared(config)[0]  # plain's and badam's model
+    assert model.config._attn_implementation == "eager"
+
+
 def test_chat_data_writes_a_conversation_per_prose_section(tmp_path):
     out = tmp_path / "pydoc-chat.jsonl"
     assert _load("chat_data").main(["--out", str(out)]) == 0
