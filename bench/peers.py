@@ -1,7 +1,7 @@
 """Peers side by side (issue 12): BAdam's `BlockOptimizer`, a plain per-block PyTorch loop and `preinfer bcd`.
 
 Every method trains the same model (a preset, random initialisation with the run's seed, cast to the resident
-dtype of --precision), on the same batches in the same order (the token batches `preinfer bcd` reads:
+dtype of --precision, running the attention implementation of --attention), on the same batches in the same order (the token batches `preinfer bcd` reads:
 `pipelines.data.batches.token_batches` of the run's training split, same seed and shard size), the same blocks (the
 layer ranges of --ranges; the embedding with the first block, the final norm and head with the last), in
 ascending order, for the same steps per block, with Adam (lr, betas, no weight decay, no warmup, no clipping):
@@ -68,8 +68,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
-import os
 import shutil
 import statistics
 import subprocess
@@ -81,13 +79,14 @@ from contextlib import nullcontext
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # before bench/, whose storage.py would stand for the package
+sys.path.insert(0, str(ROOT))  # `bench.common` and this checkout's packages, whatever the working directory
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.common import machine, run_paced, table  # noqa: E402
 from pipelines.cli import set_process_environment  # noqa: E402
+from preinfer.config import ATTENTIONS  # noqa: E402
 
 METHODS = ("plain", "badam", "hf-trainer", "preinfer", "preinfer-auto")
 TARGETS = dict(steps_per_s=1.0, window=0.97, eval_loss=0.01, hf_trainer_x_preinfer=0.95)
@@ -109,6 +108,8 @@ def bcd_flags(args: argparse.Namespace, out: Path, steps: int, ranges: str, seq_
              "--pre-inference", pre_inference, "--out", str(out)]
     if args.max_samples:
         flags += ["--max-samples", str(args.max_samples)]
+    if args.attention:
+        flags += ["--attention", args.attention]
     return flags + (["--ranges", ranges, "--active", active] if active else ["--ranges", ranges])
 
 
@@ -134,7 +135,7 @@ def prepared(config):
     from preinfer.precision import apply_precision
 
     data = load_datasets(config, quiet=True)
-    model = resolve_model(config.model.name, seed=config.run.seed)
+    model = resolve_model(config.model.name, seed=config.run.seed, attention=config.model.attention)
     precision = apply_precision(model, config.run.precision)
     staged = preinfer.stage(model)
     partition, active = partition_for(staged, config, precision=precision)
@@ -499,6 +500,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--ranges", default="0-1,2-3,4-5", help="the blocks, as inclusive layer ranges")
     p.add_argument("--steps", type=int, default=40, help="steps per block")
+    p.add_argument("--attention", choices=ATTENTIONS, help="every method's attention implementation, as `preinfer bcd "
+                   "--attention` [its default]")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--max-samples", type=int, default=0, help="first N samples of each split; 0 = all")
     p.add_argument("--repeats", type=int, default=3, help="rounds of the alternating comparison")

@@ -349,7 +349,7 @@ def bcd(args: argparse.Namespace, root: Path) -> dict:
 
 def store_dtype_runs(args: argparse.Namespace, root: Path) -> dict:
     """The top block of a trained run trained from a store in each dtype: final eval loss, reader wait."""
-    from bench.storage import cache_split, trained_model
+    from bench.stores import cache_split, trained_model
 
     staged, data = trained_model(args.trained)
     config = base_config(args, stop=dict(steps_per_visit=args.warmup + args.dtype_steps),

@@ -8,6 +8,7 @@ import functools
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,15 @@ def _load(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_no_bench_script_is_named_like_an_importable_module():
+    """`python bench/X.py` puts bench/ first on sys.path, so a script named like a package it imports (as
+    bench/storage.py was) would be imported in that package's place."""
+    assert str(ROOT / "bench") not in sys.path
+    scripts = sorted(p.stem for p in (ROOT / "bench").glob("*.py"))
+    assert "train" in scripts and importlib.util.find_spec("storage") is not None
+    assert [name for name in scripts if importlib.util.find_spec(name) is not None] == []
 
 
 @pytest.mark.slow
@@ -212,6 +222,17 @@ def test_trainer_overhead_times_each_method_s_steps_but_each_visit_s_first(tmp_p
                                          args.batch_size)
         times = overhead.run(method, overhead.peers.parse_config(flags), flags, tmp_path / method)
         assert len(times) == 2 * (args.steps - 1) and min(times) > 0, method
+
+
+def test_peers_every_method_runs_the_attention_of_attention(tmp_path, corpus):
+    peers = _load("peers")
+    args = peers.parse_args(["--quick", "--data", corpus, "--attention", "eager"])
+    config = peers.parse_config(peers.bcd_flags(args, tmp_path / "run", 1, args.ranges, args.seq_len,
+                                                args.batch_size))
+    assert config.model.attention == "eager"  # preinfer's run
+    model = peers.prepared(config)[0]  # plain's and badam's model
+    assert model.config._attn_implementation == "eager"
+
 
 def test_chat_data_writes_a_conversation_per_prose_section(tmp_path):
     out = tmp_path / "pydoc-chat.jsonl"

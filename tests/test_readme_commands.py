@@ -150,3 +150,9 @@ def test_the_trainer_guide_s_example_runs_as_written(tmp_path, monkeypatch):
     assert (scope["bcd"].optimizer.sweep, scope["bcd"].optimizer.visit) == (1, 0)  # 2 visits of 4 steps each
     saved = torch.load(tmp_path / "runs/hf-bcd/checkpoint-4/optimizer.pt", weights_only=True)
     assert saved["position"] == dict(sweep=0, visit=1, visit_step=0, global_step=4)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_bench_script_named_exists(page: Path):
+    named = set(re.findall(r"\bbench/\w+\.py\b", page.read_text()))
+    assert {name for name in named if not (ROOT / name).is_file()} == set(), page.name

@@ -12,8 +12,8 @@ against the bfloat16 store, the decoding error against the float32 states, the e
 (bits per value; sign, exponent, mantissa; given the channel) with other codecs and layouts, and how a
 roll-forward from a lossy store compounds the error (bench/out/storage_lossy.json).
 
-    python bench/storage.py [--sequences 256] [--repeats 3] [--threads 2]
-    python bench/storage.py --trained runs/trained [--boundaries 2,4]
+    python bench/stores.py [--sequences 256] [--repeats 3] [--threads 2]
+    python bench/stores.py --trained runs/trained [--boundaries 2,4]
 """
 
 from __future__ import annotations
