@@ -40,6 +40,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from bench import peers  # noqa: E402
+from preinfer.config import ATTENTIONS  # noqa: E402
 
 METHODS = ("preinfer", "hf-bcd", "plain-bcd", "hf-full", "plain-full")
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
@@ -149,6 +150,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
                    help="cpu: the process's CPU time (use with OMP_NUM_THREADS=1); wall: perf_counter")
+    p.add_argument("--attention", choices=ATTENTIONS,
+                   help="every method's attention implementation [preinfer's default]")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "trainer_overhead.json")
     args = p.parse_args(argv)
     args.data, args.lr, args.precision, args.max_samples = "builtin:pydoc", 2e-3, "fp32", 400
