@@ -1,4 +1,5 @@
-"""`preinfer plan`: memory per GPU, the automatic UFP, store size, pre-inference break-even and cost, before renting GPUs."""
+"""`preinfer plan`: memory per GPU, the automatic UFP, store size, pre-inference break-even and cost, before renting
+GPUs."""
 
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ from pipelines.flags import add_flags
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `preinfer plan`; their defaults are `Settings`' (and the training default UFP)."""
-    plan = dict(command="plan", defaults={"--seq-len": Settings.seq_len, "--epochs-per-visit": Settings.epochs_per_visit,
-                                          "--attention": Settings.attention})
+    defaults = {"--seq-len": Settings.seq_len, "--epochs-per-visit": Settings.epochs_per_visit,
+                "--attention": Settings.attention}
+    plan = dict(command="plan", defaults=defaults)
     add_flags(parser, "--model", "--arch", "--gpu", "--gpu-mem", "--memory-budget", "--seq-len", "--micro-batch",
               **plan)
     add_flags(parser.add_mutually_exclusive_group(), "--ufp", "--blocks", **plan)
-    add_flags(parser, "--dtype", "--recompute", "--attention", "--tokens", "--bandwidth-gbps", "--pipeline", "--epochs-per-visit",
-              "--store-dtype", "--compression", "--price-per-hour", "--mfu", "--json", **plan)
+    add_flags(parser, "--dtype", "--recompute", "--attention", "--tokens", "--bandwidth-gbps", "--pipeline",
+              "--epochs-per-visit", "--store-dtype", "--compression", "--price-per-hour", "--mfu", "--json", **plan)
 
 
 def settings_from_args(args: argparse.Namespace, layers: int) -> Settings:
@@ -107,7 +109,8 @@ def render(result: MemoryPlan, model_spec: str | None = None) -> str:
         f"pre-inference: pipeline of {t['pipeline_degree']} moves {t['pipeline_bytes_per_token']:.0f} bytes/token "
         f"per epoch; caching writes {t['cache_write_bytes_per_token']:.0f} once and reads as much per epoch; "
         + (f"break-even after {t['break_even_epochs']:.2f} epochs" if t["break_even_epochs"] is not None
-           else "never breaks even") + f" ({'pays off' if t['pays_off'] else 'does not pay off'} at {s['epochs_per_visit']:g} epoch(s) per visit)"
+           else "never breaks even")
+        + f" ({'pays off' if t['pays_off'] else 'does not pay off'} at {s['epochs_per_visit']:g} epoch(s) per visit)"
     )
     if "pipeline_seconds_per_epoch" in t:
         lines.append(f"  at {s['bandwidth_gbps']:g} Gbps: pipeline {t['pipeline_seconds_per_epoch']:.0f} s/epoch, "
