@@ -126,8 +126,8 @@ def parse_config(flags: list[str]):
 
 
 def prepared(config):
-    """Model (resident dtype of the run's precision), its partition, and the run's token batches, as
-    `preinfer bcd` makes them."""
+    """Model (resident dtype of the run's precision), its partition, and the run's token batches (every sweep's),
+    as `preinfer bcd` makes them."""
     import preinfer
     from pipelines.data import batches as sources
     from pipelines.models import resolve_model
@@ -142,7 +142,7 @@ def prepared(config):
     reader = sources.token_batches(data.train, config.data.batch_size, samples_per_shard(config, staged),
                                    config.run.seed)
     blocks = partition.blocks if active is None else [partition.blocks[active]]
-    batches = [next(reader) for _ in range(config.stop.steps_per_visit * len(blocks))]
+    batches = [next(reader) for _ in range(config.stop.steps_per_visit * len(blocks) * config.blocks.sweeps)]
     reader.close()
     return model, precision, blocks, batches
 

@@ -250,3 +250,35 @@ def test_chat_data_writes_a_conversation_per_prose_section(tmp_path):
     first = records[0]["messages"]
     assert first[0]["content"] == 'What is The "assert" statement in Python?'
     assert first[1]["content"] == " ".join(topics["assert"].split("\n\n")[1].split())
+
+
+@pytest.mark.slow
+def test_finetune_quick_compares_every_method_on_the_same_batches(tmp_path, monkeypatch):
+    """bench/finetune.py --quick: every method trains 2 steps of tiny-llama on the chat task, and the JSON holds a
+    row per method, the grid, the base losses, the curves and the speed section. BCD live, BCD with pre-inference
+    auto and BAdam train the same blocks on the same batches with the same Adam: the same eval loss."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    general = tmp_path / "general.txt"
+    general.write_text("".join(f"Paragraph {i}: the fox ran over the hill and rested by the river.\n\n"
+                               for i in range(40)))
+    out = tmp_path / "finetune.json"
+    finetune = _load("finetune")
+    assert finetune.main(["--quick", "--general", str(general), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {row["method"]: row for row in result["rows"]}
+    assert set(rows) == set(finetune.METHODS) and {row["task"] for row in result["rows"]} == {"chat"}
+    assert set(result["best_lr"]) == set(finetune.GRID_METHOD)
+    base = result["base"]["chat"]
+    for method, row in rows.items():
+        assert row["eval_loss"] < base["eval_loss"], method  # each trained, its saved weights evaluated
+        assert math.isfinite(row["general_loss"]) and row["tokens_per_s"] > 0 and row["tracked_peak_mib"] > 0
+        assert row["curve"] and row["curve"][-1]["train_s"] <= row["train_s"] + 1e-6, method
+    assert all(rows[m]["steps"] == 2 for m in METHODS_AT_EQUAL_STEPS)
+    same = [rows[m]["eval_loss"] for m in ("bcd", "bcd-auto", "badam")]
+    assert max(same) - min(same) < 1e-4 * same[0]
+    assert rows["lora8"]["eval_loss"] != rows["lora16"]["eval_loss"]
+    assert [row["blocks"] for row in result["speed"]] == [2] and result["speed"][0]["x_lora16"] > 0
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+METHODS_AT_EQUAL_STEPS = ("full", "bcd", "bcd-auto", "badam", "lora8", "lora16")

