@@ -169,7 +169,7 @@ def run_method(args: argparse.Namespace, name: str, steps: int, run_dir: Path) -
     (run_dir / "eval.jsonl").write_text("".join(json.dumps(c) + "\n" for c in curve))
     peak = max(visit["memory"].get("tracked_peak", 0) for visit in p.visits) if p.visits else 0
     return dict(method=name, config=config.to_dict(), partition=partition.report(), steps=p.global_step,
-                precision=trainer.precision, skipped_steps=trainer.scaler.skipped if trainer.scaler else 0,
+                precision=trainer.precision, skipped_steps=trainer.scaler.skipped,
                 peak_tracked_bytes=peak,
                 tokens=p.tokens, tokens_per_epoch=tokens_per_epoch, curve=curve,
                 train_wall_s=time.perf_counter() - clock["start"] - clock["eval_s"], eval_s=clock["eval_s"])

@@ -28,8 +28,9 @@ on until the Trainer's `max_steps`.
 
 Precision (`preinfer.precision`): `precision="bf16-mixed"` / `"fp16-mixed"` casts every weight to 16 bits when
 the object is made; the active block alone has fp32 masters, gradients and optimizer state, for its visit. Under
-fp16-mixed the loss is scaled dynamically (`LossScaler`, through a gradient hook on the model's loss, so the loss
-the Trainer logs is the true one) and a step whose gradients are not finite is skipped.
+fp16-mixed the loss is scaled dynamically (`LossScaler`, which is `torch.amp.GradScaler` over the masters'
+optimizer, applied through a gradient hook on the model's loss, so the loss the Trainer logs is the true one), the
+masters' gradients are unscaled before clipping, and a step whose gradients are not finite is skipped.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ class BlockOptimizer:
         self.order, self.precision, self.meter = order, precision, meter
         self.metered = False  # the meter tracks the current step (the callback sets it)
         self.visit_memory: list[dict[str, int]] = []  # with a meter: each finished visit's peaks, as bcd reports them
-        self.scaler = LossScaler() if precision == "fp16-mixed" else None
+        device = next(staged.model.parameters()).device.type  # the scale itself goes where the loss is
+        self.scaler = LossScaler(device, enabled=precision == "fp16-mixed")
         self.grad_clip = optim.grad_clip
         self.sweep = self.visit = self.visit_step = self.global_step = 0
         self.kept: dict[int, dict] = {}  # keep_state: each block's optimizer state between its visits
@@ -120,14 +122,14 @@ class BlockOptimizer:
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:
-        """Step the active block (under fp16-mixed only if its gradients are finite), then count the step and
-        move to the next visit at the visit's last step."""
+        """Step the active block (under fp16-mixed: unscaled, and only if its gradients are finite), then count
+        the step and move to the next visit at the visit's last step."""
         if closure is not None:
             raise UsageError("BlockOptimizer.step takes no closure")
-        if self._update_allowed():
-            if self.active.mixed and self.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.active.masters, self.grad_clip)
-            self.inner.step()
+        self.scaler.unscale_(self.inner)
+        if self.active.mixed and self.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.active.masters, self.grad_clip)
+        if self.scaler.step(self.inner):
             self.active.cast_down()
         if self.metered:  # gradients, masters and optimizer state all present
             self.meter.sample(self.inner)
@@ -136,17 +138,6 @@ class BlockOptimizer:
         self.global_step += 1
         if self.visit_step == self.steps_per_visit:
             self._next_visit()
-
-    def _update_allowed(self) -> bool:
-        """fp16-mixed: unscale finite gradients, else count a skipped step; always True otherwise."""
-        if self.scaler is None:
-            return True
-        finite = self.active.grads_finite()
-        scale = self.scaler.scale
-        self.scaler.update(finite)
-        if finite:
-            self.active.scale_grads(1 / scale)
-        return finite
 
     def _next_visit(self) -> None:
         if self.meter is not None:
@@ -167,7 +158,7 @@ class BlockOptimizer:
             "optimizer": self.inner.state_dict(),
             "kept": {str(index): state for index, state in self.kept.items()},
             "masters": [m.detach().clone() for m in self.active.masters] if self.active.mixed else [],
-            "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "loss_scaler": self.scaler.state_dict() if self.scaler.enabled else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -189,7 +180,7 @@ class BlockOptimizer:
         for key in POSITION:
             setattr(self, key, position[key])
         self.kept = {int(index): kept for index, kept in state["kept"].items()}
-        if self.scaler is not None and state["loss_scaler"] is not None:
+        if self.scaler.enabled and state["loss_scaler"] is not None:
             self.scaler.load_state_dict(state["loss_scaler"])
         self._activate(state["masters"] or None, state["optimizer"])
 
@@ -302,7 +293,7 @@ class BlockCoordinateDescent:
                                         meter)
         self.scheduler = VisitSchedule(self.optimizer, schedule)
         self.callback = BlockCallback(self.optimizer)
-        if self.optimizer.scaler is not None:
+        if self.optimizer.scaler.enabled:
             model.register_forward_hook(self._scale_loss)
 
     @property
@@ -314,5 +305,4 @@ class BlockCoordinateDescent:
         """fp16-mixed: scale the gradient flowing back from the training loss by the loss scale."""
         loss = getattr(output, "loss", None)
         if module.training and loss is not None and loss.requires_grad:
-            scale = self.optimizer.scaler.scale
-            loss.register_hook(lambda grad: grad * scale)
+            loss.register_hook(self.optimizer.scaler.scale_loss)

@@ -4,18 +4,17 @@ Under `bf16-mixed` / `fp16-mixed` every weight of the model is resident in 16 bi
 that dtype (the loss casts the logits to fp32 before the softmax). The active block alone has fp32 master weights,
 fp32 gradients and fp32 optimizer state, for its visit only: each 16-bit gradient is added into its master's fp32
 gradient as soon as autograd has accumulated it (a post-accumulate-grad hook), the optimizer steps the masters,
-and the masters are cast into the model's weights after every step. `fp16-mixed` adds dynamic loss scaling.
+and the masters are cast into the model's weights after every step. `fp16-mixed` adds dynamic loss scaling
+(`torch.amp.GradScaler`, whose inf/NaN check and unscaling act on the masters' fp32 gradients).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-
 import torch
 from torch import nn
 
-from preinfer.errors import UsageError
+from preinfer.errors import CheckpointError, UsageError
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 RESIDENT_DTYPES = {"fp32": torch.float32, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
@@ -64,31 +63,74 @@ def describe(precision: str, weights: torch.dtype) -> str:
             f"state for the active block only{scaling}; the model's weights were {name})")
 
 
-@dataclass
 class LossScaler:
-    """Dynamic loss scaling for fp16: the loss is multiplied by `scale` before backward; a step whose gradients
-    are not finite is skipped and halves the scale; `growth_interval` finite steps in a row double it."""
+    """fp16-mixed's dynamic loss scaling: `torch.amp.GradScaler` over the optimizer of the active block's fp32
+    masters (from 2^16, halved on a step with non-finite gradients, which is skipped, doubled after
+    `growth_interval` finite steps in a row: GradScaler's defaults), with the count of skipped steps. Disabled
+    (`enabled=False`, every precision but fp16-mixed) it changes nothing: the loss is not scaled and every step
+    runs. Its state is four plain numbers (`STATE_KEYS`), saved in a checkpoint as JSON."""
 
-    scale: float = 2.0**16
-    growth_interval: int = 2000
-    good_steps: int = 0
-    skipped: int = 0  # steps skipped so far in the run
+    STATE_KEYS = ("scale", "growth_interval", "good_steps", "skipped")
 
-    def update(self, finite: bool) -> None:
-        """Record one step's outcome and adapt the scale."""
-        if not finite:
-            self.scale, self.good_steps, self.skipped = self.scale / 2, 0, self.skipped + 1
-            return
-        self.good_steps += 1
-        if self.good_steps >= self.growth_interval:
-            self.scale, self.good_steps = self.scale * 2, 0
+    def __init__(self, device: str = "cpu", enabled: bool = True, scale: float = 2.0**16,
+                 growth_interval: int = 2000):
+        self.grad_scaler = torch.amp.GradScaler(device, init_scale=scale, growth_interval=growth_interval,
+                                                enabled=enabled)
+        self.skipped = 0  # steps skipped so far in the run
+
+    @property
+    def enabled(self) -> bool:
+        return self.grad_scaler.is_enabled()
+
+    @property
+    def scale(self) -> float:
+        """The factor the next step's loss is multiplied by."""
+        return self.grad_scaler.get_scale()
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        self.load_state_dict({**self.state_dict(), "scale": value})
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` times the scale (unchanged when disabled); also a gradient hook's function."""
+        return self.grad_scaler.scale(loss)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients by the scale in place and note whether all are finite (call it before
+        clipping them)."""
+        self.grad_scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """GradScaler's step and update: the optimizer steps unless a gradient was not finite (the step is then
+        skipped and counted, and the scale halves). True if it stepped, as a step post-hook tells (for an optimizer
+        that is not fused, and `build_optimizer`'s never are, GradScaler calls `step()` only on finite gradients)."""
+        stepped: list[bool] = []
+        hook = optimizer.register_step_post_hook(lambda *_: stepped.append(True))
+        try:
+            self.grad_scaler.step(optimizer)
+        finally:
+            hook.remove()
+        self.grad_scaler.update()
+        self.skipped += not stepped
+        return bool(stepped)
 
     def state_dict(self) -> dict:
-        return asdict(self)
+        """The scale, growth interval, finite steps since the last change of scale (GradScaler's growth tracker)
+        and skipped steps."""
+        state = self.grad_scaler.state_dict()
+        return {"scale": state["scale"], "growth_interval": state["growth_interval"],
+                "good_steps": state["_growth_tracker"], "skipped": self.skipped}
 
     def load_state_dict(self, state: dict) -> None:
-        for key, value in state.items():
-            setattr(self, key, value)
+        """Continue from `state_dict()`'s numbers (also those of checkpoints written before GradScaler)."""
+        if not isinstance(state, dict) or set(state) != set(self.STATE_KEYS) or not all(
+                isinstance(state[k], (int, float)) and not isinstance(state[k], bool) for k in self.STATE_KEYS):
+            raise CheckpointError(f"loss_scaler = {state!r:.80}: expected numbers {', '.join(self.STATE_KEYS)}")
+        self.grad_scaler.load_state_dict({
+            "scale": float(state["scale"]), "growth_interval": int(state["growth_interval"]),
+            "_growth_tracker": int(state["good_steps"]), "growth_factor": self.grad_scaler.get_growth_factor(),
+            "backoff_factor": self.grad_scaler.get_backoff_factor()})
+        self.skipped = int(state["skipped"])
 
 
 class ActiveBlock:
@@ -134,16 +176,6 @@ class ActiveBlock:
                 self.on_grad_ready(index)
 
         return accumulated
-
-    def grads_finite(self) -> bool:
-        """Every master gradient present is finite."""
-        grads = [m.grad for m in self.masters if m.grad is not None]
-        return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
-
-    def scale_grads(self, factor: float) -> None:
-        for master in self.masters:
-            if master.grad is not None:
-                master.grad.mul_(factor)
 
     @torch.no_grad()
     def cast_down(self) -> None:

@@ -58,7 +58,7 @@ class Progress:
     cursor: dict | None = None  # the training source's state_dict; None: the start of the data
     stop: dict | None = None
     visits: list[dict] = field(default_factory=list)  # each finished visit's VisitRecord.to_dict()
-    loss_scaler: dict | None = None  # fp16-mixed: the LossScaler's state
+    loss_scaler: dict | None = None  # fp16-mixed: the LossScaler's state (GradScaler's, and the skipped steps)
     experts: dict[str, dict[str, list[int]]] = field(default_factory=dict)  # block -> layer -> its chosen experts
 
     @classmethod
@@ -116,7 +116,7 @@ class Trainer:
         self.active_block = active_block
         self.wall_s = 0.0  # time spent in fit()
         self.precision = apply_precision(staged.model, config.run.precision)
-        self.scaler = LossScaler() if self.precision == "fp16-mixed" else None
+        self.scaler = LossScaler(self.device.type, enabled=self.precision == "fp16-mixed")
         self.active: ActiveBlock | None = None  # the visit's masters and gradients; None between visits
         self.saved_masters: list[torch.Tensor] = []  # from a mid-visit checkpoint, for the visit it resumes
         self.stop_requested = False  # set from outside (a signal handler): checkpoint and stop after this step
@@ -147,7 +147,7 @@ class Trainer:
         self.optimizer_states = checkpoint.optimizers
         self.progress = self.restored_progress(checkpoint.trainer, self.checkpoint_dir)
         self.saved_masters = checkpoint.masters
-        if self.scaler is not None and self.progress.loss_scaler is not None:
+        if self.scaler.enabled and self.progress.loss_scaler is not None:
             self.scaler.load_state_dict(self.progress.loss_scaler)
 
     def restored_progress(self, state: object, directory: Path) -> Progress:
@@ -219,7 +219,7 @@ class Trainer:
             reason = stop.update(loss)
             p.stop = stop.state_dict()
             p.cursor = train.state_dict()
-            p.loss_scaler = self.scaler.state_dict() if self.scaler is not None else None
+            p.loss_scaler = self.scaler.state_dict() if self.scaler.enabled else None
             self.emit(StepRecord(
                 sweep=p.sweep, block=block.index, step=p.global_step, visit_step=p.visit_step, loss=loss,
                 lr=optimizer.param_groups[0]["lr"], tokens=p.tokens,
@@ -255,7 +255,7 @@ class Trainer:
 
     def _scaler_fields(self) -> dict:
         """fp16-mixed: the step record's loss scale and skipped-step count."""
-        if self.scaler is None:
+        if not self.scaler.enabled:
             return {}
         return {"loss_scale": self.scaler.scale, "skipped_steps": self.scaler.skipped}
 
@@ -322,27 +322,27 @@ class Trainer:
                    active: ActiveBlock) -> tuple[float, int, dict]:
         """One optimizer step over `grad_accum` micro-batches; the loss is the mean over every supervised
         token of the global batch (all micro-batches, all ranks), so accumulation and data parallelism are exact.
-        The meter tracks and samples the steps it says are due. Under fp16-mixed a step whose gradients are not
-        finite is skipped (the weights stay as they are). Returns (loss, this rank's real tokens, timings)."""
+        The meter tracks and samples the steps it says are due. Under fp16-mixed the gradients are unscaled
+        before clipping, and a step whose gradients are not finite is skipped (the weights stay as they are).
+        Returns (loss, this rank's real tokens, timings)."""
         t0 = time.perf_counter()
         batches = self._fetch(train)
         wait = time.perf_counter() - t0
         count = torch.tensor(float(sum(supervised_tokens(b["labels"]) for b in batches)), device=self.device)
         self._sum_over_replicas(count)
-        scale = self.scaler.scale if self.scaler is not None else 1.0
         if self.reducer is not None:
             self.reducer.start_step()
         metered = self.meter is not None and self.meter.due()
         with self.meter.track() if metered else nullcontext():
-            total, tokens = self.forward_backward_step(batches, block, train, active, count, scale)
+            total, tokens = self.forward_backward_step(batches, block, train, active, count)
         if self.reducer is not None:
             self.reducer.finish()
         total, tokens = self._combine(total, tokens)
         self.experts.before_step()
-        if self._update_allowed(active, scale):
-            if self.config.optim.grad_clip > 0:
-                self._clip(active, self.config.optim.grad_clip)
-            optimizer.step()
+        self.scaler.unscale_(optimizer)
+        if self.config.optim.grad_clip > 0:
+            self._clip(active, self.config.optim.grad_clip)
+        if self.scaler.step(optimizer):
             active.cast_down()
             self._after_update()
         if metered:
@@ -351,18 +351,18 @@ class Trainer:
         return total, tokens, {"wait_s": wait, "step_s": time.perf_counter() - t0}
 
     def forward_backward_step(self, batches: list[dict], block: Block, train: BatchSource, active: ActiveBlock,
-                              count: torch.Tensor, scale: float) -> tuple[float, int]:
+                              count: torch.Tensor) -> tuple[float, int]:
         """Forward and backward of each micro-batch in turn, their gradients accumulating; returns the sum of
         their losses (each a share of the mean over the `count` supervised tokens of the global batch) and their
         real tokens."""
         total, tokens = 0.0, 0
         for index, batch in enumerate(batches):
             active.last_micro_batch = index == len(batches) - 1
-            total += self._forward_backward(batch, block, train.boundary, count, scale)
+            total += self._forward_backward(batch, block, train.boundary, count)
             tokens += int(batch["attention_mask"].sum())
         return total, tokens
 
-    def _forward_backward(self, batch: dict, block: Block, boundary: int, count: torch.Tensor, scale: float) -> float:
+    def _forward_backward(self, batch: dict, block: Block, boundary: int, count: torch.Tensor) -> float:
         """One micro-batch from the active block's input to the loss, and backward (the loss scaled under
         fp16-mixed); returns its loss."""
         state = self._input_state(batch, block, boundary)
@@ -370,7 +370,7 @@ class Trainer:
             out = self.staged.run(state, block.start, self.staged.num_layers, self.config.run.recompute)
         loss = causal_lm_loss(self.staged.logits(out), out.labels, reduction="sum") / count
         loss = loss + self.router_loss.loss(out.attention_mask) / (self.config.optim.grad_accum * self.world_size)
-        (loss * scale if self.scaler is not None else loss).backward()
+        self.scaler.scale_loss(loss).backward()
         return loss.item()
 
     def _fetch(self, train: BatchSource) -> list[dict]:
@@ -399,17 +399,6 @@ class Trainer:
 
     def _zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
-
-    def _update_allowed(self, active: ActiveBlock, scale: float) -> bool:
-        """fp16-mixed: unscale the gradients if they are finite, else count a skipped step; always True
-        otherwise."""
-        if self.scaler is None:
-            return True
-        finite = active.grads_finite()
-        self.scaler.update(finite)
-        if finite:
-            active.scale_grads(1 / scale)
-        return finite
 
     def _input_state(self, batch: dict, block: Block, boundary: int) -> BoundaryState:
         """The state at `block.start`: embedded with autograd if the block holds the embedding, else computed

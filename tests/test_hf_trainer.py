@@ -44,11 +44,13 @@ def live_batches(count: int, batch_size: int = 4) -> list[dict]:
     return [next(sources.train) for _ in range(count)]
 
 
-def hf_run(out, data, callbacks=(), resume=None, precision="fp32", meter=False, **overrides):
-    """A tiny Llama trained by BCD through transformers.Trainer (with a memory meter); returns the model and the
-    BCD object."""
+def hf_run(out, data, callbacks=(), resume=None, precision="fp32", meter=False, loss_scale=None, **overrides):
+    """A tiny Llama trained by BCD through transformers.Trainer (with a memory meter; under fp16-mixed from
+    `loss_scale`); returns the model and the BCD object."""
     model = build_preset("tiny-llama", seed=0)
     bcd = BlockCoordinateDescent(model, precision=precision, meter=MemoryMeter(model) if meter else None, **OPTIONS)
+    if loss_scale is not None:
+        bcd.optimizer.scaler.scale = loss_scale
     trainer = Trainer(model=model, args=hf_args(out, **overrides), train_dataset=data, optimizers=bcd.optimizers,
                       callbacks=[bcd.callback, *callbacks])
     trainer.train(resume_from_checkpoint=resume)
@@ -78,17 +80,24 @@ def test_hf_trainer_ends_with_preinfer_bcd_s_weights_over_the_same_batches(tmp_p
                for name, value in got.items())
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "fp16-mixed"])
 def test_a_resume_from_a_mid_visit_checkpoint_ends_as_the_uninterrupted_run(tmp_path, precision):
+    """fp16-mixed from a scale that overflows at first: steps are skipped before the checkpoint, and the loss
+    scaler's state (GradScaler's scale and growth tracker, the skipped steps) resumes with it."""
     data = samples_of(live_batches(9))
-    whole, bcd = hf_run(tmp_path / "a", data, precision=precision, save_strategy="steps", save_steps=4)
+    scale = 2.0**20 if precision == "fp16-mixed" else None
+    whole, bcd = hf_run(tmp_path / "a", data, precision=precision, save_strategy="steps", save_steps=4,
+                        loss_scale=scale)
     saved = torch.load(tmp_path / "a" / "checkpoint-4" / "optimizer.pt", weights_only=True)
     assert saved["position"] == dict(sweep=0, visit=1, visit_step=1, global_step=4)  # block 1, step 2 of 3
     assert saved["order"] == [2, 1, 0]
     assert len(saved["masters"]) == (0 if precision == "fp32" else len(bcd.partition.blocks[1].params))
-    resumed, _ = hf_run(tmp_path / "b", data, precision=precision, resume=str(tmp_path / "a" / "checkpoint-4"))
+    resumed, again = hf_run(tmp_path / "b", data, precision=precision, resume=str(tmp_path / "a" / "checkpoint-4"))
     expected, got = snapshot(whole), snapshot(resumed)
     assert all(torch.equal(expected[name], got[name]) for name in expected)
+    if precision == "fp16-mixed":
+        assert 0 < saved["loss_scaler"]["skipped"] < 4 and saved["loss_scaler"]["scale"] < scale
+        assert again.optimizer.scaler.state_dict() == bcd.optimizer.scaler.state_dict()
 
 
 class VisitWatch(TrainerCallback):

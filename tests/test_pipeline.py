@@ -270,6 +270,21 @@ def test_bad_pipeline_input_is_one_line_and_exit_2(tmp_path, corpus, capsys, fla
     assert not (tmp_path / "r").exists()
 
 
+def test_fp16_mixed_on_a_pipeline_is_refused_also_when_auto_resolves_to_it(tmp_path, corpus, capsys):
+    """Loss scaling has no finite check across stages: `--precision fp16-mixed`, and `auto` over float16 weights."""
+    model_dir = tmp_path / "fp16"
+    build_preset("tiny-llama", seed=0).to(torch.float16).save_pretrained(model_dir)
+    capsys.readouterr()  # save_pretrained's progress
+    for precision, model, resolved in [("fp16-mixed", "tiny-llama", ""),
+                                       ("auto", str(model_dir), " (fp16-mixed for the model's float16 weights)")]:
+        flags = ["--model", model, "--precision", precision, "--pipeline", "2", "--batch-size", "4"]
+        assert main([*bcd(tmp_path, corpus), *flags]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.splitlines() == [f"preinfer bcd: error: --precision {precision}{resolved}: fp16-mixed (loss "
+                                    f"scaling) does not run on a pipeline; give --precision bf16-mixed or fp32"]
+        assert not (tmp_path / "r").exists()
+
+
 def test_stages_are_contiguous_with_the_ends_and_minimise_the_largest_stage():
     """Against every contiguous cut of medium-llama's 12 layers into 3 stages."""
     shape = resolve_shape("medium-llama")

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from pipelines.cli import main
 from pipelines.models import load_model, resolve_model
 from preinfer.config import Config, dump_toml, load_config
-from preinfer.errors import UsageError
+from preinfer.errors import CheckpointError, UsageError
 from preinfer.memory.meter import MemoryMeter
 from preinfer.metrics import StepRecord, read_metrics
 from preinfer.precision import LossScaler, resolve_precision
@@ -107,14 +107,40 @@ def test_a_skipped_fp16_step_leaves_every_weight_unchanged():
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_loss_scaler_grows_after_an_interval_of_finite_steps():
-    scaler = LossScaler(scale=8.0, growth_interval=2)
-    scaler.update(True)
-    assert scaler.scale == 8.0
-    scaler.update(True)
-    assert scaler.scale == 16.0
-    scaler.update(False)
-    assert (scaler.scale, scaler.skipped, scaler.good_steps) == (8.0, 1, 0)
+def test_loss_scaler_steps_as_torch_amp_grad_scaler_and_counts_the_steps_it_skips():
+    """Growth interval 2: two finite steps double the scale; a step with an infinite gradient is skipped (the
+    weight stays), halves the scale and restarts the count: GradScaler's own schedule over the same gradients."""
+    ours, theirs = LossScaler(scale=8.0, growth_interval=2), torch.amp.GradScaler("cpu", 8.0, growth_interval=2)
+    mine, reference = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+    sgd, reference_sgd = torch.optim.SGD([mine], lr=0.1), torch.optim.SGD([reference], lr=0.1)
+    seen = []
+    for factor in (1.0, 2.0, float("inf"), 1.0):
+        before = mine.detach().clone()
+        ours.scale_loss(mine.sum() * factor).backward()
+        ours.unscale_(sgd)
+        stepped = ours.step(sgd)
+        theirs.scale(reference.sum() * factor).backward()
+        theirs.unscale_(reference_sgd)
+        theirs.step(reference_sgd)
+        theirs.update()
+        sgd.zero_grad()
+        reference_sgd.zero_grad()
+        assert torch.equal(mine, reference)
+        seen.append((stepped, ours.scale, theirs.get_scale(), ours.skipped, torch.equal(mine, before)))
+    assert seen == [(True, 8.0, 8.0, 0, False), (True, 16.0, 16.0, 0, False), (False, 8.0, 8.0, 1, True),
+                    (True, 8.0, 8.0, 1, False)]
+    assert ours.state_dict() == {"scale": 8.0, "growth_interval": 2, "good_steps": 1, "skipped": 1}
+
+
+def test_loss_scaler_state_is_plain_numbers_that_load_back_and_a_bad_one_is_refused():
+    """The checkpoint's keys are those written before GradScaler (scale, growth interval, good steps, skipped)."""
+    state = {"scale": 1024.0, "growth_interval": 2000, "good_steps": 7, "skipped": 3}
+    scaler = LossScaler()
+    scaler.load_state_dict(json.loads(json.dumps(state)))
+    assert scaler.state_dict() == state and scaler.grad_scaler.state_dict()["_growth_tracker"] == 7
+    for bad in ({**state, "good_steps": "7"}, {"scale": 1024.0}, {**state, "extra": 1}, [1024.0]):
+        with pytest.raises(CheckpointError, match="loss_scaler = .*: expected numbers scale, growth_interval"):
+            LossScaler().load_state_dict(bad)
 
 
 def test_full_mode_under_bf16_mixed_has_masters_of_everything():

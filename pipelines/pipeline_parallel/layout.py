@@ -113,8 +113,6 @@ def check_flags(config: Config) -> int:
                          f"({microbatches} < {r.pipeline}); give more or --pipeline-schedule gpipe")
     if config.pre_inference.mode == "on" and config.pre_inference.dask:
         raise UsageError("--dask builds stores in other processes; on a pipeline the stages build them: drop --dask")
-    if r.precision == "fp16-mixed":
-        raise UsageError("--precision fp16-mixed (loss scaling) does not run on a pipeline; give bf16-mixed or fp32")
     return microbatches
 
 
@@ -127,6 +125,10 @@ def stage_layout(config: Config, microbatches: int, first: int = 0) -> tuple[lis
         raise UsageError(f"--pipeline: {config.model.name} is a mixture-of-experts model; its router loss spans "
                          f"stages, which is not built yet")
     precision = resolve_precision(config.run.precision, weights_dtype(model))
+    if precision == "fp16-mixed":
+        resolved = "" if config.run.precision == precision else " (fp16-mixed for the model's float16 weights)"
+        raise UsageError(f"--precision {config.run.precision}{resolved}: fp16-mixed (loss scaling) does not run on a "
+                         f"pipeline; give --precision bf16-mixed or fp32")
     partition, _ = partition_for(staged, config, first_layer=first, precision=precision)
     blocks = [LayerSpan(b.start, b.stop, b.has_embed, b.has_head) for b in partition.blocks]
     shape = shape_from_config(model.config)

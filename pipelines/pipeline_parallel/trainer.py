@@ -88,16 +88,16 @@ class PipelineTrainer(Trainer):
         self.pipeline, self.tied_hooks = None, []
 
     def forward_backward_step(self, batches: list[dict], block: Block, train: BatchSource, active: ActiveBlock,
-                              count: torch.Tensor, scale: float) -> tuple[float, int]:
+                              count: torch.Tensor) -> tuple[float, int]:
         """Each batch through the visit's pipeline in micro-batches (the last stage holds the loss); the tied
         weight's gradients sent on the way have arrived when it returns."""
-        summed = super().forward_backward_step(batches, block, train, active, count, scale)
+        summed = super().forward_backward_step(batches, block, train, active, count)
         for work in self.tied_sends:
             work.wait()
         self.tied_sends.clear()
         return summed
 
-    def _forward_backward(self, batch: dict, block: Block, boundary: int, count: torch.Tensor, scale: float) -> float:
+    def _forward_backward(self, batch: dict, block: Block, boundary: int, count: torch.Tensor) -> float:
         return self.pipeline.step(batch, count)
 
     def _fetch(self, train: BatchSource) -> list[dict]:
