@@ -85,6 +85,13 @@ class ImportanceRecord(Record):
     batches: int  # training batches measured
     seconds: float  # the measurement's time (forward and backward through every block per batch)
 
+    def line(self) -> str:
+        scores = ", ".join(f"{score:.3g}" for score in self.scores)
+        due = f"; due by the floor: {', '.join(map(str, self.due))}" if self.due else ""
+        return (f"sweep {self.sweep} block scores {scores} (gradient norm per parameter, {self.batches} batches, "
+                f"{self.seconds:.1f} s): visits {' '.join(map(str, self.order))} in {self.chosen} order (spread "
+                f"{self.spread:.2f}){due}")
+
 
 @dataclass
 class CacheRecord(Record):

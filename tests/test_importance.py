@@ -2,6 +2,7 @@
 (on constructed losses and an injected clock)."""
 
 import itertools
+import json
 import random
 
 import pytest
@@ -11,6 +12,7 @@ from preinfer.block_order import importance_sweep, sweep_order
 from preinfer.errors import UsageError
 from preinfer.gain import GainRule
 from preinfer.metrics import ImportanceRecord, StepRecord, VisitRecord
+from tests.helpers.cli_run import run_cli
 from tests.helpers.trainers import make_trainer, snapshot
 
 IMPORTANCE = dict(blocks__order="importance")
@@ -201,3 +203,27 @@ def test_the_gain_rule_and_importance_orders_refuse_what_they_cannot_run_with():
         make_trainer(blocks__start_block=1, **IMPORTANCE)
     with pytest.raises(UsageError, match="--order importance-cached is measured by the bcd trainer"):
         sweep_order("importance-cached", 3, 0)
+
+
+def test_bcd_with_importance_cached_and_the_gain_rule_logs_scores_choices_and_predictions(tmp_path, capsys):
+    """The CLI end to end, with pre-inference on: each visit's switching costs are the stores' (priced by the sweep
+    plan's throughputs) for the blocks above the input, 0 for the one at it."""
+    out = tmp_path / "run"
+    code, stdout, err = run_cli(["bcd", "--model", "tiny-llama", "--seq-len", "32", "--batch-size", "4",
+                                 "--eval-tokens", "256", "--lr", "1e-3", "--blocks", "3", "--sweeps", "2",
+                                 "--order", "importance-cached", "--importance-floor", "1", "--stop", "gain",
+                                 "--gain-window", "2", "--steps-per-visit", "8", "--pre-inference", "on",
+                                 "--max-samples", "64", "--out", str(out)], capsys)
+    assert code == 0, err
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    measured = [r for r in records if r["kind"] == "importance"]
+    assert [r["sweep"] for r in measured] == [0, 1] and all(r["chosen"] in ("importance", "ascending")
+                                                            for r in measured)
+    assert "block scores" in stdout + err
+    visits = [r for r in records if r["kind"] == "visit"]
+    assert [v["block"] for v in visits] == measured[0]["order"] + measured[1]["order"]
+    for visit in visits:
+        gain = visit["gain"]
+        assert visit["stop_reason"] in ("gain", "steps") and set(gain["predicted"]) == set(gain["switch_s"])
+        assert gain["switch_s"].get("0", 0.0) == 0.0
+    assert any(cost > 0 for v in visits for b, cost in v["gain"]["switch_s"].items() if b != "0")
