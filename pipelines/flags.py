@@ -12,9 +12,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from preinfer.block_order import ORDERS
 from preinfer.config import (
-    ATTENTIONS, DEFAULT_LR, DEFAULT_WEIGHT_DECAY, LR_DECAYS, TRACKERS, BlockConfig, Config, DataConfig, check_resume,
-    load_config,
+    ATTENTIONS, DEFAULT_LR, DEFAULT_WEIGHT_DECAY, LR_DECAYS, STOP_RULES, TRACKERS, BlockConfig, Config, DataConfig,
+    check_resume, load_config,
 )
 from preinfer.errors import UsageError
 from preinfer.memory.settings import DTYPES, GPUS, USABLE_FRACTION, Settings
@@ -129,12 +130,22 @@ TRAINING_FLAGS: list[Flag] = [
     Flag("--separate-ends", "blocks", "separate_ends", "embedding and head form blocks of their own", SWITCH),
     Flag("--active", "blocks", "active",
          "train only this inclusive layer range as one block, e.g. 4-5; every other layer stays frozen"),
-    Flag("--order", "blocks", "order", "block order within a sweep",
-         dict(choices=["ascending", "descending", "random", "fixed"])),
+    Flag("--order", "blocks", "order", "block order within a sweep; importance: at each sweep's start, score every "
+         "block by its gradient norm per parameter and visit those scoring at least the mean (and those "
+         "--importance-floor makes due) in descending score; importance-cached: the same blocks in ascending order "
+         "(stores rolled forward) unless their scores spread by more than --importance-margin",
+         dict(choices=list(ORDERS))),
     Flag("--fixed-order", "blocks", "fixed_order", "block order for --order fixed, e.g. 2,0,1"),
     Flag("--start-block", "blocks", "start_block", "block each sweep begins with", dict(type=non_negative_int),
          unset="the order's first"),
     Flag("--sweeps", "blocks", "sweeps", "passes over all blocks", dict(type=positive_int)),
+    Flag("--importance-batches", "blocks", "importance_batches", "importance orders: training batches (the first, "
+         "in stored order) whose gradients score the blocks at each sweep's start", dict(type=positive_int)),
+    Flag("--importance-floor", "blocks", "importance_floor", "importance orders: every block is visited at least "
+         "once in any this many consecutive sweeps (1: every block every sweep, in score order)",
+         dict(type=positive_int)),
+    Flag("--importance-margin", "blocks", "importance_margin", "importance-cached: keep the ascending order unless "
+         "the visited blocks' scores spread, (max - min) / max, by more than this", dict(type=float)),
     Flag("--experts", "blocks", "experts", "expert-granular blocks (mixture of experts): top:SHARE trains, in each "
          "sparse layer of a block, the fewest experts carrying SHARE of its routed tokens (ESFT)"),
     Flag("--experts-with", "blocks", "experts_with", "what trains with the chosen experts: a comma list of router, "
@@ -165,6 +176,12 @@ TRAINING_FLAGS: list[Flag] = [
          unset=f"{shown(DEFAULT_EPOCHS_PER_VISIT)} when no other stopping rule is given"),
     Flag("--patience", "stop", "patience", "plateau rule: steps without improvement", dict(type=positive_int)),
     Flag("--min-delta", "stop", "min_delta", "plateau rule: improvement that counts", dict(type=float)),
+    Flag("--stop", "stop", "rule", "budget: a visit ends at its step or epoch budget or plateau; gain: also when its "
+         "recent loss decrease per second falls below the best predicted for another block (its score over the "
+         "active block's, times the active block's initial rate, less its switching cost); needs an importance "
+         "order", dict(choices=list(STOP_RULES))),
+    Flag("--gain-window", "stop", "gain_window", "gain rule: the loss decrease per second is taken over the last 2 x "
+         "this many steps", dict(type=positive_int)),
     Flag("--out", "run", "out", "run directory (local)", dict(type=local_directory)),
     Flag("--mode", "run", "mode", "bcd, or full-parameter training", dict(choices=["bcd", "full"])),
     Flag("--seed", "run", "seed", "seed of a preset's initialisation, and of a run's data and block "

@@ -56,6 +56,16 @@ class VisitSources(Protocol):
         """Receive the trainer's record writer (metrics.jsonl and progress display)."""
         ...
 
+    def measure_source(self) -> BatchSource:
+        """Training batches at the run's lowest boundary, for measurements through every block (the importance
+        orders' scores); needed only by one-process runs."""
+        ...
+
+    def switch_seconds(self, block: Block) -> float:
+        """The seconds a visit of `block` would spend before and beyond training its steps: making its store, or
+        running its prefix live (`--stop gain`'s switching cost)."""
+        ...
+
 
 @dataclass
 class LiveSources:
@@ -75,3 +85,10 @@ class LiveSources:
 
     def attach(self, emit: Callable[[Record], None]) -> None:
         pass
+
+    def measure_source(self) -> BatchSource:
+        return self.train
+
+    def switch_seconds(self, block: Block) -> float:
+        """0: every visit runs its prefix live, and no measured rate of the run prices it here."""
+        return 0.0

@@ -56,10 +56,13 @@ class BlockConfig:
     blocks: int | None = None  # number of blocks (instead of ufp)
     ranges: str | None = None  # explicit inclusive layer ranges, e.g. "0-3,4-7" (instead of ufp)
     separate_ends: bool = False  # embedding and head as blocks of their own
-    order: str = "ascending"  # ascending, descending, random, fixed
+    order: str = "ascending"  # ascending, descending, random, fixed, importance, importance-cached
     fixed_order: str | None = None  # e.g. "2,0,1" with order = "fixed"
     start_block: int | None = None  # the block every sweep begins with; None: the order's own first block
     sweeps: int = 1  # passes over all blocks
+    importance_batches: int = 2  # importance orders: training batches whose gradients score the blocks
+    importance_floor: int = 2  # importance orders: every block is visited at least once in this many sweeps
+    importance_margin: float = 0.25  # importance-cached: ascending unless the scores spread by more than this
     active: str | None = None  # train only this inclusive layer range, e.g. "4-5"; the other blocks stay frozen
     experts: str | None = None  # "top:0.5": in sparse layers train only the experts carrying that share of tokens
     experts_with: str = "router,shared,attention,rest"  # what trains with the chosen experts ("none": nothing)
@@ -88,6 +91,10 @@ class OptimConfig:
     keep_state: bool = False  # keep each block's optimizer state between its visits (costs its memory)
 
 
+# A visit's stopping rules: its budgets (steps, epochs, plateau), or those and the gain rule (preinfer.gain).
+STOP_RULES = ("budget", "gain")
+
+
 @dataclass
 class StopConfig:
     steps_per_visit: int | None = None  # optimizer steps per visit
@@ -95,6 +102,8 @@ class StopConfig:
     patience: int | None = None  # plateau: smoothed loss not improved by min_delta for this many steps
     min_delta: float = 0.0  # plateau: the smallest improvement that counts
     smoothing: float = 0.9  # exponential smoothing of the training loss for the plateau rule
+    rule: str = "budget"  # budget (steps, epochs, plateau) or gain: also end a visit when another block gains more
+    gain_window: int = 4  # gain: the loss decrease per second is taken over the last 2 x this many steps
 
 
 @dataclass
@@ -178,7 +187,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
 
 def check_values(config: Config) -> None:
     """Refuse optimizer and stopping values that are not finite or out of range, naming the flag."""
-    o, s = config.optim, config.stop
+    o, s, b = config.optim, config.stop, config.blocks
     checks = [
         ("optim", "betas", "--betas", len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "two numbers in [0, 1)"),
         ("optim", "lr", "--lr", o.lr is None or 0 < o.lr < math.inf, "a finite number above 0"),
@@ -193,6 +202,12 @@ def check_values(config: Config) -> None:
          f"a comma list of none, {', '.join(TRACKERS)}"),
         ("stop", "min_delta", "--min-delta", 0 <= s.min_delta < math.inf, "a finite number >= 0"),
         ("stop", "smoothing", "[stop] smoothing", 0 <= s.smoothing < 1, "a number in [0, 1)"),
+        ("stop", "rule", "--stop", s.rule in STOP_RULES, f"one of {', '.join(STOP_RULES)}"),
+        ("stop", "gain_window", "--gain-window", s.gain_window >= 1, "an integer >= 1"),
+        ("blocks", "importance_batches", "--importance-batches", b.importance_batches >= 1, "an integer >= 1"),
+        ("blocks", "importance_floor", "--importance-floor", b.importance_floor >= 1, "an integer >= 1"),
+        ("blocks", "importance_margin", "--importance-margin", 0 <= b.importance_margin < math.inf,
+         "a finite number >= 0"),
     ]
     for section, key, flag, ok, expected in checks:
         if not ok:

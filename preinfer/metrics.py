@@ -58,7 +58,7 @@ class VisitRecord(Record):
     block: int  # the block's index
     label: str  # the block's parts, e.g. "embed+layers 0-1"
     steps: int  # optimizer steps of the visit
-    stop_reason: str  # the stopping rule that ended the visit: steps (a step or epoch budget) or plateau
+    stop_reason: str  # the stopping rule that ended the visit: steps (a step or epoch budget), plateau or gain
     eval_loss: float  # mean loss over the eval split after the visit
     wall_s: float  # the visit's training time
     tokens: int  # as in the step records, at the end of the visit
@@ -66,6 +66,31 @@ class VisitRecord(Record):
     memory: dict[str, int] = field(default_factory=dict)  # the memory meter's peaks in bytes; {} without a meter
     eval_s: float = 0.0  # time of the evaluation after the visit (not in wall_s)
     ranks: list[dict] | None = None  # pipeline runs: each rank's `rank`, `stage`, `replica` and memory peaks
+    # --stop gain, at the visit's last step: window, rate and initial_rate (loss decrease per second), horizon_s,
+    # and by other block: ratios (score over the active block's), switch_s, predicted (rates); best (block or null)
+    gain: dict | None = None
+
+
+@dataclass
+class ImportanceRecord(Record):
+    """An importance order's sweep: the blocks' scores, measured at the sweep's start, and the visits they chose."""
+
+    kind: ClassVar[str] = "importance"
+    sweep: int  # the sweep, from 0
+    scores: list[float]  # per block: the root mean square of its gradient per parameter and batch
+    order: list[int]  # the blocks the sweep visits, in order
+    chosen: str  # importance (descending score) or ascending (importance-cached, the scores within the margin)
+    spread: float  # (max - min) / max of the visited blocks' scores
+    due: list[int]  # blocks visited because --importance-floor made them due
+    batches: int  # training batches measured
+    seconds: float  # the measurement's time (forward and backward through every block per batch)
+
+    def line(self) -> str:
+        scores = ", ".join(f"{score:.3g}" for score in self.scores)
+        due = f"; due by the floor: {', '.join(map(str, self.due))}" if self.due else ""
+        return (f"sweep {self.sweep} block scores {scores} (gradient norm per parameter, {self.batches} batches, "
+                f"{self.seconds:.1f} s): visits {' '.join(map(str, self.order))} in {self.chosen} order (spread "
+                f"{self.spread:.2f}){due}")
 
 
 @dataclass
@@ -179,7 +204,7 @@ class ResumeRecord(Record):
 RECORD_KINDS: dict[str, type[Record]] = {cls.kind: cls for cls in (StepRecord, VisitRecord, CacheRecord,
                                                                    PreInferenceRecord, BudgetPlanRecord,
                                                                    SweepPlanRecord, PlanOutcomeRecord,
-                                                                   ResumeRecord)}
+                                                                   ResumeRecord, ImportanceRecord)}
 
 
 def parse_record(data: dict[str, Any]) -> Record:

@@ -13,6 +13,12 @@ which exist for its visit only, and the masters are cast into the 16-bit weights
 parallelism the active block's fp32 gradients are summed across ranks in flat buckets launched during backward
 (`preinfer.grad_buckets`).
 
+Orders: a fixed order (`preinfer.block_order.sweep_order`) is a function of the sweep; an importance order is
+measured at the sweep's start (`preinfer.importance`, a forward and backward through every block over a few training
+batches) and chosen by `block_order.importance_sweep`; the scores and the chosen visits are saved with the progress,
+so a run resumed mid-sweep follows the same visits. `--stop gain` (`preinfer.gain`) ends a visit when another block
+is predicted to lower the loss faster; its times come from `clock`.
+
 Stopping: a caller (the CLI's signal handler) sets `stop_requested`; the trainer checks it between steps, writes
 a checkpoint and returns from `fit` with `stopped` set. A resumed run then ends with the same weights as an
 uninterrupted one.
@@ -34,13 +40,15 @@ from preinfer.checkpoint import STATE, load_checkpoint, save_checkpoint
 from preinfer.grad_buckets import BucketedAllReduce
 from preinfer.config import Config
 from preinfer.errors import CheckpointError, DivergedError, PreinferError, UsageError
-from preinfer.metrics import MetricsLog, Record, StepRecord, VisitRecord
+from preinfer.gain import GainRule
+from preinfer.importance import GradientSquares
+from preinfer.metrics import ImportanceRecord, MetricsLog, Record, StepRecord, VisitRecord
 from preinfer.moe import ExpertGranular, RouterLoss
 from preinfer.optim import LrSchedule, StopRule, build_optimizer, step_budget
 from preinfer.partition import Block, Partition
 from preinfer.precision import ActiveBlock, LossScaler, apply_precision
 from preinfer.run_dir import RunDir
-from preinfer.block_order import parse_fixed_order, sweep_order
+from preinfer.block_order import IMPORTANCE_ORDERS, importance_sweep, parse_fixed_order, sweep_order
 from preinfer.batch_source import BatchSource, VisitSources
 from preinfer.staged import StagedModel, causal_lm_loss, supervised_tokens
 from preinfer.boundary_state import BoundaryState
@@ -60,6 +68,8 @@ class Progress:
     visits: list[dict] = field(default_factory=list)  # each finished visit's VisitRecord.to_dict()
     loss_scaler: dict | None = None  # fp16-mixed: the LossScaler's state (GradScaler's, and the skipped steps)
     experts: dict[str, dict[str, list[int]]] = field(default_factory=dict)  # block -> layer -> its chosen experts
+    sweep_order: dict | None = None  # importance orders: the sweep's ImportanceRecord (scores, visits), as measured
+    gain: dict | None = None  # --stop gain: the visit's GainRule state
 
     @classmethod
     def from_state(cls, state: object, source: str, sweeps: int, visits_per_sweep: int) -> Progress:
@@ -87,7 +97,8 @@ class Progress:
 _DICT_OR_NONE = ((dict, type(None)), "an object or null")
 PROGRESS_FIELDS = {
     **{key: (int, "an integer") for key in ("sweep", "visit", "visit_step", "global_step", "tokens")},
-    "cursor": _DICT_OR_NONE, "stop": _DICT_OR_NONE, "loss_scaler": _DICT_OR_NONE,
+    "cursor": _DICT_OR_NONE, "stop": _DICT_OR_NONE, "loss_scaler": _DICT_OR_NONE, "sweep_order": _DICT_OR_NONE,
+    "gain": _DICT_OR_NONE,
     "visits": (list, "a list of visit records"), "experts": (dict, "an object"),
 }
 
@@ -103,8 +114,10 @@ class Trainer:
         meter=None,
         on_record: Callable[[Record], None] | None = None,
         active_block: int | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         self.staged, self.partition, self.config, self.visit_sources = staged, partition, config, sources
+        self.clock = clock  # the times of the gain rule and of the importance measurement (tests inject one)
         self.run_dir, self.meter, self.on_record = run_dir, meter, on_record
         self.device = torch.device(config.run.device)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -131,15 +144,88 @@ class Trainer:
         if b.experts and self.precision != "fp32":
             raise UsageError(f"--experts (expert-granular blocks) trains in fp32; drop it or --precision "
                                 f"{self.precision}")
-        self.order(0)  # a bad order, fixed order or start block is refused before anything runs
+        self._check_order()  # a bad order, fixed order or start block is refused before anything runs
         LrSchedule.for_visit(config.optim, step_budget(config.stop, 1))  # and a decay without a visit length
         sources.attach(self.emit)
 
     def order(self, sweep: int) -> list[int]:
-        """The blocks this sweep visits (with `active_block` set, only that one)."""
+        """The blocks this sweep visits (with `active_block` set, only that one); an importance order's are measured
+        here at the sweep's start, or taken from the progress when it holds this sweep's."""
         b = self.config.blocks
+        if b.order in IMPORTANCE_ORDERS:
+            return [self.active_block] if self.active_block is not None else self._importance_order(sweep)
         order = sweep_order(b.order, len(self.partition), sweep, self.config.run.seed, b.start_block, self.fixed)
         return [i for i in order if self.active_block is None or i == self.active_block]
+
+    def _check_order(self) -> None:
+        """Refuse a bad order, fixed order or start block, and what an importance order or the gain rule cannot
+        run with."""
+        b, rule = self.config.blocks, self.config.stop.rule
+        if b.order not in IMPORTANCE_ORDERS:
+            self.order(0)
+            if rule == "gain":
+                raise UsageError(f"--stop gain predicts other blocks' gains from their scores: it needs --order "
+                                 f"importance or importance-cached (not {b.order})")
+            return
+        if b.start_block is not None:
+            raise UsageError(f"--start-block does not apply to --order {b.order} (its sweeps begin with the block "
+                             f"that scores highest); drop it")
+        if self.world_size > 1:
+            raise UsageError(f"--order {b.order} measures its scores in one process; drop it, or run without "
+                             f"torchrun")
+
+    def _visits_per_sweep(self) -> int:
+        """The most visits a sweep makes."""
+        if self.config.blocks.order in IMPORTANCE_ORDERS:
+            return 1 if self.active_block is not None else len(self.partition)
+        return len(self.order(0))
+
+    def _importance_order(self, sweep: int) -> list[int]:
+        """The visits of sweep `sweep` of an importance order: the progress's if it holds this sweep's (a resumed
+        run), else measured now, saved in the progress and logged."""
+        saved = self.progress.sweep_order
+        if saved is not None and saved.get("sweep") == sweep:
+            return self._saved_order(saved)
+        b = self.config.blocks
+        started = self.clock()
+        scores, batches = self.block_scores()
+        last = [-1] * len(self.partition)
+        for visit in self.progress.visits:
+            last[visit["block"]] = max(last[visit["block"]], visit["sweep"])
+        chosen = importance_sweep(scores, last, sweep, b.importance_floor, b.order == "importance-cached",
+                                  b.importance_margin)
+        record = ImportanceRecord(sweep=sweep, scores=scores, order=chosen.order, chosen=chosen.chosen,
+                                  spread=chosen.spread, due=chosen.due, batches=batches,
+                                  seconds=self.clock() - started)
+        self.progress.sweep_order = record.to_dict()
+        self.emit(record)
+        return list(chosen.order)
+
+    def _saved_order(self, saved: dict) -> list[int]:
+        """A checkpoint's importance sweep, checked."""
+        order, scores, count = saved.get("order"), saved.get("scores"), len(self.partition)
+        if not (isinstance(order, list) and all(isinstance(i, int) and 0 <= i < count for i in order)
+                and isinstance(scores, list) and len(scores) == count
+                and all(isinstance(x, (int, float)) for x in scores)):
+            raise CheckpointError(f"{self.checkpoint_dir / STATE}: trainer.sweep_order: expected the sweep's order "
+                                  f"(block numbers 0-{count - 1}) and {count} scores")
+        return list(order)
+
+    def block_scores(self) -> tuple[list[float], int]:
+        """Each block's score (`preinfer.importance`) over the first `importance_batches` training batches in
+        stored order (the same batches every sweep), and the batches measured."""
+        source = self.visit_sources.measure_source()
+        with eval_mode(self.staged.model), GradientSquares([blk.params for blk in self.partition.blocks]) as grads:
+            for index, batch in enumerate(source.one_pass()):
+                if index >= self.config.blocks.importance_batches:
+                    break
+                batch = _to_device(batch, self.device)
+                state = batch_state(self.staged, batch, source.boundary)
+                out = self.staged.run(state, source.boundary, self.staged.num_layers, self.config.run.recompute)
+                loss = causal_lm_loss(self.staged.logits(out), out.labels, reduction="sum")
+                (loss / max(supervised_tokens(out.labels), 1)).backward()
+                grads.batch_done()
+        return grads.scores(), grads.batches
 
     def resume(self) -> None:
         """Continue from the run directory's checkpoint."""
@@ -153,7 +239,7 @@ class Trainer:
     def restored_progress(self, state: object, directory: Path) -> Progress:
         """A checkpoint's progress, checked against this run's sweeps and blocks."""
         return type(self.progress).from_state(state, str(directory / STATE), self.config.blocks.sweeps,
-                                              len(self.order(0)))
+                                              self._visits_per_sweep())
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -177,17 +263,17 @@ class Trainer:
                 self.visit_sources.sweep_started([self.partition.blocks[i] for i in order])
             while p.visit < len(order):
                 block = self.partition.blocks[order[p.visit]]
-                if not self._visit(block, max_total_steps):
+                if not self._visit(block, max_total_steps, order):
                     return p.visits
                 p.visit += 1
-                p.visit_step, p.stop = 0, None
+                p.visit_step, p.stop, p.gain = 0, None, None
                 self._checkpoint()
             p.sweep, p.visit = p.sweep + 1, 0
         return p.visits
 
-    def _visit(self, block: Block, max_total_steps: int | None) -> bool:
-        """Train `block` until its stopping rule fires; False if the run was halted by `max_total_steps` or a
-        stop request."""
+    def _visit(self, block: Block, max_total_steps: int | None, order: list[int] = ()) -> bool:
+        """Train `block` (visit `progress.visit` of the sweep's `order`) until its stopping rule fires; False if the
+        run was halted by `max_total_steps` or a stop request."""
         p, cfg = self.progress, self.config
         train, evaluation = self.visit_sources.sources(block)
         if p.cursor is not None:
@@ -197,6 +283,7 @@ class Trainer:
         if p.stop is not None:
             stop.load_state_dict(p.stop)
         schedule = LrSchedule.for_visit(cfg.optim, stop.max_steps, optimizer.param_groups[0]["initial_lr"])
+        gain = self._gain_rule(block, order, stop.max_steps)
         if self.meter is not None:
             self.meter.reset()
         started, reason = time.perf_counter(), None
@@ -217,7 +304,10 @@ class Trainer:
             p.global_step += 1
             p.tokens += tokens
             reason = stop.update(loss)
+            if gain is not None and gain.update(loss, self.clock()) and reason is None:
+                reason = "gain"
             p.stop = stop.state_dict()
+            p.gain = gain.state_dict() if gain is not None else None
             p.cursor = train.state_dict()
             p.loss_scaler = self.scaler.state_dict() if self.scaler.enabled else None
             self.emit(StepRecord(
@@ -241,12 +331,30 @@ class Trainer:
             sweep=p.sweep, block=block.index, label=block.label, steps=stop.steps, stop_reason=reason,
             eval_loss=eval_loss, wall_s=wall, tokens=p.tokens, source_boundary=train.boundary,
             memory=self.meter.report() if self.meter is not None else {},
-            eval_s=time.perf_counter() - evaluated,
+            eval_s=time.perf_counter() - evaluated, gain=gain.report() if gain is not None else None,
         )
         p.visits.append(visit.to_dict())
         self.emit(visit)
         self.visit_sources.visit_finished(block)
         return True
+
+    def _gain_rule(self, block: Block, order: list[int], budget: int | None) -> GainRule | None:
+        """With --stop gain: the visit's rule, against the blocks still to visit in this sweep (at its last visit,
+        every other block), restored from the progress when the visit resumes; started on the clock."""
+        if self.config.stop.rule != "gain":
+            return None
+        p = self.progress
+        others = list(order[p.visit + 1:]) or [i for i in range(len(self.partition)) if i != block.index]
+        if p.sweep_order is None:  # --active: the one block trains, no other is scored
+            others = []
+        scores = p.sweep_order["scores"] if p.sweep_order is not None else []
+        own = max(scores[block.index], 1e-30) if scores else 1.0
+        gain = GainRule(self.config.stop.gain_window, {str(i): scores[i] / own for i in others},
+                        {str(i): self.visit_sources.switch_seconds(self.partition.blocks[i]) for i in others}, budget)
+        if p.gain is not None:
+            gain.load_state_dict(p.gain)
+        gain.begin(self.clock())
+        return gain
 
     def emit(self, record: Record) -> None:
         self.log.write(record)

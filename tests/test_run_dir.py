@@ -7,8 +7,8 @@ import pytest
 
 from pipelines.models import model_source
 from preinfer.errors import PreinferError
-from preinfer.metrics import (RECORD_KINDS, CacheRecord, PlanOutcomeRecord, PreInferenceRecord, StepRecord,
-                              SweepPlanRecord, VisitRecord, parse_record, read_metrics)
+from preinfer.metrics import (RECORD_KINDS, CacheRecord, ImportanceRecord, PlanOutcomeRecord, PreInferenceRecord,
+                              StepRecord, SweepPlanRecord, VisitRecord, parse_record, read_metrics)
 from preinfer.run_dir import RunDir
 from tests.helpers.cli_run import run_cli
 
@@ -26,6 +26,13 @@ EXAMPLES = [
     PreInferenceRecord(block=1, boundary=2, decision="store", steps=10, prefix_per_step=0.1, read_per_step=0.01,
                        eval_prefix=0.2, build=0.3, build_from=0, store_bytes=1 << 20, free_bytes=1 << 30,
                        saving_s=0.8),
+    ImportanceRecord(sweep=1, scores=[0.25, 0.5, 0.125], order=[1, 0], chosen="importance", spread=0.5, due=[],
+                     batches=2, seconds=0.1),
+    VisitRecord(sweep=1, block=1, label="layers 2-3", steps=9, stop_reason="gain", eval_loss=3.0, wall_s=1.0,
+                tokens=4096, source_boundary=2, gain={"window": 2, "rate": 0.1, "initial_rate": 0.4,
+                                                      "horizon_s": 8.0, "ratios": {"0": 0.5},
+                                                      "switch_s": {"0": 0.0}, "predicted": {"0": 0.2},
+                                                      "best": "0"}),
 ]
 
 
@@ -46,12 +53,13 @@ def test_every_record_kind_round_trips_through_json(record):
 
 
 def test_json_keys_of_records():
-    step, visit, made, deleted, reused, decision = (e.to_dict() for e in EXAMPLES)
+    step, visit, made, deleted, reused, decision, _, gain_visit = (e.to_dict() for e in EXAMPLES)
     assert made["from"] == 1 and "from_" not in made and "reason" not in made
     assert deleted["reason"].startswith("block 0") and "from" not in deleted
     assert set(reused) == {"kind", "boundary", "how", "seconds", "bytes"}
     assert set(RECORD_KINDS) == {"step", "visit", "cache", "pre_inference", "budget_plan", "sweep_plan",
-                                 "plan_outcome", "resume"}
+                                 "plan_outcome", "resume", "importance"}
+    assert "gain" not in visit and gain_visit["gain"]["predicted"] == {"0": 0.2}
     assert decision["saving_s"] == 0.8 and visit["memory"] == {"params": 10, "activations": 4}
 
 

@@ -179,3 +179,14 @@ def test_data_parallel_ranks_share_a_store_build():
         (source, alone), (_, shared) = store_cost(one, rates, 4, below), store_cost(two, rates, 4, below)
         assert source == (2 if below else 0)
         assert shared == pytest.approx((alone - 0.5) / 2 + 0.5)
+
+
+def test_the_switching_cost_of_the_gain_rule_is_the_store_s_build_or_the_live_prefix():
+    work, visit = workload(stores={2}), Visit(block=2, start=4, steps=EPOCH)
+    # live: the prefix's 4 layers over the visit's 125 x 8 samples at 0.5 ms a layer and sample: 2 s
+    assert sweep_plan.switch_seconds(work, RATES, visit, stores_read=False) == pytest.approx(4 * 1000 * 5e-4)
+    # stores: rolled forward from the valid store at 2 (2 layers over 1100 samples, written and read once)
+    assert sweep_plan.switch_seconds(work, RATES, visit, stores_read=True) == \
+        store_cost(work, RATES, 4, [2])[1] == pytest.approx(2 * 1100 * 5e-4 + 2 * STORE / 1e9)
+    assert sweep_plan.switch_seconds(work, RATES, Visit(block=1, start=2, steps=EPOCH), stores_read=True) == 0.0
+    assert sweep_plan.switch_seconds(work, RATES, Visit(block=0, start=0, steps=EPOCH), stores_read=False) == 0.0

@@ -7,8 +7,8 @@ from tqdm import tqdm
 from preinfer.memory.budget import budget_line, visit_against_budget
 from preinfer.config import Config
 from preinfer.metrics import (
-    BudgetPlanRecord, CacheRecord, PlanOutcomeRecord, PreInferenceRecord, Record, ResumeRecord, SweepPlanRecord,
-    VisitRecord,
+    BudgetPlanRecord, CacheRecord, ImportanceRecord, PlanOutcomeRecord, PreInferenceRecord, Record, ResumeRecord,
+    SweepPlanRecord, VisitRecord,
 )
 
 
@@ -47,7 +47,7 @@ class ProgressUI:
             self.budget = record.budget
             tqdm.write(budget_line(record))
             return
-        if isinstance(record, (SweepPlanRecord, PlanOutcomeRecord)):
+        if isinstance(record, (SweepPlanRecord, PlanOutcomeRecord, ImportanceRecord)):
             self.close()
             tqdm.write(record.line())
             return

@@ -262,6 +262,19 @@ def store_cost(work: Workload, rates: Throughputs, boundary: int, below: list[in
     return source, seconds
 
 
+def switch_seconds(work: Workload, rates: Throughputs, visit: Visit, stores_read: bool) -> float:
+    """What a visit costs beyond the steps of its own layers (`--stop gain`'s switching cost): when the plan reads
+    stores, making its store the cheapest way (`store_cost`; 0 when a valid one is at its boundary); when it runs
+    live, its prefix's forward over the visit's samples; 0 for a visit at the input."""
+    if visit.start == 0:
+        return 0.0
+    if not stores_read:
+        return visit.steps * work.samples_per_step * visit.start * rates.layer_seconds
+    if visit.start in work.stores:
+        return 0.0
+    return store_cost(work, rates, visit.start, [k for k in work.stores if k < visit.start])[1]
+
+
 def _peak(born: dict[int, int], last_use: dict[int, int], visits: int, store_bytes: int) -> int:
     """The most bytes of new stores on disk at any time (stores already on disk are not counted)."""
     return max((sum(store_bytes for k, t in born.items() if t <= now <= last_use[k]) for now in range(2 * visits)),

@@ -21,7 +21,9 @@ def random_tokens(n=24, t=16, vocab=258, seed=0, split="train") -> TokenDataset:
     return TokenDataset(input_ids, attention_mask, input_ids.masked_fill(~attention_mask, -100), "random", split)
 
 
-def make_trainer(preset="tiny-llama", run_dir=None, on_record=None, **overrides):
+def make_trainer(preset="tiny-llama", run_dir=None, on_record=None, clock=None, **overrides):
+    """A trainer of 3 blocks on random tokens; `overrides` set config keys as section__key=value, `clock` replaces
+    the trainer's clock."""
     config = Config()
     config.optim.lr = 1e-3
     config.stop.steps_per_visit = 3
@@ -33,7 +35,9 @@ def make_trainer(preset="tiny-llama", run_dir=None, on_record=None, **overrides)
     partition = make_partition(staged, num_blocks=config.blocks.blocks or 3)
     sources = live_sources(random_tokens(), random_tokens(n=8, seed=1, split="eval"), config.data.batch_size,
                            samples_per_shard=8, seed=config.run.seed)
-    return Trainer(staged, partition, config, sources, run_dir=run_dir and RunDir(run_dir), on_record=on_record)
+    timing = {} if clock is None else {"clock": clock}
+    return Trainer(staged, partition, config, sources, run_dir=run_dir and RunDir(run_dir), on_record=on_record,
+                   **timing)
 
 
 def snapshot(model):

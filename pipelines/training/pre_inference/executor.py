@@ -27,7 +27,7 @@ from pipelines.training.pre_inference.ranks import least
 from pipelines.training.pre_inference.rates import MeasuredRates
 from pipelines.training.pre_inference.stores import Stores, check_store_dir
 from pipelines.training.sweep_plan import (
-    Plan, SweepPlan, Throughputs, Visit, Workload, plan_sweep, store_cost, visit_seconds,
+    Plan, SweepPlan, Throughputs, Visit, Workload, plan_sweep, store_cost, switch_seconds, visit_seconds,
 )
 
 
@@ -97,6 +97,14 @@ class PreInference:
         batch, seed = self.config.data.batch_size, self.config.run.seed
         return (ReaderBatches(stores["train"], boundary, batch, seed, self.rank, self.world),
                 ReaderBatches(stores["eval"], boundary, batch, seed, shuffle=False))
+
+    def measure_source(self) -> BatchSource:
+        return self.live.train
+
+    def switch_seconds(self, block: Block) -> float:
+        """`sweep_plan.switch_seconds` of a visit of `block`, by the plan in force and the throughputs measured."""
+        visit = Visit(block=block.index, start=block.start, steps=self._visit_steps())
+        return switch_seconds(self.work, self.rates.current, visit, self.plan.reads_stores)
 
     def visit_finished(self, block: Block) -> None:
         """Time the visit, drop the stores it made stale (those above its first layer) and those the plan reads no
@@ -202,8 +210,7 @@ class PreInference:
     def _workload(self, blocks: list[Block]) -> Workload:
         train, cfg = self.datasets["train"], self.config
         samples_per_step = cfg.data.batch_size * cfg.optim.grad_accum
-        steps_per_epoch = -(-len(train) // (cfg.data.batch_size * self.world * cfg.optim.grad_accum))
-        steps = step_budget(cfg.stop, steps_per_epoch) or steps_per_epoch  # as the visit's stopping rule counts
+        steps = self._visit_steps()
         eval_samples = len(self.datasets["eval"])  # capped by --eval-tokens
         return Workload(
             visits=tuple(Visit(block=b.index, start=b.start, steps=steps) for b in blocks),
@@ -215,6 +222,12 @@ class PreInference:
                              self.world, self.device),
             stores=frozenset(self.stores.valid()), ranks=self.world,
         )
+
+    def _visit_steps(self) -> int:
+        """A visit's expected steps, as its stopping rule counts them."""
+        cfg = self.config
+        steps_per_epoch = -(-len(self.datasets["train"]) // (cfg.data.batch_size * self.world * cfg.optim.grad_accum))
+        return step_budget(cfg.stop, steps_per_epoch) or steps_per_epoch
 
     # ---- measurements ------------------------------------------------------------------------------------------
     def _count(self, predicted: float, measured: float) -> None:
