@@ -11,6 +11,7 @@ and the masters are cast into the model's weights after every step. `fp16-mixed`
 from __future__ import annotations
 
 from collections.abc import Callable
+
 import torch
 from torch import nn
 
