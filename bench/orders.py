@@ -53,7 +53,9 @@ minutes).
     python bench/orders.py --model ~/.cache/preinfer/models/smollm2-135m-instruct --lr 1e-4 --batch-size 4 \\
         --max-samples 256 --full-epochs 6 --sweeps 4 --warmup 4 --out bench/out/orders-smollm2.json
                                                   # the SmolLM2-135M fine-tuning setup (bench/checkpoint.py makes
-                                                  # the directory; several hours on 2 cores, not measured)
+                                                  # the directory; lr 1e-4 is in bench/finetune.py's grid of both
+                                                  # families, --bcd-lr sets BCD's apart; by FLOPs about 30x
+                                                  # small-llama's step: hours on 2 cores, not measured)
     python bench/orders.py --quick                # smoke run: tiny-llama, 2 sweeps, every order, the UFP table
 
 --model takes a preset or a model directory, --data any corpus `preinfer bcd --data` reads, --tokenizer
@@ -250,7 +252,7 @@ def compare(args: argparse.Namespace, scratch: Path) -> dict:
         result = measured(name, bcd_flags(args, scratch / name, name, "1/3"), epoch_tokens)
         rows.append(order_summary(name, result, full, rel, window))
         print(f"[orders] {name}: best {rows[-1]['best_eval_loss']:.4f} ({rows[-1]['best_vs_full_pct']:+.2f}%), "
-              f"x_time {rows[-1]['x_time']}, x_epochs {rows[-1]['x_epochs']}", flush=True)
+              f"x_time {cell(rows[-1]['x_time'])}, x_epochs {cell(rows[-1]['x_epochs'])}", flush=True)
     best = best_row(rows, args.ufp_order)
     ufps = []
     for ufp in UFPS:
