@@ -251,17 +251,19 @@ def run(method: str, flags: list[str], scratch: Path, eval_count: int) -> dict:
 
 
 def cli_result(out: Path) -> dict:
-    """A `preinfer bcd` run's result, with its eval-loss curve at every visit's end against training time."""
+    """A `preinfer bcd` run's result, with its eval-loss curve at every visit's end (steps and tokens so far)
+    against training time: the visits' wall time, store building (`cache` records) and an importance order's
+    measurements (`importance` records), in the order the run spent them."""
     result = preinfer_result(out)
     curve, train_s, steps = [], 0.0, 0
     for line in (out / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
-        if record["kind"] == "cache":
+        if record["kind"] in ("cache", "importance"):
             train_s += record.get("seconds", 0.0)
         elif record["kind"] == "visit":
             train_s += record["wall_s"]
             steps += record["steps"]
-            curve.append(dict(step=steps, train_s=train_s, eval_loss=record["eval_loss"]))
+            curve.append(dict(step=steps, tokens=record["tokens"], train_s=train_s, eval_loss=record["eval_loss"]))
     result["curve"] = curve
     return result
 

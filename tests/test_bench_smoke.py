@@ -282,3 +282,80 @@ def test_finetune_quick_compares_every_method_on_the_same_batches(tmp_path, monk
 
 
 METHODS_AT_EQUAL_STEPS = ("full", "bcd", "bcd-auto", "badam", "lora8", "lora16")
+
+
+def test_orders_rows_are_real_bcd_runs_of_each_order_and_gain_adds_importance_orders_with_stop_gain(tmp_path):
+    """bench/orders.py's rows: every order of --orders, and with --gain each importance order again with `--stop
+    gain`; their flags parse, by the real command line, into BCD-Adam at the UFP asked, pre-inference auto, one epoch
+    a visit, and sweeps scaled to the same cap of epochs."""
+    from pipelines.cli import build_parser
+    from pipelines.flags import config_for_command
+
+    orders = _load("orders")
+    assert orders.rows_of(orders.parse_args([])) == list(orders.ORDERS)
+    args = orders.parse_args(["--orders", "ascending,importance-cached", "--gain", "--sweeps", "6"])
+    assert orders.rows_of(args) == ["ascending", "importance-cached", "importance-cached+gain"]
+    cases = [("importance-cached+gain", "1/4", 5, "gain"), ("ascending", "1/2", 9, "budget"),
+             *((order, "1/3", 6, "budget") for order in orders.ORDERS)]
+    for row, ufp, sweeps, rule in cases:
+        config = config_for_command(build_parser().parse_args(["bcd", *orders.bcd_flags(args, tmp_path, row, ufp)]))
+        assert (config.blocks.order, config.blocks.ufp, config.blocks.sweeps) == (row.split("+")[0], ufp, sweeps)
+        assert (config.stop.rule, config.stop.epochs_per_visit, config.run.mode) == (rule, 1, "bcd")
+        assert config.pre_inference.mode == "auto" and config.optim.lr == args.lr
+    full = config_for_command(build_parser().parse_args(["bcd", *orders.full_flags(args, tmp_path)]))
+    assert (full.run.mode, full.blocks.sweeps, full.optim.keep_state) == ("full", 12, True)
+    with pytest.raises(SystemExit):
+        orders.parse_args(["--orders", "sideways"])
+
+
+def test_orders_target_is_full_adam_s_best_once_its_plateau_is_seen():
+    """The target: full Adam's best eval loss up to its plateau point plus the window (a later, lower loss does not
+    count); a row's time and epochs to it are its first point at or below it, and its ratios are to full Adam's."""
+    orders = _load("orders")
+    losses = [4.0, 3.0, 2.5, 2.49, 2.495, 2.48, 2.3]  # plateau at index 2 (window 2, 0.5%): 2.49 is not 0.5% below 2.5
+    curve = [dict(train_s=10.0 * (i + 1), tokens=100 * (i + 1), eval_loss=loss) for i, loss in enumerate(losses)]
+    full = orders.full_summary(dict(curve=orders.add_epochs(curve, 100), tracked_peak=1), 0.005, 2)
+    assert (full["plateau_index"], full["target"], full["best_eval_loss"]) == (2, 2.49, 2.3)
+    assert (full["time_to_target"], full["epochs_to_target"]) == (40.0, 4.0)
+    bcd = [dict(train_s=5.0 * (i + 1), tokens=110 * (i + 1), eval_loss=loss) for i, loss in enumerate([3.5, 2.6, 2.49])]
+    row = orders.order_summary("ascending", dict(curve=orders.add_epochs(bcd, 100)), full, 0.005, 2)
+    assert (row["time_to_target"], row["x_time"]) == (15.0, 15.0 / 40.0)
+    assert row["epochs_to_target"] == pytest.approx(3.3) and row["x_epochs"] == pytest.approx(3.3 / 4)
+    assert row["best_vs_full_pct"] == pytest.approx(100 * (2.49 / 2.3 - 1))
+    assert row["holds"] == dict(x_time=True, x_epochs=True, best_vs_full_pct=False)
+    never = orders.order_summary("random", dict(curve=orders.add_epochs(bcd[:2], 100)), full, 0.005, 2)
+    assert (never["time_to_target"], never["x_time"], never["holds"]["x_time"]) == (None, None, False)
+
+
+@pytest.mark.slow
+def test_orders_quick_measures_each_order_against_full_adam_s_target(tmp_path):
+    """bench/orders.py --quick, two of its orders (each run is a process: about 7 s of start-up each): full Adam and
+    each order on tiny-llama; each row's time and epochs to the target are those of its curve's first point at or
+    below it, and the UFP table reuses the best row's UFP 1/3 run."""
+    out = tmp_path / "orders.json"
+    orders = _load("orders")
+    assert orders.main(["--quick", "--orders", "ascending,importance", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    full, rows = result["full"], {row["row"]: row for row in result["rows"]}
+    assert set(rows) == {"ascending", "importance"} and Path(result["plot"]).stat().st_size > 0
+    window = result["settings"]["plateau_window"]
+    seen = full["curve"] if full["plateau_index"] is None else full["curve"][: full["plateau_index"] + window + 1]
+    assert full["target"] == min(p["eval_loss"] for p in seen)
+    assert [p["epochs"] for p in full["curve"]] == [1.0, 2.0]  # one epoch a visit
+    for name, row in [("full", full), *rows.items()]:
+        curve = row["curve"]
+        assert curve and all(a["train_s"] < b["train_s"] and a["epochs"] < b["epochs"] for a, b in zip(curve, curve[1:]))
+        reached = [p for p in curve if p["eval_loss"] <= full["target"]]
+        expected = (reached[0]["train_s"], reached[0]["epochs"]) if reached else (None, None)
+        assert (row["time_to_target"], row["epochs_to_target"]) == expected, name
+        assert row["tracked_peak"] > 0
+    for name, row in rows.items():
+        assert row["best_vs_full_pct"] == pytest.approx(100 * (row["best_eval_loss"] / full["best_eval_loss"] - 1))
+        assert row["x_time"] == (None if row["time_to_target"] is None else row["time_to_target"] / full["time_to_target"])
+        assert row["curve"][-1]["epochs"] <= 3 * result["settings"]["sweeps"]
+    assert rows["ascending"]["curve"][-1]["epochs"] == 6 and rows["importance"]["importance_s"] > 0
+    table = {r["ufp"]: r for r in result["ufp_table"]}
+    assert list(table) == ["1/2", "1/3", "1/4"] and [table[u]["blocks"] for u in table] == [2, 3, 4]
+    best = rows[result["best"]]
+    assert table["1/3"]["tracked_peak_mib"] == best["tracked_peak"] / 2**20
+    assert table["1/2"]["tracked_peak_mib"] > table["1/4"]["tracked_peak_mib"]

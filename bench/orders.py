@@ -1,0 +1,365 @@
+"""Block orders side by side (issue 27, item 4): time and epochs to full Adam's plateau loss for each visit order of
+BCD-Adam with pre-inference, and the reference's UFP table at the best order.
+
+Every method is a `python -m pipelines.cli bcd ...` process of its own, run one after the other, on the same
+model, data, seed, sequence length and batch size, with Adam (lr --lr, betas --betas, no weight decay, gradient
+clipping at --grad-clip, --warmup steps of linear warmup at the start of every visit; the same lr for both
+families unless --bcd-lr), in float32, evaluating on the whole eval split (`--eval-tokens 0`) after every visit,
+each visit one epoch (`--epochs-per-visit 1`):
+
+- `full`: full-parameter Adam, `--mode full --keep-optimizer-state --sweeps --full-epochs`: one visit, and so one
+  evaluation, per epoch, Adam's state kept across them (each visit warms up again, as every BCD visit does).
+  Its plateau is the first evaluation after which its best eval loss improves by less than --plateau-rel over
+  the next --plateau-window evaluations (`bench.quality.plateau_point`, computed after the run). **The target**
+  is its best eval loss once the plateau is seen (the best of the evaluations up to the plateau's plus the
+  window: where a run that stopped at its plateau would have stopped), or the best of the whole run when it
+  still improves at the cap.
+- one row per order of --orders (`ascending`, `descending`, `random`, `importance`, `importance-cached`): BCD-Adam
+  at UFP 1/3 (`--ufp 1/3`), `--pre-inference auto`, `--sweeps --sweeps` (an importance order's sweep may visit
+  fewer blocks than the others, so its cap holds fewer epochs). --gain adds a row `ORDER+gain` for each
+  importance order, the same run with `--stop gain` (a visit also ends when another block would gain more).
+
+Measured per row, from the run's metrics.jsonl (`bench.finetune.cli_result`): the eval loss at each visit's end
+against cumulative training time (the visits' `wall_s`, plus the seconds of `cache` records, store building, and
+of `importance` records, an importance order's measurement; evaluation excluded) and against epochs (tokens
+trained over an epoch's tokens, those of full Adam's first visit: one pass over the training split). Then:
+
+- time and epochs to target: those of the first evaluation at or below the target (None if none is);
+- `x_time`, `x_epochs`: their ratios to full Adam's own time and epochs to the target. Goals: x_time <= 0.6,
+  x_epochs <= 1.15;
+- `best_vs_full_pct`: the row's best eval loss over full Adam's best, in percent above it. Goal: <= 0.5;
+- the tracked peak memory (the largest `memory.tracked_peak` of its visits), store building and importance time.
+
+The UFP table (the reference's: peak memory and epochs to converge at UFP 1/2, 1/3 and 1/4) is made at the best
+row: the one with the smallest time to target (--ufp-order names another; when no row reaches the target, the
+one with the lowest best eval loss). Its 1/3 run is reused; the others run with sweeps scaled to the same cap of
+epochs (ceil(--sweeps x 3 x UFP)). Per UFP: blocks, tracked peak (and its ratio to full Adam's), epochs to the
+target and epochs to its own plateau (same rule as full Adam's; None while still improving).
+
+Default setup: small-llama over builtin:pydoc with the byte tokenizer (the defaults of `bench/quality.py
+--until-plateau`: seq 128, batch 8, lr 2e-3, betas 0.9,0.95, clipping 1.0), cut to the first 720 training samples
+(--max-samples; 90 steps an epoch; the eval split has 381 samples), full Adam up to 12 epochs, every order up to
+6 sweeps (18 epochs at 3 blocks). Sizing: one full-Adam visit of small-llama (20 steps of 8 x 128, `nice -n 15`
+beside another benchmark, about one core free) measured 0.49 s a step, 3.0 s for an evaluation of the 381 eval
+samples and 8 s of process start, load and export; taking 2 idle cores as 1.5x faster (0.33 s a step) and a BCD
+epoch at UFP 1/3 as half a full-Adam epoch (docs/results.md's quality run: 706 s for 7.83 epochs against 1,144 s
+for 5.5), the default run is about 2,100 s of training (full Adam 12 epochs, 3 fixed orders x 18 epochs, 2
+importance orders at about 13, UFP 1/2 and 1/4 at 18 and 20) plus about 300 s of evaluation and process start:
+**about 40 minutes on 2 idle cores** (predicted, not measured; --gain adds two importance-order runs, about 8
+minutes).
+
+    python bench/orders.py                        # small-llama over pydoc (about 40 min on 2 idle cores)
+    python bench/orders.py --gain                 # also importance orders with --stop gain
+    python bench/orders.py --model ~/.cache/preinfer/models/smollm2-135m-instruct --lr 1e-4 --batch-size 4 \\
+        --max-samples 256 --full-epochs 6 --sweeps 4 --warmup 4 --out bench/out/orders-smollm2.json
+                                                  # the SmolLM2-135M fine-tuning setup (bench/checkpoint.py makes
+                                                  # the directory; lr 1e-4 is in bench/finetune.py's grid of both
+                                                  # families, --bcd-lr sets BCD's apart; by FLOPs about 30x
+                                                  # small-llama's step: hours on 2 cores, not measured)
+    python bench/orders.py --quick                # smoke run: tiny-llama, 2 sweeps, every order, the UFP table
+
+--model takes a preset or a model directory, --data any corpus `preinfer bcd --data` reads, --tokenizer
+`preinfer bcd --tokenizer` (auto: the directory's own, the byte tokenizer for a preset).
+
+Prints the tables and writes bench/out/orders.json (--out) and, beside it with the same stem, a plot of eval loss
+against training time and against epochs, one line per row plus full Adam, the target drawn across.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from fractions import Fraction
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import machine, table  # noqa: E402
+from bench.finetune import cli_result  # noqa: E402
+from bench.quality import plateau_point  # noqa: E402
+from pipelines.cli import set_process_environment  # noqa: E402
+
+ORDERS = ("ascending", "descending", "random", "importance", "importance-cached")
+IMPORTANCE_ORDERS = ("importance", "importance-cached")
+UFPS = ("1/2", "1/3", "1/4")
+TARGETS = dict(x_time=0.6, x_epochs=1.15, best_vs_full_pct=0.5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The runs.
+
+
+def shared_flags(args: argparse.Namespace, out: Path) -> list[str]:
+    """The `preinfer bcd` flags every run shares: model, data, Adam, one epoch a visit, evaluation, seed."""
+    flags = ["--model", args.model, "--tokenizer", args.tokenizer, "--data", args.data, "--seq-len", str(args.seq_len),
+             "--batch-size", str(args.batch_size), "--optimizer", "adam", "--betas", args.betas, "--weight-decay",
+             "0", "--warmup-steps", str(args.warmup), "--grad-clip", str(args.grad_clip), "--precision", "fp32",
+             "--eval-tokens", "0", "--epochs-per-visit", "1", "--seed", str(args.seed), "--out", str(out)]
+    return flags + (["--max-samples", str(args.max_samples)] if args.max_samples else [])
+
+
+def full_flags(args: argparse.Namespace, out: Path) -> list[str]:
+    """Full-parameter Adam, one visit (and evaluation) per epoch, up to --full-epochs."""
+    return [*shared_flags(args, out), "--lr", str(args.lr), "--mode", "full", "--keep-optimizer-state", "--sweeps",
+            str(args.full_epochs)]
+
+
+def bcd_flags(args: argparse.Namespace, out: Path, row: str, ufp: str) -> list[str]:
+    """BCD-Adam of a row (`ORDER` or `ORDER+gain`) at `ufp`, pre-inference auto, the sweeps of that UFP's cap."""
+    order, _, stop = row.partition("+")
+    flags = [*shared_flags(args, out), "--lr", str(args.bcd_lr or args.lr), "--ufp", ufp, "--order", order,
+             "--sweeps", str(sweeps_at(args.sweeps, ufp)), "--pre-inference", "auto"]
+    return flags + (["--stop", stop] if stop else [])
+
+
+def sweeps_at(sweeps: int, ufp: str) -> int:
+    """Sweeps at `ufp` holding the epochs of `sweeps` at UFP 1/3."""
+    return max(1, math.ceil(sweeps * 3 * Fraction(ufp)))
+
+
+def rows_of(args: argparse.Namespace) -> list[str]:
+    """The rows to run: every order of --orders, and with --gain each importance order again with `--stop gain`."""
+    orders = args.orders.split(",")
+    unknown = [o for o in orders if o not in ORDERS]
+    if unknown:
+        raise SystemExit(f"orders: --orders names {', '.join(unknown)}; expected some of {', '.join(ORDERS)}")
+    return orders + ([f"{o}+gain" for o in orders if o in IMPORTANCE_ORDERS] if args.gain else [])
+
+
+def run(name: str, flags: list[str]) -> dict:
+    """Run `preinfer bcd FLAGS` in a process of its own; its curve (eval loss at each visit's end against training
+    time), tracked peak and store-building time, and its blocks."""
+    out = Path(flags[flags.index("--out") + 1])
+    log = out.with_suffix(".log")
+    with log.open("w") as sink:
+        done = subprocess.run([sys.executable, "-m", "pipelines.cli", "bcd", *flags], cwd=ROOT, stdout=sink,
+                              stderr=subprocess.STDOUT)
+    if done.returncode:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+        raise SystemExit(f"orders: the {name} run failed (exit {done.returncode}); its output ends:\n{tail}")
+    result = cli_result(out)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    scores = [r["scores"] for r in records if r["kind"] == "importance"]
+    result["blocks"] = len(scores[0]) if scores else 1 + max(r["block"] for r in records if r["kind"] == "visit")
+    result["importance_s"] = sum(r["seconds"] for r in records if r["kind"] == "importance")
+    result["stop_reasons"] = [r["stop_reason"] for r in records if r["kind"] == "visit"]
+    return {k: v for k, v in result.items() if k not in ("stamps", "times", "model_dir")}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The analysis (pure functions of the curves).
+
+
+def add_epochs(curve: list[dict], epoch_tokens: int) -> list[dict]:
+    """The curve with each point's epochs: its tokens over an epoch's."""
+    return [dict(point, epochs=point["tokens"] / epoch_tokens) for point in curve]
+
+
+def first_reaching(curve: list[dict], loss: float) -> dict | None:
+    """The first point whose eval loss is at or below `loss`; None if none is."""
+    return next((point for point in curve if point["eval_loss"] <= loss), None)
+
+
+def plateau(curve: list[dict], rel: float, window: int) -> tuple[int | None, float]:
+    """The index of the curve's plateau point (None while it still improves) and its best eval loss once the
+    plateau is seen: the best up to the plateau point plus `window` evaluations, or of the whole curve."""
+    point = plateau_point(curve, rel, window)
+    index = None if point is None else next(i for i, p in enumerate(curve) if p is point)
+    seen = curve if index is None else curve[: index + window + 1]
+    return index, min(p["eval_loss"] for p in seen)
+
+
+def to_target(curve: list[dict], target: float) -> dict:
+    """Training time and epochs of the first point at or below `target` (None for both if none is)."""
+    reached = first_reaching(curve, target)
+    if reached is None:
+        return dict(time_to_target=None, epochs_to_target=None)
+    return dict(time_to_target=reached["train_s"], epochs_to_target=reached["epochs"])
+
+
+def full_summary(result: dict, rel: float, window: int) -> dict:
+    """Full Adam's row: its plateau, the target, its time and epochs to it, its best eval loss."""
+    curve = result["curve"]
+    index, target = plateau(curve, rel, window)
+    return dict(result, row="full", target=target, plateau_index=index,
+                plateau_epochs=None if index is None else curve[index]["epochs"],
+                best_eval_loss=min(p["eval_loss"] for p in curve), **to_target(curve, target))
+
+
+def order_summary(name: str, result: dict, full: dict, rel: float, window: int) -> dict:
+    """A BCD row against full Adam: time and epochs to the target and their ratios, best eval loss against full
+    Adam's, its own plateau, and whether each goal holds."""
+    curve = result["curve"]
+    index, _ = plateau(curve, rel, window)
+    best = min(p["eval_loss"] for p in curve)
+    row = dict(result, row=name, best_eval_loss=best, best_vs_full_pct=100 * (best / full["best_eval_loss"] - 1),
+               plateau_epochs=None if index is None else curve[index]["epochs"], **to_target(curve, full["target"]))
+    for key, of in (("x_time", "time_to_target"), ("x_epochs", "epochs_to_target")):
+        row[key] = None if row[of] is None else row[of] / full[of]
+    row["holds"] = {key: row[key] is not None and row[key] <= limit for key, limit in TARGETS.items()}
+    return row
+
+
+def best_row(rows: list[dict], named: str | None) -> dict:
+    """The row the UFP table is made at: `named`, else the smallest time to target, else the lowest best loss."""
+    if named:
+        return next(r for r in rows if r["row"] == named)
+    reached = [r for r in rows if r["time_to_target"] is not None]
+    if reached:
+        return min(reached, key=lambda r: r["time_to_target"])
+    return min(rows, key=lambda r: r["best_eval_loss"])
+
+
+def ufp_row(ufp: str, row: dict, full: dict) -> dict:
+    """A UFP table row: blocks, tracked peak (and over full Adam's), epochs to the target and to its plateau."""
+    return dict(ufp=ufp, blocks=row["blocks"], tracked_peak_mib=row["tracked_peak"] / 2**20,
+                peak_x_full=row["tracked_peak"] / full["tracked_peak"], epochs_to_target=row["epochs_to_target"],
+                plateau_epochs=row["plateau_epochs"], best_eval_loss=row["best_eval_loss"],
+                epochs=row["curve"][-1]["epochs"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The comparison.
+
+
+def measured(name: str, flags: list[str], epoch_tokens: int | None = None) -> dict:
+    """`run`, its curve in epochs of `epoch_tokens` tokens (None: its first visit's, full Adam's one epoch), and the
+    process's seconds."""
+    started = time.perf_counter()
+    result = run(name, flags)
+    result["epoch_tokens"] = epoch_tokens or result["curve"][0]["tokens"]
+    result["curve"] = add_epochs(result["curve"], result["epoch_tokens"])
+    result["run_s"] = time.perf_counter() - started
+    return result
+
+
+def compare(args: argparse.Namespace, scratch: Path) -> dict:
+    """Full Adam, every row at UFP 1/3, then the UFP table at the best row."""
+    rel, window = args.plateau_rel, args.plateau_window
+    print(f"[orders] full Adam: up to {args.full_epochs} epochs", flush=True)
+    full = full_summary(measured("full", full_flags(args, scratch / "full")), rel, window)
+    epoch_tokens = full["epoch_tokens"]
+    print(f"[orders] full Adam: target {full['target']:.4f} (plateau at epoch {full['plateau_epochs']}), reached "
+          f"after {full['time_to_target']:.1f} s, {full['epochs_to_target']:.2f} epochs", flush=True)
+    rows = []
+    for name in rows_of(args):
+        result = measured(name, bcd_flags(args, scratch / name, name, "1/3"), epoch_tokens)
+        rows.append(order_summary(name, result, full, rel, window))
+        print(f"[orders] {name}: best {rows[-1]['best_eval_loss']:.4f} ({rows[-1]['best_vs_full_pct']:+.2f}%), "
+              f"x_time {cell(rows[-1]['x_time'])}, x_epochs {cell(rows[-1]['x_epochs'])}", flush=True)
+    best = best_row(rows, args.ufp_order)
+    ufps = []
+    for ufp in UFPS:
+        if ufp == "1/3":
+            done = best
+        else:
+            out = scratch / f"{best['row']}-ufp{ufp.replace('/', '_')}"
+            done = order_summary(best["row"], measured(f"{best['row']} at UFP {ufp}",
+                                                      bcd_flags(args, out, best["row"], ufp), epoch_tokens),
+                                 full, rel, window)
+        ufps.append(ufp_row(ufp, done, full))
+    return dict(epoch_tokens=epoch_tokens, full=full, rows=rows, best=best["row"], ufp_table=ufps)
+
+
+def plot(full: dict, rows: list[dict], path: Path, title: str) -> None:
+    """Eval loss against training time and against epochs, one line per row plus full Adam, the target across."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for axis, x, label in zip(axes, ("train_s", "epochs"), ("training time (s)", "epochs")):
+        for row in (full, *rows):
+            axis.plot([p[x] for p in row["curve"]], [p["eval_loss"] for p in row["curve"]], marker="o",
+                      markersize=3, label="full Adam" if row is full else row["row"],
+                      color="black" if row is full else None, linewidth=2 if row is full else 1)
+        axis.axhline(full["target"], color="grey", linestyle=":", label=f"target {full['target']:.4f}")
+        axis.set(xlabel=label, ylabel="eval loss", title=f"{title}: eval loss against {label.split(' (')[0]}")
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def cell(value: object) -> object:
+    """A table cell: None as '-', losses and ratios to 4 significant places."""
+    if value is None:
+        return "-"
+    return f"{value:.4g}" if isinstance(value, float) else value
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The command line.
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--orders", default=",".join(ORDERS), help=f"comma-separated, of {', '.join(ORDERS)}")
+    p.add_argument("--gain", action="store_true", help="also each importance order with --stop gain")
+    p.add_argument("--model", default="small-llama", help="a preset or a model directory")
+    p.add_argument("--data", default="builtin:pydoc")
+    p.add_argument("--tokenizer", default="auto", help="as `preinfer bcd --tokenizer`")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-samples", type=int, default=720, help="first N samples of each split; 0 = all")
+    p.add_argument("--lr", type=float, default=2e-3, help="Adam's learning rate (both families)")
+    p.add_argument("--bcd-lr", type=float, help="BCD-Adam's learning rate [--lr]")
+    p.add_argument("--betas", default="0.9,0.95")
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--warmup", type=int, default=10, help="warmup steps at the start of every visit")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--full-epochs", type=int, default=12, help="full Adam's cap, in epochs (one a visit)")
+    p.add_argument("--sweeps", type=int, default=6, help="each order's cap at UFP 1/3, in sweeps (one epoch a visit)")
+    p.add_argument("--plateau-rel", type=float, default=0.005,
+                   help="plateau: the best eval loss improves by less than this fraction ...")
+    p.add_argument("--plateau-window", type=int, default=3, help="... over this many further evaluations (epochs)")
+    p.add_argument("--ufp-order", help="the row (ORDER or ORDER+gain) of the UFP table [the fastest to the target]")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "orders.json")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: tiny-llama, seq 32, batch 4, 32 samples, full Adam 2 epochs, 2 sweeps")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.model, args.seq_len, args.batch_size, args.max_samples = "tiny-llama", 32, 4, 32
+        args.full_epochs, args.sweeps, args.warmup, args.plateau_window = 2, 2, 2, 1
+    rows = rows_of(args)
+    if args.ufp_order and args.ufp_order not in rows:
+        p.error(f"--ufp-order {args.ufp_order} is not a row of this run ({', '.join(rows)})")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    set_process_environment()  # every run gets the OpenMP setting `preinfer bcd` gives itself
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="orders-") as tmp:
+        comparison = compare(args, Path(tmp))
+    png = args.out.with_suffix(".png")
+    result = dict(benchmark="orders", command=" ".join(["python", "bench/orders.py", *(argv or sys.argv[1:])]),
+                  machine=machine(), settings={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                  targets=TARGETS, plot=str(png), **comparison, wall_s=time.perf_counter() - started)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    plot(result["full"], result["rows"], png, f"{args.model}, {args.data}")
+    columns = ["row", "best_eval_loss", "best_vs_full_pct", "time_to_target", "x_time", "epochs_to_target",
+               "x_epochs", "plateau_epochs", "caching_s", "importance_s", "tracked_peak_mib"]
+    shown = [dict(row, tracked_peak_mib=row["tracked_peak"] / 2**20) for row in (result["full"], *result["rows"])]
+    print(f"target: full Adam's plateau loss {result['full']['target']:.4f}; goals {TARGETS}")
+    print(table([{c: cell(r.get(c)) for c in columns} for r in shown], columns))
+    print(f"UFP table at {result['best']}:")
+    ufp_columns = ["ufp", "blocks", "tracked_peak_mib", "peak_x_full", "epochs_to_target", "plateau_epochs",
+                   "best_eval_loss", "epochs"]
+    print(table([{c: cell(r[c]) for c in ufp_columns} for r in result["ufp_table"]], ufp_columns))
+    print(f"wrote {args.out} and {png} in {result['wall_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
