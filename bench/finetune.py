@@ -20,7 +20,9 @@ clipping:
 - `full`: full-parameter Adam, `preinfer bcd --mode full` (one block; Adam's state kept across its visits);
 - `bcd`: BCD-Adam at UFP 1/3 (--ranges, ascending), `preinfer bcd --pre-inference off` (live);
 - `bcd-auto`: the same with `--pre-inference auto` (the sweep planner decides where stores pay);
-- `bcd-budget`: `--ufp auto --memory-budget` set to LoRA r16's measured tracked peak on the same task;
+- `bcd-budget`: `--ufp auto --memory-budget` set to LoRA r16's measured tracked peak on the same task, with
+  `--recompute` (without it, on SmolLM2 at seq 128 x 4, the planner refuses: even one layer per block needs
+  1.38 GiB for block 0, where LoRA's peak is 1.30 GiB; its message names `--recompute` as what fits);
 - `badam`: BAdam's `BlockOptimizer` (layer blocks = the same ranges, ascending, `switch_block_every` = the steps per
   visit) in a plain loop;
 - `lora8`, `lora16`: peft LoRA on every linear layer (`target_modules="all-linear"`: attention and MLP
@@ -41,7 +43,9 @@ The speed section (--speed): tokens/s over a whole sweep where visits reread the
     python bench/finetune.py                     # both tasks, the grid, the speed section (hours on 2 CPU cores)
     python bench/finetune.py --quick             # smoke run: tiny-llama, 2 steps per method (`make test` runs it)
 
-Writes bench/out/finetune.json (--out) and a plot of eval loss against training time beside it.
+Writes bench/out/finetune.json (--out) and a plot of eval loss against training time beside it (same stem,
+.png); each run's row is also appended to <stem>.rows.jsonl as soon as it is measured, so a failed invocation
+keeps what it measured.
 """
 
 from __future__ import annotations
@@ -154,7 +158,8 @@ def run_flags(args: argparse.Namespace, method: str, data: str, lr: float, out: 
                         "--steps-per-visit", str(args.steps_per_visit)]
     flags += ["--sweeps", str(args.sweeps), "--steps-per-visit", str(args.steps_per_visit)]
     if method == "bcd-budget":
-        return flags + ["--ufp", "auto", "--memory-budget", f"{budget / 2**20:.0f}MiB", "--pre-inference", "auto"]
+        return flags + ["--ufp", "auto", "--memory-budget", f"{budget / 2**20:.0f}MiB", "--recompute",
+                        "--pre-inference", "auto"]
     pre_inference = {"bcd-auto": "auto"}.get(method, "off")
     return flags + ["--ranges", args.ranges, "--pre-inference", pre_inference]
 
@@ -281,6 +286,8 @@ def measured(args: argparse.Namespace, method: str, task: str, lr: float, scratc
                train_s=result["train_s"], caching_s=result.get("caching_s", 0.0),
                tracked_peak_mib=result["tracked_peak"] / 2**20, rss_mib=result["rss"] / 2**20, curve=result["curve"])
     shutil.rmtree(out, ignore_errors=True)
+    with args.out.with_suffix(".rows.jsonl").open("a") as log:  # kept if a later run fails
+        log.write(json.dumps(row) + "\n")
     print(f"[finetune] {task} {method} lr {lr:g}: eval {row['eval_loss']:.4f}, general {row['general_loss']:.4f}, "
           f"{row['tokens_per_s']:.0f} tokens/s, peak {row['tracked_peak_mib']:.0f} MiB, RSS {row['rss_mib']:.0f} "
           f"MiB", flush=True)
@@ -465,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         args.result.write_text(json.dumps(loop_worker(args.worker, args.flags, args.eval_batches)))
         return 0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from a directory: no hub lookups
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="finetune-") as tmp:
         args.model, args.tokenizer = base_model(args.model, Path(tmp))
@@ -474,7 +482,6 @@ def main(argv: list[str] | None = None) -> int:
                   machine=machine(), settings={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                                                if k not in ("worker", "result", "flags")},
                   reference=REFERENCE_TABLE6, **comparison, speed=speed_rows, wall_s=time.perf_counter() - started)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     if result["rows"]:
         plot(result["rows"], result["base"], args.out.with_suffix(".png"))
