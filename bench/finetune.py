@@ -186,6 +186,7 @@ def loop_worker(method: str, flags: list[str], eval_count: int) -> dict:
         from peft import LoraConfig, get_peft_model
 
         rank = int(method.removeprefix("lora"))
+        torch.manual_seed(config.run.seed)  # LoRA's A matrices start random: the same start in every run
         model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
                                                  target_modules="all-linear"))
         base = optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=o.lr,
