@@ -67,7 +67,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.common import machine, table  # noqa: E402
-from bench.peers import MeteredLoop, block_names, eval_loss, parse_config, preinfer_result, prepared  # noqa: E402
+from bench.peers import (MeteredLoop, block_names, eval_loss, mean_loss, parse_config, preinfer_result,  # noqa: E402
+                         prepared, split_batches)
 from pipelines.cli import set_process_environment  # noqa: E402
 
 METHODS = ("full", "bcd", "bcd-auto", "bcd-budget", "badam", "lora8", "lora16")
@@ -128,17 +129,6 @@ def base_model(name: str | None, scratch: Path) -> tuple[str, str]:
     return str(scratch / "base"), "byte"
 
 
-def batches_of(flags: list[str], split: str, count: int) -> list[dict]:
-    """The first `count` batches of a split of the run `flags` describe, in order (no shuffling)."""
-    from pipelines.data import batches as sources
-    from pipelines.training import load_datasets
-
-    config = parse_config(flags)
-    data = load_datasets(config, quiet=True)
-    reader = sources.token_batches(getattr(data, split), config.data.batch_size, 64, shuffle=False)
-    return [batch for _, batch in zip(range(count), reader.one_pass())]
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Flags of one run, as `preinfer bcd` reads them (the loop workers parse the same flags into the same config).
 
@@ -173,7 +163,7 @@ def loop_worker(method: str, flags: list[str], eval_count: int) -> dict:
     steps (outside the clock)."""
     config = parse_config(flags)
     model, _, blocks, batches = prepared(config)
-    evals = batches_of(flags, "eval", eval_count)
+    evals = split_batches(flags, "eval", eval_count)
     o, per_visit = config.optim, config.stop.steps_per_visit
     if method == "badam":
         from badam import BlockOptimizer
@@ -218,19 +208,6 @@ def loop_worker(method: str, flags: list[str], eval_count: int) -> dict:
     model.save_pretrained(config.run.out)
     return dict(steps=len(batches), train_s=train_s, caching_s=0.0, tracked_peak=loop.peak, curve=curve,
                 model_dir=str(config.run.out))
-
-
-@torch.no_grad()
-def mean_loss(model: torch.nn.Module, batches: list[dict]) -> float:
-    """`eval_loss` on a model in memory: the token-weighted mean loss of the framework's forward."""
-    model.eval()
-    total, count = 0.0, 0
-    for batch in batches:
-        n = int((batch["labels"][:, 1:] != -100).sum())
-        total += float(model(**batch).loss) * n
-        count += n
-    model.train()
-    return total / count
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -305,8 +282,8 @@ def task_evals(args: argparse.Namespace, task: str, scratch: Path, general: str)
     flags = run_flags(args, "bcd", data, 1e-4, scratch / "unused")
     general_flags = run_flags(argparse.Namespace(**{**vars(args), "eval_fraction": 0.5}), "bcd", general, 1e-4,
                               scratch / "unused")
-    evals = dict(data=data, task=batches_of(flags, "eval", args.eval_batches),
-                 general=batches_of(general_flags, "eval", args.eval_batches))
+    evals = dict(data=data, task=split_batches(flags, "eval", args.eval_batches),
+                 general=split_batches(general_flags, "eval", args.eval_batches))
     evals["base"] = dict(eval_loss=eval_loss(args.model, evals["task"]),
                          general_loss=eval_loss(args.model, evals["general"]))
     print(f"[finetune] {task}: base model eval {evals['base']['eval_loss']:.4f}, general "

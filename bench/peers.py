@@ -356,30 +356,43 @@ def preinfer_result(out: Path) -> dict:
                 sources=[v["source_boundary"] for v in visits], model_dir=str(out / "export"))
 
 
-@torch.no_grad()
 def eval_loss(model_dir: str, batches: list[dict]) -> float:
-    """Mean next-token loss of the weights in `model_dir` (cast to float32) over `batches`: the framework's
-    forward and loss, weighted by each batch's supervised tokens. One function for every method."""
+    """Mean next-token loss of the weights in `model_dir` (cast to float32) over `batches` (`mean_loss`). One
+    function for every method."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return mean_loss(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), batches)
+
+
+@torch.no_grad()
+def mean_loss(model: torch.nn.Module, batches: list[dict]) -> float:
+    """The framework's forward and loss over `batches`, in eval mode, weighted by each batch's supervised tokens;
+    the model is left in the mode it was in."""
+    training = model.training
+    model.eval()
     total, count = 0.0, 0
     for batch in batches:
         n = int((batch["labels"][:, 1:] != -100).sum())
         loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
         total, count = total + float(loss) * n, count + n
+    model.train(training)
     return total / count
 
 
 def eval_batches(args: argparse.Namespace, flags: list[str]) -> list[dict]:
     """The first --eval-batches batches of the run's eval split, in order."""
+    return split_batches(flags, "eval", args.eval_batches)
+
+
+def split_batches(flags: list[str], split: str, count: int) -> list[dict]:
+    """The first `count` batches of a split of the run `flags` describe, in order (no shuffling)."""
     from pipelines.data import batches as sources
     from pipelines.training import load_datasets
 
     config = parse_config(flags)
     data = load_datasets(config, quiet=True)
-    reader = sources.token_batches(data.eval, config.data.batch_size, 64, shuffle=False)
-    return [batch for _, batch in zip(range(args.eval_batches), reader.one_pass())]
+    reader = sources.token_batches(getattr(data, split), config.data.batch_size, 64, shuffle=False)
+    return [batch for _, batch in zip(range(count), reader.one_pass())]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -105,6 +105,9 @@ class LossScaler:
         """GradScaler's step and update: the optimizer steps unless a gradient was not finite (the step is then
         skipped and counted, and the scale halves). True if it stepped, as a step post-hook tells (for an optimizer
         that is not fused, and `build_optimizer`'s never are, GradScaler calls `step()` only on finite gradients)."""
+        if not self.enabled:  # fp32 and bf16: a plain step, no hook on the hot path
+            optimizer.step()
+            return True
         stepped: list[bool] = []
         hook = optimizer.register_step_post_hook(lambda *_: stepped.append(True))
         try:
