@@ -33,7 +33,7 @@ trained over an epoch's tokens, those of full Adam's first visit: one pass over 
 The UFP table (the reference's: peak memory and epochs to converge at UFP 1/2, 1/3 and 1/4) is made at the best
 row: the one with the smallest time to target (--ufp-order names another; when no row reaches the target, the
 one with the lowest best eval loss). Its 1/3 run is reused; the others run with sweeps scaled to the same cap of
-epochs (ceil(--sweeps x 3 x UFP)). Per UFP: blocks, tracked peak (and its ratio to full Adam's), epochs to the
+epochs (ceil(--sweeps x 3 x UFP)); --ufps names the UFPs (`--ufps 1/3` reuses that run alone, no other). Per UFP: blocks, tracked peak (and its ratio to full Adam's), epochs to the
 target and epochs to its own plateau (same rule as full Adam's; None while still improving).
 
 Default setup: small-llama over builtin:pydoc with the byte tokenizer (the defaults of `bench/quality.py
@@ -255,7 +255,7 @@ def compare(args: argparse.Namespace, scratch: Path) -> dict:
               f"x_time {cell(rows[-1]['x_time'])}, x_epochs {cell(rows[-1]['x_epochs'])}", flush=True)
     best = best_row(rows, args.ufp_order)
     ufps = []
-    for ufp in UFPS:
+    for ufp in args.ufps.split(","):
         if ufp == "1/3":
             done = best
         else:
@@ -321,6 +321,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plateau-rel", type=float, default=0.005,
                    help="plateau: the best eval loss improves by less than this fraction ...")
     p.add_argument("--plateau-window", type=int, default=3, help="... over this many further evaluations (epochs)")
+    p.add_argument("--ufps", default=",".join(UFPS), help="the UFP table's UFPs, comma-separated, of "
+                   f"{', '.join(UFPS)}")
     p.add_argument("--ufp-order", help="the row (ORDER or ORDER+gain) of the UFP table [the fastest to the target]")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "orders.json")
     p.add_argument("--quick", action="store_true",
@@ -330,6 +332,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.model, args.seq_len, args.batch_size, args.max_samples = "tiny-llama", 32, 4, 32
         args.full_epochs, args.sweeps, args.warmup, args.plateau_window = 2, 2, 2, 1
     rows = rows_of(args)
+    unknown = [u for u in args.ufps.split(",") if u not in UFPS]
+    if unknown:
+        p.error(f"--ufps names {', '.join(unknown)}; expected some of {', '.join(UFPS)}")
     if args.ufp_order and args.ufp_order not in rows:
         p.error(f"--ufp-order {args.ufp_order} is not a row of this run ({', '.join(rows)})")
     return args

@@ -306,6 +306,8 @@ def test_orders_rows_are_real_bcd_runs_of_each_order_and_gain_adds_importance_or
     assert (full.run.mode, full.blocks.sweeps, full.optim.keep_state) == ("full", 12, True)
     with pytest.raises(SystemExit):
         orders.parse_args(["--orders", "sideways"])
+    with pytest.raises(SystemExit):
+        orders.parse_args(["--ufps", "1/3,2/3"])
 
 
 def test_orders_target_is_full_adam_s_best_once_its_plateau_is_seen():
