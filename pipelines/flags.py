@@ -182,6 +182,9 @@ TRAINING_FLAGS: list[Flag] = [
          "order", dict(choices=list(STOP_RULES))),
     Flag("--gain-window", "stop", "gain_window", "gain rule: the loss decrease per second is taken over the last 2 x "
          "this many steps", dict(type=positive_int)),
+    Flag("--total-steps", "stop", "total_steps", "the run's step budget: it ends once this many optimizer steps are "
+         "done, the visit under way ending there (evaluated and recorded, stop reason total-steps), even mid-sweep; "
+         "the run also ends after --sweeps", dict(type=positive_int)),
     Flag("--out", "run", "out", "run directory (local)", dict(type=local_directory)),
     Flag("--mode", "run", "mode", "bcd, or full-parameter training", dict(choices=["bcd", "full"])),
     Flag("--seed", "run", "seed", "seed of a preset's initialisation, and of a run's data and block "

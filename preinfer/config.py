@@ -104,6 +104,7 @@ class StopConfig:
     smoothing: float = 0.9  # exponential smoothing of the training loss for the plateau rule
     rule: str = "budget"  # budget (steps, epochs, plateau) or gain: also end a visit when another block gains more
     gain_window: int = 4  # gain: the loss decrease per second is taken over the last 2 x this many steps
+    total_steps: int | None = None  # the run's step budget: it ends once this many steps are done, whatever sweep
 
 
 @dataclass
@@ -225,7 +226,7 @@ def report_names(report_to: str) -> list[str]:
 # resumed for more sweeps ends as one run of that many). Each change is recorded in metrics.jsonl as a `resume`
 # record; a change of any other key refuses --resume.
 RESUMABLE_KEYS = ("run.checkpoint_every", "run.device", "run.report_to", "data.token_store", "pre_inference.dask",
-                  "blocks.sweeps")
+                  "blocks.sweeps", "stop.total_steps")
 # The block partition: the first of these that is set wins (ranges, then blocks, then ufp).
 PARTITION_ORDER = ("ranges", "blocks", "ufp")
 

@@ -58,7 +58,7 @@ class VisitRecord(Record):
     block: int  # the block's index
     label: str  # the block's parts, e.g. "embed+layers 0-1"
     steps: int  # optimizer steps of the visit
-    stop_reason: str  # the stopping rule that ended the visit: steps (a step or epoch budget), plateau or gain
+    stop_reason: str  # what ended the visit: steps (a step or epoch budget), plateau, gain or total-steps (the run's)
     eval_loss: float  # mean loss over the eval split after the visit
     wall_s: float  # the visit's training time
     tokens: int  # as in the step records, at the end of the visit

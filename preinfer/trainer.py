@@ -17,7 +17,8 @@ Orders: a fixed order (`preinfer.block_order.sweep_order`) is a function of the 
 measured at the sweep's start (`preinfer.importance`, a forward and backward through every block over a few training
 batches) and chosen by `block_order.importance_sweep`; the scores and the chosen visits are saved with the progress,
 so a run resumed mid-sweep follows the same visits. `--stop gain` (`preinfer.gain`) ends a visit when another block
-is predicted to lower the loss faster; its times come from `clock`.
+is predicted to lower the loss faster; its times come from `clock`. `--total-steps` ends the run at that step,
+mid-visit and mid-sweep (the visit is evaluated and recorded as any other).
 
 Stopping: a caller (the CLI's signal handler) sets `stop_requested`; the trainer checks it between steps, writes
 a checkpoint and returns from `fit` with `stopped` set. A resumed run then ends with the same weights as an
@@ -257,11 +258,13 @@ class Trainer:
 
     def _fit(self, max_total_steps: int | None) -> list[dict]:
         p = self.progress
-        while p.sweep < self.config.blocks.sweeps:
+        while p.sweep < self.config.blocks.sweeps and not self._steps_spent():
             order = self.order(p.sweep)
             if p.visit == 0:
                 self.visit_sources.sweep_started([self.partition.blocks[i] for i in order])
             while p.visit < len(order):
+                if self._steps_spent():
+                    return p.visits
                 block = self.partition.blocks[order[p.visit]]
                 if not self._visit(block, max_total_steps, order):
                     return p.visits
@@ -306,6 +309,8 @@ class Trainer:
             reason = stop.update(loss)
             if gain is not None and gain.update(loss, self.clock()) and reason is None:
                 reason = "gain"
+            if reason is None and self._steps_spent():
+                reason = "total-steps"
             p.stop = stop.state_dict()
             p.gain = gain.state_dict() if gain is not None else None
             p.cursor = train.state_dict()
@@ -337,6 +342,11 @@ class Trainer:
         self.emit(visit)
         self.visit_sources.visit_finished(block)
         return True
+
+    def _steps_spent(self) -> bool:
+        """Whether the run has done its --total-steps."""
+        total = self.config.stop.total_steps
+        return total is not None and self.progress.global_step >= total
 
     def _gain_rule(self, block: Block, order: list[int], budget: int | None) -> GainRule | None:
         """With --stop gain: the visit's rule, against the blocks still to visit in this sweep (at its last visit,

@@ -108,6 +108,30 @@ def test_a_decaying_rate_needs_a_known_visit_length():
         make_trainer(optim__decay="cosine", stop__steps_per_visit=None, stop__patience=3)  # refused when made
 
 
+@pytest.mark.parametrize("order", ["ascending", "importance"])
+def test_total_steps_ends_the_run_mid_visit_and_mid_sweep_and_a_raised_budget_continues_it(tmp_path, order):
+    """--total-steps 7 of 3-step visits: visits of 3, 3 and 1 steps, the last stopped by it (evaluated and
+    recorded), the run ending in its first sweep of three; resumed with the same budget it trains nothing, with
+    9 it goes on at the next visit."""
+    records = []
+    overrides = dict(blocks__sweeps=3, blocks__order=order, blocks__importance_floor=1, stop__steps_per_visit=3)
+    trainer = make_trainer(run_dir=tmp_path, on_record=records.append, stop__total_steps=7, **overrides)
+    visits = trainer.fit()
+    assert [(v["sweep"], v["steps"], v["stop_reason"]) for v in visits] == \
+        [(0, 3, "steps"), (0, 3, "steps"), (0, 1, "total-steps")]
+    assert trainer.progress.global_step == 7 and not trainer.stopped
+    assert sum(isinstance(r, StepRecord) for r in records) == 7
+    weights = snapshot(trainer.staged.model)
+    again = make_trainer(run_dir=tmp_path, stop__total_steps=7, **overrides)
+    again.resume()
+    assert again.fit() == visits and again.progress.global_step == 7
+    assert all(torch.equal(weights[k], p) for k, p in again.staged.model.named_parameters())
+    raised = make_trainer(run_dir=tmp_path, stop__total_steps=9, **overrides)
+    raised.resume()
+    more = raised.fit()[len(visits):]
+    assert [(v["steps"], v["stop_reason"]) for v in more] == [(2, "total-steps")] and raised.progress.global_step == 9
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "fp16-mixed"])
 def test_resume_is_bit_identical(tmp_path, precision):
     overrides = dict(blocks__sweeps=2, optim__warmup_steps=2, optim__decay="cosine", stop__steps_per_visit=4,
