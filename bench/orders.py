@@ -15,8 +15,10 @@ each visit one epoch (`--epochs-per-visit 1`):
   window: where a run that stopped at its plateau would have stopped), or the best of the whole run when it
   still improves at the cap.
 - one row per order of --orders (`ascending`, `descending`, `random`, `importance`, `importance-cached`): BCD-Adam
-  at UFP 1/3 (`--ufp 1/3`), `--pre-inference auto`, `--sweeps --sweeps` (an importance order's sweep may visit
-  fewer blocks than the others, so its cap holds fewer epochs). --gain adds a row `ORDER+gain` for each
+  at UFP 1/3 (`--ufp 1/3`), `--pre-inference auto`, up to --sweeps x 3 epochs: `--total-steps` of that many
+  epochs' steps (full Adam's first visit's), with `--sweeps --sweeps` for a fixed order and `--sweeps` of one visit
+  each for an importance order (whose sweeps may visit fewer blocks, down to one: the step budget, not the sweeps,
+  ends it, so every row has the same cap in epochs). --gain adds a row `ORDER+gain` for each
   importance order, the same run with `--stop gain` (a visit also ends when another block would gain more).
 
 Measured per row, from the run's metrics.jsonl (`bench.finetune.cli_result`): the eval loss at each visit's end
@@ -32,9 +34,10 @@ trained over an epoch's tokens, those of full Adam's first visit: one pass over 
 
 The UFP table (the reference's: peak memory and epochs to converge at UFP 1/2, 1/3 and 1/4) is made at the best
 row: the one with the smallest time to target (--ufp-order names another; when no row reaches the target, the
-one with the lowest best eval loss). Its 1/3 run is reused; the others run with sweeps scaled to the same cap of
-epochs (ceil(--sweeps x 3 x UFP)); --ufps names the UFPs (`--ufps 1/3` reuses that run alone, no other). Per UFP: blocks, tracked peak (and its ratio to full Adam's), epochs to the
-target and epochs to its own plateau (same rule as full Adam's; None while still improving).
+one with the lowest best eval loss). Its 1/3 run is reused; the others run with the same cap of epochs (sweeps
+ceil(--sweeps x 3 x UFP), and the same step budget); --ufps names the UFPs (`--ufps 1/3` reuses that run alone).
+Per UFP: blocks, tracked peak (and its ratio to full Adam's), epochs to the target and epochs to its own plateau
+(same rule as full Adam's; None while still improving).
 
 Default setup: small-llama over builtin:pydoc with the byte tokenizer (the defaults of `bench/quality.py
 --until-plateau`: seq 128, batch 8, lr 2e-3, betas 0.9,0.95, clipping 1.0), cut to the first 720 training samples
@@ -110,11 +113,16 @@ def full_flags(args: argparse.Namespace, out: Path) -> list[str]:
             str(args.full_epochs)]
 
 
-def bcd_flags(args: argparse.Namespace, out: Path, row: str, ufp: str) -> list[str]:
-    """BCD-Adam of a row (`ORDER` or `ORDER+gain`) at `ufp`, pre-inference auto, the sweeps of that UFP's cap."""
+def bcd_flags(args: argparse.Namespace, out: Path, row: str, ufp: str, epoch_steps: int) -> list[str]:
+    """BCD-Adam of a row (`ORDER` or `ORDER+gain`) at `ufp`, pre-inference auto, capped at --sweeps x 3 epochs of
+    `epoch_steps` steps: the sweeps holding them (for an importance order, sweeps of a visit each) and a step
+    budget of them."""
     order, _, stop = row.partition("+")
+    sweeps = sweeps_at(args.sweeps, ufp)
+    if order in IMPORTANCE_ORDERS:
+        sweeps *= round(1 / Fraction(ufp))
     flags = [*shared_flags(args, out), "--lr", str(args.bcd_lr or args.lr), "--ufp", ufp, "--order", order,
-             "--sweeps", str(sweeps_at(args.sweeps, ufp)), "--pre-inference", "auto"]
+             "--sweeps", str(sweeps), "--total-steps", str(args.sweeps * 3 * epoch_steps), "--pre-inference", "auto"]
     return flags + (["--stop", stop] if stop else [])
 
 
@@ -244,12 +252,12 @@ def compare(args: argparse.Namespace, scratch: Path) -> dict:
     rel, window = args.plateau_rel, args.plateau_window
     print(f"[orders] full Adam: up to {args.full_epochs} epochs", flush=True)
     full = full_summary(measured("full", full_flags(args, scratch / "full")), rel, window)
-    epoch_tokens = full["epoch_tokens"]
+    epoch_tokens, epoch_steps = full["epoch_tokens"], full["curve"][0]["step"]
     print(f"[orders] full Adam: target {full['target']:.4f} (plateau at epoch {full['plateau_epochs']}), reached "
           f"after {full['time_to_target']:.1f} s, {full['epochs_to_target']:.2f} epochs", flush=True)
     rows = []
     for name in rows_of(args):
-        result = measured(name, bcd_flags(args, scratch / name, name, "1/3"), epoch_tokens)
+        result = measured(name, bcd_flags(args, scratch / name, name, "1/3", epoch_steps), epoch_tokens)
         rows.append(order_summary(name, result, full, rel, window))
         print(f"[orders] {name}: best {rows[-1]['best_eval_loss']:.4f} ({rows[-1]['best_vs_full_pct']:+.2f}%), "
               f"x_time {cell(rows[-1]['x_time'])}, x_epochs {cell(rows[-1]['x_epochs'])}", flush=True)
@@ -261,7 +269,8 @@ def compare(args: argparse.Namespace, scratch: Path) -> dict:
         else:
             out = scratch / f"{best['row']}-ufp{ufp.replace('/', '_')}"
             done = order_summary(best["row"], measured(f"{best['row']} at UFP {ufp}",
-                                                      bcd_flags(args, out, best["row"], ufp), epoch_tokens),
+                                                      bcd_flags(args, out, best["row"], ufp, epoch_steps),
+                                                      epoch_tokens),
                                  full, rel, window)
         ufps.append(ufp_row(ufp, done, full))
     return dict(epoch_tokens=epoch_tokens, full=full, rows=rows, best=best["row"], ufp_table=ufps)

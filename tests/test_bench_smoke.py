@@ -287,7 +287,7 @@ METHODS_AT_EQUAL_STEPS = ("full", "bcd", "bcd-auto", "badam", "lora8", "lora16")
 def test_orders_rows_are_real_bcd_runs_of_each_order_and_gain_adds_importance_orders_with_stop_gain(tmp_path):
     """bench/orders.py's rows: every order of --orders, and with --gain each importance order again with `--stop
     gain`; their flags parse, by the real command line, into BCD-Adam at the UFP asked, pre-inference auto, one epoch
-    a visit, and sweeps scaled to the same cap of epochs."""
+    a visit, and the same cap of epochs for every row (a step budget; an importance order's sweeps of one visit)."""
     from pipelines.cli import build_parser
     from pipelines.flags import config_for_command
 
@@ -295,12 +295,14 @@ def test_orders_rows_are_real_bcd_runs_of_each_order_and_gain_adds_importance_or
     assert orders.rows_of(orders.parse_args([])) == list(orders.ORDERS)
     args = orders.parse_args(["--orders", "ascending,importance-cached", "--gain", "--sweeps", "6"])
     assert orders.rows_of(args) == ["ascending", "importance-cached", "importance-cached+gain"]
-    cases = [("importance-cached+gain", "1/4", 5, "gain"), ("ascending", "1/2", 9, "budget"),
-             *((order, "1/3", 6, "budget") for order in orders.ORDERS)]
-    for row, ufp, sweeps, rule in cases:
-        config = config_for_command(build_parser().parse_args(["bcd", *orders.bcd_flags(args, tmp_path, row, ufp)]))
+    cases = [("importance-cached+gain", "1/4", 20, "gain"), ("ascending", "1/2", 9, "budget"),
+             *((order, "1/3", 18 if order.startswith("importance") else 6, "budget") for order in orders.ORDERS)]
+    for row, ufp, sweeps, rule in cases:  # every row capped at 18 epochs of 10 steps; an importance sweep may be 1
+        flags = orders.bcd_flags(args, tmp_path, row, ufp, epoch_steps=10)
+        config = config_for_command(build_parser().parse_args(["bcd", *flags]))
         assert (config.blocks.order, config.blocks.ufp, config.blocks.sweeps) == (row.split("+")[0], ufp, sweeps)
         assert (config.stop.rule, config.stop.epochs_per_visit, config.run.mode) == (rule, 1, "bcd")
+        assert config.stop.total_steps == 180
         assert config.pre_inference.mode == "auto" and config.optim.lr == args.lr
     full = config_for_command(build_parser().parse_args(["bcd", *orders.full_flags(args, tmp_path)]))
     assert (full.run.mode, full.blocks.sweeps, full.optim.keep_state) == ("full", 12, True)
@@ -355,7 +357,8 @@ def test_orders_quick_measures_each_order_against_full_adam_s_target(tmp_path):
         assert row["best_vs_full_pct"] == pytest.approx(100 * (row["best_eval_loss"] / full["best_eval_loss"] - 1))
         assert row["x_time"] == (None if row["time_to_target"] is None else row["time_to_target"] / full["time_to_target"])
         assert row["curve"][-1]["epochs"] <= 3 * result["settings"]["sweeps"]
-    assert rows["ascending"]["curve"][-1]["epochs"] == 6 and rows["importance"]["importance_s"] > 0
+    assert rows["importance"]["importance_s"] > 0
+    assert rows["ascending"]["curve"][-1]["epochs"] == rows["importance"]["curve"][-1]["epochs"] == 6  # one cap
     table = {r["ufp"]: r for r in result["ufp_table"]}
     assert list(table) == ["1/2", "1/3", "1/4"] and [table[u]["blocks"] for u in table] == [2, 3, 4]
     best = rows[result["best"]]
