@@ -12,7 +12,9 @@ parameter's gradient, and no optimizer state.
 
 The measurement runs one forward and one backward through every block per batch, in eval mode (no dropout, no
 random state consumed), every block's parameters requiring grad inside it only; the weights are not changed and the
-gradients are discarded.
+gradients are discarded. Under fp16-mixed the loss is multiplied by the loss scaler's scale (as in training, so
+that small gradients do not underflow in 16 bits) and each gradient divided by it before it is squared; a
+measurement with a non-finite sum is taken again at half the scale.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ from torch import nn
 
 class GradientSquares:
     """Inside: every parameter of `blocks` requires grad, and each gradient, as backward completes it, is added
-    squared (in fp32) to its block's sum and freed. After: the parameters' requires_grad flags as they were."""
+    squared (in fp32, divided by `scale`: the factor the loss was multiplied by) to its block's sum and freed.
+    After: the parameters' requires_grad flags as they were."""
 
-    def __init__(self, blocks: Sequence[Sequence[nn.Parameter]]):
+    def __init__(self, blocks: Sequence[Sequence[nn.Parameter]], scale: float = 1.0):
         self.blocks = [list(params) for params in blocks]
+        self.scale = scale
         self.sums: list[torch.Tensor | float] = [0.0] * len(self.blocks)
         self.batches = 0
         self._hooks: list = []
@@ -53,7 +57,7 @@ class GradientSquares:
         self._hooks, self._flags = [], []
 
     def _add(self, index: int, param: nn.Parameter) -> None:
-        self.sums[index] = self.sums[index] + param.grad.detach().float().pow(2).sum()
+        self.sums[index] = self.sums[index] + (param.grad.detach().float() / self.scale).pow(2).sum()
         param.grad = None
 
     def batch_done(self) -> None:

@@ -214,9 +214,20 @@ class Trainer:
 
     def block_scores(self) -> tuple[list[float], int]:
         """Each block's score (`preinfer.importance`) over the first `importance_batches` training batches in
-        stored order (the same batches every sweep), and the batches measured."""
+        stored order (the same batches every sweep), and the batches measured; under fp16-mixed at the loss
+        scaler's scale, halved until every score is finite."""
+        scale = self.scaler.scale if self.scaler.enabled else 1.0
+        while True:
+            scores, batches = self._measure_scores(scale)
+            if scale <= 1.0 or all(math.isfinite(score) for score in scores):
+                return scores, batches
+            scale /= 2
+
+    def _measure_scores(self, scale: float) -> tuple[list[float], int]:
+        """One measurement of the block scores, the loss multiplied by `scale`."""
         source = self.visit_sources.measure_source()
-        with eval_mode(self.staged.model), GradientSquares([blk.params for blk in self.partition.blocks]) as grads:
+        blocks = [blk.params for blk in self.partition.blocks]
+        with eval_mode(self.staged.model), GradientSquares(blocks, scale) as grads:
             for index, batch in enumerate(source.one_pass()):
                 if index >= self.config.blocks.importance_batches:
                     break
@@ -224,7 +235,7 @@ class Trainer:
                 state = batch_state(self.staged, batch, source.boundary)
                 out = self.staged.run(state, source.boundary, self.staged.num_layers, self.config.run.recompute)
                 loss = causal_lm_loss(self.staged.logits(out), out.labels, reduction="sum")
-                (loss / max(supervised_tokens(out.labels), 1)).backward()
+                (loss * scale / max(supervised_tokens(out.labels), 1)).backward()
                 grads.batch_done()
         return grads.scores(), grads.batches
 

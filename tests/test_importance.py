@@ -3,6 +3,7 @@
 
 import itertools
 import json
+import math
 import random
 
 import pytest
@@ -47,6 +48,21 @@ def test_the_scores_are_the_gradient_norms_per_parameter_torch_autograd_computes
     model.requires_grad_(True)
     assert scores == pytest.approx(autograd_scores(trainer, 2), rel=1e-5)
     assert len(set(scores)) == len(scores)  # the blocks differ: a score per block, not one number
+
+
+@pytest.mark.parametrize("precision,scale,rel", [("bf16-mixed", None, 1e-2), ("fp16-mixed", None, 1e-3),
+                                                  ("fp16-mixed", 2.0**40, 1e-3)])  # 2^40: overflows, halved
+def test_16_bit_scores_are_the_fp32_gradient_norms_of_the_same_weights(precision, scale, rel):
+    trainer = make_trainer(blocks__importance_batches=2, run__precision=precision, **IMPORTANCE)
+    if scale is not None:
+        trainer.scaler.scale = scale
+    reference = make_trainer(blocks__importance_batches=2, **IMPORTANCE)
+    with torch.no_grad():
+        for ours, theirs in zip(reference.staged.model.parameters(), trainer.staged.model.parameters()):
+            ours.copy_(theirs.float())  # fp32 weights equal to the 16-bit ones
+    scores, _ = trainer.block_scores()
+    assert all(math.isfinite(score) for score in scores)
+    assert scores == pytest.approx(autograd_scores(reference, 2), rel=rel)
 
 
 @pytest.mark.parametrize("floor", [1, 2, 3])
