@@ -4,27 +4,29 @@ BCD-Adam with pre-inference, and the reference's UFP table at the best order.
 Every method is a `python -m pipelines.cli bcd ...` process of its own, run one after the other, on the same
 model, data, seed, sequence length and batch size, with Adam (lr --lr, betas --betas, no weight decay, gradient
 clipping at --grad-clip, --warmup steps of linear warmup at the start of every visit; the same lr for both
-families unless --bcd-lr), in float32, evaluating on the whole eval split (`--eval-tokens 0`) after every visit,
-each visit one epoch (`--epochs-per-visit 1`):
+families unless --bcd-lr), in float32, evaluating after every visit on the eval split (its first --eval-tokens
+tokens; 0, the default: all of it), each visit --visit-epochs epochs (`--epochs-per-visit`; default 1, a fraction
+such as 1/3 evaluates a setup that plateaus within an epoch more often):
 
-- `full`: full-parameter Adam, `--mode full --keep-optimizer-state --sweeps --full-epochs`: one visit, and so one
-  evaluation, per epoch, Adam's state kept across them (each visit warms up again, as every BCD visit does).
+- `full`: full-parameter Adam, `--mode full --keep-optimizer-state`, up to --full-epochs epochs: one visit, and so
+  one evaluation, per --visit-epochs, Adam's state kept across them (each visit warms up again, as every BCD visit
+  does).
   Its plateau is the first evaluation after which its best eval loss improves by less than --plateau-rel over
   the next --plateau-window evaluations (`bench.quality.plateau_point`, computed after the run). **The target**
   is its best eval loss once the plateau is seen (the best of the evaluations up to the plateau's plus the
   window: where a run that stopped at its plateau would have stopped), or the best of the whole run when it
   still improves at the cap.
 - one row per order of --orders (`ascending`, `descending`, `random`, `importance`, `importance-cached`): BCD-Adam
-  at UFP 1/3 (`--ufp 1/3`), `--pre-inference auto`, up to --sweeps x 3 epochs: `--total-steps` of that many
-  epochs' steps (full Adam's first visit's), with `--sweeps --sweeps` for a fixed order and `--sweeps` of one visit
+  at UFP 1/3 (`--ufp 1/3`), `--pre-inference auto`, up to --sweeps x 3 visits: `--total-steps` of that many
+  visits' steps (full Adam's first visit's), with `--sweeps --sweeps` for a fixed order and `--sweeps` of one visit
   each for an importance order (whose sweeps may visit fewer blocks, down to one: the step budget, not the sweeps,
   ends it, so every row has the same cap in epochs). --gain adds a row `ORDER+gain` for each
   importance order, the same run with `--stop gain` (a visit also ends when another block would gain more).
 
 Measured per row, from the run's metrics.jsonl (`bench.finetune.cli_result`): the eval loss at each visit's end
 against cumulative training time (the visits' `wall_s`, plus the seconds of `cache` records, store building, and
-of `importance` records, an importance order's measurement; evaluation excluded) and against epochs (tokens
-trained over an epoch's tokens, those of full Adam's first visit: one pass over the training split). Then:
+of `importance` records, an importance order's measurement; evaluation excluded) and against epochs (steps over
+an epoch's steps: full Adam's first visit's over --visit-epochs; one pass over the training split). Then:
 
 - time and epochs to target: those of the first evaluation at or below the target (None if none is);
 - `x_time`, `x_epochs`: their ratios to full Adam's own time and epochs to the target. Goals: x_time <= 0.6,
@@ -53,12 +55,13 @@ minutes).
 
     python bench/orders.py                        # small-llama over pydoc (about 40 min on 2 idle cores)
     python bench/orders.py --gain                 # also importance orders with --stop gain
-    python bench/orders.py --model ~/.cache/preinfer/models/smollm2-135m-instruct --lr 1e-4 --batch-size 4 \\
-        --max-samples 256 --full-epochs 6 --sweeps 4 --warmup 4 --out bench/out/orders-smollm2.json
+    python bench/orders.py --model ~/.cache/preinfer/models/smollm2-135m-instruct --lr 1e-4 --bcd-lr 3e-4 \\
+        --batch-size 4 --max-samples 192 --visit-epochs 1/3 --eval-tokens 8192 --full-epochs 2 --sweeps 2 \\
+        --warmup 4 --gain --ufps 1/3 --out bench/out/orders-smollm2.json
                                                   # the SmolLM2-135M fine-tuning setup (bench/checkpoint.py makes
-                                                  # the directory; lr 1e-4 is in bench/finetune.py's grid of both
-                                                  # families, --bcd-lr sets BCD's apart; by FLOPs about 30x
-                                                  # small-llama's step: hours on 2 cores, not measured)
+                                                  # the directory; full Adam at 1e-4 and BCD-Adam at 3e-4, the best
+                                                  # of bench/finetune.py's grid on text): a pretrained model that
+                                                  # plateaus within about an epoch, evaluated every third of one
     python bench/orders.py --quick                # smoke run: tiny-llama, 2 sweeps, every order, the UFP table
 
 --model takes a preset or a model directory, --data any corpus `preinfer bcd --data` reads, --tokenizer
@@ -103,26 +106,27 @@ def shared_flags(args: argparse.Namespace, out: Path) -> list[str]:
     flags = ["--model", args.model, "--tokenizer", args.tokenizer, "--data", args.data, "--seq-len", str(args.seq_len),
              "--batch-size", str(args.batch_size), "--optimizer", "adam", "--betas", args.betas, "--weight-decay",
              "0", "--warmup-steps", str(args.warmup), "--grad-clip", str(args.grad_clip), "--precision", "fp32",
-             "--eval-tokens", "0", "--epochs-per-visit", "1", "--seed", str(args.seed), "--out", str(out)]
+             "--eval-tokens", str(args.eval_tokens), "--epochs-per-visit", str(float(args.visit_epochs)),
+             "--seed", str(args.seed), "--out", str(out)]
     return flags + (["--max-samples", str(args.max_samples)] if args.max_samples else [])
 
 
 def full_flags(args: argparse.Namespace, out: Path) -> list[str]:
-    """Full-parameter Adam, one visit (and evaluation) per epoch, up to --full-epochs."""
+    """Full-parameter Adam, one visit (and evaluation) per --visit-epochs, up to --full-epochs."""
     return [*shared_flags(args, out), "--lr", str(args.lr), "--mode", "full", "--keep-optimizer-state", "--sweeps",
-            str(args.full_epochs)]
+            str(math.ceil(args.full_epochs / args.visit_epochs))]
 
 
-def bcd_flags(args: argparse.Namespace, out: Path, row: str, ufp: str, epoch_steps: int) -> list[str]:
-    """BCD-Adam of a row (`ORDER` or `ORDER+gain`) at `ufp`, pre-inference auto, capped at --sweeps x 3 epochs of
-    `epoch_steps` steps: the sweeps holding them (for an importance order, sweeps of a visit each) and a step
+def bcd_flags(args: argparse.Namespace, out: Path, row: str, ufp: str, visit_steps: int) -> list[str]:
+    """BCD-Adam of a row (`ORDER` or `ORDER+gain`) at `ufp`, pre-inference auto, capped at --sweeps x 3 visits of
+    `visit_steps` steps: the sweeps holding them (for an importance order, sweeps of a visit each) and a step
     budget of them."""
     order, _, stop = row.partition("+")
     sweeps = sweeps_at(args.sweeps, ufp)
     if order in IMPORTANCE_ORDERS:
         sweeps *= round(1 / Fraction(ufp))
     flags = [*shared_flags(args, out), "--lr", str(args.bcd_lr or args.lr), "--ufp", ufp, "--order", order,
-             "--sweeps", str(sweeps), "--total-steps", str(args.sweeps * 3 * epoch_steps), "--pre-inference", "auto"]
+             "--sweeps", str(sweeps), "--total-steps", str(args.sweeps * 3 * visit_steps), "--pre-inference", "auto"]
     return flags + (["--stop", stop] if stop else [])
 
 
@@ -142,7 +146,8 @@ def rows_of(args: argparse.Namespace) -> list[str]:
 
 def run(name: str, flags: list[str]) -> dict:
     """Run `preinfer bcd FLAGS` in a process of its own; its curve (eval loss at each visit's end against training
-    time), tracked peak and store-building time, and its blocks."""
+    time), tracked peak and store-building time, its blocks, and the process's seconds."""
+    started = time.perf_counter()
     out = Path(flags[flags.index("--out") + 1])
     log = out.with_suffix(".log")
     with log.open("w") as sink:
@@ -157,6 +162,7 @@ def run(name: str, flags: list[str]) -> dict:
     result["blocks"] = len(scores[0]) if scores else 1 + max(r["block"] for r in records if r["kind"] == "visit")
     result["importance_s"] = sum(r["seconds"] for r in records if r["kind"] == "importance")
     result["stop_reasons"] = [r["stop_reason"] for r in records if r["kind"] == "visit"]
+    result["run_s"] = time.perf_counter() - started
     return {k: v for k, v in result.items() if k not in ("stamps", "times", "model_dir")}
 
 
@@ -164,9 +170,9 @@ def run(name: str, flags: list[str]) -> dict:
 # The analysis (pure functions of the curves).
 
 
-def add_epochs(curve: list[dict], epoch_tokens: int) -> list[dict]:
-    """The curve with each point's epochs: its tokens over an epoch's."""
-    return [dict(point, epochs=point["tokens"] / epoch_tokens) for point in curve]
+def add_epochs(curve: list[dict], epoch_steps: float) -> list[dict]:
+    """The curve with each point's epochs: its steps over an epoch's."""
+    return [dict(point, epochs=point["step"] / epoch_steps) for point in curve]
 
 
 def first_reaching(curve: list[dict], loss: float) -> dict | None:
@@ -236,28 +242,25 @@ def ufp_row(ufp: str, row: dict, full: dict) -> dict:
 # The comparison.
 
 
-def measured(name: str, flags: list[str], epoch_tokens: int | None = None) -> dict:
-    """`run`, its curve in epochs of `epoch_tokens` tokens (None: its first visit's, full Adam's one epoch), and the
-    process's seconds."""
-    started = time.perf_counter()
+def measured(name: str, flags: list[str], epoch_steps: float) -> dict:
+    """`run`, its curve in epochs of `epoch_steps` steps."""
     result = run(name, flags)
-    result["epoch_tokens"] = epoch_tokens or result["curve"][0]["tokens"]
-    result["curve"] = add_epochs(result["curve"], result["epoch_tokens"])
-    result["run_s"] = time.perf_counter() - started
-    return result
+    return dict(result, curve=add_epochs(result["curve"], epoch_steps))
 
 
 def compare(args: argparse.Namespace, scratch: Path) -> dict:
     """Full Adam, every row at UFP 1/3, then the UFP table at the best row."""
     rel, window = args.plateau_rel, args.plateau_window
     print(f"[orders] full Adam: up to {args.full_epochs} epochs", flush=True)
-    full = full_summary(measured("full", full_flags(args, scratch / "full")), rel, window)
-    epoch_tokens, epoch_steps = full["epoch_tokens"], full["curve"][0]["step"]
+    full = run("full", full_flags(args, scratch / "full"))
+    visit_steps = full["curve"][0]["step"]
+    epoch_steps = visit_steps / float(args.visit_epochs)
+    full = full_summary(dict(full, curve=add_epochs(full["curve"], epoch_steps)), rel, window)
     print(f"[orders] full Adam: target {full['target']:.4f} (plateau at epoch {full['plateau_epochs']}), reached "
           f"after {full['time_to_target']:.1f} s, {full['epochs_to_target']:.2f} epochs", flush=True)
     rows = []
     for name in rows_of(args):
-        result = measured(name, bcd_flags(args, scratch / name, name, "1/3", epoch_steps), epoch_tokens)
+        result = measured(name, bcd_flags(args, scratch / name, name, "1/3", visit_steps), epoch_steps)
         rows.append(order_summary(name, result, full, rel, window))
         print(f"[orders] {name}: best {rows[-1]['best_eval_loss']:.4f} ({rows[-1]['best_vs_full_pct']:+.2f}%), "
               f"x_time {cell(rows[-1]['x_time'])}, x_epochs {cell(rows[-1]['x_epochs'])}", flush=True)
@@ -269,11 +272,11 @@ def compare(args: argparse.Namespace, scratch: Path) -> dict:
         else:
             out = scratch / f"{best['row']}-ufp{ufp.replace('/', '_')}"
             done = order_summary(best["row"], measured(f"{best['row']} at UFP {ufp}",
-                                                      bcd_flags(args, out, best["row"], ufp, epoch_steps),
-                                                      epoch_tokens),
+                                                      bcd_flags(args, out, best["row"], ufp, visit_steps),
+                                                      epoch_steps),
                                  full, rel, window)
         ufps.append(ufp_row(ufp, done, full))
-    return dict(epoch_tokens=epoch_tokens, full=full, rows=rows, best=best["row"], ufp_table=ufps)
+    return dict(epoch_steps=epoch_steps, full=full, rows=rows, best=best["row"], ufp_table=ufps)
 
 
 def plot(full: dict, rows: list[dict], path: Path, title: str) -> None:
@@ -323,6 +326,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bcd-lr", type=float, help="BCD-Adam's learning rate [--lr]")
     p.add_argument("--betas", default="0.9,0.95")
     p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--visit-epochs", type=Fraction, default=Fraction(1),
+                   help="epochs a visit (full Adam's too), e.g. 1/3: an evaluation each")
+    p.add_argument("--eval-tokens", type=int, default=0, help="evaluate on the eval split's first N tokens; 0 = all")
     p.add_argument("--warmup", type=int, default=10, help="warmup steps at the start of every visit")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--full-epochs", type=int, default=12, help="full Adam's cap, in epochs (one a visit)")
@@ -357,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         comparison = compare(args, Path(tmp))
     png = args.out.with_suffix(".png")
     result = dict(benchmark="orders", command=" ".join(["python", "bench/orders.py", *(argv or sys.argv[1:])]),
-                  machine=machine(), settings={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                  machine=machine(), settings={k: str(v) if isinstance(v, (Path, Fraction)) else v
+                                               for k, v in vars(args).items()},
                   targets=TARGETS, plot=str(png), **comparison, wall_s=time.perf_counter() - started)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

@@ -297,8 +297,8 @@ def test_orders_rows_are_real_bcd_runs_of_each_order_and_gain_adds_importance_or
     assert orders.rows_of(args) == ["ascending", "importance-cached", "importance-cached+gain"]
     cases = [("importance-cached+gain", "1/4", 20, "gain"), ("ascending", "1/2", 9, "budget"),
              *((order, "1/3", 18 if order.startswith("importance") else 6, "budget") for order in orders.ORDERS)]
-    for row, ufp, sweeps, rule in cases:  # every row capped at 18 epochs of 10 steps; an importance sweep may be 1
-        flags = orders.bcd_flags(args, tmp_path, row, ufp, epoch_steps=10)
+    for row, ufp, sweeps, rule in cases:  # every row capped at 18 visits of 10 steps; an importance sweep may be 1
+        flags = orders.bcd_flags(args, tmp_path, row, ufp, visit_steps=10)
         config = config_for_command(build_parser().parse_args(["bcd", *flags]))
         assert (config.blocks.order, config.blocks.ufp, config.blocks.sweeps) == (row.split("+")[0], ufp, sweeps)
         assert (config.stop.rule, config.stop.epochs_per_visit, config.run.mode) == (rule, 1, "bcd")
@@ -310,6 +310,10 @@ def test_orders_rows_are_real_bcd_runs_of_each_order_and_gain_adds_importance_or
         orders.parse_args(["--orders", "sideways"])
     with pytest.raises(SystemExit):
         orders.parse_args(["--ufps", "1/3,2/3"])
+    thirds = orders.parse_args(["--visit-epochs", "1/3", "--full-epochs", "2", "--eval-tokens", "512"])
+    full = config_for_command(build_parser().parse_args(["bcd", *orders.full_flags(thirds, tmp_path)]))
+    assert full.stop.epochs_per_visit == pytest.approx(1 / 3) and full.blocks.sweeps == 6  # 2 epochs in thirds
+    assert full.data.eval_tokens == 512
 
 
 def test_orders_target_is_full_adam_s_best_once_its_plateau_is_seen():
@@ -317,11 +321,11 @@ def test_orders_target_is_full_adam_s_best_once_its_plateau_is_seen():
     count); a row's time and epochs to it are its first point at or below it, and its ratios are to full Adam's."""
     orders = _load("orders")
     losses = [4.0, 3.0, 2.5, 2.49, 2.495, 2.48, 2.3]  # plateau at index 2 (window 2, 0.5%): 2.49 is not 0.5% below 2.5
-    curve = [dict(train_s=10.0 * (i + 1), tokens=100 * (i + 1), eval_loss=loss) for i, loss in enumerate(losses)]
+    curve = [dict(train_s=10.0 * (i + 1), step=100 * (i + 1), eval_loss=loss) for i, loss in enumerate(losses)]
     full = orders.full_summary(dict(curve=orders.add_epochs(curve, 100), tracked_peak=1), 0.005, 2)
     assert (full["plateau_index"], full["target"], full["best_eval_loss"]) == (2, 2.49, 2.3)
     assert (full["time_to_target"], full["epochs_to_target"]) == (40.0, 4.0)
-    bcd = [dict(train_s=5.0 * (i + 1), tokens=110 * (i + 1), eval_loss=loss) for i, loss in enumerate([3.5, 2.6, 2.49])]
+    bcd = [dict(train_s=5.0 * (i + 1), step=110 * (i + 1), eval_loss=loss) for i, loss in enumerate([3.5, 2.6, 2.49])]
     row = orders.order_summary("ascending", dict(curve=orders.add_epochs(bcd, 100)), full, 0.005, 2)
     assert (row["time_to_target"], row["x_time"]) == (15.0, 15.0 / 40.0)
     assert row["epochs_to_target"] == pytest.approx(3.3) and row["x_epochs"] == pytest.approx(3.3 / 4)
