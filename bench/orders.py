@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                   targets=TARGETS, plot=str(png), **comparison, wall_s=time.perf_counter() - started)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
-    plot(result["full"], result["rows"], png, f"{args.model}, {args.data}")
+    plot(result["full"], result["rows"], png, f"{Path(args.model).name}, {args.data}")
     columns = ["row", "best_eval_loss", "best_vs_full_pct", "time_to_target", "x_time", "epochs_to_target",
                "x_epochs", "plateau_epochs", "caching_s", "importance_s", "tracked_peak_mib"]
     shown = [dict(row, tracked_peak_mib=row["tracked_peak"] / 2**20) for row in (result["full"], *result["rows"])]
