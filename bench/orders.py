@@ -18,10 +18,11 @@ such as 1/3 evaluates a setup that plateaus within an epoch more often):
   still improves at the cap.
 - one row per order of --orders (`ascending`, `descending`, `random`, `importance`, `importance-cached`): BCD-Adam
   at UFP 1/3 (`--ufp 1/3`), `--pre-inference auto`, up to --sweeps x 3 visits: `--total-steps` of that many
-  visits' steps (full Adam's first visit's), with `--sweeps --sweeps` for a fixed order and `--sweeps` of one visit
-  each for an importance order (whose sweeps may visit fewer blocks, down to one: the step budget, not the sweeps,
-  ends it, so every row has the same cap in epochs). --gain adds a row `ORDER+gain` for each
-  importance order, the same run with `--stop gain` (a visit also ends when another block would gain more).
+  visits' steps (full Adam's first visit's), with `--sweeps --sweeps` for a fixed order and as many sweeps as steps
+  for an importance order (whose sweeps may visit fewer blocks, down to one, and with --stop gain end visits early:
+  the step budget, not the sweeps, ends it, so every row has the same cap in epochs). --gain adds a row
+  `ORDER+gain` for each importance order, the same run with `--stop gain` (a visit also ends when another block
+  would gain more).
 
 Measured per row, from the run's metrics.jsonl (`bench.finetune.cli_result`): the eval loss at each visit's end
 against cumulative training time (the visits' `wall_s`, plus the seconds of `cache` records, store building, and
@@ -119,14 +120,13 @@ def full_flags(args: argparse.Namespace, out: Path) -> list[str]:
 
 def bcd_flags(args: argparse.Namespace, out: Path, row: str, ufp: str, visit_steps: int) -> list[str]:
     """BCD-Adam of a row (`ORDER` or `ORDER+gain`) at `ufp`, pre-inference auto, capped at --sweeps x 3 visits of
-    `visit_steps` steps: the sweeps holding them (for an importance order, sweeps of a visit each) and a step
-    budget of them."""
+    `visit_steps` steps: a step budget of them, and the sweeps holding them (for an importance order, whose sweeps
+    may visit one block and, with `--stop gain`, end a visit early, as many sweeps as steps)."""
     order, _, stop = row.partition("+")
-    sweeps = sweeps_at(args.sweeps, ufp)
-    if order in IMPORTANCE_ORDERS:
-        sweeps *= round(1 / Fraction(ufp))
+    total = args.sweeps * 3 * visit_steps
+    sweeps = total if order in IMPORTANCE_ORDERS else sweeps_at(args.sweeps, ufp)  # a sweep: at least one step
     flags = [*shared_flags(args, out), "--lr", str(args.bcd_lr or args.lr), "--ufp", ufp, "--order", order,
-             "--sweeps", str(sweeps), "--total-steps", str(args.sweeps * 3 * visit_steps), "--pre-inference", "auto"]
+             "--sweeps", str(sweeps), "--total-steps", str(total), "--pre-inference", "auto"]
     return flags + (["--stop", stop] if stop else [])
 
 

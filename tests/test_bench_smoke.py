@@ -287,7 +287,7 @@ METHODS_AT_EQUAL_STEPS = ("full", "bcd", "bcd-auto", "badam", "lora8", "lora16")
 def test_orders_rows_are_real_bcd_runs_of_each_order_and_gain_adds_importance_orders_with_stop_gain(tmp_path):
     """bench/orders.py's rows: every order of --orders, and with --gain each importance order again with `--stop
     gain`; their flags parse, by the real command line, into BCD-Adam at the UFP asked, pre-inference auto, one epoch
-    a visit, and the same cap of epochs for every row (a step budget; an importance order's sweeps of one visit)."""
+    a visit, and the same cap of epochs for every row (a step budget; an importance order's sweeps of one step)."""
     from pipelines.cli import build_parser
     from pipelines.flags import config_for_command
 
@@ -295,8 +295,8 @@ def test_orders_rows_are_real_bcd_runs_of_each_order_and_gain_adds_importance_or
     assert orders.rows_of(orders.parse_args([])) == list(orders.ORDERS)
     args = orders.parse_args(["--orders", "ascending,importance-cached", "--gain", "--sweeps", "6"])
     assert orders.rows_of(args) == ["ascending", "importance-cached", "importance-cached+gain"]
-    cases = [("importance-cached+gain", "1/4", 20, "gain"), ("ascending", "1/2", 9, "budget"),
-             *((order, "1/3", 18 if order.startswith("importance") else 6, "budget") for order in orders.ORDERS)]
+    cases = [("importance-cached+gain", "1/4", 180, "gain"), ("ascending", "1/2", 9, "budget"),
+             *((order, "1/3", 180 if order.startswith("importance") else 6, "budget") for order in orders.ORDERS)]
     for row, ufp, sweeps, rule in cases:  # every row capped at 18 visits of 10 steps; an importance sweep may be 1
         flags = orders.bcd_flags(args, tmp_path, row, ufp, visit_steps=10)
         config = config_for_command(build_parser().parse_args(["bcd", *flags]))
