@@ -45,16 +45,12 @@ Per UFP: blocks, tracked peak (and its ratio to full Adam's), epochs to the targ
 Default setup: small-llama over builtin:pydoc with the byte tokenizer (the defaults of `bench/quality.py
 --until-plateau`: seq 128, batch 8, lr 2e-3, betas 0.9,0.95, clipping 1.0), cut to the first 720 training samples
 (--max-samples; 90 steps an epoch; the eval split has 381 samples), full Adam up to 12 epochs, every order up to
-6 sweeps (18 epochs at 3 blocks). Sizing: one full-Adam visit of small-llama (20 steps of 8 x 128, `nice -n 15`
-beside another benchmark, about one core free) measured 0.49 s a step, 3.0 s for an evaluation of the 381 eval
-samples and 8 s of process start, load and export; taking 2 idle cores as 1.5x faster (0.33 s a step) and a BCD
-epoch at UFP 1/3 as half a full-Adam epoch (docs/results.md's quality run: 706 s for 7.83 epochs against 1,144 s
-for 5.5), the default run is about 2,100 s of training (full Adam 12 epochs, 3 fixed orders x 18 epochs, 2
-importance orders at about 13, UFP 1/2 and 1/4 at 18 and 20) plus about 300 s of evaluation and process start:
-**about 40 minutes on 2 idle cores** (predicted, not measured; --gain adds two importance-order runs, about 8
-minutes).
+6 sweeps (18 epochs at 3 blocks). Sizing, measured on 2 idle cores: `--max-samples 480 --full-epochs 8
+--sweeps 4 --gain` (every row capped at 12 epochs, the UFP table's three runs included) took 34 minutes; the
+gain rows cost about 1.2x an importance row's training time and evaluate every 8 or so steps. The default, 1.5x
+those samples and epochs, is about twice that (predicted, not measured).
 
-    python bench/orders.py                        # small-llama over pydoc (about 40 min on 2 idle cores)
+    python bench/orders.py                        # small-llama over pydoc (about 70 min on 2 idle cores)
     python bench/orders.py --gain                 # also importance orders with --stop gain
     python bench/orders.py --model ~/.cache/preinfer/models/smollm2-135m-instruct --lr 1e-4 --bcd-lr 3e-4 \\
         --batch-size 4 --max-samples 192 --visit-epochs 1/3 --eval-tokens 8192 --full-epochs 2 --sweeps 2 \\
