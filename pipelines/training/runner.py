@@ -27,6 +27,7 @@ from pipelines.training.distributed import init_distributed
 from pipelines.training.fit import stopped_writing, train
 from pipelines.training.layout import OneProcess
 from pipelines.training.partition_choice import partition_for
+from pipelines.training.pre_inference.stores import owning_store_dir
 from pipelines.training.run_directory import finish_run, owning_run
 from pipelines.training.store_input import StoreInput
 from pipelines.training.trackers import check_trackers
@@ -38,10 +39,10 @@ if TYPE_CHECKING:  # torch.distributed.pipelining loads only for pipelines
 
 def run(config: Config, resume: bool = False, quiet: bool = False) -> dict:
     """Train as configured and write the run directory, held for the whole job; returns the summary."""
-    check_trackers(config.run.report_to)  # a tracker not installed: refused before anything is made
+    check_trackers(config.run.report_to, config.run.out)  # a tracker not installed: refused before anything is made
     rank, world = init_distributed(config.run.device)
     run_dir = RunDir(config.run.out)
-    with owning_run(run_dir, resume, rank):  # held first, then checked: a second job names the holder
+    with owning_run(run_dir, resume, rank), owning_store_dir(config, rank):  # held first, then checked
         return _run(config, run_dir, resume, quiet, rank, world)
 
 

@@ -4,6 +4,7 @@ cache`, and deleted when no longer usable or no longer read (unless `keep_stores
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -15,7 +16,7 @@ from preinfer.errors import UsageError
 from preinfer.metrics import CacheRecord, Record
 from preinfer.staged import StagedModel
 from pipelines.cache import CacheOptions, CacheResult, cache_boundary, cache_fingerprint, open_cache, roll_forward
-from storage import Location, StorageError, remove_tree
+from storage import Location, StorageError, location, owning, remove_tree
 
 
 STORE_NAME = re.compile(r"(boundary-|probe-rank)\d+")  # what pre-inference writes under its store directory
@@ -32,6 +33,16 @@ def check_store_dir(root: Location) -> None:
     if foreign:
         raise UsageError(f"--store-dir {root} holds {foreign[0]!r}, which pre-inference does not write; choose an "
                          f"empty or new directory, nothing was deleted")
+
+
+def owning_store_dir(config: Config, rank: int = 0) -> contextlib.AbstractContextManager:
+    """Hold a `--store-dir` of the run's (rank 0, for every rank) for the whole run, like every other output, so
+    that a second run on it is refused naming the holder; the default under the run directory is the run's."""
+    store_dir = config.pre_inference.store_dir
+    if store_dir is None or rank != 0:
+        return contextlib.nullcontext()
+    check_store_dir(location(store_dir))  # a file in its place: this line, not the lock's
+    return owning(location(store_dir), "--store-dir")
 
 
 class Stores:
