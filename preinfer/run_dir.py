@@ -33,16 +33,19 @@ class RunDir:
     loss_plot: Path  # loss.png: training and eval loss against tokens
     summary: Path  # summary.json: the finished run's summary
     stores: Path  # where pre-inference keeps its stores by default
-    trackers: dict[str, Path]  # each tracker's folder, by tracker name (`--report-to`)
 
     def __init__(self, path: str | Path):
         root = Path(path)
         layout = dict(path=root, config=root / "config.toml", metrics=root / "metrics.jsonl",
                       checkpoint=root / "checkpoint", checkpoint_weights=root / "checkpoint" / WEIGHTS,
                       export=root / "export", loss_plot=root / "loss.png", summary=root / "summary.json",
-                      stores=root / "stores", trackers={name: root / entry for name, entry in TRACKER_DIRS.items()})
+                      stores=root / "stores")
         for name, value in layout.items():
             object.__setattr__(self, name, value)
+
+    def tracker_dir(self, name: str) -> Path:
+        """The folder tracker `name` (`--report-to`: tensorboard, mlflow, wandb) reports into."""
+        return self.path / TRACKER_DIRS[name]
 
     def export_is_current(self) -> bool:
         """The export holds the checkpoint's weights (it was written after the latest checkpoint)."""

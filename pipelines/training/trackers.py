@@ -36,7 +36,7 @@ def check_trackers(report_to: str, out: str | Path | None = None) -> None:
         if importlib.util.find_spec(PACKAGES[name]) is None:
             raise UsageError(f"--report-to {name}: the {PACKAGES[name]} package is not installed; install it with "
                              f"pip install 'preinfer[{name}]'")
-        folder = RunDir(out).trackers[name] if out is not None else None
+        folder = RunDir(out).tracker_dir(name) if out is not None else None
         if folder is not None and folder.exists() and not (folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)):
             raise _unwritable(name, folder, "a file" if not folder.is_dir() else "read-only")
 
@@ -58,7 +58,7 @@ class TensorBoard:
     def __init__(self, out: Path, config: Config):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(RunDir(out).trackers["tensorboard"]))
+        self.writer = SummaryWriter(log_dir=str(RunDir(out).tracker_dir("tensorboard")))
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         for tag, value in metrics.items():
@@ -95,7 +95,7 @@ class MLflow:
 
         uri = os.environ.get("MLFLOW_TRACKING_URI")
         if uri is None:
-            uri = RunDir(out).trackers["mlflow"].resolve().as_uri()
+            uri = RunDir(out).tracker_dir("mlflow").resolve().as_uri()
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "preinfer")
@@ -152,7 +152,7 @@ def _opened(name: str, out: Path, config: Config) -> Tracker:
     try:
         return KINDS[name](out, config)
     except OSError as error:
-        raise _unwritable(name, Path(error.filename or RunDir(out).trackers[name]), first_line(error)) from None
+        raise _unwritable(name, Path(error.filename or RunDir(out).tracker_dir(name)), first_line(error)) from None
 
 
 def numbers(values: dict[str, Any], prefix: str | None = None) -> dict[str, float]:
