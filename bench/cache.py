@@ -29,7 +29,6 @@ import time
 
 import torch
 
-
 from bench.lib.common import table, write_json
 
 MODEL, BOUNDARY, SEQ_LEN, DATA = "small-llama", 4, 128, "builtin:pydoc"

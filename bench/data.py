@@ -39,7 +39,6 @@ import time
 
 import numpy as np
 
-
 from bench.lib.common import ROOT, machine, table, write_json
 
 MB = 1e6

@@ -61,7 +61,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 import torch
 
 from bench.lib.chat_records import records

@@ -41,7 +41,6 @@ from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
 
-
 import torch
 
 from bench.lib.common import OUT, ROOT, command_line, machine, module_command

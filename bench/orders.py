@@ -80,7 +80,6 @@ import time
 from fractions import Fraction
 from pathlib import Path
 
-
 from bench.lib.common import OUT, ROOT, command_line, machine, table
 from bench.lib.curves import plateau_point
 from bench.lib.runs import cli_result

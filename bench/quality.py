@@ -48,7 +48,6 @@ import sys
 import time
 from pathlib import Path
 
-
 import torch
 
 from bench.lib.common import OUT, ROOT, command_line, machine, module_command

@@ -33,7 +33,6 @@ import safetensors.torch
 import torch
 import zarr
 
-
 from bench.lib.common import median_seconds, table, write_json
 from bench.lib.trained import cache_split, trained_model
 from storage import Fingerprint, create_store, open_store

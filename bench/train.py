@@ -54,7 +54,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 import torch
 
 import preinfer
