@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
+from preinfer.config import EXPERT_PARTS
 from preinfer.errors import UsageError
 
 ROW_INVARIANT = "row_invariant"
@@ -139,7 +140,7 @@ class RouterLoss:
         return self.coef * value
 
 
-PARTS = ("router", "shared", "attention", "rest")
+PARTS = EXPERT_PARTS
 
 
 def parse_experts(text: str) -> float:

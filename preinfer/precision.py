@@ -15,9 +15,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from preinfer.config import RunConfig, choices
 from preinfer.errors import CheckpointError, UsageError
 
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+PRECISIONS = tuple(name for name in choices(RunConfig, "precision") if name != "auto")
 RESIDENT_DTYPES = {"fp32": torch.float32, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 MIXED_FOR_DTYPE = {torch.bfloat16: "bf16-mixed", torch.float16: "fp16-mixed"}
 
