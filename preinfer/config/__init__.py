@@ -6,7 +6,9 @@ from preinfer.config.choices import (
     ATTENTIONS, DEFAULT_ATTENTION, EXPERT_PARTS, IMPORTANCE_ORDERS, LR_DECAYS, OPEN_ENDED_DECAYS, ORDERS,
     STOP_RULES, TRACKERS, check_attention, choices, names,
 )
-from preinfer.config.files import MOVED_RUN_KEYS, SourceNaming, dump_toml, load_config
+from preinfer.config.files import (
+    MOVED_RUN_KEYS, ArgumentNaming, SourceNaming, config_from_arguments, dump_toml, load_config,
+)
 from preinfer.config.resume import PARTITION_ORDER, RESUMABLE_KEYS, check_resume, resume_changes
 from preinfer.config.rules import BOUNDS, Naming
 from preinfer.config.sections import (
@@ -19,9 +21,8 @@ report_names = names  # the names of a `run.report_to` value (pipelines.training
 __all__ = [
     "ATTENTIONS", "BOUNDS", "DEFAULT_ATTENTION", "DEFAULT_EPOCHS_PER_VISIT", "DEFAULT_LR", "DEFAULT_WEIGHT_DECAY",
     "EXPERT_PARTS", "IMPORTANCE_ORDERS", "LR_DECAYS", "MOVED_RUN_KEYS", "OPEN_ENDED_DECAYS", "ORDERS",
-    "PARTITION_ORDER", "RESUMABLE_KEYS", "STOP_RULES", "TRACKERS", "BlockConfig", "Config", "DataConfig",
-    "ModelConfig", "Naming", "OptimConfig", "PreInferenceConfig", "RunConfig", "SourceNaming", "StopConfig",
-    "StoreConfig", "check_attention", "check_resume", "choices", "dump_toml", "load_config", "names",
-    "report_names", "resume_changes",
+    "PARTITION_ORDER", "RESUMABLE_KEYS", "STOP_RULES", "TRACKERS", "ArgumentNaming", "BlockConfig", "Config",
+    "DataConfig", "ModelConfig", "Naming", "OptimConfig", "PreInferenceConfig", "RunConfig", "SourceNaming",
+    "StopConfig", "StoreConfig", "check_attention", "check_resume", "choices", "config_from_arguments", "dump_toml",
+    "load_config", "names", "report_names", "resume_changes",
 ]
-

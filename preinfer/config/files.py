@@ -54,6 +54,31 @@ class SourceNaming(Naming):
         return f"{self.path}: {written}" if name in self.in_file else written
 
 
+class ArgumentNaming(Naming):
+    """Names a key by the argument that set it, `BlockCoordinateDescent(order='x')`; `arguments` maps
+    "section.key" to the argument."""
+
+    def __init__(self, caller: str, arguments: Mapping[str, str]):
+        self.caller, self.arguments = caller, arguments
+
+    def key(self, section: str, key: str) -> str:
+        return self.arguments.get(f"{section}.{key}") or super().key(section, key)
+
+    def value(self, section: str, key: str, value: Any) -> str:
+        argument = self.arguments.get(f"{section}.{key}")
+        return f"{self.caller}({argument}={value!r})" if argument else super().value(section, key, value)
+
+
+def config_from_arguments(caller: str, keys: Mapping[str, str], values: Mapping[str, Any]) -> Config:
+    """The defaults with `values` (by argument name) at the keys `keys` maps them to ("section.key"), validated:
+    a bad value is named by its argument of `caller`."""
+    config = Config()
+    for name, value in values.items():
+        section, key = keys[name].split(".")
+        setattr(getattr(config, section), key, value)
+    return config.validate(ArgumentNaming(caller, {key: name for name, key in keys.items()}))
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | None = None,
                 flags: Mapping[str, str] | None = None) -> Config:
     """Defaults, then the TOML file's values, then `overrides` ({section: {key: value}}, None values skipped; a
