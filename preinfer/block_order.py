@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from preinfer.config import IMPORTANCE_ORDERS, ORDERS
+from preinfer.config.choices import IMPORTANCE_ORDERS, ORDERS
 from preinfer.errors import UsageError
 
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
-from preinfer.config import EXPERT_PARTS
+from preinfer.config.choices import EXPERT_PARTS
 from preinfer.errors import UsageError
 
 ROW_INVARIANT = "row_invariant"

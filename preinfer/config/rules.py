@@ -165,7 +165,7 @@ def partition_problems(c: Any) -> Iterator[Problem]:
     if b.ufp != "auto":
         for key in ("memory_budget", "gpu"):
             if getattr(b, key) is not None:
-                yield "blocks", key, "unset unless {blocks.ufp} is auto (which chooses the blocks by it)"
+                yield "blocks", key, "unset without {blocks.ufp} auto (which chooses the blocks by it)"
     if b.gpu is not None:
         from preinfer.memory.settings import GPUS  # it imports this package
 
