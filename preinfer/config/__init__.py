@@ -4,7 +4,7 @@
 
 from preinfer.config.choices import (
     ATTENTIONS, DEFAULT_ATTENTION, EXPERT_PARTS, IMPORTANCE_ORDERS, LR_DECAYS, OPEN_ENDED_DECAYS, ORDERS,
-    STOP_RULES, TRACKERS, check_attention, choices, names,
+    TRACKERS, check_attention, choices, names,
 )
 from preinfer.config.files import (
     MOVED_RUN_KEYS, ArgumentNaming, SourceNaming, config_from_arguments, dump_toml, load_config,
@@ -21,7 +21,7 @@ report_names = names  # the names of a `run.report_to` value (pipelines.training
 __all__ = [
     "ATTENTIONS", "BOUNDS", "DEFAULT_ATTENTION", "DEFAULT_EPOCHS_PER_VISIT", "DEFAULT_LR", "DEFAULT_WEIGHT_DECAY",
     "EXPERT_PARTS", "IMPORTANCE_ORDERS", "LR_DECAYS", "MOVED_RUN_KEYS", "OPEN_ENDED_DECAYS", "ORDERS",
-    "PARTITION_ORDER", "RESUMABLE_KEYS", "STOP_RULES", "TRACKERS", "ArgumentNaming", "BlockConfig", "Config",
+    "PARTITION_ORDER", "RESUMABLE_KEYS", "TRACKERS", "ArgumentNaming", "BlockConfig", "Config",
     "DataConfig", "ModelConfig", "Naming", "OptimConfig", "PreInferenceConfig", "RunConfig", "SourceNaming",
     "StopConfig", "StoreConfig", "check_attention", "check_resume", "choices", "config_from_arguments", "dump_toml",
     "load_config", "names", "report_names", "resume_changes",

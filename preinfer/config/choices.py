@@ -94,6 +94,5 @@ IMPORTANCE_ORDERS = tuple(order for order in ORDERS if order.startswith("importa
 LR_DECAYS: tuple[str, ...] = get_args(LrDecay)
 # Schedules defined without a last step (the others fall to their end at each visit's last step).
 OPEN_ENDED_DECAYS = ("none", "constant_with_warmup", "inverse_sqrt")
-STOP_RULES: tuple[str, ...] = get_args(StopRuleName)
 TRACKERS = tuple(name for name in get_args(Tracker) if name != "none")
 EXPERT_PARTS = tuple(name for name in get_args(ExpertPart) if name != "none")

@@ -1,5 +1,5 @@
 """The rules a config obeys before anything is opened: each key's type and choices (from its field's type), each
-number's range (`BOUNDS`), and the rules between keys (`RULES`). `check` refuses the first broken one in one line
+number's range (`BOUNDS`), and the rules between keys (`rule_problems`). `check` refuses the first broken one in one line
 that names the key as its source does (a flag, `[section] key` in a file, an argument)."""
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ class Naming:
 
     def value(self, section: str, key: str, value: Any) -> str:
         return f"{self.key(section, key)} = {value!r}"
-
 
 
 @dataclass(frozen=True)
