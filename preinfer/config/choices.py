@@ -87,6 +87,18 @@ def check_attention(attention: str, where: str = "--attention") -> str:
     return attention
 
 
+def parse_experts(text: str) -> float:
+    """`top:0.5` -> 0.5: the share of a layer's routed tokens that the trained experts must carry."""
+    kind, _, share = text.partition(":")
+    try:
+        value = float(share)
+    except ValueError:
+        value = -1.0
+    if kind != "top" or not 0 < value <= 1:
+        raise UsageError(f"--experts '{text}' is not top:SHARE with SHARE in (0, 1], e.g. top:0.5")
+    return value
+
+
 ATTENTIONS: tuple[str, ...] = get_args(Attention)
 DEFAULT_ATTENTION = "sdpa"
 ORDERS: tuple[str, ...] = get_args(BlockOrder)

@@ -11,7 +11,7 @@ from itertools import chain
 from typing import Any, Literal, get_origin
 
 from preinfer.config.choices import (
-    IMPORTANCE_ORDERS, OPEN_ENDED_DECAYS, choices_of, field_hint, is_names, is_optional, names,
+    IMPORTANCE_ORDERS, OPEN_ENDED_DECAYS, choices_of, field_hint, is_names, is_optional, names, parse_experts,
 )
 from preinfer.errors import UsageError
 from preinfer.partition import parse_ufp
@@ -145,6 +145,8 @@ def rule_problems(c: Any) -> Iterator[Problem]:
         yield "blocks", "order", "a block list in {blocks.fixed_order} with order fixed, e.g. 2,0,1"
     if b.fixed_order is not None and not all(part.strip().isdigit() for part in b.fixed_order.split(",")):
         yield "blocks", "fixed_order", "a comma list of block numbers such as 2,0,1"
+    if b.experts is not None and not _parses(parse_experts, b.experts):
+        yield "blocks", "experts", "top:SHARE with SHARE in (0, 1], e.g. top:0.5"
     if b.experts is not None and r.precision in ("bf16-mixed", "fp16-mixed"):
         yield "blocks", "experts", f"unset under {{run.precision}} {r.precision} (expert-granular blocks train in " \
                                    f"fp32)"
@@ -153,14 +155,20 @@ def rule_problems(c: Any) -> Iterator[Problem]:
         yield from pipeline_problems(c)
 
 
+def _parses(parse: Callable[[str], Any], text: str) -> bool:
+    """Whether `parse` takes `text` (a parser that refuses with a UsageError)."""
+    try:
+        parse(text)
+    except UsageError:
+        return False
+    return True
+
+
 def partition_problems(c: Any) -> Iterator[Problem]:
     """The block partition's: a UFP, and the memory budget that only `ufp = "auto"` reads."""
     b = c.blocks
-    if b.ufp is not None and b.ufp != "auto":
-        try:
-            parse_ufp(b.ufp)
-        except UsageError:
-            yield "blocks", "ufp", "auto or a fraction in (0, 1] such as 1/3"
+    if b.ufp is not None and b.ufp != "auto" and not _parses(parse_ufp, b.ufp):
+        yield "blocks", "ufp", "auto or a fraction in (0, 1] such as 1/3"
     if b.ufp != "auto":
         for key in ("memory_budget", "gpu"):
             if getattr(b, key) is not None:
