@@ -20,9 +20,9 @@ from pipelines.flag_table import PRE_INFERENCE_FLAGS, STORE_FLAGS, TRAINING_FLAG
 from pipelines.flag_types import device_problem, local_directory, store_location
 
 __all__ = [
-    "COMMAND_FLAGS", "DATA_FLAGS", "FLAGS", "PRE_INFERENCE_FLAGS", "SHARED_FLAGS", "STORE_FLAGS", "TRAINING_FLAGS",
-    "Flag", "add_flags", "add_training_flags", "config_for_command", "config_from_args", "data_flags", "flag",
-    "option_defaults", "print_summary", "shown", "summary_line", "use_s3_endpoint",
+    "COMMAND_FLAGS", "CONFIG_FLAGS", "DATA_FLAGS", "FLAGS", "PRE_INFERENCE_FLAGS", "SHARED_FLAGS", "STORE_FLAGS",
+    "TRAINING_FLAGS", "Flag", "add_flags", "add_training_flags", "config_for_command", "config_from_args",
+    "data_flags", "flag", "option_defaults", "print_summary", "shown", "summary_line", "use_s3_endpoint",
 ]
 
 # The flag that sets each config key, by "section.key".

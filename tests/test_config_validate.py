@@ -117,6 +117,12 @@ NUMBERS = [(section, key) for section, key in config_keys() if f"{section}.{key}
 HF_KEYS = {key: argument for argument, key in ARGUMENTS.items()}
 
 
+def cases(keys: list[tuple[str, str]], within=None) -> list:
+    """The keys (those named in `within`, if given) as parameters "section, key", each with its id."""
+    return [pytest.param(section, key, id=f"{section}.{key}") for section, key in keys
+            if within is None or f"{section}.{key}" in within]
+
+
 def toml_text(value) -> str:
     """A str, int, float or list of floats as TOML writes it."""
     return f'"{value}"' if isinstance(value, str) else repr(value)
@@ -150,7 +156,7 @@ def test_pre_inference_mode_yes_in_a_config_file_is_one_line_before_the_model(tm
     assert line == f"preinfer bcd: error: {path}: [pre_inference] mode = 'yes': expected one of off, on, auto"
 
 
-@pytest.mark.parametrize("section, key", ENUMERATED, ids=[f"{s}.{k}" for s, k in ENUMERATED])
+@pytest.mark.parametrize("section, key", cases(ENUMERATED))
 def test_an_unknown_choice_in_a_config_file_is_refused_naming_key_value_and_choices(section, key, tmp_path, capsys):
     path = written_config(tmp_path, section, key, "bogus")
     code, line = cli_failure(["--config", str(path)], tmp_path, capsys)
@@ -158,8 +164,7 @@ def test_an_unknown_choice_in_a_config_file_is_refused_naming_key_value_and_choi
     assert all(choice in line for choice in choices(section_class(section), key))
 
 
-@pytest.mark.parametrize("section, key", [k for k in ENUMERATED if f"{k[0]}.{k[1]}" in CONFIG_FLAGS],
-                         ids=[f"{s}.{k}" for s, k in ENUMERATED if f"{s}.{k}" in CONFIG_FLAGS])
+@pytest.mark.parametrize("section, key", cases(ENUMERATED, CONFIG_FLAGS))
 def test_an_unknown_choice_of_a_flag_is_refused_naming_flag_value_and_choices(section, key, tmp_path, capsys):
     flag = CONFIG_FLAGS[f"{section}.{key}"]
     code, line = cli_failure([flag, "bogus"], tmp_path, capsys)
@@ -167,8 +172,7 @@ def test_an_unknown_choice_of_a_flag_is_refused_naming_flag_value_and_choices(se
     assert all(choice in line for choice in choices(section_class(section), key))
 
 
-@pytest.mark.parametrize("section, key", [k for k in ENUMERATED if f"{k[0]}.{k[1]}" in HF_KEYS],
-                         ids=[f"{s}.{k}" for s, k in ENUMERATED if f"{s}.{k}" in HF_KEYS])
+@pytest.mark.parametrize("section, key", cases(ENUMERATED, HF_KEYS))
 def test_an_unknown_choice_of_an_hf_argument_is_refused_before_the_model_is_touched(section, key):
     argument = HF_KEYS[f"{section}.{key}"]
     with pytest.raises(UsageError) as info:
@@ -186,7 +190,7 @@ def test_the_flags_offer_exactly_the_literal_s_choices():
             assert each.options.get("choices") == expected, each.name
 
 
-@pytest.mark.parametrize("section, key", NUMBERS, ids=[f"{s}.{k}" for s, k in NUMBERS])
+@pytest.mark.parametrize("section, key", cases(NUMBERS))
 def test_a_number_out_of_range_in_a_config_file_is_refused(section, key, tmp_path, capsys):
     value = bad_number(section, key)
     path = written_config(tmp_path, section, key, value)
@@ -194,8 +198,7 @@ def test_a_number_out_of_range_in_a_config_file_is_refused(section, key, tmp_pat
     assert code == 2 and f"{path}: [{section}] {key} = {value!r}: expected " in line and MISSING_MODEL not in line
 
 
-@pytest.mark.parametrize("section, key", [k for k in NUMBERS if f"{k[0]}.{k[1]}" in CONFIG_FLAGS],
-                         ids=[f"{s}.{k}" for s, k in NUMBERS if f"{s}.{k}" in CONFIG_FLAGS])
+@pytest.mark.parametrize("section, key", cases(NUMBERS, CONFIG_FLAGS))
 def test_a_number_out_of_range_of_a_flag_is_refused(section, key, tmp_path, capsys):
     value = bad_number(section, key)
     text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
@@ -204,8 +207,7 @@ def test_a_number_out_of_range_of_a_flag_is_refused(section, key, tmp_path, caps
     assert code == 2 and flag in line and text in line and MISSING_MODEL not in line
 
 
-@pytest.mark.parametrize("section, key", [k for k in NUMBERS if f"{k[0]}.{k[1]}" in HF_KEYS],
-                         ids=[f"{s}.{k}" for s, k in NUMBERS if f"{s}.{k}" in HF_KEYS])
+@pytest.mark.parametrize("section, key", cases(NUMBERS, HF_KEYS))
 def test_a_number_out_of_range_of_an_hf_argument_is_refused(section, key):
     argument, value = HF_KEYS[f"{section}.{key}"], bad_number(section, key)
     with pytest.raises(UsageError, match=r"^BlockCoordinateDescent\(" + argument + "=") as info:
@@ -216,8 +218,9 @@ def test_a_number_out_of_range_of_an_hf_argument_is_refused(section, key):
 @pytest.mark.parametrize("written, line", [
     ("[stop]\ntotal_steps = 0", "[stop] total_steps = 0: expected an integer >= 1"),
     ("[optim]\nwarmup_steps = -3", "[optim] warmup_steps = -3: expected an integer >= 0"),
-    ('[run]\nreport_to = "tensorboard,tensorboard"', "[run] report_to = 'tensorboard,tensorboard': expected a "
-                                                      "comma list of none, tensorboard, wandb, mlflow, each named once"),
+    ('[run]\nreport_to = "tensorboard,tensorboard"',
+     "[run] report_to = 'tensorboard,tensorboard': expected a comma list of none, tensorboard, wandb, mlflow, each "
+     "named once"),
     ('[run]\nreport_to = "tensorboard,comet"', "expected a comma list of none, tensorboard, wandb, mlflow"),
     ('[blocks]\nexperts_with = "router,mlp"', "[blocks] experts_with = 'router,mlp': expected a comma list of "
                                               "none, router, shared, attention, rest"),
@@ -311,7 +314,7 @@ def test_resume_of_a_run_whose_config_holds_a_value_no_longer_accepted_is_one_li
     assert sorted(path.name for path in out.iterdir()) == ["config.toml"]
 
 
-def test_every_range_is_checked_on_the_default_s_edge():
+def test_the_defaults_are_in_range_and_infinity_or_nan_is_not():
     config = load_config()
     for name, bound in BOUNDS.items():
         section, key = name.split(".")

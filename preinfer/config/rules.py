@@ -1,6 +1,6 @@
 """The rules a config obeys before anything is opened: each key's type and choices (from its field's type), each
-number's range (`BOUNDS`), and the rules between keys (`rule_problems`). `check` refuses the first broken one in one line
-that names the key as its source does (a flag, `[section] key` in a file, an argument)."""
+number's range (`BOUNDS`), and the rules between keys (`rule_problems`). `check` refuses the first broken one in
+one line that names the key as its source does (a flag, `[section] key` in a file, an argument)."""
 
 from __future__ import annotations
 
