@@ -38,7 +38,7 @@ PROCESS_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with a one-line error (no usage dump) and exit code 2; each flag's help, its default included, is
-    written once in `pipelines.flags`."""
+    written once in `pipelines.flag_table` and `pipelines.command_flags`."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
