@@ -16,6 +16,12 @@ from preinfer.config import Config
 from preinfer.errors import UsageError
 from preinfer.presets import PRESETS
 from preinfer.run_dir import RunDir
+from pipelines.cache.directory import cache_splits
+from pipelines.data.corpus import corpus_fingerprint
+from pipelines.data.token_store.layout import read_info
+from pipelines.data.token_store.resolve import is_token_store
+from pipelines.data.tokenizer_choice import model_tokenizer
+from storage import open_store
 
 # Config keys that name a file or directory, each with the values that do not (keywords, presets); a value with a
 # scheme (builtin:, s3://) names none either.
@@ -59,13 +65,6 @@ def _digest(text: str | None) -> str | None:
 def input_fingerprints(config: Config) -> dict[str, Any]:
     """The fingerprints of a run's inputs: its tokenizer (the chat template included), the chat template alone, and
     its data (the corpus's content, also a token store's) or, training from a cache, each store's fingerprint."""
-    from pipelines.cache.directory import cache_splits
-    from pipelines.data.corpus import corpus_fingerprint
-    from pipelines.data.token_store.layout import read_info
-    from pipelines.data.token_store.resolve import is_token_store
-    from pipelines.data.tokenizer_choice import model_tokenizer
-    from storage import open_store
-
     m = config.model
     tokenizer = model_tokenizer(m.tokenizer, m.name, m.chat_template).tokenizer
     found: dict[str, Any] = {"version": INPUTS_VERSION, "tokenizer": tokenizer.fingerprint(),
@@ -92,9 +91,11 @@ def check_inputs(run: RunDir, config: Config) -> None:
         recorded = json.loads(run.inputs.read_text())
     except FileNotFoundError:
         return
-    except (OSError, ValueError) as err:
-        raise UsageError(f"--resume: {run.inputs} cannot be read ({err}); it records what the run was trained "
-                         f"on: start a new run in another --out") from None
+    except (OSError, ValueError):
+        recorded = None
+    if not isinstance(recorded, dict):
+        raise UsageError(f"--resume: {run.inputs} is not a readable JSON record of what the run was trained on; "
+                         f"start a new run in another --out")
     current = input_fingerprints(config)
     m = config.model
     template = m.chat_template or "the tokenizer's own"

@@ -92,3 +92,11 @@ def test_the_same_run_resumes_with_its_relative_flags_when_nothing_changed(start
     code, stdout, err = run_cli([*argv, "--resume", "--sweeps", "2"], capsys)
     assert code == 0, err
     assert "resumed after step 4; changed blocks.sweeps 1 -> 2" in stdout
+
+
+@pytest.mark.slow
+def test_a_damaged_record_of_the_inputs_refuses_resume_in_one_line(started, capsys):
+    out, _, argv = started
+    (out / "inputs.json").write_text("[1, 2")
+    code, _, err = run_cli([*argv, "--resume"], capsys)
+    assert code == 2 and f"{out / 'inputs.json'} is not a readable JSON record" in failure_line(err)
