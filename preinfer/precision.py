@@ -11,13 +11,15 @@ and the masters are cast into the model's weights after every step. `fp16-mixed`
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import get_args
 
 import torch
 from torch import nn
 
+from preinfer.config.choices import Precision
 from preinfer.errors import CheckpointError, UsageError
 
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+PRECISIONS = tuple(name for name in get_args(Precision) if name != "auto")
 RESIDENT_DTYPES = {"fp32": torch.float32, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 MIXED_FOR_DTYPE = {torch.bfloat16: "bf16-mixed", torch.float16: "fp16-mixed"}
 

@@ -1,6 +1,6 @@
-"""The layout of a run directory: `RunDir` is the one place that names its files (config.toml, metrics.jsonl,
-checkpoint/, export/, loss.png, summary.json, stores/, and the trackers' tensorboard/, mlruns/ and wandb/); everything
-else asks it for their paths."""
+"""The layout of a run directory: `RunDir` is the one place that names its files (config.toml, inputs.json,
+metrics.jsonl, checkpoint/, export/, loss.png, summary.json, stores/, and the trackers' tensorboard/, mlruns/ and
+wandb/); everything else asks it for their paths."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from preinfer.checkpoint import WEIGHTS, newest_checkpoint
 
 # The entries a run writes in its directory: its files, and its directories (the checkpoint's with a save's two
 # siblings, and the trackers' folders).
-FILES = frozenset({"config.toml", "metrics.jsonl", "loss.png", "summary.json"})
+FILES = frozenset({"config.toml", "inputs.json", "metrics.jsonl", "loss.png", "summary.json"})
 CHECKPOINTS = ("checkpoint", "checkpoint.tmp", "checkpoint.old")
 TRACKER_DIRS = {"tensorboard": "tensorboard", "mlflow": "mlruns", "wandb": "wandb"}  # by tracker name
 DIRECTORIES = frozenset({*CHECKPOINTS, "export", "stores", *TRACKER_DIRS.values()})
@@ -26,6 +26,7 @@ class RunDir:
 
     path: Path
     config: Path  # config.toml: the resolved config, written once every input has been checked
+    inputs: Path  # inputs.json: the fingerprints of what the run trains on, written with the config
     metrics: Path  # metrics.jsonl: one record per line
     checkpoint: Path  # the latest checkpoint
     checkpoint_weights: Path  # its model weights (the resident tensors only, for a suffix-only run)
@@ -39,7 +40,7 @@ class RunDir:
         layout = dict(path=root, config=root / "config.toml", metrics=root / "metrics.jsonl",
                       checkpoint=root / "checkpoint", checkpoint_weights=root / "checkpoint" / WEIGHTS,
                       export=root / "export", loss_plot=root / "loss.png", summary=root / "summary.json",
-                      stores=root / "stores")
+                      stores=root / "stores", inputs=root / "inputs.json")
         for name, value in layout.items():
             object.__setattr__(self, name, value)
 
@@ -99,15 +100,19 @@ class RunDir:
         return found
 
     def write_config(self, text: str) -> None:
-        """Publish config.toml atomically: written beside, made durable, renamed into place (a failed write
-        leaves no partial file)."""
-        temporary = self.config.with_name(f".{self.config.name}.tmp-{os.getpid()}")
+        """Publish config.toml (see `publish`)."""
+        self.publish(self.config, text)
+
+    def publish(self, path: Path, text: str) -> None:
+        """Publish one of the run's files atomically: written beside, made durable, renamed into place (a failed
+        write leaves no partial file)."""
+        temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
             with temporary.open("w") as f:
                 f.write(text)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(temporary, self.config)
+            os.replace(temporary, path)
         finally:
             temporary.unlink(missing_ok=True)
 

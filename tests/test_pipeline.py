@@ -25,7 +25,7 @@ from preinfer.errors import UsageError
 from preinfer.memory.layer_spans import partition
 from preinfer.memory.settings import Settings
 from preinfer.memory.shapes import resolve_shape
-from preinfer.metrics import CacheRecord, VisitRecord, read_metrics
+from preinfer.metrics import CacheRecord, PreInferenceRecord, SweepPlanRecord, VisitRecord, read_metrics
 from preinfer.presets import build_preset
 from preinfer.run_dir import RunDir
 from preinfer.batch_source import LiveSources
@@ -186,6 +186,34 @@ def test_with_pre_inference_the_stages_make_the_store_and_those_below_it_idle(tw
     assert "stage(s) 0-0 below it run nothing this visit" in stdout
 
 
+def store_lifecycle(run_dir: Path) -> tuple[list, list, list]:
+    """What pre-inference decided in a run, without its timings: each sweep's first plan (the stores it reads and
+    how each is made), each visit's decision, and every store made, reused or deleted, and why."""
+    records = read_metrics(RunDir(run_dir).metrics)
+    plans = [(r.sweep, r.chosen, r.sources, [(b["boundary"], b["from"], b["before_visit"]) for b in r.builds])
+             for r in records if isinstance(r, SweepPlanRecord) and r.reason == "sweep start"]
+    visits = [(r.block, r.boundary, r.decision, r.build_from) for r in records if isinstance(r, PreInferenceRecord)]
+    stores = [(r.boundary, r.how, r.from_, r.reason) for r in records if isinstance(r, CacheRecord)]
+    return plans, visits, stores
+
+
+@pytest.mark.distributed
+def test_pre_inference_on_a_pipeline_plans_makes_and_deletes_the_stores_one_process_does(two_ranks, corpus,
+                                                                                         tmp_path):
+    """One executor for both layouts: the pipeline's plans and stores (made, reused, deleted, and why) are those
+    of one process for the same run."""
+    tmp, _ = two_ranks
+    model, blocks, more = RUNS["on"]
+    one_process(tmp_path, corpus, model, blocks, more, "one")
+    pipeline = store_lifecycle(tmp / "on")
+    assert pipeline == store_lifecycle(tmp_path / "one")
+    plans, visits, stores = pipeline
+    assert [sources for _, _, sources, _ in plans] == [[0, 2], [0, 2]]
+    assert [decision for _, _, decision, _ in visits] == ["store", "store"]
+    assert stores == 2 * [(2, "input", 0, None), (2, "reuse", None, None),  # made before the visit, which reads it
+                          (2, "deleted", None, "the plan reads it no more")]
+
+
 @pytest.mark.distributed
 def test_the_tied_weight_is_one_tensor_on_both_end_stages(two_ranks):
     tmp, _ = two_ranks
@@ -259,7 +287,8 @@ def bcd(tmp_path: Path, corpus: str, *flags: str) -> list[str]:
 
 
 @pytest.mark.parametrize("flags, expected", [
-    (["--pipeline", "2", "--batch-size", "4", "--microbatches", "3"], "--microbatches 3 does not divide --batch-size 4"),
+    (["--pipeline", "2", "--batch-size", "4", "--microbatches", "3"],
+     "--microbatches 3 ([run] microbatches): expected a divisor of --batch-size 4"),
     (["--pipeline", "5", "--microbatches", "4", "--pipeline-schedule", "gpipe"], "--pipeline 5: more stages than the model's 4 layers"),
     (["--pipeline", "2"], "--pipeline 2 does not divide the world size 1"),
 ])
@@ -275,13 +304,15 @@ def test_fp16_mixed_on_a_pipeline_is_refused_also_when_auto_resolves_to_it(tmp_p
     model_dir = tmp_path / "fp16"
     build_preset("tiny-llama", seed=0).to(torch.float16).save_pretrained(model_dir)
     capsys.readouterr()  # save_pretrained's progress
-    for precision, model, resolved in [("fp16-mixed", "tiny-llama", ""),
-                                       ("auto", str(model_dir), " (fp16-mixed for the model's float16 weights)")]:
+    for precision, model, line in [
+            ("fp16-mixed", "tiny-llama", "--precision fp16-mixed ([run] precision): expected bf16-mixed or fp32 on a "
+                                         "pipeline (fp16-mixed's loss scaling does not run there)"),
+            ("auto", str(model_dir), "--precision auto (fp16-mixed for the model's float16 weights): fp16-mixed (loss "
+                                     "scaling) does not run on a pipeline; give --precision bf16-mixed or fp32")]:
         flags = ["--model", model, "--precision", precision, "--pipeline", "2", "--batch-size", "4"]
         assert main([*bcd(tmp_path, corpus), *flags]) == 2
         err = capsys.readouterr().err.strip()
-        assert err.splitlines() == [f"preinfer bcd: error: --precision {precision}{resolved}: fp16-mixed (loss "
-                                    f"scaling) does not run on a pipeline; give --precision bf16-mixed or fp32"]
+        assert err.splitlines() == [f"preinfer bcd: error: {line}"]
         assert not (tmp_path / "r").exists()
 
 

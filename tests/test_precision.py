@@ -192,7 +192,7 @@ def test_a_bad_precision_is_one_line_with_exit_2_and_no_run_directory(tmp_path, 
     config.write_text('[run]\nprecision = "half"\n')
     assert main(["bcd", "--config", str(config), "--model", "tiny-llama", "--out", str(out), "--max-samples", "8"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--precision 'half' is not one of" in err
+    assert err.count("\n") == 1 and "[run] precision = 'half': expected one of auto, fp32, bf16-mixed, fp16-mixed" in err
     assert not out.exists()
 
 

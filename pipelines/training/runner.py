@@ -27,8 +27,9 @@ from pipelines.training.distributed import init_distributed
 from pipelines.training.fit import stopped_writing, train
 from pipelines.training.layout import OneProcess
 from pipelines.training.partition_choice import partition_for
+from pipelines.jobs.runs import owning_run
 from pipelines.training.pre_inference.stores import owning_store_dir
-from pipelines.training.run_directory import finish_run, owning_run
+from pipelines.training.run_directory import finish_run
 from pipelines.training.store_input import StoreInput
 from pipelines.training.trackers import check_trackers
 from pipelines.training.token_data import live_sources, load_datasets, samples_per_shard
@@ -42,7 +43,7 @@ def run(config: Config, resume: bool = False, quiet: bool = False) -> dict:
     check_trackers(config.run.report_to, config.run.out)  # a tracker not installed: refused before anything is made
     rank, world = init_distributed(config.run.device)
     run_dir = RunDir(config.run.out)
-    with owning_run(run_dir, resume, rank), owning_store_dir(config, rank):  # held first, then checked
+    with owning_run(run_dir, resume, rank, config), owning_store_dir(config, rank):  # held, then checked
         return _run(config, run_dir, resume, quiet, rank, world)
 
 
