@@ -13,12 +13,13 @@ from torch import nn
 
 import preinfer
 from preinfer.config import DEFAULT_ATTENTION
+from preinfer.errors import UsageError
 from preinfer.partition import make_partition
 from preinfer.staged import causal_lm_loss, supervised_tokens
 from preinfer.trainer import batch_state
 from pipelines.cache import open_cache
 from pipelines.data.batches import ReaderBatches
-from pipelines.models.suffix import load_suffix, to_device
+from pipelines.models.suffix import load_suffix, meta_model, to_device
 
 
 class StoreBatches(torch.utils.data.IterableDataset):
@@ -76,6 +77,11 @@ ones that require a gradient)."""
 def load_store_suffix(model: str, boundary: int, device: str = "cpu", seed: int = 0,
                       attention: str = DEFAULT_ATTENTION) -> StoreSuffix:
     """The suffix of `model` (a preset, save_pretrained or run directory) above `boundary`, on `device`, as
-    `train --store` loads it (a preset is built from `seed`; its prefix then dropped)."""
+    `train --store` loads it (a preset is built from `seed`; its prefix then dropped). A boundary outside
+    [1, layers] (where a store can be) is refused in one line before anything is loaded."""
+    layers = preinfer.stage(meta_model(model, attention)).num_layers
+    if isinstance(boundary, bool) or not isinstance(boundary, int) or not 1 <= boundary <= layers:
+        raise UsageError(f"load_store_suffix: boundary {boundary!r} is outside [1, {layers}]: {model} has {layers} "
+                         f"layers and a store at boundary k holds the input of layer k")
     suffix = load_suffix(model, boundary, seed, attention)
     return StoreSuffix(to_device(suffix.model, device), boundary)

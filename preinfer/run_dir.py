@@ -1,17 +1,23 @@
 """The layout of a run directory: `RunDir` is the one place that names its files (config.toml, inputs.json,
-metrics.jsonl, checkpoint/, export/, loss.png, summary.json, stores/); everything else asks it for their paths."""
+metrics.jsonl, checkpoint/, export/, loss.png, summary.json, stores/, and the trackers' tensorboard/, mlruns/ and
+wandb/); everything else asks it for their paths."""
 
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from preinfer.checkpoint import WEIGHTS, newest_checkpoint
 
-# The entries a run writes in its directory (the checkpoint's with a save's two siblings).
-ENTRIES = frozenset({"config.toml", "metrics.jsonl", "checkpoint", "checkpoint.tmp", "checkpoint.old", "export",
-                     "loss.png", "summary.json", "stores", "inputs.json"})
+# The entries a run writes in its directory: its files, and its directories (the checkpoint's with a save's two
+# siblings, and the trackers' folders).
+FILES = frozenset({"config.toml", "inputs.json", "metrics.jsonl", "loss.png", "summary.json"})
+CHECKPOINTS = ("checkpoint", "checkpoint.tmp", "checkpoint.old")
+TRACKER_DIRS = {"tensorboard": "tensorboard", "mlflow": "mlruns", "wandb": "wandb"}  # by tracker name
+DIRECTORIES = frozenset({*CHECKPOINTS, "export", "stores", *TRACKER_DIRS.values()})
+ENTRIES = FILES | DIRECTORIES
 
 
 @dataclass(frozen=True, init=False)
@@ -37,6 +43,10 @@ class RunDir:
                       stores=root / "stores", inputs=root / "inputs.json")
         for name, value in layout.items():
             object.__setattr__(self, name, value)
+
+    def tracker_dir(self, name: str) -> Path:
+        """The folder tracker `name` (`--report-to`: tensorboard, mlflow, wandb) reports into."""
+        return self.path / TRACKER_DIRS[name]
 
     def export_is_current(self) -> bool:
         """The export holds the checkpoint's weights (it was written after the latest checkpoint)."""
@@ -72,6 +82,23 @@ class RunDir:
         names = sorted(p.name for p in self.path.iterdir() if not p.name.startswith("."))
         return [n for n in names if n not in ENTRIES] if self.holds_run() else names
 
+    def misplaced_entries(self) -> list[str]:
+        """The entries a run writes whose place holds something else (a symlink, a fifo, a file for a directory or
+        a directory for a file), each as "'NAME' is WHAT"; the checkpoints' and the export's files too, since a run
+        reads or writes through them."""
+        if not self.path.is_dir():
+            return []
+        found = []
+        for name in sorted(ENTRIES):
+            kind = _kind(self.path / name)
+            expected = "a directory" if name in DIRECTORIES else "a file"
+            if kind is not None and kind != expected:
+                found.append(f"{name!r} is {kind}, where a run keeps {expected}")
+            elif kind == "a directory" and name in (*CHECKPOINTS, "export"):
+                found += [f"{entry!r} is {what}, where a run keeps a file or a directory"
+                          for entry, what in _odd_files(self.path, self.path / name)]
+        return found
+
     def write_config(self, text: str) -> None:
         """Publish config.toml (see `publish`)."""
         self.publish(self.config, text)
@@ -88,3 +115,26 @@ class RunDir:
             os.replace(temporary, path)
         finally:
             temporary.unlink(missing_ok=True)
+
+
+def _kind(path: Path) -> str | None:
+    """What is at `path` (not following a symlink), in words; None: nothing."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    kinds = {"a symbolic link": stat.S_ISLNK, "a directory": stat.S_ISDIR, "a file": stat.S_ISREG,
+             "a fifo": stat.S_ISFIFO, "a socket": stat.S_ISSOCK}
+    return next((name for name, test in kinds.items() if test(mode)), "a device file")
+
+
+def _odd_files(root: Path, directory: Path) -> list[tuple[str, str]]:
+    """(path relative to `root`, what it is) of every entry under `directory` that is neither a file nor a
+    directory (symlinks are not followed)."""
+    found = []
+    for parent, directories, files in os.walk(directory):
+        for name in [*directories, *files]:
+            kind = _kind(Path(parent) / name)
+            if kind not in ("a file", "a directory"):
+                found.append(((Path(parent) / name).relative_to(root).as_posix(), kind))
+    return sorted(found)

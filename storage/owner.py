@@ -17,6 +17,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import sys
 import threading
 import time
@@ -38,6 +39,11 @@ _HELD_GUARD = threading.Lock()
 
 class OutputBusyError(StorageError):
     """Another live job holds the output directory."""
+
+
+class OwnerLockError(StorageError):
+    """The output directory, or the lock file in it, cannot be made or is not a plain file (a symlink, a
+    directory, a fifo): refused before anything is written."""
 
 
 def holder_text(pid: object, host: object) -> str:
@@ -81,10 +87,14 @@ def owning(out: str | os.PathLike | Location, what: str = "--out", temporary: bo
 @contextlib.contextmanager
 def _hold_file(out: Path, what: str, temporary: bool, say: Callable[[str], None]) -> Iterator[None]:
     created = [p for p in (out, *out.absolute().parents) if not p.exists()] or ([out] if temporary else [])
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise OwnerLockError(f"{what} {out}: cannot create the directory ({error.strerror or error}); choose a "
+                             f"writable place") from None
     path = out / LOCK_FILE
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock(path, out, what)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -114,6 +124,34 @@ def _hold_file(out: Path, what: str, temporary: bool, say: Callable[[str], None]
             if not directory.is_dir() or any(directory.iterdir()):
                 break
             directory.rmdir()
+
+
+def _open_lock(path: Path, out: Path, what: str) -> int:
+    """The lock file opened for reading and writing (created if need be), never through a symlink; anything but a
+    plain file in its place is refused in one line."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as error:
+        raise _not_a_lock(path, out, what, error.strerror or str(error)) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _not_a_lock(path, out, what, "")
+    return fd
+
+
+def _not_a_lock(path: Path, out: Path, what: str, reason: str) -> OwnerLockError:
+    """The one line about a lock file that cannot be used: what stands in its place, or why it cannot be opened."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        mode = 0
+    kinds = {"a symbolic link": stat.S_ISLNK, "a directory": stat.S_ISDIR, "a fifo": stat.S_ISFIFO,
+             "a socket": stat.S_ISSOCK}
+    kind = next((name for name, test in kinds.items() if test(mode)), None)
+    if kind is None and mode and not stat.S_ISREG(mode):
+        kind = "not a plain file"
+    problem = f"is {kind}, where a job keeps a plain file; remove it" if kind else f"cannot be opened ({reason})"
+    return OwnerLockError(f"{what} {out}: its owner lock {path.name} {problem} (nothing was written)")
 
 
 class _Lease:

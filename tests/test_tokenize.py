@@ -19,7 +19,7 @@ import pytest
 import torch
 import zstandard
 
-import pipelines.data.corpus as corpus
+import pipelines.data.text_files as text_files
 import storage
 from pipelines.cli import main
 from pipelines.data.token_store import TokenizeOptions, TokenStoreDataset, cache_path, token_fingerprint, tokenize_corpus
@@ -228,12 +228,12 @@ def test_text_paragraphs_are_the_same_whatever_the_read_blocks(tmp_path, monkeyp
         path.write_text(text, encoding="utf-8", newline="")
         normal = text.replace("\r\n", "\n").replace("\r", "\n")
         expected = [p.strip("\n") for p in re.split(r"\n(?:[ \t]*\n)+", normal) if p.strip()]
-        monkeypatch.setattr(corpus, "READ_BLOCK", 1 + trial % 9)
+        monkeypatch.setattr(text_files, "READ_BLOCK", 1 + trial % 9)
         assert read_documents(str(path)) == expected, repr(text)
 
 
 def test_bad_bytes_and_records_in_compressed_files_name_the_place(tmp_path, monkeypatch):
-    monkeypatch.setattr(corpus, "READ_BLOCK", 16)
+    monkeypatch.setattr(text_files, "READ_BLOCK", 16)
     text = tmp_path / "t.txt"
     text.write_bytes("é".encode() * 30 + b"\xff tail")
     with raises_one_line(r"t\.txt\.zst: not UTF-8 text \(byte 60\)"):

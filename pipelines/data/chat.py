@@ -6,11 +6,17 @@ its end-of-turn token. A template that marks assistant turns with `{% generation
 (`return_assistant_tokens_mask`). Any other template is rendered turn by turn: assistant turn i spans the
 characters from the end of turns [0, i) rendered with the generation prompt to the end of turns [0, i]
 rendered, trailing whitespace left out; the tokens overlapping those characters are masked (transformers' rule
-for its own spans). Such a template must render each conversation as the prefix of its continuations.
+for its own spans). Such a template must render each conversation as the prefix of its continuations, and a
+conversation's first turn cannot be the assistant's (nothing renders before it).
+
+Rendering goes through transformers' `apply_chat_template` (a sandboxed Jinja environment without a loader):
+whatever a template raises there (`raise_exception`, a division by zero, a type error, a range over the sandbox's
+limit, `include`/`import`/`extends`) is one UsageError naming the record it rendered.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,7 +26,8 @@ from pipelines.data.conversations import Conversation
 from pipelines.data.tokenizers import Tokenizer
 from preinfer.errors import UsageError
 
-GENERATION_TAG = "{% generation %}"
+# How transformers finds a template that marks its assistant turns (`render_jinja_template`'s own test).
+GENERATION_TAG = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
 
 
 @dataclass(frozen=True)
@@ -44,40 +51,56 @@ def render_conversations(tokenizer: Tokenizer, conversations: Sequence[Conversat
     if tokenizer.chat_template is None:
         raise UsageError(f"tokenizer {tokenizer.name!r} has no chat template; pass --chat-template FILE")
     backend = tokenizer.backend
-    if GENERATION_TAG in tokenizer.chat_template:
+    if GENERATION_TAG.search(tokenizer.chat_template):
         return [_marked(backend, tokenizer.chat_template, conversation) for conversation in conversations]
     texts, spans = zip(*(assistant_spans(backend, tokenizer.chat_template, c) for c in conversations))
     encoded = _offsets(backend, list(texts))
     return [_masked(ids, offsets, turn_spans) for (ids, offsets), turn_spans in zip(encoded, spans)]
 
 
-def _render(backend, template: str, messages: list[dict[str, str]], generation_prompt: bool = False) -> str:
-    """The template's text of `messages`; a template that fails is refused in one line."""
-    from jinja2 import TemplateError
+def _where(conversation: Conversation) -> str:
+    return conversation.where or "a conversation"
 
+
+def _refused(conversation: Conversation, error: Exception) -> UsageError:
+    """The one line about a conversation the chat template fails on, naming its record."""
+    where = _where(conversation)
+    detail = str(error).strip().splitlines()[0] if str(error).strip() else "no details"
+    return UsageError(f"{where}: the chat template cannot render this conversation ({type(error).__name__}: "
+                      f"{detail[:300]})")
+
+
+def _render(backend, template: str, conversation: Conversation, turns: int | None = None,
+            generation_prompt: bool = False) -> str:
+    """The template's text of the conversation's first `turns` messages (all: None); whatever the template
+    raises is refused in one line naming the record."""
+    messages = conversation.messages()[:turns]
     try:
         return backend.apply_chat_template(messages, chat_template=template, tokenize=False,
                                            add_generation_prompt=generation_prompt)
-    except TemplateError as error:
-        raise UsageError(f"the chat template cannot render a conversation ({type(error).__name__}: "
-                         f"{str(error).splitlines()[0] if str(error) else 'no details'})") from None
+    except Exception as error:  # a template may raise anything: its own errors, Python's, the sandbox's
+        raise _refused(conversation, error) from None
 
 
 def assistant_spans(backend, template: str, conversation: Conversation) -> tuple[str, list[tuple[int, int]]]:
     """(the rendered conversation, the character span [start, end) of each assistant turn), found turn by turn."""
     messages = conversation.messages()
-    text = _render(backend, template, messages)
+    if messages[0]["role"] == "assistant":
+        raise UsageError(f"{_where(conversation)}: the conversation starts with the assistant's "
+                         f"turn, so nothing renders before it to find where it begins; start it with a system or "
+                         f"user turn, or mark the template's assistant turns with {{% generation %}}")
+    text = _render(backend, template, conversation)
     spans = []
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _render(backend, template, messages[:index], generation_prompt=True)
-        through = _render(backend, template, messages[: index + 1])
+        before = _render(backend, template, conversation, index, generation_prompt=True)
+        through = _render(backend, template, conversation, index + 1)
         if not (through.startswith(before) and text.startswith(through)):
             raise UsageError(
-                "the chat template does not render a conversation as the beginning of its continuations, so its "
-                "assistant turns cannot be found; mark them with {% generation %} ... {% endgeneration %} "
-                "(--chat-template FILE)"
+                f"{_where(conversation)}: the chat template does not render this conversation as "
+                f"the beginning of its continuations, so its assistant turns cannot be found; mark them with "
+                f"{{% generation %}} ... {{% endgeneration %}} (--chat-template FILE)"
             )
         end = len(through.rstrip())
         if end > len(before):
@@ -109,8 +132,11 @@ def _masked(ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[in
 
 def _marked(backend, template: str, conversation: Conversation) -> ChatTokens:
     """A conversation whose template marks the assistant turns: transformers' own mask."""
-    out = backend.apply_chat_template(conversation.messages(), chat_template=template, tokenize=True,
-                                      return_dict=True, return_assistant_tokens_mask=True)
+    try:
+        out = backend.apply_chat_template(conversation.messages(), chat_template=template, tokenize=True,
+                                          return_dict=True, return_assistant_tokens_mask=True)
+    except Exception as error:  # as `_render`
+        raise _refused(conversation, error) from None
     mask = np.asarray(out["assistant_masks"], dtype=np.uint8)
     ends = tuple(int(i) + 1 for i in np.flatnonzero(np.diff(np.append(mask, 0).astype(np.int8)) == -1))
     return ChatTokens(np.asarray(out["input_ids"], dtype=np.int64), mask, ends)

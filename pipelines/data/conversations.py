@@ -11,7 +11,7 @@ Accepted records (each a JSON object, or a row of a Parquet file or Hugging Face
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from preinfer.errors import UsageError
 
@@ -22,9 +22,11 @@ CHAT_FIELDS = ("messages", "conversations")
 
 @dataclass(frozen=True)
 class Conversation:
-    """One conversation: its turns as (role, content) pairs, roles among `ROLES`."""
+    """One conversation: its turns as (role, content) pairs, roles among `ROLES`, and where it was read (its file
+    and line or row, for messages; not part of its identity)."""
 
     turns: tuple[tuple[str, str], ...]
+    where: str = field(default="", compare=False)
 
     def key(self) -> str:
         """The text whose hash places this conversation in a split."""
@@ -52,15 +54,15 @@ def chat_field(fields: set[str] | list[str]) -> str | None:
 
 def chat_record(where: str, record: dict) -> Conversation:
     """The conversation of a `messages` or ShareGPT `conversations` record, refused in one line when malformed."""
-    field = chat_field(set(record))
-    if field is None:
+    name = chat_field(set(record))
+    if name is None:
         raise UsageError(f"{where}: record has no 'messages' or 'conversations' field, expected in chat data")
-    turns = record[field]
+    turns = record[name]
     if not isinstance(turns, list) or not turns:
-        raise UsageError(f"{where}: field '{field}' must be a non-empty list of turns")
-    role_key, content_key = ("role", "content") if field == "messages" else ("from", "value")
-    return Conversation(tuple(_turn(f"{where}: {field}[{index}]", turn, role_key, content_key)
-                              for index, turn in enumerate(turns)))
+        raise UsageError(f"{where}: field '{name}' must be a non-empty list of turns")
+    role_key, content_key = ("role", "content") if name == "messages" else ("from", "value")
+    return Conversation(tuple(_turn(f"{where}: {name}[{index}]", turn, role_key, content_key)
+                              for index, turn in enumerate(turns)), where)
 
 
 def _turn(where: str, turn: object, role_key: str, content_key: str) -> tuple[str, str]:

@@ -18,6 +18,9 @@ import numpy as np
 from preinfer.errors import UsageError
 from preinfer.presets import BYTE_EOS_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE
 
+MAX_TEMPLATE_BYTES = 256 * 1024  # the largest chat template compiled
+MAX_TEMPLATE_JSON_BYTES = 64 << 20  # the largest JSON file a template is looked for in (a tokenizer_config.json)
+
 
 class Tokenizer(Protocol):
     """What the data side needs from a tokenizer."""
@@ -133,7 +136,11 @@ class HFTokenizer:
         if chat_template_file is not None:
             self._tok.chat_template = read_chat_template(chat_template_file)
         template = getattr(self._tok, "chat_template", None)
+        if isinstance(template, dict):  # named templates (tokenizer_config.json's list of them)
+            template = self._tok.chat_template = named_template(template, None, f"tokenizer '{directory}'")
         self.chat_template = template if isinstance(template, str) and template.strip() else None
+        if self.chat_template is not None:
+            check_template_size(self.chat_template, f"the chat template of tokenizer '{directory}'")
 
     @property
     def backend(self):
@@ -204,20 +211,72 @@ def _bos_ids(tok) -> tuple[int, ...]:
     return ()
 
 
-def read_chat_template(path: str) -> str:
-    """The Jinja chat template in file `path` (a .jinja file, or a JSON file with a `chat_template` field)."""
+def read_chat_template(spec: str) -> str:
+    """The Jinja chat template of `--chat-template spec`: a .jinja file, or a JSON file with a `chat_template` field
+    (a string, or Hugging Face's list of named templates: `default`, or the one `FILE#NAME` names; a bare list
+    too). A template over MAX_TEMPLATE_BYTES is refused before it is read whole or compiled."""
+    path, _, name = spec.rpartition("#") if "#" in spec and not Path(spec).exists() else (spec, "", None)
+    limit = MAX_TEMPLATE_BYTES if not path.endswith(".json") else MAX_TEMPLATE_JSON_BYTES
     try:
+        if Path(path).is_file() and Path(path).stat().st_size > limit:
+            raise _too_large(f"--chat-template {spec}", Path(path).stat().st_size)
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
-        raise UsageError(f"--chat-template {path}: cannot read it ({type(error).__name__})") from None
+        raise UsageError(f"--chat-template {spec}: cannot read it ({type(error).__name__})") from None
     if path.endswith(".json"):
-        try:
-            text = json.loads(text)["chat_template"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise UsageError(f"--chat-template {path}: expected a JSON object with a 'chat_template' string") from None
+        text = _json_template(text, spec, name or None)
+    elif name:
+        raise UsageError(f"--chat-template {spec}: only a .json file holds named templates")
     if not isinstance(text, str) or not text.strip():
-        raise UsageError(f"--chat-template {path}: the template is empty")
+        raise UsageError(f"--chat-template {spec}: the template is empty")
+    check_template_size(text, f"--chat-template {spec}")
     return text
+
+
+def _json_template(text: str, spec: str, name: str | None) -> str:
+    """The template of a JSON template file: its `chat_template` string, or one of its named templates."""
+    try:
+        found = json.loads(text)
+        found = found["chat_template"] if isinstance(found, dict) else found
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise UsageError(f"--chat-template {spec}: expected a JSON object with a 'chat_template' string or list of "
+                         f"named templates") from None
+    if isinstance(found, list):
+        try:
+            found = {entry["name"]: entry["template"] for entry in found}
+        except (KeyError, TypeError):
+            raise UsageError(f"--chat-template {spec}: a list of named templates holds objects with 'name' and "
+                             f"'template'") from None
+    if isinstance(found, dict):
+        return named_template(found, name, f"--chat-template {spec}")
+    if name:
+        raise UsageError(f"--chat-template {spec}: the file holds one template, not named ones")
+    return found
+
+
+def named_template(templates: dict, name: str | None, where: str) -> str:
+    """Template `name` of a set of named ones, or (no name) `default`, or the only one, as transformers picks."""
+    if name is None and len(templates) == 1:
+        name = next(iter(templates))
+    chosen = name or "default"
+    if chosen not in templates:
+        names = ", ".join(sorted(map(str, templates)))
+        raise UsageError(f"{where}: no chat template named '{chosen}' (it has {names}); pass --chat-template "
+                         f"FILE#NAME naming one")
+    return templates[chosen]
+
+
+def check_template_size(template: str, where: str) -> None:
+    """Refuse a template over MAX_TEMPLATE_BYTES before it is compiled (a large literal template makes Jinja's
+    compiler grow by thousands of times its size)."""
+    size = len(template.encode("utf-8", errors="replace"))
+    if size > MAX_TEMPLATE_BYTES:
+        raise _too_large(where, size)
+
+
+def _too_large(where: str, size: int) -> UsageError:
+    return UsageError(f"{where}: {size} bytes, over the {MAX_TEMPLATE_BYTES // 1024} KiB a chat template may hold; "
+                      f"it was not compiled")
 
 
 def load_tokenizer(spec: str = "byte", chat_template_file: str | None = None) -> Tokenizer:

@@ -30,6 +30,9 @@ def check_run_dir(run: RunDir, resume: bool) -> None:
     out = run.path
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file, not a directory")
+    misplaced = run.misplaced_entries()
+    if misplaced:
+        raise UsageError(f"--out {out}: {misplaced[0]}; move it away and run again, nothing was changed")
     if resume:
         if not run.has_checkpoint():
             raise UsageError(f"--resume: {out} holds no checkpoint to resume from")

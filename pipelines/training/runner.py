@@ -28,6 +28,7 @@ from pipelines.training.fit import stopped_writing, train
 from pipelines.training.layout import OneProcess
 from pipelines.training.partition_choice import partition_for
 from pipelines.jobs.runs import owning_run
+from pipelines.training.pre_inference.stores import owning_store_dir
 from pipelines.training.run_directory import finish_run
 from pipelines.training.store_input import StoreInput
 from pipelines.training.trackers import check_trackers
@@ -39,10 +40,10 @@ if TYPE_CHECKING:  # torch.distributed.pipelining loads only for pipelines
 
 def run(config: Config, resume: bool = False, quiet: bool = False) -> dict:
     """Train as configured and write the run directory, held for the whole job; returns the summary."""
-    check_trackers(config.run.report_to)  # a tracker not installed: refused before anything is made
+    check_trackers(config.run.report_to, config.run.out)  # a tracker not installed: refused before anything is made
     rank, world = init_distributed(config.run.device)
     run_dir = RunDir(config.run.out)
-    with owning_run(run_dir, resume, rank, config):  # held first, then checked: a second job names the holder
+    with owning_run(run_dir, resume, rank, config), owning_store_dir(config, rank):  # held, then checked
         return _run(config, run_dir, resume, quiet, rank, world)
 
 

@@ -5,7 +5,8 @@ cache and plan records, `preinfer.metrics`) sent to each tracker named, from ran
 Offline by default: TensorBoard writes event files in `<out>/tensorboard`; W&B runs in offline mode (files in
 `<out>/wandb`) unless the environment sets WANDB_MODE; MLflow logs to a file store in `<out>/mlruns` unless
 MLFLOW_TRACKING_URI is set. Each tracker is an optional extra of the package (`pip install 'preinfer[tensorboard]'`);
-one that is not installed is refused before the run directory is made."""
+one that is not installed is refused before the run directory is made, and so is a tracker folder that cannot be
+written (a file in its place, a read-only directory)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from preinfer.config import Config, report_names
-from preinfer.errors import UsageError
+from preinfer.errors import UsageError, first_line
 from preinfer.metrics import Record, StepRecord
+from preinfer.run_dir import RunDir
 
 # Each tracker's package (the module it imports), which its extra installs.
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
@@ -27,12 +29,21 @@ def tracker_names(report_to: str) -> list[str]:
     return [name for name in report_names(report_to) if name != "none"]
 
 
-def check_trackers(report_to: str) -> None:
-    """Refuse a tracker whose package is not installed, naming the extra that installs it."""
+def check_trackers(report_to: str, out: str | Path | None = None) -> None:
+    """Refuse a tracker whose package is not installed, naming the extra that installs it, or whose folder in the
+    run directory `out` cannot be written."""
     for name in tracker_names(report_to):
         if importlib.util.find_spec(PACKAGES[name]) is None:
             raise UsageError(f"--report-to {name}: the {PACKAGES[name]} package is not installed; install it with "
                              f"pip install 'preinfer[{name}]'")
+        folder = RunDir(out).tracker_dir(name) if out is not None else None
+        if folder is not None and folder.exists() and not (folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)):
+            raise _unwritable(name, folder, "a file" if not folder.is_dir() else "read-only")
+
+
+def _unwritable(name: str, folder: Path, why: str) -> UsageError:
+    return UsageError(f"--report-to {name}: {folder} cannot be written ({why}); make it a writable directory or "
+                      f"remove it")
 
 
 class Tracker(Protocol):
@@ -47,7 +58,7 @@ class TensorBoard:
     def __init__(self, out: Path, config: Config):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(out / "tensorboard"))
+        self.writer = SummaryWriter(log_dir=str(RunDir(out).tracker_dir("tensorboard")))
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         for tag, value in metrics.items():
@@ -84,7 +95,7 @@ class MLflow:
 
         uri = os.environ.get("MLFLOW_TRACKING_URI")
         if uri is None:
-            uri = (out / "mlruns").resolve().as_uri()
+            uri = RunDir(out).tracker_dir("mlflow").resolve().as_uri()
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "preinfer")
@@ -119,7 +130,7 @@ class Trackers:
         """The trackers `run.report_to` names, reporting into the run directory `out`; none unless `rank` is 0."""
         if rank != 0:
             return cls([])
-        return cls([KINDS[name](out, config) for name in tracker_names(config.run.report_to)])
+        return cls([_opened(name, out, config) for name in tracker_names(config.run.report_to)])
 
     def record(self, record: Record) -> None:
         if not self.trackers:
@@ -134,6 +145,14 @@ class Trackers:
         for tracker in self.trackers:
             tracker.close()
         self.trackers = []
+
+
+def _opened(name: str, out: Path, config: Config) -> Tracker:
+    """Tracker `name` reporting into `out`; a folder it cannot write is one line naming it."""
+    try:
+        return KINDS[name](out, config)
+    except OSError as error:
+        raise _unwritable(name, Path(error.filename or RunDir(out).tracker_dir(name)), first_line(error)) from None
 
 
 def numbers(values: dict[str, Any], prefix: str | None = None) -> dict[str, float]:

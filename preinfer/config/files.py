@@ -109,6 +109,8 @@ def _choose_partition(config: Config, in_flags: set[str], naming: Naming) -> Non
 
 
 def _read_toml(path: Path) -> dict:
+    if path.exists() and not path.is_file():  # a directory, or a fifo that would block the read
+        raise UsageError(f"config file {path} is not a file")
     try:
         with path.open("rb") as f:
             return tomllib.load(f)
@@ -116,6 +118,8 @@ def _read_toml(path: Path) -> dict:
         raise UsageError(f"config file {path} does not exist") from None
     except tomllib.TOMLDecodeError as err:
         raise UsageError(f"config file {path} is not valid TOML: {err}") from None
+    except OSError as err:
+        raise UsageError(f"config file {path}: cannot read it ({err.strerror or err})") from None
 
 
 def _apply(config: Config, values: dict, source: str) -> set[str]:

@@ -4,6 +4,7 @@ same code as `preinfer cache`, and deleted when no longer usable or no longer re
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -16,7 +17,8 @@ from preinfer.metrics import CacheRecord, Record
 from preinfer.staged import StagedModel
 from pipelines.cache import CacheOptions, cache_fingerprint, open_cache
 from pipelines.training.pre_inference.writers import Built, StoreWriter
-from storage import Location, StorageError, remove_tree
+from pipelines.jobs.output import held_output
+from storage import Location, StorageError, location, remove_tree
 
 
 STORE_NAME = re.compile(r"(boundary-|probe-rank)\d+")  # what pre-inference writes under its store directory
@@ -33,6 +35,16 @@ def check_store_dir(root: Location) -> None:
     if foreign:
         raise UsageError(f"--store-dir {root} holds {foreign[0]!r}, which pre-inference does not write; choose an "
                          f"empty or new directory, nothing was deleted")
+
+
+def owning_store_dir(config: Config, rank: int = 0) -> contextlib.AbstractContextManager:
+    """Hold a `--store-dir` of the run's (rank 0, for every rank) for the whole run, like every other output, so
+    that a second run on it is refused naming the holder; the default under the run directory is the run's."""
+    store_dir = config.pre_inference.store_dir
+    if store_dir is None or rank != 0:
+        return contextlib.nullcontext()
+    check_store_dir(location(store_dir))  # a file in its place, or a user's files: this line, not the lock's
+    return held_output(store_dir, "--store-dir")
 
 
 class Stores:
