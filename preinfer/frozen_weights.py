@@ -31,16 +31,8 @@ import torch
 from torch import nn
 
 from preinfer.errors import UsageError
+from preinfer.memory.quantized import FROZEN_DTYPES, NF4_BLOCK, nf4_scaler_block
 from preinfer.torchao_extra import torchao_module
-
-FROZEN_DTYPES = ("bf16", "int8", "nf4")
-NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
-
-
-def nf4_scaler_block(numel: int) -> int:
-    """The scaler block of an NF4 weight of `numel` elements: the largest divisor of its 64-blocks up to 256."""
-    blocks = numel // NF4_BLOCK
-    return next(size for size in range(min(NF4_SCALER_BLOCK, blocks), 0, -1) if blocks % size == 0)
 
 
 def encode(weight: torch.Tensor, dtype: str) -> tuple[torch.Tensor, ...]:

@@ -22,8 +22,6 @@ from preinfer.errors import UsageError
 from preinfer.torchao_extra import torchao_module
 
 LOW_BIT_OPTIMIZERS = ("adam8bit", "adamw8bit")
-BLOCK = 256  # elements per absmax scale: torchao's block size for 8-bit moments
-MIN_ELEMENTS = 4096  # smaller tensors keep float32 moments (torchao follows bitsandbytes)
 PARTS = ("codes", "scale", "qmap")
 
 

@@ -21,7 +21,7 @@ from preinfer.memory.layer_spans import LayerSpan
 from preinfer.memory.settings import DTYPES, Settings
 from preinfer.memory.shapes import ModelShape
 
-FROZEN_DTYPES = ("auto", "bf16", "int8", "nf4")
+FROZEN_DTYPES = ("bf16", "int8", "nf4")  # and "auto": the resident dtype
 OPTIMIZER_BITS = (32, 8)
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
 LOW_BIT_BLOCK, LOW_BIT_MIN = 256, 4096
@@ -52,6 +52,12 @@ def block_tensors(m: ModelShape, block: LayerSpan) -> list[int]:
     return tensors
 
 
+def nf4_scaler_block(numel: int) -> int:
+    """The scaler block of an NF4 weight of `numel` elements: the largest divisor of its 64-blocks up to 256."""
+    blocks = numel // NF4_BLOCK
+    return next(size for size in range(min(NF4_SCALER_BLOCK, blocks), 0, -1) if blocks % size == 0)
+
+
 def frozen_linear_bytes(rows: int, cols: int, frozen_dtype: str, weight_bytes: int) -> int:
     """Device bytes of one frozen linear weight held in `frozen_dtype` (module docstring)."""
     n = rows * cols
@@ -60,8 +66,7 @@ def frozen_linear_bytes(rows: int, cols: int, frozen_dtype: str, weight_bytes: i
     if frozen_dtype == "int8":
         return n + 4 * rows
     blocks = n // NF4_BLOCK
-    scaler = next(s for s in range(min(NF4_SCALER_BLOCK, blocks), 0, -1) if blocks % s == 0)
-    return n // 2 + blocks + (blocks // scaler) * weight_bytes + 17 * weight_bytes
+    return n // 2 + blocks + (blocks // nf4_scaler_block(n)) * weight_bytes + 17 * weight_bytes
 
 
 def moment_bytes(n: int, plain_bytes: int) -> int:
@@ -73,8 +78,8 @@ def moment_bytes(n: int, plain_bytes: int) -> int:
 
 def check_settings(m: ModelShape, settings: Settings) -> None:
     """A UsageError for a value or a model these fields do not price."""
-    if settings.frozen_dtype not in FROZEN_DTYPES:
-        raise UsageError(f"frozen dtype '{settings.frozen_dtype}' is not one of {', '.join(FROZEN_DTYPES)}")
+    if settings.frozen_dtype not in ("auto", *FROZEN_DTYPES):
+        raise UsageError(f"frozen dtype '{settings.frozen_dtype}' is not one of auto, {', '.join(FROZEN_DTYPES)}")
     if settings.optimizer_bits not in OPTIMIZER_BITS:
         raise UsageError(f"optimizer bits {settings.optimizer_bits} is not 32 or 8")
     changed = settings.frozen_dtype != "auto" or settings.optimizer_bits == 8 or settings.fused_step
