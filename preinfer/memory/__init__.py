@@ -9,6 +9,7 @@ step. Modules, from the inputs to the plan:
 - `shapes`: the sizes of a model (`ModelShape`) from a size name, a preset or a Hugging Face config;
 - `layer_spans`: runs of consecutive layers (`LayerSpan`) and the partition into blocks;
 - `activations`: the bytes each layer saves for backward;
+- `quantized`: what frozen weights in fewer bits, 8-bit moments and a fused step change in a visit;
 - `footprint`: bytes per GPU of full Adam, of each BCD visit and of a pipeline stage;
 - `traffic`: a store's size and its traffic against a pipeline's;
 - `cost`: training FLOPs, GPU-hours and dollars;

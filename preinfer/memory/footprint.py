@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from preinfer.memory.activations import step_activations
 from preinfer.memory.layer_spans import LayerSpan, block_params, partition
+from preinfer.memory.quantized import adjust
 from preinfer.memory.settings import DTYPES, Settings
 from preinfer.memory.shapes import ModelShape
 
@@ -22,6 +23,7 @@ class Memory:
     total: int = 0
     fits: bool = False
     note: str = ""
+    host: int = 0  # host memory: the masters of frozen weights held in fewer bits (not in the total)
 
     def finish(self, capacity: int) -> Memory:
         """Fill in the total and whether it fits `capacity` bytes."""
@@ -60,7 +62,9 @@ def bcd_memory(m: ModelShape, settings: Settings, blocks: list[LayerSpan], k: in
     c = DTYPES[settings.dtype]["act"]
     acts = step_activations(m, settings.micro_batch, settings.seq_len, c, block, settings.recompute,
                             settings.attention)
-    memory = Memory(*_component_bytes(settings, resident, block_params(m, block)), acts.total())
+    weights, grads, optimizer, host = adjust(m, settings, block, block.start if store else 0,
+                                             _component_bytes(settings, resident, block_params(m, block)))
+    memory = Memory(weights, grads, optimizer, acts.total(), host=host)
     memory.note = f"block {k} (layers {block.start}-{block.stop - 1})"
     return memory.finish(settings.capacity())
 

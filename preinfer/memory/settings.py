@@ -60,6 +60,9 @@ class Settings:
     pipeline: int | None = None  # pipeline degree for the traffic comparison; None: the plan's own (at least 2)
     epochs_per_visit: float = 1.0  # epochs each visit trains over the dataset (one caching pass serves them all)
     budget_bytes: int | None = None  # bytes the run may fill, given directly (--memory-budget); overrides the GPU's
+    frozen_dtype: str = "auto"  # frozen decoder-layer linear weights: auto (resident dtype), bf16, int8 or nf4
+    optimizer_bits: int = 32  # 8: 8-bit Adam moments (adam8bit, adamw8bit)
+    fused_step: bool = False  # each gradient freed as its step runs in backward
 
     def capacity(self) -> int:
         """Bytes a training process can fill on one GPU (the memory budget where one is given)."""

@@ -18,6 +18,7 @@ SIZES = {
         "7b": dict(hidden=4096, layers=32, heads=32, intermediate=11008),
         "13b": dict(hidden=5120, layers=40, heads=40, intermediate=13824),
         "20b": dict(hidden=6144, layers=44, heads=48, intermediate=16384),
+        "llama3-8b": dict(hidden=4096, layers=32, heads=32, intermediate=14336, vocab=128256, kv_heads=8),
     },
     "gpt2": {
         "1.5b": dict(hidden=1600, layers=48, heads=25),
@@ -143,13 +144,15 @@ def shape_for_size(size: str, arch: str = "llama") -> ModelShape:
     """The standard shape of a named size (`1.5b`, `7b`, `13b`, `20b`), Llama- or GPT-2-shaped."""
     if arch not in SIZES:
         raise UsageError(f"unknown --arch '{arch}'; use llama or gpt2")
+    if size.lower() not in SIZES[arch]:
+        raise UsageError(f"size '{size}' has no --arch {arch} shape; use one of {', '.join(SIZES[arch])}")
     dims = SIZES[arch][size.lower()]
     h, heads = dims["hidden"], dims["heads"]
     if arch == "gpt2":  # GPT-2 dropout 0.1 everywhere, as in the released configs
         return ModelShape(f"{size}-gpt2", "gpt2", 50257, h, dims["layers"], heads, heads, h // heads, 4 * h,
                           positions=1024, tied=True, bias=True, dropout=0.1)
-    return ModelShape(f"{size}-llama", "llama", 32000, h, dims["layers"], heads, heads, h // heads,
-                      dims["intermediate"])
+    return ModelShape(f"{size}-llama", "llama", dims.get("vocab", 32000), h, dims["layers"], heads,
+                      dims.get("kv_heads", heads), h // heads, dims["intermediate"])
 
 
 def resolve_shape(spec: str, arch: str = "llama") -> ModelShape:

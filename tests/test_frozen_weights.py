@@ -1,0 +1,135 @@
+"""Frozen linear weights in bf16, int8 and nf4: boundary states and input gradients against the Hugging Face
+model's own forward with the masters, and masters kept bit for bit."""
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from preinfer.errors import UsageError
+from preinfer.frozen_weights import FrozenLinear, FrozenWeights, decode, encode
+
+# Relative Frobenius error of a boundary state after every layer is frozen in the dtype, for weights of std 0.02:
+# bf16 rounds each weight by <= 2^-8 relatively, int8 by <= absmax(row) / 254, nf4 by <= 0.152 absmax(64-block).
+STATE_ERROR = {"bf16": 0.01, "int8": 0.02, "nf4": 0.25}
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    return LlamaForCausalLM(config).eval()
+
+
+def states(model, ids):
+    return model(ids, output_hidden_states=True).hidden_states
+
+
+def relative(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "nf4"])
+def test_quantized_layers_give_the_masters_boundary_states_within_the_dtypes_error(dtype):
+    reference, model = tiny_llama(), tiny_llama()
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    frozen = FrozenWeights(model.model.layers, dtype, "cpu")
+    frozen.quantize(range(3))
+    assert all(isinstance(m, FrozenLinear) for m in model.model.layers[0].self_attn.children())
+    with torch.no_grad():
+        expected, got = states(reference, ids), states(model, ids)
+    errors = [relative(g, e) for g, e in zip(got[1:], expected[1:])]
+    assert max(errors) < STATE_ERROR[dtype]
+    assert max(errors) > 0  # the codes are used: the masters' forward is not what runs
+
+
+def test_element_errors_are_the_documented_bounds():
+    weight = torch.randn(32, 128, generator=torch.Generator().manual_seed(2)) * 0.02
+    int8 = decode(encode(weight, "int8"), "int8", torch.float32)
+    assert bool(((int8 - weight).abs() <= weight.abs().amax(1, keepdim=True) / 254 * (1 + 1e-6)).all())
+    bf16 = decode(encode(weight, "bf16"), "bf16", torch.float32)
+    assert bool(((bf16 - weight).abs() <= weight.abs() * 2**-8).all())
+    nf4 = decode(encode(weight, "nf4"), "nf4", torch.float32)
+    blocks, err = weight.reshape(-1, 64), (nf4 - weight).reshape(-1, 64).abs()
+    absmax = blocks.abs().amax(1, keepdim=True)
+    scaler_error = (absmax - absmax.mean()).abs().max() / 254
+    assert bool((err <= 0.152 * absmax + scaler_error).all())
+
+
+@pytest.mark.parametrize("dtype", ["int8", "nf4"])
+def test_quantize_restore_gives_the_masters_back_bit_for_bit_and_codes_come_from_masters(dtype):
+    model = tiny_llama()
+    original = copy.deepcopy(model.state_dict())
+    frozen = FrozenWeights(model.model.layers, dtype, "cpu")
+    frozen.quantize([0, 1, 2])
+    first = [c.clone() for c in _codes(model.model.layers[1].mlp.down_proj)]
+    assert "model.layers.1.mlp.down_proj.weight" not in model.state_dict()  # codes are never in a state dict
+    frozen.restore([1])
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in original.items() if k.startswith("model.layers.1."))
+    frozen.quantize([1])
+    frozen.quantize([1])  # already quantized: kept, not coded again
+    second = _codes(model.model.layers[1].mlp.down_proj)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    frozen.restore([0, 1, 2])
+    assert set(model.state_dict()) == set(original)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in original.items())
+    masters = frozen.masters()
+    assert torch.equal(masters["2.self_attn.k_proj.weight"], original["model.layers.2.self_attn.k_proj.weight"])
+
+
+def test_a_restored_layers_trained_weight_becomes_its_master():
+    model = tiny_llama()
+    frozen = FrozenWeights(model.model.layers, "int8", "cpu")
+    frozen.quantize([0, 2])
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight.add_(1.0)
+    trained = model.model.layers[1].mlp.up_proj.weight.detach().clone()
+    assert torch.equal(frozen.masters()["1.mlp.up_proj.weight"], trained)
+    frozen.quantize([1])
+    frozen.restore([1])
+    assert torch.equal(model.model.layers[1].mlp.up_proj.weight, trained)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "nf4"])
+def test_input_gradients_flow_through_quantized_layers_to_a_trainable_layer_below(dtype):
+    reference, model = tiny_llama(), tiny_llama()
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
+    for m in (reference, model):
+        m.requires_grad_(False)
+        m.model.layers[0].requires_grad_(True)
+    frozen = FrozenWeights(model.model.layers, dtype, "cpu")
+    frozen.quantize([1, 2])
+    for m in (reference, model):
+        m(ids, labels=ids).loss.backward()
+    grads = [(p.grad, q.grad) for p, q in zip(model.model.layers[0].parameters(), reference.model.layers[0].parameters())]
+    assert all(g is not None for g, _ in grads)
+    assert max(relative(g, e) for g, e in grads) < STATE_ERROR[dtype]
+    assert all(not b.requires_grad for b in model.model.layers[1].buffers())
+
+
+def test_nf4_refuses_a_weight_it_cannot_block_in_one_line():
+    layer = torch.nn.Sequential(torch.nn.Linear(10, 3))
+    with pytest.raises(UsageError, match="divisible by 64.*use int8"):
+        FrozenWeights([layer], "nf4", "cpu")
+
+
+def test_a_missing_torchao_is_refused_in_one_line(monkeypatch):
+    import importlib
+
+    real = importlib.import_module
+
+    def without_torchao(name, *args):
+        if name.startswith("torchao"):
+            raise ImportError(name)
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", without_torchao)
+    with pytest.raises(UsageError, match=r"^frozen dtype nf4 needs torchao.*pip install preinfer\[quant\]$"):
+        FrozenWeights(tiny_llama().model.layers, "nf4", "cpu")
+
+
+def _codes(module):
+    assert isinstance(module, FrozenLinear)
+    codes = module.codes()
+    return [c.get_original_weight() if type(c).__name__ == "NF4Tensor" else c for c in codes]

@@ -1,0 +1,76 @@
+"""8-bit Adam and AdamW: quantized moments, steps close to torch's AdamW, and a state that resumes bit for bit
+through the project's checkpoint."""
+
+import pytest
+import torch
+from torch import nn
+
+from preinfer.checkpoint import load_checkpoint, save_checkpoint
+from preinfer.errors import UsageError
+from preinfer.low_bit import low_bit_adam
+
+
+def model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(128, 64), nn.LayerNorm(64))
+
+
+def train(net: nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> None:
+    for step in steps:
+        x = torch.randn(8, 128, generator=torch.Generator().manual_seed(step))
+        optimizer.zero_grad()
+        net(x).square().mean().backward()
+        optimizer.step()
+
+
+def test_large_tensors_get_8bit_moments_and_small_ones_float32():
+    net = model()
+    optimizer = low_bit_adam(net.parameters(), "adamw8bit", 1e-3, (0.9, 0.999), 0.01)
+    train(net, optimizer, range(1))
+    state = optimizer.state_dict()["state"]
+    assert state[0]["exp_avg.codes"].dtype == torch.uint8 and state[0]["exp_avg.codes"].shape == (64, 128)
+    assert state[0]["exp_avg_sq.scale"].shape == (64 * 128 // 256,) and state[0]["exp_avg.signed"] is True
+    assert state[1]["exp_avg"].dtype == torch.float32  # 64 elements: below 4096
+
+
+@pytest.mark.parametrize("name, reference", [("adam8bit", torch.optim.Adam), ("adamw8bit", torch.optim.AdamW)])
+def test_steps_are_torchs_within_the_quantization_error(name, reference):
+    ours, theirs = model(), model()
+    start = [p.detach().clone() for p in ours.parameters()]
+    train(ours, low_bit_adam(ours.parameters(), name, 1e-3, (0.9, 0.999), 0.01), range(5))
+    train(theirs, reference(theirs.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01), range(5))
+    for p, q, p0 in zip(ours.parameters(), theirs.parameters(), start):
+        assert float((p - q).detach().norm() / (q - p0).detach().norm()) < 0.05
+
+
+def test_the_rate_is_a_float_a_schedule_sets():
+    net = model()
+    optimizer = low_bit_adam(net.parameters(), "adam8bit", 1e-3, (0.9, 0.999), 0.0)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    before = [p.detach().clone() for p in net.parameters()]
+    train(net, optimizer, range(2))
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+    assert optimizer.state_dict()["param_groups"][0]["lr"] == 0.0
+
+
+def test_the_state_resumes_bit_for_bit_through_a_checkpoint(tmp_path):
+    straight = model()
+    optimizer = low_bit_adam(straight.parameters(), "adamw8bit", 1e-3, (0.9, 0.999), 0.01)
+    train(straight, optimizer, range(3))
+    save_checkpoint(tmp_path / "checkpoint", straight, {0: optimizer.state_dict()}, {"global_step": 3})
+    train(straight, optimizer, range(3, 6))
+
+    resumed = model(seed=1)
+    saved = load_checkpoint(tmp_path / "checkpoint", resumed)
+    again = low_bit_adam(resumed.parameters(), "adamw8bit", 1e-3, (0.9, 0.999), 0.01)
+    again.load_state_dict(saved.optimizers[0])
+    train(resumed, again, range(3, 6))
+    assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters()))
+    ours, theirs = again.state_dict()["state"], optimizer.state_dict()["state"]
+    assert all(torch.equal(ours[i][k], v) for i in theirs for k, v in theirs[i].items() if torch.is_tensor(v))
+
+
+def test_unknown_names_are_refused():
+    with pytest.raises(UsageError, match="'adam4bit' is not one of adam8bit, adamw8bit"):
+        low_bit_adam(model().parameters(), "adam4bit", 1e-3, (0.9, 0.999), 0.0)
