@@ -35,6 +35,10 @@ COMMANDS = {
 # 2 busy cores; docs/results.md, "The hot path"). On idle cores spinning is faster (issue 12: 155 ms against
 # 235 ms); set OMP_WAIT_POLICY there. OpenMP reads it when torch loads.
 PROCESS_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE"}
+# Loggers that warn while transformers imports them, about nothing a run can act on: torchao (the `quant` extra) on
+# its CUDA-only kernels this machine cannot load, torch's pytree on a deprecation. Raised to ERROR before a command's
+# module loads.
+IMPORT_WARNINGS = ("torchao", "torch.utils._pytree")
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -95,6 +99,12 @@ def set_process_environment() -> None:
         os.environ.setdefault(key, value)
 
 
+def hide_import_warnings() -> None:
+    """Raise IMPORT_WARNINGS' loggers to ERROR."""
+    for name in IMPORT_WARNINGS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def show_framework_messages() -> None:
     """Print what `preinfer`'s loggers say at INFO (the framework's messages, `preinfer.model_config.FRAMEWORK_LOG`)
     to stderr."""
@@ -106,6 +116,7 @@ def show_framework_messages() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     set_process_environment()
+    hide_import_warnings()
     args = build_parser().parse_args(argv)
     if args.verbose:
         show_framework_messages()
