@@ -61,6 +61,29 @@ def assert_units_cover_every_parameter(model: torch.nn.Module) -> None:
     assert shared <= {("embed", "head")}, shared
 
 
+def assert_embedding_and_head_are_apart(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> None:
+    """The boundary-0 state does not depend on the head's own parameters, nor the logits of a state on the
+    embedding's (so fingerprints, partitions and suffix loading put each module where the forward uses it)."""
+    staged = preinfer.stage(model)
+    embed = {id(p) for m in staged.embed_modules() for p in m.parameters()}
+    head = {id(p) for m in staged.head_modules() for p in m.parameters()}
+    with torch.no_grad():
+        state = staged.embed(ids, mask)
+        logits = staged.logits(staged.run(state, 0, staged.num_layers))
+        head_only = [p for p in model.parameters() if id(p) in head and id(p) not in embed]
+        kept = [p.clone() for p in head_only]
+        for p in head_only:
+            p.add_(0.5)
+        assert torch.equal(staged.embed(ids, mask).hidden, state.hidden), "a head module runs before the layers"
+        for p, value in zip(head_only, kept):
+            p.copy_(value)
+        for p in model.parameters():
+            if id(p) in embed and id(p) not in head:
+                p.add_(0.5)
+        again = staged.logits(staged.run(state, 0, staged.num_layers))
+        assert torch.equal(again, logits), "an embedding module runs after the embedding"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family,variant", CASES, ids=[f"{f}-{v}" if v else f for f, v in CASES])
 def test_family_is_exact_or_refused(family, variant):
@@ -73,6 +96,7 @@ def test_family_is_exact_or_refused(family, variant):
         return
     assert_composes(model, ids, mask)
     assert_units_cover_every_parameter(model)
+    assert_embedding_and_head_are_apart(model, ids, mask)
 
 
 @pytest.mark.slow

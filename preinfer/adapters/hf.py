@@ -230,7 +230,9 @@ def _layer_list(model: nn.Module) -> tuple[nn.Module, str]:
 
 def _classify(model: nn.Module, owner: nn.Module, name: str):
     """(embedding slots as (parent, name, module), head, shared modules): the children of each module on the way
-    from `model` down to `owner`, the layers' list and the path itself left out."""
+    from `model` down to `owner`, the layers' list and the path itself left out. A parameterised child is on the
+    embedding side when it holds the input embeddings, is an embedding table or is named for the embedding
+    (`layernorm_embedding`, `word_embeddings_layernorm`); the others (final norms, the LM head) are the head."""
     inputs = model.get_input_embeddings()
     slots, head, shared = [], [], []
     path = _path(model, owner)
@@ -240,7 +242,8 @@ def _classify(model: nn.Module, owner: nn.Module, name: str):
             if id(child) in on_path or (parent is owner and child_name == name):
                 continue
             has_params = any(True for _ in child.parameters())
-            if _holds(child, inputs) or (isinstance(child, nn.Embedding) and has_params):
+            embedding_side = isinstance(child, nn.Embedding) or "emb" in child_name  # layernorm_embedding too
+            if _holds(child, inputs) or (embedding_side and has_params):
                 slots.append((parent, child_name, child))
             elif has_params:
                 head.append(child)

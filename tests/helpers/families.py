@@ -26,6 +26,8 @@ OVERRIDES: dict[str, dict] = {
     "falcon": dict(head_dim=None),
     "gptj": dict(rotary_dim=4),
     "codegen": dict(rotary_dim=4),
+    "falcon_h1": dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_state=8, mamba_chunk_size=16),
+    "kimi_linear": dict(linear_head_dim=8, linear_num_heads=4, qk_rope_head_dim=4, v_head_dim=8, qk_nope_head_dim=4),
 }
 
 # family -> {variant name: fields on top of the family's tiny config}: the optional model-level terms switched on.
