@@ -47,6 +47,15 @@ def assert_composes(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tenso
             assert worst <= 1e-5, f"boundary {k}: {worst:.2e} from the model's own logits"
 
 
+def assert_causal(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> None:
+    """The model's own logits at a position do not depend on the tokens after it (a next-token loss is only
+    meaningful then; a bidirectional encoder in the registry is refused)."""
+    later = ids.clone()
+    later[:, 5:] = (later[:, 5:] + 1) % ids.max().item()
+    before, after = own_logits(model, ids, mask)[:, :5], own_logits(model, later, mask)[:, :5]
+    assert (before - after).abs().max().item() <= 1e-6, "logits depend on later tokens: not causal"
+
+
 def assert_units_cover_every_parameter(model: torch.nn.Module) -> None:
     """Each parameter is in exactly one unit (a tied weight in the embedding and the head), so that partitions,
     fingerprints and suffix loading see all of them."""
@@ -94,6 +103,7 @@ def test_family_is_exact_or_refused(family, variant):
             preinfer.stage(model)
         assert family in str(refused.value) and REFUSED[family] in str(refused.value)
         return
+    assert_causal(model, ids, mask)
     assert_composes(model, ids, mask)
     assert_units_cover_every_parameter(model)
     assert_embedding_and_head_are_apart(model, ids, mask)
@@ -119,7 +129,7 @@ def test_not_buildable_families_really_fail_to_build_tiny(family):
 def test_an_unknown_family_is_refused_in_one_line():
     model = tiny_model("llama")
     model.config.model_type = "llama-next"
-    with pytest.raises(UnsupportedModelError, match="cannot stage llama-next .*not a family verified"):
+    with pytest.raises(UnsupportedModelError, match=r"cannot stage a LlamaForCausalLM \(llama-next\): not a family verified"):
         preinfer.stage(model)
 
 

@@ -32,7 +32,9 @@ from preinfer.errors import UnsupportedModelError
 from preinfer.moe import use_row_invariant_experts
 from preinfer.staged import LayerCall, StagedModel
 
-ADAPTER_VERSION = 2  # part of every prefix fingerprint: a change to what the adapter computes changes it
+ADAPTER_VERSION = 2
+# Norms that transformers' forwards apply to the embedding before the layers (BART kin, TrOCR; BLOOM).
+EMBEDDING_NORMS = frozenset({"layernorm_embedding", "word_embeddings_layernorm"})  # part of every prefix fingerprint: a change to what the adapter computes changes it
 
 
 class _Stop(Exception):
@@ -231,8 +233,8 @@ def _layer_list(model: nn.Module) -> tuple[nn.Module, str]:
 def _classify(model: nn.Module, owner: nn.Module, name: str):
     """(embedding slots as (parent, name, module), head, shared modules): the children of each module on the way
     from `model` down to `owner`, the layers' list and the path itself left out. A parameterised child is on the
-    embedding side when it holds the input embeddings, is an embedding table or is named for the embedding
-    (`layernorm_embedding`, `word_embeddings_layernorm`); the others (final norms, the LM head) are the head."""
+    embedding side when it holds the input embeddings, is an embedding table or is one of `EMBEDDING_NORMS`; the
+    others (final norms, the LM head) are the head. tests/test_families.py checks the split for every family."""
     inputs = model.get_input_embeddings()
     slots, head, shared = [], [], []
     path = _path(model, owner)
@@ -242,7 +244,7 @@ def _classify(model: nn.Module, owner: nn.Module, name: str):
             if id(child) in on_path or (parent is owner and child_name == name):
                 continue
             has_params = any(True for _ in child.parameters())
-            embedding_side = isinstance(child, nn.Embedding) or "emb" in child_name  # layernorm_embedding too
+            embedding_side = isinstance(child, nn.Embedding) or child_name in EMBEDDING_NORMS
             if _holds(child, inputs) or (embedding_side and has_params):
                 slots.append((parent, child_name, child))
             elif has_params:
