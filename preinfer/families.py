@@ -7,6 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from preinfer.errors import UnsupportedModelError
+from preinfer.staged import SequentialLM, StagedModel
 
 EXACT: frozenset[str] = frozenset({
     "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "bart", "beam",     "biogpt", "bitnet", "blenderbot", "blenderbot-small", "bloom",     "codegen", "cohere", "cohere2", "cohere2_moe", "ctrl", "cwm", "diffllama", "doge",     "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "exaone_moe", "falcon", "falcon_h1", "falcon_mamba",
@@ -54,8 +55,11 @@ REFUSED: dict[str, str] = {
 }
 
 
-def stage_family(model: nn.Module):
-    """The staged view of a transformers causal LM of an EXACT family; UnsupportedModelError otherwise."""
+def stage(model: nn.Module) -> StagedModel:
+    """The staged view of `model`: a transformers causal LM of an EXACT family, or an
+    `nn.Sequential(nn.Embedding, layers..., head)`; UnsupportedModelError naming the family and why otherwise."""
+    if isinstance(model, nn.Sequential) and len(model) >= 3 and isinstance(model[0], nn.Embedding):
+        return SequentialLM(model)
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from preinfer.adapters.hf import HFCausalLM

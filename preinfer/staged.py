@@ -1,6 +1,6 @@
 """Staged models: any supported causal LM seen as `embed -> layers -> head`, resumable at every layer boundary.
 
-`stage(model)` picks an adapter by structure. Boundary k is the point just before layer k; boundary 0 is the
+`preinfer.stage(model)` (in `preinfer.families`) picks the adapter. Boundary k is the point just before layer k; boundary 0 is the
 embedding output. Rotary tables and causal masks are recomputed inside `run` from the state's side tensors.
 With `recompute`, each layer run with autograd keeps only its input for backward and runs again there
 (activation checkpointing).
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from preinfer.errors import BoundaryStateError, UnsupportedModelError
+from preinfer.errors import BoundaryStateError
 from preinfer.moe import expert_tensors
 from preinfer.boundary_state import BoundaryState
 
@@ -202,14 +202,3 @@ class SequentialLM(StagedModel):
 
     def _head(self, state: BoundaryState) -> torch.Tensor:
         return self.model[-1](state.hidden)
-
-
-def stage(model: nn.Module) -> StagedModel:
-    """The staged view of `model`: a transformers causal LM of a family staged exactly
-    (`preinfer.families.EXACT`), or an `nn.Sequential(nn.Embedding, layers..., head)`; raises
-    UnsupportedModelError naming the family and why for anything else."""
-    if isinstance(model, nn.Sequential) and len(model) >= 3 and isinstance(model[0], nn.Embedding):
-        return SequentialLM(model)
-    from preinfer.families import stage_family
-
-    return stage_family(model)

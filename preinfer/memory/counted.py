@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from preinfer.moe import sparse_blocks
-from preinfer.staged import stage
+from preinfer.families import stage
 
 
 def counted_parameters(config) -> dict:
