@@ -5,7 +5,7 @@ import importlib
 from preinfer.errors import PreinferError, UnsupportedModelError, UsageError
 
 # Names loaded on first use: they import torch, which torch-free modules (the planner, the config) do not need.
-_LAZY = {"StagedModel": "preinfer.staged", "stage": "preinfer.staged", "BoundaryState": "preinfer.boundary_state"}
+_LAZY = {"StagedModel": "preinfer.staged", "stage": "preinfer.families", "BoundaryState": "preinfer.boundary_state"}
 
 __all__ = ["BoundaryState", "PreinferError", "StagedModel", "UnsupportedModelError", "UsageError", "stage"]
 

@@ -1,8 +1,10 @@
 """Fingerprints: content hashes of everything a boundary state depends on.
 
-The prefix digest covers exactly the parameters and buffers that the embedding and layers `[0, k)` use (a tied
-weight and shared modules such as the rotary embedding included), tensor by tensor, so hashing a large prefix
-never needs a second copy of it in memory.
+The prefix digest covers the adapter that computes the states (its identity: family and version, so that a
+state computed by another adapter or an older version of it is not taken for this one's) and exactly the
+parameters and buffers that the embedding and layers `[0, k)` use (a tied weight and shared modules such as the
+rotary embedding included), tensor by tensor, so hashing a large prefix never needs a second copy of it in
+memory.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ FINGERPRINT_VERSION = 1
 
 def named_prefix_tensors(staged: StagedModel, boundary: int) -> Iterator[tuple[str, torch.Tensor]]:
     """(qualified name, tensor) of every parameter and buffer the state at `boundary` depends on, each once,
-    in a fixed order."""
+    in a fixed order; first of all the adapter's identity, as an `adapter:` entry holding its UTF-8 bytes."""
+    identity = staged.identity.encode()
+    yield f"adapter:{staged.identity}", torch.tensor(list(identity), dtype=torch.uint8)
     names: dict[int, str] = {}
     for name, t in _named_tensors(staged.model):
         names.setdefault(id(t), name)  # a tied tensor goes by its first name

@@ -50,7 +50,8 @@ from preinfer.memory.meter import MemoryMeter
 from preinfer.optim import LrSchedule, build_optimizer
 from preinfer.partition import Block, Partition, make_partition, parse_ufp
 from preinfer.precision import ActiveBlock, LossScaler, apply_precision
-from preinfer.staged import StagedModel, stage
+from preinfer.families import stage
+from preinfer.staged import StagedModel
 from preinfer.trainer import unfreeze
 
 POSITION = ("sweep", "visit", "visit_step", "global_step")

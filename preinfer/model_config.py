@@ -19,7 +19,7 @@ from transformers.utils import logging as framework_logging
 
 from preinfer.errors import UsageError, first_line
 from preinfer.presets import PRESETS, preset_config
-from preinfer.staged import stage
+from preinfer.families import stage
 
 # Where the framework's messages while loading a model (transformers' load report, its warnings) go: logged at
 # INFO, which the command line shows with --verbose only.

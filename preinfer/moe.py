@@ -36,20 +36,35 @@ TILE_ROWS = 16
 def row_invariant_experts_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """The fused experts' forward (gate-up, activation, down, routing weight, summed over the top k) with every
-    matrix product over tiles of `TILE_ROWS` rows."""
+    """The fused experts' forward as transformers' experts interface defines it (up or gate-up projection with
+    its bias, gating or activation, down projection with its bias, an optional post-expert norm, routing weight,
+    summed over the top k), every matrix product over tiles of `TILE_ROWS` rows."""
     out = torch.zeros_like(hidden_states)
     hidden = hidden_states.shape[-1]
+    gated = getattr(self, "has_gate", True)
+    up_name = "gate_up_proj" if gated else "up_proj"
     for expert in top_k_index.unique().tolist():
         if expert >= self.num_experts:
             continue
         token, slot = (top_k_index == expert).nonzero(as_tuple=True)
         rows = len(token)
         tiles = F.pad(hidden_states[token], (0, 0, 0, -rows % TILE_ROWS)).view(-1, TILE_ROWS, hidden)
-        gate_up = torch.bmm(tiles, self.gate_up_proj[expert].T.expand(len(tiles), -1, -1))
-        down = torch.bmm(self._apply_gate(gate_up), self.down_proj[expert].T.expand(len(tiles), -1, -1))
+        up = _tiled_linear(self, tiles, up_name, expert)
+        down = _tiled_linear(self, self._apply_gate(up) if gated else self.act_fn(up), "down_proj", expert)
+        if getattr(self, "has_post_expert_norm", False):
+            down = self.post_expert_norm(down)
         weighted = down.reshape(-1, hidden)[:rows] * top_k_weights[token, slot, None]
         out.index_add_(0, token, weighted.to(out.dtype))
+    return out
+
+
+def _tiled_linear(experts: nn.Module, tiles: torch.Tensor, name: str, expert: int) -> torch.Tensor:
+    """Projection `name` of one expert over tiles [N, TILE_ROWS, in], with its bias when the experts have one."""
+    weight = getattr(experts, name)[expert]
+    weight = weight if getattr(experts, "is_transposed", False) else weight.T
+    out = torch.bmm(tiles, weight.expand(len(tiles), -1, -1))
+    if getattr(experts, "has_bias", False):
+        out = out + getattr(experts, f"{name}_bias")[expert]
     return out
 
 

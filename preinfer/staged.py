@@ -1,6 +1,6 @@
 """Staged models: any supported causal LM seen as `embed -> layers -> head`, resumable at every layer boundary.
 
-`stage(model)` picks an adapter by structure. Boundary k is the point just before layer k; boundary 0 is the
+`preinfer.stage(model)` (in `preinfer.families`) picks the adapter. Boundary k is the point just before layer k; boundary 0 is the
 embedding output. Rotary tables and causal masks are recomputed inside `run` from the state's side tensors.
 With `recompute`, each layer run with autograd keeps only its input for backward and runs again there
 (activation checkpointing).
@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from preinfer.errors import BoundaryStateError, UnsupportedModelError
-from preinfer.moe import expert_tensors, use_row_invariant_experts
+from preinfer.errors import BoundaryStateError
+from preinfer.moe import expert_tensors
 from preinfer.boundary_state import BoundaryState
 
 IGNORE_INDEX = -100
@@ -58,6 +58,11 @@ class StagedModel(ABC):
         return getattr(getattr(self.model, "config", None), "_attn_implementation", None) or ""
 
     @property
+    def identity(self) -> str:
+        """The adapter and family this view computes with, part of every prefix fingerprint."""
+        return f"{type(self).__name__}/1"
+
+    @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype hidden states are computed in (the embedding's): what `auto` stores keep and what states
         read from a store are cast to."""
@@ -73,8 +78,7 @@ class StagedModel(ABC):
         """The boundary-0 state of a right-padded batch (`attention_mask` None means no padding)."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]  # one row, as the framework's
-        return BoundaryState.right_padded(self._embed(input_ids, positions), attention_mask, labels)
+        return BoundaryState.right_padded(self._embed(input_ids, attention_mask), attention_mask, labels)
 
     def run(self, state: BoundaryState, start: int, stop: int, recompute: bool = False) -> BoundaryState:
         """Run layers `[start, stop)` on a state at boundary `start`; returns the state at boundary `stop`.
@@ -90,7 +94,7 @@ class StagedModel(ABC):
 
     def logits(self, state: BoundaryState) -> torch.Tensor:
         """Next-token logits `[B, T, V]` of a state at boundary `num_layers`."""
-        return self._head(state.hidden)
+        return self._head(state)
 
     def loss(self, state: BoundaryState) -> torch.Tensor:
         """Mean next-token cross entropy over the supervised (label != -100) positions of a final state."""
@@ -135,30 +139,31 @@ class StagedModel(ABC):
     def head_modules(self) -> tuple[nn.Module, ...]: ...
 
     @abstractmethod
-    def _embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor: ...
+    def _embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The hidden states layer 0 receives (positions 0..T-1 in every row)."""
 
     @abstractmethod
     def _run(self, state: BoundaryState, start: int, stop: int, layer: LayerCall) -> torch.Tensor:
-        """Layers `[start, stop)`, each applied as `layer(module, hidden, **kwargs)`."""
+        """Layers `[start, stop)`, each applied as `layer(module, hidden, args, kwargs)`."""
 
     @abstractmethod
-    def _head(self, hidden: torch.Tensor) -> torch.Tensor: ...
+    def _head(self, state: BoundaryState) -> torch.Tensor: ...
 
 
 LayerCall = Callable[..., torch.Tensor]
 
 
-def _direct(module: nn.Module, hidden: torch.Tensor, **kwargs) -> torch.Tensor:
-    return module(hidden, **kwargs)
+def _direct(module: nn.Module, hidden: torch.Tensor, args: tuple = (), kwargs: dict | None = None) -> torch.Tensor:
+    return module(hidden, *args, **(kwargs or {}))
 
 
-def _recomputed(module: nn.Module, hidden: torch.Tensor, **kwargs) -> torch.Tensor:
-    """`module(hidden, **kwargs)` keeping only `hidden` for backward, where the layer runs again (with the same
+def _recomputed(module: nn.Module, hidden: torch.Tensor, args: tuple = (), kwargs: dict | None = None) -> torch.Tensor:
+    """`module(hidden, *args, **kwargs)` keeping only `hidden` for backward, where the layer runs again (with the same
     random state, so dropout masks repeat). A layer whose input carries no graph (the first of an active block
     above the embedding) gets one, so that its parameters' gradients flow through the recomputation."""
     if not hidden.requires_grad:
         hidden = hidden.detach().requires_grad_()
-    return checkpoint(partial(module, **kwargs), hidden, use_reentrant=True)
+    return checkpoint(partial(_direct, module, args=args, kwargs=kwargs), hidden, use_reentrant=True)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -171,106 +176,6 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = 
 def supervised_tokens(labels: torch.Tensor) -> int:
     """How many positions `causal_lm_loss` averages over."""
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
-
-
-def _causal_mask(config, hidden: torch.Tensor, state: BoundaryState, sliding: bool):
-    """The framework's own mask (causal, padding, and sliding window where the layer uses one) in the form the
-    config's attention implementation takes: eager an additive float [B, 1, T, T] mask; sdpa a boolean one, or
-    None when no position is padded (the kernel's own causal flag then, as in the framework's forward)."""
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-    make = create_sliding_window_causal_mask if sliding else create_causal_mask
-    return make(
-        config=config,
-        inputs_embeds=hidden,
-        attention_mask=state.attention_mask,
-        cache=None,
-        position_ids=state.position_ids,
-    )
-
-
-class LlamaFamily(StagedModel):
-    """Causal LMs shaped like Llama: `model.embed_tokens`, `model.layers`, `model.norm`, `model.rotary_emb`,
-    `lm_head` (Llama, Mistral, Qwen2, Qwen3 and kin; grouped-query attention included), and their
-    mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), whose experts run batch-invariantly
-    (`preinfer.moe.ROW_INVARIANT`)."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__(model, model.model.layers)
-        self.config = model.config
-        use_row_invariant_experts(model)
-        self.layer_kinds = [self._layer_kind(i) for i in range(self.num_layers)]
-
-    def _layer_kind(self, index: int) -> str:
-        kinds = getattr(self.config, "layer_types", None)
-        if kinds is not None:
-            return kinds[index]
-        return "sliding_attention" if getattr(self.config, "sliding_window", None) else "full_attention"
-
-    def embed_modules(self) -> tuple[nn.Module, ...]:
-        return (self.model.model.embed_tokens,)
-
-    def head_modules(self) -> tuple[nn.Module, ...]:
-        return (self.model.model.norm, self.model.lm_head)
-
-    def shared_modules(self) -> tuple[nn.Module, ...]:
-        return (self.model.model.rotary_emb,)
-
-    def rebuild_shared_modules(self) -> None:
-        rotary = self.model.model.rotary_emb
-        self.model.model.rotary_emb = type(rotary)(config=self.config)
-
-    def _embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.model.embed_tokens(input_ids)
-
-    def _run(self, state: BoundaryState, start: int, stop: int, layer: LayerCall) -> torch.Tensor:
-        hidden = state.hidden
-        masks = {
-            kind: _causal_mask(self.config, hidden, state, sliding=kind == "sliding_attention")
-            for kind in set(self.layer_kinds[start:stop])
-        }
-        rotary = self.model.model.rotary_emb(hidden, position_ids=state.shared_positions())
-        for index in range(start, stop):
-            hidden = layer(
-                self.layers[index],
-                hidden,
-                attention_mask=masks[self.layer_kinds[index]],
-                position_ids=state.position_ids,
-                position_embeddings=rotary,
-            )
-        return hidden
-
-    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.model.model.norm(hidden))
-
-
-class GPT2(StagedModel):
-    """Hugging Face `GPT2LMHeadModel`: `transformer.wte`, `transformer.wpe`, `transformer.h`, `transformer.ln_f`,
-    `lm_head` (tied to `wte` by default)."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__(model, model.transformer.h)
-        self.config = model.config
-
-    def embed_modules(self) -> tuple[nn.Module, ...]:
-        return (self.model.transformer.wte, self.model.transformer.wpe)
-
-    def head_modules(self) -> tuple[nn.Module, ...]:
-        return (self.model.transformer.ln_f, self.model.lm_head)
-
-    def _embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        transformer = self.model.transformer
-        return transformer.drop(transformer.wte(input_ids) + transformer.wpe(position_ids))
-
-    def _run(self, state: BoundaryState, start: int, stop: int, layer: LayerCall) -> torch.Tensor:
-        hidden = state.hidden
-        mask = _causal_mask(self.config, hidden, state, sliding=False)
-        for index in range(start, stop):
-            hidden = layer(self.layers[index], hidden, attention_mask=mask, position_ids=state.position_ids)
-        return hidden
-
-    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.model.transformer.ln_f(hidden))
 
 
 class SequentialLM(StagedModel):
@@ -286,7 +191,7 @@ class SequentialLM(StagedModel):
     def head_modules(self) -> tuple[nn.Module, ...]:
         return (self.model[-1],)
 
-    def _embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def _embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.model[0](input_ids)
 
     def _run(self, state: BoundaryState, start: int, stop: int, layer: LayerCall) -> torch.Tensor:
@@ -295,34 +200,5 @@ class SequentialLM(StagedModel):
             hidden = layer(module, hidden)
         return hidden
 
-    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model[-1](hidden)
-
-
-def _has(obj: object, *paths: str) -> bool:
-    """Whether every dotted attribute path exists on `obj`."""
-    for path in paths:
-        target = obj
-        for name in path.split("."):
-            if not hasattr(target, name):
-                return False
-            target = getattr(target, name)
-    return True
-
-
-EXPECTED_STRUCTURES = (
-    "a Llama-family causal LM (model.embed_tokens, model.layers, model.norm, model.rotary_emb, lm_head), "
-    "a GPT-2 LM (transformer.wte, transformer.wpe, transformer.h, transformer.ln_f, lm_head), "
-    "or nn.Sequential(nn.Embedding, layers..., head)"
-)
-
-
-def stage(model: nn.Module) -> StagedModel:
-    """The staged view of `model`, chosen by structure; raises UnsupportedModelError for anything else."""
-    if _has(model, "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head"):
-        return LlamaFamily(model)
-    if _has(model, "transformer.wte", "transformer.wpe", "transformer.h", "transformer.ln_f", "lm_head"):
-        return GPT2(model)
-    if isinstance(model, nn.Sequential) and len(model) >= 3 and isinstance(model[0], nn.Embedding):
-        return SequentialLM(model)
-    raise UnsupportedModelError(f"cannot stage a {type(model).__name__}: expected {EXPECTED_STRUCTURES}")
+    def _head(self, state: BoundaryState) -> torch.Tensor:
+        return self.model[-1](state.hidden)

@@ -39,3 +39,12 @@ def test_boundary_fingerprint_covers_every_part():
     for key, other in [("prefix", "q"), ("boundary", 3), ("dataset", "e"), ("tokenizer", "u"),
                        ("seq_len", 64), ("dtype", "bfloat16"), ("attention", "eager")]:
         assert boundary_fingerprint(**{**base, key: other})[0] != digest, key
+
+
+def test_adapter_identity_enters_the_prefix_digest():
+    """The same weights staged by another adapter (or another version of it) give another digest."""
+    staged = preinfer.stage(build_preset("tiny-llama"))
+    before = prefix_digest(staged, 2)
+    assert staged.identity.startswith("hf/llama/")
+    staged.family = "llama-renamed"
+    assert prefix_digest(staged, 2) != before

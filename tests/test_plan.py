@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import preinfer
 from pipelines.cli import main
@@ -296,3 +297,29 @@ def test_a_moe_shape_counts_every_expert_and_computes_with_the_active_ones():
     assert flops["full"] == 6 * (shape.span_params(0, 4, active=True) + head)
     sparse, dense = (step_activations(shape, 1, 16, 4, None, False, "eager").layers[i] for i in (1, 2))
     assert sparse != dense  # a sparse layer's saved tensors follow its experts, not the dense MLP width
+
+
+FINE_TUNED_FAMILIES = ["llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2",
+                       "gemma3_text", "vaultgemma", "granite", "cohere", "cohere2", "gpt_oss", "olmo3", "qwen3_next",
+                       "phi3", "phi", "gpt2", "gpt_neox", "falcon", "olmo", "olmo2", "stablelm", "starcoder2",
+                       "smollm3"]
+
+
+@pytest.mark.parametrize("family", FINE_TUNED_FAMILIES)
+def test_plan_gives_the_real_parameter_counts_of_each_family(family, tmp_path, capsys):
+    """`preinfer plan --model config.json` sizes every family `stage` accepts: its parameters, layer by layer,
+    equal the framework's own model's (a tied weight once)."""
+    from tests.helpers.families import tiny_config
+
+    config = tiny_config(family)
+    path = tmp_path / "config.json"
+    path.write_text(config.to_json_string())
+    shape = resolve_shape(str(path))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**json.loads(path.read_text())))
+    staged = preinfer.stage(model)
+    assert shape.total_params() == sum(p.numel() for p in model.parameters())
+    assert [shape.layer_params(i) for i in range(shape.layers)] == [
+        sum(p.numel() for p in layer.parameters()) for layer in staged.layers]
+    assert main(["plan", "--model", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)

@@ -4,7 +4,7 @@ directory or a Hugging Face config."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from preinfer.errors import UsageError
@@ -52,6 +52,12 @@ class ModelShape:
     experts_per_token: int = 0  # top-k
     expert_intermediate: int = 0
     shared_intermediate: int = 0  # a shared expert's width (Qwen2-MoE, with its 1-output gate); 0: none
+    # Parameter counts measured on the framework's own model (built on the meta device), for families whose
+    # layers the formulas below do not describe: per layer, and the embedding and head sides; () / 0: the formulas.
+    counted_layers: tuple[int, ...] = ()
+    counted_expert: int = 0  # parameters of one routed expert (its slice of every fused expert tensor)
+    counted_embed: int = 0
+    counted_head: int = 0
 
     def is_sparse(self, layer: int | None) -> bool:
         return layer is not None and bool(self.sparse) and self.sparse[layer]
@@ -65,6 +71,9 @@ class ModelShape:
         return self._layer_params(layer, self.experts_per_token)
 
     def _layer_params(self, layer: int | None, experts: int) -> int:
+        if self.counted_layers:
+            counted = self.counted_layers[layer or 0]
+            return counted - (self.experts - experts) * self.counted_expert if self.is_sparse(layer) else counted
         h, a, kv, d, i = self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate
         if self.arch == "gpt2":  # c_attn (3h) + c_proj + c_fc + c_proj, biases, two LayerNorms (weight + bias)
             return h * 3 * h + 3 * h + h * h + h + 2 * h * i + i + h + 4 * h
@@ -87,10 +96,14 @@ class ModelShape:
 
     def embed_params(self) -> int:
         """Parameters of the input side (token and position embeddings)."""
+        if self.counted_layers:
+            return self.counted_embed
         return self.vocab * self.hidden + self.positions * self.hidden
 
     def head_params(self) -> int:
         """Parameters of the output side: final norm and (untied) LM head."""
+        if self.counted_layers:
+            return self.counted_head
         norm = 2 * self.hidden if self.arch == "gpt2" else self.hidden
         return norm + (0 if self.tied else self.vocab * self.hidden)
 
@@ -100,7 +113,8 @@ class ModelShape:
 
 
 def shape_from_config(config, name: str = "") -> ModelShape:
-    """A ModelShape from a Hugging Face config (GPT-2, or Llama-shaped: Llama, Mistral, Qwen2)."""
+    """A ModelShape from a Hugging Face config: GPT-2 by formula; any other family `stage` accepts Llama-shaped for
+    the activations, with its parameters counted on its own model built on the meta device."""
     if config.model_type == "gpt2":
         return ModelShape(
             name=name or "gpt2", arch="gpt2", vocab=config.vocab_size, hidden=config.n_embd, layers=config.n_layer,
@@ -109,19 +123,25 @@ def shape_from_config(config, name: str = "") -> ModelShape:
             tied=bool(config.tie_word_embeddings), bias=True,
             dropout=max(config.attn_pdrop, config.resid_pdrop, config.embd_pdrop),
         )
-    needed = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    needed = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
     if not all(hasattr(config, key) for key in needed):
-        raise UsageError(f"model type '{config.model_type}' is neither GPT-2- nor Llama-shaped")
+        raise UsageError(f"model type '{config.model_type}' has no hidden_size, num_hidden_layers, "
+                         "num_attention_heads or vocab_size")
     heads = config.num_attention_heads
-    return ModelShape(
+    kv_heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None) or heads
+    intermediate = next((v for k in ("intermediate_size", "ffn_hidden_size", "n_inner")
+                         if isinstance(v := getattr(config, k, None), int)), 4 * config.hidden_size)
+    shape = ModelShape(
         name=name or config.model_type, arch="llama", vocab=config.vocab_size, hidden=config.hidden_size,
-        layers=config.num_hidden_layers, heads=heads,
-        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        layers=config.num_hidden_layers, heads=heads, kv_heads=1 if getattr(config, "multi_query", False) else kv_heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-        intermediate=config.intermediate_size, tied=bool(getattr(config, "tie_word_embeddings", False)),
+        intermediate=intermediate, tied=bool(getattr(config, "tie_word_embeddings", False)),
         bias=bool(getattr(config, "attention_bias", False) or getattr(config, "qkv_bias", False)),
         **_experts_from_config(config),
     )
+    from preinfer.memory.counted import counted_parameters
+
+    return replace(shape, **counted_parameters(config))
 
 
 def _experts_from_config(config) -> dict:

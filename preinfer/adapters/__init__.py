@@ -1,0 +1,1 @@
+"""Adapters that stage a model family: `hf` for transformers' causal LMs."""
