@@ -45,7 +45,7 @@ def test_resident_weights_are_the_masters_cast_down_and_frozen_weights_never_cha
     def check(record):
         if not isinstance(record, StepRecord):
             return
-        active = trainer.active
+        active = trainer.visit.active
         assert all(m.dtype == torch.float32 for m in active.masters)
         for param, master in zip(active.params, active.masters):
             assert torch.equal(param, master.to(torch.bfloat16))
@@ -60,7 +60,7 @@ def test_resident_weights_are_the_masters_cast_down_and_frozen_weights_never_cha
     trainer.on_record = check
     trainer.fit()
     assert checked == list(range(1, 10))
-    assert trainer.active is None
+    assert trainer.visit is None
     after = snapshot(model)
     for block in trainer.partition.blocks:
         assert any(not torch.equal(before[n], after[n]) for n, p in model.named_parameters()
@@ -146,7 +146,7 @@ def test_loss_scaler_state_is_plain_numbers_that_load_back_and_a_bad_one_is_refu
 def test_full_mode_under_bf16_mixed_has_masters_of_everything():
     trainer = make_trainer(**MIXED, blocks__blocks=1, stop__steps_per_visit=2)
     seen = []
-    trainer.on_record = lambda r: seen.append(len(trainer.active.masters)) if isinstance(r, StepRecord) else None
+    trainer.on_record = lambda r: seen.append(len(trainer.visit.active.masters)) if isinstance(r, StepRecord) else None
     trainer.fit()
     assert seen == [len(list(trainer.staged.model.parameters()))] * 2
 

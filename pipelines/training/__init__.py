@@ -9,9 +9,9 @@ or SIGTERM), `progress` (the progress display), `run_directory` (the run directo
 finished), and pre-inference: `pre_inference` following the plans of `sweep_plan`."""
 
 from pipelines.training.fit import train
-from pipelines.training.partition_choice import partition_for
+from pipelines.models.partition_choice import partition_for
 from pipelines.training.run_directory import prepare_run_dir
 from pipelines.training.runner import run
-from pipelines.training.token_data import live_sources, load_datasets, samples_per_shard
+from pipelines.data.run_data import live_sources, load_datasets, samples_per_shard
 
 __all__ = ["live_sources", "load_datasets", "partition_for", "prepare_run_dir", "run", "samples_per_shard", "train"]
