@@ -6,6 +6,10 @@ fp32 gradients and fp32 optimizer state, for its visit only: each 16-bit gradien
 gradient as soon as autograd has accumulated it (a post-accumulate-grad hook), the optimizer steps the masters,
 and the masters are cast into the model's weights after every step. `fp16-mixed` adds dynamic loss scaling
 (`torch.amp.GradScaler`, whose inf/NaN check and unscaling act on the masters' fp32 gradients).
+
+A run's precision is resolved once (`resolve_precision`: `auto` follows the weights) into a `Precision`, which
+the trainer, the pipeline's stages and `preinfer.hf` read (its resident dtype, whether it is mixed, whether it
+scales the loss) instead of resolving the name again.
 """
 
 from __future__ import annotations
