@@ -2,10 +2,10 @@
 
 `Trainer.fit` is the visit loop: for each sweep (`preinfer.sweeps`: its order, importance measurements, the gain
 rule and the step budget) and each of its visits, activate the block, step it until its stopping rule fires
-(`preinfer.visit.Visits`: one step, with the layout's seams), deactivate it, evaluate (`Layout.eval_sums`) and
-record the visit. Where the model lives (one process, data-parallel replicas, a pipeline stage) is the `Layout`
-the trainer is given (`preinfer.layout`); the optimizer lifecycle (masters, clipping, loss scaling, the schedule,
-kept states) is `preinfer.visit_optimizer`'s, shared with `preinfer.hf`.
+(`preinfer.visit.VisitLifecycle`: one step, with the layout's seams), deactivate it, evaluate
+(`Layout.eval_sums`) and record the visit. Where the model lives (one process, data-parallel replicas, a
+pipeline stage) is the `Layout` the trainer is given (`preinfer.layout`); the optimizer lifecycle (masters,
+clipping, loss scaling, the schedule, kept states) is `preinfer.visit_optimizer`'s, shared with `preinfer.hf`.
 
 Precision (`preinfer.precision`): under mixed precision the optimizer steps fp32 masters of the active block,
 which exist for its visit only, and the masters are cast into the 16-bit weights after every step.
@@ -39,10 +39,11 @@ from preinfer.partition import Block, Partition
 from preinfer.precision import LossScaler, Precision, apply_precision
 from preinfer.run_dir import RunDir
 from preinfer.run_position import RunPosition
-from preinfer.sweeps import Sweeps
-from preinfer.visit import Visits
-from preinfer.visit_optimizer import VisitOptimizer, VisitOptimizers
 from preinfer.staged import StagedModel
+from preinfer.sweeps import Sweeps
+from preinfer.visit import VisitLifecycle
+from preinfer.visit_optimizer import VisitOptimizer, VisitOptimizers
+
 
 def refuse_config(config: Config) -> None:
     """The rules of the block order, the gain rule and the schedule that need only the config."""
@@ -92,23 +93,23 @@ class Trainer:
         if b.experts and self.world_size > 1:
             raise UsageError("--experts (expert-granular blocks) runs in one process; drop it, or torchrun and "
                              "--pipeline")
-        if b.experts and self.precision != "fp32":
+        if b.experts and self.precision.mixed:
             raise UsageError(f"--experts (expert-granular blocks) trains in fp32; drop it or --precision "
                              f"{self.precision}")
         self.sweeps = Sweeps(staged, partition, config, sources, self.scaler, clock, self.emit,
                              lambda: self.checkpoint_dir / STATE, active_block, self.world_size)
         refuse_config(config)
-        self.visits = Visits(staged, config, self.layout, self.optimizers, self.experts, meter)
+        self.lifecycle = VisitLifecycle(staged, config, self.layout, self.optimizers, self.experts, meter)
         sources.attach(self.emit)
 
     @property
     def meter(self):
         """The memory meter tracking the first steps of each visit (None: none)."""
-        return self.visits.meter
+        return self.lifecycle.meter
 
     @meter.setter
     def meter(self, meter) -> None:
-        self.visits.meter = meter
+        self.lifecycle.meter = meter
 
     @property
     def scaler(self) -> LossScaler:
@@ -175,7 +176,7 @@ class Trainer:
         if p.stop is not None:
             stop.load_state_dict(p.stop)
         masters, self.saved_masters = self.saved_masters or None, []
-        self.visit = visit = self.visits.activate(block, p, train, stop.max_steps, masters)
+        self.visit = visit = self.lifecycle.activate(block, p, train, stop.max_steps, masters)
         gain = self.sweeps.gain_rule(block, order, stop.max_steps, p)
         if self.meter is not None:
             self.meter.reset()
@@ -187,7 +188,7 @@ class Trainer:
                 self.stopped = not halted
                 return False
             visit.set_rate(p.visit_step)
-            loss, tokens, timings = self.visits.train_step(block, train, visit)
+            loss, tokens, timings = self.lifecycle.train_step(block, train, visit)
             if not math.isfinite(loss):
                 raise DivergedError(f"training diverged: the loss is {loss} at step {p.global_step + 1} (sweep "
                                     f"{p.sweep}, block {block.index}); the run stopped, its last checkpoint kept; "
@@ -209,7 +210,7 @@ class Trainer:
             if every and p.global_step % every == 0 and reason is None:
                 self._save_visit_state(train, visit, block, stop)
         wall = time.perf_counter() - started
-        self.visits.deactivate(block, visit, p)
+        self.lifecycle.deactivate(block, visit, p)
         self.visit = None
         evaluated = time.perf_counter()
         eval_loss = self.evaluate(evaluation)

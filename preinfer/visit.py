@@ -1,7 +1,7 @@
 """One visit's lifecycle: activate a block, train it step by step, deactivate it.
 
-One step (`Visits.train_step`): take `grad_accum` batches from the visit's source (token ids, or boundary states
-at some boundary k), count their supervised tokens over every replica, run forward and backward over them
+One step (`VisitLifecycle.train_step`): take `grad_accum` batches from the visit's source (token ids, or boundary
+states at some boundary k), count their supervised tokens over every replica, run forward and backward over them
 (`Layout.forward_backward`: in one process `preinfer.forward_backward`), sum the gradients over the replicas,
 combine the loss, and step the active block's optimizer (`VisitOptimizer.step`: unscale, clip in fp32, step, cast
 the masters down). The layout (`preinfer.layout`) is the seam where a pipeline runs the same step over its
@@ -26,7 +26,7 @@ from preinfer.staged import StagedModel, supervised_tokens
 from preinfer.visit_optimizer import VisitOptimizer, VisitOptimizers
 
 
-class Visits:
+class VisitLifecycle:
     """Activates, steps and deactivates the visits of a run on `layout`."""
 
     def __init__(self, staged: StagedModel, config: Config, layout: Layout, optimizers: VisitOptimizers,

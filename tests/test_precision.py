@@ -15,7 +15,7 @@ from preinfer.config import Config, dump_toml, load_config
 from preinfer.errors import CheckpointError, UsageError
 from preinfer.memory.meter import MemoryMeter
 from preinfer.metrics import StepRecord, read_metrics
-from preinfer.precision import LossScaler, resolve_precision
+from preinfer.precision import LossScaler, Precision, resolve_precision
 from preinfer.presets import build_preset
 from preinfer.run_dir import RunDir
 from tests.helpers.trainers import make_trainer, snapshot
@@ -30,6 +30,20 @@ def test_resolve_precision_follows_the_weights_and_refuses_unknown_values():
     assert resolve_precision("fp32", torch.bfloat16) == "fp32"
     with pytest.raises(UsageError, match="--precision 'bf16' is not one of auto, fp32, bf16-mixed, fp16-mixed"):
         resolve_precision("bf16", torch.float32)
+
+
+def test_the_resolved_precision_is_one_object_the_trainer_reads_without_resolving_again():
+    """The run path resolves `run.precision` once; the trainer given the result neither resolves nor casts."""
+    resolved = resolve_precision("auto", torch.float16)
+    assert resolved is Precision.FP16_MIXED and resolved == "fp16-mixed" and json.dumps(resolved) == '"fp16-mixed"'
+    assert (resolved.resident_dtype, resolved.mixed, resolved.loss_scaling) == (torch.float16, True, True)
+    assert (Precision.FP32.mixed, Precision.BF16_MIXED.loss_scaling) == (False, False)
+    given = make_trainer(run__precision="fp32")
+    Precision.BF16_MIXED.apply(given.staged.model)
+    again = type(given)(given.staged, given.partition, given.config, given.visit_sources,
+                        precision=Precision.BF16_MIXED)
+    assert again.precision is Precision.BF16_MIXED and again.scaler.enabled is False
+    assert all(p.dtype == torch.bfloat16 for p in again.staged.model.parameters())  # not cast back to fp32
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])
