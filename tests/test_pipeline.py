@@ -25,7 +25,7 @@ from preinfer.errors import UsageError
 from preinfer.memory.layer_spans import partition
 from preinfer.memory.settings import Settings
 from preinfer.memory.shapes import resolve_shape
-from preinfer.metrics import CacheRecord, VisitRecord, read_metrics
+from preinfer.metrics import CacheRecord, PreInferenceRecord, SweepPlanRecord, VisitRecord, read_metrics
 from preinfer.presets import build_preset
 from preinfer.run_dir import RunDir
 from preinfer.batch_source import LiveSources
@@ -184,6 +184,34 @@ def test_with_pre_inference_the_stages_make_the_store_and_those_below_it_idle(tw
         idle = record.ranks[0]
         assert idle["stage"] == 0 and idle["activations"] == idle["grads"] == idle["optimizer"] == 0
     assert "stage(s) 0-0 below it run nothing this visit" in stdout
+
+
+def store_lifecycle(run_dir: Path) -> tuple[list, list, list]:
+    """What pre-inference decided in a run, without its timings: each sweep's first plan (the stores it reads and
+    how each is made), each visit's decision, and every store made, reused or deleted, and why."""
+    records = read_metrics(RunDir(run_dir).metrics)
+    plans = [(r.sweep, r.chosen, r.sources, [(b["boundary"], b["from"], b["before_visit"]) for b in r.builds])
+             for r in records if isinstance(r, SweepPlanRecord) and r.reason == "sweep start"]
+    visits = [(r.block, r.boundary, r.decision, r.build_from) for r in records if isinstance(r, PreInferenceRecord)]
+    stores = [(r.boundary, r.how, r.from_, r.reason) for r in records if isinstance(r, CacheRecord)]
+    return plans, visits, stores
+
+
+@pytest.mark.distributed
+def test_pre_inference_on_a_pipeline_plans_makes_and_deletes_the_stores_one_process_does(two_ranks, corpus,
+                                                                                         tmp_path):
+    """One executor for both layouts: the pipeline's plans and stores (made, reused, deleted, and why) are those
+    of one process for the same run."""
+    tmp, _ = two_ranks
+    model, blocks, more = RUNS["on"]
+    one_process(tmp_path, corpus, model, blocks, more, "one")
+    pipeline = store_lifecycle(tmp / "on")
+    assert pipeline == store_lifecycle(tmp_path / "one")
+    plans, visits, stores = pipeline
+    assert [sources for _, _, sources, _ in plans] == [[0, 2], [0, 2]]
+    assert [decision for _, _, decision, _ in visits] == ["store", "store"]
+    assert stores == 2 * [(2, "input", 0, None), (2, "reuse", None, None),  # made before the visit, which reads it
+                          (2, "deleted", None, "the plan reads it no more")]
 
 
 @pytest.mark.distributed

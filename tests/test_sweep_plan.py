@@ -103,6 +103,23 @@ def test_on_reads_a_store_on_every_visit_above_the_input_and_builds_nothing_else
         assert sorted(b.boundary for b in plan.builds) == sorted(s for s in starts if s)
 
 
+def test_stores_that_cannot_be_rolled_forward_are_each_made_from_the_input_just_before_their_reader():
+    """A pipeline's plan (`roll=False`): where one process rolls each store forward from the one below, or makes
+    them all at the sweep's start, each store is made from the input before its own visit; a valid store is still
+    reused, and the switching cost is a build from the input."""
+    deep = workload(DEEP_ASCENDING, num_layers=32)
+    assert builds(plan_sweep(deep, RATES, mode="on").chosen) == [(8, 0, 1), (16, 8, 2), (24, 16, 3)]
+    for starts in (DEEP_ASCENDING, DEEP_DESCENDING):
+        plan = plan_sweep(workload(starts, num_layers=32), RATES, mode="on", roll=False).chosen
+        assert plan.sources == starts
+        assert builds(plan) == [(k, 0, i) for i, k in enumerate(starts) if k]
+    kept = plan_sweep(workload((2, 4), stores={2}), RATES, mode="on", roll=False).chosen
+    assert kept.reused == (2,) and builds(kept) == [(4, 0, 1)]
+    work, visit = workload(stores={2}), Visit(block=2, start=4, steps=EPOCH)
+    assert sweep_plan.switch_seconds(work, RATES, visit, stores_read=True, roll=False) == \
+        store_cost(work, RATES, 4, [])[1] > sweep_plan.switch_seconds(work, RATES, visit, stores_read=True)
+
+
 def test_existing_stores_the_plan_does_not_read_are_deleted_at_the_start():
     plan = plan_sweep(workload(stores={2, 4}, steps=1), RATES).chosen
     assert not plan.reads_stores and plan.deletes == ((2, 0), (4, 0))

@@ -43,10 +43,12 @@ def state_fingerprint(prefix: str, boundary: int, dataset: str, tokenizer: str, 
 
 
 def cache_fingerprint(staged: StagedModel, dataset: TokenSamples, tokenizer: Any, boundary: int,
-                      dtype: str | torch.dtype = "auto", model_name: str = "") -> Fingerprint:
-    """The fingerprint of `dataset`'s boundary states at `boundary` stored in `dtype` ("auto": the compute dtype)."""
+                      dtype: str | torch.dtype = "auto", model_name: str = "", prefix: str | None = None) -> Fingerprint:
+    """The fingerprint of `dataset`'s boundary states at `boundary` stored in `dtype` ("auto": the compute dtype).
+    `prefix`: the prefix digest, when `staged` does not hold the whole prefix (as `cache_boundary` takes it)."""
     stored = store_dtype_name(resolve_store_dtype(dtype, staged.compute_dtype))
-    return state_fingerprint(prefix_digest(staged, boundary), boundary, dataset.fingerprint(),
+    digest = prefix if prefix is not None else prefix_digest(staged, boundary)
+    return state_fingerprint(digest, boundary, dataset.fingerprint(),
                              tokenizer.fingerprint(), dataset.seq_len, stored, staged.attention, model_name)
 
 

@@ -26,9 +26,10 @@ from preinfer.memory.stage_cut import cut_stages, describe_stages, stage_cost
 from pipelines.models.export import export_from_weights
 from pipelines.models.suffix import Suffix, load_modules, meta_model, prefix_digest, to_device
 from pipelines.pipeline_parallel.mesh import PipelineMesh, check_degree, make_mesh
-from pipelines.pipeline_parallel.stores import PipelineStores
 from pipelines.pipeline_parallel.stage import StageLayout
+from pipelines.pipeline_parallel.stores import pipeline_pre_inference
 from pipelines.models.partition_choice import partition_for
+from pipelines.training.pre_inference import PreInference
 from pipelines.data.run_data import Datasets
 
 
@@ -41,7 +42,7 @@ class PipelineLayout:
         self.stages, self.peaks, self.resolved = stage_layout(config, self.microbatches, first)
         self.first = first
         self.mesh: PipelineMesh | None = None
-        self.stores: PipelineStores | None = None
+        self.stores: PreInference | None = None
 
     def join(self, rank: int, world: int) -> None:
         """Refuse a world size the stages do not divide."""
@@ -83,8 +84,7 @@ class PipelineLayout:
         """Live sources, or with `--pre-inference on` stores the stages make for every visit above the input."""
         if self.config.pre_inference.mode != "on":
             return live
-        self.stores = PipelineStores(staged, self.stages, self.mesh, {"train": data.train, "eval": data.eval},
-                                     data.tokenizer, self.config, live, shard, quiet)
+        self.stores = pipeline_pre_inference(staged, self.stages, self.mesh, data, self.config, live, shard, quiet)
         return self.stores
 
     def precision(self, model: nn.Module) -> Precision:

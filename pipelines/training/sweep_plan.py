@@ -33,8 +33,11 @@ STORE_MARGIN = 0.02
 OVERHEAD_FLOOR_S = 0.1
 # Up to this many visits that could read a store, every choice of them is priced; beyond, a local search.
 EXHAUSTIVE_VISITS = 10
-# The timings of a plan's builds: (eager, roll); see `plan_for`.
-TIMINGS = ((True, True), (False, True), (False, False))
+# The timings of a plan's builds: (eager, roll); see `plan_for`. FROM_INPUT: those of stores that cannot be rolled
+# forward (a pipeline's), each made from the input just before its reader.
+Timings = tuple[tuple[bool, bool], ...]
+TIMINGS: Timings = ((True, True), (False, True), (False, False))
+FROM_INPUT: Timings = ((False, False),)
 
 
 @dataclass(frozen=True)
@@ -149,13 +152,16 @@ class SweepPlan:
         return self.best_store if self.chosen is self.live else self.live
 
 
-def plan_sweep(work: Workload, rates: Throughputs, mode: str = "auto") -> SweepPlan:
+def plan_sweep(work: Workload, rates: Throughputs, mode: str = "auto", roll: bool = True) -> SweepPlan:
     """`auto`: the cheapest plan that fits the disk, if it beats live by more than `STORE_MARGIN`, else live;
-    `on`: every visit above the input reads a store, timed to fit the disk if any timing does."""
+    `on`: every visit above the input reads a store, timed to fit the disk if any timing does. Without `roll`
+    (stores that cannot be rolled forward), every store is made from the input just before its reader."""
+    timings = TIMINGS if roll else FROM_INPUT
     live = plan_for(work, rates, (False,) * len(work.visits))
     eligible = tuple(v.start > 0 for v in work.visits)
-    everything = [plan_for(work, rates, eligible, *timing) for timing in TIMINGS]
-    fitting = [p for p in _candidates(work, rates, eligible) if p.reads_stores and p.peak_bytes <= work.disk_budget]
+    everything = [plan_for(work, rates, eligible, *timing) for timing in timings]
+    fitting = [p for p in _candidates(work, rates, eligible, timings)
+               if p.reads_stores and p.peak_bytes <= work.disk_budget]
     best_store = min(fitting, key=lambda p: p.seconds, default=None)
     if mode == "on":
         fits = [p for p in everything if p.peak_bytes <= work.disk_budget]
@@ -169,25 +175,26 @@ def plan_sweep(work: Workload, rates: Throughputs, mode: str = "auto") -> SweepP
     return SweepPlan(chosen=chosen, live=live, best_store=best_store, no_reuse=no_reuse)
 
 
-def _candidates(work: Workload, rates: Throughputs, eligible: tuple[bool, ...]) -> Iterator[Plan]:
-    """Plans for every choice of reading visits (each timing), or a local search when there are many."""
+def _candidates(work: Workload, rates: Throughputs, eligible: tuple[bool, ...], timings: Timings) -> Iterator[Plan]:
+    """Plans for every choice of reading visits (each of `timings`), or a local search when there are many."""
     positions = [i for i, ok in enumerate(eligible) if ok]
     if len(positions) <= EXHAUSTIVE_VISITS:
         for chosen in itertools.product((False, True), repeat=len(positions)):
             uses = [False] * len(eligible)
             for i, use in zip(positions, chosen):
                 uses[i] = use
-            for timing in TIMINGS:
+            for timing in timings:
                 yield plan_for(work, rates, tuple(uses), *timing)
         return
     for start in ((False,) * len(eligible), eligible):
-        yield from _local_search(work, rates, start, positions)
+        yield from _local_search(work, rates, start, positions, timings)
 
 
-def _local_search(work: Workload, rates: Throughputs, uses: tuple[bool, ...], positions: list[int]) -> Iterator[Plan]:
+def _local_search(work: Workload, rates: Throughputs, uses: tuple[bool, ...], positions: list[int],
+                  timings: Timings) -> Iterator[Plan]:
     """Flip one visit at a time while that makes the plan cheaper (and fit the disk); yields every plan kept."""
     def best(choice: tuple[bool, ...]) -> Plan:
-        plans = [plan_for(work, rates, choice, *timing) for timing in TIMINGS]
+        plans = [plan_for(work, rates, choice, *timing) for timing in timings]
         fits = [p for p in plans if p.peak_bytes <= work.disk_budget]
         return min(fits or plans, key=lambda p: (p.peak_bytes > work.disk_budget, p.seconds))
 
@@ -262,17 +269,18 @@ def store_cost(work: Workload, rates: Throughputs, boundary: int, below: list[in
     return source, seconds
 
 
-def switch_seconds(work: Workload, rates: Throughputs, visit: Visit, stores_read: bool) -> float:
+def switch_seconds(work: Workload, rates: Throughputs, visit: Visit, stores_read: bool, roll: bool = True) -> float:
     """What a visit costs beyond the steps of its own layers (`--stop gain`'s switching cost): when the plan reads
-    stores, making its store the cheapest way (`store_cost`; 0 when a valid one is at its boundary); when it runs
-    live, its prefix's forward over the visit's samples; 0 for a visit at the input."""
+    stores, making its store the cheapest way (`store_cost`, rolled forward only with `roll`; 0 when a valid one is
+    at its boundary); when it runs live, its prefix's forward over the visit's samples; 0 for a visit at the
+    input."""
     if visit.start == 0:
         return 0.0
     if not stores_read:
         return visit.steps * work.samples_per_step * visit.start * rates.layer_seconds
     if visit.start in work.stores:
         return 0.0
-    return store_cost(work, rates, visit.start, [k for k in work.stores if k < visit.start])[1]
+    return store_cost(work, rates, visit.start, [k for k in work.stores if k < visit.start and roll])[1]
 
 
 def _peak(born: dict[int, int], last_use: dict[int, int], visits: int, store_bytes: int) -> int:

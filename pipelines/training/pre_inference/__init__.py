@@ -15,9 +15,13 @@ A store is used only while its fingerprint matches the current prefix: a store t
 before it is read, and made again if stale. Stores are made by the same code as `preinfer cache`. Stores no
 longer usable, or no longer read by the plan, are deleted unless `keep_stores`.
 
+One executor serves every layout: one process, data-parallel ranks and a pipeline's stages all run `PreInference`;
+what differs is how a store is made, the `StoreWriter` it is given (`writers.LocalWriter` by default; a
+pipeline's stages make each store together, `pipelines.pipeline_parallel.stores.StageWriter`, from the input only).
+
 Modules: `executor` (`PreInference`, following the plan), `stores` (the stores made, checked and deleted),
-`probe` (the first estimates: a layer's forward, the disk), `rates` (the throughputs measured in this run) and
-`ranks` (the numbers data-parallel ranks agree on).
+`writers` (how the processes make a store), `probe` (the first estimates: a layer's forward, the disk), `rates`
+(the throughputs measured in this run) and `ranks` (the numbers the ranks agree on).
 """
 
 from pipelines.training.pre_inference.executor import PreInference

@@ -10,8 +10,6 @@ import math
 import time
 from collections.abc import Callable
 
-import torch.distributed as dist
-
 from preinfer.batch_source import BatchSource
 from preinfer.config import Config
 from preinfer.metrics import PlanOutcomeRecord, PreInferenceRecord, Record, SweepPlanRecord
@@ -20,24 +18,35 @@ from preinfer.partition import Block
 from preinfer.run_dir import RunDir
 from preinfer.staged import StagedModel
 from storage import Location, free_bytes, location
-from pipelines.cache import CacheOptions, Part, bytes_per_token, open_cache
+from pipelines.cache import CacheOptions, bytes_per_token, open_cache
 from pipelines.data.batches import ReaderBatches
 from pipelines.training.pre_inference import probe
 from pipelines.training.pre_inference.ranks import least
 from pipelines.training.pre_inference.rates import MeasuredRates
 from pipelines.training.pre_inference.stores import Stores, check_store_dir
+from pipelines.training.pre_inference.writers import LocalWriter, StoreWriter
 from pipelines.training.sweep_plan import (
     Plan, SweepPlan, Throughputs, Visit, Workload, plan_sweep, store_cost, switch_seconds, visit_seconds,
 )
 
 
 class PreInference:
-    """A `preinfer.batch_source.VisitSources` that trains blocks above the input from stores (mode `on` or `auto`)."""
+    """A `preinfer.batch_source.VisitSources` that trains blocks above the input from stores (mode `on` or `auto`).
+
+    `rank` of `world`: the processes that take every decision together (they agree on the throughputs and the free
+    disk, so that all follow the same plans); `writer`: how they make a store (default `LocalWriter`: the whole model
+    in each process, each data-parallel rank its share); `replica` of `replicas`: this process's share of the
+    training samples (default: `rank` of `world`). A pipeline gives its stages' writer (`auto` does not run there:
+    its disk probe needs the whole model)."""
 
     def __init__(self, staged: StagedModel, datasets: dict, tokenizer, config: Config, live, shard: int,
-                 rank: int = 0, world: int = 1):
+                 rank: int = 0, world: int = 1, *, writer: StoreWriter | None = None, replica: int | None = None,
+                 replicas: int | None = None):
         self.staged, self.datasets, self.tokenizer, self.config = staged, datasets, tokenizer, config
         self.live, self.shard, self.rank, self.world = live, shard, rank, world
+        self.writer = writer or LocalWriter(staged, datasets, tokenizer, rank, world)
+        self.replica = rank if replica is None else replica
+        self.replicas = world if replicas is None else replicas
         self.mode = config.pre_inference.mode
         self.root = location(config.pre_inference.store_dir or RunDir(config.run.out).stores)
         check_store_dir(self.root)
@@ -46,13 +55,10 @@ class PreInference:
         self.options = CacheOptions(store_format=settings.store_format, store_dtype=settings.store_dtype,
                                     samples_per_shard=shard, mode="overwrite", progress=False,
                                     model_name=config.model.name, dask=settings.dask,
-                                    out_flag="--store-dir")  # a job of this rank alone
-        # the stores the run trains from: under data parallelism every rank makes its share of each
-        self.store_options = self.options if world == 1 else dataclasses.replace(
-            self.options, part=Part(rank, world, dist.barrier))
+                                    out_flag="--store-dir")  # a job of this process alone (the writer shares it)
         self.emit: Callable[[Record], None] = lambda record: None
-        self.stores = Stores(staged, datasets, tokenizer, config, self.root, self.store_options,
-                             lambda record: self.emit(record), rank, world)
+        self.stores = Stores(staged, datasets, tokenizer, config, self.root, self.options,
+                             lambda record: self.emit(record), self.writer, rank, world)
         self.rates = MeasuredRates(world, self.device)  # measured in this run (the layer forward on first use)
         self.assumed: Throughputs | None = None  # what the plan in force assumed
         self.blocks: list[Block] = []  # the sweep's visits, in order
@@ -90,12 +96,13 @@ class PreInference:
             started = time.perf_counter()
             path = self._ensure(boundary)  # checked again: a stale store is made anew
             self._count(0.0, time.perf_counter() - started)
+            self.writer.reading(block, boundary)
         self.visit_started = time.perf_counter()
         if not boundary:
             return self.live.train, self.live.eval
         stores = open_cache(path, splits=["train", "eval"])
         batch, seed = self.config.data.batch_size, self.config.run.seed
-        return (ReaderBatches(stores["train"], boundary, batch, seed, self.rank, self.world),
+        return (ReaderBatches(stores["train"], boundary, batch, seed, self.replica, self.replicas),
                 ReaderBatches(stores["eval"], boundary, batch, seed, shuffle=False))
 
     def measure_source(self) -> BatchSource:
@@ -104,7 +111,7 @@ class PreInference:
     def switch_seconds(self, block: Block) -> float:
         """`sweep_plan.switch_seconds` of a visit of `block`, by the plan in force and the throughputs measured."""
         visit = Visit(block=block.index, start=block.start, steps=self._visit_steps())
-        return switch_seconds(self.work, self.rates.current, visit, self.plan.reads_stores)
+        return switch_seconds(self.work, self.rates.current, visit, self.plan.reads_stores, self.writer.rolls_forward)
 
     def visit_finished(self, block: Block) -> None:
         """Time the visit, drop the stores it made stale (those above its first layer) and those the plan reads no
@@ -125,6 +132,11 @@ class PreInference:
                                         run_predicted_s=self.run_times[0], run_measured_s=self.run_times[1]))
             return
         self._revise_if_moved()
+
+    def close(self) -> None:
+        """At the end of the run: delete the stores left (by a run stopped mid-sweep), unless --keep-stores."""
+        for boundary in list(self.stores):
+            self._delete(boundary, reason="the run is over")
 
     def _make_stores(self) -> None:
         """Make the stores the plan makes before this visit, one at a time; each one measures the throughputs, and
@@ -160,7 +172,7 @@ class PreInference:
             if self.mode == "auto" and probe.stores_could_pay(self.work, self.rates.current):
                 self._probe_store()
         rates = self.rates.agree()
-        chosen = plan_sweep(self.work, rates, self.mode)
+        chosen = plan_sweep(self.work, rates, self.mode, self.writer.rolls_forward)
         self.plan, self.first, self.assumed = chosen.chosen, self.position, rates
         self.emit(self._plan_record(chosen, reason))
 
@@ -196,7 +208,8 @@ class PreInference:
         elif boundary:  # reused
             source, build_s = 0, 0.0
         else:  # what its store would cost now
-            source, build_s = store_cost(work, rates, block.start, [k for k in work.stores if k < block.start])
+            source, build_s = store_cost(work, rates, block.start,
+                                         [k for k in work.stores if k < block.start and self.writer.rolls_forward])
         read = work.sample_bytes / rates.read_bps
         saving = visit_seconds(work, rates, visit, 0) - visit_seconds(work, rates, visit, block.start) - build_s
         self.emit(PreInferenceRecord(
@@ -220,13 +233,14 @@ class PreInference:
                                                          self.staged.compute_dtype),
             free_bytes=least(math.inf if (free := free_bytes(self.root)) is None else free,  # inf: no limit
                              self.world, self.device),
-            stores=frozenset(self.stores.valid()), ranks=self.world,
+            stores=frozenset(self.stores.valid()), ranks=self.writer.parts,
         )
 
     def _visit_steps(self) -> int:
         """A visit's expected steps, as its stopping rule counts them."""
         cfg = self.config
-        steps_per_epoch = -(-len(self.datasets["train"]) // (cfg.data.batch_size * self.world * cfg.optim.grad_accum))
+        per_step = cfg.data.batch_size * self.replicas * cfg.optim.grad_accum
+        steps_per_epoch = -(-len(self.datasets["train"]) // per_step)
         return step_budget(cfg.stop, steps_per_epoch) or steps_per_epoch
 
     # ---- measurements ------------------------------------------------------------------------------------------
@@ -248,9 +262,9 @@ class PreInference:
     def _ensure(self, boundary: int, source: int | None = None) -> Location:
         """A valid store at `boundary` (`Stores.ensure`); one made here measures the throughputs, and the first
         one made the read speed too."""
-        path, result, source = self.stores.ensure(boundary, source)
-        if result is not None:
-            self.rates.add_build(result, source, self.work.sample_bytes)
+        path, built, source = self.stores.ensure(boundary, source)
+        if built is not None:
+            self.rates.add_build(built, source, self.work.sample_bytes)
             if not self.read_measured:
                 self.rates.add_read(path, "eval", self.config.data.batch_size, self.work.sample_bytes)
                 self.read_measured = True

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from preinfer.boundary_state import BoundaryState
 from preinfer.metrics import CacheRecord
 from preinfer.staged import StagedModel
 from pipelines.cache import CacheOptions, cache_boundary
@@ -46,16 +47,25 @@ def first_estimate(staged: StagedModel, batch: dict) -> Throughputs:
 @torch.no_grad()
 def layer_seconds(staged: StagedModel, batch: dict) -> float:
     """Median time of one layer's no_grad forward over one sample, measured once on a training batch (after one
-    untimed forward: the first allocates)."""
+    untimed forward: the first allocates): the first layer this process holds (a pipeline stage holds a few), over
+    the batch's embedding or, on a stage without it, random hidden states of the batch's shape."""
     device = next(p for p in staged.model.parameters() if not p.is_meta).device
-    state = staged.embed(*(batch[k].to(device) for k in ("input_ids", "attention_mask", "labels")))
-    staged.run(state, 0, 1)
+    ids, mask, labels = (batch[k].to(device) for k in ("input_ids", "attention_mask", "labels"))
+    layer = next(i for i, module in enumerate(staged.layers) if not any(p.is_meta for p in module.parameters()))
+    if layer == 0:
+        state = staged.embed(ids, mask, labels)
+    else:
+        draws = torch.Generator(device).manual_seed(0)  # the run's own random state stays untouched
+        hidden = torch.randn(*ids.shape, staged.hidden_size, dtype=staged.compute_dtype, device=device,
+                             generator=draws)
+        state = BoundaryState.right_padded(hidden, mask, labels)
+    staged.run(state, layer, layer + 1)
     times = []
     for _ in range(LAYER_PROBES):
         started = time.perf_counter()
-        staged.run(state, 0, 1)
+        staged.run(state, layer, layer + 1)
         times.append(time.perf_counter() - started)
-    return statistics.median(times) / len(batch["input_ids"])
+    return statistics.median(times) / len(ids)
 
 
 def stores_could_pay(work: Workload, rates: Throughputs) -> bool:

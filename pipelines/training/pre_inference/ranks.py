@@ -1,5 +1,6 @@
-"""Pre-inference under data parallelism: the numbers every rank plans with, agreed over the process group, so that
-all ranks make the same plans and build and read the same stores."""
+"""Pre-inference over several processes (data-parallel ranks, or a pipeline's stages and replicas): the numbers every
+rank plans with, agreed over the process group, so that all ranks make the same plans and build and read the same
+stores."""
 
 from __future__ import annotations
 

@@ -8,8 +8,9 @@ import time
 
 import torch
 
-from pipelines.cache import CacheResult, open_cache
+from pipelines.cache import open_cache
 from pipelines.training.pre_inference.ranks import agreed
+from pipelines.training.pre_inference.writers import Built
 from pipelines.training.sweep_plan import Throughputs, Visit, Workload, visit_seconds
 from storage import Location
 
@@ -60,7 +61,7 @@ class MeasuredRates:
         if self.tally.builds:
             self.update(store_overhead_s=self.tally.overhead_seconds / self.tally.builds)
 
-    def add_build(self, result: CacheResult, source: int, sample_bytes: int) -> None:
+    def add_build(self, result: Built, source: int, sample_bytes: int) -> None:
         """The layer forward and write speed over every store made so far, the one just made included."""
         tally, rates = self.tally, self.current
         tally.forward_seconds += result.forward_seconds

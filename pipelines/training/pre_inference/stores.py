@@ -1,6 +1,6 @@
 """The stores of boundary states a run with pre-inference has made: kept by boundary while their fingerprint matches
-the current prefix, made (from the input, or rolled forward from a lower store) by the same code as `preinfer
-cache`, and deleted when no longer usable or no longer read (unless `keep_stores`)."""
+the current prefix, made (from the input, or rolled forward from a lower store) by the run's `StoreWriter` with the
+same code as `preinfer cache`, and deleted when no longer usable or no longer read (unless `keep_stores`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from preinfer.config import Config
 from preinfer.errors import UsageError
 from preinfer.metrics import CacheRecord, Record
 from preinfer.staged import StagedModel
-from pipelines.cache import CacheOptions, CacheResult, cache_boundary, cache_fingerprint, open_cache, roll_forward
+from pipelines.cache import CacheOptions, cache_fingerprint, open_cache
+from pipelines.training.pre_inference.writers import Built, StoreWriter
 from storage import Location, StorageError, remove_tree
 
 
@@ -35,12 +36,15 @@ def check_store_dir(root: Location) -> None:
 
 
 class Stores:
-    """The stores under `root` believed valid, by boundary; each rank makes its part of every store it builds."""
+    """The stores under `root` believed valid, by boundary, made by `writer`; `rank` of `world`: the processes
+    that read them (rank 0 deletes them)."""
 
     def __init__(self, staged: StagedModel, datasets: dict, tokenizer, config: Config, root: Location,
-                 options: CacheOptions, emit: Callable[[Record], None], rank: int = 0, world: int = 1):
+                 options: CacheOptions, emit: Callable[[Record], None], writer: StoreWriter, rank: int = 0,
+                 world: int = 1):
         self.staged, self.datasets, self.tokenizer, self.config = staged, datasets, tokenizer, config
-        self.root, self.options, self.emit, self.rank, self.world = root, options, emit, rank, world
+        self.root, self.options, self.emit, self.writer = root, options, emit, writer
+        self.rank, self.world = rank, world
         self.paths: dict[int, Location] = {}  # boundary -> cache directory believed valid
 
     def __contains__(self, boundary: int) -> bool:
@@ -55,32 +59,31 @@ class Stores:
 
     def is_valid(self, boundary: int) -> bool:
         expected = cache_fingerprint(self.staged, self.datasets["train"], self.tokenizer, boundary,
-                                     self.config.pre_inference.store_dtype)
+                                     self.config.pre_inference.store_dtype,
+                                     prefix=self.writer.prefix_digest(boundary))  # first: it may be a collective
         try:
             stores = open_cache(self.paths[boundary], splits=["train"])
         except StorageError:  # damaged or half-deleted: not usable, rebuilt on demand
             return False
         return stores["train"].fingerprint.digest == expected.digest
 
-    def ensure(self, boundary: int, source: int | None = None) -> tuple[Location, CacheResult | None, int]:
+    def ensure(self, boundary: int, source: int | None = None) -> tuple[Location, Built | None, int]:
         """A valid store at `boundary`: reused, or made from `source` (0: the input) if that is still valid, else
-        rolled forward from the nearest valid lower one, or made from the input. Returns its path, and for a store
-        made here the caching job's result and the boundary it was made from (None and 0 for one reused)."""
+        rolled forward from the nearest valid lower one (when the writer rolls forward), or made from the input.
+        Returns its path, and for a store made here what making it measured and the boundary it was made from
+        (None and 0 for one reused)."""
         if boundary in self.paths and self.is_valid(boundary):
             self.emit(CacheRecord(boundary=boundary, how="reuse", seconds=0.0, bytes=0))
             return self.paths[boundary], None, 0
         out = self.root / f"boundary-{boundary}"
-        valid = [b for b in self.valid() if b < boundary]
+        valid = [b for b in self.valid() if b < boundary] if self.writer.rolls_forward else []
         if source not in (0, *valid):
             source = max(valid, default=0)
-        if source:
-            result = roll_forward(self.staged, self.paths[source], boundary, out, self.options)
-        else:
-            result = cache_boundary(self.staged, self.datasets, self.tokenizer, boundary, out, self.options)
+        built = self.writer.write(boundary, self.paths[source] if source else None, out, self.options)
         self.paths[boundary] = out
         self.emit(CacheRecord(boundary=boundary, how="roll_forward" if source else "input", from_=source,
-                              seconds=result.seconds, bytes=result.stored_bytes))
-        return out, result, source
+                              seconds=built.seconds, bytes=built.stored_bytes))
+        return out, built, source
 
     def delete(self, boundary: int, reason: str) -> float | None:
         """Forget the store at `boundary` and delete it unless `keep_stores`; the seconds deleting took (None:
