@@ -29,7 +29,7 @@ from pipelines.pipeline_parallel.mesh import PipelineMesh, check_degree, make_me
 from pipelines.pipeline_parallel.stage import StageLayout
 from pipelines.pipeline_parallel.stores import pipeline_pre_inference
 from pipelines.models.partition_choice import partition_for
-from pipelines.training.pre_inference import PreInference
+from pipelines.pre_inference import PreInference
 from pipelines.data.run_data import Datasets
 
 

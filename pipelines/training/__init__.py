@@ -5,9 +5,9 @@ Its parts, one concern a module: `store_input` (a cache's stores standing in for
 (joining torchrun's process group), `layout` (where the model lives: `OneProcess`, whose seams are
 `preinfer.layout`'s; the pipeline's is `pipelines.pipeline_parallel.layout`), `fit` (building the trainer and
 fitting it), `signals` (stopping on SIGINT or SIGTERM), `progress` (the progress display), `run_directory` (the run
-directory checked, created and finished), and pre-inference: `pre_inference` following the plans of `sweep_plan`.
-The token data of a run is `pipelines.data.run_data`'s, the choice of blocks `pipelines.models.partition_choice`'s
-(the pipeline reads both too)."""
+directory checked, created and finished). What the pipeline shares with them lives outside: pre-inference
+(`pipelines.pre_inference`), a run's token data (`pipelines.data.run_data`) and its choice of blocks
+(`pipelines.models.partition_choice`)."""
 
 from pipelines.training.fit import train
 from pipelines.models.partition_choice import partition_for

@@ -17,7 +17,7 @@ from preinfer.precision import Precision, resolve_precision, weights_dtype
 from pipelines.models import resolve_model
 from pipelines.models.export import export_full
 from pipelines.models.suffix import Suffix, load_suffix, to_device
-from pipelines.training.pre_inference import PreInference
+from pipelines.pre_inference import PreInference
 from pipelines.data.run_data import Datasets
 
 

@@ -15,7 +15,7 @@ from preinfer.errors import UsageError
 from preinfer.metrics import CacheRecord, Record
 from preinfer.staged import StagedModel
 from pipelines.cache import CacheOptions, cache_fingerprint, open_cache
-from pipelines.training.pre_inference.writers import Built, StoreWriter
+from pipelines.pre_inference.writers import Built, StoreWriter
 from storage import Location, StorageError, remove_tree
 
 
