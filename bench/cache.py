@@ -13,7 +13,7 @@ Variants are interleaved within each repetition (a b c d, a b c d, ...) so that 
 hits them alike; medians over --repeats. tokens/s of each and its ratio to (a). Target: (b)/(a) >= 0.9. Prints a
 table and writes bench/out/cache.json.
 
-    python bench/cache.py [--samples 1024] [--samples-per-shard 128] [--repeats 3] [--threads N]
+    python -m bench.cache [--samples 1024] [--samples-per-shard 128] [--repeats 3] [--threads N]
 """
 
 from __future__ import annotations
@@ -24,21 +24,18 @@ import pathlib
 import platform
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from bench.common import table, write_json  # noqa: E402
+from bench.lib.common import table, write_json
 
 MODEL, BOUNDARY, SEQ_LEN, DATA = "small-llama", 4, 128, "builtin:pydoc"
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m bench.cache", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--samples", type=int, default=1024, help="train samples to run over (0 = all) [1024]")
     parser.add_argument("--samples-per-shard", type=int, default=128, help="[128: 16 MiB of hidden states]")

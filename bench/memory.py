@@ -14,10 +14,10 @@ row is produced.
 the gradient path). Full Adam with recomputation is the paper's baseline ("even with recomputation, about 4 W");
 each row is given as a ratio to full Adam without and with it.
 
-    python bench/memory.py                 # small-llama and medium-llama at 256x8 and 128x1 (4.5 min of CPU)
-    python bench/memory.py --quick         # tiny-llama, seq 32, batch 2, one step per visit (seconds)
-    python bench/memory.py --precision bf16-mixed --regimes 128x1    # bf16 weights, fp32 masters of the block
-    python bench/memory.py --attention eager,sdpa --regimes 512x1,1024x1,2048x1 --ufps 1/3 --store-ufps '' \
+    python -m bench.memory                 # small-llama and medium-llama at 256x8 and 128x1 (4.5 min of CPU)
+    python -m bench.memory --quick         # tiny-llama, seq 32, batch 2, one step per visit (seconds)
+    python -m bench.memory --precision bf16-mixed --regimes 128x1    # bf16 weights, fp32 masters of the block
+    python -m bench.memory --attention eager,sdpa --regimes 512x1,1024x1,2048x1 --ufps 1/3 --store-ufps '' \
         --recomputed ''                    # both attention implementations, and their saved-activation ratio
 
 "--precision bf16-mixed": every weight resident in bf16; the active block (under full Adam: every parameter) has
@@ -41,25 +41,21 @@ from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
+from bench.lib.common import OUT, ROOT, command_line, machine, module_command
 
-from bench.common import machine  # noqa: E402
-
-import preinfer  # noqa: E402
-from preinfer.config import Config, load_config  # noqa: E402
-from preinfer.memory.footprint import bcd_memory, full_memory  # noqa: E402
-from preinfer.memory.layer_spans import LayerSpan  # noqa: E402
-from preinfer.memory.meter import MemoryMeter  # noqa: E402
-from preinfer.memory.settings import Settings  # noqa: E402
-from preinfer.memory.shapes import ModelShape, resolve_shape  # noqa: E402
-from preinfer.partition import Block, Partition, make_partition  # noqa: E402
-from preinfer.presets import build_preset  # noqa: E402
-from preinfer.batch_source import LiveSources  # noqa: E402
-from preinfer.trainer import Trainer  # noqa: E402
+import preinfer
+from preinfer.config import Config, load_config
+from preinfer.memory.footprint import bcd_memory, full_memory
+from preinfer.memory.layer_spans import LayerSpan
+from preinfer.memory.meter import MemoryMeter
+from preinfer.memory.settings import Settings
+from preinfer.memory.shapes import ModelShape, resolve_shape
+from preinfer.partition import Block, Partition, make_partition
+from preinfer.presets import build_preset
+from preinfer.batch_source import LiveSources
+from preinfer.trainer import Trainer
 
 # The reference paper's peak-memory reduction of BCD against full-parameter Adam, by UFP ("about 45% less on
 # average"): the expected ratio to full Adam is 1 - reduction.
@@ -283,7 +279,7 @@ def run_configuration(args: argparse.Namespace, model: str, name: str, out: Path
     if args.in_process:
         run_worker(argparse.Namespace(**{**vars(args), "worker": name, "result": str(result), "model": model}))
     else:
-        command = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--result", str(result),
+        command = [*module_command("memory"), "--worker", name, "--result", str(result),
                    "--model", model, "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
                    "--steps", str(args.steps), "--threads", str(args.threads),
                    "--store-samples", str(args.store_samples), "--precision", args.precision,
@@ -416,7 +412,7 @@ def label(r: dict) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m bench.memory", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="small-llama,medium-llama", help="comma-separated presets")
     p.add_argument("--ufps", default="1/2,1/3,1/4", help="UFPs of the live BCD rows")
@@ -434,7 +430,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attention", default="sdpa",
                    help="attention implementations, comma-separated: sdpa, eager or eager,sdpa (each configuration "
                         "runs with each; with both, the saved-activation ratio eager/sdpa is reported)")
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "memory.json")
+    p.add_argument("--out", type=Path, default=OUT / "memory.json")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: tiny-llama, seq 32, batch 2, 1 step per visit (seconds)")
     p.add_argument("--in-process", action="store_true",
@@ -477,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     add_ratios(rows)
     shutil.rmtree(args.out.parent / "_stores", ignore_errors=True)
     result = dict(
-        benchmark="memory", command=" ".join(["python", "bench/memory.py", *(argv or sys.argv[1:])]),
+        benchmark="memory", command=command_line("memory", argv or sys.argv[1:]),
         machine=machine(), settings=dict(regimes=args.regimes, steps_per_visit=args.steps, store_samples=args.store_samples,
                                          precision=args.precision, optimizer="adam", threads=args.threads,
                                          attention=attentions),

@@ -12,7 +12,7 @@ such as 1/3 evaluates a setup that plateaus within an epoch more often):
   one evaluation, per --visit-epochs, Adam's state kept across them (each visit warms up again, as every BCD visit
   does).
   Its plateau is the first evaluation after which its best eval loss improves by less than --plateau-rel over
-  the next --plateau-window evaluations (`bench.quality.plateau_point`, computed after the run). **The target**
+  the next --plateau-window evaluations (`bench.lib.curves.plateau_point`, computed after the run). **The target**
   is its best eval loss once the plateau is seen (the best of the evaluations up to the plateau's plus the
   window: where a run that stopped at its plateau would have stopped), or the best of the whole run when it
   still improves at the cap.
@@ -24,7 +24,7 @@ such as 1/3 evaluates a setup that plateaus within an epoch more often):
   `ORDER+gain` for each importance order, the same run with `--stop gain` (a visit also ends when another block
   would gain more).
 
-Measured per row, from the run's metrics.jsonl (`bench.finetune.cli_result`): the eval loss at each visit's end
+Measured per row, from the run's metrics.jsonl (`bench.lib.runs.cli_result`): the eval loss at each visit's end
 against cumulative training time (the visits' `wall_s`, plus the seconds of `cache` records, store building, and
 of `importance` records, an importance order's measurement; evaluation excluded) and against epochs (steps over
 an epoch's steps: full Adam's first visit's over --visit-epochs; one pass over the training split). Then:
@@ -42,7 +42,7 @@ ceil(--sweeps x 3 x UFP), and the same step budget); --ufps names the UFPs (`--u
 Per UFP: blocks, tracked peak (and its ratio to full Adam's), epochs to the target and epochs to its own plateau
 (same rule as full Adam's; None while still improving).
 
-Default setup: small-llama over builtin:pydoc with the byte tokenizer (the defaults of `bench/quality.py
+Default setup: small-llama over builtin:pydoc with the byte tokenizer (the defaults of `bench.quality
 --until-plateau`: seq 128, batch 8, lr 2e-3, betas 0.9,0.95, clipping 1.0), cut to the first 720 training samples
 (--max-samples; 90 steps an epoch; the eval split has 381 samples), full Adam up to 12 epochs, every order up to
 6 sweeps (18 epochs at 3 blocks). Sizing, measured on 2 idle cores: `--max-samples 480 --full-epochs 8
@@ -50,16 +50,16 @@ Default setup: small-llama over builtin:pydoc with the byte tokenizer (the defau
 gain rows cost about 1.2x an importance row's training time and evaluate every 8 or so steps. The default, 1.5x
 those samples and epochs, is about twice that (predicted, not measured).
 
-    python bench/orders.py                        # small-llama over pydoc (about 70 min on 2 idle cores)
-    python bench/orders.py --gain                 # also importance orders with --stop gain
-    python bench/orders.py --model ~/.cache/preinfer/models/smollm2-135m-instruct --lr 1e-4 --bcd-lr 3e-4 \\
+    python -m bench.orders                        # small-llama over pydoc (about 70 min on 2 idle cores)
+    python -m bench.orders --gain                 # also importance orders with --stop gain
+    python -m bench.orders --model ~/.cache/preinfer/models/smollm2-135m-instruct --lr 1e-4 --bcd-lr 3e-4 \\
         --batch-size 4 --max-samples 192 --visit-epochs 1/3 --eval-tokens 8192 --full-epochs 2 --sweeps 2 \\
         --warmup 4 --gain --ufps 1/3 --out bench/out/orders-smollm2.json
-                                                  # the SmolLM2-135M fine-tuning setup (bench/checkpoint.py makes
+                                                  # the SmolLM2-135M fine-tuning setup (bench.checkpoint makes
                                                   # the directory; full Adam at 1e-4 and BCD-Adam at 3e-4, the best
-                                                  # of bench/finetune.py's grid on text): a pretrained model that
+                                                  # of bench.finetune's grid on text): a pretrained model that
                                                   # plateaus within about an epoch, evaluated every third of one
-    python bench/orders.py --quick                # smoke run: tiny-llama, 2 sweeps, every order, the UFP table
+    python -m bench.orders --quick                # smoke run: tiny-llama, 2 sweeps, every order, the UFP table
 
 --model takes a preset or a model directory, --data any corpus `preinfer bcd --data` reads, --tokenizer
 `preinfer bcd --tokenizer` (auto: the directory's own, the byte tokenizer for a preset).
@@ -80,13 +80,10 @@ import time
 from fractions import Fraction
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.common import machine, table  # noqa: E402
-from bench.finetune import cli_result  # noqa: E402
-from bench.quality import plateau_point  # noqa: E402
-from pipelines.cli import set_process_environment  # noqa: E402
+from bench.lib.common import OUT, ROOT, command_line, machine, table
+from bench.lib.curves import plateau_point
+from bench.lib.runs import cli_result
+from pipelines.cli import set_process_environment
 
 ORDERS = ("ascending", "descending", "random", "importance", "importance-cached")
 IMPORTANCE_ORDERS = ("importance", "importance-cached")
@@ -308,7 +305,7 @@ def cell(value: object) -> object:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m bench.orders", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--orders", default=",".join(ORDERS), help=f"comma-separated, of {', '.join(ORDERS)}")
     p.add_argument("--gain", action="store_true", help="also each importance order with --stop gain")
@@ -335,7 +332,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ufps", default=",".join(UFPS), help="the UFP table's UFPs, comma-separated, of "
                    f"{', '.join(UFPS)}")
     p.add_argument("--ufp-order", help="the row (ORDER or ORDER+gain) of the UFP table [the fastest to the target]")
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "orders.json")
+    p.add_argument("--out", type=Path, default=OUT / "orders.json")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: tiny-llama, seq 32, batch 4, 32 samples, full Adam 2 epochs, 2 sweeps")
     args = p.parse_args(argv)
@@ -358,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="orders-") as tmp:
         comparison = compare(args, Path(tmp))
     png = args.out.with_suffix(".png")
-    result = dict(benchmark="orders", command=" ".join(["python", "bench/orders.py", *(argv or sys.argv[1:])]),
+    result = dict(benchmark="orders", command=command_line("orders", argv or sys.argv[1:]),
                   machine=machine(), settings={k: str(v) if isinstance(v, (Path, Fraction)) else v
                                                for k, v in vars(args).items()},
                   targets=TARGETS, plot=str(png), **comparison, wall_s=time.perf_counter() - started)

@@ -40,7 +40,7 @@ shows medians, because the machine is shared. Measured per run:
 The long visit (--long-steps, 0 to skip): one block (the first of --ranges) trained by preinfer for that many
 steps (`--active`), in windows of --window steps, against the plain loop over the same seconds of the clock. The
 plain loop paces it: it runs at the same time with one thread, starts stepping before the trainer's process
-starts and keeps stepping over its batches until that process has ended (`bench.common.run_paced`). A window's
+starts and keeps stepping over its batches until that process has ended (`bench.lib.common.run_paced`). A window's
 ratio is the trainer's tokens/s over its steps (their end times on the clock: the step records' `time`) against
 the plain loop's tokens/s over the same seconds (its steps counted between its step ends), so both meet the same
 machine at the same moments: a shared machine's speed moves by tens of percent within minutes, more than the 3%
@@ -50,9 +50,9 @@ core's own slowdowns, which a core of its own each would not share, cancel too);
 core of its own, swapped from one round to the next. Target: in every window the trainer at least 0.97x the
 plain loop (median over the rounds of each window's ratio).
 
-    python bench/peers.py                                  # bf16-mixed, all four, the long visit
-    python bench/peers.py --precision fp32 --methods plain,preinfer --long-steps 0     # the hot path alone
-    python bench/peers.py --quick                          # tiny-llama, a few steps, plain and preinfer (~1.5 min)
+    python -m bench.peers                                  # bf16-mixed, all four, the long visit
+    python -m bench.peers --precision fp32 --methods plain,preinfer --long-steps 0     # the hot path alone
+    python -m bench.peers --quick                          # tiny-llama, a few steps, plain and preinfer (~1.5 min)
 
 bf16 matmuls are 5-25x slower than float32 on CPUs without AVX-512 BF16 or AMX (a small-llama step at seq 128 x 8:
 28 s against 1.1 s on the 2-core machine of docs/results.md), where the default bf16-mixed run takes hours:
@@ -75,18 +75,16 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # `bench.common` and this checkout's packages, whatever the working directory
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from bench.common import machine, run_paced, table  # noqa: E402
-from pipelines.cli import set_process_environment  # noqa: E402
-from preinfer.config import ATTENTIONS  # noqa: E402
+from bench.lib.common import OUT, ROOT, command_line, machine, module_command, run_paced, table
+from bench.lib.runs import (MeteredLoop, bcd_flags, block_names, eval_loss, parse_config, preinfer_result,
+                            prepared, split_batches)
+from pipelines.cli import set_process_environment
+from preinfer.config import ATTENTIONS
 
 METHODS = ("plain", "badam", "hf-trainer", "preinfer", "preinfer-auto")
 TARGETS = dict(steps_per_s=1.0, window=0.97, eval_loss=0.01, hf_trainer_x_preinfer=0.95)
@@ -95,91 +93,7 @@ PACE_LIMIT_S = 3600
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Settings shared by every method: the `preinfer bcd` flags, parsed by the real command line for the workers too.
-
-
-def bcd_flags(args: argparse.Namespace, out: Path, steps: int, ranges: str, seq_len: int, batch: int,
-              active: str | None = None, pre_inference: str = "off") -> list[str]:
-    """The `preinfer bcd` flags of one run (the workers parse the same flags into the same config)."""
-    flags = ["--model", args.model, "--data", args.data, "--seq-len", str(seq_len), "--batch-size", str(batch),
-             "--sweeps", "1", "--order", "ascending", "--steps-per-visit", str(steps), "--optimizer", "adam",
-             "--lr", str(args.lr), "--weight-decay", "0", "--warmup-steps", "0", "--grad-clip", "0",
-             "--precision", args.precision, "--eval-tokens", str(seq_len * batch), "--seed", "0",
-             "--pre-inference", pre_inference, "--out", str(out)]
-    if args.max_samples:
-        flags += ["--max-samples", str(args.max_samples)]
-    if args.attention:
-        flags += ["--attention", args.attention]
-    return flags + (["--ranges", ranges, "--active", active] if active else ["--ranges", ranges])
-
-
-def parse_config(flags: list[str]):
-    """The config `preinfer bcd FLAGS` runs with."""
-    from pipelines.cli import build_parser
-    from pipelines.flags import config_for_command
-
-    return config_for_command(build_parser().parse_args(["bcd", *flags]))
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # Workers: plain and badam (each in a process of its own).
-
-
-def prepared(config):
-    """Model (resident dtype of the run's precision), its partition, and the run's token batches (every sweep's),
-    as `preinfer bcd` makes them."""
-    import preinfer
-    from pipelines.data import batches as sources
-    from pipelines.models import resolve_model
-    from pipelines.training import load_datasets, partition_for, samples_per_shard
-    from preinfer.precision import apply_precision
-
-    data = load_datasets(config, quiet=True)
-    model = resolve_model(config.model.name, seed=config.run.seed, attention=config.model.attention)
-    precision = apply_precision(model, config.run.precision)
-    staged = preinfer.stage(model)
-    partition, active = partition_for(staged, config, precision=precision)
-    reader = sources.token_batches(data.train, config.data.batch_size, samples_per_shard(config, staged),
-                                   config.run.seed)
-    blocks = partition.blocks if active is None else [partition.blocks[active]]
-    batches = [next(reader) for _ in range(config.stop.steps_per_visit * len(blocks) * config.blocks.sweeps)]
-    reader.close()
-    return model, precision, blocks, batches
-
-
-def block_names(model: torch.nn.Module, blocks) -> list[list[str]]:
-    """Each block's parameter names (BAdam's `block_prefix_list`: full names match only themselves)."""
-    names = {id(p): name for name, p in model.named_parameters()}
-    return [[names[id(p)] for p in block.params] for block in blocks]
-
-
-class MeteredLoop:
-    """The forward and backward every worker's step shares, and the memory meter on the steps the trainer meters
-    (`MemoryMeter.due`: the first steps of each block)."""
-
-    def __init__(self, model: torch.nn.Module):
-        from preinfer.memory.meter import MemoryMeter
-
-        self.model, self.meter, self.peak = model, MemoryMeter(model), 0
-        self.metered = False
-
-    def new_block(self) -> None:
-        self.peak = max(self.peak, self.meter.report()["tracked_peak"])
-        self.meter.reset()
-
-    def loss(self, batch: dict) -> torch.Tensor:
-        """Forward and backward of one batch (tracked when the meter is due)."""
-        self.metered = self.meter.due()
-        with self.meter.track() if self.metered else nullcontext():
-            loss = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                              labels=batch["labels"]).loss
-            loss.backward()
-        return loss
-
-    def sample(self, optimizer: torch.optim.Optimizer) -> None:
-        """After the optimizer step of a metered step: masters, gradients and optimizer state are all present."""
-        if self.metered:
-            self.meter.sample(optimizer)
 
 
 def plain_worker(config, ready: Path | None = None, until: Path | None = None) -> dict:
@@ -330,7 +244,7 @@ def method_command(method: str, flags: list[str], scratch: Path,
         out = Path(flags[flags.index("--out") + 1])
         return [sys.executable, "-m", "pipelines.cli", "bcd", *flags], lambda: preinfer_result(out)
     result = scratch / f"{method}.json"
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", method, "--result", str(result)]
+    command = [*module_command("peers"), "--worker", method, "--result", str(result)]
     if pace is not None:
         command += ["--ready", str(pace[0]), "--until", str(pace[1])]
     return [*command, "--", *flags], lambda: json.loads(result.read_text())
@@ -343,56 +257,9 @@ def run_method(method: str, flags: list[str], scratch: Path) -> dict:
     return result()
 
 
-def preinfer_result(out: Path) -> dict:
-    """Steps, training seconds (visits' wall_s plus store building), per-step stamps and tracked peak of a
-    `preinfer bcd` run directory."""
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [r for r in records if r["kind"] == "step"]
-    visits = [r for r in records if r["kind"] == "visit"]
-    caching = sum(r.get("seconds", 0.0) for r in records if r["kind"] == "cache")
-    return dict(steps=len(steps), train_s=sum(v["wall_s"] for v in visits) + caching, caching_s=caching,
-                stamps=[r["visit_s"] for r in steps], times=[r["time"] for r in steps],
-                tracked_peak=max(v["memory"]["tracked_peak"] for v in visits),
-                sources=[v["source_boundary"] for v in visits], model_dir=str(out / "export"))
-
-
-def eval_loss(model_dir: str, batches: list[dict]) -> float:
-    """Mean next-token loss of the weights in `model_dir` (cast to float32) over `batches` (`mean_loss`). One
-    function for every method."""
-    from transformers import AutoModelForCausalLM
-
-    return mean_loss(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), batches)
-
-
-@torch.no_grad()
-def mean_loss(model: torch.nn.Module, batches: list[dict]) -> float:
-    """The framework's forward and loss over `batches`, in eval mode, weighted by each batch's supervised tokens;
-    the model is left in the mode it was in."""
-    training = model.training
-    model.eval()
-    total, count = 0.0, 0
-    for batch in batches:
-        n = int((batch["labels"][:, 1:] != -100).sum())
-        loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
-        total, count = total + float(loss) * n, count + n
-    model.train(training)
-    return total / count
-
-
 def eval_batches(args: argparse.Namespace, flags: list[str]) -> list[dict]:
     """The first --eval-batches batches of the run's eval split, in order."""
     return split_batches(flags, "eval", args.eval_batches)
-
-
-def split_batches(flags: list[str], split: str, count: int) -> list[dict]:
-    """The first `count` batches of a split of the run `flags` describe, in order (no shuffling)."""
-    from pipelines.data import batches as sources
-    from pipelines.training import load_datasets
-
-    config = parse_config(flags)
-    data = load_datasets(config, quiet=True)
-    reader = sources.token_batches(getattr(data, split), config.data.batch_size, 64, shuffle=False)
-    return [batch for _, batch in zip(range(count), reader.one_pass())]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -503,7 +370,7 @@ def long_visit(args: argparse.Namespace, scratch: Path) -> dict:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
     p.add_argument("--model", default="small-llama")
@@ -527,7 +394,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--long-cores", choices=["shared", "own"], default="shared",
                    help="the long visit's plain loop and trainer both on core 0, sharing it (shared), or each on a "
                         "core of its own, swapped from one round to the next (own)")
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "peers.json")
+    p.add_argument("--out", type=Path, default=OUT / "peers.json")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: tiny-llama, seq 32, batch 2, 3 steps per block, plain and preinfer")
     p.add_argument("--worker", choices=["plain", "badam", "hf-trainer"], help=argparse.SUPPRESS)
@@ -556,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         scratch = Path(tmp)
         comparison = compare(args, scratch)
         long = long_visit(args, scratch) if args.long_steps else None
-    result = dict(benchmark="peers", command=" ".join(["python", "bench/peers.py", *(argv or sys.argv[1:])]),
+    result = dict(benchmark="peers", command=command_line("peers", argv or sys.argv[1:]),
                   machine=machine(), settings={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                                                if k not in ("worker", "result", "ready", "until", "flags")},
                   targets=TARGETS, **comparison, long_visit=long, wall_s=time.perf_counter() - started)

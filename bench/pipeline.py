@@ -11,8 +11,8 @@ stages and free communication. Bytes sent are summed over the
 `PipelineStage` send operations of both stages; the planner's estimate is `preinfer.memory.traffic.traffic`'s
 bytes per step (forward activations and backward gradients at each of the N-1 cuts).
 
-    python bench/pipeline.py             # small-llama, seq 128, batch 8, 6 timed steps per row
-    python bench/pipeline.py --quick     # tiny-llama, seq 32, 2 timed steps per row
+    python -m bench.pipeline             # small-llama, seq 128, batch 8, 6 timed steps per row
+    python -m bench.pipeline --quick     # tiny-llama, seq 32, 2 timed steps per row
 """
 
 from __future__ import annotations
@@ -27,15 +27,12 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 STAGES = 2
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.pipeline", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small-llama")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8)
@@ -140,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
-    from bench.common import machine, table, write_json
+    from bench.lib.common import ROOT, command_line, machine, table, write_json
     from preinfer.memory.settings import Settings
     from preinfer.memory.shapes import resolve_shape
     from preinfer.memory.traffic import traffic
@@ -148,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         found = Path(tmp) / "rows.json"
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(STAGES), "--standalone",
-                   str(Path(__file__).resolve()), "--worker", str(found), "--model", args.model,
+                   "-m", "bench.pipeline", "--worker", str(found), "--model", args.model,
                    "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--steps", str(args.steps),
                    "--microbatches", args.microbatches]
         subprocess.run(command, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -168,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table([dict(r, busy=" / ".join(f"{b:.3f}" for b in r["busy_s"])) for r in rows],
                 ["pipeline_schedule", "microbatches", "step_s", "busy", "bubble", "bubble_slowest", "bubble_theory", "bytes_sent",
                  "planner_bytes", "bytes_ratio"]))
-    payload = dict(command=" ".join(["python", "bench/pipeline.py", *(argv if argv is not None else sys.argv[1:])]),
+    payload = dict(command=command_line("pipeline", argv if argv is not None else sys.argv[1:]),
                    machine=machine(), settings=dict(model=args.model, seq_len=args.seq_len,
                                                     batch_size=args.batch_size, steps=args.steps, stages=STAGES),
                    stage_cut=measured["stages"], rows=rows)

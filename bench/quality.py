@@ -31,10 +31,10 @@ invocations, e.g. in parallel with --methods, and compared by a last run with --
 The eval loss is measured on the whole held-out split every --eval-every optimizer steps (a whole visit for BCD);
 evaluation time is excluded from the wall times.
 
-    python bench/quality.py            # 27 min of CPU: about 14 min on 2 free cores (40 min on a loaded machine)
-    python bench/quality.py --until-plateau --plateau-window 6   # each method to its plateau (1-2 hours)
-    python bench/quality.py --quick    # tiny-llama, a few steps (seconds)
-    python bench/quality.py --methods bcd-adam --precision fp32,bf16-mixed,fp16-mixed --epochs 0.5
+    python -m bench.quality            # 27 min of CPU: about 14 min on 2 free cores (40 min on a loaded machine)
+    python -m bench.quality --until-plateau --plateau-window 6   # each method to its plateau (1-2 hours)
+    python -m bench.quality --quick    # tiny-llama, a few steps (seconds)
+    python -m bench.quality --methods bcd-adam --precision fp32,bf16-mixed,fp16-mixed --epochs 0.5
 """
 
 from __future__ import annotations
@@ -48,13 +48,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from bench.common import machine  # noqa: E402
+from bench.lib.common import OUT, ROOT, command_line, machine, module_command
+from bench.lib.curves import plateau_point
 
 TARGET_REL = 0.03  # BCD-Adam's final eval loss within 3% of full Adam's
 PRECISION_REL = {"bf16-mixed": 0.01, "fp16-mixed": 0.02}  # final eval loss against the same method in fp32
@@ -192,17 +189,6 @@ def first_reaching(curve: list[dict], loss: float) -> dict | None:
             span = before["eval_loss"] - after["eval_loss"]
             f = 1.0 if span <= 0 else min(1.0, max(0.0, (before["eval_loss"] - loss) / span))
             return {k: before[k] + f * (after[k] - before[k]) for k in ("tokens", "epochs", "train_wall_s")}
-    return None
-
-
-def plateau_point(curve: list[dict], rel: float, window: int) -> dict | None:
-    """The first eval point after which the best eval loss improves by less than `rel` (relative) over the next
-    `window` evaluations; None if the curve still improves at its end."""
-    for i in range(len(curve) - window):
-        best_now = min(c["eval_loss"] for c in curve[: i + 1])
-        best_later = min(c["eval_loss"] for c in curve[: i + 1 + window])
-        if best_later > best_now * (1 - rel):
-            return curve[i]
     return None
 
 
@@ -358,7 +344,7 @@ def launch(args: argparse.Namespace, name: str, steps: int, run_dir: Path, setti
     if args.in_process:
         data = run_method(args, name, steps, run_dir)
     else:
-        command = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--worker-steps", str(steps),
+        command = [*module_command("quality"), "--worker", name, "--worker-steps", str(steps),
                    "--result", str(result), "--run-dir", str(run_dir), *args.passthrough]
         subprocess.run(command, check=True, cwd=ROOT)
         data = json.loads(result.read_text())
@@ -390,7 +376,7 @@ def table(summary: dict, until_plateau: bool) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="small-llama")
     p.add_argument("--seq-len", type=int, default=128)
@@ -421,7 +407,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="plateau: the best eval loss improves by less than this fraction ...")
     p.add_argument("--plateau-window", type=int, default=3, help="... over this many further evaluations")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "quality.json")
+    p.add_argument("--out", type=Path, default=OUT / "quality.json")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny-llama, seq 32, a few steps (seconds)")
     p.add_argument("--in-process", action="store_true", help="run every method in this process (smoke tests)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -468,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     plot(runs, budget_tokens, png, f"{args.model}, builtin:pydoc, seq {args.seq_len}, batch {args.batch_size}, "
                                    f"seed {args.seed}", args.until_plateau)
     result = dict(
-        benchmark="quality", command=" ".join(["python", "bench/quality.py", *args.passthrough]),
+        benchmark="quality", command=command_line("quality", args.passthrough),
         machine=machine(), settings=dict(model=args.model, data="builtin:pydoc", seq_len=args.seq_len,
                                          batch_size=args.batch_size, seed=args.seed, budget_steps=budget_steps,
                                          budget_tokens=budget_tokens, steps_per_epoch=per_epoch,
@@ -496,7 +482,7 @@ def precision_only(args: argparse.Namespace, runs: dict[str, dict], budget_token
         print("[quality] kept the results in quality_runs/; the comparison needs full-adam (add it, with --reuse) "
               "or a method in fp32 and another precision")
         return 0
-    result = dict(benchmark="quality-precision", command=" ".join(["python", "bench/quality.py", *args.passthrough]),
+    result = dict(benchmark="quality-precision", command=command_line("quality", args.passthrough),
                   machine=machine(), settings=dict(model=args.model, data="builtin:pydoc", seq_len=args.seq_len,
                                                    batch_size=args.batch_size, seed=args.seed,
                                                    budget_tokens=budget_tokens, steps_per_visit=args.steps_per_visit,

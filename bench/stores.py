@@ -12,8 +12,8 @@ against the bfloat16 store, the decoding error against the float32 states, the e
 (bits per value; sign, exponent, mantissa; given the channel) with other codecs and layouts, and how a
 roll-forward from a lossy store compounds the error (bench/out/storage_lossy.json).
 
-    python bench/stores.py [--sequences 256] [--repeats 3] [--threads 2]
-    python bench/stores.py --trained runs/trained [--boundaries 2,4]
+    python -m bench.stores [--sequences 256] [--repeats 3] [--threads 2]
+    python -m bench.stores --trained runs/trained [--boundaries 2,4]
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import pathlib
 import platform
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
@@ -34,10 +33,9 @@ import safetensors.torch
 import torch
 import zarr
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from bench.common import median_seconds, table, write_json  # noqa: E402
-from storage import Fingerprint, create_store, open_store  # noqa: E402
+from bench.lib.common import median_seconds, table, write_json
+from bench.lib.trained import cache_split, trained_model
+from storage import Fingerprint, create_store, open_store
 
 VARIANTS = [("zarr", "blosc-zstd"), ("zarr", "zstd"), ("zarr", "none"), ("safetensors", "none")]
 SEQ_LEN = 256
@@ -118,28 +116,6 @@ class Case:
 
 STORE_DTYPES = ("float32", "bfloat16", "float8_e4m3", "float8_e5m2", "int8")
 LOSSY = ("float8_e4m3", "float8_e5m2", "int8")
-
-
-def trained_model(run_dir: str, seed: int = 0):
-    """(staged model, the run's datasets) of a BCD run directory (its last checkpoint)."""
-    import preinfer
-    from pipelines.models import model_source
-    from pipelines.training import load_datasets
-
-    source, config = model_source(run_dir, seed)
-    return preinfer.stage(source.load().eval()), load_datasets(config)
-
-
-def cache_split(staged, data, boundary: int, out: pathlib.Path, store_dtype: str, codec: str = "blosc-zstd",
-                source: pathlib.Path | None = None):
-    """The train and eval stores at `boundary` in `store_dtype` (rolled forward from `source` when given)."""
-    from pipelines.cache import CacheOptions, cache_boundary, roll_forward
-
-    options = CacheOptions(store_dtype=store_dtype, codec=codec, mode="overwrite", progress=False,
-                           samples_per_shard=64, model_name="trained")
-    if source is not None:
-        return roll_forward(staged, source, boundary, out, options)
-    return cache_boundary(staged, {"train": data.train, "eval": data.eval}, data.tokenizer, boundary, out, options)
 
 
 def hidden_states(path: pathlib.Path) -> torch.Tensor:
@@ -280,7 +256,7 @@ def lossy_sizes(run_dir: str, boundaries: list[int], root: pathlib.Path) -> dict
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.stores", description=__doc__.splitlines()[0])
     parser.add_argument("--sequences", type=int, default=256, help="sequences of 256 tokens (6 samples each)")
     parser.add_argument("--samples-per-shard", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=32)

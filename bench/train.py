@@ -36,10 +36,10 @@ Prints a table and writes bench/out/train.json.
    plans auto chose, and the cost model's predicted seconds against the measured ones (the `plan_outcome`
    records). Writes bench/out/train_scenarios.json.
 
-    python bench/train.py              # about 8 min on 2 shared cores
-    python bench/train.py --quick      # tiny-llama, seq 32, a few steps (seconds): a smoke test
-    python bench/train.py --store-dtype float8_e4m3,float8_e5m2,int8 --trained RUN_DIR   # lossy stores (issue 14)
-    python bench/train.py --scenarios  # the scenario table
+    python -m bench.train              # about 8 min on 2 shared cores
+    python -m bench.train --quick      # tiny-llama, seq 32, a few steps (seconds): a smoke test
+    python -m bench.train --store-dtype float8_e4m3,float8_e5m2,int8 --trained RUN_DIR   # lossy stores (issue 14)
+    python -m bench.train --scenarios  # the scenario table
 """
 
 from __future__ import annotations
@@ -54,34 +54,31 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-import preinfer  # noqa: E402
-from bench.common import machine, run_side_by_side, table  # noqa: E402
-from pipelines.cache import CacheOptions, cache_boundary, open_cache  # noqa: E402
-from pipelines.models import resolve_model  # noqa: E402
-from pipelines.data.batches import ReaderBatches  # noqa: E402
-from pipelines.models.suffix import load_suffix, to_device  # noqa: E402
-from pipelines import training  # noqa: E402
-from pipelines.training import live_sources, load_datasets, partition_for, samples_per_shard  # noqa: E402
-from preinfer.config import Config, load_config  # noqa: E402
-from preinfer.metrics import (CacheRecord, PlanOutcomeRecord, PreInferenceRecord, Record, StepRecord,  # noqa: E402
+import preinfer
+from bench.lib.common import OUT, ROOT, command_line, machine, module_command, run_side_by_side, table
+from bench.lib.trained import cache_split, trained_model
+from pipelines.cache import CacheOptions, cache_boundary, open_cache
+from pipelines.models import resolve_model
+from pipelines.data.batches import ReaderBatches
+from pipelines.models.suffix import load_suffix, to_device
+from pipelines import training
+from pipelines.training import live_sources, load_datasets, partition_for, samples_per_shard
+from preinfer.config import Config, load_config
+from preinfer.metrics import (CacheRecord, PlanOutcomeRecord, PreInferenceRecord, Record, StepRecord,
                               SweepPlanRecord, VisitRecord, read_metrics)
-from preinfer.optim import LR_DECAYS, build_optimizer  # noqa: E402
-from preinfer.run_dir import RunDir  # noqa: E402
-from preinfer.batch_source import LiveSources  # noqa: E402
-from preinfer.staged import causal_lm_loss, supervised_tokens  # noqa: E402
-from preinfer.trainer import Trainer  # noqa: E402
+from preinfer.optim import LR_DECAYS, build_optimizer
+from preinfer.run_dir import RunDir
+from preinfer.batch_source import LiveSources
+from preinfer.staged import causal_lm_loss, supervised_tokens
+from preinfer.trainer import Trainer
 
 TARGETS = {"achieved_over_ideal": ">= 0.9", "wait_fraction": "<= 0.02"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m bench.train", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--model", default="small-llama", help="[small-llama]")
     p.add_argument("--seq-len", type=int, default=128, help="[128]")
@@ -100,7 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch intra-op threads [half the cores: the other half is left to the reader's decoding "
                         "threads; see docs/results.md for why not all of them]")
     p.add_argument("--dir", default=None, help="where stores and run directories go [a temporary directory]")
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "train.json")
+    p.add_argument("--out", type=Path, default=OUT / "train.json")
     p.add_argument("--scenarios", action="store_true", help="run the scenario table (5) instead of 1-4")
     p.add_argument("--scenario-models", default="small-llama,medium-llama", help="[small-llama,medium-llama]")
     p.add_argument("--scenario-samples", type=int, default=80,
@@ -128,7 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.steps, args.warmup, args.repeats, args.piece_repeats, args.samples = 3, 1, 1, 3, 64
         args.bcd_samples, args.bcd_epochs, args.sweeps = 16, 1.0, 2
         args.scenario_models, args.scenario_samples = "tiny-llama", 20
-    if args.scenarios and args.out == ROOT / "bench" / "out" / "train.json":
+    if args.scenarios and args.out == OUT / "train.json":
         args.out = args.out.with_name("train_scenarios.json")
     return args
 
@@ -349,8 +346,6 @@ def bcd(args: argparse.Namespace, root: Path) -> dict:
 
 def store_dtype_runs(args: argparse.Namespace, root: Path) -> dict:
     """The top block of a trained run trained from a store in each dtype: final eval loss, reader wait."""
-    from bench.stores import cache_split, trained_model
-
     staged, data = trained_model(args.trained)
     config = base_config(args, stop=dict(steps_per_visit=args.warmup + args.dtype_steps),
                          pre_inference=dict(mode="off"), optim=dict(decay=args.dtype_lr_decay))
@@ -425,7 +420,7 @@ def scenario_command(args: argparse.Namespace, model: str, order: str, epochs: f
     times leave out the process's start and imports), and the file it writes its result to."""
     result = out.parent / f"{out.name}.json"
     spec = dict(model=model, order=order, epochs=epochs, mode=mode, out=str(out))
-    command = [sys.executable, str(Path(__file__).resolve()), "--seq-len", str(args.seq_len), "--batch-size",
+    command = [*module_command("train"), "--seq-len", str(args.seq_len), "--batch-size",
                str(args.batch_size), "--scenario-samples", str(args.scenario_samples), "--sweeps", str(args.sweeps),
                "--threads", "1", "--scenario-worker", json.dumps(spec), "--result", str(result)]
     return command, result
@@ -524,7 +519,7 @@ def scenario_main(args: argparse.Namespace, root: Path) -> dict:
     rows = scenarios(args, root, partial)
     load.append(os.getloadavg()[0])
     return dict(
-        benchmark="train scenarios", command=" ".join(["python", "bench/train.py", *sys.argv[1:]]),
+        benchmark="train scenarios", command=command_line("train", sys.argv[1:]),
         machine=machine(), load_average=load, wall_s=time.perf_counter() - started,
         settings=dict(models=args.scenario_models, data="builtin:pydoc", seq_len=args.seq_len,
                       batch_size=args.batch_size, max_samples=args.scenario_samples, sweeps=args.sweeps, ufp="1/3",
@@ -619,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
         p = pieces(args, t.pop("staged"), t.pop("partition"), t.pop("active_index"), t.pop("data"))
         load.append(os.getloadavg()[0])
         result = dict(
-            benchmark="train", command=" ".join(["python", "bench/train.py", *(argv if argv is not None else sys.argv[1:])]),
+            benchmark="train", command=command_line("train", argv if argv is not None else sys.argv[1:]),
             machine=machine(),
             settings=dict(model=args.model, data="builtin:pydoc", seq_len=args.seq_len, batch_size=args.batch_size,
                           dtype="float32", store="zarr, dtype auto, default codec", optimizer="adam", lr=2e-3,

@@ -1,7 +1,7 @@
 """Where the time of a `transformers.Trainer` step goes: BCD through `preinfer.hf` against `preinfer bcd`, and the
 Trainer's own overhead, measured by full fine-tuning in the Trainer against a plain PyTorch loop.
 
-One process, the same model (a preset, the run's seed, float32), batches and blocks as `bench/peers.py`'s; the
+One process, the same model (a preset, the run's seed, float32), batches and blocks as `bench.peers`'s; the
 methods alternate for --repeats rounds, each from fresh weights:
 
 - `preinfer`: `preinfer bcd --pre-inference off` run in this process (`pipelines.cli.main`);
@@ -18,7 +18,7 @@ with one thread (OMP_NUM_THREADS=1) much less. `hf-full / plain-full` is the Tra
 optimizer or callback of ours can remove. The process gets `preinfer`'s OpenMP setting (OMP_WAIT_POLICY=PASSIVE
 unless set) before torch loads.
 
-    python bench/trainer_overhead.py --repeats 5        # tiny-llama, fp32, seq 64 x 4, blocks 0-1,2-3, 20 steps
+    python -m bench.trainer_overhead --repeats 5        # tiny-llama, fp32, seq 64 x 4, blocks 0-1,2-3, 20 steps
 """
 
 from __future__ import annotations
@@ -32,15 +32,14 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 if __name__ == "__main__":
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # `preinfer bcd`'s own (pipelines.cli), before torch loads
 
-import torch  # noqa: E402
+import torch
 
-from bench import peers  # noqa: E402
-from preinfer.config import ATTENTIONS  # noqa: E402
+from bench.lib import runs
+from bench.lib.common import OUT
+from preinfer.config import ATTENTIONS
 
 METHODS = ("preinfer", "hf-bcd", "plain-bcd", "hf-full", "plain-full")
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
@@ -126,7 +125,7 @@ def run(method: str, config, flags: list[str], out: Path) -> list[float]:
     steps = config.stop.steps_per_visit
     if method == "preinfer":
         return step_times(preinfer_clock(flags), steps)
-    model, _, blocks, batches = peers.prepared(config)
+    model, _, blocks, batches = runs.prepared(config)
     if method == "hf-bcd":
         bcd = BlockCoordinateDescent(model, ranges=config.blocks.ranges, steps_per_visit=steps, optimizer="adam",
                                      lr=config.optim.lr, betas=tuple(config.optim.betas), weight_decay=0.0,
@@ -139,7 +138,7 @@ def run(method: str, config, flags: list[str], out: Path) -> list[float]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m bench.trainer_overhead", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
     p.add_argument("--model", default="tiny-llama")
@@ -152,7 +151,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="cpu: the process's CPU time (use with OMP_NUM_THREADS=1); wall: perf_counter")
     p.add_argument("--attention", choices=ATTENTIONS,
                    help="every method's attention implementation [preinfer's default]")
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "trainer_overhead.json")
+    p.add_argument("--out", type=Path, default=OUT / "trainer_overhead.json")
     args = p.parse_args(argv)
     args.data, args.lr, args.precision, args.max_samples = "builtin:pydoc", 2e-3, "fp32", 400
     return args
@@ -168,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         for round_ in range(args.repeats):
             for method in methods:
                 out = Path(tmp) / f"{method}-{round_}"
-                flags = peers.bcd_flags(args, out, args.steps, args.ranges, args.seq_len, args.batch_size)
-                found = run(method, peers.parse_config(flags), flags, out)
+                flags = runs.bcd_flags(args, out, args.steps, args.ranges, args.seq_len, args.batch_size)
+                found = run(method, runs.parse_config(flags), flags, out)
                 times[method] += found
                 print(f"[overhead] round {round_} {method}: median step {statistics.median(found) * 1e3:.1f} ms",
                       flush=True)

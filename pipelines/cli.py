@@ -1,4 +1,5 @@
-"""The `preinfer` command line: one subcommand per job; errors become one line and an exit code.
+"""The `preinfer` command line: one subcommand per job; errors become one line and an exit code
+(`pipelines.jobs.errors`).
 
 Only the chosen command's module is imported (`preinfer plan --model 7b` loads neither torch nor transformers),
 and process-wide settings are made here, before that module loads torch, never on import of a library module.
@@ -12,7 +13,7 @@ import logging
 import os
 import sys
 
-from preinfer.errors import PreinferError, UsageError
+from pipelines.jobs.errors import run_command
 
 # Subcommand name -> module in `pipelines.commands` defining `add_arguments(parser)` and `run(args) -> int`.
 COMMANDS = {
@@ -38,7 +39,7 @@ PROCESS_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with a one-line error (no usage dump) and exit code 2; each flag's help, its default included, is
-    written once in `pipelines.flags`."""
+    written once in `pipelines.flag_table` and `pipelines.command_flags`."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -94,13 +95,6 @@ def set_process_environment() -> None:
         os.environ.setdefault(key, value)
 
 
-def _failures() -> tuple[type[Exception], ...]:
-    """The errors that end a command with one line and exit code 1: PreinferError, and StorageError once a
-    command has loaded `storage` (importing it only to catch its error would load it for every command)."""
-    storage_error = getattr(sys.modules.get("storage"), "StorageError", None)
-    return (PreinferError,) if storage_error is None else (PreinferError, storage_error)
-
-
 def show_framework_messages() -> None:
     """Print what `preinfer`'s loggers say at INFO (the framework's messages, `preinfer.model_config.FRAMEWORK_LOG`)
     to stderr."""
@@ -115,17 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.verbose:
         show_framework_messages()
-    try:
-        return args.run(args) or 0
-    except UsageError as err:
-        print(f"preinfer {args.command}: error: {err}", file=sys.stderr)
-        return 2
-    except _failures() as err:
-        print(f"preinfer {args.command}: error: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"preinfer {args.command}: interrupted", file=sys.stderr)
-        return 130
+    return run_command(args.command, lambda: args.run(args))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The types that turn a flag's text into a value, or say in one line what they expected. Torch-free at import, so
-that `preinfer plan` loads without torch; the definitions of the flags themselves are in `pipelines.flags`."""
+that `preinfer plan` loads without torch; the definitions of the flags themselves are in `pipelines.flag_table`
+and `pipelines.command_flags`."""
 
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from preinfer import config, metrics
+from preinfer.config.choices import choices, field_hint, is_names
 from pipelines.cli import COMMANDS, command_parsers
 
 REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "reference"
@@ -71,6 +72,23 @@ def toml_text(value: Any) -> str:
     return f"`{value!r}`"
 
 
+def key_type(cls: type, item: Field) -> str:
+    """A config key's type as the reference shows it: a Literal's values, a comma list's names, and the range of
+    a number (`preinfer.config.BOUNDS`)."""
+    hint, allowed = field_hint(cls, item.name), choices(cls, item.name)
+    if is_names(hint):
+        text = f"`str`: a comma list of {', '.join(f'`{name}`' for name in allowed)}"
+    elif allowed:
+        text = " | ".join(f'`"{value}"`' for value in allowed)
+    else:
+        text = f"`{item.type}`"
+    section = next(s.name for s in fields(config.Config) if s.default_factory is cls)
+    bound = config.BOUNDS.get(f"{section}.{item.name}")
+    if bound is None or not (bound.rule or bound.text):
+        return text
+    return f"{text}: {bound.text}" if bound.text else f"{text} {bound.rule}"
+
+
 def cli_page() -> str:
     """Every command's flags as its --help gives them (with each default)."""
     parsers = command_parsers()
@@ -103,12 +121,15 @@ def config_page() -> str:
     flags = config_flags()
     out = [HEADER, "# Config reference\n\n",
            "`--config FILE` (on `bcd` and `train`) reads a TOML file whose sections are the dataclasses of "
-           "`preinfer/config.py`; flags override the file, and a run writes its resolved config to "
-           "`config.toml`. A key without a flag is set in the file only.\n"]
+           "`preinfer/config/sections.py`; flags override the file, and a run writes its resolved config to "
+           "`config.toml`. A key without a flag is set in the file only. Every value is checked before anything "
+           "is opened (`Config.validate`): its type, its choices or range as the type column gives them, and the "
+           "rules between keys; a wrong one is refused in one line naming the key, the value and what was "
+           "expected (exit 2).\n"]
     for section in fields(config.Config):
         cls = section.default_factory
         doc, notes = source_notes(cls)
-        rows = [(f"`{item.name}`", f"`{item.type}`", toml_text(default_of(item)),
+        rows = [(f"`{item.name}`", key_type(cls, item), toml_text(default_of(item)),
                  f"`{flags[f'{section.name}.{item.name}']}`" if f"{section.name}.{item.name}" in flags else "file only",
                  notes.get(item.name, "")) for item in fields(cls)]
         out += [f"\n## [{section.name}]\n\n", f"{doc}\n\n" if doc else "",

@@ -13,11 +13,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from preinfer.config.choices import IMPORTANCE_ORDERS, ORDERS
 from preinfer.errors import UsageError
-
-# Orders measured at every sweep's start (preinfer.importance), not fixed by the sweep number.
-IMPORTANCE_ORDERS = ("importance", "importance-cached")
-ORDERS = ("ascending", "descending", "random", "fixed", *IMPORTANCE_ORDERS)
 
 
 def parse_fixed_order(text: str, num_blocks: int) -> list[int]:

@@ -41,7 +41,8 @@ from torch import nn
 from transformers import TrainerCallback
 
 from preinfer.block_order import parse_fixed_order, sweep_order
-from preinfer.config import OptimConfig
+from preinfer.config import config_from_arguments
+from preinfer.config.choices import BlockOrder, LrDecay, Optimizer, Precision
 from preinfer.errors import UsageError
 from preinfer.hf_optimizer import BlockOptimizer, VisitSchedule
 from preinfer.memory.meter import MemoryMeter
@@ -49,6 +50,13 @@ from preinfer.partition import make_partition, parse_ufp
 from preinfer.precision import apply_precision
 from preinfer.staged import stage
 
+# BlockCoordinateDescent's arguments that are config keys: argument -> "section.key".
+ARGUMENTS = {"steps_per_visit": "stop.steps_per_visit", "ufp": "blocks.ufp", "blocks": "blocks.blocks",
+             "ranges": "blocks.ranges", "separate_ends": "blocks.separate_ends", "order": "blocks.order",
+             "fixed_order": "blocks.fixed_order", "start_block": "blocks.start_block", "seed": "run.seed",
+             "optimizer": "optim.name", "lr": "optim.lr", "betas": "optim.betas", "momentum": "optim.momentum",
+             "weight_decay": "optim.weight_decay", "warmup_steps": "optim.warmup_steps", "decay": "optim.decay",
+             "keep_state": "optim.keep_state", "precision": "run.precision"}
 _BCD_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its BlockCoordinateDescent
 
 
@@ -104,41 +112,44 @@ class BlockCoordinateDescent:
         blocks: int | None = None,
         ranges: str | None = None,
         separate_ends: bool = False,
-        order: str = "ascending",
+        order: BlockOrder = "ascending",
         fixed_order: str | None = None,
         start_block: int | None = None,
         seed: int = 0,
-        optimizer: str = "adam",
+        optimizer: Optimizer = "adam",
         lr: float | None = None,
         betas: tuple[float, float] = (0.9, 0.95),
         momentum: float = 0.9,
         weight_decay: float | None = None,
         warmup_steps: int = 0,
-        decay: str = "none",
+        decay: LrDecay = "none",
         keep_state: bool = False,
-        precision: str = "auto",
+        precision: Precision = "auto",
         meter: MemoryMeter | None = None,
     ):
-        if not isinstance(steps_per_visit, int) or steps_per_visit < 1:
-            raise UsageError(f"steps_per_visit={steps_per_visit!r}: expected an integer >= 1")
         if ufp is None and blocks is None and ranges is None:
             ufp = "1/3"
+        config = config_from_arguments("BlockCoordinateDescent", ARGUMENTS, dict(
+            steps_per_visit=steps_per_visit, ufp=None if ufp is None else str(ufp), blocks=blocks, ranges=ranges,
+            separate_ends=separate_ends, order=order, fixed_order=fixed_order, start_block=start_block, seed=seed,
+            optimizer=optimizer, lr=lr, betas=list(betas) if isinstance(betas, (list, tuple)) else betas,
+            momentum=momentum, weight_decay=weight_decay, warmup_steps=warmup_steps, decay=decay,
+            keep_state=keep_state, precision=precision))  # refused here, before the model is cast or staged
+        b, optim = config.blocks, config.optim
         previous = _BCD_OF.get(model)
         if previous is not None:  # one BCD at a time holds a model's hooks and masters: the newer one
             previous.close()
-        self.precision = apply_precision(model, precision)
+        self.precision = apply_precision(model, config.run.precision)
         self.staged = stage(model)
-        self.partition = make_partition(self.staged, ufp=None if ufp is None else parse_ufp(str(ufp)),
-                                        num_blocks=blocks, ranges=ranges, separate_ends=separate_ends)
+        self.partition = make_partition(self.staged, ufp=None if b.ufp is None else parse_ufp(b.ufp),
+                                        num_blocks=b.blocks, ranges=b.ranges, separate_ends=b.separate_ends)
         count = len(self.partition)
-        fixed = parse_fixed_order(fixed_order, count) if fixed_order else None
-        sweep_order(order, count, 0, seed, start_block, fixed)  # a bad order or start block is refused here
+        fixed = parse_fixed_order(b.fixed_order, count) if b.fixed_order else None
+        sweep_order(b.order, count, 0, seed, b.start_block, fixed)  # a bad order or start block is refused here
 
         def visits(sweep: int) -> list[int]:
-            return sweep_order(order, count, sweep, seed, start_block, fixed)
+            return sweep_order(b.order, count, sweep, seed, b.start_block, fixed)
 
-        optim = OptimConfig(name=optimizer, lr=lr, betas=list(betas), momentum=momentum, weight_decay=weight_decay,
-                            warmup_steps=warmup_steps, decay=decay, keep_state=keep_state)
         self.optimizer = BlockOptimizer(self.staged, self.partition, optim, steps_per_visit, visits, self.precision,
                                         meter)
         self.scheduler = VisitSchedule(self.optimizer)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
+from preinfer.config.choices import EXPERT_PARTS, parse_experts
 from preinfer.errors import UsageError
 
 ROW_INVARIANT = "row_invariant"
@@ -139,19 +140,7 @@ class RouterLoss:
         return self.coef * value
 
 
-PARTS = ("router", "shared", "attention", "rest")
-
-
-def parse_experts(text: str) -> float:
-    """`top:0.5` -> 0.5: the share of a layer's routed tokens that the trained experts must carry."""
-    kind, _, share = text.partition(":")
-    try:
-        value = float(share)
-    except ValueError:
-        value = -1.0
-    if kind != "top" or not 0 < value <= 1:
-        raise UsageError(f"--experts '{text}' is not top:SHARE with SHARE in (0, 1], e.g. top:0.5")
-    return value
+PARTS = EXPERT_PARTS
 
 
 def parse_experts_with(text: str) -> frozenset[str]:

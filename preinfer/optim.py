@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import get_scheduler
 
-from preinfer.config import DEFAULT_LR, DEFAULT_WEIGHT_DECAY, LR_DECAYS, OptimConfig, StopConfig
+from preinfer.config import DEFAULT_LR, DEFAULT_WEIGHT_DECAY, LR_DECAYS, OPEN_ENDED_DECAYS, OptimConfig, StopConfig
 from preinfer.errors import UsageError
 
 
@@ -61,10 +61,6 @@ class LrSchedule:
         if step < self.warmup:
             return (step + 1) / self.warmup
         return self.after_warmup(step)
-
-
-# Schedules defined without a last step (the others fall to their end at each visit's last step).
-OPEN_ENDED_DECAYS = ("none", "constant_with_warmup", "inverse_sqrt")
 
 
 def warmup_steps(cfg: OptimConfig, steps: int | None) -> int:

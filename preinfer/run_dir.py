@@ -1,5 +1,5 @@
-"""The layout of a run directory: `RunDir` is the one place that names its files (config.toml, metrics.jsonl,
-checkpoint/, export/, loss.png, summary.json, stores/); everything else asks it for their paths."""
+"""The layout of a run directory: `RunDir` is the one place that names its files (config.toml, inputs.json,
+metrics.jsonl, checkpoint/, export/, loss.png, summary.json, stores/); everything else asks it for their paths."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from preinfer.checkpoint import WEIGHTS, newest_checkpoint
 
 # The entries a run writes in its directory (the checkpoint's with a save's two siblings).
 ENTRIES = frozenset({"config.toml", "metrics.jsonl", "checkpoint", "checkpoint.tmp", "checkpoint.old", "export",
-                     "loss.png", "summary.json", "stores"})
+                     "loss.png", "summary.json", "stores", "inputs.json"})
 
 
 @dataclass(frozen=True, init=False)
@@ -20,6 +20,7 @@ class RunDir:
 
     path: Path
     config: Path  # config.toml: the resolved config, written once every input has been checked
+    inputs: Path  # inputs.json: the fingerprints of what the run trains on, written with the config
     metrics: Path  # metrics.jsonl: one record per line
     checkpoint: Path  # the latest checkpoint
     checkpoint_weights: Path  # its model weights (the resident tensors only, for a suffix-only run)
@@ -33,7 +34,7 @@ class RunDir:
         layout = dict(path=root, config=root / "config.toml", metrics=root / "metrics.jsonl",
                       checkpoint=root / "checkpoint", checkpoint_weights=root / "checkpoint" / WEIGHTS,
                       export=root / "export", loss_plot=root / "loss.png", summary=root / "summary.json",
-                      stores=root / "stores")
+                      stores=root / "stores", inputs=root / "inputs.json")
         for name, value in layout.items():
             object.__setattr__(self, name, value)
 
@@ -72,14 +73,18 @@ class RunDir:
         return [n for n in names if n not in ENTRIES] if self.holds_run() else names
 
     def write_config(self, text: str) -> None:
-        """Publish config.toml atomically: written beside, made durable, renamed into place (a failed write
-        leaves no partial file)."""
-        temporary = self.config.with_name(f".{self.config.name}.tmp-{os.getpid()}")
+        """Publish config.toml (see `publish`)."""
+        self.publish(self.config, text)
+
+    def publish(self, path: Path, text: str) -> None:
+        """Publish one of the run's files atomically: written beside, made durable, renamed into place (a failed
+        write leaves no partial file)."""
+        temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
             with temporary.open("w") as f:
                 f.write(text)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(temporary, self.config)
+            os.replace(temporary, path)
         finally:
             temporary.unlink(missing_ok=True)

@@ -1,35 +1,71 @@
-"""Smoke tests of the benchmark scripts: `--quick --in-process` runs in seconds and writes the expected JSON.
+"""Smoke tests of the benchmarks (`python -m bench.NAME`): `--quick --in-process` runs in seconds and writes the
+expected JSON.
 
 No timing assertions: only the JSON's shape and values that hold on any machine."""
 
 from __future__ import annotations
 
+import ast
 import functools
-import importlib.util
+import importlib
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from bench.lib import runs
+
 ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+SCRIPTS = sorted(p.stem for p in BENCH.glob("*.py") if p.stem != "__init__")
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"bench.{name}")
 
 
-def test_no_bench_script_is_named_like_an_importable_module():
-    """`python bench/X.py` puts bench/ first on sys.path, so a script named like a package it imports (as
-    bench/storage.py was) would be imported in that package's place."""
-    assert str(ROOT / "bench") not in sys.path
-    scripts = sorted(p.stem for p in (ROOT / "bench").glob("*.py"))
-    assert "train" in scripts and importlib.util.find_spec("storage") is not None
-    assert [name for name in scripts if importlib.util.find_spec(name) is not None] == []
+def _imported(path: Path) -> set[str]:
+    """The modules a file imports (`from bench import x` counts as `bench.x`)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+    return found
+
+
+def _is_script(path: Path) -> bool:
+    return 'if __name__ == "__main__":' in path.read_text()
+
+
+def test_every_benchmark_is_a_script_of_the_bench_package_and_imports_no_other():
+    """Each bench/NAME.py runs as `python -m bench.NAME`; what two share lives in bench/lib, which holds no
+    script; nothing under bench/ edits sys.path."""
+    assert {"train", "peers", "finetune"} <= set(SCRIPTS)
+    assert [name for name in SCRIPTS if not _is_script(BENCH / f"{name}.py")] == []
+    library = sorted(p for p in (BENCH / "lib").glob("*.py"))
+    assert library and [p.name for p in library if _is_script(p)] == []
+    for path in [*BENCH.glob("*.py"), *library]:
+        assert "sys.path" not in path.read_text(), path
+        scripts = {module for module in _imported(path)
+                   if module.startswith("bench.") and module.split(".")[1] in SCRIPTS}
+        assert scripts == set(), path
+
+
+def test_a_benchmark_runs_as_a_module_from_the_repository_root_only():
+    """bench is not installed: `python -m bench.NAME` imports it from the working directory, the root."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-m", "bench.chat_data", "--help"], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and "--out" in done.stdout, done.stderr
+    elsewhere = subprocess.run([sys.executable, "-c", "import bench"], cwd=BENCH / "lib", env=env,
+                               capture_output=True, text=True)
+    assert "No module named 'bench'" in elsewhere.stderr
 
 
 @pytest.mark.slow
@@ -128,7 +164,7 @@ def test_train_quick(tmp_path):
 
 @pytest.mark.slow
 def test_train_store_dtypes_quick(tmp_path, corpus):
-    """bench/train.py --store-dtype: the top block of a trained run from the exact and a lossy store."""
+    """bench.train --store-dtype: the top block of a trained run from the exact and a lossy store."""
     from pipelines.cli import main
 
     run = tmp_path / "trained"
@@ -160,8 +196,8 @@ def test_peers_long_visit_windows_take_the_plain_loop_over_the_same_seconds():
 
 
 def peers_config(peers, args, tmp_path, name: str):
-    """The config of one bench/peers.py method's run `name` under `tmp_path`, as the bench builds it."""
-    return peers.parse_config(peers.bcd_flags(args, tmp_path / name, args.steps, args.ranges, args.seq_len,
+    """The config of one bench.peers method's run `name` under `tmp_path`, as the bench builds it."""
+    return runs.parse_config(runs.bcd_flags(args, tmp_path / name, args.steps, args.ranges, args.seq_len,
                                               args.batch_size))
 
 
@@ -177,13 +213,13 @@ def test_peers_plain_loop_trains_like_preinfer_bcd_on_the_same_batches(tmp_path,
 
     plain = peers.plain_worker(config("plain"))
     training.run(config("preinfer"), quiet=True)
-    mine = peers.preinfer_result(tmp_path / "preinfer")
+    mine = runs.preinfer_result(tmp_path / "preinfer")
     initial = build_preset(args.model, seed=0)
     apply_precision(initial, args.precision)
     initial.save_pretrained(tmp_path / "initial")
-    batches = peers.eval_batches(args, peers.bcd_flags(args, tmp_path / "x", 1, args.ranges, args.seq_len,
+    batches = peers.eval_batches(args, runs.bcd_flags(args, tmp_path / "x", 1, args.ranges, args.seq_len,
                                                        args.batch_size))
-    losses = {name: peers.eval_loss(directory, batches)
+    losses = {name: runs.eval_loss(directory, batches)
               for name, directory in (("plain", plain["model_dir"]), ("preinfer", mine["model_dir"]),
                                       ("initial", str(tmp_path / "initial")))}
     # same blocks, batches, order and Adam: the same weights up to bf16 rounding; both trained
@@ -203,9 +239,9 @@ def test_peers_hf_trainer_row_trains_like_the_plain_loop_on_the_same_batches(tmp
     config = functools.partial(peers_config, peers, args, tmp_path)
 
     plain, hf = peers.plain_worker(config("plain")), peers.hf_trainer_worker(config("hf"))
-    batches = peers.eval_batches(args, peers.bcd_flags(args, tmp_path / "x", 1, args.ranges, args.seq_len,
+    batches = peers.eval_batches(args, runs.bcd_flags(args, tmp_path / "x", 1, args.ranges, args.seq_len,
                                                        args.batch_size))
-    losses = [peers.eval_loss(run["model_dir"], batches) for run in (plain, hf)]
+    losses = [runs.eval_loss(run["model_dir"], batches) for run in (plain, hf)]
     assert abs(losses[1] / losses[0] - 1) < 1e-3
     assert hf["steps"] == plain["steps"] == 2 * args.steps and len(hf["stamps"]) == len(hf["times"])
     assert hf["tracked_peak"] > 0 and 0 < hf["train_s"] <= hf["stamps"][args.steps - 1] + hf["stamps"][-1] + 1e-9
@@ -214,23 +250,23 @@ def test_peers_hf_trainer_row_trains_like_the_plain_loop_on_the_same_batches(tmp
 
 @pytest.mark.slow
 def test_trainer_overhead_times_each_method_s_steps_but_each_visit_s_first(tmp_path):
-    """Every method of bench/trainer_overhead.py trains 2 blocks of 3 steps: 2 step times per visit, all positive."""
+    """Every method of bench.trainer_overhead trains 2 blocks of 3 steps: 2 step times per visit, all positive."""
     overhead = _load("trainer_overhead")
     args = overhead.parse_args(["--steps", "3"])
     for method in overhead.METHODS:
-        flags = overhead.peers.bcd_flags(args, tmp_path / method, args.steps, args.ranges, args.seq_len,
+        flags = runs.bcd_flags(args, tmp_path / method, args.steps, args.ranges, args.seq_len,
                                          args.batch_size)
-        times = overhead.run(method, overhead.peers.parse_config(flags), flags, tmp_path / method)
+        times = overhead.run(method, runs.parse_config(flags), flags, tmp_path / method)
         assert len(times) == 2 * (args.steps - 1) and min(times) > 0, method
 
 
 def test_peers_every_method_runs_the_attention_of_attention(tmp_path, corpus):
     peers = _load("peers")
     args = peers.parse_args(["--quick", "--data", corpus, "--attention", "eager"])
-    config = peers.parse_config(peers.bcd_flags(args, tmp_path / "run", 1, args.ranges, args.seq_len,
+    config = runs.parse_config(runs.bcd_flags(args, tmp_path / "run", 1, args.ranges, args.seq_len,
                                                 args.batch_size))
     assert config.model.attention == "eager"  # preinfer's run
-    model = peers.prepared(config)[0]  # plain's and badam's model
+    model = runs.prepared(config)[0]  # plain's and badam's model
     assert model.config._attn_implementation == "eager"
 
 
@@ -254,7 +290,7 @@ def test_chat_data_writes_a_conversation_per_prose_section(tmp_path):
 
 @pytest.mark.slow
 def test_finetune_quick_compares_every_method_on_the_same_batches(tmp_path, monkeypatch):
-    """bench/finetune.py --quick: every method trains 2 steps of tiny-llama on the chat task, and the JSON holds a
+    """bench.finetune --quick: every method trains 2 steps of tiny-llama on the chat task, and the JSON holds a
     row per method, the grid, the base losses, the curves and the speed section. BCD live, BCD with pre-inference
     auto and BAdam train the same blocks on the same batches with the same Adam: the same eval loss."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -285,7 +321,7 @@ METHODS_AT_EQUAL_STEPS = ("full", "bcd", "bcd-auto", "badam", "lora8", "lora16")
 
 
 def test_orders_rows_are_real_bcd_runs_of_each_order_and_gain_adds_importance_orders_with_stop_gain(tmp_path):
-    """bench/orders.py's rows: every order of --orders, and with --gain each importance order again with `--stop
+    """bench.orders's rows: every order of --orders, and with --gain each importance order again with `--stop
     gain`; their flags parse, by the real command line, into BCD-Adam at the UFP asked, pre-inference auto, one epoch
     a visit, and the same cap of epochs for every row (a step budget; an importance order's sweeps of one step)."""
     from pipelines.cli import build_parser
@@ -337,7 +373,7 @@ def test_orders_target_is_full_adam_s_best_once_its_plateau_is_seen():
 
 @pytest.mark.slow
 def test_orders_quick_measures_each_order_against_full_adam_s_target(tmp_path):
-    """bench/orders.py --quick, two of its orders (each run is a process: about 7 s of start-up each): full Adam and
+    """bench.orders --quick, two of its orders (each run is a process: about 7 s of start-up each): full Adam and
     each order on tiny-llama; each row's time and epochs to the target are those of its curve's first point at or
     below it, and the UFP table reuses the best row's UFP 1/3 run."""
     out = tmp_path / "orders.json"

@@ -128,7 +128,7 @@ def bad_toml(tmp_path) -> str:
     (["--ufp", "auto", "--memory-budget", "1MiB"], "even one layer per block needs"),
     (["--ufp", "auto", "--memory-budget", "22GiBs"], "--memory-budget"),
     (["--ufp", "auto", "--memory-budget", "-3"], "--memory-budget"),
-    (["--ufp", "auto"], "--memory-budget SIZE"),
+    (["--ufp", "auto"], "exactly one of --memory-budget and --gpu"),
     (["--ufp", "auto", "--memory-budget", "1GiB", "--gpu", "4090"], "exactly one"),
     (["--ufp", "1/3", "--memory-budget", "1GiB"], "--ufp auto"),
     (["--ufp", "auto", "--memory-budget", "1GiB", "--separate-ends"], "--separate-ends"),

@@ -11,7 +11,8 @@ from tests.helpers.chat_templates import CHATML, SPECIALS, TEMPLATES, save_token
 from tests.helpers.cli_run import run_cli
 from pipelines.data.chat import render_conversations
 from pipelines.data.conversations import Conversation
-from pipelines.data.samples import IGNORE_INDEX, encode_chunk
+from pipelines.data.sample_blocks import IGNORE_INDEX
+from pipelines.data.samples import encode_chunk
 from pipelines.data.in_memory import load_data
 from pipelines.data.tokenizer_choice import choose_tokenizer
 from pipelines.data.tokenizers import load_tokenizer

@@ -76,8 +76,8 @@ def instruction_file_without_output(tmp_path):
     [
         (["--model", "no-such-preset"], "no-such-preset"),
         (["--data", "/nonexistent/corpus.txt"], "/nonexistent/corpus.txt"),
-        (["--ufp", "1.5"], "outside (0, 1]"),
-        (["--ufp", "0"], "outside (0, 1]"),
+        (["--ufp", "1.5"], "--ufp 1.5 ([blocks] ufp): expected auto or a fraction in (0, 1]"),
+        (["--ufp", "0"], "--ufp 0 ([blocks] ufp): expected auto or a fraction in (0, 1]"),
         (["--ranges", "0-2,2-3"], "in two ranges"),
         (["--ranges", "0-1,3-3"], "skips layer 2"),
         (["--lr", "fast"], "--lr"),
@@ -99,7 +99,8 @@ def test_a_decaying_rate_without_a_visit_length_is_refused_before_anything_is_wr
     steps = TINY.index("--steps-per-visit")
     argv = [*TINY[:steps], *TINY[steps + 2:], "--patience", "3", "--lr-decay", "cosine"]
     code, _, err = run_cli(["bcd", *argv, "--out", str(tmp_path / "run")], capsys)
-    assert code == 2 and "--lr-decay cosine needs each visit's length" in err
+    assert code == 2 and "--lr-decay cosine ([optim] decay): expected one of none, constant_with_warmup" in err
+    assert "or a visit length: --steps-per-visit or --epochs-per-visit" in err
     assert not (tmp_path / "run").exists()
 
 

@@ -39,6 +39,7 @@ def test_a_written_config_loads_back_equal(tmp_path):
     config = Config()
     config.pre_inference.mode, config.pre_inference.store_dir, config.pre_inference.dask = "on", "/s", "local:2"
     config.store.path, config.store.trust, config.run.seed = "caches/k4", True, 7
+    config.stop.steps_per_visit = 5
     path = tmp_path / "config.toml"
     path.write_text(dump_toml(config))
     text = path.read_text()
@@ -91,7 +92,7 @@ def test_flags_of_the_new_sections_reach_the_config(tmp_path):
                                                ('"24GB"', 24 * 10**9)])
 def test_a_memory_budget_is_held_in_bytes_from_the_file_on(written, expected, tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text(f"[blocks]\nmemory_budget = {written}\n")
+    path.write_text(f"[blocks]\nufp = \"auto\"\nmemory_budget = {written}\n")
     config = load_config(path)
     assert config.blocks.memory_budget == expected and type(config.blocks.memory_budget) is int
     path.write_text(dump_toml(config))

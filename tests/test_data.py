@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from pipelines.data.corpus import read_documents
-from pipelines.data.samples import IGNORE_INDEX, format_prompt, in_eval_split
+from pipelines.data.sample_blocks import IGNORE_INDEX
+from pipelines.data.samples import format_prompt, in_eval_split
 from pipelines.data.in_memory import TokenDataset, load_data, sample_blocks
 from preinfer.presets import BYTE_EOS_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE
 from pipelines.data.tokenizers import load_tokenizer
@@ -188,7 +189,7 @@ def test_instruction_truncation_and_dropped_examples(tmp_path, caplog):
         {"instruction": "y" * 100, "output": "never seen"},
     ]
     path = write_jsonl(tmp_path / "sft.jsonl", records)
-    with caplog.at_level(logging.WARNING, logger="pipelines.data.samples"):
+    with caplog.at_level(logging.WARNING, logger="pipelines.data.sample_blocks"):
         data = load_data(str(path), BYTE, seq_len=40, eval_fraction=0.0)
     assert "dropped 1 of 2" in caplog.text
     assert len(data) == 1

@@ -124,7 +124,7 @@ def _private_store_names() -> set[str]:
 
 def test_pipelines_and_bench_use_only_storage_public_names():
     private = _private_store_names()
-    files = [*sorted((ROOT / "pipelines").rglob("*.py")), *sorted((ROOT / "bench").glob("*.py"))]
+    files = [*sorted((ROOT / "pipelines").rglob("*.py")), *sorted((ROOT / "bench").rglob("*.py"))]
     problems = []
     for path in files:
         where = path.relative_to(ROOT)
@@ -169,7 +169,7 @@ def test_storage_names_used_reads_imports_and_attributes():
 
 
 def test_every_public_name_of_storage_has_a_user_outside_it():
-    sources = [path.read_text() for path in [*(ROOT / "pipelines").rglob("*.py"), *(ROOT / "bench").glob("*.py")]]
+    sources = [path.read_text() for path in [*(ROOT / "pipelines").rglob("*.py"), *(ROOT / "bench").rglob("*.py")]]
     used = set().union(*map(storage_names_used, sources + python_examples()))
     assert sorted(set(storage.__all__) - used) == [], "public names of storage that nothing outside it uses"
 

@@ -287,7 +287,8 @@ def bcd(tmp_path: Path, corpus: str, *flags: str) -> list[str]:
 
 
 @pytest.mark.parametrize("flags, expected", [
-    (["--pipeline", "2", "--batch-size", "4", "--microbatches", "3"], "--microbatches 3 does not divide --batch-size 4"),
+    (["--pipeline", "2", "--batch-size", "4", "--microbatches", "3"],
+     "--microbatches 3 ([run] microbatches): expected a divisor of --batch-size 4"),
     (["--pipeline", "5", "--microbatches", "4", "--pipeline-schedule", "gpipe"], "--pipeline 5: more stages than the model's 4 layers"),
     (["--pipeline", "2"], "--pipeline 2 does not divide the world size 1"),
 ])
@@ -303,13 +304,15 @@ def test_fp16_mixed_on_a_pipeline_is_refused_also_when_auto_resolves_to_it(tmp_p
     model_dir = tmp_path / "fp16"
     build_preset("tiny-llama", seed=0).to(torch.float16).save_pretrained(model_dir)
     capsys.readouterr()  # save_pretrained's progress
-    for precision, model, resolved in [("fp16-mixed", "tiny-llama", ""),
-                                       ("auto", str(model_dir), " (fp16-mixed for the model's float16 weights)")]:
+    for precision, model, line in [
+            ("fp16-mixed", "tiny-llama", "--precision fp16-mixed ([run] precision): expected bf16-mixed or fp32 on a "
+                                         "pipeline (fp16-mixed's loss scaling does not run there)"),
+            ("auto", str(model_dir), "--precision auto (fp16-mixed for the model's float16 weights): fp16-mixed (loss "
+                                     "scaling) does not run on a pipeline; give --precision bf16-mixed or fp32")]:
         flags = ["--model", model, "--precision", precision, "--pipeline", "2", "--batch-size", "4"]
         assert main([*bcd(tmp_path, corpus), *flags]) == 2
         err = capsys.readouterr().err.strip()
-        assert err.splitlines() == [f"preinfer bcd: error: --precision {precision}{resolved}: fp16-mixed (loss "
-                                    f"scaling) does not run on a pipeline; give --precision bf16-mixed or fp32"]
+        assert err.splitlines() == [f"preinfer bcd: error: {line}"]
         assert not (tmp_path / "r").exists()
 
 

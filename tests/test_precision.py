@@ -2,6 +2,7 @@
 (invariant 9), loss scaling under fp16, exact resume mid-visit, the meter's accounting, dtypes on disk."""
 
 import json
+from typing import get_args
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from pipelines.cli import main
 from pipelines.models import load_model, resolve_model
-from preinfer.config import Config, dump_toml, load_config
+from preinfer.config import Config, choices, dump_toml, load_config
 from preinfer.errors import CheckpointError, UsageError
 from preinfer.memory.meter import MemoryMeter
 from preinfer.metrics import StepRecord, read_metrics
@@ -38,6 +39,7 @@ def test_the_resolved_precision_is_one_object_the_trainer_reads_without_resolvin
     assert resolved is Precision.FP16_MIXED and resolved == "fp16-mixed" and json.dumps(resolved) == '"fp16-mixed"'
     assert (resolved.resident_dtype, resolved.mixed, resolved.loss_scaling) == (torch.float16, True, True)
     assert (Precision.FP32.mixed, Precision.BF16_MIXED.loss_scaling) == (False, False)
+    assert {"auto", *Precision} == set(get_args(choices.Precision))  # the config's choices: these and auto
     given = make_trainer(run__precision="fp32")
     Precision.BF16_MIXED.apply(given.staged.model)
     again = type(given)(given.staged, given.partition, given.config, given.visit_sources,
@@ -206,7 +208,7 @@ def test_a_bad_precision_is_one_line_with_exit_2_and_no_run_directory(tmp_path, 
     config.write_text('[run]\nprecision = "half"\n')
     assert main(["bcd", "--config", str(config), "--model", "tiny-llama", "--out", str(out), "--max-samples", "8"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--precision 'half' is not one of" in err
+    assert err.count("\n") == 1 and "[run] precision = 'half': expected one of auto, fp32, bf16-mixed, fp16-mixed" in err
     assert not out.exists()
 
 

@@ -1,13 +1,12 @@
-"""The benchmarks' pretrained checkpoint (bench/checkpoint.py), without its GGUF file: the conversion's caching and
+"""The benchmarks' pretrained checkpoint (bench.lib.pretrained), without its GGUF file: the conversion's caching and
 atomic write, and a model shaped like SmolLM2-135M-Instruct (Llama family, grouped-query attention, tied
 embeddings, ChatML template) scaled down, saved as the conversion saves it, then loaded by preinfer.
 
-The real file's conversion and composition are checked by `python bench/checkpoint.py --self-check`, which needs
+The real file's conversion and composition are checked by `python -m bench.checkpoint --self-check`, which needs
 the `bench` extra."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -16,23 +15,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
 import preinfer
+from bench.lib import pretrained as checkpoint
 from pipelines.cli import main
 from pipelines.models import resolve_model
 
-ROOT = Path(__file__).resolve().parents[1]
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 WORDS = "the quick brown fox jumps over lazy dog what is a statement in python assert".split()
-
-
-def _bench(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-checkpoint = _bench("checkpoint")
 
 
 def smollm2_shaped() -> LlamaConfig:

@@ -154,5 +154,8 @@ def test_the_trainer_guide_s_example_runs_as_written(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_bench_script_named_exists(page: Path):
-    named = set(re.findall(r"\bbench/\w+\.py\b", page.read_text()))
+    """A benchmark is named as it runs, `python -m bench.NAME` (`python bench/NAME.py` finds no `bench.lib`)."""
+    text = page.read_text()
+    named = {f"bench/{name}.py" for name in re.findall(r"\bpython -m bench\.(\w+)", text)}
     assert {name for name in named if not (ROOT / name).is_file()} == set(), page.name
+    assert re.findall(r"\bpython bench/\w+\.py\b", text) == [], page.name

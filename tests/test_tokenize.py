@@ -441,11 +441,8 @@ def test_lazy_reads_touch_only_the_shards_they_need(tmp_path):
 @pytest.mark.slow
 def test_bench_data_runs_on_small_corpora(tmp_path):
     """The benchmark's own machinery on tiny corpora (no speed or memory assertion: only what holds anywhere)."""
-    import importlib.util
+    from bench import data as bench
 
-    spec = importlib.util.spec_from_file_location("bench_data", REPO / "bench" / "data.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     out = tmp_path / "data.json"
     assert bench.main(["--sizes", "60k", "--hf-size", "60k", "--bcd-base", "0", "--cache-window", "0",
                        "--out", str(out)]) == 0

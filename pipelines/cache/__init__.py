@@ -34,8 +34,9 @@ parts); "overwrite" deletes what is there and rebuilds; "refuse" fails if anythi
 
 Modules: `options` (CacheOptions, parse_dask), `fingerprints` (what a store is), `directory` (a cache directory
 and its index), `build` (the two entry points: plan, run, finalize), `work` (a split's planned work), `shards`
-(the work on one shard, shared with the Dask workers), `local_runner`, `dask_runner`, `progress`, `result`,
-`report` (inspect and verify), `worker_imports` (the Dask worker plugin).
+(the work on one shard, shared with the Dask workers), `local_runner`, `dask_runner`, `result`,
+`report` (inspect and verify), `worker_imports` (the Dask worker plugin); the progress bar is
+`pipelines.progress.Progress`.
 
 Single process: the forward runs on the calling thread; finished shards go through a bounded queue
 (`local_runner.QUEUE_DEPTH`) to a writer thread, so compression and fsync overlap the next shard's forward.

@@ -18,11 +18,11 @@ from preinfer.errors import UsageError
 from preinfer.fingerprint import prefix_digest
 from preinfer.staged import StagedModel
 from storage import (
-    LayoutMismatchError, Location, StaleStoreError, Store, create_store, is_lossy, location, open_store, owning,
+    LayoutMismatchError, Location, StaleStoreError, Store, create_store, is_lossy, location, open_store,
 )
 from pipelines.cache import dask_runner
 from pipelines.cache.directory import (
-    CACHE_FORMAT, CACHE_INDEX, cache_splits, check_not_a_file, check_out, holds_only_store_entries, read_index,
+    CACHE_FORMAT, CACHE_INDEX, cache_splits, check_out, holds_only_store_entries, read_index,
     write_index,
 )
 from pipelines.cache.fingerprints import (
@@ -30,10 +30,11 @@ from pipelines.cache.fingerprints import (
 )
 from pipelines.cache.local_runner import run_local
 from pipelines.cache.options import CacheOptions, Part
-from pipelines.cache.progress import Progress
 from pipelines.cache.result import CacheJobError, CacheResult, failure
 from pipelines.cache.shards import DatasetInputs, StoreInputs
 from pipelines.cache.work import Failure, SplitJob, SplitResult
+from pipelines.jobs.output import check_not_a_file, held_output
+from pipelines.progress import Progress
 
 
 def _model_device(staged: StagedModel) -> torch.device:
@@ -52,7 +53,6 @@ def cache_boundary(staged: StagedModel, datasets: Mapping[str, TokenSamples], to
     if not datasets:
         raise UsageError("no splits to cache")
     out = location(out)
-    check_not_a_file(out, opts.out_flag)
     with _owning(out, opts):
         check_out(out, list(datasets), opts.mode, opts.out_flag)
         prefix = prefix if prefix is not None else prefix_digest(staged, boundary)
@@ -87,7 +87,6 @@ def roll_forward(staged: StagedModel, source: str | os.PathLike, boundary: int, 
         found = {s: found[s] for s in splits}
     if source.resolve() == out.resolve() or any(p.resolve() == out.resolve() for p in found.values()):
         raise UsageError("--out must differ from --from-store (a roll-forward writes a new store)")
-    check_not_a_file(out, opts.out_flag)
     with _owning(out, opts):
         check_out(out, list(found), opts.mode, opts.out_flag)
         return _roll_forward_jobs(staged, found, source, boundary, out, opts, started)
@@ -144,8 +143,12 @@ def _roll_forward_jobs(staged: StagedModel, found: dict[str, Location], source: 
 
 
 def _owning(out: Location, opts: CacheOptions) -> contextlib.AbstractContextManager:
-    """The owner lock of `out` for this job; a part of a shared job other than the first writes under the first's."""
-    return owning(out) if opts.part is None or opts.part.first else contextlib.nullcontext()
+    """The output `out` held for this job (`held_output`); a part of a shared job other than the first writes under
+    the first's hold."""
+    if opts.part is None or opts.part.first:
+        return held_output(out, opts.out_flag)
+    check_not_a_file(out, opts.out_flag)
+    return contextlib.nullcontext()
 
 
 def _after_the_first_part(opts: CacheOptions) -> CacheOptions:
@@ -212,14 +215,15 @@ def _run_shards(staged: StagedModel, jobs: list[SplitJob], boundary: int, opts: 
                 timing: dict[str, float]) -> tuple[list[Failure], BaseException | None, dict[str, int]]:
     """Compute and write the shards of `jobs` still to do, in this process or on Dask; returns (the shards that
     failed, the error that stopped the job or None, model loads per Dask worker)."""
-    bar = Progress(jobs, opts.progress)
+    progress = Progress(quiet=not opts.progress)
+    progress.start("cache", "sample", sum(job.todo_samples() for job in jobs), dynamic_ncols=True)
     try:
         if opts.dask is not None:
-            return dask_runner.run(staged, jobs, boundary, opts, bar, timing)
-        failed, fatal = run_local(staged, jobs, boundary, opts, bar, timing)
+            return dask_runner.run(staged, jobs, boundary, opts, progress, timing)
+        failed, fatal = run_local(staged, jobs, boundary, opts, progress, timing)
         return failed, fatal, {}
     finally:
-        bar.close()
+        progress.close()
 
 
 def _run_jobs(staged: StagedModel, jobs: list[SplitJob], out: Location, boundary: int, source_boundary: int,

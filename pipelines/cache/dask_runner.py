@@ -28,7 +28,7 @@ from preinfer.fingerprint import prefix_digest
 from preinfer.staged import StagedModel
 from storage import Store, open_store
 from pipelines.cache.options import CacheOptions, LocalWorkers, SchedulerAddress
-from pipelines.cache.progress import Progress
+from pipelines.progress import Progress
 from pipelines.cache.result import CacheJobError
 from pipelines.cache.shards import (
     DatasetInputs, HostStager, StoreInputs, compute_shard, host_fields, one_line, write_shard,
@@ -252,7 +252,7 @@ class _Workerless:
                              f"workers were lost or never started")
 
 
-def run(staged: StagedModel, jobs: list[SplitJob], boundary: int, opts: CacheOptions, bar: Progress,
+def run(staged: StagedModel, jobs: list[SplitJob], boundary: int, opts: CacheOptions, progress: Progress,
         timing: dict[str, float]) -> tuple[list[Failure], BaseException | None, dict[str, int]]:
     """Run the shards of `jobs` as Dask tasks, adding to `timing`; returns (the shards that failed, the error that
     stopped the job or None, model loads per worker)."""
@@ -312,7 +312,8 @@ def run(staged: StagedModel, jobs: list[SplitJob], boundary: int, opts: CacheOpt
                     timing["forward"] += result["compute_s"]
                     timing["write"] += result["write_s"]
                     loads[result["worker"]] = result["loads"]
-                    bar.shard_done(job.name, job.shard_done(shard, result["bytes"]), result["bytes"])
+                    samples = job.shard_done(shard, result["bytes"])
+                    progress.advance(samples, tokens=samples * job.seq_len, nbytes=result["bytes"])
                 following = next(queue, None)
                 if following is not None:
                     in_flight.add(submit(*following))

@@ -79,14 +79,8 @@ def _is_ours(entry: Location, names: list[str]) -> bool:
     return holds_only_store_entries(entry)
 
 
-def check_not_a_file(out: Location, flag: str = "--out") -> None:
-    """Refuse an output directory (given by `flag`) that is a file."""
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"{flag} {out} is a file, not a directory")
-
-
 def check_out(out: Location, names: list[str], mode: str, flag: str = "--out") -> None:
-    """Refuse an output directory (given by `flag`; not a file: see `check_not_a_file`) holding something other
+    """Refuse an output directory (given by `flag`; not a file: see `pipelines.jobs.output.check_not_a_file`) holding something other
     than this cache."""
     if not out.is_dir():
         return

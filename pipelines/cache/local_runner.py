@@ -11,7 +11,7 @@ import time
 from preinfer.errors import is_disk_full
 from preinfer.staged import StagedModel
 from pipelines.cache.options import CacheOptions
-from pipelines.cache.progress import Progress
+from pipelines.progress import Progress
 from pipelines.cache.result import CacheJobError
 from pipelines.cache.shards import HostStager, compute_shard, host_fields, one_line, write_shard
 from pipelines.cache.work import Failure, SplitJob
@@ -19,7 +19,7 @@ from pipelines.cache.work import Failure, SplitJob
 QUEUE_DEPTH = 2
 
 
-def run_local(staged: StagedModel, jobs: list[SplitJob], boundary: int, opts: CacheOptions, bar: Progress,
+def run_local(staged: StagedModel, jobs: list[SplitJob], boundary: int, opts: CacheOptions, progress: Progress,
               timing: dict[str, float]) -> tuple[list[Failure], BaseException | None]:
     """Compute and write the shards of `jobs` still to do, adding to `timing`; returns (the shards that failed,
     the error that stopped the job or None)."""
@@ -44,7 +44,8 @@ def run_local(staged: StagedModel, jobs: list[SplitJob], boundary: int, opts: Ca
                 write_shard(job.store, job.name, shard, buffers, opts.retries, opts.before_shard_write)
                 timing["write"] += time.perf_counter() - began
                 nbytes = job.store.shard_bytes(shard)
-                bar.shard_done(job.name, job.shard_done(shard, nbytes), nbytes)
+                samples = job.shard_done(shard, nbytes)
+                progress.advance(samples, tokens=samples * job.seq_len, nbytes=nbytes)
             except BaseException as err:  # noqa: BLE001 - reported after the queue drains
                 if is_disk_full(err) or not isinstance(err, Exception):
                     state["fatal"] = err

@@ -42,6 +42,15 @@ class SplitJob:
     source_digest: str | None = None
     dataset: TokenSamples | None = None
 
+    @property
+    def seq_len(self) -> int:
+        """Tokens per sample of the split's states."""
+        return self.store.fields["hidden"].shape[0]
+
+    def todo_samples(self) -> int:
+        """Samples of the shards still to do."""
+        return sum(hi - lo for lo, hi in map(self.store.shard_range, self.todo))
+
     def shard_done(self, shard: int, nbytes: int) -> int:
         """Count shard `shard` (of `nbytes` on disk) as computed; returns its sample count."""
         lo, hi = self.store.shard_range(shard)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 
 from pipelines.flags import (
-    PRE_INFERENCE_FLAGS, add_flags, add_training_flags, config_for_command, print_summary, use_s3_endpoint,
+    PRE_INFERENCE_FLAGS, add_flags, add_training_flags, print_summary, use_s3_endpoint,
 )
 from pipelines import training
+from pipelines.jobs.runs import run_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,6 +18,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     use_s3_endpoint(args)
-    config = config_for_command(args)
+    config = run_config(args)
     print_summary(training.run(config, resume=args.resume), config)
     return 0

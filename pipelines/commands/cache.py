@@ -15,6 +15,7 @@ from pipelines.cache import (
 )
 from pipelines.data.token_store.resolve import data_splits
 from pipelines.flags import DATA_FLAGS, add_flags, data_flags, option_defaults, use_s3_endpoint
+from pipelines.jobs.output import check_not_a_file, writing
 from pipelines.models import model_source
 from storage import location
 
@@ -38,8 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     use_s3_endpoint(args)
     out = location(args.out)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} is a file, not a directory")
+    check_not_a_file(out)
     splits = [s.strip() for s in args.splits.split(",") if s.strip()]
     unknown = [s for s in splits if s not in DEFAULT_SPLITS]
     if not splits or unknown:
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
     )
     staged = preinfer.stage(source.load().to(args.device).eval())
-    try:
+    with writing(out, lambda err: CacheJobError(f"writing the cache in {out} failed: {err}")):
         if args.from_store:
             chosen = None if args.splits == ",".join(DEFAULT_SPLITS) else splits
             result = roll_forward(staged, args.from_store, args.boundary, out, options, splits=chosen)
@@ -64,10 +64,6 @@ def run(args: argparse.Namespace) -> int:
                                         base.model.chat_template).tokenizer
             datasets = data_splits(data_flags(args, base), tokenizer, splits, not args.quiet)
             result = cache_boundary(staged, datasets, tokenizer, args.boundary, out, options)
-    except (PermissionError, NotADirectoryError, FileExistsError) as err:
-        raise UsageError(f"--out {out}: {err.strerror or err} ({err.filename or out})") from None
-    except OSError as err:  # a full disk or a failing device outside a shard write
-        raise CacheJobError(f"writing the cache in {out} failed: {err}") from None
     if args.json:
         print(json.dumps(result_json(result)))
     else:

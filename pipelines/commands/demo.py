@@ -32,7 +32,7 @@ def demo_config(out: Path, pre_inference: str) -> Config:
     config.stop.epochs_per_visit = 2.0
     config.pre_inference.mode = pre_inference
     config.run.out = str(out / pre_inference)
-    return config
+    return config.validate()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

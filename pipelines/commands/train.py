@@ -6,9 +6,10 @@ import argparse
 
 from preinfer.errors import UsageError
 from pipelines.flags import (
-    STORE_FLAGS, add_flags, add_training_flags, config_for_command, print_summary, use_s3_endpoint,
+    STORE_FLAGS, add_flags, add_training_flags, print_summary, use_s3_endpoint,
 )
 from pipelines import training
+from pipelines.jobs.runs import run_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     use_s3_endpoint(args)
-    config = config_for_command(args)
+    config = run_config(args)
     if config.store.path is None:
         raise UsageError("--store is required: a cache directory written by `preinfer cache`")
     print_summary(training.run(config, resume=args.resume), config)

@@ -24,9 +24,8 @@ import numpy as np
 import torch
 
 from pipelines.data.corpus import iter_documents
-from pipelines.data.samples import (
-    SampleBlock, SamplePacker, check_arguments, document_chunks, encode_chunk, sample_kind,
-)
+from pipelines.data.sample_blocks import SampleBlock, SamplePacker
+from pipelines.data.samples import check_arguments, document_chunks, encode_chunk, sample_kind
 from pipelines.data.tokenizers import Tokenizer
 from preinfer.errors import UsageError
 

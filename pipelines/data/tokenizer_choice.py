@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from pipelines.data.samples import chat_fit_line
+from pipelines.data.sample_blocks import chat_fit_line
 from pipelines.data.token_store import TokenStoreDataset
 from pipelines.data.tokenizers import Tokenizer, load_tokenizer
 from pipelines.models import is_run_dir

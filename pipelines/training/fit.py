@@ -21,7 +21,7 @@ from preinfer.partition import Partition
 from preinfer.precision import Precision
 from preinfer.run_dir import RunDir
 from preinfer.trainer import Trainer
-from pipelines.training.progress import ProgressUI
+from pipelines.progress import Progress
 from pipelines.training.run_directory import prepare_run_dir
 from pipelines.training.trackers import Trackers
 from pipelines.training.signals import RunStopped, StopOnSignals
@@ -34,7 +34,7 @@ def train(config: Config, staged: preinfer.StagedModel, partition: Partition, ac
     display (shown by rank 0 only; it checks the block order), create the run directory (rank 0), resume if asked,
     and run it; a signal stops it with `RunStopped` after a checkpoint."""
     torch.manual_seed(config.run.seed)
-    ui = ProgressUI(config, quiet or (dist.is_initialized() and dist.get_rank() != 0))
+    ui = Progress(quiet or (dist.is_initialized() and dist.get_rank() != 0), config.stop.steps_per_visit)
     run = RunDir(config.run.out)
     trainer = Trainer(staged, partition, config, chosen, run, MemoryMeter(staged.model), on_record=ui.record,
                       active_block=active, layout=layout, precision=precision)

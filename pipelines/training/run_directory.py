@@ -1,62 +1,37 @@
-"""A run's directory (`preinfer.run_dir.RunDir`) from start to finish: refused when it cannot take the run,
-created with the run's config, and finished with the export, the loss plot and the summary."""
+"""A run's directory (`preinfer.run_dir.RunDir`) from start to finish: held and checked (`pipelines.jobs.runs`),
+created with the run's config and inputs, and finished with the export, the loss plot and the summary."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
-import storage
-
 from preinfer.config import Config, dump_toml
-from preinfer.errors import PreinferError, UsageError
+from preinfer.errors import PreinferError
 from preinfer.metrics import plot_losses, read_metrics
 from preinfer.run_dir import RunDir
 from preinfer.trainer import Trainer
-
-
-def check_run_dir(run: RunDir, resume: bool) -> None:
-    """Refuse an --out that is a file, a directory holding what a run does not write, another run (unless resuming
-    it; a run that stopped before its first checkpoint may be started again), or nothing to resume."""
-    out = run.path
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} is a file, not a directory")
-    if resume:
-        if not run.has_checkpoint():
-            raise UsageError(f"--resume: {out} holds no checkpoint to resume from")
-        return
-    foreign = run.foreign_entries()
-    if foreign:
-        raise UsageError(f"--out {out} is not a run directory (it holds {foreign[0]!r}"
-                         f"{' ...' if len(foreign) > 1 else ''}); choose an empty or new directory, nothing was deleted")
-    if run.holds_run() and not run.failed_start():
-        raise UsageError(f"--out {out} already holds a run; pass --resume to continue it or choose another --out")
-
-
-@contextlib.contextmanager
-def owning_run(run: RunDir, resume: bool, rank: int = 0) -> Iterator[None]:
-    """Hold the run directory for the whole job (rank 0, for every rank), then check it (`check_run_dir`)."""
-    held = storage.owning(run.path, "--out") if rank == 0 else contextlib.nullcontext()
-    with held:
-        if rank == 0:
-            check_run_dir(run, resume)
-        yield
+from pipelines.jobs.inputs import input_fingerprints, recorded_config, write_inputs
+from pipelines.jobs.runs import check_run_dir
 
 
 def prepare_run_dir(run: RunDir, config: Config, resume: bool) -> None:
-    """Create the run directory with its config (a resumed run keeps its own; a run started again after a failed
-    start drops that start's metrics); refusals as `check_run_dir`."""
+    """Create the run directory with its config, its paths absolute, and the fingerprints of its inputs (a resumed
+    run keeps its own; a run started again after a failed start drops that start's metrics); refusals as
+    `check_run_dir`."""
     check_run_dir(run, resume)
     if resume:
         return
+    inputs = input_fingerprints(config)
     try:
         run.path.mkdir(parents=True, exist_ok=True)
         run.metrics.unlink(missing_ok=True)
-        run.write_config(dump_toml(config))
+        run.write_config(dump_toml(recorded_config(config)))
+        write_inputs(run, inputs)
     except OSError as err:
+        run.config.unlink(missing_ok=True)  # a config without its inputs would resume unchecked
         raise PreinferError(f"writing {run.config} failed ({err.strerror or err}); nothing of the run is written, "
                             f"free space or fix the directory, then run the same command again") from None
 

@@ -24,8 +24,9 @@ from pipelines.data.tokenizers import Tokenizer
 from pipelines.training.distributed import init_distributed
 from pipelines.training.fit import stopped_writing, train
 from pipelines.training.layout import OneProcess
+from pipelines.jobs.runs import owning_run
 from pipelines.models.partition_choice import partition_for
-from pipelines.training.run_directory import finish_run, owning_run
+from pipelines.training.run_directory import finish_run
 from pipelines.training.store_input import StoreInput
 from pipelines.training.trackers import check_trackers
 from pipelines.data.run_data import live_sources, load_datasets, samples_per_shard
@@ -39,7 +40,7 @@ def run(config: Config, resume: bool = False, quiet: bool = False) -> dict:
     check_trackers(config.run.report_to)  # a tracker not installed: refused before anything is made
     rank, world = init_distributed(config.run.device)
     run_dir = RunDir(config.run.out)
-    with owning_run(run_dir, resume, rank):  # held first, then checked: a second job names the holder
+    with owning_run(run_dir, resume, rank, config):  # held first, then checked: a second job names the holder
         return _run(config, run_dir, resume, quiet, rank, world)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from preinfer.config import DEFAULT_ATTENTION
+from preinfer.config.choices import DEFAULT_ATTENTION
 
 
 GB = 10**9  # GPU memory is sold in decimal gigabytes (a "24 GB" RTX 4090 has 24e9 bytes, about 22.4 GiB)

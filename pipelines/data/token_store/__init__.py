@@ -3,9 +3,8 @@ and read lazily by sample index (`TokenStoreDataset`). Layout: `pipelines.data.t
 `pipelines.data.token_store.job`."""
 
 from pipelines.data.token_store.dataset import TokenStoreDataset, open_token_store
-from pipelines.data.token_store.job import (
-    TokenizeOptions, TokenizeResult, cache_path, token_fingerprint, tokenize_corpus,
-)
+from pipelines.data.token_store.job import TokenizeResult, cache_path, token_fingerprint, tokenize_corpus
+from pipelines.data.token_store.options import TokenizeOptions
 from pipelines.data.token_store.layout import SplitInfo, TokenStoreInfo
 
 __all__ = [

@@ -14,7 +14,8 @@ import torch
 
 import storage
 from pipelines.data.token_store.layout import INFO, TokenStoreInfo, read_info
-from pipelines.data.samples import SPLITS, SampleBlock
+from pipelines.data.sample_blocks import SampleBlock
+from pipelines.data.samples import SPLITS
 from preinfer.errors import UsageError
 
 

@@ -3,10 +3,12 @@
 1. Fingerprint: the sha256 of the corpus's content (`pipelines.data.corpus.corpus_fingerprint`), the tokenizer's
    fingerprint, seq_len, eval_fraction and the text column. Not the corpus's path or file times: a copied corpus
    keeps its token store, and an edited one never reuses a stale one.
-2. Encode: the document stream is cut into chunks of about `chunk_chars` characters (the same chunks whatever the
-   number of workers); each chunk is split into train and eval, tokenised by one of `workers` processes, and staged.
-3. Pack: one process reads the staged chunks in order, cuts each split into samples exactly as `pipelines.data.samples`
-   does, and writes them shard by shard into the split's store (storage's atomic shard publish), then finalizes it.
+2. Encode (`pipelines.data.token_store.encoding`): the document stream is cut into chunks of about `chunk_chars`
+   characters (the same chunks whatever the number of workers); each chunk is split into train and eval, tokenised
+   by one of `workers` processes, and staged.
+3. Pack (`pipelines.data.token_store.packing`): one process reads the staged chunks in order, cuts each split into
+   samples exactly as `pipelines.data.samples` does, and writes them shard by shard into the split's store
+   (storage's atomic shard publish), then finalizes it.
 4. Describe: `token-store.json` is written, then the staging directory removed.
 
 Memory holds a few chunks of text and their ids (about `chunk_chars` each, per worker) and one shard, whatever the
@@ -18,65 +20,28 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing
-import os
 import shutil
 import time
-from collections.abc import Iterable
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 import storage
+from pipelines.data.corpus import corpus_fingerprint
+from pipelines.data.samples import SPLITS, id_dtype
+from pipelines.data.token_store.encoding import encode_chunks
 from pipelines.data.token_store.layout import (
-    FORMAT_VERSION, INFO, STAGING, SplitInfo, TokenStoreInfo, default_samples_per_shard, read_info,
-    store_fields, write_json,
+    FORMAT_VERSION, INFO, STAGING, TokenStoreInfo, default_samples_per_shard, read_info, write_json,
 )
+from pipelines.data.token_store.options import TokenizeOptions
+from pipelines.data.token_store.packing import Packing
 from pipelines.data.token_store.staging import Staging
-from pipelines.data.corpus import Document, corpus_fingerprint, iter_documents
-from pipelines.data.samples import (
-    CHUNK_CHARS, SPLITS, SampleBlock, SamplePacker, check_arguments, document_chunks, encode_chunk, id_dtype,
-    sample_kind,
-)
-from preinfer.errors import PreinferError, UsageError, is_disk_full
 from pipelines.data.tokenizers import Tokenizer, load_tokenizer
+from pipelines.jobs.errors import stopped
+from pipelines.jobs.output import held_output
+from preinfer.errors import PreinferError, UsageError
 
-CODEC = "zstd"  # token ids compress better unshuffled (see bench/data.py)
 _OWN_ENTRIES = (INFO, STAGING, *SPLITS)  # what --overwrite may remove from --out
-
-
-@dataclass(frozen=True)
-class TokenizeOptions:
-    """What to tokenise, how, and where to."""
-
-    data: str = "builtin:pydoc"
-    tokenizer: str = "byte"
-    chat_template: str | None = None  # a file whose chat template replaces the tokenizer's own
-    seq_len: int = 128
-    eval_fraction: float = 0.1
-    out: str = "tokens"
-    text_column: str = "text"
-    workers: int = 1
-    samples_per_shard: int | None = None  # None: about 4 MiB of ids per shard
-    overwrite: bool = False
-    progress: bool = True
-    chunk_chars: int = CHUNK_CHARS  # characters of documents per unit of work (tests make it small)
-
-    def check(self) -> None:
-        """Refuse options no job can run with, in one line naming the flag."""
-        check_arguments(self.seq_len, "train", self.eval_fraction)
-        if self.workers < 1:
-            raise UsageError(f"--workers must be at least 1, got {self.workers}")
-        if self.samples_per_shard is not None and self.samples_per_shard < 1:
-            raise UsageError(f"--samples-per-shard must be at least 1, got {self.samples_per_shard}")
-        if not self.text_column:
-            raise UsageError("--text-column must name a field, got ''")
-        if self.chunk_chars < 1:
-            raise UsageError(f"chunk_chars must be at least 1, got {self.chunk_chars}")
 
 
 @dataclass(frozen=True)
@@ -129,9 +94,7 @@ def tokenize_corpus(options: TokenizeOptions) -> TokenizeResult:
         options.data, tokenizer, options.seq_len, options.eval_fraction, options.text_column
     )
     out = Path(options.out)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} is a file, not a directory")
-    with storage.owning(out, "--out"):  # held for the whole job; a new --out that gets nothing goes again
+    with held_output(out, "--out"):  # held for the whole job; a new --out that gets nothing goes again
         found = _prepare(out, fingerprint, options.overwrite)
         if found is not None:
             Staging(out / STAGING).remove()  # what a job killed after describing the store left
@@ -145,10 +108,8 @@ def tokenize_corpus(options: TokenizeOptions) -> TokenizeResult:
 def _stopped(out: Path, err: OSError) -> PreinferError:
     """The one line of a job a full disk (or a failing one) stopped: where, why, and that the same command
     resumes it (what is staged and written stays)."""
-    where = f" at {err.filename}" if err.filename else ""
-    first = "free space" if is_disk_full(err) else "fix that"
-    return PreinferError(f"writing the token store in {out} failed ({err.strerror or err}{where}); {first}, then run "
-                         f"the same command again: it resumes from the chunks and shards already written")
+    return stopped(f"writing the token store in {out} failed", err,
+                   "run the same command again: it resumes from the chunks and shards already written")
 
 
 def _build(
@@ -165,9 +126,9 @@ def _build(
     try:
         encoded, chunks_encoded = staging.encoded(), 0
         if encoded is None:
-            chunks_encoded = _encode(options, staging, tokenizer)
+            chunks_encoded = encode_chunks(options, staging, tokenizer)
             encoded = staging.encoded()
-        packing = _Packing(options, fingerprint, staging, encoded, dtype, per_shard)
+        packing = Packing(options, fingerprint, staging, encoded, dtype, per_shard)
         if packing.has_samples() and (not resumed or (out / INFO).exists()):  # what is there is the replaced store's
             _remove_own(out, keep=STAGING)
         splits = {split: packing.pack(out / split, split) for split in SPLITS}
@@ -255,155 +216,3 @@ def _check_plan(staging: Staging, plan: dict[str, Any], out: Path, overwrite: bo
 
 def _differences(stored: storage.Fingerprint, expected: storage.Fingerprint) -> str:
     return "; ".join(stored.differences(expected)) or "another fingerprint"
-
-
-# ---- encoding ----
-
-
-def _encode(options: TokenizeOptions, staging: Staging, tokenizer: Tokenizer) -> int:
-    """Stage every chunk not staged yet; record the number of chunks and the kind. Returns the chunks encoded."""
-    chunks = document_chunks(iter_documents(options.data, options.text_column), options.chunk_chars)
-    encoder = _Encoder(options, staging, tokenizer)
-    kind, count = None, 0
-    try:
-        for index, chunk in enumerate(chunks):
-            kind = kind or sample_kind(chunk[0], tokenizer)
-            count = index + 1
-            if not staging.is_staged(index):
-                encoder.submit(index, chunk)
-    finally:
-        encoder.close()
-    if kind is None:
-        raise UsageError(f"{options.data}: no documents found (empty dataset)")
-    staging.finish_encoding(count, kind)
-    return encoder.submitted
-
-
-def encode_and_stage(
-    index: int, chunk: list[Document], tokenizer: Tokenizer, options: TokenizeOptions, staging: Staging
-) -> int:
-    """Tokenise chunk `index` and stage it; returns its tokens (both splits, padding left out)."""
-    encoded = encode_chunk(chunk, tokenizer, options.seq_len, options.eval_fraction)
-    staging.write_chunk(index, encoded)
-    return sum(part.tokens for part in encoded.values())
-
-
-# The worker process's tokenizer, options and staging directory (set once by `_start_worker`).
-_WORKER: dict[str, Any] = {}
-
-
-def _start_worker(options: TokenizeOptions) -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker: no thread pool of its own
-    _WORKER.update(
-        options=options, tokenizer=load_tokenizer(options.tokenizer, options.chat_template),
-        staging=Staging(Path(options.out) / STAGING),
-    )
-
-
-def _encode_in_worker(index: int, chunk: list[Document]) -> int:
-    return encode_and_stage(index, chunk, _WORKER["tokenizer"], _WORKER["options"], _WORKER["staging"])
-
-
-class _Encoder:
-    """Tokenises chunks in this process (one worker) or in a pool of spawned processes, at most two chunks per
-    worker in flight; a tqdm bar counts tokens."""
-
-    def __init__(self, options: TokenizeOptions, staging: Staging, tokenizer: Tokenizer) -> None:
-        from tqdm import tqdm
-
-        self.options, self.staging, self.tokenizer = options, staging, tokenizer
-        self.submitted = 0
-        self.bar = tqdm(unit="tok", unit_scale=True, desc="tokenize", disable=not options.progress, leave=False)
-        self.pool = None
-        if options.workers > 1:
-            context = multiprocessing.get_context("spawn")
-            self.pool = ProcessPoolExecutor(
-                options.workers, mp_context=context, initializer=_start_worker, initargs=(options,)
-            )
-        self.pending: set[Future] = set()
-
-    def submit(self, index: int, chunk: list[Document]) -> None:
-        self.submitted += 1
-        if self.pool is None:
-            self.bar.update(encode_and_stage(index, chunk, self.tokenizer, self.options, self.staging))
-            return
-        if len(self.pending) >= 2 * self.options.workers:
-            self._collect(FIRST_COMPLETED)
-        self.pending.add(self.pool.submit(_encode_in_worker, index, chunk))
-
-    def _collect(self, how: str) -> None:
-        done, self.pending = wait(self.pending, return_when=how)
-        for future in done:
-            self.bar.update(future.result())
-
-    def close(self) -> None:
-        """Wait for the chunks in flight (all of them, unless one failed) and stop the workers."""
-        try:
-            if self.pending:
-                self._collect("ALL_COMPLETED")
-        finally:
-            if self.pool is not None:
-                self.pool.shutdown(cancel_futures=True)
-            self.bar.close()
-
-
-# ---- packing ----
-
-
-class _Packing:
-    """Writes each split's samples from the staged chunks into its store, shard by shard."""
-
-    def __init__(
-        self, options: TokenizeOptions, fingerprint: storage.Fingerprint, staging: Staging, encoded: dict[str, Any],
-        dtype: np.dtype, per_shard: int,
-    ) -> None:
-        self.options, self.fingerprint, self.staging = options, fingerprint, staging
-        self.chunks, self.kind = int(encoded["chunks"]), encoded["kind"]
-        self.dtype, self.per_shard = dtype, per_shard
-        self.shards_written = 0
-
-    def _samples(self, counts: list[dict[str, int]]) -> int:
-        units = sum(count["units"] for count in counts)
-        return units if self.kind != "lm" else units // self.options.seq_len
-
-    def has_samples(self) -> bool:
-        """Whether any split will have samples."""
-        return any(self._samples(self._counts(split)) for split in SPLITS)
-
-    def _counts(self, split: str) -> list[dict[str, int]]:
-        return [self.staging.counts(index)[split] for index in range(self.chunks)]
-
-    def pack(self, path: Path, split: str) -> SplitInfo:
-        """Write the store of `split` at `path` (the shards it lacks) and finalize it."""
-        counts = self._counts(split)
-        samples = self._samples(counts)
-        store = None
-        if samples:
-            fields = store_fields(self.kind, self.options.seq_len, self.dtype)
-            store = storage.create_store(path, fields, samples, self.per_shard, self.fingerprint, codec=CODEC)
-        done = set(store.completed_shards()) if store is not None else set()
-        packer = SamplePacker(self.options.seq_len, self.kind, self.per_shard)
-        tokens = 0
-        for shard, block in enumerate(self._blocks(packer, split, counts)):
-            tokens += block.tokens
-            if shard not in done:
-                store.write_shard(shard, _shard_tensors(block))
-                self.shards_written += 1
-        problem = packer.report(f"{self.options.data} ({split})")
-        if store is not None:
-            store.finalize()
-        return SplitInfo(packer.samples, tokens, packer.documents, problem, packer.truncated)
-
-    def _blocks(self, packer: SamplePacker, split: str, counts: list[dict[str, int]]) -> Iterable[SampleBlock]:
-        for index, count in enumerate(counts):
-            yield from packer.add(self.staging.read_split(index, split, count))
-        yield from packer.finish()
-
-
-def _shard_tensors(block: SampleBlock) -> dict[str, torch.Tensor]:
-    tensors = {"ids": torch.from_numpy(np.ascontiguousarray(block.ids))}
-    if block.lengths is not None:
-        tensors["lengths"] = torch.from_numpy(np.ascontiguousarray(block.lengths, dtype=np.int32))
-    if block.label_mask is not None:
-        tensors["label_mask"] = torch.from_numpy(np.ascontiguousarray(block.label_mask, dtype=np.uint8))
-    return tensors

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 from pipelines.data.token_store.dataset import TokenStoreDataset, open_token_store
-from pipelines.data.token_store.job import TokenizeOptions, cache_path, token_fingerprint, tokenize_corpus
+from pipelines.data.token_store.job import cache_path, token_fingerprint, tokenize_corpus
+from pipelines.data.token_store.options import TokenizeOptions
 from pipelines.data.token_store.layout import INFO, TokenStoreInfo, read_info
 from preinfer.config import DataConfig
 from preinfer.errors import UsageError

@@ -21,7 +21,8 @@ import numpy as np
 
 from preinfer.errors import PreinferError
 from pipelines.data.token_store.layout import read_json, write_json
-from pipelines.data.samples import SPLITS, EncodedSplit
+from pipelines.data.sample_blocks import EncodedSplit
+from pipelines.data.samples import SPLITS
 
 PLAN = "plan.json"
 ENCODED = "encoded.json"

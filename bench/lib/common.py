@@ -1,5 +1,5 @@
-"""Small helpers shared by benchmark scripts: median timing, commands run side by side, a plain-text table, JSON
-output under bench/out/."""
+"""Small helpers shared by the benchmarks: the repository root, median timing, commands run side by side, a
+plain-text table, the command line a result records, JSON output under bench/out/."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import pathlib
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 
 import torch
 
-OUT = pathlib.Path(__file__).resolve().parent / "out"
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository root: `python -m bench.NAME` runs from here
+OUT = ROOT / "bench" / "out"
 
 
 def median_seconds(run: Callable[[], object], repeats: int, before: Callable[[], object] | None = None) -> float:
@@ -83,6 +85,16 @@ def write_json(name: str, payload: dict) -> pathlib.Path:
     path = OUT / f"{name}.json"
     path.write_text(json.dumps(payload, indent=1))
     return path
+
+
+def module_command(name: str) -> list[str]:
+    """The start of the command that runs benchmark `name` in a process of its own (from ROOT, as `cwd`)."""
+    return [sys.executable, "-m", f"bench.{name}"]
+
+
+def command_line(name: str, args: list[str]) -> str:
+    """The command that reruns benchmark `name` with `args`, as its JSON records it."""
+    return " ".join(["python", "-m", f"bench.{name}", *args])
 
 
 def machine() -> dict:

@@ -1,0 +1,1 @@
+"""The benchmarks: each runs from the repository root as `python -m bench.NAME`; bench.lib holds what they share."""

@@ -1,0 +1,110 @@
+"""The enumerated values of the config, each written once as a `Literal`, and `choices`, which reads them back from
+a section's field: the flags, the TOML reader, the HF arguments and the reference pages all take them from there.
+A field typed `Names[X]` holds a comma list of X's values (as its flag takes it)."""
+
+from __future__ import annotations
+
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
+
+from preinfer.errors import UsageError
+
+# Attention implementations a model runs with (transformers' names): PyTorch's scaled_dot_product_attention
+# (flash and memory-efficient kernels where the device has them), or the framework's eager matmul-softmax-matmul.
+Attention = Literal["sdpa", "eager"]
+# Block orders within a sweep; the importance orders are measured at every sweep's start (preinfer.importance).
+BlockOrder = Literal["ascending", "descending", "random", "fixed", "importance", "importance-cached"]
+Optimizer = Literal["sgd", "adam", "adamw"]
+# transformers' schedules by name (get_scheduler) that need no options of their own; "none" is constant_with_warmup.
+LrDecay = Literal["none", "linear", "cosine", "cosine_with_restarts", "polynomial", "constant_with_warmup",
+                  "inverse_sqrt"]
+# A visit's stopping rules: its budgets (steps, epochs, plateau), or those and the gain rule (preinfer.gain).
+StopRuleName = Literal["budget", "gain"]
+Mode = Literal["bcd", "full"]
+Precision = Literal["auto", "fp32", "bf16-mixed", "fp16-mixed"]
+PipelineSchedule = Literal["1f1b", "gpipe"]
+# The experiment trackers `report_to` may name (pipelines.training.trackers); "none" names none.
+Tracker = Literal["none", "tensorboard", "wandb", "mlflow"]
+PreInferenceMode = Literal["off", "on", "auto"]
+StoreFormat = Literal["zarr", "safetensors"]
+# auto: the compute dtype (bit-exact); then the exact dtypes, then the lossy 8-bit encodings (storage.encodings).
+StoreDtype = Literal["auto", "float32", "bfloat16", "float16", "float8_e4m3", "float8_e5m2", "int8"]
+# What trains with an expert-granular block's chosen experts (preinfer.moe); "none" names nothing.
+ExpertPart = Literal["none", "router", "shared", "attention", "rest"]
+
+
+class Names:
+    """`Names[X]`: a str holding a comma list of the values of the Literal X."""
+
+    def __class_getitem__(cls, kind: Any) -> Any:
+        return Annotated[str, kind]
+
+
+def _plain(hint: Any) -> Any:
+    """A field's hint without None (an optional field's value type)."""
+    if get_origin(hint) in (Union, UnionType):
+        kept = [arg for arg in get_args(hint) if arg is not type(None)]
+        return kept[0] if len(kept) == 1 else hint
+    return hint
+
+
+def field_hint(cls: type, name: str) -> Any:
+    """The type of field `name` of the dataclass `cls`, None left out, `Names[X]` kept."""
+    return _plain(get_type_hints(cls, include_extras=True)[name])
+
+
+def is_optional(cls: type, name: str) -> bool:
+    """Whether field `name` of section `cls` may be None (unset)."""
+    return type(None) in get_args(get_type_hints(cls)[name])
+
+
+def is_names(hint: Any) -> bool:
+    """Whether a (plain) hint is `Names[X]`, a comma list."""
+    return get_origin(hint) is Annotated
+
+
+def choices_of(hint: Any) -> tuple[str, ...]:
+    """The values a (plain) hint allows: a Literal's, or for `Names[X]` the names it may list; () when open."""
+    if is_names(hint):
+        return choices_of(get_args(hint)[1])
+    return get_args(hint) if get_origin(hint) is Literal else ()
+
+
+def choices(cls: type, name: str) -> tuple[str, ...]:
+    """The values field `name` of section `cls` allows (for a comma list, its names); () when it is open."""
+    return choices_of(field_hint(cls, name))
+
+
+def names(text: str) -> list[str]:
+    """The names in a comma list."""
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def check_attention(attention: str, where: str = "--attention") -> str:
+    """`attention` if it is one of ATTENTIONS, else a one-line UsageError naming `where`."""
+    if attention not in ATTENTIONS:
+        raise UsageError(f"{where} {attention!r}: expected one of {', '.join(ATTENTIONS)}")
+    return attention
+
+
+def parse_experts(text: str) -> float:
+    """`top:0.5` -> 0.5: the share of a layer's routed tokens that the trained experts must carry."""
+    kind, _, share = text.partition(":")
+    try:
+        value = float(share)
+    except ValueError:
+        value = -1.0
+    if kind != "top" or not 0 < value <= 1:
+        raise UsageError(f"--experts '{text}' is not top:SHARE with SHARE in (0, 1], e.g. top:0.5")
+    return value
+
+
+ATTENTIONS: tuple[str, ...] = get_args(Attention)
+DEFAULT_ATTENTION = "sdpa"
+ORDERS: tuple[str, ...] = get_args(BlockOrder)
+IMPORTANCE_ORDERS = tuple(order for order in ORDERS if order.startswith("importance"))
+LR_DECAYS: tuple[str, ...] = get_args(LrDecay)
+# Schedules defined without a last step (the others fall to their end at each visit's last step).
+OPEN_ENDED_DECAYS = ("none", "constant_with_warmup", "inverse_sqrt")
+TRACKERS = tuple(name for name in get_args(Tracker) if name != "none")
+EXPERT_PARTS = tuple(name for name in get_args(ExpertPart) if name != "none")
