@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from pipelines.cli import main
 from pipelines.models import load_model, resolve_model
-from preinfer.config import Config, choices, dump_toml, load_config
+from preinfer.config import Config, dump_toml, load_config
+from preinfer.config.choices import Precision as RequestedPrecision
 from preinfer.errors import CheckpointError, UsageError
 from preinfer.memory.meter import MemoryMeter
 from preinfer.metrics import StepRecord, read_metrics
@@ -39,7 +40,7 @@ def test_the_resolved_precision_is_one_object_the_trainer_reads_without_resolvin
     assert resolved is Precision.FP16_MIXED and resolved == "fp16-mixed" and json.dumps(resolved) == '"fp16-mixed"'
     assert (resolved.resident_dtype, resolved.mixed, resolved.loss_scaling) == (torch.float16, True, True)
     assert (Precision.FP32.mixed, Precision.BF16_MIXED.loss_scaling) == (False, False)
-    assert {"auto", *Precision} == set(get_args(choices.Precision))  # the config's choices: these and auto
+    assert {"auto", *Precision} == set(get_args(RequestedPrecision))  # the config's choices: these and auto
     given = make_trainer(run__precision="fp32")
     Precision.BF16_MIXED.apply(given.staged.model)
     again = type(given)(given.staged, given.partition, given.config, given.visit_sources,
