@@ -113,7 +113,8 @@ def run_method(args: argparse.Namespace, name: str, steps: int, run_dir: Path) -
     from preinfer.partition import make_partition, parse_ufp
     from preinfer.precision import apply_precision
     from preinfer.run_dir import RunDir
-    from preinfer.trainer import Trainer, evaluate
+    from preinfer.evaluation import evaluate
+    from preinfer.trainer import Trainer
 
     overrides = method_overrides(name, args, steps)
     overrides["model"] = dict(name=args.model)

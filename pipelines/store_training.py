@@ -16,7 +16,7 @@ from preinfer.config import DEFAULT_ATTENTION
 from preinfer.errors import UsageError
 from preinfer.partition import make_partition
 from preinfer.staged import causal_lm_loss, supervised_tokens
-from preinfer.trainer import batch_state
+from preinfer.forward_backward import batch_state
 from pipelines.cache import open_cache
 from pipelines.data.batches import ReaderBatches
 from pipelines.models.suffix import load_suffix, meta_model, to_device

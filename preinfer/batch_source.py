@@ -3,7 +3,7 @@
 A `BatchSource` streams token batches (boundary 0, feeding the embedding) or boundary states at some boundary
 k > 0; `pipelines.data.batches.ReaderBatches` is the one implementation, over a store (`storage`'s reader). A
 `VisitSources` picks each visit's (train, eval) sources: `LiveSources` always the same token batches, and
-`pipelines.training.pre_inference.PreInference` stores of boundary states when they pay.
+`pipelines.pre_inference.PreInference` stores of boundary states when they pay.
 """
 
 from __future__ import annotations

@@ -184,7 +184,7 @@ def _why_incomplete(path: Path) -> CheckpointError:
 
 
 def _read_state(file: Path) -> dict:
-    """state.json, its top-level fields checked (the trainer's own by `Progress.from_state`)."""
+    """state.json, its top-level fields checked (the trainer's own by `RunPosition.from_state`)."""
     try:
         meta = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:

@@ -6,38 +6,82 @@ fp32 gradients and fp32 optimizer state, for its visit only: each 16-bit gradien
 gradient as soon as autograd has accumulated it (a post-accumulate-grad hook), the optimizer steps the masters,
 and the masters are cast into the model's weights after every step. `fp16-mixed` adds dynamic loss scaling
 (`torch.amp.GradScaler`, whose inf/NaN check and unscaling act on the masters' fp32 gradients).
+
+A run's precision is resolved once (`resolve_precision`: `auto` follows the weights) into a `Precision`, which
+the trainer, the pipeline's stages and `preinfer.hf` read (its resident dtype, whether it is mixed, whether it
+scales the loss) instead of resolving the name again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import get_args
+from enum import StrEnum
 
 import torch
 from torch import nn
 
-from preinfer.config.choices import Precision
 from preinfer.errors import CheckpointError, UsageError
 
-PRECISIONS = tuple(name for name in get_args(Precision) if name != "auto")
-RESIDENT_DTYPES = {"fp32": torch.float32, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
-MIXED_FOR_DTYPE = {torch.bfloat16: "bf16-mixed", torch.float16: "fp16-mixed"}
+class Precision(StrEnum):
+    """A run's training precision, resolved once (`resolve_precision`) and read by everything after: the trainer,
+    the pipeline's stages, `preinfer.hf`. A string enum, so that it is its name wherever a name is written (records,
+    JSON, the memory planner's tables)."""
+
+    FP32 = "fp32"
+    BF16_MIXED = "bf16-mixed"
+    FP16_MIXED = "fp16-mixed"
+
+    @property
+    def resident_dtype(self) -> torch.dtype:
+        """The dtype every weight of the model is held in."""
+        return RESIDENT_DTYPES[self]
+
+    @property
+    def mixed(self) -> bool:
+        """16-bit weights with fp32 masters for the active block."""
+        return self is not Precision.FP32
+
+    @property
+    def loss_scaling(self) -> bool:
+        """Dynamic loss scaling (`LossScaler`)."""
+        return self is Precision.FP16_MIXED
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Cast the model's weights to this precision's resident dtype."""
+        return cast_weights(model, self.resident_dtype)
+
+    def describe(self, weights: torch.dtype) -> str:
+        """The line a run starts with (`weights`: the dtype the model was loaded in)."""
+        name = str(weights).removeprefix("torch.")
+        if not self.mixed:
+            return (f"precision: fp32 (weights, gradients and optimizer state in float32; the model's weights are "
+                    f"{name})")
+        low = str(self.resident_dtype).removeprefix("torch.")
+        scaling = ", dynamic loss scaling" if self.loss_scaling else ""
+        return (f"precision: {self.value} (every weight resident in {low}; fp32 masters, gradients and optimizer "
+                f"state for the active block only{scaling}; the model's weights were {name})")
 
 
-def resolve_precision(requested: str, weights: torch.dtype) -> str:
+PRECISIONS = tuple(p.value for p in Precision)
+RESIDENT_DTYPES = {Precision.FP32: torch.float32, Precision.BF16_MIXED: torch.bfloat16,
+                   Precision.FP16_MIXED: torch.float16}
+MIXED_FOR_DTYPE = {torch.bfloat16: Precision.BF16_MIXED, torch.float16: Precision.FP16_MIXED}
+
+
+def resolve_precision(requested: str, weights: torch.dtype) -> Precision:
     """The precision a run trains in: `auto` follows the model's weights (bf16 -> bf16-mixed, fp16 ->
     fp16-mixed, anything else fp32)."""
     if requested == "auto":
-        return MIXED_FOR_DTYPE.get(weights, "fp32")
+        return MIXED_FOR_DTYPE.get(weights, Precision.FP32)
     if requested not in PRECISIONS:
         raise UsageError(f"--precision '{requested}' is not one of auto, {', '.join(PRECISIONS)}")
-    return requested
+    return Precision(requested)
 
 
-def apply_precision(model: nn.Module, requested: str) -> str:
+def apply_precision(model: nn.Module, requested: str) -> Precision:
     """Resolve `requested` against the model's weights and cast them to that precision's resident dtype."""
     precision = resolve_precision(requested, weights_dtype(model))
-    cast_weights(model, RESIDENT_DTYPES[precision])
+    precision.apply(model)
     return precision
 
 
@@ -53,17 +97,6 @@ def cast_weights(model: nn.Module, dtype: torch.dtype) -> nn.Module:
         if param.is_floating_point() and param.dtype != dtype:
             param.data = param.data.to(dtype)
     return model
-
-
-def describe(precision: str, weights: torch.dtype) -> str:
-    """The line a run starts with."""
-    name = str(weights).removeprefix("torch.")
-    if precision == "fp32":
-        return f"precision: fp32 (weights, gradients and optimizer state in float32; the model's weights are {name})"
-    low = str(RESIDENT_DTYPES[precision]).removeprefix("torch.")
-    scaling = ", dynamic loss scaling" if precision == "fp16-mixed" else ""
-    return (f"precision: {precision} (every weight resident in {low}; fp32 masters, gradients and optimizer "
-            f"state for the active block only{scaling}; the model's weights were {name})")
 
 
 class LossScaler:

@@ -73,8 +73,8 @@ def test_auto_times_the_disk_before_its_first_plan(tmp_path, corpus, monkeypatch
     over the split costs more than the visit's), nor when the stores of this tiny model could not save the probe's
     own assumed cost (the same run as the first, `PROBE_COST_S` left as it is). The layer forward those choices
     weigh is given (`PINNED`), not timed; the disk is measured."""
-    from pipelines.training.pre_inference import probe
-    from pipelines.training.pre_inference.probe import ASSUMED_READ_BPS, ASSUMED_WRITE_BPS
+    from pipelines.pre_inference import probe
+    from pipelines.pre_inference.probe import ASSUMED_READ_BPS, ASSUMED_WRITE_BPS
 
     pin_layer_forward(monkeypatch.setattr, PINNED.layer_seconds)
 
@@ -134,7 +134,7 @@ def test_the_plan_counts_the_steps_a_visit_takes(tmp_path, corpus):
 def test_a_visit_resumed_mid_sweep_is_planned_on_its_own(tmp_path, corpus):
     """After a resume the trainer starts mid-sweep without `sweep_started`: the visit gets a plan of its own."""
     from pipelines.models import resolve_model
-    from pipelines.training.pre_inference import PreInference
+    from pipelines.pre_inference import PreInference
     from pipelines.training import live_sources, load_datasets, samples_per_shard
 
     config = config_for(tmp_path, corpus, "resumed", mode="on")
@@ -175,7 +175,7 @@ def test_a_stale_store_is_rebuilt_not_used(tmp_path, corpus, monkeypatch, pinned
     """Descending `on` builds its stores at the sweep start (a layer's forward pinned slow enough against the disk
     for the upper to be rolled forward from the lower); a prefix weight changed between visits makes the next visit
     rebuild its store instead of reusing it."""
-    from pipelines.training.pre_inference import PreInference
+    from pipelines.pre_inference import PreInference
 
     config = config_for(tmp_path, corpus, "stale", mode="on")
     config.blocks.order = "descending"

@@ -17,7 +17,7 @@ from preinfer.partition import make_partition
 from preinfer.presets import build_preset
 from preinfer.trainer import Trainer as BlockTrainer
 from tests.helpers.chat_templates import save_tokenizer
-from tests.helpers.trainers import random_tokens, snapshot
+from tests.helpers.trainers import live_batches, random_tokens, snapshot
 
 pytestmark = pytest.mark.slow
 
@@ -35,13 +35,6 @@ def hf_args(out, **overrides) -> TrainingArguments:
 def samples_of(batches: list[dict]) -> list[dict]:
     """The batches' samples, in order: a Trainer batching them by 4 in sequence gets the same batches back."""
     return [{key: value[i] for key, value in batch.items()} for batch in batches for i in range(len(batch["input_ids"]))]
-
-
-def live_batches(count: int, batch_size: int = 4) -> list[dict]:
-    """The first `count` training batches of `preinfer bcd`'s live source over the test's tokens."""
-    sources = live_sources(random_tokens(), random_tokens(n=8, seed=1, split="eval"), batch_size,
-                           samples_per_shard=8, seed=0)
-    return [next(sources.train) for _ in range(count)]
 
 
 def hf_run(out, data, callbacks=(), resume=None, precision="fp32", meter=False, loss_scale=None, **overrides):
@@ -183,3 +176,83 @@ def test_trl_sft_trainer_trains_by_blocks(tmp_path):
                                                                    for q in b.params)}
     assert changed == trained  # 3 steps of block 2, 1 of block 1; block 0 untouched
     assert (bcd.optimizer.visit, bcd.optimizer.visit_step) == (1, 1)
+
+
+def stepped_state(steps: int, **options) -> dict:
+    """The optimizer state of a BCD (OPTIONS, with `options`) after `steps` steps on the live batches."""
+    model = build_preset("tiny-llama", seed=0)
+    bcd = BlockCoordinateDescent(model, **{**OPTIONS, **options})
+    for batch in live_batches(steps):
+        model(**batch).loss.backward()
+        bcd.optimizer.step()
+        bcd.scheduler.step()
+    return bcd.optimizer.state_dict()
+
+
+def test_resume_with_a_smaller_steps_per_visit_is_refused_in_one_line():
+    """Issue 36: resumed at visit step 2 of 3 with visits of 2, the run stayed on one block for ever."""
+    state = stepped_state(5)  # block 1, its step 3 of 3 next
+    assert state["position"]["visit_step"] == 2 and state["steps_per_visit"] == 3
+    for saved in (state, {k: v for k, v in state.items() if k != "steps_per_visit"}):  # also states saved before
+        bcd = BlockCoordinateDescent(build_preset("tiny-llama", seed=0), **{**OPTIONS, "steps_per_visit": 2})
+        with pytest.raises(UsageError, match="^steps_per_visit=2: the checkpoint") as refused:
+            bcd.optimizer.load_state_dict(saved)
+        assert len(str(refused.value).splitlines()) == 1
+    again = BlockCoordinateDescent(build_preset("tiny-llama", seed=0), **OPTIONS)
+    again.optimizer.load_state_dict(state)  # the same length resumes
+    assert (again.optimizer.visit, again.optimizer.visit_step) == (1, 2)
+
+
+@pytest.mark.parametrize("changed", [dict(lr=2e-3), dict(weight_decay=0.1), dict(betas=(0.8, 0.95))])
+def test_resume_with_another_learning_rate_or_optimizer_setting_is_refused_in_one_line(changed):
+    """Issue 36: torch's load_state_dict brought the saved rate back, silently."""
+    state = stepped_state(2)
+    bcd = BlockCoordinateDescent(build_preset("tiny-llama", seed=0), **{**OPTIONS, **changed})
+    name = next(iter(changed))
+    with pytest.raises(UsageError, match=f"^{name}=.*: the optimizer state being resumed was trained with {name}=") \
+            as refused:
+        bcd.optimizer.load_state_dict(state)
+    assert len(str(refused.value).splitlines()) == 1
+
+
+def test_a_second_block_coordinate_descent_on_one_bf16_model_replaces_the_first():
+    """Issue 36: both held the model's gradient hooks, and the second's backward raised AttributeError."""
+    model = build_preset("tiny-llama", seed=0).to(torch.bfloat16)
+    first = BlockCoordinateDescent(model, **OPTIONS)
+    batch = live_batches(1)[0]
+    second = BlockCoordinateDescent(model, **OPTIONS)
+    before = snapshot(model)
+    model(**batch).loss.backward()
+    second.optimizer.step()
+    changed = {name for name, p in model.named_parameters() if not torch.equal(before[name], p)}
+    assert changed and changed <= {name for name, p in model.named_parameters()
+                                   if any(p is q for q in second.optimizer.partition.blocks[2].params)}
+    with pytest.raises(UsageError, match="replaced by one made later on the same model") as refused:
+        first.optimizer.step()
+    assert len(str(refused.value).splitlines()) == 1
+
+
+class ClipWatch(TrainerCallback):
+    """The Trainer's and the optimizer's clipping norms at each optimizer step."""
+
+    def __init__(self, bcd: BlockCoordinateDescent):
+        self.bcd, self.seen = bcd, []
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.seen.append((args.max_grad_norm, self.bcd.optimizer.grad_clip))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_the_optimizer_clips_in_fp32_and_the_trainer_not_again(tmp_path, precision):
+    """Under every precision the optimizer clips what it steps (the fp32 masters under mixed precision), as
+    `preinfer bcd` does; the Trainer's own clipping is off while it trains, and its arguments are as given after."""
+    runs = {}
+    for norm in (0.05, 0.0):
+        model = build_preset("tiny-llama", seed=0)
+        bcd = BlockCoordinateDescent(model, precision=precision, **OPTIONS)
+        args, watch = hf_args(tmp_path / str(norm), max_grad_norm=norm), ClipWatch(bcd)
+        Trainer(model=model, args=args, train_dataset=samples_of(live_batches(9)), optimizers=bcd.optimizers,
+                callbacks=[bcd.callback, watch]).train()
+        assert watch.seen == [(0.0, norm)] * 9 and args.max_grad_norm == norm
+        runs[norm] = snapshot(model)
+    assert any(not torch.equal(runs[0.05][name], runs[0.0][name]) for name in runs[0.0])

@@ -40,7 +40,7 @@ def test_the_scores_are_the_gradient_norms_per_parameter_torch_autograd_computes
     model = trainer.staged.model
     before = snapshot(model)
     flags = {name: p.requires_grad for name, p in model.named_parameters()}
-    scores, batches = trainer.block_scores()
+    scores, batches = trainer.sweeps.block_scores()
     assert batches == 2
     assert all(torch.equal(before[name], p) for name, p in model.named_parameters())  # the weights untouched
     assert all(p.grad is None for p in model.parameters())  # the gradients discarded
@@ -60,7 +60,7 @@ def test_16_bit_scores_are_the_fp32_gradient_norms_of_the_same_weights(precision
     with torch.no_grad():
         for ours, theirs in zip(reference.staged.model.parameters(), trainer.staged.model.parameters()):
             ours.copy_(theirs.float())  # fp32 weights equal to the 16-bit ones
-    scores, _ = trainer.block_scores()
+    scores, _ = trainer.sweeps.block_scores()
     assert all(math.isfinite(score) for score in scores)
     assert scores == pytest.approx(autograd_scores(reference, 2), rel=rel)
 
@@ -113,7 +113,7 @@ def test_importance_order_resumed_mid_sweep_is_bit_identical(tmp_path, halt):
     resumed = make_trainer(run_dir=tmp_path / "b", on_record=records.append, **overrides)
     resumed.resume()
     assert resumed.progress.sweep_order == saved  # read back from the checkpoint's JSON exactly
-    assert resumed.block_scores()[0] != saved["scores"]  # the weights moved: measuring again would not do
+    assert resumed.sweeps.block_scores()[0] != saved["scores"]  # the weights moved: measuring again would not do
     resumed.fit()
     ref, got = snapshot(reference.staged.model), snapshot(resumed.staged.model)
     assert all(torch.equal(ref[k], got[k]) for k in ref)

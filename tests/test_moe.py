@@ -12,12 +12,12 @@ from preinfer.memory.meter import MemoryMeter
 from preinfer.moe import ROW_INVARIANT, RouterLoss, sparse_blocks
 from preinfer.partition import make_partition
 from preinfer.presets import build_preset
-from preinfer.trainer import evaluate
+from preinfer.evaluation import evaluate
 from tests.helpers.trainers import make_trainer, random_tokens, snapshot
 
 
 class FixedBatch:
-    """A batch source that yields one batch forever (enough for `Trainer.train_step` and `evaluate`)."""
+    """A batch source that yields one batch forever (enough for `VisitLifecycle.train_step` and `evaluate`)."""
 
     boundary = 0
 
@@ -63,7 +63,8 @@ def test_full_mode_loss_equals_the_frameworks_loss_with_router_logits():
         expected = model(**batch, output_router_logits=True)
         lm_only = model(**batch).loss
     assert expected.aux_loss.item() > 0 and expected.loss.item() != lm_only.item()
-    loss, _, _ = trainer.train_step(block, FixedBatch(batch), *trainer._activate(block))
+    visit = trainer.lifecycle.activate(block, trainer.progress)
+    loss, _, _ = trainer.lifecycle.train_step(block, FixedBatch(batch), visit)
     assert loss == pytest.approx(expected.loss.item(), rel=1e-6, abs=1e-6)
 
 
@@ -91,14 +92,15 @@ def test_with_recompute_the_routers_still_get_the_balancing_gradient():
         trainer = make_trainer("tiny-moe", blocks__blocks=1, run__recompute=recompute)
         block = trainer.partition.blocks[0]
         router = sparse_blocks(trainer.staged.layers)[3].gate.weight
-        optimizer, active = trainer._activate(block)
-        trainer.router_loss.coef = 1.0
+        visit = trainer.lifecycle.activate(block, trainer.progress)
+        router_loss = trainer.layout.router_loss
+        router_loss.coef = 1.0
         state = trainer.staged.embed(**{k: moe_batch()[k] for k in ("input_ids", "attention_mask")})
-        with trainer.router_loss.capture(0):
+        with router_loss.capture(0):
             out = trainer.staged.run(state, 0, 4, recompute)
-        trainer.router_loss.loss(out.attention_mask).backward()
+        router_loss.loss(out.attention_mask).backward()
         grads.append(router.grad.clone())
-        optimizer.zero_grad()
+        visit.zero_grad()
     assert grads[0].abs().sum() > 0 and torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-9)
 
 
@@ -156,8 +158,9 @@ def test_the_optimizer_state_is_the_chosen_slices():
     trainer = expert_trainer()
     block = trainer.partition.blocks[0]
     trainer.progress.experts["0"] = {"1": [0, 5], "3": [2]}
-    optimizer, active = trainer._activate(block)
-    trainer.train_step(block, FixedBatch(moe_batch(8)), optimizer, active)
+    visit = trainer.lifecycle.activate(block, trainer.progress)
+    trainer.lifecycle.train_step(block, FixedBatch(moe_batch(8)), visit)
+    optimizer = visit.optimizer
     slices = [p[e] for name, p in fused_tensors(trainer.staged.model).items()
               for e in ([0, 5] if ".1." in name else [2])]
     step_counters = 4 * len(slices)
@@ -169,9 +172,10 @@ def test_a_chosen_expert_that_gets_no_tokens_is_not_moved():
     trainer = expert_trainer(optim__grad_clip=1.0)
     block = trainer.partition.blocks[0]
     trainer.progress.experts["0"] = {"1": [0, 1], "3": [0, 1]}
-    optimizer, active = trainer._activate(block)
+    visit = trainer.lifecycle.activate(block, trainer.progress)
+    optimizer = visit.optimizer
     batch = FixedBatch(moe_batch(8))
-    trainer.train_step(block, batch, optimizer, active)  # both experts get tokens and momentum
+    trainer.lifecycle.train_step(block, batch, visit)  # both experts get tokens and momentum
     gate = sparse_blocks(trainer.staged.layers)[1].gate
     experts = sparse_blocks(trainer.staged.layers)[1].experts
 
@@ -184,7 +188,7 @@ def test_a_chosen_expert_that_gets_no_tokens_is_not_moved():
                 if fused is experts.gate_up_proj and expert == 0)
     moments = {k: v.clone() for k, v in optimizer.state[leaf].items()}
     before = experts.gate_up_proj.detach().clone()
-    trainer.train_step(block, batch, optimizer, active)
+    trainer.lifecycle.train_step(block, batch, visit)
     handle.remove()
     assert torch.equal(experts.gate_up_proj[0], before[0])
     assert all(torch.equal(optimizer.state[leaf][k], v) for k, v in moments.items())

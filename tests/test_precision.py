@@ -2,6 +2,7 @@
 (invariant 9), loss scaling under fp16, exact resume mid-visit, the meter's accounting, dtypes on disk."""
 
 import json
+from typing import get_args
 from pathlib import Path
 
 import pytest
@@ -12,10 +13,11 @@ from transformers import AutoModelForCausalLM
 from pipelines.cli import main
 from pipelines.models import load_model, resolve_model
 from preinfer.config import Config, dump_toml, load_config
+from preinfer.config.choices import Precision as RequestedPrecision
 from preinfer.errors import CheckpointError, UsageError
 from preinfer.memory.meter import MemoryMeter
 from preinfer.metrics import StepRecord, read_metrics
-from preinfer.precision import LossScaler, resolve_precision
+from preinfer.precision import LossScaler, Precision, resolve_precision
 from preinfer.presets import build_preset
 from preinfer.run_dir import RunDir
 from tests.helpers.trainers import make_trainer, snapshot
@@ -32,6 +34,21 @@ def test_resolve_precision_follows_the_weights_and_refuses_unknown_values():
         resolve_precision("bf16", torch.float32)
 
 
+def test_the_resolved_precision_is_one_object_the_trainer_reads_without_resolving_again():
+    """The run path resolves `run.precision` once; the trainer given the result neither resolves nor casts."""
+    resolved = resolve_precision("auto", torch.float16)
+    assert resolved is Precision.FP16_MIXED and resolved == "fp16-mixed" and json.dumps(resolved) == '"fp16-mixed"'
+    assert (resolved.resident_dtype, resolved.mixed, resolved.loss_scaling) == (torch.float16, True, True)
+    assert (Precision.FP32.mixed, Precision.BF16_MIXED.loss_scaling) == (False, False)
+    assert {"auto", *Precision} == set(get_args(RequestedPrecision))  # the config's choices: these and auto
+    given = make_trainer(run__precision="fp32")
+    Precision.BF16_MIXED.apply(given.staged.model)
+    again = type(given)(given.staged, given.partition, given.config, given.visit_sources,
+                        precision=Precision.BF16_MIXED)
+    assert again.precision is Precision.BF16_MIXED and again.scaler.enabled is False
+    assert all(p.dtype == torch.bfloat16 for p in again.staged.model.parameters())  # not cast back to fp32
+
+
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])
 def test_resident_weights_are_the_masters_cast_down_and_frozen_weights_never_change(preset):
     """Invariant 9 after every step of every visit, the tied GPT-2 embedding included."""
@@ -45,7 +62,7 @@ def test_resident_weights_are_the_masters_cast_down_and_frozen_weights_never_cha
     def check(record):
         if not isinstance(record, StepRecord):
             return
-        active = trainer.active
+        active = trainer.visit.active
         assert all(m.dtype == torch.float32 for m in active.masters)
         for param, master in zip(active.params, active.masters):
             assert torch.equal(param, master.to(torch.bfloat16))
@@ -60,7 +77,7 @@ def test_resident_weights_are_the_masters_cast_down_and_frozen_weights_never_cha
     trainer.on_record = check
     trainer.fit()
     assert checked == list(range(1, 10))
-    assert trainer.active is None
+    assert trainer.visit is None
     after = snapshot(model)
     for block in trainer.partition.blocks:
         assert any(not torch.equal(before[n], after[n]) for n, p in model.named_parameters()
@@ -146,7 +163,7 @@ def test_loss_scaler_state_is_plain_numbers_that_load_back_and_a_bad_one_is_refu
 def test_full_mode_under_bf16_mixed_has_masters_of_everything():
     trainer = make_trainer(**MIXED, blocks__blocks=1, stop__steps_per_visit=2)
     seen = []
-    trainer.on_record = lambda r: seen.append(len(trainer.active.masters)) if isinstance(r, StepRecord) else None
+    trainer.on_record = lambda r: seen.append(len(trainer.visit.active.masters)) if isinstance(r, StepRecord) else None
     trainer.fit()
     assert seen == [len(list(trainer.staged.model.parameters()))] * 2
 

@@ -12,8 +12,8 @@ import torch
 import torch.multiprocessing as mp
 
 from pipelines.cache import CacheJobError, Part
-from pipelines.training.pre_inference.ranks import slowest
-from pipelines.training.sweep_plan import Throughputs
+from pipelines.pre_inference.ranks import slowest
+from pipelines.pre_inference.sweep_plan import Throughputs
 from storage import open_store
 from tests.helpers.cache_jobs import assert_same_cache, cache, staged_model, stored_datasets
 from tests.helpers.corpus_samples import write_corpus

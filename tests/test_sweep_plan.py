@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from pipelines.training import sweep_plan
-from pipelines.training.sweep_plan import Throughputs, Visit, Workload, plan_for, plan_sweep, store_cost
+from pipelines.pre_inference import sweep_plan
+from pipelines.pre_inference.sweep_plan import Throughputs, Visit, Workload, plan_for, plan_sweep, store_cost
 
 # small-llama-like: 6 layers, UFP 1/3 (blocks start at 0, 2, 4), seq 128 x hidden 256 float32, batch 8
 SAMPLE_BYTES = 128 * 256 * 4

@@ -11,7 +11,7 @@ import torch
 import preinfer
 from preinfer.config import Config, RunConfig
 from pipelines.data.tokenizer_choice import model_tokenizer
-from preinfer.trainer import evaluate
+from preinfer.evaluation import evaluate
 from pipelines.data.token_store.resolve import data_splits
 from pipelines.flags import DATA_FLAGS, add_flags, data_flags
 from pipelines.models import model_source

@@ -5,6 +5,7 @@
 - `suffix`: part of a model (the suffix from a boundary, a pipeline stage's modules) read tensor by tensor;
 - `tensor_files`: safetensors files read by tensor name;
 - `export`: writing a trained model, part of it copied from its source files, as a `save_pretrained` directory.
+- `partition_choice`: which blocks a run trains (by the config, or the fewest that fit a memory budget).
 
 Preset configs and building a preset from a seed are `preinfer.presets`; a model's config without its weights is
 `preinfer.model_config` (the planner in `preinfer` reads it too).

@@ -1,5 +1,5 @@
 """Pipeline-parallel BCD across processes (`preinfer bcd --pipeline N`, `train --store --pipeline N`) on
 torch.distributed.pipelining: `mesh` (the pipeline x data process mesh), `stage_module` (one stage's layers as a
 module), `visit` (one visit's way through the stages), `stores` (how the stages make pre-inference's stores),
-`trainer` (the BCD trainer on a stage), `layout` (what the one run path, `pipelines.training.run`, asks of a
-pipeline run)."""
+`stage` (`StageLayout`: the seams of `preinfer.layout.Layout` one stage implements for the one trainer), `layout`
+(what the one run path, `pipelines.training.run`, asks of a pipeline run)."""

@@ -1,12 +1,12 @@
 """A run on a pipeline of N stages x D data-parallel replicas under torchrun, as the one run path
 (`pipelines.training.runner.run`) asks of a layout: the flags a pipeline cannot take and the stages (cut from the
-model's shape alone) are checked before anything is loaded or written, then the world size; each rank loads only
-its stage's weights and trains it with `PipelineTrainer`, and the export is gathered from the stages'
-checkpoint."""
+model's shape alone) and the precision (resolved once, from the weight files' dtype) are checked before anything
+is loaded or written, then the world size; each rank loads only its stage's weights and trains it with the one
+`preinfer.trainer.Trainer` on its stage's seams (`pipelines.pipeline_parallel.stage.StageLayout`), and the export
+is gathered from the stages' checkpoint."""
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 
 from torch import nn
@@ -19,17 +19,18 @@ from preinfer.errors import UsageError
 from preinfer.memory.layer_spans import LayerSpan
 from preinfer.memory.settings import Settings
 from preinfer.memory.shapes import shape_from_config
-from preinfer.precision import resolve_precision, weights_dtype
+from preinfer.layout import Layout
+from preinfer.precision import Precision, resolve_precision, weights_dtype
 from preinfer.run_dir import RunDir
 from preinfer.memory.stage_cut import cut_stages, describe_stages, stage_cost
 from pipelines.models.export import export_from_weights
 from pipelines.models.suffix import Suffix, load_modules, meta_model, prefix_digest, to_device
 from pipelines.pipeline_parallel.mesh import PipelineMesh, check_degree, make_mesh
+from pipelines.pipeline_parallel.stage import StageLayout
 from pipelines.pipeline_parallel.stores import pipeline_pre_inference
-from pipelines.pipeline_parallel.trainer import PipelineTrainer
-from pipelines.training.partition_choice import partition_for
-from pipelines.training.pre_inference import PreInference
-from pipelines.training.token_data import Datasets
+from pipelines.models.partition_choice import partition_for
+from pipelines.pre_inference import PreInference
+from pipelines.data.run_data import Datasets
 
 
 class PipelineLayout:
@@ -38,7 +39,7 @@ class PipelineLayout:
     def __init__(self, config: Config, first: int):
         self.config = config
         self.microbatches = check_flags(config)
-        self.stages, self.peaks = stage_layout(config, self.microbatches, first)
+        self.stages, self.peaks, self.resolved = stage_layout(config, self.microbatches, first)
         self.first = first
         self.mesh: PipelineMesh | None = None
         self.stores: PreInference | None = None
@@ -86,10 +87,13 @@ class PipelineLayout:
         self.stores = pipeline_pre_inference(staged, self.stages, self.mesh, data, self.config, live, shard, quiet)
         return self.stores
 
-    @property
-    def make_trainer(self) -> partial:
-        return partial(PipelineTrainer, mesh=self.mesh, stages=self.stages, microbatches=self.microbatches,
-                       schedule=self.config.run.pipeline_schedule)
+    def precision(self, model: nn.Module) -> Precision:
+        """The run's precision, resolved with the stages from the weight files' dtype (the stage loads in it)."""
+        return self.resolved
+
+    def seams(self, staged: preinfer.StagedModel) -> Layout:
+        """What the trainer asks of this rank's stage."""
+        return StageLayout(staged, self.config, self.mesh, self.stages, self.microbatches)
 
     def export(self, directory: Path) -> bool:
         """The model with the stages' gathered weights (`export_from_weights`)."""
@@ -116,9 +120,10 @@ def check_flags(config: Config) -> int:
     return microbatches
 
 
-def stage_layout(config: Config, microbatches: int, first: int = 0) -> tuple[list[LayerSpan], list[int]]:
-    """The stages of the run over layers `[first, L)` and each one's predicted peak (from the model's shape
-    alone: no weights are read)."""
+def stage_layout(config: Config, microbatches: int,
+                 first: int = 0) -> tuple[list[LayerSpan], list[int], Precision]:
+    """The stages of the run over layers `[first, L)`, each one's predicted peak and the run's precision (from the
+    model's shape and its weight files' dtype alone: no weights are read)."""
     model = meta_model(config.model.name, config.model.attention)
     staged = preinfer.stage(model)
     if staged.expert_shares():
@@ -139,4 +144,4 @@ def stage_layout(config: Config, microbatches: int, first: int = 0) -> tuple[lis
     stages = cut_stages(shape, settings, r.pipeline, blocks, microbatches, r.pipeline_schedule, first)
     peaks = [stage_cost(shape, settings, stage, j, r.pipeline, blocks, microbatches, r.pipeline_schedule)
              for j, stage in enumerate(stages)]
-    return stages, peaks
+    return stages, peaks, precision

@@ -1,5 +1,5 @@
 """Pre-inference on a pipeline (`bcd --pipeline N --pre-inference on`): the one-process executor
-(`pipelines.training.pre_inference.PreInference`) plans each sweep, makes, reuses and deletes the stores and
+(`pipelines.pre_inference.PreInference`) plans each sweep, makes, reuses and deletes the stores and
 hands each visit its batches; what differs on a pipeline is how a store is made, which `StageWriter` gives it.
 
 Every visit of a block starting at layer k > 0 trains from a store of the boundary states at k, each made from the
@@ -33,9 +33,9 @@ from pipelines.cache import CacheOptions, cache_boundary
 from pipelines.pipeline_parallel.mesh import PipelineMesh
 from pipelines.pipeline_parallel.stage_module import StageModule
 from pipelines.pipeline_parallel.visit import receive_hidden, stage_of
-from pipelines.training.pre_inference import PreInference
-from pipelines.training.pre_inference.writers import Built
-from pipelines.training.token_data import Datasets
+from pipelines.pre_inference import PreInference
+from pipelines.pre_inference.writers import Built
+from pipelines.data.run_data import Datasets
 
 
 def pipeline_pre_inference(staged: StagedModel, stages: list[LayerSpan], mesh: PipelineMesh, data: Datasets,
@@ -49,7 +49,7 @@ def pipeline_pre_inference(staged: StagedModel, stages: list[LayerSpan], mesh: P
 
 
 class StageWriter:
-    """A `pipelines.training.pre_inference.writers.StoreWriter`: the first replica's stages up to the one holding
+    """A `pipelines.pre_inference.writers.StoreWriter`: the first replica's stages up to the one holding
     the boundary make each store together, from the input; every rank gets what the writer measured."""
 
     parts = 1  # one rank writes every shard

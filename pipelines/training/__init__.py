@@ -1,17 +1,18 @@
 """Training runs: `run(config, resume, quiet)` is the one entry point of `preinfer bcd` and `preinfer train`, in one
 process, data-parallel or on a pipeline, the prefix live or from a cache's stores (`runner`).
 
-Its parts, one concern a module: `token_data` (the token store's splits and their batches), `store_input` (a
-cache's stores standing in for the prefix), `partition_choice` (which blocks, by the config or a memory budget),
-`distributed` (joining torchrun's process group), `layout` (where the model lives: `OneProcess`; the pipeline's is
-`pipelines.pipeline_parallel.layout`), `fit` (building the trainer and fitting it), `signals` (stopping on SIGINT
-or SIGTERM), `progress` (the progress display), `run_directory` (the run directory checked, created and
-finished), and pre-inference: `pre_inference` following the plans of `sweep_plan`."""
+Its parts, one concern a module: `store_input` (a cache's stores standing in for the prefix), `distributed`
+(joining torchrun's process group), `layout` (where the model lives: `OneProcess`, whose seams are
+`preinfer.layout`'s; the pipeline's is `pipelines.pipeline_parallel.layout`), `fit` (building the trainer and
+fitting it), `signals` (stopping on SIGINT or SIGTERM), `progress` (the progress display), `run_directory` (the run
+directory checked, created and finished). What the pipeline shares with them lives outside: pre-inference
+(`pipelines.pre_inference`), a run's token data (`pipelines.data.run_data`) and its choice of blocks
+(`pipelines.models.partition_choice`)."""
 
 from pipelines.training.fit import train
-from pipelines.training.partition_choice import partition_for
+from pipelines.models.partition_choice import partition_for
 from pipelines.training.run_directory import prepare_run_dir
 from pipelines.training.runner import run
-from pipelines.training.token_data import live_sources, load_datasets, samples_per_shard
+from pipelines.data.run_data import live_sources, load_datasets, samples_per_shard
 
 __all__ = ["live_sources", "load_datasets", "partition_for", "prepare_run_dir", "run", "samples_per_shard", "train"]

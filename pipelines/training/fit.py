@@ -6,7 +6,6 @@ from __future__ import annotations
 import signal
 import sys
 import time
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -15,9 +14,11 @@ import preinfer
 from preinfer.batch_source import VisitSources
 from preinfer.config import Config, load_config, resume_changes
 from preinfer.errors import CheckpointWriteError, PreinferError, is_disk_full
+from preinfer.layout import Layout
 from preinfer.memory.meter import MemoryMeter
 from preinfer.metrics import ResumeRecord
 from preinfer.partition import Partition
+from preinfer.precision import Precision
 from preinfer.run_dir import RunDir
 from preinfer.trainer import Trainer
 from pipelines.progress import Progress
@@ -28,15 +29,15 @@ from pipelines.training.signals import RunStopped, StopOnSignals
 
 def train(config: Config, staged: preinfer.StagedModel, partition: Partition, active: int | None,
           chosen: VisitSources, resume: bool, quiet: bool, notes: list[str] = (), command: str = "bcd",
-          make: Callable[..., Trainer] = Trainer) -> Trainer:
-    """Build the trainer with `make` (with its memory meter and progress display, shown by rank 0 only; it
-    checks the block order), create the run directory (rank 0), resume if asked, and run it; a signal stops it
-    with `RunStopped` after a checkpoint."""
+          layout: Layout | None = None, precision: Precision | None = None) -> Trainer:
+    """Build the trainer on `layout` in `precision` (defaults: `Trainer`'s), with its memory meter and progress
+    display (shown by rank 0 only; it checks the block order), create the run directory (rank 0), resume if asked,
+    and run it; a signal stops it with `RunStopped` after a checkpoint."""
     torch.manual_seed(config.run.seed)
     ui = Progress(quiet or (dist.is_initialized() and dist.get_rank() != 0), config.stop.steps_per_visit)
     run = RunDir(config.run.out)
-    trainer = make(staged, partition, config, chosen, run, MemoryMeter(staged.model), on_record=ui.record,
-                   active_block=active)
+    trainer = Trainer(staged, partition, config, chosen, run, MemoryMeter(staged.model), on_record=ui.record,
+                      active_block=active, layout=layout, precision=precision)
     if trainer.rank == 0:
         prepare_run_dir(run, config, resume)
     trackers = Trackers.open(config, run.path, trainer.rank)

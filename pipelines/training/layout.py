@@ -1,6 +1,7 @@
 """Where a run's model lives, as the one run path (`pipelines.training.runner.run`) asks: `OneProcess` holds the
 whole model (or the suffix above a store) in each process, one or data-parallel replicas under torchrun;
-`pipelines.pipeline_parallel.layout.PipelineLayout` holds one stage of a pipeline per rank."""
+`pipelines.pipeline_parallel.layout.PipelineLayout` holds one stage of a pipeline per rank. Each hands the trainer
+its seams (`seams`: a `preinfer.layout.Layout`) and the run's precision, resolved once (`precision`)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,17 @@ from torch import nn
 import preinfer
 from preinfer.batch_source import LiveSources, VisitSources
 from preinfer.config import Config
-from preinfer.trainer import Trainer
+from preinfer.layout import Layout, replica_layout
+from preinfer.precision import Precision, resolve_precision, weights_dtype
 from pipelines.models import resolve_model
 from pipelines.models.export import export_full
 from pipelines.models.suffix import Suffix, load_suffix, to_device
-from pipelines.training.pre_inference import PreInference
-from pipelines.training.token_data import Datasets
+from pipelines.pre_inference import PreInference
+from pipelines.data.run_data import Datasets
 
 
 class OneProcess:
     """The model whole in every process; under torchrun each rank is a data-parallel replica."""
-
-    make_trainer = Trainer
 
     def __init__(self, config: Config):
         self.config = config
@@ -42,6 +42,14 @@ class OneProcess:
             return self.model
         self.suffix = load_suffix(model.name, first, run.seed, model.attention)
         return to_device(self.suffix.model, run.device)
+
+    def precision(self, model: nn.Module) -> Precision:
+        """The run's precision: `run.precision`, auto following the loaded weights."""
+        return resolve_precision(self.config.run.precision, weights_dtype(model))
+
+    def seams(self, staged: preinfer.StagedModel) -> Layout:
+        """What the trainer asks of one process, or of a data-parallel replica."""
+        return replica_layout(staged, self.config)
 
     def notes(self) -> list[str]:
         return []

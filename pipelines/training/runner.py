@@ -14,25 +14,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from torch import nn
-
 import preinfer
 from preinfer.batch_source import VisitSources
 from preinfer.config import Config
-from preinfer.precision import apply_precision, describe, weights_dtype
+from preinfer.precision import weights_dtype
 from preinfer.run_dir import RunDir
 from pipelines.data.tokenizer_choice import model_tokenizer
 from pipelines.data.tokenizers import Tokenizer
 from pipelines.training.distributed import init_distributed
 from pipelines.training.fit import stopped_writing, train
 from pipelines.training.layout import OneProcess
-from pipelines.training.partition_choice import partition_for
 from pipelines.jobs.runs import owning_run
-from pipelines.training.pre_inference.stores import owning_store_dir
+from pipelines.pre_inference.stores import owning_store_dir
+from pipelines.models.partition_choice import partition_for
 from pipelines.training.run_directory import finish_run
 from pipelines.training.store_input import StoreInput
 from pipelines.training.trackers import check_trackers
-from pipelines.training.token_data import live_sources, load_datasets, samples_per_shard
+from pipelines.data.run_data import live_sources, load_datasets, samples_per_shard
 
 if TYPE_CHECKING:  # torch.distributed.pipelining loads only for pipelines
     from pipelines.pipeline_parallel.layout import PipelineLayout
@@ -53,8 +51,10 @@ def _run(config: Config, run_dir: RunDir, resume: bool, quiet: bool, rank: int, 
     layout = layout_for(config, first)
     layout.join(rank, world)
     model = layout.load(first)
-    precision, line = set_precision(model, config)
-    notes = [line, *layout.notes()]
+    loaded = weights_dtype(model)
+    precision = layout.precision(model)  # resolved once; everything after reads it
+    precision.apply(model)
+    notes = [precision.describe(loaded), *layout.notes()]
     if store is not None:
         notes.append(store.check_prefix(layout.prefix(first), config))
     staged = preinfer.stage(model)
@@ -62,7 +62,7 @@ def _run(config: Config, run_dir: RunDir, resume: bool, quiet: bool, rank: int, 
     chosen, tokenizer = sources(config, layout, staged, store, quiet)
     command = "bcd" if store is None else "train"
     trainer = train(config, staged, partition, active, chosen, resume, quiet, notes, command=command,
-                    make=layout.make_trainer)
+                    layout=layout.seams(staged), precision=precision)
     layout.close()
 
     def export(directory: Path) -> None:
@@ -103,11 +103,3 @@ def layout_for(config: Config, first: int) -> OneProcess | PipelineLayout:
 
         return PipelineLayout(config, first)
     return OneProcess(config)
-
-
-def set_precision(model: nn.Module, config: Config) -> tuple[str, str]:
-    """Cast the model's weights to the run's precision (`run.precision`, auto: the weights' own); returns the
-    precision and the line the run starts with."""
-    loaded = weights_dtype(model)
-    precision = apply_precision(model, config.run.precision)
-    return precision, describe(precision, loaded)

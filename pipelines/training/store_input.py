@@ -10,7 +10,7 @@ import storage
 from preinfer.batch_source import LiveSources
 from preinfer.config import Config
 from pipelines.cache import open_cache
-from pipelines.training.token_data import check_batch_size
+from pipelines.data.run_data import check_batch_size
 from pipelines.data.batches import ReaderBatches
 from pipelines.data.token_store.resolve import eval_samples
 from pipelines.data.tokenizers import Tokenizer

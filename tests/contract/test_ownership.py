@@ -89,8 +89,8 @@ def test_the_probe_refuses_a_probe_directory_it_did_not_write_and_deletes_nothin
     message that says nothing was deleted is true."""
     from pipelines.cache import CacheOptions
     from pipelines.data.tokenizers import load_tokenizer
-    from pipelines.training.pre_inference import probe
-    from pipelines.training.sweep_plan import Throughputs
+    from pipelines.pre_inference import probe
+    from pipelines.pre_inference.sweep_plan import Throughputs
     import preinfer
     from pipelines.models import resolve_model
     from preinfer.errors import UsageError

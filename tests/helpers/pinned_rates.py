@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from pipelines.training.sweep_plan import Throughputs
+from pipelines.pre_inference.sweep_plan import Throughputs
 
 Setattr = Callable[[object, str, object], None]
 
@@ -23,15 +23,15 @@ PINNED = Throughputs(layer_seconds=1e-3, write_bps=2e8, read_bps=1e9, store_over
 
 def pin_layer_forward(setattr_: Setattr, seconds: float) -> None:
     """The first estimate of one layer's forward over one sample (before any store measures it) is `seconds`."""
-    from pipelines.training.pre_inference import probe
+    from pipelines.pre_inference import probe
 
     setattr_(probe, "layer_seconds", lambda staged, batch: seconds)
 
 
 def pin_rates(setattr_: Setattr, rates: Throughputs = PINNED) -> None:
     """Pre-inference's first estimates, its disk probe, and every store and visit it measures give `rates`."""
-    from pipelines.training.pre_inference import probe
-    from pipelines.training.pre_inference.rates import MeasuredRates
+    from pipelines.pre_inference import probe
+    from pipelines.pre_inference.rates import MeasuredRates
 
     def given(names: tuple[str, ...]) -> Callable[[Throughputs], Throughputs]:
         return lambda measured: dataclasses.replace(measured, **{name: getattr(rates, name) for name in names})

@@ -40,5 +40,12 @@ def make_trainer(preset="tiny-llama", run_dir=None, on_record=None, clock=None, 
                    **timing)
 
 
+def live_batches(count: int, batch_size: int = 4) -> list[dict]:
+    """The first `count` training batches `make_trainer`'s live source reads (its default seed and batch size)."""
+    sources = live_sources(random_tokens(), random_tokens(n=8, seed=1, split="eval"), batch_size,
+                           samples_per_shard=8, seed=0)
+    return [next(sources.train) for _ in range(count)]
+
+
 def snapshot(model):
     return {name: p.detach().clone() for name, p in model.named_parameters()}

@@ -16,7 +16,7 @@ from preinfer.errors import UsageError
 from preinfer.metrics import CacheRecord, Record
 from preinfer.staged import StagedModel
 from pipelines.cache import CacheOptions, cache_fingerprint, open_cache
-from pipelines.training.pre_inference.writers import Built, StoreWriter
+from pipelines.pre_inference.writers import Built, StoreWriter
 from pipelines.jobs.output import held_output
 from storage import Location, StorageError, location, remove_tree
 

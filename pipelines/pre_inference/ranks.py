@@ -9,7 +9,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from pipelines.training.sweep_plan import Throughputs
+from pipelines.pre_inference.sweep_plan import Throughputs
 
 
 def agreed(rates: Throughputs, world: int, device: torch.device) -> Throughputs:

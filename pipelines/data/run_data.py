@@ -1,4 +1,5 @@
-"""The token data of a live run: its train and eval splits from the token store, and the batches read from them."""
+"""The token data of a live run (one process or a pipeline): its train and eval splits from the token store, and
+the batches read from them."""
 
 from __future__ import annotations
 

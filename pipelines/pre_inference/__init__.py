@@ -1,5 +1,5 @@
-"""Pre-inference inside a BCD run: the executor of the sweep plans of `pipelines.training.sweep_plan`, and keeping the
-stores it makes valid.
+"""Pre-inference inside a BCD run: the executor of the sweep plans of `sweep_plan`, and keeping the stores it makes
+valid. It serves the one run path (`pipelines.training`) and the pipeline's stages alike.
 
 For a visit of a block starting at layer k > 0, `on` trains from a store at boundary k and `off` runs the prefix
 live. At the start of every sweep, `auto` prices whole-sweep plans (which visits read a store, how each store
@@ -19,11 +19,11 @@ One executor serves every layout: one process, data-parallel ranks and a pipelin
 what differs is how a store is made, the `StoreWriter` it is given (`writers.LocalWriter` by default; a
 pipeline's stages make each store together, `pipelines.pipeline_parallel.stores.StageWriter`, from the input only).
 
-Modules: `executor` (`PreInference`, following the plan), `stores` (the stores made, checked and deleted),
-`writers` (how the processes make a store), `probe` (the first estimates: a layer's forward, the disk), `rates`
-(the throughputs measured in this run) and `ranks` (the numbers the ranks agree on).
+Modules: `sweep_plan` (the plans, pure), `executor` (`PreInference`, following the plan), `stores` (the stores
+made, checked and deleted), `writers` (how the processes make a store), `probe` (the first estimates: a layer's
+forward, the disk), `rates` (the throughputs measured in this run) and `ranks` (the numbers the ranks agree on).
 """
 
-from pipelines.training.pre_inference.executor import PreInference
+from pipelines.pre_inference.executor import PreInference
 
 __all__ = ["PreInference"]

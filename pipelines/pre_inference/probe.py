@@ -16,9 +16,9 @@ from preinfer.metrics import CacheRecord
 from preinfer.staged import StagedModel
 from pipelines.cache import CacheOptions, cache_boundary
 from pipelines.cache.directory import check_out
-from pipelines.training import sweep_plan
-from pipelines.training.pre_inference.rates import read_bps
-from pipelines.training.sweep_plan import Throughputs, Workload, plan_sweep
+from pipelines.pre_inference import sweep_plan
+from pipelines.pre_inference.rates import read_bps
+from pipelines.pre_inference.sweep_plan import Throughputs, Workload, plan_sweep
 from storage import Location, blobs_for, owning
 
 # Timed forwards of one layer over one training batch that give the first estimate of the prefix's speed.

@@ -9,9 +9,9 @@ import time
 import torch
 
 from pipelines.cache import open_cache
-from pipelines.training.pre_inference.ranks import agreed
-from pipelines.training.pre_inference.writers import Built
-from pipelines.training.sweep_plan import Throughputs, Visit, Workload, visit_seconds
+from pipelines.pre_inference.ranks import agreed
+from pipelines.pre_inference.writers import Built
+from pipelines.pre_inference.sweep_plan import Throughputs, Visit, Workload, visit_seconds
 from storage import Location
 
 

@@ -20,12 +20,12 @@ from preinfer.staged import StagedModel
 from storage import Location, free_bytes, location
 from pipelines.cache import CacheOptions, bytes_per_token, open_cache
 from pipelines.data.batches import ReaderBatches
-from pipelines.training.pre_inference import probe
-from pipelines.training.pre_inference.ranks import least
-from pipelines.training.pre_inference.rates import MeasuredRates
-from pipelines.training.pre_inference.stores import Stores, check_store_dir
-from pipelines.training.pre_inference.writers import LocalWriter, StoreWriter
-from pipelines.training.sweep_plan import (
+from pipelines.pre_inference import probe
+from pipelines.pre_inference.ranks import least
+from pipelines.pre_inference.rates import MeasuredRates
+from pipelines.pre_inference.stores import Stores, check_store_dir
+from pipelines.pre_inference.writers import LocalWriter, StoreWriter
+from pipelines.pre_inference.sweep_plan import (
     Plan, SweepPlan, Throughputs, Visit, Workload, plan_sweep, store_cost, switch_seconds, visit_seconds,
 )
 

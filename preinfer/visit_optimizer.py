@@ -1,0 +1,131 @@
+"""The optimizer lifecycle of BCD, one for `preinfer.trainer.Trainer` and `preinfer.hf.BlockOptimizer` alike.
+
+`VisitOptimizers` lasts the run: the optimizer configuration, the resolved precision, the loss scaler (fp16-mixed)
+and, with `keep_state`, each block's optimizer state between its visits. `open` starts a visit: the tensors it
+steps (fp32 masters of the block's weights under mixed precision, restored from a checkpoint when it resumes
+mid-visit), their optimizer at its initial rates with the block's kept (or checkpointed) state, and the visit's
+learning-rate schedule (`LrSchedule`, from the visit's step). `VisitOptimizer.step` is one optimizer step: unscale
+(fp16-mixed), clip the fp32 gradients of what the optimizer steps, step unless a gradient is not finite, cast the
+masters into the 16-bit weights. `close` ends the visit: the masters and their gradients are freed, the state kept
+or dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from preinfer.config import OptimConfig
+from preinfer.errors import UsageError
+from preinfer.optim import LrSchedule, build_optimizer
+from preinfer.precision import ActiveBlock, LossScaler, Precision
+
+# The optimizer settings a saved state must share with the run resuming it (torch's load_state_dict would
+# silently bring back the saved ones).
+RESUMED_SETTINGS = ("initial_lr", "betas", "momentum", "weight_decay")
+
+
+def clip_norm(tensors: list[torch.Tensor], max_norm: float) -> None:
+    """Clip the gradient norm of `tensors` (fp32: the visit's masters) to `max_norm`."""
+    torch.nn.utils.clip_grad_norm_(tensors, max_norm)
+
+
+class VisitOptimizer:
+    """One visit's optimizer: its masters (`active`), the optimizer stepping them, its schedule and the run's loss
+    scaler."""
+
+    def __init__(self, params: list[nn.Parameter], optim: OptimConfig, precision: Precision, scaler: LossScaler,
+                 steps: int | None, state: dict | None = None, masters: Sequence[torch.Tensor] | None = None):
+        self.active = ActiveBlock(list(params), precision.mixed, list(masters) if masters else None)
+        # none: an optimizer over nothing, for a pipeline stage without part of the block
+        self.optimizer = build_optimizer(self.active.masters or [{"params": []}], optim)
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = group["lr"]
+        if state is not None and self.active.masters:
+            check_settings(state, self.optimizer)
+            self.optimizer.load_state_dict(state)
+        self.schedule = LrSchedule.for_visit(optim, steps, self.initial_lr)
+        self.scaler, self.grad_clip = scaler, optim.grad_clip
+
+    @property
+    def initial_lr(self) -> float:
+        return self.optimizer.param_groups[0]["initial_lr"]
+
+    @property
+    def lr(self) -> float:
+        """The rate of the current step."""
+        return self.optimizer.param_groups[0]["lr"]
+
+    def set_rate(self, visit_step: int) -> None:
+        """The rate of step `visit_step` of the visit (0 first)."""
+        factor = self.schedule.factor(visit_step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * factor
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss backward runs from (scaled under fp16-mixed)."""
+        return self.scaler.scale_loss(loss)
+
+    @torch.no_grad()
+    def step(self, clip: Callable[[list[torch.Tensor], float], None] = clip_norm) -> bool:
+        """Unscale the gradients (fp16-mixed), clip their norm with `clip` (the fp32 gradients of the tensors the
+        optimizer steps) when `grad_clip` is set, step unless a gradient is not finite, and cast the masters
+        down; True if it stepped."""
+        self.scaler.unscale_(self.optimizer)
+        if self.grad_clip > 0:
+            clip(self.active.masters, self.grad_clip)
+        stepped = self.scaler.step(self.optimizer)
+        if stepped:
+            self.active.cast_down()
+        return stepped
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+
+def check_settings(state: dict, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a saved optimizer state whose settings (rate, betas, momentum, weight decay) are not the run's."""
+    saved, current = state.get("param_groups") or [{}], optimizer.param_groups[0]
+    for key in RESUMED_SETTINGS:
+        if key in saved[0] and key in current and _plain(saved[0][key]) != _plain(current[key]):
+            name = "lr" if key == "initial_lr" else key
+            raise UsageError(f"{name}={_plain(current[key])}: the optimizer state being resumed was trained with "
+                             f"{name}={_plain(saved[0][key])}; resume with the same {name} (it is not resumable)")
+
+
+def _plain(value: object) -> object:
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+class VisitOptimizers:
+    """A run's optimizer lifecycle: one `VisitOptimizer` per visit, the kept states between visits, the loss
+    scaler of the whole run."""
+
+    def __init__(self, optim: OptimConfig, precision: Precision, device_type: str):
+        self.optim, self.precision = optim, precision
+        self.scaler = LossScaler(device_type, enabled=precision.loss_scaling)
+        self.kept: dict[int, dict] = {}  # block -> its optimizer state (keep_state, or a mid-visit checkpoint's)
+
+    def open(self, block: int, params: list[nn.Parameter], steps: int | None,
+             masters: Sequence[torch.Tensor] | None = None, state: dict | None = None) -> VisitOptimizer:
+        """The optimizer of a visit of block `block` stepping `params` for at most `steps` steps (None: open
+        ended), with `state` or the block's kept state, and `masters` from a mid-visit checkpoint."""
+        saved = state if state is not None else self.kept.get(block)
+        return VisitOptimizer(params, self.optim, self.precision, self.scaler, steps, saved, masters)
+
+    def close(self, block: int, visit: VisitOptimizer) -> None:
+        """End the visit: keep its state (keep_state) or drop it, and free its masters and their gradients."""
+        if self.optim.keep_state:
+            self.kept[block] = visit.state_dict()
+        else:
+            self.kept.pop(block, None)
+        visit.active.close()
+
+    def states(self, block: int | None = None, visit: VisitOptimizer | None = None) -> dict[int, dict]:
+        """The states a checkpoint saves: the kept ones, and mid-visit the active block's."""
+        return self.kept if visit is None else {**self.kept, block: visit.state_dict()}
