@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 
 from preinfer.batch_source import BatchSource, VisitSources
-from preinfer.block_order import IMPORTANCE_ORDERS
 from preinfer.checkpoint import STATE
 from preinfer.config import Config
 from preinfer.errors import DivergedError, PreinferError, UsageError
@@ -34,7 +33,7 @@ from preinfer.evaluation import eval_mode
 from preinfer.layout import Layout, replica_layout
 from preinfer.metrics import MetricsLog, Record
 from preinfer.moe import ExpertGranular
-from preinfer.optim import LrSchedule, StopRule, step_budget
+from preinfer.optim import StopRule
 from preinfer.partition import Block, Partition
 from preinfer.precision import LossScaler, Precision, apply_precision
 from preinfer.run_dir import RunDir
@@ -43,18 +42,6 @@ from preinfer.staged import StagedModel
 from preinfer.sweeps import Sweeps
 from preinfer.visit import VisitLifecycle
 from preinfer.visit_optimizer import VisitOptimizer, VisitOptimizers
-
-
-def refuse_config(config: Config) -> None:
-    """The rules of the block order, the gain rule and the schedule that need only the config."""
-    b, rule = config.blocks, config.stop.rule
-    if b.order not in IMPORTANCE_ORDERS and rule == "gain":
-        raise UsageError(f"--stop gain predicts other blocks' gains from their scores: it needs --order "
-                         f"importance or importance-cached (not {b.order})")
-    if b.order in IMPORTANCE_ORDERS and b.start_block is not None:
-        raise UsageError(f"--start-block does not apply to --order {b.order} (its sweeps begin with the block "
-                         f"that scores highest); drop it")
-    LrSchedule.for_visit(config.optim, step_budget(config.stop, 1))  # a decay without a visit length
 
 
 class Trainer:
@@ -98,7 +85,7 @@ class Trainer:
                              f"{self.precision}")
         self.sweeps = Sweeps(staged, partition, config, sources, self.scaler, clock, self.emit,
                              lambda: self.checkpoint_dir / STATE, active_block, self.world_size)
-        refuse_config(config)
+        config.validate()  # direct callers too: every rule that needs only the config
         self.lifecycle = VisitLifecycle(staged, config, self.layout, self.optimizers, self.experts, meter)
         sources.attach(self.emit)
 
