@@ -9,6 +9,7 @@ from pathlib import Path
 
 import transformers
 
+from preinfer.errors import PreinferError
 from preinfer.families import EXACT, REFUSED
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "concepts.md"
@@ -32,7 +33,7 @@ def rendered(text: str) -> str:
     """`text` (docs/concepts.md) with its generated section replaced by `section()`."""
     pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.S)
     if not pattern.search(text):
-        raise ValueError(f"{DOC} has no '{BEGIN}' ... '{END}' section")
+        raise PreinferError(f"{DOC} has no '{BEGIN}' ... '{END}' section")
     return pattern.sub(lambda _: f"{BEGIN}\n{section()}\n{END}", text)
 
 

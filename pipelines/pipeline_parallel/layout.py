@@ -38,7 +38,7 @@ class PipelineLayout:
 
     def __init__(self, config: Config, first: int):
         self.config = config
-        self.microbatches = check_flags(config)
+        self.microbatches = microbatch_count(config)
         self.stages, self.peaks, self.resolved = stage_layout(config, self.microbatches, first)
         self.first = first
         self.mesh: PipelineMesh | None = None
@@ -106,18 +106,10 @@ class PipelineLayout:
             self.stores.close()
 
 
-def check_flags(config: Config) -> int:
-    """The micro-batch count; a UsageError for a flag a pipeline run cannot take."""
-    r, batch = config.run, config.data.batch_size
-    microbatches = r.microbatches or r.pipeline
-    if batch % microbatches:
-        raise UsageError(f"--microbatches {microbatches} does not divide --batch-size {batch}")
-    if r.pipeline_schedule == "1f1b" and microbatches < r.pipeline:
-        raise UsageError(f"--pipeline-schedule 1f1b needs at least as many --microbatches as --pipeline stages "
-                         f"({microbatches} < {r.pipeline}); give more or --pipeline-schedule gpipe")
-    if config.pre_inference.mode == "on" and config.pre_inference.dask:
-        raise UsageError("--dask builds stores in other processes; on a pipeline the stages build them: drop --dask")
-    return microbatches
+def microbatch_count(config: Config) -> int:
+    """Micro-batches per step through the pipeline (`Config.validate` has checked that they divide the batch and
+    fill the schedule)."""
+    return config.run.microbatches or config.run.pipeline
 
 
 def stage_layout(config: Config, microbatches: int,
