@@ -104,7 +104,8 @@ def test_each_visit_s_learning_rate_decays_as_the_transformers_schedule_after_ou
 
 
 def test_a_decaying_rate_needs_a_known_visit_length():
-    with pytest.raises(UsageError, match="--lr-decay cosine needs each visit's length"):
+    with pytest.raises(UsageError, match=r"\[optim\] decay = 'cosine': expected one of none, constant_with_warmup, inverse_sqrt when a visit ends "
+                                        r"on a plateau"):
         make_trainer(optim__decay="cosine", stop__steps_per_visit=None, stop__patience=3)  # refused when made
 
 
