@@ -5,13 +5,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast docs
+.PHONY: setup demo test test-fast docs constraints
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml constraints.txt Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH)"
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test]"
 	touch $@
 
 demo: setup
@@ -26,3 +26,9 @@ test-fast: setup
 # The generated reference pages (docs/reference/): every command's flags, the config keys, the metrics records.
 docs: setup
 	$(PY) -m pipelines.reference
+
+# constraints.txt anew from the installed set (after a deliberate upgrade, e.g. `$(PY) -m pip install -U transformers`,
+# and the tests passing on it).
+constraints:
+	{ sed -n '1,3p' constraints.txt; $(PY) -m pip freeze --exclude-editable | grep -v -i -E '^(torch|preinfer)=='; } > constraints.new
+	mv constraints.new constraints.txt

@@ -12,17 +12,18 @@ from preinfer.staged import SequentialLM, StagedModel
 EXACT: frozenset[str] = frozenset({
     "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "bart", "beam", "biogpt", "bitnet", "blenderbot",
     "blenderbot-small", "bloom", "codegen", "cohere", "cohere2", "cohere2_moe", "ctrl", "cwm", "diffllama", "doge",
-    "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "exaone_moe", "falcon", "falcon_h1", "falcon_mamba",
+    "ergo", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "exaone_moe", "falcon", "falcon_h1", "falcon_mamba",
     "flex_olmo", "flint", "gemma", "gemma2", "gemma3_text", "glm", "glm4", "glm4_moe", "gpt-sw3", "gpt2",
     "gpt_bigcode", "gpt_neox", "gpt_neox_japanese", "gpt_oss", "gptj", "granite", "granite_swa", "granitemoe",
     "granitemoe_swa", "granitemoeshared", "helium", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hyperclovax",
     "inkling_text", "internlm3", "iquestcoder", "jais2", "jamba", "jetmoe", "kimi_linear", "kolibri1", "laguna",
     "lara_mini", "lfm2", "lfm3", "llama", "llama4_text", "mamba", "marian", "mbart", "mellum", "mimo_v2_flash",
-    "minimax", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3", "mistral", "mixtral",
+    "minicpm5_moe", "minimax", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3", "mistral", "mixtral",
     "modernbert-decoder", "moshi", "mpt", "mvp", "nanochat", "nemotron", "nemotron_h", "olmo", "olmo2", "olmo3",
-    "olmo_hybrid", "olmoe", "opt", "pegasus", "persimmon", "phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3",
-    "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next", "qwen4_exp_text", "recurrent_gemma",
-    "sarvam_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2", "trocr", "vaultgemma", "xglm",
+    "olmo_hybrid", "olmoe", "opt", "param2moe", "pegasus", "persimmon", "phi", "phi3", "phimoe", "qwen2",
+    "qwen2_moe", "qwen3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next", "qwen4_exp_text",
+    "recurrent_gemma", "sarvam_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2", "trocr",
+    "vaultgemma", "xglm",
 })
 
 ENCODER = "its attention is bidirectional (an encoder): a next-token loss would see the tokens it predicts"
@@ -49,6 +50,7 @@ REFUSED: dict[str, str] = {
     "hy_v4": "its layers hand a second state to the next layer besides the hidden states",
     "inkling2_loop_text": "its forward carries state across its decoder layers besides the hidden states",
     "inkling2_text": "its forward carries state across its decoder layers besides the hidden states",
+    "kolibri1_1": "its layers hand an index pool to the next layer besides the hidden states",
     "openai-gpt": "its forward reads its layers' parameters while building their arguments",
     "rembert": "an embedding projection (embeddings_project) runs between its embeddings and its layers",
     "roformer": "its layers take position embeddings computed by an embedding module (embed_positions)",

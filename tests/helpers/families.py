@@ -27,6 +27,9 @@ OVERRIDES: dict[str, dict] = {
     "gptj": dict(rotary_dim=4),
     "codegen": dict(rotary_dim=4),
     "falcon_h1": dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_state=8, mamba_chunk_size=16),
+    "kolibri1_1": dict(head_dim=16, layer_types=["sliding_attention", "indexed_attention", "sliding_attention"],
+                       index_layers=[1], kv_source_layers=[0, 1, 2], index_num_heads=2, sliding_window=4, index_topk=4,
+                       index_pool_size=32, index_compression=4, index_num_local_tokens=2, index_num_sink_tokens=1),
     "kimi_linear": dict(linear_head_dim=8, linear_num_heads=4, qk_rope_head_dim=4, v_head_dim=8, qk_nope_head_dim=4),
 }
 
