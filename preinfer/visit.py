@@ -5,13 +5,16 @@ states at some boundary k), count their supervised tokens over every replica, ru
 (`Layout.forward_backward`: in one process `preinfer.forward_backward`), sum the gradients over the replicas,
 combine the loss, and step the active block's optimizer (`VisitOptimizer.step`: unscale, clip in fp32, step, cast
 the masters down). The layout (`preinfer.layout`) is the seam where a pipeline runs the same step over its
-stages.
+stages; a `VisitHook` is the seam where a visit brings in and takes out what it needs besides its block's optimizer
+(frozen weights held in fewer bits, landscape expansion over the suffix).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from contextlib import nullcontext
+from typing import Protocol
 
 import torch
 
@@ -26,13 +29,28 @@ from preinfer.staged import StagedModel, supervised_tokens
 from preinfer.visit_optimizer import VisitOptimizer, VisitOptimizers
 
 
+class VisitHook(Protocol):
+    """What a visit brings in and takes out besides its block's weights and optimizer, in this order: `activate`
+    after the block is unfrozen and before its optimizer opens, `after_step` after each optimizer step,
+    `deactivate` after the optimizer closed and the block is frozen again."""
+
+    def activate(self, block: Block) -> list[torch.nn.Parameter]:
+        """Ready the model for `block`'s visit; the parameters the visit's optimizer steps besides the block's."""
+
+    def after_step(self) -> None:
+        """After each optimizer step of the visit (whether or not it stepped)."""
+
+    def deactivate(self, block: Block) -> None:
+        """End what `activate` began for `block`."""
+
+
 class VisitLifecycle:
     """Activates, steps and deactivates the visits of a run on `layout`."""
 
     def __init__(self, staged: StagedModel, config: Config, layout: Layout, optimizers: VisitOptimizers,
-                 experts: ExpertGranular, meter=None):
+                 experts: ExpertGranular, meter=None, hooks: Sequence[VisitHook] = ()):
         self.staged, self.config, self.layout, self.optimizers = staged, config, layout, optimizers
-        self.experts, self.meter = experts, meter
+        self.experts, self.meter, self.hooks = experts, meter, tuple(hooks)
         self.device = torch.device(config.run.device)
 
     def activate(self, block: Block, position: RunPosition, train: BatchSource | None = None,
@@ -48,6 +66,7 @@ class VisitLifecycle:
         unfreeze(self.staged, block)
         params = self.experts.activate(block, position.experts.get(key, {})) if self.experts.layers(block) \
             else self.layout.trained(block)
+        params = [*params, *(extra for hook in self.hooks for extra in hook.activate(block))]
         visit = self.optimizers.open(block.index, params, steps, masters)
         self.layout.activate(block, train.boundary if train is not None else 0, visit)
         return visit
@@ -70,6 +89,8 @@ class VisitLifecycle:
         self.experts.before_step()
         if visit.step(self.layout.clip):
             self.layout.after_update()
+        for hook in self.hooks:
+            hook.after_step()
         if metered:
             self.meter.sample(visit.optimizer)
         visit.zero_grad()
@@ -84,6 +105,8 @@ class VisitLifecycle:
         self.experts.deactivate()
         freeze(block)
         self.layout.deactivate()
+        for hook in reversed(self.hooks):
+            hook.deactivate(block)
 
 
 def unfreeze(staged: StagedModel, block: Block) -> None:
