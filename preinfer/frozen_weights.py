@@ -66,17 +66,18 @@ def decode(codes: Sequence[torch.Tensor], dtype: str, out: torch.dtype) -> torch
 
 
 class _DequantizedLinear(torch.autograd.Function):
-    """x @ W^T with W decoded from codes in forward and again in backward; only the codes are saved."""
+    """x @ W^T with W decoded from codes in forward and again in backward. Backward keeps a reference to the codes
+    (resident buffers, never changed in place while they are held), not a saved copy: they are no activation, and
+    saved-tensor hooks (the memory meter's, recomputation's) see nothing of them."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, dtype: str, *codes: torch.Tensor) -> torch.Tensor:
-        ctx.dtype = dtype
-        ctx.save_for_backward(*codes)
+        ctx.dtype, ctx.codes = dtype, codes
         return x @ decode(codes, dtype, x.dtype).t()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad @ decode(ctx.saved_tensors, ctx.dtype, grad.dtype), None, *(None for _ in ctx.saved_tensors)
+        return grad @ decode(ctx.codes, ctx.dtype, grad.dtype), None, *(None for _ in ctx.codes)
 
 
 class FrozenLinear(nn.Module):
