@@ -14,6 +14,7 @@ from preinfer.fingerprint import prefix_digest
 from preinfer.frozen_weights import FrozenLinear, FrozenWeights
 from preinfer.metrics import StepRecord
 from tests.helpers.cache_jobs import BATCH, PER_SHARD, assert_same_store, datasets_for, staged_model
+from tests.helpers.cli_run import failure_line, run_cli
 from tests.helpers.corpus_samples import write_corpus
 from tests.helpers.trainers import make_trainer, snapshot
 
@@ -128,6 +129,13 @@ def test_frozen_dtype_is_refused_where_it_cannot_apply_in_one_line(key, value, m
     with pytest.raises(UsageError, match=match) as caught:
         config.validate()
     assert "\n" not in str(caught.value)
+
+
+def test_the_flag_is_refused_with_full_training_before_anything_is_opened(tmp_path, capsys):
+    code, _, err = run_cli(["bcd", "--frozen-dtype", "nf4", "--mode", "full", "--out", str(tmp_path / "run")], capsys)
+    assert code == 2 and "--frozen-dtype nf4 ([model] frozen_dtype): expected auto with --mode full" in \
+        failure_line(err)
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_model_without_linear_layers_is_refused_in_one_line():
