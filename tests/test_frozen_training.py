@@ -93,20 +93,33 @@ def test_resume_is_bit_identical(tmp_path, dtype, precision):
     assert set(saved) == set(held) and all(torch.equal(saved[k], v) for k, v in held.items())  # masters, no codes
     resumed = make_trainer(run_dir=tmp_path / "b", **overrides)
     resumed.resume()
-    resumed.fit()
-    ref, got = snapshot(reference.staged.model), snapshot(resumed.staged.model)
-    assert all(torch.equal(ref[k], got[k]) for k in ref)
-    assert [v["eval_loss"] for v in resumed.progress.visits] == [v["eval_loss"] for v in reference.progress.visits]
+    assert same_run(reference, resumed)
 
 
-def test_auto_installs_nothing_and_trains_as_today():
-    auto, default = make_trainer(model__frozen_dtype="auto"), make_trainer()
-    assert auto.lifecycle.hooks == () and default.config.model.frozen_dtype == "auto"
+def same_run(reference, other) -> bool:
+    """Whether `other` (fitted here) ends with `reference`'s weights and visit losses, bit for bit."""
+    other.fit()
+    ref, got = snapshot(reference.staged.model), snapshot(other.staged.model)
+    return all(torch.equal(ref[k], got[k]) for k in ref) and \
+        [v["eval_loss"] for v in other.progress.visits] == [v["eval_loss"] for v in reference.progress.visits]
+
+
+def test_auto_installs_nothing_and_keeps_every_weight_as_it_was():
+    def record(r):
+        held.append(([id(p) for p in auto.staged.model.parameters()], quantized_layers(auto.staged.model)))
+
+    held = []
+    auto = make_trainer(on_record=record, model__frozen_dtype="auto")
+    params = [id(p) for p in auto.staged.model.parameters()]
+    assert auto.lifecycle.hooks == ()  # the visit runs today's code path, nothing in between
     auto.fit()
-    default.fit()
-    assert quantized_layers(auto.staged.model) == set()
-    ref, got = snapshot(default.staged.model), snapshot(auto.staged.model)
-    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    assert held and all(ids == params and not quantized for ids, quantized in held)
+
+
+def test_bf16_codes_of_bf16_weights_train_bit_for_bit_as_auto():
+    exact = make_trainer(run__precision="bf16-mixed")
+    exact.fit()
+    assert same_run(exact, make_trainer(run__precision="bf16-mixed", model__frozen_dtype="bf16"))
 
 
 def test_a_quantized_run_differs_from_the_exact_one_only_within_the_codes_error():
