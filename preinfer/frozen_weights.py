@@ -16,8 +16,9 @@ outside the block is quantized; each visit restores its block's layers and quant
 `masters_forward(layers)` runs quantized layers from their masters (one layer's weights on the device at a time),
 as pre-inference does so that its stores stay exact.
 
-A `FrozenLinear` computes `x @ W^T (+ bias)` with W dequantized to x's dtype in forward and again in backward: only
-the codes are saved for backward, and the frozen weight gets no gradient (the input does). Element error of W:
+A `FrozenLinear` computes `x @ W^T (+ bias)` with W dequantized to x's dtype in forward and again in backward
+(one decoded weight at a time, freed after its matmul): backward keeps only a reference to the codes, and the
+frozen weight gets no gradient (the input does). Element error of W:
 
 - `bf16`: round to nearest bfloat16, |w - w'| <= 2^-8 |w| (exact when the master is bfloat16 already).
 - `int8`: symmetric per output row ("per channel"): scale = absmax(row) / 127 in float32, code = round(w / scale)
