@@ -12,15 +12,17 @@ DEFAULTS = TokenizeOptions()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_flags(parser, "--data", "--tokenizer", "--chat-template", "--seq-len", "--eval-fraction", "--text-column",
-              "--out", "--workers", "--samples-per-shard", "--overwrite", "--quiet", "--json", command="tokenize",
+    add_flags(parser, "--data", "--dataset-split", "--tokenizer", "--chat-template", "--chat-template-name",
+              "--skip-unrenderable", "--seq-len", "--eval-fraction", "--text-column", "--out", "--workers",
+              "--samples-per-shard", "--overwrite", "--quiet", "--json", command="tokenize",
               defaults=option_defaults(DEFAULTS))
 
 
 def run(args: argparse.Namespace) -> int:
     options = TokenizeOptions(
-        data=args.data, tokenizer=args.tokenizer, chat_template=args.chat_template, seq_len=args.seq_len,
-        eval_fraction=args.eval_fraction,
+        data=args.data, tokenizer=args.tokenizer, chat_template=args.chat_template,
+        chat_template_name=args.chat_template_name, dataset_split=args.dataset_split,
+        skip_unrenderable=bool(args.skip_unrenderable), seq_len=args.seq_len, eval_fraction=args.eval_fraction,
         out=args.out, text_column=args.text_column, workers=args.workers, samples_per_shard=args.samples_per_shard,
         overwrite=args.overwrite, progress=not args.quiet,
     )
@@ -30,7 +32,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     info = result.info
     splits = ", ".join(
-        f"{name} {split.samples:,} samples ({split.tokens:,} tokens)" for name, split in info.splits.items()
+        f"{name} {split.samples:,} samples ({split.tokens:,} tokens"
+        f"{f'; {split.skipped:,} conversations skipped: the chat template cannot render them' if split.skipped else ''})"
+        for name, split in info.splits.items()
     )
     if result.reused:
         print(f"{result.out}: token store up to date ({splits}); fingerprint {info.digest[:16]}")
