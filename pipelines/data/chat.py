@@ -11,7 +11,8 @@ conversation's first turn cannot be the assistant's (nothing renders before it).
 
 Rendering goes through transformers' `apply_chat_template` (a sandboxed Jinja environment without a loader):
 whatever a template raises there (`raise_exception`, a division by zero, a type error, a range over the sandbox's
-limit, `include`/`import`/`extends`) is one `UnrenderableError` naming the record it rendered, as is a conversation
+limit, `include`/`import`/`extends`, a bound of `pipelines.data.template_bounds` that keeps every render's steps and
+sizes bounded) is one `UnrenderableError` naming the record it rendered, as is a conversation
 whose assistant turns cannot be found. With `skip_unrenderable` such conversations are left out instead (the caller
 counts them: conversations given minus conversations returned).
 """
@@ -25,6 +26,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from pipelines.data import template_bounds
 from pipelines.data.conversations import Conversation
 from pipelines.data.tokenizers import Tokenizer
 from preinfer.errors import UsageError
@@ -61,6 +63,7 @@ def render_conversations(tokenizer: Tokenizer, conversations: Sequence[Conversat
     `skip_unrenderable`, those that raise `UnrenderableError` are left out."""
     if tokenizer.chat_template is None:
         raise UsageError(f"tokenizer {tokenizer.name!r} has no chat template; pass --chat-template FILE")
+    template_bounds.install()
     backend, template = tokenizer.backend, tokenizer.chat_template
     if GENERATION_TAG.search(template):
         return list(_renderable(lambda c: _marked(backend, template, c), conversations, skip_unrenderable))
