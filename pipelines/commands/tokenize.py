@@ -31,11 +31,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_json(), indent=1))
         return 0
     info = result.info
-    splits = ", ".join(
-        f"{name} {split.samples:,} samples ({split.tokens:,} tokens"
-        f"{f'; {split.skipped:,} conversations skipped: the chat template cannot render them' if split.skipped else ''})"
-        for name, split in info.splits.items()
-    )
+    splits = ", ".join(f"{name} {split.samples:,} samples ({split.tokens:,} tokens{_skipped(split.skipped)})"
+                       for name, split in info.splits.items())
     if result.reused:
         print(f"{result.out}: token store up to date ({splits}); fingerprint {info.digest[:16]}")
     else:
@@ -43,3 +40,8 @@ def run(args: argparse.Namespace) -> int:
               f"({result.chunks_encoded} chunks tokenised, {result.shards_written} shards written); fingerprint "
               f"{info.digest[:16]}")
     return 0
+
+
+def _skipped(count: int) -> str:
+    """The conversations --skip-unrenderable left out of a split, in words (nothing when none)."""
+    return f"; {count:,} conversations skipped: the chat template cannot render them" if count else ""

@@ -114,7 +114,7 @@ def check_inputs(run: RunDir, config: Config, corpus: CorpusDigest | None = None
                          f"start a new run in another --out")
     current = input_fingerprints(config, corpus)
     m = config.model
-    template = m.chat_template or ("the tokenizer's own" + (f" '{m.chat_template_name}'" if m.chat_template_name else ""))
+    template = m.chat_template or f"the tokenizer's own{f' {m.chat_template_name!r}' if m.chat_template_name else ''}"
     names = {"data": f"the data {config.data.path}",
              "dataset_split": f"the dataset split ({config.data.dataset_split})",
              "store": f"the stores of --store {config.store.path}",
