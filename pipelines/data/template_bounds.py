@@ -7,8 +7,9 @@ Per render (one conversation, or its first turns):
 - steps: every loop iteration and every call (a macro, a method, a global, a filter) is one step; at most
   MAX_RENDER_STEPS. Nested loops, recursive macros and doubling loops run out of steps.
 - sizes: no value a template makes (`*`, `+`, `%`, `~`, a call's or a filter's result) and not its output may hold
-  more than MAX_RENDER_CHARS characters (items, for a list); a product or a width argument that would exceed it is
-  refused before it is computed, an integer power over MAX_INT_BITS too. `'x' * n` is never folded into a constant
+  more than MAX_RENDER_CHARS characters (items, for a list); a product, or a width (an integer argument of a string
+  method or a filter, a width or precision in a `%` or `str.format` format), that would exceed it is refused before
+  it is computed, an integer power over MAX_INT_BITS too. `'x' * n` is never folded into a constant
   at compile time (the operators are intercepted), so a huge literal product is refused when rendered.
 
 `install()` puts the sandbox in place of transformers' (the name its chat template compiler looks up), once per
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -27,12 +29,15 @@ from jinja2 import nodes
 from jinja2.compiler import CodeGenerator
 from jinja2.environment import Template
 from jinja2.exceptions import SecurityError
-from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
 
 MAX_RENDER_STEPS = 1 << 20  # loop iterations and calls of one render
 MAX_RENDER_CHARS = 1 << 24  # characters (or list items) of any value a render makes, and of its output
 MAX_INT_BITS = 4096  # the largest integer a template may compute by a power or a product
+# The widths and precisions of a `%` format (`%-*.3f`) and of a `str.format` field (`{:>80}`, `{0:.{1}}`).
+_PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
+_FORMAT_NUMBER = re.compile(r"\d+")
 
 
 class TemplateLimitError(SecurityError):
@@ -94,8 +99,22 @@ def _check_widths(args: Iterable[Any]) -> None:
     """Refuse an integer argument too large for any width or count a render may use."""
     for value in args:
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_RENDER_CHARS:
-            raise TemplateLimitError(f"the template passes {value:,} to a call, over the {MAX_RENDER_CHARS:,} a "
-                                     f"width or count may be")
+            raise TemplateLimitError(f"the template asks for a width or count of {value:,}, over the "
+                                     f"{MAX_RENDER_CHARS:,} a render may use")
+
+
+def _check_percent(template: str, args: Any) -> None:
+    """Refuse `template % args` whose widths or precisions (given, or `*` taken from `args`) are too large."""
+    specs = [part for spec in _PERCENT_SPEC.findall(template) for part in spec if part]
+    _check_widths(int(part) for part in specs if part != "*")
+    if "*" in specs:
+        _check_widths(args if isinstance(args, tuple) else [args])
+
+
+def _check_format(template: str) -> None:
+    """Refuse a `str.format` template whose fields' widths or precisions are too large."""
+    fields = (field.partition(":")[2] for field in re.findall(r"\{([^{}]*)", template))
+    _check_widths(int(number) for spec in fields for number in _FORMAT_NUMBER.findall(spec))
 
 
 def _check_product(left: Any, right: Any) -> None:
@@ -148,13 +167,16 @@ class BoundedTemplate(Template):
             yield spent.output(text)
 
 
-def _bounded_filter(function: Any) -> Any:
-    """A filter whose width and count arguments and whose result are checked, one step per use."""
+def _bounded_filter(function: Any, percent: bool) -> Any:
+    """A filter whose width and count arguments (and, for `format`, its value's `%` format) and whose result are
+    checked, one step per use."""
 
     @functools.wraps(function)  # keeps Jinja's pass_context / pass_eval_context marks
     def bounded(*args: Any, **kwargs: Any) -> Any:
         budget().step()
         _check_widths([*args[1:], *kwargs.values()])
+        if percent and args and isinstance(args[0], str):
+            _check_percent(args[0], tuple(args[1:]))
         return checked(function(*args, **kwargs))
 
     return bounded
@@ -169,7 +191,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
 
     def from_string(self, source: Any, globals: Any = None, template_class: Any = None) -> Template:
         """Compile `source` with every filter bounded (transformers adds its own before it compiles)."""
-        self.filters = {name: _bounded_filter(function) for name, function in self.filters.items()}
+        self.filters = {name: _bounded_filter(function, name == "format") for name, function in self.filters.items()}
         return super().from_string(source, globals, template_class)
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
@@ -181,12 +203,15 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         elif operator == "+" and _size(left) + _size(right) > MAX_RENDER_CHARS:
             raise _too_large(_size(left) + _size(right))
         elif operator == "%" and isinstance(left, str):
-            _check_widths(right if isinstance(right, tuple) else [right])
+            _check_percent(left, right)
         return checked(super().call_binop(context, operator, left, right))
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (as Jinja's)
         budget().step()
-        if __obj is not safe_range:  # range has its own bound, MAX_RANGE items
+        owner = getattr(getattr(__obj, "__wrapped__", __obj), "__self__", None)  # the sandbox wraps str.format
+        if isinstance(owner, str) and getattr(__obj, "__name__", "") in ("format", "format_map"):
+            _check_format(owner)  # its arguments are values; its fields' widths are in the string
+        elif isinstance(owner, str):  # another string method: its integers are widths and counts
             _check_widths([*args, *kwargs.values()])
         return checked(ImmutableSandboxedEnvironment.call(__self, __context, __obj, *args, **kwargs))
 

@@ -204,6 +204,8 @@ def test_skipping_leaves_out_only_the_conversations_the_template_refuses(tmp_pat
                  "{{ ns.s }}", "characters (or items)"),
     ("a huge width", "{{ 'x'|center(2000000000) }}", "a width or count"),
     ("a huge method width", "{{ 'x'.ljust(2000000000) }}", "a width or count"),
+    ("a huge format width", "{{ '%2000000000s' % 'x' }}", "a width or count"),
+    ("a huge field width", "{{ '{:>2000000000}'.format('x') }}", "a width or count"),
     ("a huge power", "{{ 7 ** 100000000 }}", "bits"),
     ("recursion", "{% macro f(n) %}{{ f(n) }}{{ f(n) }}{% endmacro %}{{ f(1) }}", "RecursionError"),
 ])
@@ -223,7 +225,8 @@ def test_a_template_that_would_blow_up_is_refused_in_one_line_and_memory_stays_b
 
 
 def test_a_bounded_template_renders_as_jinja_s_own_sandbox_renders_it(tmp_path):
-    template = CHATML + "{{ '-' * 8 + ('%d' % 3) + ('a' ~ 'b') + ' '.join(['x', 'y']) | upper }}"
+    template = CHATML + ("{{ '-' * 8 + ('%d' % 1700000000) + ('a' ~ 'b') + '{:>3}'.format(7) + ' '.join(['x', 'y']) "
+                         "| upper }}")
     directory = save_tokenizer(tmp_path / "tok", template)
     conversation = Conversation((("user", "hi"), ("assistant", "hello")))
     template_bounds.install()
@@ -231,7 +234,7 @@ def test_a_bounded_template_renders_as_jinja_s_own_sandbox_renders_it(tmp_path):
     ours = load_tokenizer(str(directory)).backend.apply_chat_template(conversation.messages(), tokenize=False)
     theirs = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template).render(
         messages=conversation.messages(), add_generation_prompt=False)
-    assert ours == theirs and ours.endswith("--------3abX Y")
+    assert ours == theirs and ours.endswith("--------1700000000ab  7X Y")
 
 
 # ---- item 5: the corpus is read once for its fingerprint ----
