@@ -140,6 +140,15 @@ def test_a_tokenizer_s_named_templates_take_default_or_the_one_named(named):
         load_tokenizer(str(named), chat_template_name="nope")
 
 
+def test_tokenizer_config_s_list_of_named_templates_is_understood_default_first(tmp_path):
+    directory = save_tokenizer(tmp_path / "tok")
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "tool_use", "template": TOOLS}, {"name": "default", "template": CHATML}]
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    assert load_tokenizer(str(directory)).chat_template == CHATML
+    assert load_tokenizer(str(directory), chat_template_name="tool_use").chat_template == TOOLS
+
+
 def test_a_named_template_renders_the_token_store_and_an_unknown_name_is_one_line(named, tmp_path, capsys):
     data = write_jsonl(tmp_path / "chat.jsonl", CHAT)
     code, _, err = tokenize(["--data", data, "--tokenizer", str(named), "--chat-template-name", "tool_use",
