@@ -89,6 +89,9 @@ TRAINING_FLAGS: list[Flag] = [
                                               "local HF tokenizer directory"),
     Flag("--chat-template", "model", "chat_template", "a file whose Jinja chat template renders chat and instruction "
                                                       "data instead of the tokenizer's own", unset="the tokenizer's"),
+    Flag("--chat-template-name", "model", "chat_template_name",
+         "which of the tokenizer's own named chat templates (tokenizer_config.json's list of {name, template}) renders "
+         "chat data; a --chat-template file's are named FILE#NAME", unset="default, or the only one"),
     Flag("--attention", "model", "attention",
          "attention implementation: sdpa (PyTorch's scaled_dot_product_attention; on CUDA its flash and "
          "memory-efficient kernels, which keep no [T, T] attention probabilities for backward) or eager; the "
@@ -99,6 +102,13 @@ TRAINING_FLAGS: list[Flag] = [
          "block keeps an exact master in host memory, restored for its visit, and checkpoints, exports and stores "
          "are made from the masters"),
     Flag("--data", "data", "path", f"a corpus: {CORPUS}; or a token store written by preinfer tokenize"),
+    Flag("--dataset-split", "data", "dataset_split",
+         "the split of a dataset folder or repository that --data reads (train, validation, test or another it names "
+         "in its files); a corpus without splits is its train split. Not --split, which is a token store's train or "
+         "eval share"),
+    Flag("--skip-unrenderable", "data", "skip_unrenderable",
+         "skip the conversations the chat template cannot render (counted in the token store and the run's first "
+         "lines) instead of refusing the data at the first one", SWITCH),
     Flag("--token-store", "data", "token_store", "where a corpus is tokenised once (one directory per corpus, "
                                                  "tokenizer and settings) and read lazily by every job",
          unset="$XDG_CACHE_HOME/preinfer/tokens"),

@@ -29,7 +29,7 @@ __all__ = [
 CONFIG_FLAGS = {f"{each.section}.{each.key}": each.name for each in FLAGS.values() if each.section is not None}
 
 # The data flags of the commands that read a dataset beside a model (`cache`, `eval`, `verify`).
-DATA_FLAGS = ("--data", "--tokenizer", "--eval-fraction", "--token-store")
+DATA_FLAGS = ("--data", "--dataset-split", "--skip-unrenderable", "--tokenizer", "--eval-fraction", "--token-store")
 
 
 def option_defaults(options: Any) -> dict[str, Any]:
@@ -96,10 +96,12 @@ def use_s3_endpoint(args: argparse.Namespace) -> None:
 
 
 def data_flags(args: argparse.Namespace, base: Config) -> DataConfig:
-    """The data section of a run's config (`base`) with the data flags given on top: --data, --eval-fraction,
-    --token-store and, where the command takes it, --seq-len."""
+    """The data section of a run's config (`base`) with the data flags given on top: --data, --dataset-split,
+    --skip-unrenderable, --eval-fraction, --token-store and, where the command takes it, --seq-len."""
     data = base.data
     return replace(data, path=args.data or data.path, token_store=args.token_store or data.token_store,
+                   dataset_split=args.dataset_split or data.dataset_split,
+                   skip_unrenderable=args.skip_unrenderable or data.skip_unrenderable,
                    eval_fraction=data.eval_fraction if args.eval_fraction is None else args.eval_fraction,
                    seq_len=getattr(args, "seq_len", None) or data.seq_len)
 

@@ -302,8 +302,7 @@ def test_the_previous_version_s_config_toml_loads_unchanged(tmp_path):
     path.write_text(PREVIOUS_CONFIG)
     config = load_config(path)
     assert config == load_config()
-    assert PREVIOUS_CONFIG.replace('attention = "sdpa"\n', 'attention = "sdpa"\nfrozen_dtype = "auto"\n') == \
-        dump_toml(config)  # a key added since writes its default
+    assert set(PREVIOUS_CONFIG.splitlines()) <= set(dump_toml(config).splitlines())  # new keys add lines only
 
 
 def test_resume_of_a_run_whose_config_holds_a_value_no_longer_accepted_is_one_line(tmp_path, capsys):

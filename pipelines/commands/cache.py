@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             check_boundary(staged, args.boundary)
             tokenizer = model_tokenizer(args.tokenizer or base.model.tokenizer, args.model,
-                                        base.model.chat_template).tokenizer
+                                        base.model.chat_template, base.model.chat_template_name).tokenizer
             datasets = data_splits(data_flags(args, base), tokenizer, splits, not args.quiet)
             result = cache_boundary(staged, datasets, tokenizer, args.boundary, out, options)
     if args.json:

@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     base = run_config or Config()
     data = data_flags(args, base)
     tokenizer = model_tokenizer(args.tokenizer or base.model.tokenizer, args.model,
-                                base.model.chat_template).tokenizer
+                                base.model.chat_template, base.model.chat_template_name).tokenizer
     dataset = data_splits(data, tokenizer, [args.split], progress=not args.json)[args.split]
     staged = preinfer.stage(source.load().to(args.device))
     batches = token_batches(dataset, args.batch_size, samples_per_shard=dataset.store.samples_per_shard,

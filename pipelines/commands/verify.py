@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
         base = run_config or Config()
         staged = preinfer.stage(source.load().to(args.device).eval())
         tokenizer = model_tokenizer(args.tokenizer or base.model.tokenizer, args.model,
-                                    base.model.chat_template).tokenizer
+                                    base.model.chat_template, base.model.chat_template_name).tokenizer
         data = data_flags(args, base)
         data.seq_len = int(parts.get("seq_len", data.seq_len))
         names = [s for s in found if s] or list(DEFAULT_SPLITS)

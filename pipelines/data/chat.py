@@ -11,23 +11,30 @@ conversation's first turn cannot be the assistant's (nothing renders before it).
 
 Rendering goes through transformers' `apply_chat_template` (a sandboxed Jinja environment without a loader):
 whatever a template raises there (`raise_exception`, a division by zero, a type error, a range over the sandbox's
-limit, `include`/`import`/`extends`) is one UsageError naming the record it rendered.
+limit, `include`/`import`/`extends`, a bound of `pipelines.data.template_bounds` that keeps every render's steps and
+sizes bounded) is one `UnrenderableError` naming the record it rendered, as is a conversation
+whose assistant turns cannot be found. With `skip_unrenderable` such conversations are left out instead (the caller
+counts them: conversations given minus conversations returned).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
+from pipelines.data import template_bounds
 from pipelines.data.conversations import Conversation
 from pipelines.data.tokenizers import Tokenizer
 from preinfer.errors import UsageError
 
 # How transformers finds a template that marks its assistant turns (`render_jinja_template`'s own test).
 GENERATION_TAG = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
+SKIP_HINT = " (--skip-unrenderable skips such conversations and counts them)"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -46,28 +53,49 @@ class ChatTokens:
         return max((end for end in self.ends if end <= seq_len), default=None)
 
 
-def render_conversations(tokenizer: Tokenizer, conversations: Sequence[Conversation]) -> list[ChatTokens]:
-    """Each conversation rendered by `tokenizer`'s chat template, with its assistant mask (see the module)."""
+class UnrenderableError(UsageError):
+    """The chat template cannot render a conversation, or its assistant turns cannot be found in what it renders."""
+
+
+def render_conversations(tokenizer: Tokenizer, conversations: Sequence[Conversation],
+                         skip_unrenderable: bool = False) -> list[ChatTokens]:
+    """Each conversation rendered by `tokenizer`'s chat template, with its assistant mask (see the module); with
+    `skip_unrenderable`, those that raise `UnrenderableError` are left out."""
     if tokenizer.chat_template is None:
         raise UsageError(f"tokenizer {tokenizer.name!r} has no chat template; pass --chat-template FILE")
-    backend = tokenizer.backend
-    if GENERATION_TAG.search(tokenizer.chat_template):
-        return [_marked(backend, tokenizer.chat_template, conversation) for conversation in conversations]
-    texts, spans = zip(*(assistant_spans(backend, tokenizer.chat_template, c) for c in conversations))
+    template_bounds.install()
+    backend, template = tokenizer.backend, tokenizer.chat_template
+    if GENERATION_TAG.search(template):
+        return list(_renderable(lambda c: _marked(backend, template, c), conversations, skip_unrenderable))
+    found = list(_renderable(lambda c: assistant_spans(backend, template, c), conversations, skip_unrenderable))
+    if not found:
+        return []
+    texts, spans = zip(*found)
     encoded = _offsets(backend, list(texts))
     return [_masked(ids, offsets, turn_spans) for (ids, offsets), turn_spans in zip(encoded, spans)]
+
+
+def _renderable(render: Callable[[Conversation], T], conversations: Sequence[Conversation], skip: bool
+                ) -> Iterator[T]:
+    """`render` of each conversation; with `skip`, those it refuses as unrenderable are left out."""
+    for conversation in conversations:
+        try:
+            yield render(conversation)
+        except UnrenderableError:
+            if not skip:
+                raise
 
 
 def _where(conversation: Conversation) -> str:
     return conversation.where or "a conversation"
 
 
-def _refused(conversation: Conversation, error: Exception) -> UsageError:
+def _refused(conversation: Conversation, error: Exception) -> UnrenderableError:
     """The one line about a conversation the chat template fails on, naming its record."""
     where = _where(conversation)
     detail = str(error).strip().splitlines()[0] if str(error).strip() else "no details"
-    return UsageError(f"{where}: the chat template cannot render this conversation ({type(error).__name__}: "
-                      f"{detail[:300]})")
+    return UnrenderableError(f"{where}: the chat template cannot render this conversation ({type(error).__name__}: "
+                             f"{detail[:300]}){SKIP_HINT}")
 
 
 def _render(backend, template: str, conversation: Conversation, turns: int | None = None,
@@ -86,9 +114,9 @@ def assistant_spans(backend, template: str, conversation: Conversation) -> tuple
     """(the rendered conversation, the character span [start, end) of each assistant turn), found turn by turn."""
     messages = conversation.messages()
     if messages[0]["role"] == "assistant":
-        raise UsageError(f"{_where(conversation)}: the conversation starts with the assistant's "
-                         f"turn, so nothing renders before it to find where it begins; start it with a system or "
-                         f"user turn, or mark the template's assistant turns with {{% generation %}}")
+        raise UnrenderableError(f"{_where(conversation)}: the conversation starts with the assistant's turn, so "
+                                f"nothing renders before it to find where it begins; start it with a system or user "
+                                f"turn, or mark the template's assistant turns with {{% generation %}}{SKIP_HINT}")
     text = _render(backend, template, conversation)
     spans = []
     for index, message in enumerate(messages):
@@ -97,10 +125,10 @@ def assistant_spans(backend, template: str, conversation: Conversation) -> tuple
         before = _render(backend, template, conversation, index, generation_prompt=True)
         through = _render(backend, template, conversation, index + 1)
         if not (through.startswith(before) and text.startswith(through)):
-            raise UsageError(
+            raise UnrenderableError(
                 f"{_where(conversation)}: the chat template does not render this conversation as "
                 f"the beginning of its continuations, so its assistant turns cannot be found; mark them with "
-                f"{{% generation %}} ... {{% endgeneration %}} (--chat-template FILE)"
+                f"{{% generation %}} ... {{% endgeneration %}} (--chat-template FILE){SKIP_HINT}"
             )
         end = len(through.rstrip())
         if end > len(before):

@@ -13,8 +13,8 @@ Sources (`spec`; which files it names: `pipelines.data.corpus_files`):
 - a `.parquet` file: the same rule on its columns (pyarrow reads it by row groups; `pip install 'preinfer[parquet]'`).
 - an `.arrow` file (Arrow IPC, as Hugging Face `datasets` writes them): the same rule, one record batch at a time.
 - a Hugging Face dataset folder: a `save_to_disk` directory (the `.arrow` files its `state.json` names; of a
-  `DatasetDict`, the `train` split's), or a local dataset repository laid out as `data/*.parquet` or `data/*.jsonl`
-  (the `train` split's files; a glob such as `repo/data/test-*` takes others).
+  `DatasetDict`, one split's), or a local dataset repository laid out as `data/*.parquet` or `data/*.jsonl` (one
+  split's files): the split `split` (`--dataset-split`) names, `train` by default.
 - `.txt` and `.jsonl` files may be compressed: `.txt.gz`, `.jsonl.zst`, ...
 - a directory: every data file under it, in path order; a glob pattern (`data/*.jsonl.gz`, `shards/**/*.parquet`):
   the data files it matches, in path order (directories it matches are read as directories). All files of one
@@ -32,17 +32,18 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from pipelines.data.corpus_files import DEFAULT_SPLIT, base_directory, corpus_files, read_as
+from pipelines.data.corpus_files import DEFAULT_SPLIT, base_directory, check_unsplit, corpus_files, read_as
 from pipelines.data.records import Document, InstructionExample, kind_name
 from pipelines.data.tables import arrow_documents, parquet_documents
 from pipelines.data.text_files import READ_BLOCK, jsonl_documents, text_documents
 from preinfer.errors import UsageError, first_line
 
-__all__ = ["BUILTIN_CORPORA", "Document", "InstructionExample", "corpus_fingerprint", "corpus_files",
+__all__ = ["BUILTIN_CORPORA", "CorpusDigest", "Document", "InstructionExample", "corpus_fingerprint", "corpus_files",
            "iter_documents", "kind_name", "read_documents"]
 
 BUILTIN_CORPORA = ("builtin:pydoc",)
 _FINGERPRINT_VERSION = 1
+CorpusDigest = tuple[str, dict[str, str | int]]  # a corpus's fingerprint: (sha256 hex, readable parts)
 
 
 def iter_documents(spec: str, text_column: str = "text", split: str = DEFAULT_SPLIT) -> Iterator[Document]:
@@ -50,7 +51,7 @@ def iter_documents(spec: str, text_column: str = "text", split: str = DEFAULT_SP
     `InstructionExample`s or all conversations; the first document fixes the kind, and a file of another kind is
     refused. `split` chooses among a dataset folder's splits."""
     if spec.startswith("builtin:"):
-        yield from _builtin_documents(spec)
+        yield from _builtin_documents(spec, split)
         return
     first: tuple[str, Path] | None = None  # (kind, file) of the first non-empty file
     for file in corpus_files(spec, split):
@@ -72,9 +73,10 @@ def read_documents(spec: str, text_column: str = "text", split: str = DEFAULT_SP
     return list(iter_documents(spec, text_column, split))
 
 
-def _builtin_documents(spec: str) -> list[str]:
+def _builtin_documents(spec: str, split: str) -> list[str]:
     if spec not in BUILTIN_CORPORA:
         raise UsageError(f"unknown built-in corpus '{spec}'; built-in corpora are {', '.join(BUILTIN_CORPORA)}")
+    check_unsplit(spec, split)
     from pydoc_data.topics import topics
 
     return [topics[key] for key in sorted(topics)]
@@ -92,14 +94,13 @@ def _file_documents(path: Path, text_column: str) -> Iterator[Document]:
     return jsonl_documents(path, text_column)
 
 
-def corpus_fingerprint(spec: str, text_column: str = "text", split: str = DEFAULT_SPLIT,
-                       ) -> tuple[str, dict[str, str | int]]:
+def corpus_fingerprint(spec: str, text_column: str = "text", split: str = DEFAULT_SPLIT) -> CorpusDigest:
     """(sha256 hex, readable parts) of a source's content: each file's name relative to the source and the sha256
     of its bytes, in reading order (a built-in corpus: its documents). Where the corpus lies and the files' times do
     not count, so a copied corpus keeps its fingerprint and an edited one never does."""
     digest = hashlib.sha256(json.dumps({"version": _FINGERPRINT_VERSION, "text_column": text_column}).encode())
     if spec.startswith("builtin:"):
-        for document in _builtin_documents(spec):
+        for document in _builtin_documents(spec, split):
             digest.update(hashlib.sha256(document.encode("utf-8")).digest())
         return digest.hexdigest(), {"corpus": spec}
     files = corpus_files(spec, split)

@@ -10,6 +10,10 @@ dataset folder.
   repositories name them (`data/train-00000-of-00001.parquet`, `test.jsonl`, `validation/`: the split's word, or one
   of its synonyms, between non-letters), those of the split asked for (`train` by default) only.
 - A glob pattern: the data files it matches (directories it matches: every data file under them), in path order.
+
+The split asked for (`--dataset-split`) must be one the source has, else it is refused in one line naming those it
+has; a source without splits (a file, a glob, a directory whose files name none, one `save_to_disk` dataset) is its
+`train` split, so asking it for another is refused too.
 """
 
 from __future__ import annotations
@@ -53,10 +57,11 @@ def corpus_files(spec: str, split: str = DEFAULT_SPLIT) -> list[Path]:
     path = Path(spec)
     if path.is_dir():
         return _directory_files(path, split)
+    if not path.exists() and not glob.has_magic(spec):
+        raise UsageError(f"data file not found: {spec}")
+    check_unsplit(spec, split)
     if path.exists():
         return [_single_file(path)]
-    if not glob.has_magic(spec):
-        raise UsageError(f"data file not found: {spec}")
     matches = [Path(match) for match in glob.glob(spec, recursive=True)]
     if not matches:
         raise UsageError(f"no file matches the pattern '{spec}'")
@@ -65,6 +70,13 @@ def corpus_files(spec: str, split: str = DEFAULT_SPLIT) -> list[Path]:
     if not files:
         raise UsageError(f"the pattern '{spec}' matches no {SUFFIXES_IN_WORDS}")
     return files
+
+
+def check_unsplit(spec: str, split: str) -> None:
+    """Refuse a split other than the default of a source that has no splits."""
+    if split != DEFAULT_SPLIT:
+        raise UsageError(f"--dataset-split {split}: {spec} has no splits (only a dataset folder or repository has); "
+                         f"drop --dataset-split to read all of it")
 
 
 def _single_file(path: Path) -> Path:
@@ -81,6 +93,7 @@ def _directory_files(path: Path, split: str) -> list[Path]:
     if (path / DATASET_DICT).is_file():
         return _directory_files(_dict_split(path, split), split)
     if (path / DATASET_STATE).is_file() and (path / DATASET_INFO).is_file():
+        check_unsplit(str(path), split)
         return _saved_files(path)
     files = _data_files(path.rglob("*"))
     if not files:
@@ -95,8 +108,8 @@ def _dict_split(path: Path, split: str) -> Path:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
         raise UsageError(f"{path / DATASET_DICT}: not a readable DatasetDict description (no 'splits' list)") from None
     if split not in splits or not (path / split).is_dir():
-        raise UsageError(f"{path} is a DatasetDict without a '{split}' split (it has {splits}); pass --data "
-                         f"{path}/SPLIT to read one of them")
+        raise UsageError(f"{path} is a DatasetDict without a '{split}' split (it has {splits}); pass "
+                         f"--dataset-split naming one of them")
     return path / split
 
 
@@ -126,11 +139,12 @@ def _split_files(base: Path, files: list[Path], split: str) -> list[Path]:
     named = {name: [f for f in files if _names_split(base, f, words)]
              for name, words in {**SPLIT_KEYWORDS, split: wanted}.items()}
     if not any(named.values()):
+        check_unsplit(str(base), split)
         return files
     if not named[split]:
         found = sorted(name for name, chosen in named.items() if chosen)
-        raise UsageError(f"{base} holds the splits {found}, not '{split}'; pass --data {base}/PATTERN to read other "
-                         f"files")
+        raise UsageError(f"{base} holds the splits {found}, not '{split}'; pass --dataset-split naming one of them "
+                         f"(or --data {base}/PATTERN to read other files)")
     return named[split]
 
 

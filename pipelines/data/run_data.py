@@ -14,7 +14,8 @@ from preinfer.batch_source import LiveSources
 from pipelines.cache import default_samples_per_shard
 from pipelines.data import batches
 from pipelines.data.token_store import TokenStoreDataset
-from pipelines.data.token_store.resolve import eval_samples, token_splits
+from pipelines.data.corpus import CorpusDigest
+from pipelines.data.token_store.resolve import data_splits, eval_samples
 from pipelines.data.tokenizer_choice import announce, model_tokenizer
 from pipelines.data.tokenizers import Tokenizer
 
@@ -26,17 +27,18 @@ class Datasets:
     tokenizer: Tokenizer
 
 
-def load_datasets(config: Config, quiet: bool = False) -> Datasets:
+def load_datasets(config: Config, quiet: bool = False, corpus: CorpusDigest | None = None) -> Datasets:
     """The run's splits, read lazily from the token store of --data (built first if need be: by rank 0 alone
-    while the other ranks wait). --max-samples takes each split's first samples, --eval-tokens caps eval."""
-    choice = model_tokenizer(config.model.tokenizer, config.model.name, config.model.chat_template)
+    while the other ranks wait). --max-samples takes each split's first samples, --eval-tokens caps eval.
+    `corpus`: the corpus's fingerprint where the run has it already (`pipelines.jobs.inputs.run_corpus`)."""
+    m = config.model
+    choice = model_tokenizer(m.tokenizer, m.name, m.chat_template, m.chat_template_name)
     tokenizer, d = choice.tokenizer, config.data
 
     first = not dist.is_initialized() or dist.get_rank() == 0
     if not first:
         dist.barrier()
-    found = token_splits(d.path, tokenizer, d.seq_len, d.eval_fraction, ["train", "eval"], d.token_store,
-                         progress=not quiet)
+    found = data_splits(d, tokenizer, ["train", "eval"], progress=not quiet, corpus=corpus)
     if first and dist.is_initialized():
         dist.barrier()
     announce(choice, found, quiet or not first)

@@ -68,6 +68,7 @@ class EncodedSplit:
     documents: int  # documents (or examples, dropped ones included) of the split in the chunk
     label_mask: np.ndarray | None = None
     truncated: int = 0  # conversations cut at a turn boundary to fit seq_len
+    skipped: int = 0  # conversations the chat template cannot render, left out (--skip-unrenderable)
 
     @property
     def tokens(self) -> int:
@@ -90,6 +91,7 @@ class SamplePacker:
         self.documents = 0  # documents (examples) added
         self.units = 0  # tokens of the LM stream, or rows of instruction data, added
         self.truncated = 0  # conversations cut at a turn boundary
+        self.skipped = 0  # conversations the chat template cannot render, left out
         self.samples = 0  # samples handed out
         self._pending: list[EncodedSplit] = []
 
@@ -102,6 +104,7 @@ class SamplePacker:
         self.documents += part.documents
         self.units += len(part.ids)
         self.truncated += part.truncated
+        self.skipped += part.skipped
         self._pending.append(part)
         return self._blocks(final=False)
 
@@ -140,7 +143,7 @@ class SamplePacker:
                 f"{where}: {self.units} tokens in {self.documents} documents, fewer than one full sequence of "
                 f"seq_len={self.seq_len}"
             )
-        dropped = self.documents - self.units
+        dropped = self.documents - self.units - self.skipped
         if self.kind == CHAT:
             return self._chat_report(where, dropped)
         if dropped:
@@ -156,12 +159,14 @@ class SamplePacker:
         )
 
     def _chat_report(self, where: str, dropped: int) -> str | None:
-        if dropped or self.truncated:
-            logger.warning("%s: %s", where, chat_fit_line(self.documents, self.truncated, dropped, self.seq_len))
+        if dropped or self.truncated or self.skipped:
+            logger.warning("%s: %s", where, chat_fit_line(self.documents, self.truncated, dropped, self.seq_len,
+                                                         self.skipped))
         if self.samples:
             return None
+        skipped = f"; {self.skipped} skipped: the chat template cannot render them" if self.skipped else ""
         return (f"{where}: no conversation left ({self.documents} in this split, {dropped} dropped: none has an "
-                f"assistant turn ending within seq_len={self.seq_len})")
+                f"assistant turn ending within seq_len={self.seq_len}{skipped})")
 
     def check(self, where: str) -> None:
         """Raise a one-line UsageError if the split has no samples (see `report`)."""
@@ -170,7 +175,8 @@ class SamplePacker:
             raise UsageError(problem)
 
 
-def chat_fit_line(conversations: int, truncated: int, dropped: int, seq_len: int) -> str:
-    """What the seq_len rule did to a split's conversations, in words."""
-    return (f"{conversations} conversations: {truncated} cut after their last assistant turn ending within "
+def chat_fit_line(conversations: int, truncated: int, dropped: int, seq_len: int, skipped: int = 0) -> str:
+    """What the seq_len rule (and --skip-unrenderable) did to a split's conversations, in words."""
+    line = (f"{conversations} conversations: {truncated} cut after their last assistant turn ending within "
             f"seq_len={seq_len}, {dropped} dropped (no assistant turn ends within it)")
+    return f"{line}, {skipped} skipped (the chat template cannot render them)" if skipped else line

@@ -12,7 +12,9 @@ conversation is rendered by the chat template (`pipelines.data.chat`) into one r
 tokens (never packed); labels are the ids on the assistant mask and -100 elsewhere. A conversation longer than
 `seq_len` is cut right after its last assistant turn that ends within `seq_len` (a turn boundary, never inside a
 turn); one whose first assistant turn does not end within `seq_len`, or that has no assistant turn, is dropped. Both
-are counted (`SplitInfo.truncated`, documents - samples) and reported.
+are counted (`SplitInfo.truncated`, documents - samples - skipped) and reported. A conversation the chat template
+cannot render is refused in one line naming its record, or, with `skip_unrenderable`, skipped and counted
+(`SplitInfo.skipped`).
 
 Instruction data without a chat template (the byte tokenizer): tokens = BOS + encode(prompt) + encode(output) +
 [eos] (see `format_prompt`), truncated to `seq_len` and right-padded with pad; labels are -100 on the prompt and the
@@ -133,9 +135,10 @@ def id_dtype(vocab_size: int) -> np.dtype:
 
 def encode_chunk(
     documents: Sequence[Document], tokenizer: Tokenizer, seq_len: int, eval_fraction: float,
-    splits: Sequence[str] = SPLITS,
+    splits: Sequence[str] = SPLITS, skip_unrenderable: bool = False,
 ) -> dict[str, EncodedSplit]:
-    """The documents of each of `splits`, tokenised, in the dtype `id_dtype(tokenizer.vocab_size)`."""
+    """The documents of each of `splits`, tokenised, in the dtype `id_dtype(tokenizer.vocab_size)`; with
+    `skip_unrenderable`, conversations the chat template cannot render are left out (counted)."""
     dtype = id_dtype(tokenizer.vocab_size)
     kind = sample_kind(documents[0], tokenizer) if documents else LM
     chosen: dict[str, list] = {split: [] for split in splits}
@@ -146,7 +149,7 @@ def encode_chunk(
     encoded = {}
     for split, members in chosen.items():
         if kind == CHAT:
-            encoded[split] = _chat_rows(members, tokenizer, seq_len, dtype)
+            encoded[split] = _chat_rows(members, tokenizer, seq_len, dtype, skip_unrenderable)
         elif kind == INSTRUCTION:
             encoded[split] = EncodedSplit(*_instruction_rows(members, tokenizer, seq_len, dtype), len(members))
         else:
@@ -181,10 +184,12 @@ def _instruction_rows(
     return ids, lengths
 
 
-def _chat_rows(conversations: list[Conversation], tokenizer: Tokenizer, seq_len: int, dtype: np.dtype) -> EncodedSplit:
+def _chat_rows(conversations: list[Conversation], tokenizer: Tokenizer, seq_len: int, dtype: np.dtype,
+               skip_unrenderable: bool) -> EncodedSplit:
     """Each conversation rendered by the chat template as one right-padded row, cut after its last assistant turn
     that ends within seq_len when it is longer (dropped when none does); prompt length 0, labels by the mask."""
-    rendered = [(chat, chat.fitted(seq_len)) for chat in render_conversations(tokenizer, conversations)]
+    chats = render_conversations(tokenizer, conversations, skip_unrenderable)
+    rendered = [(chat, chat.fitted(seq_len)) for chat in chats]
     kept = [(chat, length) for chat, length in rendered if length is not None]
     ids = np.full((len(kept), seq_len), tokenizer.pad_id, dtype=dtype)
     lengths = np.zeros((len(kept), 2), dtype=np.int32)
@@ -194,5 +199,5 @@ def _chat_rows(conversations: list[Conversation], tokenizer: Tokenizer, seq_len:
         label_mask[row, :length] = chat.mask[:length]
         lengths[row] = 0, length
     truncated = sum(length < len(chat.ids) for chat, length in kept)
-    return EncodedSplit(ids, lengths, len(conversations), label_mask, truncated)
+    return EncodedSplit(ids, lengths, len(conversations), label_mask, truncated, len(conversations) - len(chats))
 

@@ -42,6 +42,9 @@ class TokenizerChoice:
                  f"{', BOS ' + str(list(tokenizer.bos_ids)) if tokenizer.bos_ids else ', no BOS'})"]
         if tokenizer.chat_template_file is not None:
             lines.append(f"chat and instruction data: rendered by the chat template of {tokenizer.chat_template_file}")
+        elif tokenizer.chat_template_name is not None:
+            lines.append(f"chat and instruction data: rendered by the tokenizer's own chat template "
+                         f"'{tokenizer.chat_template_name}'")
         elif tokenizer.chat_template is not None:
             lines.append("chat and instruction data: rendered by the tokenizer's own chat template")
         else:
@@ -50,23 +53,28 @@ class TokenizerChoice:
         return lines
 
 
-def choose_tokenizer(spec: str, model: str, chat_template_file: str | None = None) -> TokenizerChoice:
-    """The tokenizer `--tokenizer spec` names for `--model model` (see the module)."""
+def choose_tokenizer(spec: str, model: str, chat_template_file: str | None = None,
+                     chat_template_name: str | None = None) -> TokenizerChoice:
+    """The tokenizer `--tokenizer spec` names for `--model model` (see the module), its chat template replaced by
+    `chat_template_file` or chosen among its named ones by `chat_template_name`; a run directory's template choice
+    unless one of them is given."""
+    template = (chat_template_file, chat_template_name)
     if spec != AUTO:
-        return TokenizerChoice(load_tokenizer(spec, chat_template_file), "given by --tokenizer")
+        return TokenizerChoice(load_tokenizer(spec, *template), "given by --tokenizer")
     if is_run_dir(model):
-        run = load_config(RunDir(model).config)
-        inner = choose_tokenizer(run.model.tokenizer, run.model.name, chat_template_file or run.model.chat_template)
+        run = load_config(RunDir(model).config).model
+        inner = choose_tokenizer(run.tokenizer, run.name,
+                                 *(template if any(template) else (run.chat_template, run.chat_template_name)))
         return TokenizerChoice(inner.tokenizer, f"the tokenizer of the run in {model}")
     if model in PRESETS:
-        return TokenizerChoice(load_tokenizer("byte", chat_template_file), f"--model {model} is a preset")
+        return TokenizerChoice(load_tokenizer("byte", *template), f"--model {model} is a preset")
     if not Path(model).is_dir():
         raise UsageError(f"--model '{model}' is neither a preset ({', '.join(PRESETS)}) nor an existing local "
                          f"directory")
     if not any((Path(model) / name).is_file() for name in TOKENIZER_FILES):
         raise UsageError(f"--model {model} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); pass "
                          f"--tokenizer DIR naming the model's tokenizer (or --tokenizer byte)")
-    return TokenizerChoice(load_tokenizer(model, chat_template_file), "the model directory's own")
+    return TokenizerChoice(load_tokenizer(model, *template), "the model directory's own")
 
 
 def model_vocab_size(model: str) -> int:
@@ -84,9 +92,10 @@ def check_fits(tokenizer: Tokenizer, model: str) -> None:
                          f"{model} has {rows} rows; pass the model's own tokenizer (--tokenizer auto or DIR)")
 
 
-def model_tokenizer(spec: str, model: str, chat_template_file: str | None = None) -> TokenizerChoice:
+def model_tokenizer(spec: str, model: str, chat_template_file: str | None = None,
+                    chat_template_name: str | None = None) -> TokenizerChoice:
     """`choose_tokenizer`, refused when its ids do not fit the model (`check_fits`)."""
-    choice = choose_tokenizer(spec, model, chat_template_file)
+    choice = choose_tokenizer(spec, model, chat_template_file, chat_template_name)
     check_fits(choice.tokenizer, model)
     return choice
 
@@ -99,8 +108,9 @@ def data_lines(choice: TokenizerChoice, splits: Mapping[str, TokenStoreDataset])
         info = split.info
         if info.kind == "chat":
             described = info.splits[name]
-            dropped = described.documents - described.samples
-            lines.append(f"{name}: {chat_fit_line(described.documents, described.truncated, dropped, info.seq_len)}")
+            dropped = described.documents - described.samples - described.skipped
+            fit = chat_fit_line(described.documents, described.truncated, dropped, info.seq_len, described.skipped)
+            lines.append(f"{name}: {fit}")
     return lines
 
 

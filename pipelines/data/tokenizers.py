@@ -3,7 +3,8 @@
 Special tokens are the tokenizer's own: `bos_ids` are what it puts before a text (`add_special_tokens=True`
 semantics: Llama's and Mistral's BOS, nothing for GPT-2 or Qwen2), its eos ends each document and its pad token
 pads (eos where it has none). Its chat template (or the one of `--chat-template FILE`) renders conversations
-(`pipelines.data.chat`)."""
+(`pipelines.data.chat`); of a tokenizer with named templates (tokenizer_config.json's list of {name, template}),
+`default` (or the only one) unless `--chat-template-name` names another."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from preinfer.presets import BYTE_EOS_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE
 
 MAX_TEMPLATE_BYTES = 256 * 1024  # the largest chat template compiled
 MAX_TEMPLATE_JSON_BYTES = 64 << 20  # the largest JSON file a template is looked for in (a tokenizer_config.json)
+NAME_FLAG = "--chat-template-name NAME"  # how the user names one of a tokenizer's own templates
 
 
 class Tokenizer(Protocol):
@@ -32,6 +34,7 @@ class Tokenizer(Protocol):
     bos_ids: tuple[int, ...]  # the special tokens put before each text (empty when the tokenizer adds none)
     chat_template: str | None  # the Jinja chat template conversations are rendered with; None: no template
     chat_template_file: str | None  # the --chat-template file that overrides the tokenizer's own, if any
+    chat_template_name: str | None  # the --chat-template-name of the tokenizer's named templates, if given
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without any special tokens."""
@@ -69,6 +72,7 @@ class ByteTokenizer:
     bos_ids: tuple[int, ...] = ()
     chat_template = None
     chat_template_file = None
+    chat_template_name = None
 
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0].tolist()
@@ -113,9 +117,11 @@ def _byte_level_chars() -> list[str]:
 
 class HFTokenizer:
     """A Hugging Face tokenizer loaded from a local directory; `encode` gives a text's ids without special tokens,
-    and `bos_ids` the ones the tokenizer puts before a text. `chat_template_file` replaces its chat template."""
+    and `bos_ids` the ones the tokenizer puts before a text. `chat_template_file` replaces its chat template;
+    `chat_template_name` chooses one of its named templates."""
 
-    def __init__(self, directory: str, chat_template_file: str | None = None) -> None:
+    def __init__(self, directory: str, chat_template_file: str | None = None,
+                 chat_template_name: str | None = None) -> None:
         from transformers import AutoTokenizer
 
         try:
@@ -132,12 +138,16 @@ class HFTokenizer:
         self.eos_id = int(self._tok.eos_token_id)
         self.pad_id = int(self._tok.pad_token_id) if self._tok.pad_token_id is not None else self.eos_id
         self.bos_ids = _bos_ids(self._tok)
-        self.chat_template_file = chat_template_file
+        self.chat_template_file, self.chat_template_name = chat_template_file, chat_template_name
         if chat_template_file is not None:
             self._tok.chat_template = read_chat_template(chat_template_file)
         template = getattr(self._tok, "chat_template", None)
+        where = f"tokenizer '{directory}'"
         if isinstance(template, dict):  # named templates (tokenizer_config.json's list of them)
-            template = self._tok.chat_template = named_template(template, None, f"tokenizer '{directory}'")
+            template = self._tok.chat_template = named_template(template, chat_template_name, where, NAME_FLAG)
+        elif chat_template_name is not None:
+            held = "one chat template, not named ones" if template else "no chat template"
+            raise UsageError(f"--chat-template-name {chat_template_name}: {where} has {held}; drop the flag")
         self.chat_template = template if isinstance(template, str) and template.strip() else None
         if self.chat_template is not None:
             check_template_size(self.chat_template, f"the chat template of tokenizer '{directory}'")
@@ -248,21 +258,21 @@ def _json_template(text: str, spec: str, name: str | None) -> str:
             raise UsageError(f"--chat-template {spec}: a list of named templates holds objects with 'name' and "
                              f"'template'") from None
     if isinstance(found, dict):
-        return named_template(found, name, f"--chat-template {spec}")
+        return named_template(found, name, f"--chat-template {spec}", "--chat-template FILE#NAME")
     if name:
         raise UsageError(f"--chat-template {spec}: the file holds one template, not named ones")
     return found
 
 
-def named_template(templates: dict, name: str | None, where: str) -> str:
-    """Template `name` of a set of named ones, or (no name) `default`, or the only one, as transformers picks."""
+def named_template(templates: dict, name: str | None, where: str, flag: str) -> str:
+    """Template `name` of a set of named ones, or (no name) `default`, or the only one, as transformers picks;
+    `flag` is how the user names one."""
     if name is None and len(templates) == 1:
         name = next(iter(templates))
     chosen = name or "default"
     if chosen not in templates:
         names = ", ".join(sorted(map(str, templates)))
-        raise UsageError(f"{where}: no chat template named '{chosen}' (it has {names}); pass --chat-template "
-                         f"FILE#NAME naming one")
+        raise UsageError(f"{where}: no chat template named '{chosen}' (it has {names}); pass {flag} naming one")
     return templates[chosen]
 
 
@@ -279,13 +289,20 @@ def _too_large(where: str, size: int) -> UsageError:
                       f"it was not compiled")
 
 
-def load_tokenizer(spec: str = "byte", chat_template_file: str | None = None) -> Tokenizer:
+def load_tokenizer(spec: str = "byte", chat_template_file: str | None = None,
+                   chat_template_name: str | None = None) -> Tokenizer:
     """`byte` for the built-in byte-level tokenizer, or a local directory holding a Hugging Face tokenizer (its chat
-    template replaced by the one in `chat_template_file`, if given)."""
+    template replaced by the one in `chat_template_file`, if given, or chosen among its own by `chat_template_name`;
+    not both: a file's named templates are chosen as FILE#NAME)."""
+    if chat_template_file is not None and chat_template_name is not None:
+        raise UsageError(f"--chat-template-name {chat_template_name} names one of the tokenizer's own templates, "
+                         f"but --chat-template {chat_template_file} replaces them; name a template of that file as "
+                         f"FILE#NAME")
     if spec == "byte":
-        if chat_template_file is not None:
-            raise UsageError("--chat-template needs a Hugging Face tokenizer (--tokenizer DIR), not the byte tokenizer")
+        for flag, value in (("--chat-template", chat_template_file), (NAME_FLAG, chat_template_name)):
+            if value is not None:
+                raise UsageError(f"{flag} needs a Hugging Face tokenizer (--tokenizer DIR), not the byte tokenizer")
         return ByteTokenizer()
     if not Path(spec).is_dir():
         raise UsageError(f"tokenizer '{spec}' is neither 'byte' nor an existing local directory")
-    return HFTokenizer(spec, chat_template_file)
+    return HFTokenizer(spec, chat_template_file, chat_template_name)

@@ -1,6 +1,6 @@
 """A run directory as `bcd` and `train` hold it: the run's config (on --resume, the path flags compared as the run
-recorded its own), the directory held for the whole job and checked before anything is loaded, and on --resume
-the inputs checked against what the run was trained on (`pipelines.jobs.inputs`)."""
+recorded its own), the directory held for the whole job and checked before anything is loaded (on --resume the
+inputs are then checked against what the run was trained on: `pipelines.jobs.inputs`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from preinfer.config import Config
 from preinfer.errors import UsageError
 from preinfer.run_dir import RunDir
 from pipelines.flags import config_for_command
-from pipelines.jobs.inputs import absolute_flags, check_inputs
+from pipelines.jobs.inputs import absolute_flags
 from pipelines.jobs.output import held_output
 
 
@@ -46,13 +46,11 @@ def check_run_dir(run: RunDir, resume: bool) -> None:
 
 
 @contextlib.contextmanager
-def owning_run(run: RunDir, resume: bool, rank: int = 0, config: Config | None = None) -> Iterator[None]:
-    """Hold the run directory for the whole job (rank 0, for every rank), then check it (`check_run_dir`) and,
-    resuming with `config`, its inputs (`check_inputs`)."""
+def owning_run(run: RunDir, resume: bool, rank: int = 0) -> Iterator[None]:
+    """Hold the run directory for the whole job (rank 0, for every rank), then check it (`check_run_dir`); a
+    resumed run's inputs are checked next (`pipelines.jobs.inputs.check_inputs`), once the corpus is fingerprinted."""
     held = held_output(run.path, "--out") if rank == 0 else contextlib.nullcontext()
     with held:
         if rank == 0:
             check_run_dir(run, resume)
-            if resume and config is not None:
-                check_inputs(run, config)
         yield

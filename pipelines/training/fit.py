@@ -21,6 +21,7 @@ from preinfer.partition import Partition
 from preinfer.precision import Precision
 from preinfer.run_dir import RunDir
 from preinfer.trainer import Trainer
+from pipelines.data.corpus import CorpusDigest
 from pipelines.progress import Progress
 from pipelines.training.run_directory import prepare_run_dir
 from pipelines.training.trackers import Trackers
@@ -29,7 +30,8 @@ from pipelines.training.signals import RunStopped, StopOnSignals
 
 def train(config: Config, staged: preinfer.StagedModel, partition: Partition, active: int | None,
           chosen: VisitSources, resume: bool, quiet: bool, notes: list[str] = (), command: str = "bcd",
-          layout: Layout | None = None, precision: Precision | None = None) -> Trainer:
+          layout: Layout | None = None, precision: Precision | None = None,
+          corpus: CorpusDigest | None = None) -> Trainer:
     """Build the trainer on `layout` in `precision` (defaults: `Trainer`'s), with its memory meter and progress
     display (shown by rank 0 only; it checks the block order), create the run directory (rank 0), resume if asked,
     and run it; a signal stops it with `RunStopped` after a checkpoint."""
@@ -39,7 +41,7 @@ def train(config: Config, staged: preinfer.StagedModel, partition: Partition, ac
     trainer = Trainer(staged, partition, config, chosen, run, MemoryMeter(staged.model), on_record=ui.record,
                       active_block=active, layout=layout, precision=precision)
     if trainer.rank == 0:
-        prepare_run_dir(run, config, resume)
+        prepare_run_dir(run, config, resume, corpus)
     trackers = Trackers.open(config, run.path, trainer.rank)
     trainer.on_record = lambda record: (ui.record(record), trackers.record(record))
     if partition.budget is not None:

@@ -13,18 +13,19 @@ from preinfer.errors import PreinferError
 from preinfer.metrics import plot_losses, read_metrics
 from preinfer.run_dir import RunDir
 from preinfer.trainer import Trainer
+from pipelines.data.corpus import CorpusDigest
 from pipelines.jobs.inputs import input_fingerprints, recorded_config, write_inputs
 from pipelines.jobs.runs import check_run_dir
 
 
-def prepare_run_dir(run: RunDir, config: Config, resume: bool) -> None:
+def prepare_run_dir(run: RunDir, config: Config, resume: bool, corpus: CorpusDigest | None = None) -> None:
     """Create the run directory with its config, its paths absolute, and the fingerprints of its inputs (a resumed
     run keeps its own; a run started again after a failed start drops that start's metrics); refusals as
-    `check_run_dir`."""
+    `check_run_dir`. `corpus`: the corpus's fingerprint where the run has it already."""
     check_run_dir(run, resume)
     if resume:
         return
-    inputs = input_fingerprints(config)
+    inputs = input_fingerprints(config, corpus)
     try:
         run.path.mkdir(parents=True, exist_ok=True)
         run.metrics.unlink(missing_ok=True)

@@ -24,6 +24,8 @@ from pipelines.data.tokenizers import Tokenizer
 from pipelines.training.distributed import init_distributed
 from pipelines.training.fit import stopped_writing, train
 from pipelines.training.layout import OneProcess
+from pipelines.data.corpus import CorpusDigest
+from pipelines.jobs.inputs import check_inputs, run_corpus
 from pipelines.jobs.runs import owning_run
 from pipelines.pre_inference.stores import owning_store_dir
 from pipelines.models.partition_choice import partition_for
@@ -41,11 +43,15 @@ def run(config: Config, resume: bool = False, quiet: bool = False) -> dict:
     check_trackers(config.run.report_to, config.run.out)  # a tracker not installed: refused before anything is made
     rank, world = init_distributed(config.run.device)
     run_dir = RunDir(config.run.out)
-    with owning_run(run_dir, resume, rank, config), owning_store_dir(config, rank):  # held, then checked
-        return _run(config, run_dir, resume, quiet, rank, world)
+    with owning_run(run_dir, resume, rank), owning_store_dir(config, rank):  # held, then checked
+        corpus = run_corpus(config)  # read once: for the inputs (recorded, or checked on resume) and the token store
+        if resume and rank == 0:
+            check_inputs(run_dir, config, corpus)
+        return _run(config, run_dir, resume, quiet, rank, world, corpus)
 
 
-def _run(config: Config, run_dir: RunDir, resume: bool, quiet: bool, rank: int, world: int) -> dict:
+def _run(config: Config, run_dir: RunDir, resume: bool, quiet: bool, rank: int, world: int,
+         corpus: CorpusDigest | None) -> dict:
     store = StoreInput(config) if config.store.path is not None else None
     first = store.boundary if store is not None else 0
     layout = layout_for(config, first)
@@ -59,10 +65,10 @@ def _run(config: Config, run_dir: RunDir, resume: bool, quiet: bool, rank: int, 
         notes.append(store.check_prefix(layout.prefix(first), config))
     staged = preinfer.stage(model)
     partition, active = partition_for(staged, config, first_layer=first, precision=precision)
-    chosen, tokenizer = sources(config, layout, staged, store, quiet)
+    chosen, tokenizer = sources(config, layout, staged, store, quiet, corpus)
     command = "bcd" if store is None else "train"
     trainer = train(config, staged, partition, active, chosen, resume, quiet, notes, command=command,
-                    layout=layout.seams(staged), precision=precision)
+                    layout=layout.seams(staged), precision=precision, corpus=corpus)
     layout.close()
 
     def export(directory: Path) -> None:
@@ -82,14 +88,14 @@ def _run(config: Config, run_dir: RunDir, resume: bool, quiet: bool, rank: int, 
 
 
 def sources(config: Config, layout: OneProcess | PipelineLayout, staged: preinfer.StagedModel,
-            store: StoreInput | None, quiet: bool) -> tuple[VisitSources, Tokenizer]:
+            store: StoreInput | None, quiet: bool, corpus: CorpusDigest | None) -> tuple[VisitSources, Tokenizer]:
     """What each visit reads, and the tokenizer the export is saved with: a cache's stores, or the token store's
-    splits (with pre-inference, as the layout runs it)."""
+    splits of the corpus fingerprinted `corpus` (with pre-inference, as the layout runs it)."""
     if store is not None:
         m = config.model
-        tokenizer = model_tokenizer(m.tokenizer, m.name, m.chat_template).tokenizer
+        tokenizer = model_tokenizer(m.tokenizer, m.name, m.chat_template, m.chat_template_name).tokenizer
         return store.sources(config, layout.replica, layout.replicas), tokenizer
-    data = load_datasets(config, quiet)
+    data = load_datasets(config, quiet, corpus)
     shard = samples_per_shard(config, staged)
     live = live_sources(data, config, shard, layout.replica, layout.replicas)
     return layout.pre_inference(staged, data, live, shard, quiet), data.tokenizer

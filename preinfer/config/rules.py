@@ -5,6 +5,7 @@ one line that names the key as its source does (a flag, `[section] key` in a fil
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from itertools import chain
@@ -51,6 +52,8 @@ def above(low: float) -> Bound:
     return Bound(f"> {low}", lambda value: low < value < math.inf)
 
 
+# A dataset split's name as Hugging Face `datasets` allows it (`datasets.splits`'s pattern).
+SPLIT_NAME = re.compile(r"\w+(\.\w+)*")
 SHARE = Bound("in [0, 1)", lambda value: 0 <= value < 1)
 ANY_INTEGER = Bound("", lambda value: True)
 
@@ -150,6 +153,7 @@ def rule_problems(c: Any) -> Iterator[Problem]:
     if b.experts is not None and r.precision in ("bf16-mixed", "fp16-mixed"):
         yield "blocks", "experts", f"unset under {{run.precision}} {r.precision} (expert-granular blocks train in " \
                                    f"fp32)"
+    yield from data_problems(c)
     yield from partition_problems(c)
     yield from frozen_dtype_problems(c)
     if r.pipeline > 1:
@@ -163,6 +167,17 @@ def _parses(parse: Callable[[str], Any], text: str) -> bool:
     except UsageError:
         return False
     return True
+
+
+def data_problems(c: Any) -> Iterator[Problem]:
+    """The dataset split's name, and a named chat template only where the tokenizer's own is used."""
+    if not SPLIT_NAME.fullmatch(c.data.dataset_split):
+        yield "data", "dataset_split", "a split name such as train, validation or test (letters, digits, _ and .)"
+    if c.model.chat_template_name is not None and not c.model.chat_template_name:
+        yield "model", "chat_template_name", "the name of one of the tokenizer's chat templates"
+    if c.model.chat_template_name is not None and c.model.chat_template is not None:
+        yield "model", "chat_template_name", "unset with {model.chat_template} (name a template of that file as " \
+                                             "FILE#NAME)"
 
 
 def partition_problems(c: Any) -> Iterator[Problem]:

@@ -20,6 +20,7 @@ class ModelConfig:
     chat_template: str | None = None  # a file whose Jinja chat template replaces the tokenizer's own
     attention: Attention = DEFAULT_ATTENTION  # the attention implementation every job runs the model with
     frozen_dtype: FrozenDtype = "auto"  # frozen decoder layers' linear weights for their forward; masters stay exact
+    chat_template_name: str | None = None  # which of the tokenizer's named chat templates renders; None: default
 
 
 @dataclass
@@ -32,6 +33,10 @@ class DataConfig:
     token_store: str | None = None  # where corpora are tokenised once and kept; None: $XDG_CACHE_HOME/preinfer/tokens
     max_samples: int = 0  # use only the first N samples of each split; 0: all
     samples_per_shard: int = 0  # shard size of stores, which also shapes the sample order; 0: ~64 MiB of states
+    # the split of a dataset folder or repository that is read (train, validation, test, ...; a corpus without
+    # splits is its train split), and whether conversations the chat template cannot render are skipped (counted)
+    dataset_split: str = "train"
+    skip_unrenderable: bool = False
 
 
 @dataclass

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 
 import storage
 from tests.contract.test_ownership import HOST, hold
+from tests.contract.test_properties import RSS_GROWTH, peak_rss
 from tests.helpers.chat_templates import CHATML, save_tokenizer
 from tests.helpers.cli_run import failure_line, run_cli, tree
 from pipelines.data.chat import render_conversations
@@ -229,15 +230,31 @@ def test_a_conversation_that_starts_with_the_assistant_is_refused_naming_its_lin
     ("import", "{% import 'other.jinja' as other %}", "no loader"),
     ("extends", "{% extends 'other.jinja' %}", "no loader"),
     ("raise", "{{ raise_exception('roles must alternate') }}", "roles must alternate"),
+    # templates that would blow up: each bound of pipelines.data.template_bounds
+    ("nested loops", "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "steps"),
+    ("nested loops with output", "{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxx{% endfor %}"
+                                 "{% endfor %}", "TemplateLimitError"),
+    ("a huge product", "{{ 'x' * 2000000000 }}", "characters (or items)"),
+    ("a product of names", "{% set n = 20 ** 7 %}{{ 'x' * n }}", "characters (or items)"),
+    ("doubling", "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}"
+                 "{{ ns.s }}", "characters (or items)"),
+    ("a huge width", "{{ 'x'|center(2000000000) }}", "a width or count"),
+    ("a huge method width", "{{ 'x'.ljust(2000000000) }}", "a width or count"),
+    ("a huge format width", "{{ '%2000000000s' % 'x' }}", "a width or count"),
+    ("a huge field width", "{{ '{:>2000000000}'.format('x') }}", "a width or count"),
+    ("a huge power", "{{ 7 ** 100000000 }}", "bits"),
+    ("recursion", "{% macro f(n) %}{{ f(n) }}{{ f(n) }}{% endmacro %}{{ f(1) }}", "RecursionError"),
 ])
 def test_a_template_that_raises_is_one_line_naming_the_record_and_exit_2(chat_tokenizer, tmp_path, capsys, name,
                                                                           template, error):
     data = write_jsonl(tmp_path / "chat.jsonl", CHAT)
     (tmp_path / "t.jinja").write_text(template)
+    before = peak_rss()
     code, _, err = run_cli(["tokenize", "--data", data, "--tokenizer", str(chat_tokenizer), "--chat-template",
                             str(tmp_path / "t.jinja"), "--quiet", "--out", str(tmp_path / "tokens")], capsys)
     line = failure_line(err)
-    assert code == 2 and f"{data}:1: the chat template cannot render" in line and error in line
+    assert code == 2 and f"{data}:1: the chat template cannot render" in line and error in line, line
+    assert peak_rss() - before < RSS_GROWTH  # memory stays bounded
     assert not (tmp_path / "tokens").exists()
 
 

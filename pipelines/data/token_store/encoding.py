@@ -14,14 +14,15 @@ from pipelines.data.samples import document_chunks, encode_chunk, sample_kind
 from pipelines.data.token_store.layout import STAGING
 from pipelines.data.token_store.options import TokenizeOptions
 from pipelines.data.token_store.staging import Staging
-from pipelines.data.tokenizers import Tokenizer, load_tokenizer
+from pipelines.data.tokenizers import Tokenizer
 from pipelines.progress import Progress
 from preinfer.errors import UsageError
 
 
 def encode_chunks(options: TokenizeOptions, staging: Staging, tokenizer: Tokenizer) -> int:
     """Stage every chunk not staged yet; record the number of chunks and the kind. Returns the chunks encoded."""
-    chunks = document_chunks(iter_documents(options.data, options.text_column), options.chunk_chars)
+    chunks = document_chunks(iter_documents(options.data, options.text_column, options.dataset_split),
+                             options.chunk_chars)
     encoder = Encoder(options, staging, tokenizer)
     kind, count = None, 0
     try:
@@ -42,7 +43,8 @@ def encode_and_stage(
     index: int, chunk: list[Document], tokenizer: Tokenizer, options: TokenizeOptions, staging: Staging
 ) -> int:
     """Tokenise chunk `index` and stage it; returns its tokens (both splits, padding left out)."""
-    encoded = encode_chunk(chunk, tokenizer, options.seq_len, options.eval_fraction)
+    encoded = encode_chunk(chunk, tokenizer, options.seq_len, options.eval_fraction,
+                           skip_unrenderable=options.skip_unrenderable)
     staging.write_chunk(index, encoded)
     return sum(part.tokens for part in encoded.values())
 
@@ -54,7 +56,7 @@ _WORKER: dict[str, Any] = {}
 def _start_worker(options: TokenizeOptions) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker: no thread pool of its own
     _WORKER.update(
-        options=options, tokenizer=load_tokenizer(options.tokenizer, options.chat_template),
+        options=options, tokenizer=options.load_tokenizer(),
         staging=Staging(Path(options.out) / STAGING),
     )
 

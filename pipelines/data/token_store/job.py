@@ -1,7 +1,8 @@
 """The tokenize job: a corpus tokenised once into a token store (see `pipelines.data.token_store.layout`).
 
 1. Fingerprint: the sha256 of the corpus's content (`pipelines.data.corpus.corpus_fingerprint`), the tokenizer's
-   fingerprint, seq_len, eval_fraction and the text column. Not the corpus's path or file times: a copied corpus
+   fingerprint (its chat template included), seq_len, eval_fraction, the text column, the dataset split read and
+   whether unrenderable conversations are skipped. Not the corpus's path or file times: a copied corpus
    keeps its token store, and an edited one never reuses a stale one.
 2. Encode (`pipelines.data.token_store.encoding`): the document stream is cut into chunks of about `chunk_chars`
    characters (the same chunks whatever the number of workers); each chunk is split into train and eval, tokenised
@@ -27,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import storage
-from pipelines.data.corpus import corpus_fingerprint
+from pipelines.data.corpus import CorpusDigest, corpus_fingerprint
+from pipelines.data.corpus_files import DEFAULT_SPLIT
 from pipelines.data.samples import SPLITS, id_dtype
 from pipelines.data.token_store.encoding import encode_chunks
 from pipelines.data.token_store.layout import (
@@ -36,7 +38,7 @@ from pipelines.data.token_store.layout import (
 from pipelines.data.token_store.options import TokenizeOptions
 from pipelines.data.token_store.packing import Packing
 from pipelines.data.token_store.staging import Staging
-from pipelines.data.tokenizers import Tokenizer, load_tokenizer
+from pipelines.data.tokenizers import Tokenizer
 from pipelines.jobs.errors import stopped
 from pipelines.jobs.output import held_output
 from preinfer.errors import PreinferError, UsageError
@@ -66,14 +68,17 @@ class TokenizeResult:
 
 
 def token_fingerprint(
-    data: str, tokenizer: Tokenizer, seq_len: int, eval_fraction: float, text_column: str = "text"
+    data: str, tokenizer: Tokenizer, seq_len: int, eval_fraction: float, text_column: str = "text",
+    dataset_split: str = DEFAULT_SPLIT, skip_unrenderable: bool = False, corpus: CorpusDigest | None = None,
 ) -> storage.Fingerprint:
     """The fingerprint of the token store of `data` tokenised by `tokenizer` (see the module docstring); the
-    corpus's spelling and the tokenizer's name are readable parts only."""
-    corpus_digest, corpus_parts = corpus_fingerprint(data, text_column)
+    corpus's spelling and the tokenizer's name are readable parts only. `corpus`: the corpus's fingerprint where
+    the caller has it already (`corpus_fingerprint(data, text_column, dataset_split)`), so it is read once."""
+    corpus_digest, corpus_parts = corpus or corpus_fingerprint(data, text_column, dataset_split)
     content = {
         "format_version": FORMAT_VERSION, "corpus_digest": corpus_digest, "tokenizer_digest": tokenizer.fingerprint(),
         "seq_len": seq_len, "eval_fraction": eval_fraction, "text_column": text_column,
+        "dataset_split": dataset_split, "skip_unrenderable": skip_unrenderable,
     }
     digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
     parts = {**content, "tokenizer": tokenizer.name, **corpus_parts}
@@ -85,14 +90,20 @@ def cache_path(root: str | Path, fingerprint: storage.Fingerprint) -> Path:
     return Path(root) / fingerprint.digest[:20]
 
 
-def tokenize_corpus(options: TokenizeOptions) -> TokenizeResult:
-    """Build (or resume, or find complete) the token store of `options` at `options.out`."""
+def options_fingerprint(options: TokenizeOptions, tokenizer: Tokenizer, corpus: CorpusDigest | None = None
+                        ) -> storage.Fingerprint:
+    """The fingerprint of the token store `options` describe (`token_fingerprint`)."""
+    return token_fingerprint(options.data, tokenizer, options.seq_len, options.eval_fraction, options.text_column,
+                             options.dataset_split, options.skip_unrenderable, corpus)
+
+
+def tokenize_corpus(options: TokenizeOptions, fingerprint: storage.Fingerprint | None = None) -> TokenizeResult:
+    """Build (or resume, or find complete) the token store of `options` at `options.out`; `fingerprint`: its
+    fingerprint where the caller has computed it (`options_fingerprint`), so the corpus is not read for it again."""
     started = time.perf_counter()
     options.check()
-    tokenizer = load_tokenizer(options.tokenizer, options.chat_template)
-    fingerprint = token_fingerprint(
-        options.data, tokenizer, options.seq_len, options.eval_fraction, options.text_column
-    )
+    tokenizer = options.load_tokenizer()
+    fingerprint = fingerprint or options_fingerprint(options, tokenizer)
     out = Path(options.out)
     with held_output(out, "--out"):  # held for the whole job; a new --out that gets nothing goes again
         found = _prepare(out, fingerprint, options.overwrite)

@@ -43,6 +43,7 @@ class SplitInfo:
     documents: int  # documents (or instruction examples, dropped ones included)
     problem: str | None = None
     truncated: int = 0  # conversations cut at a turn boundary to fit seq_len
+    skipped: int = 0  # conversations the chat template cannot render, left out (--skip-unrenderable)
 
 
 @dataclass(frozen=True)

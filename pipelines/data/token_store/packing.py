@@ -62,7 +62,7 @@ class Packing:
         problem = packer.report(f"{self.options.data} ({split})")
         if store is not None:
             store.finalize()
-        return SplitInfo(packer.samples, tokens, packer.documents, problem, packer.truncated)
+        return SplitInfo(packer.samples, tokens, packer.documents, problem, packer.truncated, packer.skipped)
 
     def _blocks(self, packer: SamplePacker, split: str, counts: list[dict[str, int]]) -> Iterable[SampleBlock]:
         for index, count in enumerate(counts):

@@ -79,13 +79,13 @@ class Staging:
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(temporary, target)
-        counts = {split: {"units": len(part.ids), "documents": part.documents, "truncated": part.truncated}
-                  for split, part in encoded.items()}
+        counts = {split: {"units": len(part.ids), "documents": part.documents, "truncated": part.truncated,
+                          "skipped": part.skipped} for split, part in encoded.items()}
         write_json(self._chunk(index, ".json"), counts)
 
     def counts(self, index: int) -> dict[str, dict[str, int]]:
-        """{split: {"units": tokens of the LM stream or padded rows, "documents": n, "truncated": conversations cut}}
-        of staged chunk `index`."""
+        """{split: {"units": tokens of the LM stream or padded rows, "documents": n, "truncated": conversations cut,
+        "skipped": conversations left out}} of staged chunk `index`."""
         counts = read_json(self._chunk(index, ".json"))
         if counts is None or set(counts) != set(SPLITS):
             raise StagingError(f"chunk {index} is not staged in {self.root}")
@@ -97,7 +97,7 @@ class Staging:
             lengths, label_mask = (arrays[f"{split}.{name}"] if f"{split}.{name}" in arrays.files else None
                                    for name in ("lengths", "label_mask"))
             return EncodedSplit(arrays[f"{split}.ids"], lengths, count["documents"], label_mask,
-                                count.get("truncated", 0))
+                                count.get("truncated", 0), count.get("skipped", 0))
 
     def encoded(self) -> dict[str, Any] | None:
         """{"chunks": n, "kind": ...} once every chunk is staged, else None."""
