@@ -31,6 +31,8 @@ StoreFormat = Literal["zarr", "safetensors"]
 StoreDtype = Literal["auto", "float32", "bfloat16", "float16", "float8_e4m3", "float8_e5m2", "int8"]
 # What trains with an expert-granular block's chosen experts (preinfer.moe); "none" names nothing.
 ExpertPart = Literal["none", "router", "shared", "attention", "rest"]
+# Landscape expansion over the suffix (preinfer.expansion): none, rank-r factors per linear weight, or plain SGD.
+Expand = Literal["none", "lowrank", "sgd"]
 
 
 class Names:
