@@ -2,7 +2,8 @@
 block get a cheap update at every step from the gradients its backward already runs through them.
 
 `--expand lowrank` (`LowRankExpansion`): each linear weight W [out, in] of a suffix layer gets rank-r fp32 factors
-A [r, in] (drawn from N(0, 1/in) with the run's random state) and B [out, r] (zeros, so the model is unchanged when
+A [r, in] (drawn from N(0, 1/in) by a generator seeded with the run's seed, the step the visit starts at and
+the block, so a resumed run draws what the uninterrupted one drew and the run's own random state is not touched) and B [out, r] (zeros, so the model is unchanged when
 the visit starts), added to the layer's output by a forward hook: y = W x + B (A x). `activate` returns them, so
 the visit's optimizer steps them with the block (at `--expand-lr` in a group of their own when it is given, else in
 the block's; on the visit's schedule either way), clipping covers them and the data-parallel reducer sums their
@@ -22,7 +23,8 @@ made stale by the visit's own block already (its fingerprint, a hash of its pref
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import hashlib
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -52,11 +54,11 @@ def linear_weights(layers: list[nn.Module]) -> Iterator[tuple[nn.Module, bool]]:
 class Factors:
     """One linear module's rank-r factors and the forward hook that adds their product to its output."""
 
-    def __init__(self, module: nn.Module, transposed: bool, rank: int, lr: float | None):
+    def __init__(self, module: nn.Module, transposed: bool, rank: int, lr: float | None, gen: torch.Generator):
         self.module, self.transposed = module, transposed
         out_features, in_features = module.weight.shape[::-1] if transposed else module.weight.shape
         device = module.weight.device
-        self.a = nn.Parameter(torch.randn(rank, in_features).div_(in_features ** 0.5).to(device))
+        self.a = nn.Parameter(torch.randn(rank, in_features, generator=gen).div_(in_features ** 0.5).to(device))
         self.b = nn.Parameter(torch.zeros(out_features, rank, device=device))
         if lr is not None:
             for factor in (self.a, self.b):
@@ -83,13 +85,16 @@ class Factors:
 class LowRankExpansion:
     """`--expand lowrank` (see the module's docstring)."""
 
-    def __init__(self, staged: StagedModel, rank: int, lr: float | None):
-        self.staged, self.rank, self.lr = staged, rank, lr
+    def __init__(self, staged: StagedModel, rank: int, lr: float | None, seed: int = 0,
+                 step: Callable[[], int] = lambda: 0):
+        """`step`: the run's global step now (the factors of a visit are drawn from it, the seed and the block)."""
+        self.staged, self.rank, self.lr, self.seed, self.step = staged, rank, lr, seed, step
         self.factors: list[Factors] = []
 
     def activate(self, block: Block) -> list[nn.Parameter]:
         layers = suffix_layers(self.staged, block)
-        self.factors = [Factors(module, transposed, self.rank, self.lr)
+        gen = torch.Generator().manual_seed(visit_seed(self.seed, self.step(), block.index))
+        self.factors = [Factors(module, transposed, self.rank, self.lr, gen)
                         for module, transposed in linear_weights(layers)]
         return [factor for f in self.factors for factor in (f.a, f.b)]
 
@@ -134,11 +139,17 @@ class SgdExpansion:
         self.params = []
 
 
-def expansion_hooks(staged: StagedModel, config: Config) -> list[LowRankExpansion | SgdExpansion]:
-    """The visit hooks `config`'s `[blocks] expand` asks for (none: no hook)."""
+def visit_seed(seed: int, step: int, block: int) -> int:
+    """The seed of the factors of block `block`'s visit starting at global step `step` of a run seeded `seed`."""
+    return int.from_bytes(hashlib.sha256(f"expand/{seed}/{step}/{block}".encode()).digest()[:8], "little")
+
+
+def expansion_hooks(staged: StagedModel, config: Config, step: Callable[[], int]) -> list[LowRankExpansion |
+                                                                                           SgdExpansion]:
+    """The visit hooks `config`'s `[blocks] expand` asks for (none: no hook); `step`: the run's global step now."""
     b = config.blocks
     if b.expand == "lowrank":
-        return [LowRankExpansion(staged, b.expand_rank, b.expand_lr)]
+        return [LowRankExpansion(staged, b.expand_rank, b.expand_lr, config.run.seed, step)]
     if b.expand == "sgd":
         return [SgdExpansion(staged, b.expand_lr if b.expand_lr is not None else visit_lr(config))]
     return []

@@ -88,7 +88,7 @@ class Trainer:
                              lambda: self.checkpoint_dir / STATE, active_block, self.world_size)
         config.validate()  # direct callers too: every rule that needs only the config
         self.lifecycle = VisitLifecycle(staged, config, self.layout, self.optimizers, self.experts, meter,
-                                        hooks=expansion_hooks(staged, config))
+                                        hooks=expansion_hooks(staged, config, lambda: self.progress.global_step))
         sources.attach(self.emit)
 
     @property

@@ -75,13 +75,10 @@ class VisitLifecycle:
         return visit
 
     def _activate_hooks(self, block: Block, masters: list[torch.Tensor] | None) -> list[torch.nn.Parameter]:
-        """The hooks' parameters for `block`'s visit. Resuming mid-visit (`masters` from its checkpoint, which end
-        with the hooks' parameters), they take their saved values, and what the hooks drew from the random state
-        to make them is given back (the checkpoint's random state is already past it)."""
-        resumed = masters is not None
-        with torch.random.fork_rng(devices=[], enabled=resumed):
-            extras = [extra for hook in self.hooks for extra in hook.activate(block)]
-        if resumed and extras:
+        """The hooks' parameters for `block`'s visit; resuming mid-visit (`masters` from its checkpoint, which end
+        with the hooks' parameters), with their saved values."""
+        extras = [extra for hook in self.hooks for extra in hook.activate(block)]
+        if masters is not None and extras:
             with torch.no_grad():
                 for extra, saved in zip(extras, masters[-len(extras):]):
                     extra.copy_(saved)
