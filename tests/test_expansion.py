@@ -10,14 +10,21 @@ from safetensors.torch import load_file
 
 import preinfer
 from pipelines import training
+from pipelines.cache import open_cache
+from pipelines.data.batches import ReaderBatches
+from pipelines.models.suffix import load_suffix
+from pipelines.training import partition_for, train
+from preinfer.batch_source import LiveSources
 from preinfer.config import Config
 from preinfer.errors import UsageError
 from preinfer.expansion import LowRankExpansion, linear_weights
 from preinfer.fingerprint import prefix_digest
 from preinfer.partition import make_partition
 from preinfer.presets import build_preset
+from tests.helpers.corpus_samples import paragraphs_corpus
 from tests.helpers.trainers import live_batches, make_trainer, snapshot
-from tests.helpers.training_runs import assert_close, cache_records, config_for, weights
+from tests.helpers.training_runs import assert_close, cache_and_model, cache_records, config_for, torchrun, weights
+from tests.test_from_store import BothRanks
 
 
 def test_expand_none_adds_no_hook_and_the_visit_steps_the_block_alone():
@@ -191,3 +198,34 @@ def test_what_expansion_does_not_run_with_is_refused_in_one_line(change, message
     with pytest.raises(UsageError) as error:
         config.validate()
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("expand,lr", [("lowrank", 3e-3), ("sgd", 0.05)])
+def test_torchrun_two_ranks_expand_as_one_process_with_the_same_global_batch(tmp_path, expand, lr):
+    """`train --store` (two blocks above boundary 2) with expansion on two gloo ranks ends with the weights of one
+    process whose batch is both ranks' batches: the factors' gradients are summed with the block's, the sgd step's
+    over the replicas."""
+    corpus = paragraphs_corpus(tmp_path / "corpus.txt")
+    model_dir, store = cache_and_model(tmp_path, corpus)
+    flags = ["--expand", expand, "--expand-lr", str(lr)]
+    torchrun(tmp_path, 2, [["train", "--store", store, "--model", model_dir, "--steps-per-visit", "3", "--lr", "1e-3",
+                            "--blocks", "2", "--seed", "0", "--batch-size", "2", *flags, "--out", str(tmp_path / "two")]])
+    config = Config()
+    config.model.name = model_dir
+    config.data.batch_size = 4
+    config.blocks.ufp, config.blocks.blocks = None, 2
+    config.blocks.expand, config.blocks.expand_lr = expand, lr
+    config.optim.lr = 1e-3
+    config.stop.steps_per_visit = 3
+    config.run.out = str(tmp_path / "one")
+    stores = open_cache(store, splits=["train", "eval"])
+    staged = preinfer.stage(load_suffix(model_dir, 2).model)
+    partition, _ = partition_for(staged, config, first_layer=2)
+    sources = LiveSources(BothRanks(stores["train"], 2, 2, 0), ReaderBatches(stores["eval"], 2, 4, 0, shuffle=False))
+    train(config, staged, partition, None, sources, resume=False, quiet=True)
+    one, two = weights(str(tmp_path / "one")), weights(str(tmp_path / "two"))
+    assert_close(one, two)
+    start = load_file(str(tmp_path / "model" / "model.safetensors"))
+    assert not torch.equal(two["model.layers.3.mlp.up_proj.weight"], start["model.layers.3.mlp.up_proj.weight"])
