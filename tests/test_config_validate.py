@@ -45,6 +45,8 @@ importance_floor = 2
 importance_margin = 0.25
 experts_with = "router,shared,attention,rest"
 experts_sample = 8
+expand = "none"
+expand_rank = 8
 
 [optim]
 name = "adam"
