@@ -22,7 +22,7 @@ from preinfer.fingerprint import prefix_digest
 from preinfer.partition import make_partition
 from preinfer.presets import build_preset
 from tests.helpers.corpus_samples import paragraphs_corpus
-from tests.helpers.trainers import live_batches, make_trainer, snapshot
+from tests.helpers.trainers import assert_resumes_as, live_batches, make_trainer, snapshot
 from tests.helpers.training_runs import assert_close, cache_and_model, cache_records, config_for, torchrun, weights
 from tests.test_from_store import BothRanks
 
@@ -164,12 +164,7 @@ def test_resume_mid_visit_is_bit_identical(tmp_path, expand, precision, lr):
     masters = sum(name.startswith("master.") for name in saved)
     own = 0 if precision == "fp32" else len(halted.partition.blocks[0].params)
     assert masters == own + (halted.lifecycle.extras if expand == "lowrank" else 0)
-    resumed = make_trainer(run_dir=tmp_path / "b", **overrides)
-    resumed.resume()
-    resumed.fit()
-    ref, got = snapshot(reference.staged.model), snapshot(resumed.staged.model)
-    assert all(torch.equal(ref[k], got[k]) for k in ref)
-    assert [v["eval_loss"] for v in resumed.progress.visits] == [v["eval_loss"] for v in reference.progress.visits]
+    assert_resumes_as(reference, tmp_path / "b", **overrides)
 
 
 def test_expand_lr_puts_the_factors_in_a_group_of_their_own_on_the_visit_s_schedule():
@@ -229,3 +224,16 @@ def test_torchrun_two_ranks_expand_as_one_process_with_the_same_global_batch(tmp
     assert_close(one, two)
     start = load_file(str(tmp_path / "model" / "model.safetensors"))
     assert not torch.equal(two["model.layers.3.mlp.up_proj.weight"], start["model.layers.3.mlp.up_proj.weight"])
+
+
+@pytest.mark.parametrize("expand", ["lowrank", "sgd"])
+def test_recompute_trains_the_same_expansion(expand):
+    """Each layer run again in backward (`--recompute`) runs its factors' hooks again: the same weights (relative
+    1e-5) as without."""
+    trained = []
+    for recompute in (False, True):
+        trainer = make_trainer(blocks__expand=expand, blocks__expand_lr=3e-3 if expand == "lowrank" else 0.05,
+                               run__recompute=recompute)
+        trainer.fit()
+        trained.append(snapshot(trainer.staged.model))
+    assert_close(trained[1], trained[0])
