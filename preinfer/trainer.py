@@ -31,6 +31,7 @@ from preinfer.config import Config
 from preinfer.errors import DivergedError, PreinferError, UsageError
 from preinfer.evaluation import eval_mode
 from preinfer.expansion import expansion_hooks
+from preinfer.frozen_weights import frozen_weight_hooks
 from preinfer.layout import Layout, replica_layout
 from preinfer.metrics import MetricsLog, Record
 from preinfer.moe import ExpertGranular
@@ -88,7 +89,8 @@ class Trainer:
                              lambda: self.checkpoint_dir / STATE, active_block, self.world_size)
         config.validate()  # direct callers too: every rule that needs only the config
         self.lifecycle = VisitLifecycle(staged, config, self.layout, self.optimizers, self.experts, meter,
-                                        hooks=expansion_hooks(staged, config, lambda: self.progress.global_step))
+                                        hooks=[*frozen_weight_hooks(staged, config),
+                                               *expansion_hooks(staged, config, lambda: self.progress.global_step)])
         sources.attach(self.emit)
 
     @property

@@ -182,13 +182,14 @@ def test_expand_lr_puts_the_factors_in_a_group_of_their_own_on_the_visit_s_sched
     (dict(pipeline=2), "[blocks] expand = 'sgd': expected none on a pipeline"),
     (dict(precision="fp16-mixed"), "[blocks] expand = 'sgd': expected lowrank or none under [run] precision"),
     (dict(expand="lowrank", keep_state=True), "[blocks] expand = 'lowrank': expected sgd or none with [optim]"),
+    (dict(frozen_dtype="int8"), "[blocks] expand = 'sgd': expected none with [model] frozen_dtype other than auto"),
     (dict(expand_rank=0), "[blocks] expand_rank = 0: expected an integer >= 1"),
 ])
 def test_what_expansion_does_not_run_with_is_refused_in_one_line(change, message):
     config = Config()
     config.stop.steps_per_visit, config.blocks.expand = 3, "sgd"
     for key, value in change.items():
-        section = next(s for s in (config.blocks, config.optim, config.run) if hasattr(s, key))
+        section = next(s for s in (config.blocks, config.optim, config.run, config.model) if hasattr(s, key))
         setattr(section, key, value)
     with pytest.raises(UsageError) as error:
         config.validate()

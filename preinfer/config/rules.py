@@ -152,6 +152,7 @@ def rule_problems(c: Any) -> Iterator[Problem]:
         yield "blocks", "experts", f"unset under {{run.precision}} {r.precision} (expert-granular blocks train in " \
                                    f"fp32)"
     yield from partition_problems(c)
+    yield from frozen_dtype_problems(c)
     yield from expand_problems(c)
     if r.pipeline > 1:
         yield from pipeline_problems(c)
@@ -187,6 +188,18 @@ def partition_problems(c: Any) -> Iterator[Problem]:
         yield "blocks", "separate_ends", "false with {blocks.ufp} auto (its blocks hold the embedding and the head)"
 
 
+def frozen_dtype_problems(c: Any) -> Iterator[Problem]:
+    """Frozen weights in fewer bits: in BCD, in one process or data-parallel replicas."""
+    frozen = c.model.frozen_dtype
+    if frozen == "auto":
+        return
+    if c.run.mode == "full":
+        yield "model", "frozen_dtype", f"auto with {{run.mode}} full (every weight trains: none is frozen to hold " \
+                                       f"in {frozen})"
+    elif c.run.pipeline > 1:
+        yield "model", "frozen_dtype", "auto on a pipeline (its stages hold their layers in the resident dtype)"
+
+
 def expand_problems(c: Any) -> Iterator[Problem]:
     """Landscape expansion's: what it does not run with."""
     b, expand = c.blocks, c.blocks.expand
@@ -196,6 +209,9 @@ def expand_problems(c: Any) -> Iterator[Problem]:
         yield "blocks", "expand", "none with {blocks.active} (it keeps the layers above the active block frozen)"
     if b.experts is not None:
         yield "blocks", "expand", "none with {blocks.experts} (expert-granular blocks update nothing outside them)"
+    if c.model.frozen_dtype != "auto":
+        yield "blocks", "expand", "none with {model.frozen_dtype} other than auto (the suffix's linear weights " \
+                                  "are codes there, which it would not update)"
     if c.run.pipeline > 1:
         yield "blocks", "expand", "none on a pipeline ({run.pipeline} > 1: its stages do not update the suffix)"
     if expand == "lowrank" and c.optim.keep_state:
