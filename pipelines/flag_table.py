@@ -159,6 +159,14 @@ TRAINING_FLAGS: list[Flag] = [
          f"{', '.join(EXPERT_PARTS)} (rest: norms, dense MLPs, embedding, head), or none"),
     Flag("--experts-sample", "blocks", "experts_sample", "training batches whose routing picks the experts",
          dict(type=positive_int)),
+    Flag("--expand", "blocks", "expand", "landscape expansion: each step also updates the decoder layers above the "
+         "active block from the gradients its backward computes; lowrank: rank --expand-rank factors on their "
+         "linear weights, stepped by the visit's optimizer and merged when the visit ends; sgd: a plain SGD step "
+         "on their weights"),
+    Flag("--expand-rank", "blocks", "expand_rank", "--expand lowrank: the factors' rank", dict(type=positive_int)),
+    Flag("--expand-lr", "blocks", "expand_lr", "--expand: the expansion's rate (lowrank: the factors' rate in the "
+         "visit's optimizer, on its schedule; sgd: the SGD step's)", dict(type=positive_float),
+         unset="the visit's rate"),
     Flag("--optimizer", "optim", "name", "optimizer"),
     Flag("--lr", "optim", "lr", "learning rate", dict(type=positive_float), unset=per_optimizer(DEFAULT_LR)),
     Flag("--betas", "optim", "betas", "Adam betas", dict(type=float_pair)),

@@ -30,6 +30,7 @@ from preinfer.checkpoint import STATE
 from preinfer.config import Config
 from preinfer.errors import DivergedError, PreinferError, UsageError
 from preinfer.evaluation import eval_mode
+from preinfer.expansion import expansion_hooks
 from preinfer.frozen_weights import frozen_weight_hooks
 from preinfer.layout import Layout, replica_layout
 from preinfer.metrics import MetricsLog, Record
@@ -88,7 +89,8 @@ class Trainer:
                              lambda: self.checkpoint_dir / STATE, active_block, self.world_size)
         config.validate()  # direct callers too: every rule that needs only the config
         self.lifecycle = VisitLifecycle(staged, config, self.layout, self.optimizers, self.experts, meter,
-                                        hooks=frozen_weight_hooks(staged, config))
+                                        hooks=[*frozen_weight_hooks(staged, config),
+                                               *expansion_hooks(staged, config, lambda: self.progress.global_step)])
         sources.attach(self.emit)
 
     @property
@@ -229,8 +231,7 @@ class Trainer:
         """Checkpoint mid-visit: the active block's optimizer state travels with the others."""
         self.progress.cursor = train.state_dict()
         self.progress.stop = stop.state_dict()
-        masters = visit.active.masters if visit.active.mixed else []
-        self._checkpoint(self.optimizers.states(block.index, visit), masters)
+        self._checkpoint(self.optimizers.states(block.index, visit), self.lifecycle.checkpointed(visit))
 
     def _checkpoint(self, optimizers: dict[int, dict], masters: list[torch.Tensor] = ()) -> None:
         if self.run_dir is not None:

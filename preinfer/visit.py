@@ -51,6 +51,7 @@ class VisitLifecycle:
                  experts: ExpertGranular, meter=None, hooks: Sequence[VisitHook] = ()):
         self.staged, self.config, self.layout, self.optimizers = staged, config, layout, optimizers
         self.experts, self.meter, self.hooks = experts, meter, tuple(hooks)
+        self.extras = 0  # how many of the open visit's parameters the hooks gave
         self.device = torch.device(config.run.device)
 
     def activate(self, block: Block, position: RunPosition, train: BatchSource | None = None,
@@ -66,10 +67,29 @@ class VisitLifecycle:
         unfreeze(self.staged, block)
         params = self.experts.activate(block, position.experts.get(key, {})) if self.experts.layers(block) \
             else self.layout.trained(block)
-        params = [*params, *(extra for hook in self.hooks for extra in hook.activate(block))]
-        visit = self.optimizers.open(block.index, params, steps, masters)
+        extras = self._activate_hooks(block, masters)
+        self.extras = len(extras)
+        mixed = self.optimizers.precision.mixed
+        visit = self.optimizers.open(block.index, [*params, *extras], steps, masters if mixed else None)
         self.layout.activate(block, train.boundary if train is not None else 0, visit)
         return visit
+
+    def _activate_hooks(self, block: Block, masters: list[torch.Tensor] | None) -> list[torch.nn.Parameter]:
+        """The hooks' parameters for `block`'s visit; resuming mid-visit (`masters` from its checkpoint, which end
+        with the hooks' parameters), with their saved values."""
+        extras = [extra for hook in self.hooks for extra in hook.activate(block)]
+        if masters is not None and extras:
+            with torch.no_grad():
+                for extra, saved in zip(extras, masters[-len(extras):]):
+                    extra.copy_(saved)
+        return extras
+
+    def checkpointed(self, visit: VisitOptimizer) -> list[torch.Tensor]:
+        """The tensors a mid-visit checkpoint carries for `visit` (its `masters`): under mixed precision every
+        master, the hooks' last; under fp32 the hooks' parameters (the block's own are the model's weights)."""
+        if visit.active.mixed:
+            return list(visit.active.masters)
+        return visit.active.masters[len(visit.active.masters) - self.extras:]
 
     def train_step(self, block: Block, train: BatchSource, visit: VisitOptimizer) -> tuple[float, int, dict]:
         """One optimizer step over `grad_accum` micro-batches; the loss is the mean over every supervised

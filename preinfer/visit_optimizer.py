@@ -40,7 +40,7 @@ class VisitOptimizer:
                  steps: int | None, state: dict | None = None, masters: Sequence[torch.Tensor] | None = None):
         self.active = ActiveBlock(list(params), precision.mixed, list(masters) if masters else None)
         # none: an optimizer over nothing, for a pipeline stage without part of the block
-        self.optimizer = build_optimizer(self.active.masters or [{"params": []}], optim)
+        self.optimizer = build_optimizer(param_groups(self.active) or [{"params": []}], optim)
         for group in self.optimizer.param_groups:
             group["initial_lr"] = group["lr"]
         if state is not None and self.active.masters:
@@ -86,6 +86,16 @@ class VisitOptimizer:
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()
+
+
+def param_groups(active: ActiveBlock) -> list[dict]:
+    """The optimizer's parameter groups: every tensor at the run's rate, except those whose parameter carries a
+    `visit_lr` of its own (a hook's, e.g. `preinfer.expansion`'s factors), in a group per such rate after it."""
+    rates = [getattr(param, "visit_lr", None) for param in active.params]
+    groups = [{"params": [m for m, rate in zip(active.masters, rates) if rate is None]}]
+    for rate in dict.fromkeys(rate for rate in rates if rate is not None):
+        groups.append({"params": [m for m, r in zip(active.masters, rates) if r == rate], "lr": rate})
+    return [group for group in groups if group["params"]]
 
 
 def check_settings(state: dict, optimizer: torch.optim.Optimizer) -> None:

@@ -34,6 +34,8 @@ ExpertPart = Literal["none", "router", "shared", "attention", "rest"]
 # How the frozen decoder layers' linear weights are held for their forward (preinfer.frozen_weights); auto: in the
 # resident dtype, as every other weight.
 FrozenDtype = Literal["auto", "bf16", "int8", "nf4"]
+# Landscape expansion over the suffix (preinfer.expansion): none, rank-r factors per linear weight, or plain SGD.
+Expand = Literal["none", "lowrank", "sgd"]
 
 
 class Names:

@@ -64,6 +64,7 @@ BOUNDS: dict[str, Bound] = {
     "blocks.memory_budget": at_least(1), "blocks.blocks": at_least(1), "blocks.start_block": at_least(0),
     "blocks.sweeps": at_least(1), "blocks.importance_batches": at_least(1), "blocks.importance_floor": at_least(1),
     "blocks.importance_margin": at_least(0), "blocks.experts_sample": at_least(1),
+    "blocks.expand_rank": at_least(1), "blocks.expand_lr": above(0),
     "optim.lr": above(0), "optim.momentum": at_least(0), "optim.weight_decay": at_least(0),
     "optim.betas": Bound("", lambda betas: len(betas) == 2 and all(0 <= b < 1 for b in betas),
                          text="two numbers in [0, 1)"),
@@ -156,6 +157,7 @@ def rule_problems(c: Any) -> Iterator[Problem]:
     yield from data_problems(c)
     yield from partition_problems(c)
     yield from frozen_dtype_problems(c)
+    yield from expand_problems(c)
     if r.pipeline > 1:
         yield from pipeline_problems(c)
 
@@ -211,6 +213,28 @@ def frozen_dtype_problems(c: Any) -> Iterator[Problem]:
                                        f"in {frozen})"
     elif c.run.pipeline > 1:
         yield "model", "frozen_dtype", "auto on a pipeline (its stages hold their layers in the resident dtype)"
+
+
+def expand_problems(c: Any) -> Iterator[Problem]:
+    """Landscape expansion's: what it does not run with."""
+    b, expand = c.blocks, c.blocks.expand
+    if expand == "none":
+        return
+    if b.active is not None:
+        yield "blocks", "expand", "none with {blocks.active} (it keeps the layers above the active block frozen)"
+    if b.experts is not None:
+        yield "blocks", "expand", "none with {blocks.experts} (expert-granular blocks update nothing outside them)"
+    if c.model.frozen_dtype != "auto":
+        yield "blocks", "expand", "none with {model.frozen_dtype} other than auto (the suffix's linear weights " \
+                                  "are codes there, which it would not update)"
+    if c.run.pipeline > 1:
+        yield "blocks", "expand", "none on a pipeline ({run.pipeline} > 1: its stages do not update the suffix)"
+    if expand == "lowrank" and c.optim.keep_state:
+        yield "blocks", "expand", "sgd or none with {optim.keep_state} (each visit starts new factors, which " \
+                                  "the kept moments of the last visit's would not fit)"
+    if expand == "sgd" and c.run.precision == "fp16-mixed":
+        yield "blocks", "expand", "lowrank or none under {run.precision} fp16-mixed (the sgd step does not " \
+                                  "unscale the suffix's gradients)"
 
 
 def pipeline_problems(c: Any) -> Iterator[Problem]:

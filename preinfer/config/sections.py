@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from preinfer.config.choices import (
-    DEFAULT_ATTENTION, Attention, BlockOrder, ExpertPart, FrozenDtype, LrDecay, Mode, Names, Optimizer,
+    DEFAULT_ATTENTION, Attention, BlockOrder, Expand, ExpertPart, FrozenDtype, LrDecay, Mode, Names, Optimizer,
     PipelineSchedule, Precision, PreInferenceMode, StopRuleName, StoreDtype, StoreFormat, Tracker,
 )
 from preinfer.config.rules import Naming, check
@@ -59,6 +59,9 @@ class BlockConfig:
     experts: str | None = None  # "top:0.5": in sparse layers train only the experts carrying that share of tokens
     experts_with: Names[ExpertPart] = "router,shared,attention,rest"  # what trains with the chosen experts
     experts_sample: int = 8  # training batches whose routing picks the experts
+    expand: Expand = "none"  # landscape expansion: cheap updates of the layers above the active block each step
+    expand_rank: int = 8  # lowrank: the factors' rank
+    expand_lr: float | None = None  # the expansion's rate; None: the visit's rate
 
 
 # The reference paper's defaults of the optimizers.

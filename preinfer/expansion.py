@@ -1,0 +1,160 @@
+"""Landscape expansion over the suffix (BREAD, NeurIPS 2025): during a visit, the decoder layers above the active
+block get a cheap update at every step from the gradients its backward already runs through them.
+
+`--expand lowrank` (`LowRankExpansion`): each linear weight W [out, in] of a suffix layer gets rank-r fp32 factors
+A [r, in] (drawn from N(0, 1/in) by a generator seeded with the run's seed, the step the visit starts at and
+the block, so a resumed run draws what the uninterrupted one drew and the run's own random state is not touched) and B [out, r] (zeros, so the model is unchanged when
+the visit starts), added to the layer's output by a forward hook: y = W x + B (A x). `activate` returns them, so
+the visit's optimizer steps them with the block (at `--expand-lr` in a group of their own when it is given, else in
+the block's; on the visit's schedule either way), clipping covers them and the data-parallel reducer sums their
+gradients like the block's. When the visit ends, B A is added into W (in fp32, cast to W's dtype) and the factors
+and hooks are removed. A mid-visit checkpoint carries the factors with the visit's masters
+(`VisitLifecycle.checkpointed`).
+
+`--expand sgd` (`SgdExpansion`): every parameter of the suffix layers takes a gradient for the visit; after each
+optimizer step it gets a plain SGD step, w <- w - lr g (in fp32, cast to w's dtype; summed over the data-parallel
+replicas first), at the constant rate `--expand-lr`, and the gradient is dropped. It keeps no state.
+
+Only the decoder layers `[block.stop, num_layers)` change: the embedding and the head are trained only by the
+blocks the partition gives them (a head-holding block has no suffix). The layers below the active block never
+change, so every store at a boundary at or below `block.start` stays valid in every order; a store above it is
+made stale by the visit's own block already (its fingerprint, a hash of its prefix's tensors, changes with them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from preinfer.config import DEFAULT_LR, Config
+from preinfer.partition import Block
+from preinfer.staged import StagedModel
+
+
+def suffix_layers(staged: StagedModel, block: Block) -> list[nn.Module]:
+    """The decoder layers above `block`: those its visit expands."""
+    return list(staged.layers[block.stop:])
+
+
+def linear_weights(layers: list[nn.Module]) -> Iterator[tuple[nn.Module, bool]]:
+    """Each linear module of `layers` (nn.Linear, and transformers' Conv1D, whose weight is stored transposed), in
+    module order, with whether its weight is [in, out]."""
+    for layer in layers:
+        for module in layer.modules():
+            if isinstance(module, (nn.Linear, Conv1D)):
+                yield module, isinstance(module, Conv1D)
+
+
+class Factors:
+    """One linear module's rank-r factors and the forward hook that adds their product to its output."""
+
+    def __init__(self, module: nn.Module, transposed: bool, rank: int, lr: float | None, gen: torch.Generator):
+        self.module, self.transposed = module, transposed
+        out_features, in_features = module.weight.shape[::-1] if transposed else module.weight.shape
+        device = module.weight.device
+        self.a = nn.Parameter(torch.randn(rank, in_features, generator=gen).div_(in_features ** 0.5).to(device))
+        self.b = nn.Parameter(torch.zeros(out_features, rank, device=device))
+        if lr is not None:
+            for factor in (self.a, self.b):
+                factor.visit_lr = lr  # the rate of a group of its own (preinfer.visit_optimizer)
+        self.handle = module.register_forward_hook(self._add)
+
+    def _add(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        x = args[0]
+        return output + F.linear(F.linear(x, self.a.to(x.dtype)), self.b.to(x.dtype))
+
+    def dense(self) -> torch.Tensor:
+        """The update of the module's weight the factors stand for, in fp32 and the weight's own layout."""
+        delta = self.b.detach() @ self.a.detach()
+        return delta.t() if self.transposed else delta
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Add the dense update into the weight and remove the hook."""
+        weight = self.module.weight
+        weight.copy_(weight.float() + self.dense())
+        self.handle.remove()
+
+
+class LowRankExpansion:
+    """`--expand lowrank` (see the module's docstring)."""
+
+    def __init__(self, staged: StagedModel, rank: int, lr: float | None, seed: int = 0,
+                 step: Callable[[], int] = lambda: 0):
+        """`step`: the run's global step now (the factors of a visit are drawn from it, the seed and the block)."""
+        self.staged, self.rank, self.lr, self.seed, self.step = staged, rank, lr, seed, step
+        self.factors: list[Factors] = []
+
+    def activate(self, block: Block) -> list[nn.Parameter]:
+        layers = suffix_layers(self.staged, block)
+        gen = torch.Generator().manual_seed(visit_seed(self.seed, self.step(), block.index))
+        self.factors = [Factors(module, transposed, self.rank, self.lr, gen)
+                        for module, transposed in linear_weights(layers)]
+        return [factor for f in self.factors for factor in (f.a, f.b)]
+
+    def after_step(self) -> None:
+        pass
+
+    def deactivate(self, block: Block) -> None:
+        for factors in self.factors:
+            factors.merge()
+        self.factors = []
+
+
+class SgdExpansion:
+    """`--expand sgd` (see the module's docstring)."""
+
+    def __init__(self, staged: StagedModel, lr: float):
+        self.staged, self.lr = staged, lr
+        self.params: list[nn.Parameter] = []
+
+    def activate(self, block: Block) -> list[nn.Parameter]:
+        self.params = [p for layer in suffix_layers(self.staged, block) for p in layer.parameters()
+                       if p.is_floating_point()]
+        for param in self.params:
+            param.requires_grad_(True)
+        return []
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        replicated = dist.is_initialized() and dist.get_world_size() > 1
+        for param in self.params:
+            if param.grad is None:
+                continue
+            if replicated:
+                dist.all_reduce(param.grad)
+            param.copy_(param.float() - self.lr * param.grad.float())
+            param.grad = None
+
+    def deactivate(self, block: Block) -> None:
+        for param in self.params:
+            param.requires_grad_(False)
+            param.grad = None
+        self.params = []
+
+
+def visit_seed(seed: int, step: int, block: int) -> int:
+    """The seed of the factors of block `block`'s visit starting at global step `step` of a run seeded `seed`."""
+    return int.from_bytes(hashlib.sha256(f"expand/{seed}/{step}/{block}".encode()).digest()[:8], "little")
+
+
+def expansion_hooks(staged: StagedModel, config: Config, step: Callable[[], int]) -> list[LowRankExpansion |
+                                                                                           SgdExpansion]:
+    """The visit hooks `config`'s `[blocks] expand` asks for (none: no hook); `step`: the run's global step now."""
+    b = config.blocks
+    if b.expand == "lowrank":
+        return [LowRankExpansion(staged, b.expand_rank, b.expand_lr, config.run.seed, step)]
+    if b.expand == "sgd":
+        return [SgdExpansion(staged, b.expand_lr if b.expand_lr is not None else visit_lr(config))]
+    return []
+
+
+def visit_lr(config: Config) -> float:
+    """The rate a visit's optimizer starts at (`--lr`, or the optimizer's default)."""
+    return config.optim.lr if config.optim.lr is not None else DEFAULT_LR[config.optim.name]
