@@ -12,10 +12,12 @@ from transformers import get_scheduler
 
 from preinfer.config import DEFAULT_LR, DEFAULT_WEIGHT_DECAY, LR_DECAYS, OPEN_ENDED_DECAYS, OptimConfig, StopConfig
 from preinfer.errors import UsageError
+from preinfer.low_bit import LOW_BIT_OPTIMIZERS, low_bit_adam
 
 
 def build_optimizer(params: list[nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
-    """SGD with momentum, Adam or AdamW over `params`, with the paper's defaults where cfg leaves them open."""
+    """SGD with momentum, Adam or AdamW (or their 8-bit kin, `preinfer.low_bit`) over `params`, with the paper's
+    defaults where cfg leaves them open."""
     name = cfg.name.lower()
     if name not in DEFAULT_LR:
         raise UsageError(f"--optimizer '{cfg.name}' is not one of {', '.join(DEFAULT_LR)}")
@@ -23,6 +25,8 @@ def build_optimizer(params: list[nn.Parameter], cfg: OptimConfig) -> torch.optim
     wd = cfg.weight_decay if cfg.weight_decay is not None else DEFAULT_WEIGHT_DECAY[name]
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=wd)
+    if name in LOW_BIT_OPTIMIZERS:
+        return low_bit_adam(params, name, lr, tuple(cfg.betas), wd)
     cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
     return cls(params, lr=lr, betas=tuple(cfg.betas), weight_decay=wd)
 

@@ -14,7 +14,9 @@ from preinfer.config.choices import (
     IMPORTANCE_ORDERS, OPEN_ENDED_DECAYS, choices_of, field_hint, is_names, is_optional, names, parse_experts,
 )
 from preinfer.errors import UsageError
+from preinfer.low_bit import LOW_BIT_OPTIMIZERS
 from preinfer.partition import parse_ufp
+from preinfer.torchao_extra import torchao_installed
 
 
 class Naming:
@@ -135,6 +137,9 @@ def rule_problems(c: Any) -> Iterator[Problem]:
         yield "optim", "decay", f"one of {', '.join(OPEN_ENDED_DECAYS)} when a visit ends on a plateau (it has " \
                                 "no known last step), or a visit length: {stop.steps_per_visit} or " \
                                 "{stop.epochs_per_visit}"
+    if o.name in LOW_BIT_OPTIMIZERS and not torchao_installed():
+        yield "optim", "name", "sgd, adam or adamw: its 8-bit moments need torchao, which is not installed " \
+                               "(pip install preinfer[quant])"
     if s.rule == "gain" and b.order not in IMPORTANCE_ORDERS:
         yield "stop", "rule", "budget unless {blocks.order} is " + " or ".join(IMPORTANCE_ORDERS) + \
                               " (the gain rule predicts other blocks' gains from their scores)"
