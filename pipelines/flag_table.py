@@ -161,6 +161,9 @@ TRAINING_FLAGS: list[Flag] = [
     Flag("--keep-optimizer-state", "optim", "keep_state",
          "keep each block's optimizer state between its visits (costs that state's memory for every block: 2x "
          "the model's weights for Adam) instead of dropping it after each visit", SWITCH),
+    Flag("--fused-step", "optim", "fused_step", "step each tensor in backward as soon as its gradient is complete "
+         "and free that gradient at once (no step's gradients all resident; refused with --grad-clip, fp16-mixed, "
+         "--pipeline and --experts)", SWITCH),
     Flag("--steps-per-visit", "stop", "steps_per_visit", "step budget per visit", dict(type=positive_int)),
     Flag("--epochs-per-visit", "stop", "epochs_per_visit", "epoch budget per visit (one caching pass serves them "
          "all)", dict(type=positive_float),

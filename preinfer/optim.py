@@ -31,6 +31,23 @@ def build_optimizer(params: list[nn.Parameter], cfg: OptimConfig) -> torch.optim
     return cls(params, lr=lr, betas=tuple(cfg.betas), weight_decay=wd)
 
 
+def step_tensor(optimizer: torch.optim.Optimizer, tensor: torch.Tensor) -> None:
+    """`optimizer`'s step of `tensor` alone (the fused step, in backward): `step_param` where the optimizer has
+    one (`preinfer.low_bit`), else its own step over groups that hold only `tensor` for the call."""
+    group = next(g for g in optimizer.param_groups if any(p is tensor for p in g["params"]))
+    if hasattr(optimizer, "step_param"):
+        optimizer.step_param(tensor, group)
+        return
+    held = [g["params"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["params"] = [tensor] if g is group else []
+    try:
+        optimizer.step()
+    finally:
+        for g, params in zip(optimizer.param_groups, held):
+            g["params"] = params
+
+
 @dataclass(frozen=True)
 class LrSchedule:
     """A visit's learning rate, step by step, as a fraction of the full rate: `transformers.get_scheduler`'s

@@ -8,6 +8,14 @@ learning-rate schedule (`LrSchedule`, from the visit's step). `VisitOptimizer.st
 (fp16-mixed), clip the fp32 gradients of what the optimizer steps, step unless a gradient is not finite, cast the
 masters into the 16-bit weights. `close` ends the visit: the masters and their gradients are freed, the state kept
 or dropped.
+
+The fused step (`fused_step`): each tensor's step runs in backward, as soon as its gradient of the step's last
+micro-batch is complete (`ActiveBlock.watch`), and the gradient is freed at once, so a step's gradients are never
+all resident (torchtune's optimizer in backward). The optimizer is the same one, stepping one tensor at a time
+(`preinfer.optim.step_tensor`), so the weights equal the unfused step's. Gradient accumulation works (the earlier
+micro-batches accumulate, the last one steps); what needs every gradient of a step before the first tensor steps is
+refused: global-norm clipping, fp16-mixed's loss scaling, a pipeline's micro-batches, expert slicing
+(`Config.validate`), and data parallelism's reducer (`ActiveBlock.watch`, at the visit's start).
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from torch import nn
 
 from preinfer.config import OptimConfig
 from preinfer.errors import UsageError
-from preinfer.optim import LrSchedule, build_optimizer
+from preinfer.optim import LrSchedule, build_optimizer, step_tensor
 from preinfer.precision import ActiveBlock, LossScaler, Precision
 
 # The optimizer settings a saved state must share with the run resuming it (torch's load_state_dict would
@@ -47,7 +55,9 @@ class VisitOptimizer:
             check_settings(state, self.optimizer)
             self.optimizer.load_state_dict(state)
         self.schedule = LrSchedule.for_visit(optim, steps, self.initial_lr)
-        self.scaler, self.grad_clip = scaler, optim.grad_clip
+        self.scaler, self.grad_clip, self.fused = scaler, optim.grad_clip, optim.fused_step
+        if self.fused and self.active.masters:
+            self.active.watch(self._step_one)
 
     @property
     def initial_lr(self) -> float:
@@ -69,10 +79,21 @@ class VisitOptimizer:
         return self.scaler.scale_loss(loss)
 
     @torch.no_grad()
+    def _step_one(self, index: int) -> None:
+        """The fused step of tensor `index`, in backward once its gradient is complete: step it, free its
+        gradient, cast its master down."""
+        master = self.active.masters[index]
+        step_tensor(self.optimizer, master)
+        master.grad = None
+        self.active.cast_down(index)
+
+    @torch.no_grad()
     def step(self, clip: Callable[[list[torch.Tensor], float], None] = clip_norm) -> bool:
         """Unscale the gradients (fp16-mixed), clip their norm with `clip` (the fp32 gradients of the tensors the
         optimizer steps) when `grad_clip` is set, step unless a gradient is not finite, and cast the masters
-        down; True if it stepped."""
+        down; True if it stepped. With the fused step every tensor stepped in backward: nothing is left to do."""
+        if self.fused:
+            return True
         self.scaler.unscale_(self.optimizer)
         if self.grad_clip > 0:
             clip(self.active.masters, self.grad_clip)
@@ -107,6 +128,9 @@ class VisitOptimizers:
     scaler of the whole run."""
 
     def __init__(self, optim: OptimConfig, precision: Precision, device_type: str):
+        if optim.fused_step and precision.loss_scaling:
+            raise UsageError(f"--fused-step steps each tensor in backward, before {precision}'s loss scaling checks "
+                             f"every gradient: drop --fused-step, or train in bf16-mixed or fp32")
         self.optim, self.precision = optim, precision
         self.scaler = LossScaler(device_type, enabled=precision.loss_scaling)
         self.kept: dict[int, dict] = {}  # block -> its optimizer state (keep_state, or a mid-visit checkpoint's)

@@ -140,6 +140,7 @@ def rule_problems(c: Any) -> Iterator[Problem]:
     if o.name in LOW_BIT_OPTIMIZERS and not torchao_installed():
         yield "optim", "name", "sgd, adam or adamw: its 8-bit moments need torchao, which is not installed " \
                                "(pip install preinfer[quant])"
+    yield from fused_step_problems(c)
     if s.rule == "gain" and b.order not in IMPORTANCE_ORDERS:
         yield "stop", "rule", "budget unless {blocks.order} is " + " or ".join(IMPORTANCE_ORDERS) + \
                               " (the gain rule predicts other blocks' gains from their scores)"
@@ -167,6 +168,21 @@ def _parses(parse: Callable[[str], Any], text: str) -> bool:
     except UsageError:
         return False
     return True
+
+
+def fused_step_problems(c: Any) -> Iterator[Problem]:
+    """What the fused step cannot run with: what needs every gradient of a step before the first tensor steps."""
+    if not c.optim.fused_step:
+        return
+    why = "false with {}: the fused step steps each tensor in backward, before {}"
+    if c.optim.grad_clip > 0:
+        yield "optim", "fused_step", why.format("{optim.grad_clip} > 0", "the global gradient norm is known")
+    if c.run.precision == "fp16-mixed":
+        yield "optim", "fused_step", why.format("{run.precision} fp16-mixed", "loss scaling checks every gradient")
+    if c.run.pipeline > 1:
+        yield "optim", "fused_step", why.format("{run.pipeline} > 1", "a stage's micro-batches are all through")
+    if c.blocks.experts is not None:
+        yield "optim", "fused_step", why.format("{blocks.experts}", "the chosen experts' gradients are sliced out")
 
 
 def partition_problems(c: Any) -> Iterator[Problem]:

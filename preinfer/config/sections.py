@@ -73,6 +73,9 @@ class OptimConfig:
     grad_clip: float = 0.0  # max gradient norm of the active block; 0 disables
     grad_accum: int = 1  # micro-batches per optimizer step
     keep_state: bool = False  # keep each block's optimizer state between its visits (costs its memory)
+    # each tensor's step in backward, as soon as its gradient is complete, which is then freed (no grad_clip, no
+    # fp16-mixed, one process or stage)
+    fused_step: bool = False
 
 
 # A visit's epoch budget when the config gives no stopping rule.
