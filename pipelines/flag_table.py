@@ -159,8 +159,10 @@ TRAINING_FLAGS: list[Flag] = [
     Flag("--grad-clip", "optim", "grad_clip", "max gradient norm; 0 = off", dict(type=float)),
     Flag("--grad-accum", "optim", "grad_accum", "micro-batches per step", dict(type=positive_int)),
     Flag("--keep-optimizer-state", "optim", "keep_state",
-         "keep each block's optimizer state between its visits (costs that state's memory for every block: 2x "
-         "the model's weights for Adam) instead of dropping it after each visit", SWITCH),
+         "keep each block's optimizer state between its visits, in host memory (the device holds the active "
+         "block's only; host memory holds every other block's: 2x the model's weights in fp32 for Adam, about a "
+         "quarter of that for adam8bit/adamw8bit) instead of dropping it after each visit; its step count goes on, "
+         "so bias correction does not restart", SWITCH),
     Flag("--fused-step", "optim", "fused_step", "step each tensor in backward as soon as its gradient is complete "
          "and free that gradient at once (no step's gradients all resident; refused with --grad-clip, fp16-mixed, "
          "--pipeline and --experts)", SWITCH),

@@ -119,10 +119,10 @@ class BlockOptimizer:
             self._next_visit()
 
     def _next_visit(self) -> None:
-        if self.meter is not None:
-            self.visit_memory.append(self.meter.report())
-            self.meter.reset()
         self._deactivate()
+        if self.meter is not None:
+            self.visit_memory.append(self.optimizers.with_host_bytes(self.meter.report()))
+            self.meter.reset()
         self.visit, self.visit_step = self.visit + 1, 0
         if self.visit == len(self.order(self.sweep)):
             self.sweep, self.visit = self.sweep + 1, 0

@@ -51,7 +51,8 @@ class StepRecord(Record):
 class VisitRecord(Record):
     """A finished visit of one block (also kept in the checkpoint and summary.json). `memory` holds the meter's
     peaks over the visit's first 2 steps: params, masters (mixed precision's fp32 copies), grads, optimizer,
-    activations, tracked_peak, rss_peak, cuda_peak."""
+    activations, tracked_peak, rss_peak, cuda_peak; with --keep-optimizer-state also host_optimizer, the bytes of
+    the kept optimizer states in host memory after the visit."""
 
     kind: ClassVar[str] = "visit"
     sweep: int  # the sweep, from 0

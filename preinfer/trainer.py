@@ -201,7 +201,7 @@ class Trainer:
         self.visit = None
         evaluated = time.perf_counter()
         eval_loss = self.evaluate(evaluation)
-        memory = self.meter.report() if self.meter is not None else {}
+        memory = self.optimizers.with_host_bytes(self.meter.report()) if self.meter is not None else {}
         record = p.visit_record(block, stop.steps, reason, eval_loss, wall, train.boundary, memory,
                                 time.perf_counter() - evaluated, gain.report() if gain is not None else None)
         p.visits.append(record.to_dict())

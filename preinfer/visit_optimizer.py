@@ -9,6 +9,12 @@ learning-rate schedule (`LrSchedule`, from the visit's step). `VisitOptimizer.st
 masters into the 16-bit weights. `close` ends the visit: the masters and their gradients are freed, the state kept
 or dropped.
 
+Kept state (`keep_state`) lives in host memory between visits (`on_host`: CPU tensors, pinned where CUDA is; the
+8-bit optimizers' codes stay 8-bit), and is copied back onto the device when its block's next visit opens, so the
+device holds the active block's state only. The step count continues from the kept state: Adam's bias correction
+does not restart at a block's next visit (its moments are not cold). A checkpoint saves the kept states and a
+resume brings them back, bit for bit.
+
 The fused step (`fused_step`): each tensor's step runs in backward, as soon as its gradient of the step's last
 micro-batch is complete (`ActiveBlock.watch`), and the gradient is freed at once, so a step's gradients are never
 all resident (torchtune's optimizer in backward). The optimizer is the same one, stepping one tensor at a time
@@ -133,7 +139,25 @@ class VisitOptimizers:
                              f"every gradient: drop --fused-step, or train in bf16-mixed or fp32")
         self.optim, self.precision = optim, precision
         self.scaler = LossScaler(device_type, enabled=precision.loss_scaling)
-        self.kept: dict[int, dict] = {}  # block -> its optimizer state (keep_state, or a mid-visit checkpoint's)
+        self._kept: dict[int, dict] = {}
+
+    @property
+    def kept(self) -> dict[int, dict]:
+        """Block -> its optimizer state in host memory (keep_state, or a checkpoint's)."""
+        return self._kept
+
+    @kept.setter
+    def kept(self, states: dict[int, dict]) -> None:
+        self._kept = {block: on_host(state) for block, state in states.items()}
+
+    def host_bytes(self) -> int:
+        """Bytes of the kept states' tensors (all in host memory)."""
+        return sum(tensor_bytes(value) for state in self._kept.values() for entries in state["state"].values()
+                   for value in entries.values() if torch.is_tensor(value))
+
+    def with_host_bytes(self, report: dict[str, int]) -> dict[str, int]:
+        """A visit's memory `report` with `host_optimizer`, the kept states' bytes in host memory (keep_state)."""
+        return {**report, "host_optimizer": self.host_bytes()} if self.optim.keep_state else report
 
     def open(self, block: int, params: list[nn.Parameter], steps: int | None,
              masters: Sequence[torch.Tensor] | None = None, state: dict | None = None) -> VisitOptimizer:
@@ -143,13 +167,36 @@ class VisitOptimizers:
         return VisitOptimizer(params, self.optim, self.precision, self.scaler, steps, saved, masters)
 
     def close(self, block: int, visit: VisitOptimizer) -> None:
-        """End the visit: keep its state (keep_state) or drop it, and free its masters and their gradients."""
+        """End the visit: keep its state in host memory (keep_state) or drop it, free its device state, its
+        masters' gradients and its hooks."""
         if self.optim.keep_state:
-            self.kept[block] = visit.state_dict()
+            self._kept[block] = on_host(visit.state_dict())
         else:
-            self.kept.pop(block, None)
+            self._kept.pop(block, None)
+        visit.optimizer.state.clear()
         visit.active.close()
 
     def states(self, block: int | None = None, visit: VisitOptimizer | None = None) -> dict[int, dict]:
         """The states a checkpoint saves: the kept ones, and mid-visit the active block's."""
-        return self.kept if visit is None else {**self.kept, block: visit.state_dict()}
+        return self._kept if visit is None else {**self._kept, block: visit.state_dict()}
+
+
+def on_host(state: dict) -> dict:
+    """An optimizer state dict with every tensor in host memory (pinned where CUDA is, for the copy back)."""
+    return {"state": {index: {key: host_copy(value) if torch.is_tensor(value) else value
+                              for key, value in entries.items()} for index, entries in state["state"].items()},
+            "param_groups": state["param_groups"]}
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in host memory, pinned where CUDA is: a copy unless it already is."""
+    pin = torch.cuda.is_available()
+    if tensor.device.type == "cpu" and (not pin or tensor.is_pinned()):
+        return tensor.detach()
+    if not pin:
+        return tensor.detach().cpu()
+    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

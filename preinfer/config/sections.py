@@ -72,7 +72,7 @@ class OptimConfig:
     decay: LrDecay = "none"  # a transformers schedule after warmup; linear, cosine... fall to 0 at a visit's last step
     grad_clip: float = 0.0  # max gradient norm of the active block; 0 disables
     grad_accum: int = 1  # micro-batches per optimizer step
-    keep_state: bool = False  # keep each block's optimizer state between its visits (costs its memory)
+    keep_state: bool = False  # keep each block's optimizer state between its visits, in host memory
     # each tensor's step in backward, as soon as its gradient is complete, which is then freed (no grad_clip, no
     # fp16-mixed, one process or stage)
     fused_step: bool = False
