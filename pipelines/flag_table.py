@@ -166,6 +166,8 @@ TRAINING_FLAGS: list[Flag] = [
     Flag("--fused-step", "optim", "fused_step", "step each tensor in backward as soon as its gradient is complete "
          "and free that gradient at once (no step's gradients all resident; refused with --grad-clip, fp16-mixed, "
          "--pipeline and --experts)", SWITCH),
+    Flag("--block-lr", "optim", "block_lr", "per-block learning rates as factors of --lr: depth:LO..HI (linear in "
+         "the block's index, LO at the first block, HI at the last) or a comma list of factors, one per block"),
     Flag("--steps-per-visit", "stop", "steps_per_visit", "step budget per visit", dict(type=positive_int)),
     Flag("--epochs-per-visit", "stop", "epochs_per_visit", "epoch budget per visit (one caching pass serves them "
          "all)", dict(type=positive_float),

@@ -6,8 +6,8 @@
 
 The options are `preinfer bcd`'s, with its defaults: the blocks (`ufp`, `blocks` or `ranges`; `separate_ends`),
 their order (`order`, `fixed_order`, `start_block`, `seed`), `steps_per_visit`, the optimizer (`optimizer`, `lr`,
-`betas`, `momentum`, `weight_decay`, `keep_state`, `fused_step`), each visit's schedule (`warmup_steps`, `decay`)
-and `precision`. One visit trains one block for `steps_per_visit` optimizer steps (with gradient accumulation an
+`betas`, `momentum`, `weight_decay`, `keep_state`, `fused_step`, `block_lr`), each visit's schedule
+(`warmup_steps`, `decay`) and `precision`. One visit trains one block for `steps_per_visit` optimizer steps (with gradient accumulation an
 optimizer step is `gradient_accumulation_steps` micro-batches), then the next block of the order; the sweeps go
 on until the Trainer's `max_steps`. The optimizer lifecycle is `preinfer bcd`'s own (`preinfer.visit_optimizer`).
 
@@ -58,7 +58,8 @@ ARGUMENTS = {"steps_per_visit": "stop.steps_per_visit", "ufp": "blocks.ufp", "bl
              "fixed_order": "blocks.fixed_order", "start_block": "blocks.start_block", "seed": "run.seed",
              "optimizer": "optim.name", "lr": "optim.lr", "betas": "optim.betas", "momentum": "optim.momentum",
              "weight_decay": "optim.weight_decay", "warmup_steps": "optim.warmup_steps", "decay": "optim.decay",
-             "keep_state": "optim.keep_state", "precision": "run.precision", "fused_step": "optim.fused_step"}
+             "keep_state": "optim.keep_state", "precision": "run.precision", "fused_step": "optim.fused_step",
+             "block_lr": "optim.block_lr"}
 _BCD_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its BlockCoordinateDescent
 
 
@@ -142,6 +143,7 @@ class BlockCoordinateDescent:
         keep_state: bool = False,
         precision: Precision = "auto",
         fused_step: bool = False,
+        block_lr: str | None = None,
         meter: MemoryMeter | None = None,
     ):
         if ufp is None and blocks is None and ranges is None:
@@ -151,7 +153,8 @@ class BlockCoordinateDescent:
             separate_ends=separate_ends, order=order, fixed_order=fixed_order, start_block=start_block, seed=seed,
             optimizer=optimizer, lr=lr, betas=list(betas) if isinstance(betas, (list, tuple)) else betas,
             momentum=momentum, weight_decay=weight_decay, warmup_steps=warmup_steps, decay=decay,
-            keep_state=keep_state, precision=precision, fused_step=fused_step))  # refused here, before the model is cast or staged
+            keep_state=keep_state, precision=precision, fused_step=fused_step,
+            block_lr=block_lr))  # refused here, before the model is cast or staged
         b, optim = config.blocks, config.optim
         previous = _BCD_OF.get(model)
         if previous is not None:  # one BCD at a time holds a model's hooks and masters: the newer one

@@ -33,7 +33,7 @@ class BlockOptimizer:
         self.metered = False  # the meter tracks the current step (the callback sets it)
         self.visit_memory: list[dict[str, int]] = []  # with a meter: each finished visit's peaks, as bcd reports them
         device = next(staged.model.parameters()).device.type  # the scale itself goes where the loss is
-        self.optimizers = VisitOptimizers(optim, precision, device)
+        self.optimizers = VisitOptimizers(optim, precision, device, len(partition))
         self.scaler = self.optimizers.scaler
         self.sweep = self.visit = self.visit_step = self.global_step = 0
         self._current: VisitOptimizer | None = None

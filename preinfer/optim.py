@@ -21,7 +21,7 @@ def build_optimizer(params: list[nn.Parameter], cfg: OptimConfig) -> torch.optim
     name = cfg.name.lower()
     if name not in DEFAULT_LR:
         raise UsageError(f"--optimizer '{cfg.name}' is not one of {', '.join(DEFAULT_LR)}")
-    lr = cfg.lr if cfg.lr is not None else DEFAULT_LR[name]
+    lr = resolved_lr(cfg)
     wd = cfg.weight_decay if cfg.weight_decay is not None else DEFAULT_WEIGHT_DECAY[name]
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=wd)
@@ -46,6 +46,11 @@ def step_tensor(optimizer: torch.optim.Optimizer, tensor: torch.Tensor) -> None:
     finally:
         for g, params in zip(optimizer.param_groups, held):
             g["params"] = params
+
+
+def resolved_lr(cfg: OptimConfig) -> float:
+    """The run's rate: `lr`, or the optimizer's default."""
+    return cfg.lr if cfg.lr is not None else DEFAULT_LR[cfg.name.lower()]
 
 
 @dataclass(frozen=True)

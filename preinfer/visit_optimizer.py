@@ -26,14 +26,16 @@ refused: global-norm clipping, fp16-mixed's loss scaling, a pipeline's micro-bat
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
+from preinfer.block_lr import parse_block_lr
 from preinfer.config import OptimConfig
 from preinfer.errors import UsageError
-from preinfer.optim import LrSchedule, build_optimizer, step_tensor
+from preinfer.optim import LrSchedule, build_optimizer, resolved_lr, step_tensor
 from preinfer.precision import ActiveBlock, LossScaler, Precision
 
 # The optimizer settings a saved state must share with the run resuming it (torch's load_state_dict would
@@ -133,13 +135,15 @@ class VisitOptimizers:
     """A run's optimizer lifecycle: one `VisitOptimizer` per visit, the kept states between visits, the loss
     scaler of the whole run."""
 
-    def __init__(self, optim: OptimConfig, precision: Precision, device_type: str):
+    def __init__(self, optim: OptimConfig, precision: Precision, device_type: str, blocks: int = 1):
+        """`blocks`: how many the partition has (for `block_lr`'s factors)."""
         if optim.fused_step and precision.loss_scaling:
             raise UsageError(f"--fused-step steps each tensor in backward, before {precision}'s loss scaling checks "
                              f"every gradient: drop --fused-step, or train in bf16-mixed or fp32")
         self.optim, self.precision = optim, precision
         self.scaler = LossScaler(device_type, enabled=precision.loss_scaling)
         self._kept: dict[int, dict] = {}
+        self.factors = parse_block_lr(optim.block_lr).factors(blocks) if optim.block_lr else None
 
     @property
     def kept(self) -> dict[int, dict]:
@@ -164,7 +168,13 @@ class VisitOptimizers:
         """The optimizer of a visit of block `block` stepping `params` for at most `steps` steps (None: open
         ended), with `state` or the block's kept state, and `masters` from a mid-visit checkpoint."""
         saved = state if state is not None else self.kept.get(block)
-        return VisitOptimizer(params, self.optim, self.precision, self.scaler, steps, saved, masters)
+        return VisitOptimizer(params, self.visit_config(block), self.precision, self.scaler, steps, saved, masters)
+
+    def visit_config(self, block: int) -> OptimConfig:
+        """The optimizer configuration of a visit of `block`: the run's, at the block's rate (`block_lr`)."""
+        if self.factors is None:
+            return self.optim
+        return dataclasses.replace(self.optim, lr=resolved_lr(self.optim) * self.factors[block])
 
     def close(self, block: int, visit: VisitOptimizer) -> None:
         """End the visit: keep its state in host memory (keep_state) or drop it, free its device state, its

@@ -15,7 +15,8 @@ STEPS = 4
 @pytest.mark.parametrize("overrides", [
     dict(run__precision="fp32"), dict(run__precision="bf16-mixed"),
     dict(run__precision="fp32", optim__name="adamw8bit"), dict(run__precision="fp32", optim__fused_step=True),
-], ids=["fp32", "bf16-mixed", "adamw8bit", "fused"])
+    dict(run__precision="fp32", optim__block_lr="depth:0.5..1.5"),
+], ids=["fp32", "bf16-mixed", "adamw8bit", "fused", "block-lr"])
 def test_a_run_resumed_with_kept_states_ends_bit_for_bit_as_one_run(tmp_path, overrides):
     options = dict(optim__keep_state=True, blocks__sweeps=2, stop__steps_per_visit=STEPS, **overrides)
     reference = make_trainer(run_dir=tmp_path / "a", **options)

@@ -26,20 +26,21 @@ VISIT = dict(blocks=3, steps_per_visit=3, lr=1e-3, order="descending", warmup_st
 CLIP = 0.05  # below every step's gradient norm here: each step is clipped
 
 
-def trained_by_our_trainer(precision: str) -> dict[str, torch.Tensor]:
+def trained_by_our_trainer(precision: str, clip: float = CLIP, **overrides) -> dict[str, torch.Tensor]:
     trainer = make_trainer(blocks__blocks=3, blocks__order="descending", optim__warmup_steps=1,
-                           optim__decay="cosine", optim__grad_clip=CLIP, run__precision=precision)
+                           optim__decay="cosine", optim__grad_clip=clip, run__precision=precision, **overrides)
     trainer.fit()
     return snapshot(trainer.staged.model)
 
 
-def trained_by_hf_block_optimizer(precision: str, clip: float = CLIP) -> dict[str, torch.Tensor]:
+def trained_by_hf_block_optimizer(precision: str, clip: float = CLIP, steps: int = 9,
+                                  **options) -> dict[str, torch.Tensor]:
     model = build_preset("tiny-llama", seed=0)
-    bcd = BlockCoordinateDescent(model, precision=precision, **VISIT)
+    bcd = BlockCoordinateDescent(model, precision=precision, **VISIT, **options)
     optimizer, scheduler = bcd.optimizers
     optimizer.grad_clip = clip  # what BlockCallback hands over from TrainingArguments.max_grad_norm
     router = RouterLoss(model, bcd.staged.layers)
-    for batch in live_batches(9):
+    for batch in live_batches(steps):
         count = torch.tensor(float(supervised_tokens(batch["labels"])))
         forward_backward(bcd.staged, batch, optimizer.block, 0, count, optimizer.current.scale_loss, router, 1,
                          False)
@@ -56,6 +57,18 @@ def test_the_trainer_and_the_hf_block_optimizer_end_with_bit_identical_weights(p
     assert all(torch.equal(ours[name], hf[name]) for name in ours)
     initial = snapshot(build_preset("tiny-llama", seed=0))
     assert any(not torch.equal(hf[name], initial[name].to(hf[name].dtype)) for name in hf)  # it trained
+
+
+@pytest.mark.parametrize("options", [
+    dict(keep_state=True, block_lr="depth:0.5..1.5"), dict(name="adamw8bit", fused_step=True, block_lr="1,2,0.5"),
+], ids=["kept-depth-rates", "adamw8bit-fused-listed-rates"])
+def test_the_hf_block_optimizer_takes_the_same_options_and_ends_with_the_same_weights(options):
+    """Two sweeps: the kept states come back at each block's second visit."""
+    hf_options = {("optimizer" if key == "name" else key): value for key, value in options.items()}
+    ours = trained_by_our_trainer("bf16-mixed", clip=0.0, blocks__sweeps=2,
+                                  **{f"optim__{key}": value for key, value in options.items()})
+    hf = trained_by_hf_block_optimizer("bf16-mixed", clip=0.0, steps=18, **hf_options)
+    assert all(torch.equal(ours[name], hf[name]) for name in ours)
 
 
 def test_clipping_changes_what_both_train():

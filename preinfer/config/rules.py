@@ -13,6 +13,7 @@ from typing import Any, Literal, get_origin
 from preinfer.config.choices import (
     IMPORTANCE_ORDERS, OPEN_ENDED_DECAYS, choices_of, field_hint, is_names, is_optional, names, parse_experts,
 )
+from preinfer.block_lr import GRAMMAR, parse_block_lr
 from preinfer.errors import UsageError
 from preinfer.low_bit import LOW_BIT_OPTIMIZERS
 from preinfer.partition import parse_ufp
@@ -141,6 +142,8 @@ def rule_problems(c: Any) -> Iterator[Problem]:
         yield "optim", "name", "sgd, adam or adamw: its 8-bit moments need torchao, which is not installed " \
                                "(pip install preinfer[quant])"
     yield from fused_step_problems(c)
+    if o.block_lr is not None and not _parses(parse_block_lr, o.block_lr):
+        yield "optim", "block_lr", GRAMMAR
     if s.rule == "gain" and b.order not in IMPORTANCE_ORDERS:
         yield "stop", "rule", "budget unless {blocks.order} is " + " or ".join(IMPORTANCE_ORDERS) + \
                               " (the gain rule predicts other blocks' gains from their scores)"

@@ -76,6 +76,7 @@ class OptimConfig:
     # each tensor's step in backward, as soon as its gradient is complete, which is then freed (no grad_clip, no
     # fp16-mixed, one process or stage)
     fused_step: bool = False
+    block_lr: str | None = None  # per-block rates, factors of lr: depth:LO..HI (linear in the block) or a list
 
 
 # A visit's epoch budget when the config gives no stopping rule.
