@@ -7,9 +7,9 @@
 The options are `preinfer bcd`'s, with its defaults: the blocks (`ufp`, `blocks` or `ranges`; `separate_ends`),
 their order (`order`, `fixed_order`, `start_block`, `seed`), `steps_per_visit`, the optimizer (`optimizer`, `lr`,
 `betas`, `momentum`, `weight_decay`, `keep_state`, `fused_step`, `block_lr`), each visit's schedule
-(`warmup_steps`, `decay`) and `precision`. One visit trains one block for `steps_per_visit` optimizer steps (with gradient accumulation an
-optimizer step is `gradient_accumulation_steps` micro-batches), then the next block of the order; the sweeps go
-on until the Trainer's `max_steps`. The optimizer lifecycle is `preinfer bcd`'s own (`preinfer.visit_optimizer`).
+(`warmup_steps`, `decay`) and `precision`. One visit trains one block for `steps_per_visit` optimizer steps (with
+gradient accumulation an optimizer step is `gradient_accumulation_steps` micro-batches), then the next block of the
+order; the sweeps go on until the Trainer's `max_steps`. The optimizer lifecycle is `preinfer bcd`'s own (`preinfer.visit_optimizer`).
 
 - `BlockOptimizer` steps the active block only: every other weight has `requires_grad=False` (no gradient, no
   optimizer state), and the optimizer, with its state, is rebuilt at each switch (`keep_state=True` keeps each

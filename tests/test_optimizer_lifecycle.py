@@ -124,8 +124,8 @@ def test_the_fused_step_steps_in_backward_and_frees_each_gradient(precision):
 
 
 @pytest.mark.parametrize("argv, line", [
-    (["--grad-clip", "1"], "--fused-step True ([optim] fused_step): expected false with --grad-clip > 0: the fused step "
-                           "steps each tensor in backward, before the global gradient norm is known"),
+    (["--grad-clip", "1"], "--fused-step True ([optim] fused_step): expected false with --grad-clip > 0: the "
+                           "fused step steps each tensor in backward, before the global gradient norm is known"),
     (["--precision", "fp16-mixed"], "expected false with --precision fp16-mixed: the fused step steps each tensor "
                                     "in backward, before loss scaling checks every gradient"),
     (["--pipeline", "2"], "expected false with --pipeline > 1"),

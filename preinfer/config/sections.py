@@ -73,9 +73,7 @@ class OptimConfig:
     grad_clip: float = 0.0  # max gradient norm of the active block; 0 disables
     grad_accum: int = 1  # micro-batches per optimizer step
     keep_state: bool = False  # keep each block's optimizer state between its visits, in host memory
-    # each tensor's step in backward, as soon as its gradient is complete, which is then freed (no grad_clip, no
-    # fp16-mixed, one process or stage)
-    fused_step: bool = False
+    fused_step: bool = False  # each tensor steps in backward once its gradient is complete, then freed at once
     block_lr: str | None = None  # per-block rates, factors of lr: depth:LO..HI (linear in the block) or a list
 
 
