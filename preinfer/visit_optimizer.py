@@ -35,6 +35,7 @@ from torch import nn
 from preinfer.block_lr import parse_block_lr
 from preinfer.config import OptimConfig
 from preinfer.errors import UsageError
+from preinfer.memory.meter import tensor_bytes
 from preinfer.optim import LrSchedule, build_optimizer, resolved_lr, step_tensor
 from preinfer.precision import ActiveBlock, LossScaler, Precision
 
@@ -206,7 +207,3 @@ def host_copy(tensor: torch.Tensor) -> torch.Tensor:
     if not pin:
         return tensor.detach().cpu()
     return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor)
-
-
-def tensor_bytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()

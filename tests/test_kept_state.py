@@ -4,9 +4,9 @@ on, is priced in the meter's records, and a run resumed mid-sweep with kept stat
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from preinfer.memory.meter import MemoryMeter
+from tests.helpers.resume import halted_and_resumed, same_weights
 from tests.helpers.trainers import make_trainer, snapshot
 
 STEPS = 4
@@ -19,17 +19,10 @@ STEPS = 4
 ], ids=["fp32", "bf16-mixed", "adamw8bit", "fused", "block-lr"])
 def test_a_run_resumed_with_kept_states_ends_bit_for_bit_as_one_run(tmp_path, overrides):
     options = dict(optim__keep_state=True, blocks__sweeps=2, stop__steps_per_visit=STEPS, **overrides)
-    reference = make_trainer(run_dir=tmp_path / "a", **options)
-    reference.fit()
-    halted = make_trainer(run_dir=tmp_path / "b", **options)
-    halted.fit(max_total_steps=3 * STEPS + 2)  # sweep 1, block 0 mid-visit; blocks 1 and 2 kept
-    saved = load_file(str(tmp_path / "b" / "checkpoint" / "state.safetensors"))
+    # halted in sweep 1 with block 0 mid-visit, blocks 1 and 2 kept
+    reference, saved, resumed = halted_and_resumed(tmp_path, 3 * STEPS + 2, **options)
     assert {name.split(".")[1] for name in saved if name.startswith("optim.")} == {"0", "1", "2"}
-    resumed = make_trainer(run_dir=tmp_path / "b", **options)
-    resumed.resume()
-    resumed.fit()
-    ref, got = snapshot(reference.staged.model), snapshot(resumed.staged.model)
-    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    assert same_weights(reference, resumed)
     assert [v["eval_loss"] for v in resumed.progress.visits] == [v["eval_loss"] for v in reference.progress.visits]
 
 

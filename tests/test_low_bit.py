@@ -5,7 +5,6 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from preinfer import low_bit
@@ -14,7 +13,8 @@ from preinfer.config import Config, rules
 from preinfer.errors import UsageError
 from preinfer.low_bit import low_bit_adam
 from preinfer.presets import build_preset
-from tests.helpers.trainers import make_trainer, snapshot
+from tests.helpers.resume import halted_and_resumed, same_weights
+from tests.helpers.trainers import snapshot
 
 
 def model(seed: int = 0) -> nn.Module:
@@ -106,16 +106,8 @@ def test_a_missing_torchao_is_refused_when_the_optimizer_is_built(monkeypatch):
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 def test_bcd_with_adamw8bit_resumes_bit_for_bit(tmp_path, precision):
     overrides = dict(optim__name="adamw8bit", blocks__sweeps=2, stop__steps_per_visit=4, run__precision=precision)
-    reference = make_trainer(run_dir=tmp_path / "a", **overrides)
-    reference.fit()
-    halted = make_trainer(run_dir=tmp_path / "b", **overrides)
-    halted.fit(max_total_steps=6)  # mid-visit: block 1, step 2 of 4
-    saved = load_file(str(tmp_path / "b" / "checkpoint" / "state.safetensors"))
+    reference, saved, resumed = halted_and_resumed(tmp_path, 6, **overrides)  # halted mid-visit: block 1, step 2
     assert any(name.endswith("exp_avg.codes") and t.dtype == torch.uint8 for name, t in saved.items())
-    resumed = make_trainer(run_dir=tmp_path / "b", **overrides)
-    resumed.resume()
-    resumed.fit()
-    ref, got = snapshot(reference.staged.model), snapshot(resumed.staged.model)
-    assert all(torch.equal(ref[k], got[k]) for k in ref)
-    initial = snapshot(build_preset("tiny-llama", seed=0))
+    assert same_weights(reference, resumed)
+    ref, initial = snapshot(reference.staged.model), snapshot(build_preset("tiny-llama", seed=0))
     assert any(not torch.equal(ref[k], initial[k].to(ref[k].dtype)) for k in ref)
