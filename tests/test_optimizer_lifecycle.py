@@ -91,11 +91,11 @@ def fused_against_unfused(**overrides) -> tuple[dict, dict]:
     dict(run__precision="fp32"), dict(run__precision="fp32", optim__grad_accum=2),
     dict(run__precision="fp32", optim__name="adamw", optim__warmup_steps=1, optim__decay="cosine"),
     dict(run__precision="fp32", optim__name="sgd"), dict(run__precision="fp32", optim__name="adamw8bit"),
-    dict(run__precision="bf16-mixed"),
-], ids=["adam", "accumulated", "adamw-scheduled", "sgd", "adamw8bit", "bf16-mixed"])
+    dict(run__precision="bf16-mixed"), dict(preset="tiny-gpt2", run__precision="fp32", run__recompute=True),
+], ids=["adam", "accumulated", "adamw-scheduled", "sgd", "adamw8bit", "bf16-mixed", "tied-recomputed"])
 def test_the_fused_step_equals_the_unfused_step(overrides):
     unfused, fused = fused_against_unfused(**overrides)
-    initial = snapshot(build_preset("tiny-llama", seed=0))
+    initial = snapshot(build_preset(overrides.get("preset", "tiny-llama"), seed=0))
     for name in unfused:
         moved = (unfused[name].float() - initial[name].float()).abs().max()
         assert float((fused[name].float() - unfused[name].float()).abs().max()) <= 1e-6 * max(1.0, float(moved))
