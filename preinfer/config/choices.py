@@ -32,6 +32,9 @@ StoreFormat = Literal["zarr", "safetensors"]
 StoreDtype = Literal["auto", "float32", "bfloat16", "float16", "float8_e4m3", "float8_e5m2", "int8"]
 # What trains with an expert-granular block's chosen experts (preinfer.moe); "none" names nothing.
 ExpertPart = Literal["none", "router", "shared", "attention", "rest"]
+# How the frozen decoder layers' linear weights are held for their forward (preinfer.frozen_weights); auto: in the
+# resident dtype, as every other weight.
+FrozenDtype = Literal["auto", "bf16", "int8", "nf4"]
 
 
 class Names:
