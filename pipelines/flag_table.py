@@ -182,8 +182,15 @@ TRAINING_FLAGS: list[Flag] = [
     Flag("--grad-clip", "optim", "grad_clip", "max gradient norm; 0 = off", dict(type=float)),
     Flag("--grad-accum", "optim", "grad_accum", "micro-batches per step", dict(type=positive_int)),
     Flag("--keep-optimizer-state", "optim", "keep_state",
-         "keep each block's optimizer state between its visits (costs that state's memory for every block: 2x "
-         "the model's weights for Adam) instead of dropping it after each visit", SWITCH),
+         "keep each block's optimizer state between its visits, in host memory (the device holds the active "
+         "block's only; host memory holds every other block's: 2x the model's weights in fp32 for Adam, about a "
+         "quarter of that for adam8bit/adamw8bit) instead of dropping it after each visit; its step count goes on, "
+         "so bias correction does not restart", SWITCH),
+    Flag("--fused-step", "optim", "fused_step", "step each tensor in backward as soon as its gradient is complete "
+         "and free that gradient at once (no step's gradients all resident; refused with --grad-clip, fp16-mixed, "
+         "--pipeline and --experts)", SWITCH),
+    Flag("--block-lr", "optim", "block_lr", "per-block learning rates as factors of --lr: depth:LO..HI (linear in "
+         "the block's index, LO at the first block, HI at the last) or a comma list of factors, one per block"),
     Flag("--steps-per-visit", "stop", "steps_per_visit", "step budget per visit", dict(type=positive_int)),
     Flag("--epochs-per-visit", "stop", "epochs_per_visit", "epoch budget per visit (one caching pass serves them "
          "all)", dict(type=positive_float),

@@ -6,10 +6,10 @@
 
 The options are `preinfer bcd`'s, with its defaults: the blocks (`ufp`, `blocks` or `ranges`; `separate_ends`),
 their order (`order`, `fixed_order`, `start_block`, `seed`), `steps_per_visit`, the optimizer (`optimizer`, `lr`,
-`betas`, `momentum`, `weight_decay`, `keep_state`), each visit's schedule (`warmup_steps`, `decay`) and
-`precision`. One visit trains one block for `steps_per_visit` optimizer steps (with gradient accumulation an
-optimizer step is `gradient_accumulation_steps` micro-batches), then the next block of the order; the sweeps go
-on until the Trainer's `max_steps`. The optimizer lifecycle is `preinfer bcd`'s own (`preinfer.visit_optimizer`).
+`betas`, `momentum`, `weight_decay`, `keep_state`, `fused_step`, `block_lr`), each visit's schedule
+(`warmup_steps`, `decay`) and `precision`. One visit trains one block for `steps_per_visit` optimizer steps (with
+gradient accumulation an optimizer step is `gradient_accumulation_steps` micro-batches), then the next block of the
+order; the sweeps go on until the Trainer's `max_steps`. The optimizer lifecycle is `preinfer bcd`'s own (`preinfer.visit_optimizer`).
 
 - `BlockOptimizer` steps the active block only: every other weight has `requires_grad=False` (no gradient, no
   optimizer state), and the optimizer, with its state, is rebuilt at each switch (`keep_state=True` keeps each
@@ -23,7 +23,9 @@ on until the Trainer's `max_steps`. The optimizer lifecycle is `preinfer bcd`'s 
   `preinfer bcd` does; each finished visit's peaks land in `optimizer.visit_memory`.
 - `BlockCallback` refuses `fp16=True` / `bf16=True` (autocast over float32 weights) in favour of `precision`, and
   while the Trainer trains it hands `max_grad_norm` to the optimizer, which clips the fp32 tensors it steps (the
-  masters under mixed precision), as `preinfer bcd` does; the Trainer's own clipping is off meanwhile.
+  masters under mixed precision), as `preinfer bcd` does; the Trainer's own clipping is off meanwhile. With
+  `fused_step=True` it refuses `max_grad_norm` > 0 and `gradient_accumulation_steps` > 1 (each tensor steps in
+  backward, before the step's other gradients exist).
 - A second `BlockCoordinateDescent` made on the same model replaces the first, whose optimizer steps no more.
 
 Precision (`preinfer.precision`): mixed precision casts every weight to 16 bits when the object is made; the
@@ -56,7 +58,8 @@ ARGUMENTS = {"steps_per_visit": "stop.steps_per_visit", "ufp": "blocks.ufp", "bl
              "fixed_order": "blocks.fixed_order", "start_block": "blocks.start_block", "seed": "run.seed",
              "optimizer": "optim.name", "lr": "optim.lr", "betas": "optim.betas", "momentum": "optim.momentum",
              "weight_decay": "optim.weight_decay", "warmup_steps": "optim.warmup_steps", "decay": "optim.decay",
-             "keep_state": "optim.keep_state", "precision": "run.precision"}
+             "keep_state": "optim.keep_state", "precision": "run.precision", "fused_step": "optim.fused_step",
+             "block_lr": "optim.block_lr"}
 _BCD_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its BlockCoordinateDescent
 
 
@@ -88,6 +91,8 @@ class BlockCallback(TrainerCallback):
                     f"TrainingArguments({flag}=True) autocasts float32 weights and keeps every weight's gradient "
                     f"and optimizer state in fp32; BCD keeps the weights in 16 bits with fp32 masters for the active "
                     f"block only: drop {flag}=True and pass precision='{flag}-mixed' to BlockCoordinateDescent")
+        if self.optimizer.optimizers.optim.fused_step:
+            refuse_for_fused_step(args)
         return control
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -97,6 +102,18 @@ class BlockCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         args.max_grad_norm = self.optimizer.grad_clip  # the arguments as they were given
         return control
+
+
+def refuse_for_fused_step(args) -> None:
+    """Refuse the Trainer's arguments that need every gradient of a step before the first tensor steps."""
+    why = "fused_step=True steps each tensor in backward, before"
+    if args.gradient_accumulation_steps > 1:
+        raise UsageError(f"TrainingArguments(gradient_accumulation_steps={args.gradient_accumulation_steps}): {why} "
+                         f"the Trainer's micro-batches are all through; pass gradient_accumulation_steps=1 or drop "
+                         f"fused_step")
+    if args.max_grad_norm:
+        raise UsageError(f"TrainingArguments(max_grad_norm={args.max_grad_norm}): {why} the global gradient norm is "
+                         f"known; pass max_grad_norm=0 or drop fused_step")
 
 
 class BlockCoordinateDescent:
@@ -125,6 +142,8 @@ class BlockCoordinateDescent:
         decay: LrDecay = "none",
         keep_state: bool = False,
         precision: Precision = "auto",
+        fused_step: bool = False,
+        block_lr: str | None = None,
         meter: MemoryMeter | None = None,
     ):
         if ufp is None and blocks is None and ranges is None:
@@ -134,7 +153,8 @@ class BlockCoordinateDescent:
             separate_ends=separate_ends, order=order, fixed_order=fixed_order, start_block=start_block, seed=seed,
             optimizer=optimizer, lr=lr, betas=list(betas) if isinstance(betas, (list, tuple)) else betas,
             momentum=momentum, weight_decay=weight_decay, warmup_steps=warmup_steps, decay=decay,
-            keep_state=keep_state, precision=precision))  # refused here, before the model is cast or staged
+            keep_state=keep_state, precision=precision, fused_step=fused_step,
+            block_lr=block_lr))  # refused here, before the model is cast or staged
         b, optim = config.blocks, config.optim
         previous = _BCD_OF.get(model)
         if previous is not None:  # one BCD at a time holds a model's hooks and masters: the newer one

@@ -33,7 +33,7 @@ class BlockOptimizer:
         self.metered = False  # the meter tracks the current step (the callback sets it)
         self.visit_memory: list[dict[str, int]] = []  # with a meter: each finished visit's peaks, as bcd reports them
         device = next(staged.model.parameters()).device.type  # the scale itself goes where the loss is
-        self.optimizers = VisitOptimizers(optim, precision, device)
+        self.optimizers = VisitOptimizers(optim, precision, device, len(partition))
         self.scaler = self.optimizers.scaler
         self.sweep = self.visit = self.visit_step = self.global_step = 0
         self._current: VisitOptimizer | None = None
@@ -119,10 +119,10 @@ class BlockOptimizer:
             self._next_visit()
 
     def _next_visit(self) -> None:
-        if self.meter is not None:
-            self.visit_memory.append(self.meter.report())
-            self.meter.reset()
         self._deactivate()
+        if self.meter is not None:
+            self.visit_memory.append(self.optimizers.with_host_bytes(self.meter.report()))
+            self.meter.reset()
         self.visit, self.visit_step = self.visit + 1, 0
         if self.visit == len(self.order(self.sweep)):
             self.sweep, self.visit = self.sweep + 1, 0

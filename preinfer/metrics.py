@@ -51,7 +51,8 @@ class StepRecord(Record):
 class VisitRecord(Record):
     """A finished visit of one block (also kept in the checkpoint and summary.json). `memory` holds the meter's
     peaks over the visit's first 2 steps: params, masters (mixed precision's fp32 copies), grads, optimizer,
-    activations, tracked_peak, rss_peak, cuda_peak."""
+    activations, tracked_peak, rss_peak, cuda_peak; with --keep-optimizer-state also host_optimizer, the bytes of
+    the kept optimizer states in host memory after the visit."""
 
     kind: ClassVar[str] = "visit"
     sweep: int  # the sweep, from 0
@@ -63,6 +64,7 @@ class VisitRecord(Record):
     wall_s: float  # the visit's training time
     tokens: int  # as in the step records, at the end of the visit
     source_boundary: int  # 0: token batches (prefix run live); k > 0: trained from a store at boundary k
+    lr: float | None = None  # the visit's full learning rate: --lr times the block's --block-lr factor
     memory: dict[str, int] = field(default_factory=dict)  # the memory meter's peaks in bytes; {} without a meter
     eval_s: float = 0.0  # time of the evaluation after the visit (not in wall_s)
     ranks: list[dict] | None = None  # pipeline runs: each rank's `rank`, `stage`, `replica` and memory peaks

@@ -12,19 +12,45 @@ from transformers import get_scheduler
 
 from preinfer.config import DEFAULT_LR, DEFAULT_WEIGHT_DECAY, LR_DECAYS, OPEN_ENDED_DECAYS, OptimConfig, StopConfig
 from preinfer.errors import UsageError
+from preinfer.low_bit import LOW_BIT_OPTIMIZERS, low_bit_adam
 
 
 def build_optimizer(params: list[nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
-    """SGD with momentum, Adam or AdamW over `params`, with the paper's defaults where cfg leaves them open."""
+    """SGD with momentum, Adam or AdamW (or their 8-bit kin, `preinfer.low_bit`) over `params`, with the paper's
+    defaults where cfg leaves them open."""
     name = cfg.name.lower()
     if name not in DEFAULT_LR:
         raise UsageError(f"--optimizer '{cfg.name}' is not one of {', '.join(DEFAULT_LR)}")
-    lr = cfg.lr if cfg.lr is not None else DEFAULT_LR[name]
+    lr = resolved_lr(cfg)
     wd = cfg.weight_decay if cfg.weight_decay is not None else DEFAULT_WEIGHT_DECAY[name]
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=wd)
+    if name in LOW_BIT_OPTIMIZERS:
+        return low_bit_adam(params, name, lr, tuple(cfg.betas), wd)
     cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
     return cls(params, lr=lr, betas=tuple(cfg.betas), weight_decay=wd)
+
+
+def step_tensor(optimizer: torch.optim.Optimizer, tensor: torch.Tensor) -> None:
+    """`optimizer`'s step of `tensor` alone (the fused step, in backward): `step_param` where the optimizer has
+    one (`preinfer.low_bit`), else its own step over groups that hold only `tensor` for the call."""
+    group = next(g for g in optimizer.param_groups if any(p is tensor for p in g["params"]))
+    if hasattr(optimizer, "step_param"):
+        optimizer.step_param(tensor, group)
+        return
+    held = [g["params"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["params"] = [tensor] if g is group else []
+    try:
+        optimizer.step()
+    finally:
+        for g, params in zip(optimizer.param_groups, held):
+            g["params"] = params
+
+
+def resolved_lr(cfg: OptimConfig) -> float:
+    """The run's rate: `lr`, or the optimizer's default."""
+    return cfg.lr if cfg.lr is not None else DEFAULT_LR[cfg.name.lower()]
 
 
 @dataclass(frozen=True)

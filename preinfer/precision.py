@@ -175,7 +175,8 @@ class LossScaler:
 class ActiveBlock:
     """The tensors one visit's optimizer steps and their gradients: the block's own weights under fp32, fp32
     master copies of them under mixed precision. `on_grad_ready(i)` is called when tensor i's gradient of the
-    step's last micro-batch is complete (the data-parallel reducer launches its buckets from it)."""
+    step's last micro-batch is complete (the data-parallel reducer launches its buckets from it; the fused step
+    steps tensor i)."""
 
     def __init__(self, params: list[nn.Parameter], mixed: bool, masters: list[torch.Tensor] | None = None):
         self.params, self.mixed = params, mixed
@@ -192,7 +193,11 @@ class ActiveBlock:
             self._install_hooks()
 
     def watch(self, on_grad_ready: Callable[[int], None]) -> None:
-        """Call `on_grad_ready(i)` as each gradient of the last micro-batch completes."""
+        """Call `on_grad_ready(i)` as each gradient of the last micro-batch completes (one watcher: the fused step
+        or the data-parallel reducer)."""
+        if self.on_grad_ready is not None:
+            raise UsageError("--fused-step steps each tensor as backward completes its gradient, before data "
+                             "parallelism sums the gradients over the replicas: drop --fused-step under torchrun")
         self.on_grad_ready = on_grad_ready
         if not self._hooks:
             self._install_hooks()
@@ -217,10 +222,12 @@ class ActiveBlock:
         return accumulated
 
     @torch.no_grad()
-    def cast_down(self) -> None:
-        """Copy the masters into the model's resident weights (a cast to their dtype); nothing under fp32."""
+    def cast_down(self, index: int | None = None) -> None:
+        """Copy the masters (or master `index` alone) into the model's resident weights (a cast to their dtype);
+        nothing under fp32."""
         if self.mixed:
-            for param, master in zip(self.params, self.masters):
+            pairs = zip(self.params, self.masters) if index is None else [(self.params[index], self.masters[index])]
+            for param, master in pairs:
                 param.copy_(master)
 
     def close(self) -> None:

@@ -59,11 +59,11 @@ class RunPosition:
         )
 
     def visit_record(self, block: Block, steps: int, reason: str, eval_loss: float, wall: float, boundary: int,
-                     memory: dict, eval_s: float, gain: dict | None) -> VisitRecord:
-        """The record of the visit just finished."""
+                     memory: dict, eval_s: float, gain: dict | None, lr: float | None = None) -> VisitRecord:
+        """The record of the visit just finished (`lr`: its full rate)."""
         return VisitRecord(
             sweep=self.sweep, block=block.index, label=block.label, steps=steps, stop_reason=reason,
-            eval_loss=eval_loss, wall_s=wall, tokens=self.tokens, source_boundary=boundary, memory=memory,
+            eval_loss=eval_loss, wall_s=wall, tokens=self.tokens, source_boundary=boundary, lr=lr, memory=memory,
             eval_s=eval_s, gain=gain,
         )
 

@@ -4,6 +4,7 @@ prints warnings and takes seconds, so nothing imports it at import time."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from types import ModuleType
 
 from preinfer.errors import UsageError
@@ -15,3 +16,8 @@ def torchao_module(name: str, wanted: str) -> ModuleType:
         return importlib.import_module(name)
     except ImportError:
         raise UsageError(f"{wanted} needs torchao, which is not installed: pip install preinfer[quant]") from None
+
+
+def torchao_installed() -> bool:
+    """Whether torchao can be imported (found without importing it)."""
+    return importlib.util.find_spec("torchao") is not None

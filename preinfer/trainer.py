@@ -72,7 +72,8 @@ class Trainer:
         self.progress = RunPosition()
         self.wall_s = 0.0  # time spent in fit()
         self.precision = precision if precision is not None else apply_precision(staged.model, config.run.precision)
-        self.optimizers = VisitOptimizers(config.optim, self.precision, torch.device(config.run.device).type)
+        self.optimizers = VisitOptimizers(config.optim, self.precision, torch.device(config.run.device).type,
+                                          len(partition))
         self.visit: VisitOptimizer | None = None  # the visit's optimizer and masters; None between visits
         self.saved_masters: list[torch.Tensor] = []  # from a mid-visit checkpoint, for the visit it resumes
         self.stop_requested = False  # set from outside (a signal handler): checkpoint and stop after this step
@@ -205,9 +206,10 @@ class Trainer:
         self.visit = None
         evaluated = time.perf_counter()
         eval_loss = self.evaluate(evaluation)
-        memory = self.meter.report() if self.meter is not None else {}
+        memory = self.optimizers.with_host_bytes(self.meter.report()) if self.meter is not None else {}
         record = p.visit_record(block, stop.steps, reason, eval_loss, wall, train.boundary, memory,
-                                time.perf_counter() - evaluated, gain.report() if gain is not None else None)
+                                time.perf_counter() - evaluated, gain.report() if gain is not None else None,
+                                visit.initial_lr)
         p.visits.append(record.to_dict())
         if self.meter is not None:
             record.ranks = self.layout.rank_memory(memory)

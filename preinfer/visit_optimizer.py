@@ -8,18 +8,35 @@ learning-rate schedule (`LrSchedule`, from the visit's step). `VisitOptimizer.st
 (fp16-mixed), clip the fp32 gradients of what the optimizer steps, step unless a gradient is not finite, cast the
 masters into the 16-bit weights. `close` ends the visit: the masters and their gradients are freed, the state kept
 or dropped.
+
+Kept state (`keep_state`) lives in host memory between visits (`on_host`: CPU tensors, pinned where CUDA is; the
+8-bit optimizers' codes stay 8-bit), and is copied back onto the device when its block's next visit opens, so the
+device holds the active block's state only. The step count continues from the kept state: Adam's bias correction
+does not restart at a block's next visit (its moments are not cold). A checkpoint saves the kept states and a
+resume brings them back, bit for bit.
+
+The fused step (`fused_step`): each tensor's step runs in backward, as soon as its gradient of the step's last
+micro-batch is complete (`ActiveBlock.watch`), and the gradient is freed at once, so a step's gradients are never
+all resident (torchtune's optimizer in backward). The optimizer is the same one, stepping one tensor at a time
+(`preinfer.optim.step_tensor`), so the weights equal the unfused step's. Gradient accumulation works (the earlier
+micro-batches accumulate, the last one steps); what needs every gradient of a step before the first tensor steps is
+refused: global-norm clipping, fp16-mixed's loss scaling, a pipeline's micro-batches, expert slicing
+(`Config.validate`), and data parallelism's reducer (`ActiveBlock.watch`, at the visit's start).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
+from preinfer.block_lr import parse_block_lr
 from preinfer.config import OptimConfig
 from preinfer.errors import UsageError
-from preinfer.optim import LrSchedule, build_optimizer
+from preinfer.memory.meter import tensor_bytes
+from preinfer.optim import LrSchedule, build_optimizer, resolved_lr, step_tensor
 from preinfer.precision import ActiveBlock, LossScaler, Precision
 
 # The optimizer settings a saved state must share with the run resuming it (torch's load_state_dict would
@@ -47,7 +64,9 @@ class VisitOptimizer:
             check_settings(state, self.optimizer)
             self.optimizer.load_state_dict(state)
         self.schedule = LrSchedule.for_visit(optim, steps, self.initial_lr)
-        self.scaler, self.grad_clip = scaler, optim.grad_clip
+        self.scaler, self.grad_clip, self.fused = scaler, optim.grad_clip, optim.fused_step
+        if self.fused and self.active.masters:
+            self.active.watch(self._step_one)
 
     @property
     def initial_lr(self) -> float:
@@ -69,10 +88,21 @@ class VisitOptimizer:
         return self.scaler.scale_loss(loss)
 
     @torch.no_grad()
+    def _step_one(self, index: int) -> None:
+        """The fused step of tensor `index`, in backward once its gradient is complete: step it, free its
+        gradient, cast its master down."""
+        master = self.active.masters[index]
+        step_tensor(self.optimizer, master)
+        master.grad = None
+        self.active.cast_down(index)
+
+    @torch.no_grad()
     def step(self, clip: Callable[[list[torch.Tensor], float], None] = clip_norm) -> bool:
         """Unscale the gradients (fp16-mixed), clip their norm with `clip` (the fp32 gradients of the tensors the
         optimizer steps) when `grad_clip` is set, step unless a gradient is not finite, and cast the masters
-        down; True if it stepped."""
+        down; True if it stepped. With the fused step every tensor stepped in backward: nothing is left to do."""
+        if self.fused:
+            return True
         self.scaler.unscale_(self.optimizer)
         if self.grad_clip > 0:
             clip(self.active.masters, self.grad_clip)
@@ -116,26 +146,74 @@ class VisitOptimizers:
     """A run's optimizer lifecycle: one `VisitOptimizer` per visit, the kept states between visits, the loss
     scaler of the whole run."""
 
-    def __init__(self, optim: OptimConfig, precision: Precision, device_type: str):
+    def __init__(self, optim: OptimConfig, precision: Precision, device_type: str, blocks: int = 1):
+        """`blocks`: how many the partition has (for `block_lr`'s factors)."""
+        if optim.fused_step and precision.loss_scaling:
+            raise UsageError(f"--fused-step steps each tensor in backward, before {precision}'s loss scaling checks "
+                             f"every gradient: drop --fused-step, or train in bf16-mixed or fp32")
         self.optim, self.precision = optim, precision
         self.scaler = LossScaler(device_type, enabled=precision.loss_scaling)
-        self.kept: dict[int, dict] = {}  # block -> its optimizer state (keep_state, or a mid-visit checkpoint's)
+        self._kept: dict[int, dict] = {}
+        self.factors = parse_block_lr(optim.block_lr).factors(blocks) if optim.block_lr else None
+
+    @property
+    def kept(self) -> dict[int, dict]:
+        """Block -> its optimizer state in host memory (keep_state, or a checkpoint's)."""
+        return self._kept
+
+    @kept.setter
+    def kept(self, states: dict[int, dict]) -> None:
+        self._kept = {block: on_host(state) for block, state in states.items()}
+
+    def host_bytes(self) -> int:
+        """Bytes of the kept states' tensors (all in host memory)."""
+        return sum(tensor_bytes(value) for state in self._kept.values() for entries in state["state"].values()
+                   for value in entries.values() if torch.is_tensor(value))
+
+    def with_host_bytes(self, report: dict[str, int]) -> dict[str, int]:
+        """A visit's memory `report` with `host_optimizer`, the kept states' bytes in host memory (keep_state)."""
+        return {**report, "host_optimizer": self.host_bytes()} if self.optim.keep_state else report
 
     def open(self, block: int, params: list[nn.Parameter], steps: int | None,
              masters: Sequence[torch.Tensor] | None = None, state: dict | None = None) -> VisitOptimizer:
         """The optimizer of a visit of block `block` stepping `params` for at most `steps` steps (None: open
         ended), with `state` or the block's kept state, and `masters` from a mid-visit checkpoint."""
         saved = state if state is not None else self.kept.get(block)
-        return VisitOptimizer(params, self.optim, self.precision, self.scaler, steps, saved, masters)
+        return VisitOptimizer(params, self.visit_config(block), self.precision, self.scaler, steps, saved, masters)
+
+    def visit_config(self, block: int) -> OptimConfig:
+        """The optimizer configuration of a visit of `block`: the run's, at the block's rate (`block_lr`)."""
+        if self.factors is None:
+            return self.optim
+        return dataclasses.replace(self.optim, lr=resolved_lr(self.optim) * self.factors[block])
 
     def close(self, block: int, visit: VisitOptimizer) -> None:
-        """End the visit: keep its state (keep_state) or drop it, and free its masters and their gradients."""
+        """End the visit: keep its state in host memory (keep_state) or drop it, free its device state, its
+        masters' gradients and its hooks."""
         if self.optim.keep_state:
-            self.kept[block] = visit.state_dict()
+            self._kept[block] = on_host(visit.state_dict())
         else:
-            self.kept.pop(block, None)
+            self._kept.pop(block, None)
+        visit.optimizer.state.clear()
         visit.active.close()
 
     def states(self, block: int | None = None, visit: VisitOptimizer | None = None) -> dict[int, dict]:
         """The states a checkpoint saves: the kept ones, and mid-visit the active block's."""
-        return self.kept if visit is None else {**self.kept, block: visit.state_dict()}
+        return self._kept if visit is None else {**self._kept, block: visit.state_dict()}
+
+
+def on_host(state: dict) -> dict:
+    """An optimizer state dict with every tensor in host memory (pinned where CUDA is, for the copy back)."""
+    return {"state": {index: {key: host_copy(value) if torch.is_tensor(value) else value
+                              for key, value in entries.items()} for index, entries in state["state"].items()},
+            "param_groups": state["param_groups"]}
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in host memory, pinned where CUDA is: a copy unless it already is."""
+    pin = torch.cuda.is_available()
+    if tensor.device.type == "cpu" and (not pin or tensor.is_pinned()):
+        return tensor.detach()
+    if not pin:
+        return tensor.detach().cpu()
+    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor)

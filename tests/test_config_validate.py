@@ -302,7 +302,8 @@ def test_the_previous_version_s_config_toml_loads_unchanged(tmp_path):
     path.write_text(PREVIOUS_CONFIG)
     config = load_config(path)
     assert config == load_config()
-    assert set(PREVIOUS_CONFIG.splitlines()) <= set(dump_toml(config).splitlines())  # new keys add lines only
+    dumped = dump_toml(config).splitlines()  # every line of the old file, and the keys added since at their defaults
+    assert [line for line in dumped if line in PREVIOUS_CONFIG.splitlines()] == PREVIOUS_CONFIG.splitlines()
 
 
 def test_resume_of_a_run_whose_config_holds_a_value_no_longer_accepted_is_one_line(tmp_path, capsys):

@@ -1,13 +1,20 @@
 """8-bit Adam and AdamW: quantized moments, steps close to torch's AdamW, and a state that resumes bit for bit
 through the project's checkpoint."""
 
+import sys
+
 import pytest
 import torch
 from torch import nn
 
+from preinfer import low_bit
 from preinfer.checkpoint import load_checkpoint, save_checkpoint
+from preinfer.config import Config, rules
 from preinfer.errors import UsageError
 from preinfer.low_bit import low_bit_adam
+from preinfer.presets import build_preset
+from tests.helpers.resume import halted_and_resumed, same_weights
+from tests.helpers.trainers import snapshot
 
 
 def model(seed: int = 0) -> nn.Module:
@@ -74,3 +81,33 @@ def test_the_state_resumes_bit_for_bit_through_a_checkpoint(tmp_path):
 def test_unknown_names_are_refused():
     with pytest.raises(UsageError, match="'adam4bit' is not one of adam8bit, adamw8bit"):
         low_bit_adam(model().parameters(), "adam4bit", 1e-3, (0.9, 0.999), 0.0)
+
+
+def test_a_missing_torchao_is_refused_by_the_config_in_one_line(monkeypatch):
+    monkeypatch.setattr(rules, "torchao_installed", lambda: False)
+    config = Config()
+    config.optim.name = "adamw8bit"
+    config.stop.steps_per_visit = 1
+    with pytest.raises(UsageError, match=r"^\[optim\] name = 'adamw8bit': expected sgd, adam or adamw: its 8-bit "
+                                         r"moments need torchao, which is not installed \(pip install preinfer"):
+        config.validate()
+
+
+def test_a_missing_torchao_is_refused_when_the_optimizer_is_built(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao.optim.adam", None)  # import of it fails
+    low_bit._eager_class.cache_clear()
+    try:
+        with pytest.raises(UsageError, match=r"^--optimizer adam8bit needs torchao, which is not installed"):
+            low_bit_adam(model().parameters(), "adam8bit", 1e-3, (0.9, 0.999), 0.0)
+    finally:
+        low_bit._eager_class.cache_clear()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_bcd_with_adamw8bit_resumes_bit_for_bit(tmp_path, precision):
+    overrides = dict(optim__name="adamw8bit", blocks__sweeps=2, stop__steps_per_visit=4, run__precision=precision)
+    reference, saved, resumed = halted_and_resumed(tmp_path, 6, **overrides)  # halted mid-visit: block 1, step 2
+    assert any(name.endswith("exp_avg.codes") and t.dtype == torch.uint8 for name, t in saved.items())
+    assert same_weights(reference, resumed)
+    ref, initial = snapshot(reference.staged.model), snapshot(build_preset("tiny-llama", seed=0))
+    assert any(not torch.equal(ref[k], initial[k].to(ref[k].dtype)) for k in ref)

@@ -14,7 +14,8 @@ from preinfer.errors import UsageError
 Attention = Literal["sdpa", "eager"]
 # Block orders within a sweep; the importance orders are measured at every sweep's start (preinfer.importance).
 BlockOrder = Literal["ascending", "descending", "random", "fixed", "importance", "importance-cached"]
-Optimizer = Literal["sgd", "adam", "adamw"]
+# adam8bit, adamw8bit: blockwise 8-bit moments (preinfer.low_bit, the torchao extra).
+Optimizer = Literal["sgd", "adam", "adamw", "adam8bit", "adamw8bit"]
 # transformers' schedules by name (get_scheduler) that need no options of their own; "none" is constant_with_warmup.
 LrDecay = Literal["none", "linear", "cosine", "cosine_with_restarts", "polynomial", "constant_with_warmup",
                   "inverse_sqrt"]

@@ -14,8 +14,11 @@ from typing import Any, Literal, get_origin
 from preinfer.config.choices import (
     IMPORTANCE_ORDERS, OPEN_ENDED_DECAYS, choices_of, field_hint, is_names, is_optional, names, parse_experts,
 )
+from preinfer.block_lr import GRAMMAR, parse_block_lr
 from preinfer.errors import UsageError
+from preinfer.low_bit import LOW_BIT_OPTIMIZERS
 from preinfer.partition import parse_ufp
+from preinfer.torchao_extra import torchao_installed
 
 
 class Naming:
@@ -139,6 +142,12 @@ def rule_problems(c: Any) -> Iterator[Problem]:
         yield "optim", "decay", f"one of {', '.join(OPEN_ENDED_DECAYS)} when a visit ends on a plateau (it has " \
                                 "no known last step), or a visit length: {stop.steps_per_visit} or " \
                                 "{stop.epochs_per_visit}"
+    if o.name in LOW_BIT_OPTIMIZERS and not torchao_installed():
+        yield "optim", "name", "sgd, adam or adamw: its 8-bit moments need torchao, which is not installed " \
+                               "(pip install preinfer[quant])"
+    yield from fused_step_problems(c)
+    if o.block_lr is not None and not _parses(parse_block_lr, o.block_lr):
+        yield "optim", "block_lr", GRAMMAR
     if s.rule == "gain" and b.order not in IMPORTANCE_ORDERS:
         yield "stop", "rule", "budget unless {blocks.order} is " + " or ".join(IMPORTANCE_ORDERS) + \
                               " (the gain rule predicts other blocks' gains from their scores)"
@@ -180,6 +189,21 @@ def data_problems(c: Any) -> Iterator[Problem]:
     if c.model.chat_template_name is not None and c.model.chat_template is not None:
         yield "model", "chat_template_name", "unset with {model.chat_template} (name a template of that file as " \
                                              "FILE#NAME)"
+
+
+def fused_step_problems(c: Any) -> Iterator[Problem]:
+    """What the fused step cannot run with: what needs every gradient of a step before the first tensor steps."""
+    if not c.optim.fused_step:
+        return
+    why = "false with {}: the fused step steps each tensor in backward, before {}"
+    if c.optim.grad_clip > 0:
+        yield "optim", "fused_step", why.format("{optim.grad_clip} > 0", "the global gradient norm is known")
+    if c.run.precision == "fp16-mixed":
+        yield "optim", "fused_step", why.format("{run.precision} fp16-mixed", "loss scaling checks every gradient")
+    if c.run.pipeline > 1:
+        yield "optim", "fused_step", why.format("{run.pipeline} > 1", "a stage's micro-batches are all through")
+    if c.blocks.experts is not None:
+        yield "optim", "fused_step", why.format("{blocks.experts}", "the chosen experts' gradients are sliced out")
 
 
 def partition_problems(c: Any) -> Iterator[Problem]:

@@ -65,23 +65,25 @@ class BlockConfig:
 
 
 # The reference paper's defaults of the optimizers.
-DEFAULT_LR = {"sgd": 0.1, "adam": 5e-5, "adamw": 5e-5}
-DEFAULT_WEIGHT_DECAY = {"sgd": 1e-5, "adam": 0.0, "adamw": 0.01}
+DEFAULT_LR = {"sgd": 0.1, "adam": 5e-5, "adamw": 5e-5, "adam8bit": 5e-5, "adamw8bit": 5e-5}
+DEFAULT_WEIGHT_DECAY = {"sgd": 1e-5, "adam": 0.0, "adamw": 0.01, "adam8bit": 0.0, "adamw8bit": 0.01}
 
 
 @dataclass
 class OptimConfig:
     name: Optimizer = "adam"  # the optimizer
-    lr: float | None = None  # None: the paper's default (sgd 0.1, adam/adamw 5e-5)
+    lr: float | None = None  # None: the paper's default (sgd 0.1, adam/adamw and their 8-bit kin 5e-5)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     momentum: float = 0.9  # sgd only
-    weight_decay: float | None = None  # None: sgd 1e-5, adam 0, adamw 0.01
+    weight_decay: float | None = None  # None: sgd 1e-5, adam 0, adamw 0.01 (8-bit: as their 32-bit kin)
     warmup_steps: int = 0  # linear warmup at the start of every visit (step 0 at 1/warmup of the rate)
     warmup_ratio: float = 0.0  # instead of warmup_steps: this share of each visit's steps, rounded up
     decay: LrDecay = "none"  # a transformers schedule after warmup; linear, cosine... fall to 0 at a visit's last step
     grad_clip: float = 0.0  # max gradient norm of the active block; 0 disables
     grad_accum: int = 1  # micro-batches per optimizer step
-    keep_state: bool = False  # keep each block's optimizer state between its visits (costs its memory)
+    keep_state: bool = False  # keep each block's optimizer state between its visits, in host memory
+    fused_step: bool = False  # each tensor steps in backward once its gradient is complete, then freed at once
+    block_lr: str | None = None  # per-block rates, factors of lr: depth:LO..HI (linear in the block) or a list
 
 
 # A visit's epoch budget when the config gives no stopping rule.
