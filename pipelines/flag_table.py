@@ -93,6 +93,9 @@ TRAINING_FLAGS: list[Flag] = [
          "attention implementation: sdpa (PyTorch's scaled_dot_product_attention; on CUDA its flash and "
          "memory-efficient kernels, which keep no [T, T] attention probabilities for backward) or eager; the "
          "planner prices each, and a store records the one it was made with"),
+    Flag("--frozen-dtype", "model", "frozen_dtype",
+         "how the layers outside the active block hold their linear weights: auto (the resident dtype), bf16, or "
+         "int8 / nf4 codes (torchao), the masters kept exact in host memory"),
     Flag("--data", "data", "path", f"a corpus: {CORPUS}; or a token store written by preinfer tokenize"),
     Flag("--token-store", "data", "token_store", "where a corpus is tokenised once (one directory per corpus, "
                                                  "tokenizer and settings) and read lazily by every job",
@@ -161,6 +164,8 @@ TRAINING_FLAGS: list[Flag] = [
     Flag("--keep-optimizer-state", "optim", "keep_state",
          "keep each block's optimizer state between its visits (costs that state's memory for every block: 2x "
          "the model's weights for Adam) instead of dropping it after each visit", SWITCH),
+    Flag("--fused-step", "optim", "fused_step", "each parameter's optimizer step runs in its gradient's hook during "
+         "backward and the gradient is freed at once: the active block holds one gradient at a time", SWITCH),
     Flag("--steps-per-visit", "stop", "steps_per_visit", "step budget per visit", dict(type=positive_int)),
     Flag("--epochs-per-visit", "stop", "epochs_per_visit", "epoch budget per visit (one caching pass serves them "
          "all)", dict(type=positive_float),

@@ -12,9 +12,11 @@ from preinfer.errors import UsageError
 # Attention implementations a model runs with (transformers' names): PyTorch's scaled_dot_product_attention
 # (flash and memory-efficient kernels where the device has them), or the framework's eager matmul-softmax-matmul.
 Attention = Literal["sdpa", "eager"]
+# How frozen decoder-layer linear weights are held: auto (the resident dtype), bf16, or int8 / nf4 codes.
+FrozenDtype = Literal["auto", "bf16", "int8", "nf4"]
 # Block orders within a sweep; the importance orders are measured at every sweep's start (preinfer.importance).
 BlockOrder = Literal["ascending", "descending", "random", "fixed", "importance", "importance-cached"]
-Optimizer = Literal["sgd", "adam", "adamw"]
+Optimizer = Literal["sgd", "adam", "adamw", "adam8bit", "adamw8bit"]
 # transformers' schedules by name (get_scheduler) that need no options of their own; "none" is constant_with_warmup.
 LrDecay = Literal["none", "linear", "cosine", "cosine_with_restarts", "polynomial", "constant_with_warmup",
                   "inverse_sqrt"]

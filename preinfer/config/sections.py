@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from preinfer.config.choices import (
-    DEFAULT_ATTENTION, Attention, BlockOrder, ExpertPart, LrDecay, Mode, Names, Optimizer, PipelineSchedule,
+    DEFAULT_ATTENTION, Attention, BlockOrder, ExpertPart, FrozenDtype, LrDecay, Mode, Names, Optimizer, PipelineSchedule,
     Precision, PreInferenceMode, StopRuleName, StoreDtype, StoreFormat, Tracker,
 )
 from preinfer.config.rules import Naming, check
@@ -19,6 +19,7 @@ class ModelConfig:
     tokenizer: str = "auto"  # auto (the model's own; byte for a preset), byte, or a local HF tokenizer directory
     chat_template: str | None = None  # a file whose Jinja chat template replaces the tokenizer's own
     attention: Attention = DEFAULT_ATTENTION  # the attention implementation every job runs the model with
+    frozen_dtype: FrozenDtype = "auto"  # frozen layers' linear weights: auto (resident dtype), bf16, int8 or nf4
 
 
 @dataclass
@@ -73,6 +74,7 @@ class OptimConfig:
     grad_clip: float = 0.0  # max gradient norm of the active block; 0 disables
     grad_accum: int = 1  # micro-batches per optimizer step
     keep_state: bool = False  # keep each block's optimizer state between its visits (costs its memory)
+    fused_step: bool = False  # each parameter's step runs in its gradient's hook in backward, the gradient freed
 
 
 # A visit's epoch budget when the config gives no stopping rule.
