@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from preinfer.memory.activations import step_activations
 from preinfer.memory.layer_spans import LayerSpan, block_params, partition
-from preinfer.memory.quantized import adjust
+from preinfer.memory.quantized import active_state, adjust
 from preinfer.memory.settings import DTYPES, Settings
 from preinfer.memory.shapes import ModelShape
 
@@ -23,28 +23,33 @@ class Memory:
     total: int = 0
     fits: bool = False
     note: str = ""
-    host: int = 0  # host memory: the masters of frozen weights held in fewer bits (not in the total)
+    host: int = 0  # host memory: the masters of frozen weights held in fewer bits (in the total on a CPU device)
 
-    def finish(self, capacity: int) -> Memory:
-        """Fill in the total and whether it fits `capacity` bytes."""
+    def finish(self, settings: Settings) -> Memory:
+        """Fill in the total (the host masters too where the device is the host) and whether it fits."""
         self.total = self.weights + self.grads + self.optimizer + self.activations
-        self.fits = self.total <= capacity
+        self.total += self.host if settings.host_device else 0
+        self.fits = self.total <= settings.capacity()
         return self
 
 
 
 def _component_bytes(settings: Settings, resident: int, trainable: int) -> tuple[int, int, int]:
-    """Weights, gradient and optimizer-state bytes of `resident` and `trainable` parameter counts."""
+    """Weights, gradient and optimizer-state bytes of `resident` and `trainable` parameter counts (SGD keeps one
+    momentum buffer where Adam keeps two moments)."""
     d = DTYPES[settings.dtype]
-    return resident * d["weight"], trainable * d["grad"], trainable * (d["master"] + d["moments"])
+    moments = d["moments"] // 2 if settings.optimizer == "sgd" else d["moments"]
+    return resident * d["weight"], trainable * d["grad"], trainable * (d["master"] + moments)
 
 
 def full_memory(m: ModelShape, settings: Settings, recompute: bool) -> Memory:
-    """Full-parameter Adam on one GPU."""
+    """Full-parameter Adam on one GPU (with the 8-bit optimizer and the fused step where set; no layer is frozen)."""
     n = m.total_params()
     acts = step_activations(m, settings.micro_batch, settings.seq_len, DTYPES[settings.dtype]["act"], None, recompute,
                             settings.attention)
-    return Memory(*_component_bytes(settings, n, n), acts.total()).finish(settings.capacity())
+    weights, grads, optimizer = _component_bytes(settings, n, n)
+    grads, optimizer = active_state(m, settings, LayerSpan(0, m.layers, True, True), grads, optimizer)
+    return Memory(weights, grads, optimizer, acts.total()).finish(settings)
 
 
 def bcd_memory(m: ModelShape, settings: Settings, blocks: list[LayerSpan], k: int, store: bool) -> Memory:
@@ -65,8 +70,10 @@ def bcd_memory(m: ModelShape, settings: Settings, blocks: list[LayerSpan], k: in
     weights, grads, optimizer, host = adjust(m, settings, block, block.start if store else 0,
                                              _component_bytes(settings, resident, block_params(m, block)))
     memory = Memory(weights, grads, optimizer, acts.total(), host=host)
-    memory.note = f"block {k} (layers {block.start}-{block.stop - 1})"
-    return memory.finish(settings.capacity())
+    what = f"layers {block.start}-{block.stop - 1}" if block.stop > block.start else \
+        ("the embedding" if block.embed else "the final norm and head")
+    memory.note = f"block {k} ({what})"
+    return memory.finish(settings)
 
 
 def worst_bcd(m: ModelShape, settings: Settings, blocks: list[LayerSpan], store: bool) -> Memory:
@@ -109,7 +116,7 @@ def fewest_blocks(m: ModelShape, settings: Settings, degree: int = 1) -> tuple[i
     pipeline stages, and that peak in bytes; None when even one layer per block does not fit."""
     capacity = settings.capacity()
     for n in range(1, m.layers + 1):
-        blocks = partition(m, n)
+        blocks = partition(m, n, settings.separate_ends)
         peak = worst_bcd(m, settings, blocks, store=False).total if degree == 1 else \
             pipeline_peak(m, settings, blocks, degree)
         if peak <= capacity:
