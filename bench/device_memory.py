@@ -34,24 +34,23 @@ from preinfer.memory.footprint import bcd_memory, full_memory
 from preinfer.memory.layer_spans import partition
 from preinfer.memory.settings import Settings
 from preinfer.memory.shapes import resolve_shape
+from preinfer.partition import make_partition
 from preinfer.presets import build_preset
 
 BLOCKS = 3
 NO_CUDA = "device check: no CUDA GPU here (torch.cuda.is_available() is False); nothing to measure"
 
 
-def _trainable(model: torch.nn.Module, staged: preinfer.StagedModel, k: int | None, name: str) -> list:
-    """Every parameter (k None), else block k's of the planner's partition, the rest frozen."""
+def _trainable(model: torch.nn.Module, staged: preinfer.StagedModel, k: int | None) -> list:
+    """Every parameter (k None), else block k's (the trainer's partition, which is the planner's), the rest
+    frozen."""
     if k is None:
         return list(model.parameters())
-    block = partition(resolve_shape(name), BLOCKS)[k]
+    params = list(make_partition(staged, num_blocks=BLOCKS).blocks[k].params)
     model.requires_grad_(False)
-    modules = list(staged.layers[block.start:block.stop])
-    modules += list(staged.embed_modules()) if block.embed else []
-    modules += list(staged.head_modules()) if block.head else []
-    for module in modules:
-        module.requires_grad_(True)
-    return [p for module in modules for p in module.parameters()]
+    for param in params:
+        param.requires_grad_(True)
+    return params
 
 
 def cuda_peak(name: str, k: int | None, attention: str, recompute: bool, seq: int, batch: int) -> int:
@@ -60,7 +59,7 @@ def cuda_peak(name: str, k: int | None, attention: str, recompute: bool, seq: in
     torch.cuda.reset_peak_memory_stats()
     model = build_preset(name, attention=attention).cuda().train()
     staged = preinfer.stage(model)
-    params = _trainable(model, staged, k, name)
+    params = _trainable(model, staged, k)
     start = 0 if k is None else partition(resolve_shape(name), BLOCKS)[k].start
     optimizer = torch.optim.Adam(params, lr=1e-4)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda",
@@ -103,7 +102,7 @@ def plain_steps_per_s(name: str, seq: int, batch: int, steps: int) -> float:
                         generator=torch.Generator("cuda").manual_seed(0))
     times = []
     for k in range(BLOCKS):
-        optimizer = torch.optim.Adam(_trainable(model, staged, k, name), lr=1e-4)
+        optimizer = torch.optim.Adam(_trainable(model, staged, k), lr=1e-4)
         for step in range(steps):
             begin = time.perf_counter()
             model(input_ids=ids, labels=ids).loss.backward()

@@ -90,13 +90,10 @@ def _metered_visit(name: str, k: int, frozen_dtype: str, optimizer: str, seq: in
     model = build_preset(name).train()
     staged = preinfer.stage(model)
     block = partition(resolve_shape(name), 3)[k]
+    params = list(make_partition(staged, num_blocks=3).blocks[k].params)  # the planner's blocks (tested above)
     model.requires_grad_(False)
-    active = list(staged.layers[block.start:block.stop])
-    active += list(staged.embed_modules()) if block.embed else []
-    active += list(staged.head_modules()) if block.head else []
-    for module in active:
-        module.requires_grad_(True)
-    params = [p for module in active for p in module.parameters()]
+    for param in params:
+        param.requires_grad_(True)
     if frozen_dtype != "auto":
         frozen = [i for i in range(staged.num_layers) if not block.start <= i < block.stop]
         FrozenWeights(staged.layers, frozen_dtype, "cpu").quantize(frozen)
@@ -208,3 +205,16 @@ def test_a_cpu_plan_budgets_this_machine_s_memory_and_counts_the_host_masters(tm
     assert machine == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert main(["plan", *flags]) == 0
     assert "CPU (host memory)" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bench_scale_quick_runs_every_process_and_sets_its_peak_rss_beside_the_planner(tmp_path, capsys):
+    from bench import scale
+
+    assert scale.main(["--quick", "--work", str(tmp_path)]) == 0
+    result = json.loads((scale.ROOT / "bench" / "out" / "scale-quick.json").read_text())
+    assert result["plan"]["exit"] == 0 and result["plan"]["full_adam"] > result["plan"]["bcd_live_ufp_1_3"] > 0
+    row = result["bcd_ufp_1_3"]
+    assert row["exit"] == 0 and row["peak_rss"] > row["planned"] and row["rss_over_planned"] > 1
+    savers = result["bcd_savers_one_layer"]
+    assert savers["probe"]["exit"] != 0 if not savers["ran"] else savers["exit"] == 0
