@@ -15,10 +15,10 @@ from preinfer.errors import UsageError
 from preinfer.frozen_weights import FrozenWeights, encode
 from preinfer.low_bit import low_bit_adam
 from preinfer.memory.budget import blocks_for_budget, budget_settings
-from preinfer.memory.footprint import bcd_memory, fewest_blocks
+from preinfer.memory.footprint import bcd_memory, fewest_blocks, pipeline_peak, stage_bytes
 from preinfer.memory.layer_spans import LayerSpan, block_params, partition
 from preinfer.memory.meter import MemoryMeter
-from preinfer.memory.quantized import frozen_linear_bytes, moment_bytes
+from preinfer.memory.quantized import frozen_linear_bytes, linear_shapes, moment_bytes
 from preinfer.memory.settings import Settings
 from preinfer.memory.shapes import ModelShape, resolve_shape, shape_for_size
 from preinfer.partition import make_partition
@@ -218,3 +218,16 @@ def test_bench_scale_quick_runs_every_process_and_sets_its_peak_rss_beside_the_p
     assert row["exit"] == 0 and row["peak_rss"] > row["planned"] and row["rss_over_planned"] > 1
     savers = result["bcd_savers_one_layer"]
     assert savers["probe"]["exit"] != 0 if not savers["ran"] else savers["exit"] == 0
+
+
+def test_a_pipeline_stage_holds_its_frozen_layers_as_codes_and_the_savers_shrink_every_stage():
+    shape = shape_for_size("13b")
+    base = Settings(dtype="bf16-mixed", recompute=True)
+    savers = dataclasses.replace(base, frozen_dtype="nf4", optimizer="adamw8bit", fused_step=True)
+    blocks = partition(shape, 8)
+    assert pipeline_peak(shape, savers, blocks, 2) < pipeline_peak(shape, base, blocks, 2)
+    stage, active = partition(shape, 2)[1], blocks[0]  # the upper stage holds none of block 0: all codes
+    codes = sum(frozen_linear_bytes(r, c, "nf4", 2) for r, c in linear_shapes(shape))
+    per_layer = sum(r * c for r, c in linear_shapes(shape))
+    frozen = (stage.stop - stage.start) * (2 * per_layer - codes)
+    assert stage_bytes(shape, base, stage, active, 1) - stage_bytes(shape, savers, stage, active, 1) == frozen

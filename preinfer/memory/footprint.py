@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from preinfer.memory.activations import step_activations
 from preinfer.memory.layer_spans import LayerSpan, block_params, partition
-from preinfer.memory.quantized import active_state, adjust
+from preinfer.memory.quantized import active_state, adjust, frozen_weights
 from preinfer.memory.settings import DTYPES, Settings
 from preinfer.memory.shapes import ModelShape
 
@@ -93,22 +93,27 @@ def pipeline_peak(m: ModelShape, settings: Settings, blocks: list[LayerSpan] | N
 
 
 def stage_bytes(m: ModelShape, settings: Settings, stage: LayerSpan, active: LayerSpan | None, in_flight: int) -> int:
-    """Bytes one pipeline stage holds while `active` trains (None: full Adam): its layers' weights, gradients and
-    optimizer state for the part of the active block it holds, and the activations of `in_flight` micro-batches
-    (none below the active block, which runs forward only)."""
+    """Bytes one pipeline stage holds while `active` trains (None: full Adam): its layers' weights (its frozen ones
+    in the frozen dtype), gradients and optimizer state for the part of the active block it holds, and the
+    activations of `in_flight` micro-batches (none below the active block, which runs forward only)."""
     c = DTYPES[settings.dtype]["act"]
     acts = step_activations(m, settings.micro_batch, settings.seq_len, c, active, settings.recompute,
                             settings.attention)
     params = block_params(m, stage)
     params += m.vocab * m.hidden if m.tied and stage.head and not stage.embed else 0  # its copy of the tied weight
     if active is None:
-        trainable = params
+        held = stage
     else:
         lo, hi = max(stage.start, active.start), min(stage.stop, active.stop)
-        trainable = m.span_params(lo, max(lo, hi)) + (m.embed_params() if stage.embed and active.embed else 0)
-        trainable += m.head_params() if stage.head and active.head else 0
+        held = LayerSpan(lo, max(lo, hi), stage.embed and active.embed, stage.head and active.head)
+    trainable = block_params(m, held)
+    weights, grads, optimizer = _component_bytes(settings, params, trainable)
+    if trainable:
+        grads, optimizer = active_state(m, settings, held, grads, optimizer)
+    frozen = 0 if active is None else (stage.stop - stage.start) - (held.stop - held.start)
+    delta, host = frozen_weights(m, settings, frozen, stage.stop - stage.start)
     stage_acts = acts.total(stage.start, stage.stop, inputs=stage.embed, outputs=stage.head) * in_flight
-    return sum(_component_bytes(settings, params, trainable)) + stage_acts
+    return weights + delta + grads + optimizer + stage_acts + (host if settings.host_device else 0)
 
 
 def fewest_blocks(m: ModelShape, settings: Settings, degree: int = 1) -> tuple[int, int] | None:
