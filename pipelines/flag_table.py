@@ -94,8 +94,10 @@ TRAINING_FLAGS: list[Flag] = [
          "memory-efficient kernels, which keep no [T, T] attention probabilities for backward) or eager; the "
          "planner prices each, and a store records the one it was made with"),
     Flag("--frozen-dtype", "model", "frozen_dtype",
-         "how the layers outside the active block hold their linear weights: auto (the resident dtype), bf16, or "
-         "int8 / nf4 codes (torchao), the masters kept exact in host memory"),
+         "how the linear weights of the decoder layers outside the active block are held for their forward: auto "
+         "(the resident dtype, as today), bf16, int8 (per row) or nf4 (torchao, pip install preinfer[quant]); each "
+         "block keeps an exact master in host memory, restored for its visit, and checkpoints, exports and stores "
+         "are made from the masters"),
     Flag("--data", "data", "path", f"a corpus: {CORPUS}; or a token store written by preinfer tokenize"),
     Flag("--token-store", "data", "token_store", "where a corpus is tokenised once (one directory per corpus, "
                                                  "tokenizer and settings) and read lazily by every job",

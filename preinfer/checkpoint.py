@@ -212,7 +212,8 @@ def read_tensors(file: Path) -> dict[str, torch.Tensor]:
 def _refuse_non_finite(model: nn.Module, step: int | None) -> None:
     """A DivergedError naming the first weight with a NaN or infinity."""
     floats = [(name, t) for name, t in _resident(model).items() if t.is_floating_point()]
-    if not floats or bool(torch.stack([t.isfinite().all() for _, t in floats]).all()):
+    devices = {t.device for _, t in floats}  # frozen weights held in fewer bits have their masters on the host
+    if all(bool(torch.stack([t.isfinite().all() for _, t in floats if t.device == d]).all()) for d in devices):
         return
     name = next(name for name, t in floats if not bool(t.isfinite().all()))
     raise DivergedError(f"training diverged: weight {name} is not finite after step {step}; no checkpoint of it "

@@ -4,7 +4,9 @@ The prefix digest covers the adapter that computes the states (its identity: fam
 state computed by another adapter or an older version of it is not taken for this one's) and exactly the
 parameters and buffers that the embedding and layers `[0, k)` use (a tied weight and shared modules such as the
 rotary embedding included), tensor by tensor, so hashing a large prefix never needs a second copy of it in
-memory.
+memory. A layer held in fewer bits (`--frozen-dtype`) counts as its masters, name, dtype and bytes, never as its
+codes: pre-inference runs the prefix from the masters (`preinfer.frozen_weights.masters_forward`), so its stores
+are those of the exact prefix, and a prefix of other weights or another dtype has another digest.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from preinfer.frozen_weights import FrozenLinear
 from preinfer.staged import StagedModel
 
 FINGERPRINT_VERSION = 1
@@ -79,8 +82,12 @@ def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _module_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
+    """The module's parameters, then its buffers but a frozen linear's codes: a quantized layer counts as its
+    master (its weight Parameter), which is what pre-inference runs it from."""
     yield from module.parameters()
-    yield from module.buffers()
+    for each in module.modules():
+        if not isinstance(each, FrozenLinear):
+            yield from each.buffers(recurse=False)
 
 
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:

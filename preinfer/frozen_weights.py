@@ -3,15 +3,22 @@
 `FrozenWeights(layers, dtype, device)` takes the decoder layers whose `nn.Linear` submodules it manages (the
 embedding and the LM head stay in their resident dtype). It copies every such weight to host memory (CPU tensors,
 pinned when the device is CUDA): these masters are the authoritative weights. `quantize(indices)` swaps each
-managed `nn.Linear` of those layers for a `FrozenLinear` holding codes built from the master, and frees the
-weight's device storage; `restore(indices)` puts the original `nn.Linear` (the same module and Parameter objects)
-back with the master copied onto the device bit for bit, for a block's visit. Quantizing a restored layer first
-copies its device weight (trained during the visit) into its master, then builds the codes from the master: codes
-are never built from codes. `masters()` gives the authoritative weights for a checkpoint or an export (codes are
-never saved). Norm weights and biases stay resident as they are.
+managed `nn.Linear` of those layers for a `FrozenLinear` holding codes built from the master on the device, and
+points the weight's Parameter at its host master (its device storage is freed), so that state dicts, checkpoints,
+exports and fingerprints see the master and never the codes; `restore(indices)` puts the original `nn.Linear` (the
+same module and Parameter objects) back with the master copied onto the device bit for bit, for a block's visit.
+Quantizing a restored layer first copies its device weight (trained during the visit) into its master, then builds
+the codes from the master: codes are never built from codes. `masters()` gives the authoritative weights by name.
+Norm weights and biases stay resident as they are.
 
-A `FrozenLinear` computes `x @ W^T (+ bias)` with W dequantized to x's dtype in forward and again in backward: only
-the codes are saved for backward, and the frozen weight gets no gradient (the input does). Element error of W:
+`QuantizedFrozenLayers` is the `preinfer.visit.VisitHook` of `--frozen-dtype`: at its first visit every layer
+outside the block is quantized; each visit restores its block's layers and quantizes them again when it ends.
+`masters_forward(layers)` runs quantized layers from their masters (one layer's weights on the device at a time),
+as pre-inference does so that its stores stay exact.
+
+A `FrozenLinear` computes `x @ W^T (+ bias)` with W dequantized to x's dtype in forward and again in backward
+(one decoded weight at a time, freed after its matmul): backward keeps only a reference to the codes, and the
+frozen weight gets no gradient (the input does). Element error of W:
 
 - `bf16`: round to nearest bfloat16, |w - w'| <= 2^-8 |w| (exact when the master is bfloat16 already).
 - `int8`: symmetric per output row ("per channel"): scale = absmax(row) / 127 in float32, code = round(w / scale)
@@ -25,13 +32,17 @@ the codes are saved for backward, and the frozen weight gets no gradient (the in
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
+from preinfer.config import Config
 from preinfer.errors import UsageError
 from preinfer.memory.quantized import FROZEN_DTYPES, NF4_BLOCK, nf4_scaler_block
+from preinfer.partition import Block
+from preinfer.staged import StagedModel
 from preinfer.torchao_extra import torchao_module
 
 
@@ -56,27 +67,32 @@ def decode(codes: Sequence[torch.Tensor], dtype: str, out: torch.dtype) -> torch
 
 
 class _DequantizedLinear(torch.autograd.Function):
-    """x @ W^T with W decoded from codes in forward and again in backward; only the codes are saved."""
+    """x @ W^T with W decoded from codes in forward and again in backward. Backward keeps a reference to the codes
+    (resident buffers, never changed in place while they are held), not a saved copy: they are no activation, and
+    saved-tensor hooks (the memory meter's, recomputation's) see nothing of them."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, dtype: str, *codes: torch.Tensor) -> torch.Tensor:
-        ctx.dtype = dtype
-        ctx.save_for_backward(*codes)
+        ctx.dtype, ctx.codes = dtype, codes
         return x @ decode(codes, dtype, x.dtype).t()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad @ decode(ctx.saved_tensors, ctx.dtype, grad.dtype), None, *(None for _ in ctx.saved_tensors)
+        return grad @ decode(ctx.codes, ctx.dtype, grad.dtype), None, *(None for _ in ctx.codes)
 
 
 class FrozenLinear(nn.Module):
-    """A frozen `nn.Linear`'s stand-in: its weight as codes (non-persistent buffers, so never in a state dict),
+    """A frozen `nn.Linear`'s stand-in: its codes on the device (non-persistent buffers) are what forward and
+    backward read; its weight is the linear's own Parameter pointing at the host master (what a state dict holds),
     its bias the linear's own Parameter."""
 
-    def __init__(self, linear: nn.Linear, codes: tuple[torch.Tensor, ...], dtype: str):
+    def __init__(self, linear: nn.Linear, master: torch.Tensor, codes: tuple[torch.Tensor, ...], dtype: str):
         super().__init__()
         self.dtype, self.in_features, self.out_features = dtype, linear.in_features, linear.out_features
-        self.bias = linear.bias
+        object.__setattr__(self, "linear", linear)  # the module it stands in for, not a submodule of its own
+        self.master = master
+        linear.weight.data = master
+        self.weight, self.bias = linear.weight, linear.bias
         self.names = tuple(f"code{i}" for i in range(len(codes)))
         for name, code in zip(self.names, codes):
             self.register_buffer(name, code, persistent=False)
@@ -105,7 +121,8 @@ class FrozenWeights:
         self.layers = list(layers)
         self.linears = [_linears(layer) for layer in self.layers]
         if not any(self.linears):
-            raise UsageError(f"frozen dtype {dtype} holds nn.Linear weights; these layers have none")
+            raise UsageError(f"frozen dtype {dtype} holds nn.Linear weights; these layers have none: use "
+                             f"--frozen-dtype auto")
         pin = self.device.type == "cuda"
         self._masters = [{path: _host_copy(linear.weight, pin) for path, linear in found.items()}
                          for found in self.linears]
@@ -113,7 +130,7 @@ class FrozenWeights:
             _check_nf4(self._masters)
         self.quantized: set[int] = set()
 
-    def quantize(self, indices: Sequence[int]) -> None:
+    def quantize(self, indices: Iterable[int]) -> None:
         """Hold layers `indices` as codes built from their masters (a restored layer's weight, trained during its
         visit, becomes its master first); an already quantized layer stays as it is."""
         for index in indices:
@@ -121,12 +138,12 @@ class FrozenWeights:
                 continue
             self._sync_master(index)
             for path, linear in self.linears[index].items():
-                codes = encode(self._masters[index][path].to(self.device, non_blocking=True), self.dtype)
-                _set_child(self.layers[index], path, FrozenLinear(linear, codes, self.dtype))
-                linear.weight.data = torch.empty(0, dtype=linear.weight.dtype, device=self.device)
+                master = self._masters[index][path]
+                codes = encode(master.to(self.device, non_blocking=True), self.dtype)
+                _set_child(self.layers[index], path, FrozenLinear(linear, master, codes, self.dtype))
             self.quantized.add(index)
 
-    def restore(self, indices: Sequence[int]) -> None:
+    def restore(self, indices: Iterable[int]) -> None:
         """Put layers `indices` back as their `nn.Linear`s with the masters on the device, bit for bit."""
         for index in indices:
             if index not in self.quantized:
@@ -149,6 +166,69 @@ class FrozenWeights:
         if index not in self.quantized:
             for path, linear in self.linears[index].items():
                 self._masters[index][path].copy_(linear.weight.detach())
+
+
+class QuantizedFrozenLayers:
+    """The visit hook of `--frozen-dtype` (see the module's docstring) over the decoder layers of `staged` that
+    hold weights (a suffix model's prefix below its store, on the meta device, is not held)."""
+
+    def __init__(self, staged: StagedModel, dtype: str, device: torch.device | str):
+        held = [i for i, layer in enumerate(staged.layers) if not any(p.is_meta for p in layer.parameters())]
+        self.weights = FrozenWeights([staged.layers[i] for i in held], dtype, device)
+        self.local = {layer: index for index, layer in enumerate(held)}
+
+    def activate(self, block: Block) -> list[nn.Parameter]:
+        """The block's layers restored from their masters, every other held layer quantized; no extra parameters."""
+        inside = self._held(block)
+        self.weights.restore(inside)
+        self.weights.quantize(index for index in self.local.values() if index not in inside)
+        return []
+
+    def after_step(self) -> None:
+        """Nothing: the block's weights become masters when its visit ends."""
+
+    def deactivate(self, block: Block) -> None:
+        """The block's trained weights become its masters, and its layers are quantized from them."""
+        self.weights.quantize(self._held(block))
+
+    def _held(self, block: Block) -> list[int]:
+        return [self.local[layer] for layer in range(block.start, block.stop) if layer in self.local]
+
+
+def frozen_weight_hooks(staged: StagedModel, config: Config) -> list[QuantizedFrozenLayers]:
+    """The run's visit hooks for `[model] frozen_dtype`: none for auto (every weight resident as it is)."""
+    dtype = config.model.frozen_dtype
+    return [] if dtype == "auto" else [QuantizedFrozenLayers(staged, dtype, config.run.device)]
+
+
+@contextmanager
+def masters_forward(layers: Iterable[nn.Module]) -> Iterator[None]:
+    """Inside, each of `layers` that holds quantized linears runs from their masters: its `nn.Linear`s are put
+    back with the masters on the device just before its forward and the codes just after, so one layer's
+    weights at a time are on the device."""
+    handles = []
+    for layer in layers:
+        frozen = {path: m for path, m in layer.named_modules() if isinstance(m, FrozenLinear)}
+        if frozen:
+            handles.append(layer.register_forward_pre_hook(lambda module, args, f=frozen: _run_masters(module, f)))
+            handles.append(layer.register_forward_hook(lambda module, args, out, f=frozen: _run_codes(module, f)))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _run_masters(layer: nn.Module, frozen: dict[str, FrozenLinear]) -> None:
+    for path, module in frozen.items():
+        module.weight.data = module.master.to(module.codes()[0].device)
+        _set_child(layer, path, module.linear)
+
+
+def _run_codes(layer: nn.Module, frozen: dict[str, FrozenLinear]) -> None:
+    for path, module in frozen.items():
+        module.weight.data = module.master
+        _set_child(layer, path, module)
 
 
 def _linears(layer: nn.Module) -> dict[str, nn.Linear]:

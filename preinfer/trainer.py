@@ -30,6 +30,7 @@ from preinfer.checkpoint import STATE
 from preinfer.config import Config
 from preinfer.errors import DivergedError, PreinferError, UsageError
 from preinfer.evaluation import eval_mode
+from preinfer.frozen_weights import frozen_weight_hooks
 from preinfer.layout import Layout, replica_layout
 from preinfer.metrics import MetricsLog, Record
 from preinfer.moe import ExpertGranular
@@ -86,7 +87,8 @@ class Trainer:
         self.sweeps = Sweeps(staged, partition, config, sources, self.scaler, clock, self.emit,
                              lambda: self.checkpoint_dir / STATE, active_block, self.world_size)
         config.validate()  # direct callers too: every rule that needs only the config
-        self.lifecycle = VisitLifecycle(staged, config, self.layout, self.optimizers, self.experts, meter)
+        self.lifecycle = VisitLifecycle(staged, config, self.layout, self.optimizers, self.experts, meter,
+                                        hooks=frozen_weight_hooks(staged, config))
         sources.attach(self.emit)
 
     @property

@@ -64,7 +64,9 @@ def test_quantize_restore_gives_the_masters_back_bit_for_bit_and_codes_come_from
     frozen = FrozenWeights(model.model.layers, dtype, "cpu")
     frozen.quantize([0, 1, 2])
     first = [c.clone() for c in _codes(model.model.layers[1].mlp.down_proj)]
-    assert "model.layers.1.mlp.down_proj.weight" not in model.state_dict()  # codes are never in a state dict
+    held = model.state_dict()["model.layers.1.mlp.down_proj.weight"]  # a state dict holds the master, never codes
+    assert held.device.type == "cpu" and torch.equal(held, original["model.layers.1.mlp.down_proj.weight"])
+    assert not any(k.endswith("code0") for k in model.state_dict())
     frozen.restore([1])
     assert all(torch.equal(model.state_dict()[k], v) for k, v in original.items() if k.startswith("model.layers.1."))
     frozen.quantize([1])

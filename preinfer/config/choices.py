@@ -12,8 +12,6 @@ from preinfer.errors import UsageError
 # Attention implementations a model runs with (transformers' names): PyTorch's scaled_dot_product_attention
 # (flash and memory-efficient kernels where the device has them), or the framework's eager matmul-softmax-matmul.
 Attention = Literal["sdpa", "eager"]
-# How frozen decoder-layer linear weights are held: auto (the resident dtype), bf16, or int8 / nf4 codes.
-FrozenDtype = Literal["auto", "bf16", "int8", "nf4"]
 # Block orders within a sweep; the importance orders are measured at every sweep's start (preinfer.importance).
 BlockOrder = Literal["ascending", "descending", "random", "fixed", "importance", "importance-cached"]
 Optimizer = Literal["sgd", "adam", "adamw", "adam8bit", "adamw8bit"]
@@ -33,6 +31,9 @@ StoreFormat = Literal["zarr", "safetensors"]
 StoreDtype = Literal["auto", "float32", "bfloat16", "float16", "float8_e4m3", "float8_e5m2", "int8"]
 # What trains with an expert-granular block's chosen experts (preinfer.moe); "none" names nothing.
 ExpertPart = Literal["none", "router", "shared", "attention", "rest"]
+# How the frozen decoder layers' linear weights are held for their forward (preinfer.frozen_weights); auto: in the
+# resident dtype, as every other weight.
+FrozenDtype = Literal["auto", "bf16", "int8", "nf4"]
 
 
 class Names:

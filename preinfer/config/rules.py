@@ -151,6 +151,7 @@ def rule_problems(c: Any) -> Iterator[Problem]:
         yield "blocks", "experts", f"unset under {{run.precision}} {r.precision} (expert-granular blocks train in " \
                                    f"fp32)"
     yield from partition_problems(c)
+    yield from frozen_dtype_problems(c)
     if r.pipeline > 1:
         yield from pipeline_problems(c)
 
@@ -183,6 +184,18 @@ def partition_problems(c: Any) -> Iterator[Problem]:
         yield "blocks", "ufp", "a fraction, or auto with exactly one of {blocks.memory_budget} and {blocks.gpu}"
     if chosen and b.ufp == "auto" and b.separate_ends:
         yield "blocks", "separate_ends", "false with {blocks.ufp} auto (its blocks hold the embedding and the head)"
+
+
+def frozen_dtype_problems(c: Any) -> Iterator[Problem]:
+    """Frozen weights in fewer bits: in BCD, in one process or data-parallel replicas."""
+    frozen = c.model.frozen_dtype
+    if frozen == "auto":
+        return
+    if c.run.mode == "full":
+        yield "model", "frozen_dtype", f"auto with {{run.mode}} full (every weight trains: none is frozen to hold " \
+                                       f"in {frozen})"
+    elif c.run.pipeline > 1:
+        yield "model", "frozen_dtype", "auto on a pipeline (its stages hold their layers in the resident dtype)"
 
 
 def pipeline_problems(c: Any) -> Iterator[Problem]:

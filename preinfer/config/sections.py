@@ -6,8 +6,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from preinfer.config.choices import (
-    DEFAULT_ATTENTION, Attention, BlockOrder, ExpertPart, FrozenDtype, LrDecay, Mode, Names, Optimizer, PipelineSchedule,
-    Precision, PreInferenceMode, StopRuleName, StoreDtype, StoreFormat, Tracker,
+    DEFAULT_ATTENTION, Attention, BlockOrder, ExpertPart, FrozenDtype, LrDecay, Mode, Names, Optimizer,
+    PipelineSchedule, Precision, PreInferenceMode, StopRuleName, StoreDtype, StoreFormat, Tracker,
 )
 from preinfer.config.rules import Naming, check
 from preinfer.sizes import parse_size
@@ -19,7 +19,7 @@ class ModelConfig:
     tokenizer: str = "auto"  # auto (the model's own; byte for a preset), byte, or a local HF tokenizer directory
     chat_template: str | None = None  # a file whose Jinja chat template replaces the tokenizer's own
     attention: Attention = DEFAULT_ATTENTION  # the attention implementation every job runs the model with
-    frozen_dtype: FrozenDtype = "auto"  # frozen layers' linear weights: auto (resident dtype), bf16, int8 or nf4
+    frozen_dtype: FrozenDtype = "auto"  # frozen decoder layers' linear weights for their forward; masters stay exact
 
 
 @dataclass

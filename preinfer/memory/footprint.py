@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from preinfer.memory.activations import step_activations
 from preinfer.memory.layer_spans import LayerSpan, block_params, partition
-from preinfer.memory.quantized import active_state, adjust, frozen_weights
+from preinfer.memory.quantized import active_state, adjust
 from preinfer.memory.settings import DTYPES, Settings
 from preinfer.memory.shapes import ModelShape
 
@@ -93,9 +93,10 @@ def pipeline_peak(m: ModelShape, settings: Settings, blocks: list[LayerSpan] | N
 
 
 def stage_bytes(m: ModelShape, settings: Settings, stage: LayerSpan, active: LayerSpan | None, in_flight: int) -> int:
-    """Bytes one pipeline stage holds while `active` trains (None: full Adam): its layers' weights (its frozen ones
-    in the frozen dtype), gradients and optimizer state for the part of the active block it holds, and the
-    activations of `in_flight` micro-batches (none below the active block, which runs forward only)."""
+    """Bytes one pipeline stage holds while `active` trains (None: full Adam): its layers' weights (resident: the
+    trainer refuses a frozen dtype on a pipeline), gradients and optimizer state (8-bit, fused) for the part of the
+    active block it holds, and the activations of `in_flight` micro-batches (none below the active block, which runs
+    forward only)."""
     c = DTYPES[settings.dtype]["act"]
     acts = step_activations(m, settings.micro_batch, settings.seq_len, c, active, settings.recompute,
                             settings.attention)
@@ -110,10 +111,8 @@ def stage_bytes(m: ModelShape, settings: Settings, stage: LayerSpan, active: Lay
     weights, grads, optimizer = _component_bytes(settings, params, trainable)
     if trainable:
         grads, optimizer = active_state(m, settings, held, grads, optimizer)
-    frozen = 0 if active is None else (stage.stop - stage.start) - (held.stop - held.start)
-    delta, host = frozen_weights(m, settings, frozen, stage.stop - stage.start)
     stage_acts = acts.total(stage.start, stage.stop, inputs=stage.embed, outputs=stage.head) * in_flight
-    return weights + delta + grads + optimizer + stage_acts + (host if settings.host_device else 0)
+    return weights + grads + optimizer + stage_acts
 
 
 def fewest_blocks(m: ModelShape, settings: Settings, degree: int = 1) -> tuple[int, int] | None:

@@ -1,0 +1,176 @@
+"""`--frozen-dtype` end to end: a BCD run holds every layer outside the active block in codes and its block restored
+from the masters; checkpoints, exports and stores hold the masters; resume is bit for bit; auto is today's run."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipelines.cache import CacheOptions
+from pipelines.data.tokenizers import load_tokenizer
+from pipelines.pre_inference.writers import LocalWriter
+from preinfer.config import Config
+from preinfer.errors import UsageError
+from preinfer.fingerprint import prefix_digest
+from preinfer.frozen_weights import FrozenLinear, FrozenWeights
+from preinfer.metrics import StepRecord
+from tests.helpers.cache_jobs import BATCH, PER_SHARD, assert_same_store, datasets_for, staged_model
+from tests.helpers.cli_run import failure_line, run_cli
+from tests.helpers.corpus_samples import write_corpus
+from tests.helpers.trainers import make_trainer, snapshot
+
+LAYER = "model.layers."
+
+
+def layer_of(name: str) -> int | None:
+    return int(name[len(LAYER):].split(".")[0]) if name.startswith(LAYER) else None
+
+
+def quantized_layers(model) -> set[int]:
+    return {layer_of(name) for name, module in model.named_modules() if isinstance(module, FrozenLinear)}
+
+
+@pytest.mark.parametrize("dtype", ["int8", "nf4"])
+def test_every_step_runs_the_block_restored_and_every_other_layer_in_codes_which_never_change(dtype):
+    seen = []
+
+    def record(r):
+        if isinstance(r, StepRecord):
+            block = trainer.partition.blocks[r.block]
+            frozen = {k: v for k, v in snapshot(trainer.staged.model).items()
+                      if layer_of(k) is not None and not block.start <= layer_of(k) < block.stop}
+            seen.append((block, quantized_layers(trainer.staged.model), frozen))
+
+    trainer = make_trainer(on_record=record, model__frozen_dtype=dtype)
+    before = snapshot(trainer.staged.model)
+    trainer.fit()
+    layers = trainer.staged.num_layers
+    assert len(seen) == 3 * len(trainer.partition.blocks)
+    for block, quantized, _ in seen:
+        assert quantized == set(range(layers)) - set(range(block.start, block.stop))
+    for block in trainer.partition.blocks:  # a frozen weight never changes during a visit, bit for bit
+        steps = [frozen for b, _, frozen in seen if b is block]
+        assert all(torch.equal(steps[0][k], later[k]) for later in steps[1:] for k in steps[0])
+    after = snapshot(trainer.staged.model)
+    assert any(not torch.equal(before[k], after[k]) for k in before if layer_of(k) is not None)  # it trained
+    assert quantized_layers(trainer.staged.model) == set(range(layers))  # every block re-quantized at its end
+
+
+def test_a_trained_block_re_quantized_re_activated_and_exported_equals_its_master_bit_for_bit(tmp_path):
+    trained = {}
+
+    def record(r):
+        if isinstance(r, StepRecord) and r.block == 1:  # the last step's weights: what the visit ends with
+            trained.update({k: v for k, v in snapshot(trainer.staged.model).items()
+                            if layer_of(k) is not None and block.start <= layer_of(k) < block.stop})
+
+    trainer = make_trainer(on_record=record, model__frozen_dtype="int8")
+    block = trainer.partition.blocks[1]
+    trainer.fit()
+    (hook,) = trainer.lifecycle.hooks
+    masters = snapshot(trainer.staged.model)
+    assert trained and all(torch.equal(masters[k], v) for k, v in trained.items())
+    assert all(masters[k].device.type == "cpu" for k in trained if k.endswith("proj.weight"))
+    hook.activate(block)  # re-activated: the masters on the device, as nn.Linear again
+    assert quantized_layers(trainer.staged.model) == set(range(4)) - set(range(block.start, block.stop))
+    assert all(torch.equal(p, trained[k]) for k, p in trainer.staged.model.named_parameters() if k in trained)
+    hook.deactivate(block)
+    trainer.staged.model.save_pretrained(tmp_path / "export")
+    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
+    assert all(torch.equal(exported[k], v) for k, v in masters.items() if k in exported)
+    assert not any("code" in k for k in exported) and all(k in exported for k in trained)
+
+
+@pytest.mark.parametrize("dtype,precision", [("int8", "fp32"), ("nf4", "fp32"), ("int8", "bf16-mixed")])
+def test_resume_is_bit_identical(tmp_path, dtype, precision):
+    overrides = dict(blocks__sweeps=2, optim__warmup_steps=2, optim__decay="cosine", stop__steps_per_visit=4,
+                     run__precision=precision, model__frozen_dtype=dtype)
+    reference = make_trainer(run_dir=tmp_path / "a", **overrides)
+    halted = make_trainer(run_dir=tmp_path / "b", **overrides)
+    reference.fit()
+    halted.fit(max_total_steps=6)  # mid-visit: block 1, step 2 of 4
+    saved = load_file(str(tmp_path / "b" / "checkpoint" / "model.safetensors"))
+    held = snapshot(halted.staged.model)
+    assert set(saved) == set(held) and all(torch.equal(saved[k], v) for k, v in held.items())  # masters, no codes
+    resumed = make_trainer(run_dir=tmp_path / "b", **overrides)
+    resumed.resume()
+    assert same_run(reference, resumed)
+
+
+def same_run(reference, other) -> bool:
+    """Whether `other` (fitted here) ends with `reference`'s weights and visit losses, bit for bit."""
+    other.fit()
+    ref, got = snapshot(reference.staged.model), snapshot(other.staged.model)
+    return all(torch.equal(ref[k], got[k]) for k in ref) and \
+        [v["eval_loss"] for v in other.progress.visits] == [v["eval_loss"] for v in reference.progress.visits]
+
+
+def test_auto_installs_nothing_and_keeps_every_weight_as_it_was():
+    def record(r):
+        held.append(([id(p) for p in auto.staged.model.parameters()], quantized_layers(auto.staged.model)))
+
+    held = []
+    auto = make_trainer(on_record=record, model__frozen_dtype="auto")
+    params = [id(p) for p in auto.staged.model.parameters()]
+    assert auto.lifecycle.hooks == ()  # the visit runs today's code path, nothing in between
+    auto.fit()
+    assert held and all(ids == params and not quantized for ids, quantized in held)
+
+
+def test_bf16_codes_of_bf16_weights_train_bit_for_bit_as_auto():
+    exact = make_trainer(run__precision="bf16-mixed")
+    exact.fit()
+    assert same_run(exact, make_trainer(run__precision="bf16-mixed", model__frozen_dtype="bf16"))
+
+
+def test_a_quantized_run_differs_from_the_exact_one_only_within_the_codes_error():
+    exact, int8 = make_trainer(), make_trainer(model__frozen_dtype="int8")
+    exact.fit()
+    int8.fit()
+    losses = [(a["eval_loss"], b["eval_loss"]) for a, b in zip(exact.progress.visits, int8.progress.visits)]
+    assert all(a != b and abs(a - b) < 0.01 * a for a, b in losses)
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("run__mode", "full", r"^\[model\] frozen_dtype = 'int8': expected auto with \[run\] mode full"),
+    ("run__pipeline", 2, r"^\[model\] frozen_dtype = 'int8': expected auto on a pipeline"),
+])
+def test_frozen_dtype_is_refused_where_it_cannot_apply_in_one_line(key, value, match):
+    config = Config()
+    config.model.frozen_dtype, config.stop.steps_per_visit = "int8", 3
+    section, name = key.split("__")
+    setattr(getattr(config, section), name, value)
+    with pytest.raises(UsageError, match=match) as caught:
+        config.validate()
+    assert "\n" not in str(caught.value)
+
+
+def test_the_flag_is_refused_with_full_training_before_anything_is_opened(tmp_path, capsys):
+    code, _, err = run_cli(["bcd", "--frozen-dtype", "nf4", "--mode", "full", "--out", str(tmp_path / "run")], capsys)
+    assert code == 2 and "--frozen-dtype nf4 ([model] frozen_dtype): expected auto with --mode full" in \
+        failure_line(err)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_model_without_linear_layers_is_refused_in_one_line():
+    with pytest.raises(UsageError, match=r"^frozen dtype int8 holds nn.Linear weights; .*--frozen-dtype auto$"):
+        make_trainer("tiny-gpt2", model__frozen_dtype="int8")  # GPT-2's layers are Conv1D
+
+
+@pytest.mark.parametrize("source", [None, 1])
+def test_pre_inference_runs_the_prefix_from_the_masters_so_its_stores_are_exact(tmp_path, source):
+    datasets = datasets_for(write_corpus(tmp_path / "corpus.txt"))
+    exact, held = staged_model(), staged_model()
+    FrozenWeights(held.layers, "nf4", "cpu").quantize(range(held.num_layers))
+    assert prefix_digest(held, 3) == prefix_digest(exact, 3)  # the masters, never the codes
+    options = CacheOptions(samples_per_shard=PER_SHARD, batch_size=BATCH, progress=False, model_name="tiny-llama")
+    stores = {}
+    for name, staged in (("exact", exact), ("held", held)):
+        writer = LocalWriter(staged, datasets, load_tokenizer("byte"))
+        if source is not None:
+            writer.write(source, None, str(tmp_path / name / "low"), options)
+        writer.write(3, source and str(tmp_path / name / "low"), str(tmp_path / name / "k3"), options)
+        stores[name] = tmp_path / name / "k3"
+    assert_same_store(stores["exact"] / "train", stores["held"] / "train")
+    with torch.no_grad():  # the codes are what the layers run outside pre-inference
+        ids = datasets["train"][0:2]["input_ids"]
+        assert not torch.equal(exact.model(ids).logits, held.model(ids).logits)
