@@ -8,9 +8,9 @@ ru_maxrss). In order:
    with every tensor present; nothing is committed, the directory is --work);
 2. `plan --device cpu`: this machine's physical memory is the budget; full Adam must not fit it;
 3. `bcd --ufp 1/3`: every visit, a few steps each, against the planner's worst visit;
-4. `bcd --frozen-dtype nf4 --optimizer adamw8bit --fused-step` at one layer per block, its first visits
-   (--total-steps), against the planner's largest of those visits: run only when a tiny-llama probe with those
-   flags trains, else its refusal is recorded.
+4. `bcd --frozen-dtype nf4` and `bcd --frozen-dtype nf4 --optimizer adamw8bit --fused-step` at one layer per
+   block, their first visits (--total-steps), against the planner's largest of those visits: each run only when a
+   tiny-llama probe with its flags trains, else the probe's refusal is recorded.
 
     python -m bench.scale                  # SmolLM2-1.7B shape, seq 64, 2 steps per visit (minutes; ~14 GiB RAM)
     python -m bench.scale --quick          # a tiny Llama shape through the same steps (seconds)
@@ -48,7 +48,13 @@ SMOLLM2_1_7B = dict(
 )
 QUICK = {**SMOLLM2_1_7B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 4}
-SAVERS = ["--frozen-dtype", "nf4", "--optimizer", "adamw8bit", "--fused-step"]
+# The one-layer-per-block runs, their flags and the planner's settings of them: nf4 frozen layers alone, and with
+# 8-bit AdamW and the fused step.
+ONE_LAYER_ROWS = {
+    "nf4": (["--frozen-dtype", "nf4"], dict(frozen_dtype="nf4")),
+    "savers": (["--frozen-dtype", "nf4", "--optimizer", "adamw8bit", "--fused-step"],
+               dict(frozen_dtype="nf4", optimizer="adamw8bit", fused_step=True)),
+}
 
 
 def measured(command: list[str]) -> tuple[dict, str]:
@@ -105,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=2, help="steps per visit")
     parser.add_argument("--saver-visits", type=int, default=2, help="visits of the one-layer-per-block run")
+    parser.add_argument("--rows", default="ufp_1_3,nf4,savers",
+                        help="the bcd runs: ufp_1_3 (today's flags), nf4, savers (at one layer per block)")
     parser.add_argument("--write-model", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     config = QUICK if args.quick else SMOLLM2_1_7B
@@ -142,22 +150,32 @@ def run_all(model: Path, work: Path, config: dict, args: argparse.Namespace) -> 
     train = ["--tokenizer", "byte", "--seq-len", seq, "--batch-size", "1", "--steps-per-visit", str(args.steps),
              "--eval-tokens", seq, "--max-samples", "32", "--pre-inference", "off", "--precision", "fp32",
              "--device", "cpu"]
-    rows["bcd_ufp_1_3"] = with_ratio(measured(cli("bcd", "--model", str(model), "--ufp", "1/3",
-                                                  "--out", str(work / "ufp3"), *train))[0], live["total"])
-    probe, _ = measured(cli("bcd", "--model", "tiny-llama", "--blocks", "4", "--steps-per-visit", "1", "--total-steps",
-                         "1", "--seq-len", "32", "--batch-size", "2", "--eval-tokens", "64", "--pre-inference", "off",
-                         "--out", str(work / "probe"), *SAVERS))
-    if probe["exit"] != 0:
-        rows["bcd_savers_one_layer"] = dict(ran=False, probe=probe,
-                                            note="bcd does not train with these flags yet: " + probe["last_line"])
-        return rows
-    layers = config["num_hidden_layers"]
-    savers = Settings(seq_len=args.seq_len, micro_batch=1, dtype="float32", blocks=layers, frozen_dtype="nf4",
-                      optimizer="adamw8bit", fused_step=True, host_device=True)
-    run, _ = measured(cli("bcd", "--model", str(model), "--blocks", str(layers), "--total-steps",
-                          str(args.steps * args.saver_visits), "--out", str(work / "savers"), *SAVERS, *train))
-    rows["bcd_savers_one_layer"] = dict(ran=True, **with_ratio(run, planned_visits(model, savers, args.saver_visits)))
+    if "ufp_1_3" in args.rows:
+        rows["bcd_ufp_1_3"] = with_ratio(measured(cli("bcd", "--model", str(model), "--ufp", "1/3",
+                                                      "--out", str(work / "ufp3"), *train))[0], live["total"])
+    for name, (flags, fields) in ONE_LAYER_ROWS.items():
+        if name in args.rows:
+            settings = Settings(seq_len=args.seq_len, micro_batch=1, dtype="float32",
+                                blocks=config["num_hidden_layers"], host_device=True, **fields)
+            rows[f"bcd_{name}_one_layer"] = one_layer_per_block(model, work, settings, args, flags, train)
     return rows
+
+
+def one_layer_per_block(model: Path, work: Path, settings: Settings, args: argparse.Namespace, flags: list[str],
+                        train: list[str]) -> dict:
+    """A run of the model at one layer per block with `flags`, its first --saver-visits visits, against the
+    planner's largest of them (`settings`); or, when a tiny-llama probe with `flags` does not train, the probe's
+    refusal."""
+    probe, _ = measured(cli("bcd", "--model", "tiny-llama", "--blocks", "4", "--steps-per-visit", "1", "--total-steps",
+                            "1", "--seq-len", "32", "--batch-size", "2", "--eval-tokens", "64", "--pre-inference",
+                            "off", "--out", str(work / "probe"), *flags))
+    shutil.rmtree(work / "probe", ignore_errors=True)
+    if probe["exit"] != 0:
+        return dict(ran=False, probe=probe, note="bcd does not train with these flags yet: " + probe["last_line"])
+    out = work / "one-layer"
+    run, _ = measured(cli("bcd", "--model", str(model), "--blocks", str(settings.blocks), "--total-steps",
+                          str(args.steps * args.saver_visits), "--out", str(out), *flags, *train))
+    return dict(ran=True, flags=" ".join(flags), **with_ratio(run, planned_visits(model, settings, args.saver_visits)))
 
 
 if __name__ == "__main__":

@@ -216,6 +216,8 @@ def test_bench_scale_quick_runs_every_process_and_sets_its_peak_rss_beside_the_p
     assert result["plan"]["exit"] == 0 and result["plan"]["full_adam"] > result["plan"]["bcd_live_ufp_1_3"] > 0
     row = result["bcd_ufp_1_3"]
     assert row["exit"] == 0 and row["peak_rss"] > row["planned"] and row["rss_over_planned"] > 1
+    nf4 = result["bcd_nf4_one_layer"]  # frozen weights are wired: the probe trains
+    assert nf4["ran"] and nf4["exit"] == 0 and nf4["peak_rss"] > nf4["planned"] > 0
     savers = result["bcd_savers_one_layer"]
     assert savers["probe"]["exit"] != 0 if not savers["ran"] else savers["exit"] == 0
 

@@ -2,9 +2,9 @@
 
 How the peaks are measured (and why `tracked_peak` is coherent with the planner in `preinfer.memory`):
 
-- parameters: every parameter of the model (trainable or frozen), and the codes of its frozen linear layers held
-  in fewer bits (`FrozenLinear`; a torchao tensor subclass counted by the tensors it holds), once per tensor, at
-  every `sample()`; codes saved for backward are not activations.
+- parameters: every parameter of the model (trainable or frozen), once per tensor, at every `sample()`; a frozen
+  linear layer held in fewer bits (`FrozenLinear`) counts its codes (a torchao tensor subclass by the tensors it
+  holds) instead of its weight, which is its host master (the planner's `host`, not on the device).
 - gradients: every `.grad` present in the model or on the optimizer's tensors, at every `sample()` (call it after
   `backward()`, where the gradients of one step are all present, and after `optimizer.step()`).
 - masters: under mixed precision the optimizer steps fp32 copies of the active block's weights; every tensor the
@@ -52,9 +52,12 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 def resident_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The model's weights as held: its parameters, and the codes of its frozen linear layers (FrozenLinear)."""
-    codes = [code for module in model.modules() if isinstance(module, FrozenLinear) for code in module.codes()]
-    return [*model.parameters(), *codes]
+    """The model's weights as held on its device: its parameters, a frozen linear layer's (FrozenLinear) codes in
+    place of its weight, which is the layer's host master."""
+    frozen = [module for module in model.modules() if isinstance(module, FrozenLinear)]
+    masters = {id(module.weight) for module in frozen}
+    codes = [code for module in frozen for code in module.codes()]
+    return [*(p for p in model.parameters() if id(p) not in masters), *codes]
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
@@ -159,7 +162,7 @@ class MemoryMeter:
     @contextlib.contextmanager
     def track(self) -> Iterator[None]:
         """Count the tensors held for backward during one step (forward + backward) and keep their peak."""
-        param_keys = {_storage_key(p) for p in resident_tensors(self.model)}
+        param_keys = {_storage_key(p) for p in [*self.model.parameters(), *resident_tensors(self.model)]}
         held: dict[tuple[str, int], list[int]] = {}  # storage -> [saved tensors holding it, its bytes]
         current = 0
         self._step_activations = 0
