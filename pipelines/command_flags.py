@@ -82,6 +82,10 @@ COMMAND_FLAGS: dict[str, list[Flag]] = {
                              "size: 1.5b, 7b, 13b, 20b (standard shapes)", options=dict(required=True)),
         Flag("--arch", help="shape family for a size given to --model", options=dict(choices=["llama", "gpt2"]),
              default="llama"),
+        Flag("--device", help="cuda: a GPU's memory (--gpu, --gpu-mem or --memory-budget) is the budget; cpu: the "
+                              "run trains on this machine's CPU, its physical memory (or --memory-budget) is the "
+                              "budget and the frozen weights' host masters count in it", options=dict(
+                                  choices=["cuda", "cpu"]), default="cuda"),
         Flag("--gpu", help="GPU type: memory, peak FLOPs and default price", options=dict(choices=list(GPUS)),
              default=Settings.gpu),
         Flag("--gpu-mem", help="GPU memory in GB, overriding the --gpu table's",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from preinfer.errors import UsageError
 from preinfer.memory.layer_spans import blocks_for_ufp
@@ -17,13 +18,21 @@ from pipelines.flags import add_flags
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `preinfer plan`; their defaults are `Settings`' (and the training default UFP)."""
     defaults = {"--seq-len": Settings.seq_len, "--epochs-per-visit": Settings.epochs_per_visit,
-                "--attention": Settings.attention}
+                "--attention": Settings.attention, "--frozen-dtype": Settings.frozen_dtype,
+                "--optimizer": Settings.optimizer, "--fused-step": Settings.fused_step,
+                "--separate-ends": Settings.separate_ends}
     plan = dict(command="plan", defaults=defaults)
-    add_flags(parser, "--model", "--arch", "--gpu", "--gpu-mem", "--memory-budget", "--seq-len", "--micro-batch",
-              **plan)
+    add_flags(parser, "--model", "--arch", "--device", "--gpu", "--gpu-mem", "--memory-budget", "--seq-len",
+              "--micro-batch", **plan)
     add_flags(parser.add_mutually_exclusive_group(), "--ufp", "--blocks", **plan)
-    add_flags(parser, "--dtype", "--recompute", "--attention", "--tokens", "--bandwidth-gbps", "--pipeline",
-              "--epochs-per-visit", "--store-dtype", "--compression", "--price-per-hour", "--mfu", "--json", **plan)
+    add_flags(parser, "--separate-ends", "--dtype", "--recompute", "--attention", "--frozen-dtype", "--optimizer", "--fused-step",
+              "--tokens", "--bandwidth-gbps", "--pipeline", "--epochs-per-visit", "--store-dtype", "--compression",
+              "--price-per-hour", "--mfu", "--json", **plan)
+
+
+def host_memory() -> int:
+    """Bytes of this machine's physical memory."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def settings_from_args(args: argparse.Namespace, layers: int) -> Settings:
@@ -31,18 +40,29 @@ def settings_from_args(args: argparse.Namespace, layers: int) -> Settings:
     if args.blocks is not None and args.blocks > layers:
         raise UsageError(f"--blocks {args.blocks} exceeds the model's {layers} layers")
     blocks = args.blocks or blocks_for_ufp(args.ufp, layers)
+    on_host = args.device == "cpu"
+    budget = args.memory_budget if args.memory_budget is not None or not on_host else host_memory()
     return Settings(
         seq_len=args.seq_len, micro_batch=args.micro_batch, dtype=args.dtype, recompute=args.recompute,
-        attention=args.attention, gpu=args.gpu, gpu_mem_gb=args.gpu_mem, blocks=blocks, tokens=args.tokens,
+        attention=args.attention, gpu=args.gpu, gpu_mem_gb=args.gpu_mem, blocks=blocks,
+        separate_ends=args.separate_ends, tokens=args.tokens,
         bandwidth_gbps=args.bandwidth_gbps, price_per_hour=args.price_per_hour, mfu=args.mfu,
         compression=args.compression, store_dtype=args.store_dtype, pipeline=args.pipeline,
-        epochs_per_visit=args.epochs_per_visit, budget_bytes=args.memory_budget,
+        epochs_per_visit=args.epochs_per_visit, budget_bytes=budget, frozen_dtype=args.frozen_dtype,
+        optimizer=args.optimizer, fused_step=args.fused_step, host_device=on_host,
     )
 
 
 def _gib(n: float | None) -> str:
     """Bytes as GiB with two decimals."""
     return "-" if n is None else f"{n / GIB:.2f}"
+
+
+def _device(s: dict) -> str:
+    """The device a plan is for, as the table's second line names it."""
+    if s["host_device"]:
+        return "CPU (host memory)"
+    return f"GPU {s['gpu'] if s['gpu_mem_gb'] is None else str(s['gpu_mem_gb']) + ' GB'}"
 
 
 def _money(value: float | None) -> str:
@@ -75,20 +95,26 @@ def render(result: MemoryPlan, model_spec: str | None = None) -> str:
     lines = [
         f"model {m['name']} ({m['arch']}, {m['params'] / 1e9:.3g}B parameters, {m['layers']} layers); "
         f"{s['dtype']}, {s['attention']} attention, seq {s['seq_len']} x micro-batch {s['micro_batch']}, "
-        f"{s['blocks']} blocks (UFP 1/{s['blocks']})",
-        f"GPU {s['gpu'] if s['gpu_mem_gb'] is None else str(s['gpu_mem_gb']) + ' GB'}: "
-        f"{_gib(result.capacity_bytes)} GiB usable{' (--memory-budget)' if s['budget_bytes'] else ''}; "
-        f"W (weight bytes) = {_gib(result.weight_bytes)} GiB",
+        f"{s['blocks']} blocks (UFP 1/{s['blocks']}){' + the embedding and head blocks' if s['separate_ends'] else ''}",
+        f"{_device(s)}: {_gib(result.capacity_bytes)} GiB usable"
+        f"{' (--memory-budget)' if s['budget_bytes'] and not s['host_device'] else ''}; "
+        f"W (weight bytes) = {_gib(result.weight_bytes)} GiB; {s['optimizer']}, frozen dtype {s['frozen_dtype']}"
+        f"{', fused step' if s['fused_step'] else ''}",
         "",
-        f"{'memory per GPU (GiB)':<24}{'weights':>9}{'grads':>9}{'optim':>9}{'activ':>9}{'total':>9}"
-        f"{'x W':>7}  fits  visit",
+        f"{'memory per ' + ('process' if s['host_device'] else 'GPU') + ' (GiB)':<24}{'weights':>9}{'grads':>9}"
+        f"{'optim':>9}{'activ':>9}{'host':>9}{'total':>9}{'x W':>7}  fits  visit",
     ]
     for name, mem in result.memory.items():
         ratio = mem.total / result.weight_bytes
         lines.append(
             f"{name:<24}{_gib(mem.weights):>9}{_gib(mem.grads):>9}{_gib(mem.optimizer):>9}{_gib(mem.activations):>9}"
-            f"{_gib(mem.total):>9}{ratio:>7.2f}  {'yes' if mem.fits else 'no':<4}  {mem.note}"
+            f"{_gib(mem.host):>9}{_gib(mem.total):>9}{ratio:>7.2f}  {'yes' if mem.fits else 'no':<4}  {mem.note}"
         )
+    if s["host_device"]:
+        lines.append("host = masters of the frozen weights held as codes; on the CPU they share the budget "
+                     "(in the total)")
+    elif any(mem.host for mem in result.memory.values()):
+        lines.append("host = masters of the frozen weights held as codes, in host memory (not in the total)")
     auto = result.auto
     lines.append("")
     if auto["blocks"] is None:

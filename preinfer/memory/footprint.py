@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from preinfer.memory.activations import step_activations
 from preinfer.memory.layer_spans import LayerSpan, block_params, partition
-from preinfer.memory.quantized import adjust
+from preinfer.memory.quantized import active_state, adjust
 from preinfer.memory.settings import DTYPES, Settings
 from preinfer.memory.shapes import ModelShape
 
@@ -23,28 +23,33 @@ class Memory:
     total: int = 0
     fits: bool = False
     note: str = ""
-    host: int = 0  # host memory: the masters of frozen weights held in fewer bits (not in the total)
+    host: int = 0  # host memory: the masters of frozen weights held in fewer bits (in the total on a CPU device)
 
-    def finish(self, capacity: int) -> Memory:
-        """Fill in the total and whether it fits `capacity` bytes."""
+    def finish(self, settings: Settings) -> Memory:
+        """Fill in the total (the host masters too where the device is the host) and whether it fits."""
         self.total = self.weights + self.grads + self.optimizer + self.activations
-        self.fits = self.total <= capacity
+        self.total += self.host if settings.host_device else 0
+        self.fits = self.total <= settings.capacity()
         return self
 
 
 
 def _component_bytes(settings: Settings, resident: int, trainable: int) -> tuple[int, int, int]:
-    """Weights, gradient and optimizer-state bytes of `resident` and `trainable` parameter counts."""
+    """Weights, gradient and optimizer-state bytes of `resident` and `trainable` parameter counts (SGD keeps one
+    momentum buffer where Adam keeps two moments)."""
     d = DTYPES[settings.dtype]
-    return resident * d["weight"], trainable * d["grad"], trainable * (d["master"] + d["moments"])
+    moments = d["moments"] // 2 if settings.optimizer == "sgd" else d["moments"]
+    return resident * d["weight"], trainable * d["grad"], trainable * (d["master"] + moments)
 
 
 def full_memory(m: ModelShape, settings: Settings, recompute: bool) -> Memory:
-    """Full-parameter Adam on one GPU."""
+    """Full-parameter Adam on one GPU (with the 8-bit optimizer and the fused step where set; no layer is frozen)."""
     n = m.total_params()
     acts = step_activations(m, settings.micro_batch, settings.seq_len, DTYPES[settings.dtype]["act"], None, recompute,
                             settings.attention)
-    return Memory(*_component_bytes(settings, n, n), acts.total()).finish(settings.capacity())
+    weights, grads, optimizer = _component_bytes(settings, n, n)
+    grads, optimizer = active_state(m, settings, LayerSpan(0, m.layers, True, True), grads, optimizer)
+    return Memory(weights, grads, optimizer, acts.total()).finish(settings)
 
 
 def bcd_memory(m: ModelShape, settings: Settings, blocks: list[LayerSpan], k: int, store: bool) -> Memory:
@@ -65,8 +70,10 @@ def bcd_memory(m: ModelShape, settings: Settings, blocks: list[LayerSpan], k: in
     weights, grads, optimizer, host = adjust(m, settings, block, block.start if store else 0,
                                              _component_bytes(settings, resident, block_params(m, block)))
     memory = Memory(weights, grads, optimizer, acts.total(), host=host)
-    memory.note = f"block {k} (layers {block.start}-{block.stop - 1})"
-    return memory.finish(settings.capacity())
+    what = f"layers {block.start}-{block.stop - 1}" if block.stop > block.start else \
+        ("the embedding" if block.embed else "the final norm and head")
+    memory.note = f"block {k} ({what})"
+    return memory.finish(settings)
 
 
 def worst_bcd(m: ModelShape, settings: Settings, blocks: list[LayerSpan], store: bool) -> Memory:
@@ -86,22 +93,26 @@ def pipeline_peak(m: ModelShape, settings: Settings, blocks: list[LayerSpan] | N
 
 
 def stage_bytes(m: ModelShape, settings: Settings, stage: LayerSpan, active: LayerSpan | None, in_flight: int) -> int:
-    """Bytes one pipeline stage holds while `active` trains (None: full Adam): its layers' weights, gradients and
-    optimizer state for the part of the active block it holds, and the activations of `in_flight` micro-batches
-    (none below the active block, which runs forward only)."""
+    """Bytes one pipeline stage holds while `active` trains (None: full Adam): its layers' weights (resident: the
+    trainer refuses a frozen dtype on a pipeline), gradients and optimizer state (8-bit, fused) for the part of the
+    active block it holds, and the activations of `in_flight` micro-batches (none below the active block, which runs
+    forward only)."""
     c = DTYPES[settings.dtype]["act"]
     acts = step_activations(m, settings.micro_batch, settings.seq_len, c, active, settings.recompute,
                             settings.attention)
     params = block_params(m, stage)
     params += m.vocab * m.hidden if m.tied and stage.head and not stage.embed else 0  # its copy of the tied weight
     if active is None:
-        trainable = params
+        held = stage
     else:
         lo, hi = max(stage.start, active.start), min(stage.stop, active.stop)
-        trainable = m.span_params(lo, max(lo, hi)) + (m.embed_params() if stage.embed and active.embed else 0)
-        trainable += m.head_params() if stage.head and active.head else 0
+        held = LayerSpan(lo, max(lo, hi), stage.embed and active.embed, stage.head and active.head)
+    trainable = block_params(m, held)
+    weights, grads, optimizer = _component_bytes(settings, params, trainable)
+    if trainable:
+        grads, optimizer = active_state(m, settings, held, grads, optimizer)
     stage_acts = acts.total(stage.start, stage.stop, inputs=stage.embed, outputs=stage.head) * in_flight
-    return sum(_component_bytes(settings, params, trainable)) + stage_acts
+    return weights + grads + optimizer + stage_acts
 
 
 def fewest_blocks(m: ModelShape, settings: Settings, degree: int = 1) -> tuple[int, int] | None:
@@ -109,7 +120,7 @@ def fewest_blocks(m: ModelShape, settings: Settings, degree: int = 1) -> tuple[i
     pipeline stages, and that peak in bytes; None when even one layer per block does not fit."""
     capacity = settings.capacity()
     for n in range(1, m.layers + 1):
-        blocks = partition(m, n)
+        blocks = partition(m, n, settings.separate_ends)
         peak = worst_bcd(m, settings, blocks, store=False).total if degree == 1 else \
             pipeline_peak(m, settings, blocks, degree)
         if peak <= capacity:

@@ -22,15 +22,20 @@ class LayerSpan:
     head: bool
 
 
-def partition(m: ModelShape, blocks: int) -> list[LayerSpan]:
+def partition(m: ModelShape, blocks: int, separate_ends: bool = False) -> list[LayerSpan]:
     """`blocks` contiguous blocks of layers balanced by parameter count, the embedding joining the first and the
-    head the last: the same blocks `preinfer bcd` trains (`preinfer.partition.balanced_ranges`)."""
+    head the last, or with `separate_ends` each in a block of its own before and after them: the same blocks
+    `preinfer bcd` trains (`preinfer.partition.make_partition`)."""
     if not 1 <= blocks <= m.layers:
         raise UsageError(f"number of blocks must be between 1 and the model's {m.layers} layers, got {blocks}")
     sizes = [m.layer_params(layer) for layer in range(m.layers)]
-    sizes[0] += m.embed_params()
-    sizes[-1] += m.head_params()
+    if not separate_ends:
+        sizes[0] += m.embed_params()
+        sizes[-1] += m.head_params()
     ranges = _balanced_ranges(tuple(sizes), blocks)
+    if separate_ends:
+        return [LayerSpan(0, 0, True, False), *(LayerSpan(lo, hi, False, False) for lo, hi in ranges),
+                LayerSpan(m.layers, m.layers, False, True)]
     return [LayerSpan(lo, hi, k == 0, k == blocks - 1) for k, (lo, hi) in enumerate(ranges)]
 
 

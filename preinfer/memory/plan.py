@@ -40,7 +40,7 @@ def plan_memory(m: ModelShape, settings: Settings) -> MemoryPlan:
         raise UsageError(f"unknown GPU '{settings.gpu}'; use one of {', '.join(GPUS)} or --gpu-mem GB")
     if settings.dtype not in DTYPES:
         raise UsageError(f"unknown dtype '{settings.dtype}'; use one of {', '.join(DTYPES)}")
-    blocks = partition(m, settings.blocks)
+    blocks = partition(m, settings.blocks, settings.separate_ends)
     memory = {
         "full_adam": full_memory(m, settings, recompute=False),
         "full_adam_recompute": full_memory(m, settings, recompute=True),

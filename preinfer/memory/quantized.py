@@ -1,12 +1,13 @@
-"""What frozen weights in fewer bits (`frozen_dtype`), 8-bit Adam moments (`optimizer_bits`) and a step fused into
-backward (`fused_step`) change in a visit's bytes, counted as preinfer.frozen_weights and preinfer.low_bit (torchao)
+"""What frozen weights in fewer bits (`frozen_dtype`), 8-bit Adam moments (`optimizer` adam8bit, adamw8bit) and a
+step fused into backward (`fused_step`) change in a visit's bytes, counted as preinfer.frozen_weights and preinfer.low_bit (torchao)
 allocate them.
 
 - Frozen weights: every `nn.Linear` weight of a resident decoder layer outside the active block is held as codes
   (norms, biases, the embedding and the LM head stay in the resident dtype); w = bytes of the resident dtype.
   bf16: 2 bytes per element; int8: 1 byte per element and a float32 scale per row; nf4: half a byte per element,
   an int8 absmax per 64-block, a w-byte factor per scaler block (up to 256 absmaxes), a w-byte mean and a 16-entry
-  w-byte table per tensor. Every managed weight also has a master in host memory (`host`, w bytes per element).
+  w-byte table per tensor. Every managed weight also has a master in host memory (`host`, w bytes per element),
+  which on a CPU device (`host_device`) is the same memory as the codes.
 - 8-bit moments: a trainable tensor of at least 4096 elements and a multiple of 256 keeps each of its two moments
   as 1 byte per element, a float32 scale per 256 elements and a 256-entry float32 map; smaller ones keep two
   moments in the optimizer tensors' dtype.
@@ -16,13 +17,16 @@ allocate them.
 
 from __future__ import annotations
 
+from typing import get_args
+
+from preinfer.config.choices import FrozenDtype, Optimizer
 from preinfer.errors import UsageError
 from preinfer.memory.layer_spans import LayerSpan
 from preinfer.memory.settings import DTYPES, Settings
 from preinfer.memory.shapes import ModelShape
 
-FROZEN_DTYPES = ("bf16", "int8", "nf4")  # and "auto": the resident dtype
-OPTIMIZER_BITS = (32, 8)
+FROZEN_DTYPES = get_args(FrozenDtype)[1:]  # bf16, int8, nf4; and "auto": the resident dtype
+LOW_BIT_OPTIMIZERS = ("adam8bit", "adamw8bit")
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
 LOW_BIT_BLOCK, LOW_BIT_MIN = 256, 4096
 
@@ -80,34 +84,47 @@ def check_settings(m: ModelShape, settings: Settings) -> None:
     """A UsageError for a value or a model these fields do not price."""
     if settings.frozen_dtype not in ("auto", *FROZEN_DTYPES):
         raise UsageError(f"frozen dtype '{settings.frozen_dtype}' is not one of auto, {', '.join(FROZEN_DTYPES)}")
-    if settings.optimizer_bits not in OPTIMIZER_BITS:
-        raise UsageError(f"optimizer bits {settings.optimizer_bits} is not 32 or 8")
-    changed = settings.frozen_dtype != "auto" or settings.optimizer_bits == 8 or settings.fused_step
+    if settings.optimizer not in get_args(Optimizer):
+        raise UsageError(f"optimizer '{settings.optimizer}' is not one of {', '.join(get_args(Optimizer))}")
+    changed = settings.frozen_dtype != "auto" or settings.optimizer in LOW_BIT_OPTIMIZERS or settings.fused_step
     if changed and m.sparse:
         raise UsageError("the frozen dtype, 8-bit optimizer and fused step are priced for dense models only")
     if settings.frozen_dtype != "auto" and m.arch != "llama":
         raise UsageError(f"frozen dtype {settings.frozen_dtype} holds nn.Linear weights; GPT-2's Conv1D has none")
 
 
-def adjust(m: ModelShape, settings: Settings, block: LayerSpan, first_resident: int,
-           parts: tuple[int, int, int]) -> tuple[int, int, int, int]:
-    """Weights, gradients, optimizer state and host bytes of a visit whose resident layers start at
-    `first_resident`, from today's `parts` (weights, gradients, optimizer state)."""
+def frozen_weights(m: ModelShape, settings: Settings, frozen: int, resident: int) -> tuple[int, int]:
+    """Bytes the frozen dtype changes on the device with `frozen` of the `resident` decoder layers held as codes,
+    and the host bytes of the masters of every resident layer's linear weights."""
+    if settings.frozen_dtype == "auto":
+        return 0, 0
+    w = DTYPES[settings.dtype]["weight"]
+    shapes = linear_shapes(m)
+    per_layer = sum(r * c for r, c in shapes)
+    coded = sum(frozen_linear_bytes(r, c, settings.frozen_dtype, w) for r, c in shapes)
+    return frozen * (coded - per_layer * w), resident * per_layer * w
+
+
+def active_state(m: ModelShape, settings: Settings, span: LayerSpan, grads: int, optimizer: int) -> tuple[int, int]:
+    """Gradient and optimizer-state bytes of the trainable `span` under the 8-bit optimizer and the fused step,
+    from today's `grads` and `optimizer`."""
     check_settings(m, settings)
-    weights, grads, optimizer = parts
     d = DTYPES[settings.dtype]
-    host = 0
-    if settings.frozen_dtype != "auto":
-        shapes = linear_shapes(m)
-        per_layer = sum(r * c for r, c in shapes)
-        frozen = (block.start - first_resident) + (m.layers - block.stop)
-        coded = sum(frozen_linear_bytes(r, c, settings.frozen_dtype, d["weight"]) for r, c in shapes)
-        weights += frozen * (coded - per_layer * d["weight"])
-        host = (m.layers - first_resident) * per_layer * d["weight"]
-    tensors = block_tensors(m, block)
-    if settings.optimizer_bits == 8:
+    tensors = block_tensors(m, span)
+    if settings.optimizer in LOW_BIT_OPTIMIZERS:
         plain = 4 if d["master"] else d["moments"] // 2
         optimizer = sum(tensors) * d["master"] + sum(moment_bytes(n, plain) for n in tensors)
     if settings.fused_step:
         grads = max(tensors) * d["grad"]
-    return weights, grads, optimizer, host
+    return grads, optimizer
+
+
+def adjust(m: ModelShape, settings: Settings, block: LayerSpan, first_resident: int,
+           parts: tuple[int, int, int]) -> tuple[int, int, int, int]:
+    """Weights, gradients, optimizer state and host bytes of a visit whose resident layers start at
+    `first_resident`, from today's `parts` (weights, gradients, optimizer state)."""
+    weights, grads, optimizer = parts
+    grads, optimizer = active_state(m, settings, block, grads, optimizer)
+    frozen = (block.start - first_resident) + (m.layers - block.stop)
+    delta, host = frozen_weights(m, settings, frozen, m.layers - first_resident)
+    return weights + delta, grads, optimizer, host

@@ -51,6 +51,7 @@ class Settings:
     gpu: str = "4090"
     gpu_mem_gb: float | None = None  # overrides the GPU table's memory
     blocks: int = 3
+    separate_ends: bool = False  # the embedding and the head in blocks of their own (`blocks` splits the layers)
     tokens: int | None = None
     bandwidth_gbps: float = 25.0  # 2 x 25 Gbps links in the paper's clusters; one link assumed
     price_per_hour: float | None = None  # overrides the paper's price for the GPU
@@ -61,8 +62,9 @@ class Settings:
     epochs_per_visit: float = 1.0  # epochs each visit trains over the dataset (one caching pass serves them all)
     budget_bytes: int | None = None  # bytes the run may fill, given directly (--memory-budget); overrides the GPU's
     frozen_dtype: str = "auto"  # frozen decoder-layer linear weights: auto (resident dtype), bf16, int8 or nf4
-    optimizer_bits: int = 32  # 8: 8-bit Adam moments (adam8bit, adamw8bit)
+    optimizer: str = "adam"  # adam, adamw: two moments; adam8bit, adamw8bit: 8-bit moments; sgd: one momentum buffer
     fused_step: bool = False  # each gradient freed as its step runs in backward
+    host_device: bool = False  # the device is the host (CPU): the frozen weights' host masters share its budget
 
     def capacity(self) -> int:
         """Bytes a training process can fill on one GPU (the memory budget where one is given)."""
