@@ -34,6 +34,8 @@ clipping:
   projections, not the head), alpha = 2 r, no dropout, in a plain loop; merged into the weights at the end;
 - `bcd-bf16`, `bcd-int8`, `bcd-nf4`: `bcd` with `--frozen-dtype` bf16, int8 or nf4 (issue 37: the layers outside
   the active block held in fewer bits for their forward and backward, masters exact; the export holds the masters);
+- `bcd-nf4-8bit`: `bcd-nf4` with the active block's Adam moments in 8 bits (`--optimizer adam8bit`) and each
+  tensor's step inside backward (`--fused-step`);
 - `qlora`: QLoRA, `lora16` on an NF4 base: every linear weight that LoRA adapts is replaced, before training, by
   torchao's NF4 tensor (`torchao...nf4_tensor.to_nf4`, the blocks of `--frozen-dtype nf4`: 64 elements, scaler
   blocks of 256), whose `F.linear` dequantizes it for each matmul, as torchtune's QLoRA does; the embedding and the
@@ -88,14 +90,15 @@ from bench.lib.runs import (MeteredLoop, block_names, cli_result, eval_loss, mea
 from pipelines.cli import set_process_environment
 from preinfer.partition import balanced_ranges
 
-# The `bcd` rows with frozen weights in fewer bits (--frozen-dtype), by method.
-FROZEN_DTYPE = {f"bcd-{dtype}": dtype for dtype in ("bf16", "int8", "nf4")}
+# The `bcd` rows of issue 37, by method: their flags on top of `bcd`'s.
+LOW_BIT = {**{f"bcd-{dtype}": ["--frozen-dtype", dtype] for dtype in ("bf16", "int8", "nf4")},
+           "bcd-nf4-8bit": ["--frozen-dtype", "nf4", "--optimizer", "adam8bit", "--fused-step"]}
 LORA_RANK = {"lora8": 8, "lora16": 16, "qlora": 16}
 LOOP_METHODS = ("badam", *LORA_RANK)  # the methods of `loop_worker`
-METHODS = ("full", "bcd", "bcd-store", "bcd-auto", "bcd-budget", *FROZEN_DTYPE, "badam", "lora8", "lora16", "qlora")
+METHODS = ("full", "bcd", "bcd-store", "bcd-auto", "bcd-budget", *LOW_BIT, "badam", "lora8", "lora16", "qlora")
 TASKS = ("chat", "text")
 FAMILY = {"full": "full", "bcd": "bcd", "bcd-store": "bcd", "bcd-auto": "bcd", "bcd-budget": "bcd", "badam": "badam",
-          "lora8": "lora", "lora16": "lora", "qlora": "lora", **dict.fromkeys(FROZEN_DTYPE, "bcd")}
+          "lora8": "lora", "lora16": "lora", "qlora": "lora", **dict.fromkeys(LOW_BIT, "bcd")}
 PRE_INFERENCE = {"bcd-store": "on", "bcd-auto": "auto"}  # the others live
 # The method that stands for its family in the grid.
 GRID_METHOD = {"full": "full", "bcd": "bcd", "badam": "badam", "lora": "lora16"}
@@ -174,8 +177,8 @@ def run_flags(args: argparse.Namespace, method: str, data: str, lr: float, out: 
     if method == "bcd-budget":
         return flags + ["--ufp", "auto", "--memory-budget", f"{budget / 2**20:.0f}MiB", "--recompute",
                         "--pre-inference", "auto"]
-    if method in FROZEN_DTYPE:
-        flags += ["--frozen-dtype", FROZEN_DTYPE[method]]
+    if method in LOW_BIT:  # after `bcd`'s flags: its --optimizer replaces theirs
+        flags += LOW_BIT[method]
     return flags + ["--ranges", args.ranges, "--pre-inference", PRE_INFERENCE.get(method, "off")]
 
 
