@@ -31,7 +31,18 @@ clipping:
 - `badam`: BAdam's `BlockOptimizer` (layer blocks = the same ranges, ascending, `switch_block_every` = the steps per
   visit) in a plain loop;
 - `lora8`, `lora16`: peft LoRA on every linear layer (`target_modules="all-linear"`: attention and MLP
-  projections, not the head), alpha = 2 r, no dropout, in a plain loop; merged into the weights at the end.
+  projections, not the head), alpha = 2 r, no dropout, in a plain loop; merged into the weights at the end;
+- `bcd-bf16`, `bcd-int8`, `bcd-nf4`: `bcd` with `--frozen-dtype` bf16, int8 or nf4 (issue 37: the layers outside
+  the active block held in fewer bits for their forward and backward, masters exact; the export holds the masters);
+- `bcd-nf4-8bit`: `bcd-nf4` with the active block's Adam moments in 8 bits (`--optimizer adam8bit`) and each
+  tensor's step inside backward (`--fused-step`);
+- `qlora`: QLoRA, `lora16` on an NF4 base: every linear weight that LoRA adapts is replaced, before training, by
+  torchao's NF4 tensor (`torchao...nf4_tensor.to_nf4`, the blocks of `--frozen-dtype nf4`: 64 elements, scaler
+  blocks of 256), whose `F.linear` dequantizes it for each matmul, as torchtune's QLoRA does; the embedding and the
+  head stay float32. torchao rather than bitsandbytes because bitsandbytes' 4-bit layers need a GPU for their
+  kernels (and have ROCm trouble), while torchao's NF4 is pure PyTorch and runs on this CPU. At the end every NF4
+  weight is dequantized to float32 and the adapters are merged into it (the weights the adapters were trained
+  against). Its tracked peak is the same meter's as the other loop rows' (an NF4 weight counts its codes and scales).
 
 Learning rates: each method family runs every rate of its grid (--grid) on the chat task and is judged at its
 own best final eval loss there; the text task and the other `bcd-*` methods reuse that rate. Measured per run:
@@ -79,10 +90,15 @@ from bench.lib.runs import (MeteredLoop, block_names, cli_result, eval_loss, mea
 from pipelines.cli import set_process_environment
 from preinfer.partition import balanced_ranges
 
-METHODS = ("full", "bcd", "bcd-store", "bcd-auto", "bcd-budget", "badam", "lora8", "lora16")
+# The `bcd` rows of issue 37, by method: their flags on top of `bcd`'s.
+LOW_BIT = {**{f"bcd-{dtype}": ["--frozen-dtype", dtype] for dtype in ("bf16", "int8", "nf4")},
+           "bcd-nf4-8bit": ["--frozen-dtype", "nf4", "--optimizer", "adam8bit", "--fused-step"]}
+LORA_RANK = {"lora8": 8, "lora16": 16, "qlora": 16}
+LOOP_METHODS = ("badam", *LORA_RANK)  # the methods of `loop_worker`
+METHODS = ("full", "bcd", "bcd-store", "bcd-auto", "bcd-budget", *LOW_BIT, "badam", "lora8", "lora16", "qlora")
 TASKS = ("chat", "text")
 FAMILY = {"full": "full", "bcd": "bcd", "bcd-store": "bcd", "bcd-auto": "bcd", "bcd-budget": "bcd", "badam": "badam",
-          "lora8": "lora", "lora16": "lora"}
+          "lora8": "lora", "lora16": "lora", "qlora": "lora", **dict.fromkeys(LOW_BIT, "bcd")}
 PRE_INFERENCE = {"bcd-store": "on", "bcd-auto": "auto"}  # the others live
 # The method that stands for its family in the grid.
 GRID_METHOD = {"full": "full", "bcd": "bcd", "badam": "badam", "lora": "lora16"}
@@ -161,11 +177,36 @@ def run_flags(args: argparse.Namespace, method: str, data: str, lr: float, out: 
     if method == "bcd-budget":
         return flags + ["--ufp", "auto", "--memory-budget", f"{budget / 2**20:.0f}MiB", "--recompute",
                         "--pre-inference", "auto"]
+    if method in LOW_BIT:  # after `bcd`'s flags: its --optimizer replaces theirs
+        flags += LOW_BIT[method]
     return flags + ["--ranges", args.ranges, "--pre-inference", PRE_INFERENCE.get(method, "off")]
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Workers: BAdam and LoRA in a plain loop (each in a process of its own).
+# Workers: BAdam, LoRA and QLoRA in a plain loop (each in a process of its own).
+
+
+def adapted_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The linear layers peft's `all-linear` adapts: every `nn.Linear` but the output layer."""
+    head = model.get_output_embeddings()
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+
+
+def to_nf4_base(model: torch.nn.Module) -> None:
+    """QLoRA's base: every adapted linear weight as torchao's NF4 tensor, frozen (`--frozen-dtype nf4`'s codes)."""
+    from preinfer.frozen_weights import encode
+
+    for linear in adapted_linears(model):
+        linear.weight = torch.nn.Parameter(encode(linear.weight.detach(), "nf4")[0], requires_grad=False)
+
+
+def from_nf4_base(model: torch.nn.Module) -> None:
+    """Every NF4 weight of `to_nf4_base` dequantized to float32, for merging the adapters into it."""
+    from preinfer.frozen_weights import decode
+
+    for linear in adapted_linears(model):
+        if hasattr(linear.weight, "get_original_weight"):
+            linear.weight = torch.nn.Parameter(decode((linear.weight,), "nf4", torch.float32), requires_grad=False)
 
 
 def loop_worker(method: str, flags: list[str], eval_count: int) -> dict:
@@ -185,7 +226,9 @@ def loop_worker(method: str, flags: list[str], eval_count: int) -> dict:
     else:
         from peft import LoraConfig, get_peft_model
 
-        rank = int(method.removeprefix("lora"))
+        rank = LORA_RANK[method]
+        if method == "qlora":
+            to_nf4_base(model)
         torch.manual_seed(config.run.seed)  # LoRA's A matrices start random: the same start in every run
         model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
                                                  target_modules="all-linear"))
@@ -214,6 +257,7 @@ def loop_worker(method: str, flags: list[str], eval_count: int) -> dict:
             curve.append(dict(step=index + 1, train_s=train_s, eval_loss=mean_loss(model, evals)))
     loop.new_block()
     if method != "badam":
+        from_nf4_base(model)
         model = model.merge_and_unload()
     model.save_pretrained(config.run.out)
     return dict(steps=len(batches), train_s=train_s, caching_s=0.0, tracked_peak=loop.peak, curve=curve,
@@ -227,7 +271,7 @@ def loop_worker(method: str, flags: list[str], eval_count: int) -> dict:
 def run(method: str, flags: list[str], scratch: Path, eval_count: int) -> dict:
     """Run `method` with `flags`; its result with the process's peak RSS."""
     out = Path(flags[flags.index("--out") + 1])
-    if method in ("badam", "lora8", "lora16"):
+    if method in LOOP_METHODS:
         result_file = scratch / f"{out.name}.json"
         command = [*module_command("finetune"), "--worker", method, "--result", str(result_file),
                    "--eval-batches", str(eval_count), "--", *flags]
@@ -240,7 +284,7 @@ def run(method: str, flags: list[str], scratch: Path, eval_count: int) -> dict:
     process.returncode = os.waitstatus_to_exitcode(status)
     if process.returncode:
         raise subprocess.CalledProcessError(process.returncode, command)
-    result = json.loads(result_file.read_text()) if method in ("badam", "lora8", "lora16") else cli_result(out)
+    result = json.loads(result_file.read_text()) if method in LOOP_METHODS else cli_result(out)
     result["rss"], result["wall_s"] = usage.ru_maxrss * 1024, wall_s
     return result
 
@@ -426,7 +470,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=OUT / "finetune.json")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: tiny-llama, the chat task, seq 128, batch 2, 2 steps per method")
-    p.add_argument("--worker", choices=["badam", "lora8", "lora16"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=LOOP_METHODS, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     p.add_argument("flags", nargs="*", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

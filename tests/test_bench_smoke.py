@@ -292,7 +292,10 @@ def test_chat_data_writes_a_conversation_per_prose_section(tmp_path):
 def test_finetune_quick_compares_every_method_on_the_same_batches(tmp_path, monkeypatch):
     """bench.finetune --quick: every method trains 2 steps of tiny-llama on the chat task, and the JSON holds a
     row per method, the grid, the base losses, the curves and the speed section. BCD live, from stores, with
-    pre-inference auto and BAdam train the same blocks on the same batches with the same Adam: the same eval loss."""
+    pre-inference auto and BAdam train the same blocks on the same batches with the same Adam: the same eval loss.
+    BCD with frozen layers in bf16, int8 or nf4 (and nf4 with 8-bit Adam stepped in backward) lands close to it,
+    at a smaller tracked peak the fewer the bits; QLoRA (LoRA r16 on an NF4 base) trains other weights than LoRA
+    r16, at a smaller tracked peak."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     general = tmp_path / "general.txt"
     general.write_text("".join(f"Paragraph {i}: the fox ran over the hill and rested by the river.\n\n"
@@ -313,11 +316,18 @@ def test_finetune_quick_compares_every_method_on_the_same_batches(tmp_path, monk
     same = [rows[m]["eval_loss"] for m in ("bcd", "bcd-store", "bcd-auto", "badam")]
     assert max(same) - min(same) < 1e-4 * same[0]
     assert rows["lora8"]["eval_loss"] != rows["lora16"]["eval_loss"]
+    for method in finetune.LOW_BIT:  # the same run with frozen layers in fewer bits: close, not equal
+        assert abs(rows[method]["eval_loss"] / rows["bcd"]["eval_loss"] - 1) < 1e-2, method
+    peaks = [rows[m]["tracked_peak_mib"] for m in ("bcd", "bcd-bf16", "bcd-int8", "bcd-nf4")]
+    assert peaks == sorted(peaks, reverse=True) and peaks[0] > peaks[-1]  # the meter counts the codes
+    assert rows["qlora"]["eval_loss"] != rows["lora16"]["eval_loss"]  # trained against the NF4 base
+    assert rows["qlora"]["tracked_peak_mib"] < rows["lora16"]["tracked_peak_mib"]
     assert [row["blocks"] for row in result["speed"]] == [2] and result["speed"][0]["x_lora16"] > 0
     assert out.with_suffix(".png").stat().st_size > 0
 
 
-METHODS_AT_EQUAL_STEPS = ("full", "bcd", "bcd-store", "bcd-auto", "badam", "lora8", "lora16")
+METHODS_AT_EQUAL_STEPS = ("full", "bcd", "bcd-store", "bcd-auto", "bcd-bf16", "bcd-int8", "bcd-nf4", "bcd-nf4-8bit",
+                          "badam", "lora8", "lora16", "qlora")
 
 
 def test_orders_rows_are_real_bcd_runs_of_each_order_and_gain_adds_importance_orders_with_stop_gain(tmp_path):
