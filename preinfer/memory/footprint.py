@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from preinfer.memory.activations import step_activations
+from preinfer.memory.expansion import expanded
 from preinfer.memory.layer_spans import LayerSpan, block_params, partition
 from preinfer.memory.quantized import active_state, adjust
 from preinfer.memory.settings import DTYPES, Settings
@@ -69,6 +70,7 @@ def bcd_memory(m: ModelShape, settings: Settings, blocks: list[LayerSpan], k: in
                             settings.attention)
     weights, grads, optimizer, host = adjust(m, settings, block, block.start if store else 0,
                                              _component_bytes(settings, resident, block_params(m, block)))
+    grads, optimizer, acts = expanded(m, settings, block, grads, optimizer, acts)
     memory = Memory(weights, grads, optimizer, acts.total(), host=host)
     what = f"layers {block.start}-{block.stop - 1}" if block.stop > block.start else \
         ("the embedding" if block.embed else "the final norm and head")
