@@ -16,7 +16,7 @@ How the peaks are measured (and why `tracked_peak` is coherent with the planner 
   `saved_tensors_hooks` pack hook, and released when autograd lets go of it (after its node ran in backward, or
   when the graph is dropped). Each distinct storage held is counted once (its full size, since a saved view keeps
   its whole storage alive); storages of model parameters (and views of them) are skipped because they are
-  counted as parameters, and so is any other trainable leaf tensor (a visit's own parameters, such as landscape
+  counted as parameters, and so are those of any other parameter (a visit's own, such as landscape
   expansion's factors, counted where the optimizer steps them). The step's activation peak is the maximum of the bytes held: the end of forward, or,
   with recomputation, a moment in backward when a layer's recomputed tensors join the checkpointed inputs.
   One `track()` covers one step (forward + backward); each starts at 0.
@@ -179,7 +179,7 @@ class MemoryMeter:
         def pack(t: torch.Tensor) -> torch.Tensor | _Held:
             nonlocal current
             key = _storage_key(t)
-            if key is None or key in param_keys or t.numel() == 0 or _trainable_leaf(t):
+            if key is None or key in param_keys or t.numel() == 0 or _parameter(t):
                 return t
             if key not in held:
                 held[key] = [0, _storage_bytes(t)]
@@ -216,10 +216,9 @@ class MemoryMeter:
         }
 
 
-def _trainable_leaf(t: torch.Tensor) -> bool:
-    """Whether `t` is a leaf tensor that requires grad (a parameter), or a view of one."""
-    base = t if t._base is None else t._base
-    return base.is_leaf and base.requires_grad
+def _parameter(t: torch.Tensor) -> bool:
+    """Whether `t` is a parameter (of the model or not), or a view of one."""
+    return isinstance(t if t._base is None else t._base, torch.nn.Parameter)
 
 
 def _stepped(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
