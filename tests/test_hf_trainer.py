@@ -11,16 +11,13 @@ import preinfer
 from pipelines.data.batches import live_sources
 from preinfer.config import Config
 from preinfer.errors import UsageError
-from preinfer.forward_backward import forward_backward
 from preinfer.hf import BlockCoordinateDescent
 from preinfer.memory.meter import MemoryMeter
-from preinfer.moe import RouterLoss
 from preinfer.partition import make_partition
 from preinfer.presets import build_preset
-from preinfer.staged import supervised_tokens
 from preinfer.trainer import Trainer as BlockTrainer
 from tests.helpers.chat_templates import save_tokenizer
-from tests.helpers.trainers import live_batches, make_trainer, random_tokens, snapshot
+from tests.helpers.trainers import drive_as_hf_trainer, live_batches, make_trainer, random_tokens, snapshot
 
 pytestmark = pytest.mark.slow
 
@@ -277,15 +274,7 @@ def test_the_hf_path_with_expansion_ends_with_our_trainer_s_weights_bit_for_bit(
     ours.fit()
     model = build_preset("tiny-llama", seed=0)
     bcd = BlockCoordinateDescent(model, precision=precision, **OPTIONS, **expansion)
-    optimizer, scheduler = bcd.optimizers
-    router = RouterLoss(model, bcd.staged.layers)
-    for batch in live_batches(9):
-        count = torch.tensor(float(supervised_tokens(batch["labels"])))
-        forward_backward(bcd.staged, batch, optimizer.block, 0, count, optimizer.current.scale_loss, router, 1,
-                         False)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
+    drive_as_hf_trainer(bcd, live_batches(9))
     bcd.close()
     expected, got = snapshot(ours.staged.model), snapshot(model)
     assert all(torch.equal(expected[name], got[name]) for name in expected)

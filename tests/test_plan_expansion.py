@@ -12,22 +12,21 @@ import preinfer
 from pipelines.cli import main
 from preinfer.errors import UsageError
 from preinfer.expansion import LowRankExpansion, SgdExpansion
-from preinfer.low_bit import low_bit_adam
 from preinfer.memory.budget import blocks_for_budget, budget_settings
 from preinfer.memory.expansion import factor_tensors
 from preinfer.memory.footprint import bcd_memory, fewest_blocks, worst_bcd
 from preinfer.memory.layer_spans import partition
-from preinfer.memory.meter import MemoryMeter
 from preinfer.memory.settings import Settings
 from preinfer.memory.shapes import resolve_shape, shape_for_size
 from preinfer.partition import make_partition
 from preinfer.presets import build_preset
+from tests.helpers.metered_visits import metered_peak, visit_optimizer
 
 
-def _metered_visit(name: str, k: int, expand: str, optimizer: str, attention: str, rank: int = 8,
+def _metered_visit(name: str, k: int, expand: str, optimizer_name: str, attention: str, rank: int = 8,
                    seq: int = 64, batch: int = 4) -> int:
     """The meter's tracked_peak over two live float32 steps of block k (of 3) with `expand`'s hook of
-    `preinfer.expansion`: the hook's parameters stepped with the block's by `optimizer`, its after_step after each
+    `preinfer.expansion`: the hook's parameters stepped with the block's by `optimizer_name`, its after_step after each
     step, as the trainer's visit runs them."""
     model = build_preset(name, attention=attention).train()
     staged = preinfer.stage(model)
@@ -37,27 +36,10 @@ def _metered_visit(name: str, k: int, expand: str, optimizer: str, attention: st
     for param in block.params:
         param.requires_grad_(True)
     hook = LowRankExpansion(staged, rank, None) if expand == "lowrank" else SgdExpansion(staged, 1e-3)
-    params = [*block.params, *hook.activate(block)]
-    if optimizer == "sgd":
-        step = torch.optim.SGD(params, lr=1e-3, momentum=0.9)
-    elif optimizer == "adam":
-        step = torch.optim.Adam(params, lr=1e-3)
-    else:
-        step = low_bit_adam(params, optimizer, 1e-3, (0.9, 0.999), 0.0)
-    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
-    meter = MemoryMeter(model, steps_per_visit=None)
-    for _ in range(2):
-        with meter.track():
-            with torch.set_grad_enabled(span.embed):
-                state = staged.run(staged.embed(ids, labels=ids), 0, span.start)
-            staged.loss(staged.run(state, span.start, staged.num_layers)).backward()
-        meter.sample(step)
-        step.step()
-        hook.after_step()
-        meter.sample(step)
-        step.zero_grad()
+    optimizer = visit_optimizer([*block.params, *hook.activate(block)], optimizer_name)
+    peak = metered_peak(staged, span, optimizer, seq, batch, hook.after_step)
     hook.deactivate(block)
-    return meter.report()["tracked_peak"]
+    return peak
 
 
 @pytest.mark.parametrize("name, k, expand, optimizer, attention", [
