@@ -106,6 +106,15 @@ def test_plan_takes_the_expand_flags_and_the_automatic_ufp_counts_them(capsys):
     assert "expand lowrank rank 8" in capsys.readouterr().out
 
 
+def test_no_pipeline_is_offered_with_expansion_which_a_pipeline_does_not_run(capsys):
+    flags = ["--model", "13b", "--dtype", "bf16-mixed", "--gpu-mem", "16"]
+    assert plan_json(capsys, *flags)["auto"]["pipeline_degree"] > 1
+    assert plan_json(capsys, *flags, "--expand", "lowrank")["auto"]["blocks"] is None
+    budget = budget_settings(16 * 10**9, "bf16-mixed", 1024, 1, False, "sdpa", expand="lowrank")
+    with pytest.raises(UsageError, match="nothing fits it, not even one layer per GPU in a pipeline"):
+        blocks_for_budget(shape_for_size("13b"), budget, "bf16-mixed")
+
+
 def test_an_expansion_the_planner_does_not_price_is_refused():
     with pytest.raises(UsageError, match="expand 'dense' is not one of none, lowrank, sgd"):
         bcd_memory(resolve_shape("small-llama"), Settings(expand="dense"), partition(resolve_shape("small-llama"), 3),
