@@ -91,6 +91,10 @@ class BlockOptimizer:
         unfreeze(self.staged, block)
         extras = activate_hooks(self.hooks, block, masters)
         self.extras = len(extras)
+        expected = (len(block.params) if self.precision.mixed else 0) + self.extras
+        if masters is not None and len(masters) != expected:
+            raise UsageError(f"the optimizer state carries {len(masters)} master tensors where this visit steps "
+                             f"{expected}: resume with the expand and expand_rank the checkpoint was trained with")
         self._current = self.optimizers.open(block.index, [*block.params, *extras], self.steps_per_visit,
                                              masters if self.precision.mixed else None, state)
 
@@ -179,7 +183,7 @@ class BlockOptimizer:
         self.optimizers.kept = {int(index): kept for index, kept in state["kept"].items()}
         if self.scaler.enabled and state["loss_scaler"] is not None:
             self.scaler.load_state_dict(state["loss_scaler"])
-        self._activate(state["masters"] or None, state["optimizer"])
+        self._activate(state["masters"], state["optimizer"])
 
     def _check_visit_length(self, saved: int | None, visit_step: int) -> None:
         """Refuse a `steps_per_visit` other than the checkpoint's (older checkpoints do not say theirs: one shorter

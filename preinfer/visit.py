@@ -20,6 +20,7 @@ import torch
 
 from preinfer.batch_source import BatchSource
 from preinfer.config import Config
+from preinfer.errors import UsageError
 from preinfer.forward_backward import batch_state, to_device
 from preinfer.layout import Layout
 from preinfer.moe import ExpertGranular
@@ -122,9 +123,13 @@ def activate_hooks(hooks: Sequence[VisitHook], block: Block,
     with the hooks' parameters), with their saved values."""
     extras = [extra for hook in hooks for extra in hook.activate(block)]
     if masters and extras:
+        saved = masters[-len(extras):]
+        if [tuple(t.shape) for t in saved] != [tuple(t.shape) for t in extras]:
+            raise UsageError("the checkpoint's expansion tensors have other shapes than this visit's: resume with "
+                             "the expand and expand_rank the checkpoint was trained with")
         with torch.no_grad():
-            for extra, saved in zip(extras, masters[-len(extras):]):
-                extra.copy_(saved)
+            for extra, value in zip(extras, saved):
+                extra.copy_(value)
     return extras
 
 

@@ -306,3 +306,14 @@ def test_an_expansion_the_hf_path_cannot_run_is_refused_by_its_argument():
     with pytest.raises(UsageError, match="expand") as refused:
         BlockCoordinateDescent(build_preset("tiny-llama", seed=0), expand="lowrank", keep_state=True, **OPTIONS)
     assert len(str(refused.value).splitlines()) == 1 and "keep_state" in str(refused.value)
+
+
+@pytest.mark.parametrize("saved, resumed", [(dict(expand="lowrank"), {}), ({}, dict(expand="lowrank")),
+                                            (dict(expand="lowrank"), dict(expand="lowrank", expand_rank=4))])
+def test_a_resume_with_another_expansion_is_refused_in_one_line(saved, resumed):
+    state = stepped_state(4, **saved)  # block 1, whose suffix is one layer
+    bcd = BlockCoordinateDescent(build_preset("tiny-llama", seed=0), **{**OPTIONS, **resumed})
+    with pytest.raises(UsageError, match="resume with the expand and expand_rank the checkpoint was trained with") \
+            as refused:
+        bcd.optimizer.load_state_dict(state)
+    assert len(str(refused.value).splitlines()) == 1
