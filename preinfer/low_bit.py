@@ -18,10 +18,10 @@ from collections.abc import Iterable
 
 import torch
 
+from preinfer.config.choices import LOW_BIT_OPTIMIZERS
 from preinfer.errors import UsageError
 from preinfer.torchao_extra import torchao_module
 
-LOW_BIT_OPTIMIZERS = ("adam8bit", "adamw8bit")
 PARTS = ("codes", "scale", "qmap")
 
 

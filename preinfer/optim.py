@@ -12,7 +12,8 @@ from transformers import get_scheduler
 
 from preinfer.config import DEFAULT_LR, DEFAULT_WEIGHT_DECAY, LR_DECAYS, OPEN_ENDED_DECAYS, OptimConfig, StopConfig
 from preinfer.errors import UsageError
-from preinfer.low_bit import LOW_BIT_OPTIMIZERS, low_bit_adam
+from preinfer.config.choices import LOW_BIT_OPTIMIZERS
+from preinfer.low_bit import low_bit_adam
 
 
 def build_optimizer(params: list[nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:

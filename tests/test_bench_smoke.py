@@ -291,8 +291,8 @@ def test_chat_data_writes_a_conversation_per_prose_section(tmp_path):
 @pytest.mark.slow
 def test_finetune_quick_compares_every_method_on_the_same_batches(tmp_path, monkeypatch):
     """bench.finetune --quick: every method trains 2 steps of tiny-llama on the chat task, and the JSON holds a
-    row per method, the grid, the base losses, the curves and the speed section. BCD live, BCD with pre-inference
-    auto and BAdam train the same blocks on the same batches with the same Adam: the same eval loss."""
+    row per method, the grid, the base losses, the curves and the speed section. BCD live, from stores, with
+    pre-inference auto and BAdam train the same blocks on the same batches with the same Adam: the same eval loss."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     general = tmp_path / "general.txt"
     general.write_text("".join(f"Paragraph {i}: the fox ran over the hill and rested by the river.\n\n"
@@ -310,14 +310,14 @@ def test_finetune_quick_compares_every_method_on_the_same_batches(tmp_path, monk
         assert math.isfinite(row["general_loss"]) and row["tokens_per_s"] > 0 and row["tracked_peak_mib"] > 0
         assert row["curve"] and row["curve"][-1]["train_s"] <= row["train_s"] + 1e-6, method
     assert all(rows[m]["steps"] == 2 for m in METHODS_AT_EQUAL_STEPS)
-    same = [rows[m]["eval_loss"] for m in ("bcd", "bcd-auto", "badam")]
+    same = [rows[m]["eval_loss"] for m in ("bcd", "bcd-store", "bcd-auto", "badam")]
     assert max(same) - min(same) < 1e-4 * same[0]
     assert rows["lora8"]["eval_loss"] != rows["lora16"]["eval_loss"]
     assert [row["blocks"] for row in result["speed"]] == [2] and result["speed"][0]["x_lora16"] > 0
     assert out.with_suffix(".png").stat().st_size > 0
 
 
-METHODS_AT_EQUAL_STEPS = ("full", "bcd", "bcd-auto", "badam", "lora8", "lora16")
+METHODS_AT_EQUAL_STEPS = ("full", "bcd", "bcd-store", "bcd-auto", "badam", "lora8", "lora16")
 
 
 def test_orders_rows_are_real_bcd_runs_of_each_order_and_gain_adds_importance_orders_with_stop_gain(tmp_path):

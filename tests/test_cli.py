@@ -174,7 +174,7 @@ def test_help_shows_each_training_default_as_the_config_dataclass_has_it(command
         elif value is not False:
             assert helps[flag.name].endswith(f"[{shown(value)}]"), (flag.name, helps[flag.name])
     assert helps["--batch-size"].endswith("[8]") and helps["--betas"].endswith("[0.9,0.95]")
-    assert helps["--lr"].endswith("[sgd 0.1, adam 5e-05, adamw 5e-05]")
+    assert helps["--lr"].endswith("[sgd 0.1, adam 5e-05, adamw 5e-05, adam8bit 5e-05, adamw8bit 5e-05]")
 
 
 def test_each_flag_is_defined_once():

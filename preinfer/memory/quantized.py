@@ -19,14 +19,13 @@ from __future__ import annotations
 
 from typing import get_args
 
-from preinfer.config.choices import FrozenDtype, Optimizer
+from preinfer.config.choices import LOW_BIT_OPTIMIZERS, FrozenDtype, Optimizer
 from preinfer.errors import UsageError
 from preinfer.memory.layer_spans import LayerSpan
 from preinfer.memory.settings import DTYPES, Settings
 from preinfer.memory.shapes import ModelShape
 
 FROZEN_DTYPES = get_args(FrozenDtype)[1:]  # bf16, int8, nf4; and "auto": the resident dtype
-LOW_BIT_OPTIMIZERS = ("adam8bit", "adamw8bit")
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
 LOW_BIT_BLOCK, LOW_BIT_MIN = 256, 4096
 

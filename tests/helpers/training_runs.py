@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipelines.cli import main
+from pipelines.data.batches import ReaderBatches
 from pipelines.data.tokenizers import ByteTokenizer
 from preinfer.config import Config
 from preinfer.metrics import CacheRecord, read_metrics
@@ -79,3 +80,23 @@ def cache_and_model(tmp_path: Path, corpus: str, boundary: int = 2) -> tuple[str
                  "--out", str(store), "--seq-len", "32", "--samples-per-shard", "8", "--eval-fraction", "0.2"])
     assert code == 0
     return str(model_dir), str(store)
+
+
+class BothRanks:
+    """One process reading what two data-parallel ranks read: batch i is rank 0's batch i then rank 1's."""
+
+    def __init__(self, store, boundary, batch_size, seed):
+        self.boundary = boundary
+        self.ranks = [ReaderBatches(store, boundary, batch_size, seed, rank, 2) for rank in range(2)]
+        self.batches_per_epoch = self.ranks[0].batches_per_epoch
+
+    def __next__(self):
+        parts = [next(r) for r in self.ranks]
+        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+    def state_dict(self):
+        return [r.state_dict() for r in self.ranks]
+
+    def load_state_dict(self, state):
+        for r, s in zip(self.ranks, state):
+            r.load_state_dict(s)
