@@ -175,6 +175,7 @@ def one_layer_per_block(model: Path, work: Path, settings: Settings, args: argpa
     out = work / "one-layer"
     run, _ = measured(cli("bcd", "--model", str(model), "--blocks", str(settings.blocks), "--total-steps",
                           str(args.steps * args.saver_visits), "--out", str(out), *flags, *train))
+    shutil.rmtree(out, ignore_errors=True)  # the next flags' run writes a run of its own there
     return dict(ran=True, flags=" ".join(flags), **with_ratio(run, planned_visits(model, settings, args.saver_visits)))
 
 

@@ -7,7 +7,10 @@
 The options are `preinfer bcd`'s, with its defaults: the blocks (`ufp`, `blocks` or `ranges`; `separate_ends`),
 their order (`order`, `fixed_order`, `start_block`, `seed`), `steps_per_visit`, the optimizer (`optimizer`, `lr`,
 `betas`, `momentum`, `weight_decay`, `keep_state`, `fused_step`, `block_lr`), each visit's schedule
-(`warmup_steps`, `decay`) and `precision`. One visit trains one block for `steps_per_visit` optimizer steps (with
+(`warmup_steps`, `decay`), `precision` and landscape expansion over the suffix (`expand`, `expand_rank`,
+`expand_lr`: `preinfer.expansion`'s hooks, activated before each visit's optimizer opens, after each of its steps
+and at its end, as `preinfer bcd` runs them; a visit's low-rank factors are merged when it ends, and `close()` ends
+the open one). One visit trains one block for `steps_per_visit` optimizer steps (with
 gradient accumulation an optimizer step is `gradient_accumulation_steps` micro-batches), then the next block of the
 order; the sweeps go on until the Trainer's `max_steps`. The optimizer lifecycle is `preinfer bcd`'s own (`preinfer.visit_optimizer`).
 
@@ -44,8 +47,9 @@ from transformers import TrainerCallback
 
 from preinfer.block_order import parse_fixed_order, sweep_order
 from preinfer.config import config_from_arguments
-from preinfer.config.choices import BlockOrder, LrDecay, Optimizer, Precision
+from preinfer.config.choices import BlockOrder, Expand, LrDecay, Optimizer, Precision
 from preinfer.errors import UsageError
+from preinfer.expansion import expansion_hooks
 from preinfer.hf_optimizer import BlockOptimizer, VisitSchedule
 from preinfer.memory.meter import MemoryMeter
 from preinfer.families import stage
@@ -59,7 +63,8 @@ ARGUMENTS = {"steps_per_visit": "stop.steps_per_visit", "ufp": "blocks.ufp", "bl
              "optimizer": "optim.name", "lr": "optim.lr", "betas": "optim.betas", "momentum": "optim.momentum",
              "weight_decay": "optim.weight_decay", "warmup_steps": "optim.warmup_steps", "decay": "optim.decay",
              "keep_state": "optim.keep_state", "precision": "run.precision", "fused_step": "optim.fused_step",
-             "block_lr": "optim.block_lr"}
+             "block_lr": "optim.block_lr", "expand": "blocks.expand", "expand_rank": "blocks.expand_rank",
+             "expand_lr": "blocks.expand_lr"}
 _BCD_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its BlockCoordinateDescent
 
 
@@ -144,6 +149,9 @@ class BlockCoordinateDescent:
         precision: Precision = "auto",
         fused_step: bool = False,
         block_lr: str | None = None,
+        expand: Expand = "none",
+        expand_rank: int = 8,
+        expand_lr: float | None = None,
         meter: MemoryMeter | None = None,
     ):
         if ufp is None and blocks is None and ranges is None:
@@ -153,8 +161,8 @@ class BlockCoordinateDescent:
             separate_ends=separate_ends, order=order, fixed_order=fixed_order, start_block=start_block, seed=seed,
             optimizer=optimizer, lr=lr, betas=list(betas) if isinstance(betas, (list, tuple)) else betas,
             momentum=momentum, weight_decay=weight_decay, warmup_steps=warmup_steps, decay=decay,
-            keep_state=keep_state, precision=precision, fused_step=fused_step,
-            block_lr=block_lr))  # refused here, before the model is cast or staged
+            keep_state=keep_state, precision=precision, fused_step=fused_step, block_lr=block_lr, expand=expand,
+            expand_rank=expand_rank, expand_lr=expand_lr))  # refused here, before the model is cast or staged
         b, optim = config.blocks, config.optim
         previous = _BCD_OF.get(model)
         if previous is not None:  # one BCD at a time holds a model's hooks and masters: the newer one
@@ -171,15 +179,15 @@ class BlockCoordinateDescent:
             return sweep_order(b.order, count, sweep, seed, b.start_block, fixed)
 
         self.optimizer = BlockOptimizer(self.staged, self.partition, optim, steps_per_visit, visits, self.precision,
-                                        meter)
+                                        meter, lambda step: expansion_hooks(self.staged, config, step))
         self.scheduler = VisitSchedule(self.optimizer)
         self.callback = BlockCallback(self.optimizer)
         self.hooks = [model.register_forward_hook(self._scale_loss)] if self.optimizer.scaler.enabled else []
         _BCD_OF[model] = self
 
     def close(self) -> None:
-        """Let go of the model (a newer BlockCoordinateDescent on it does this): no hook or master of this one
-        stays, and its optimizer steps no more."""
+        """Let go of the model (a newer BlockCoordinateDescent on it does this): the open visit ends (its low-rank
+        factors merged), no hook or master of this one stays, and its optimizer steps no more."""
         for hook in self.hooks:
             hook.remove()
         self.optimizer.close()

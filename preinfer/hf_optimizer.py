@@ -15,7 +15,7 @@ from preinfer.memory.meter import MemoryMeter
 from preinfer.partition import Block, Partition
 from preinfer.precision import Precision
 from preinfer.staged import StagedModel
-from preinfer.visit import freeze, unfreeze
+from preinfer.visit import VisitHook, activate_hooks, checkpointed, freeze, unfreeze
 from preinfer.visit_optimizer import VisitOptimizer, VisitOptimizers
 
 POSITION = ("sweep", "visit", "visit_step", "global_step")
@@ -27,7 +27,9 @@ class BlockOptimizer:
     """The optimizer `Trainer` steps: the active block's `VisitOptimizer`, opened anew at each visit boundary."""
 
     def __init__(self, staged: StagedModel, partition: Partition, optim: OptimConfig, steps_per_visit: int,
-                 order: Callable[[int], list[int]], precision: Precision, meter: MemoryMeter | None = None):
+                 order: Callable[[int], list[int]], precision: Precision, meter: MemoryMeter | None = None,
+                 hooks: Callable[[Callable[[], int]], Sequence[VisitHook]] = lambda step: ()):
+        """`hooks`: the visit hooks (landscape expansion), made from a callable giving the run's global step."""
         self.staged, self.partition, self.steps_per_visit = staged, partition, steps_per_visit
         self.order, self.precision, self.meter = order, precision, meter
         self.metered = False  # the meter tracks the current step (the callback sets it)
@@ -36,6 +38,8 @@ class BlockOptimizer:
         self.optimizers = VisitOptimizers(optim, precision, device, len(partition))
         self.scaler = self.optimizers.scaler
         self.sweep = self.visit = self.visit_step = self.global_step = 0
+        self.hooks = tuple(hooks(lambda: self.global_step))
+        self.extras = 0  # how many of the open visit's tensors the hooks gave
         self._current: VisitOptimizer | None = None
         self.closed = False
         self._activate()
@@ -81,15 +85,26 @@ class BlockOptimizer:
         return self.current.optimizer.defaults
 
     def _activate(self, masters: Sequence[torch.Tensor] | None = None, state: dict | None = None) -> None:
-        """Unfreeze the current block and open its visit's optimizer, with `state` or the block's kept state."""
+        """Unfreeze the current block, activate the hooks (with their checkpointed values, the last of `masters`)
+        and open the visit's optimizer, with `state` or the block's kept state."""
         block = self.block
         unfreeze(self.staged, block)
-        self._current = self.optimizers.open(block.index, list(block.params), self.steps_per_visit, masters, state)
+        extras = activate_hooks(self.hooks, block, masters)
+        self.extras = len(extras)
+        expected = (len(block.params) if self.precision.mixed else 0) + self.extras
+        if masters is not None and len(masters) != expected:
+            raise UsageError(f"the optimizer state carries {len(masters)} master tensors where this visit steps "
+                             f"{expected}: resume with the expand and expand_rank the checkpoint was trained with")
+        self._current = self.optimizers.open(block.index, [*block.params, *extras], self.steps_per_visit,
+                                             masters if self.precision.mixed else None, state)
 
     def _deactivate(self) -> None:
-        """Freeze the block again; free its masters, gradients and (unless kept) optimizer state."""
+        """Freeze the block again; free its masters, gradients and (unless kept) optimizer state; end the hooks'
+        visit (merge the low-rank factors)."""
         self.optimizers.close(self.block.index, self.current)
         freeze(self.block)
+        for hook in reversed(self.hooks):
+            hook.deactivate(self.block)
         self._current = None
 
     def close(self) -> None:
@@ -110,6 +125,8 @@ class BlockOptimizer:
         if closure is not None:
             raise UsageError("BlockOptimizer.step takes no closure")
         self.current.step()
+        for hook in self.hooks:
+            hook.after_step()
         if self.metered:  # gradients, masters and optimizer state all present
             self.meter.sample(self.current.optimizer)
         self.zero_grad()
@@ -130,15 +147,15 @@ class BlockOptimizer:
 
     def state_dict(self) -> dict:
         """The position, the visit length, the sweep's order, the optimizer state (active and kept), the masters
-        and the loss scaler: tensors and plain Python types only."""
-        active = self.current.active
+        (`preinfer.visit.checkpointed`: under fp32 the hooks' tensors only) and the loss scaler: tensors and plain
+        Python types only."""
         return {
             "position": {key: getattr(self, key) for key in POSITION},
             "steps_per_visit": self.steps_per_visit,
             "order": self.order(self.sweep),
             "optimizer": self.current.state_dict(),
             "kept": {str(index): state for index, state in self.optimizers.kept.items()},
-            "masters": [m.detach().clone() for m in active.masters] if active.mixed else [],
+            "masters": [m.detach().clone() for m in checkpointed(self.current, self.extras)],
             "loss_scaler": self.scaler.state_dict() if self.scaler.enabled else None,
         }
 
@@ -166,7 +183,7 @@ class BlockOptimizer:
         self.optimizers.kept = {int(index): kept for index, kept in state["kept"].items()}
         if self.scaler.enabled and state["loss_scaler"] is not None:
             self.scaler.load_state_dict(state["loss_scaler"])
-        self._activate(state["masters"] or None, state["optimizer"])
+        self._activate(state["masters"], state["optimizer"])
 
     def _check_visit_length(self, saved: int | None, visit_step: int) -> None:
         """Refuse a `steps_per_visit` other than the checkpoint's (older checkpoints do not say theirs: one shorter

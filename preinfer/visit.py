@@ -20,6 +20,7 @@ import torch
 
 from preinfer.batch_source import BatchSource
 from preinfer.config import Config
+from preinfer.errors import UsageError
 from preinfer.forward_backward import batch_state, to_device
 from preinfer.layout import Layout
 from preinfer.moe import ExpertGranular
@@ -67,29 +68,16 @@ class VisitLifecycle:
         unfreeze(self.staged, block)
         params = self.experts.activate(block, position.experts.get(key, {})) if self.experts.layers(block) \
             else self.layout.trained(block)
-        extras = self._activate_hooks(block, masters)
+        extras = activate_hooks(self.hooks, block, masters)
         self.extras = len(extras)
         mixed = self.optimizers.precision.mixed
         visit = self.optimizers.open(block.index, [*params, *extras], steps, masters if mixed else None)
         self.layout.activate(block, train.boundary if train is not None else 0, visit)
         return visit
 
-    def _activate_hooks(self, block: Block, masters: list[torch.Tensor] | None) -> list[torch.nn.Parameter]:
-        """The hooks' parameters for `block`'s visit; resuming mid-visit (`masters` from its checkpoint, which end
-        with the hooks' parameters), with their saved values."""
-        extras = [extra for hook in self.hooks for extra in hook.activate(block)]
-        if masters is not None and extras:
-            with torch.no_grad():
-                for extra, saved in zip(extras, masters[-len(extras):]):
-                    extra.copy_(saved)
-        return extras
-
     def checkpointed(self, visit: VisitOptimizer) -> list[torch.Tensor]:
-        """The tensors a mid-visit checkpoint carries for `visit` (its `masters`): under mixed precision every
-        master, the hooks' last; under fp32 the hooks' parameters (the block's own are the model's weights)."""
-        if visit.active.mixed:
-            return list(visit.active.masters)
-        return visit.active.masters[len(visit.active.masters) - self.extras:]
+        """The tensors a mid-visit checkpoint carries for `visit` (its `masters`, see `checkpointed`)."""
+        return checkpointed(visit, self.extras)
 
     def train_step(self, block: Block, train: BatchSource, visit: VisitOptimizer) -> tuple[float, int, dict]:
         """One optimizer step over `grad_accum` micro-batches; the loss is the mean over every supervised
@@ -127,6 +115,31 @@ class VisitLifecycle:
         self.layout.deactivate()
         for hook in reversed(self.hooks):
             hook.deactivate(block)
+
+
+def activate_hooks(hooks: Sequence[VisitHook], block: Block,
+                   masters: Sequence[torch.Tensor] | None) -> list[torch.nn.Parameter]:
+    """The hooks' parameters for `block`'s visit; resuming mid-visit (`masters` from its checkpoint, which end
+    with the hooks' parameters), with their saved values."""
+    extras = [extra for hook in hooks for extra in hook.activate(block)]
+    if masters and extras:
+        saved = masters[-len(extras):]
+        if [tuple(t.shape) for t in saved] != [tuple(t.shape) for t in extras]:
+            raise UsageError("the checkpoint's expansion tensors have other shapes than this visit's: resume with "
+                             "the expand and expand_rank the checkpoint was trained with")
+        with torch.no_grad():
+            for extra, value in zip(extras, saved):
+                extra.copy_(value)
+    return extras
+
+
+def checkpointed(visit: VisitOptimizer, extras: int) -> list[torch.Tensor]:
+    """The tensors a mid-visit checkpoint carries for `visit`, whose last `extras` tensors are the hooks': under
+    mixed precision every master, the hooks' last; under fp32 the hooks' parameters (the block's own are the
+    model's weights)."""
+    if visit.active.mixed:
+        return list(visit.active.masters)
+    return visit.active.masters[len(visit.active.masters) - extras:]
 
 
 def unfreeze(staged: StagedModel, block: Block) -> None:

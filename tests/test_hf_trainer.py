@@ -17,7 +17,7 @@ from preinfer.partition import make_partition
 from preinfer.presets import build_preset
 from preinfer.trainer import Trainer as BlockTrainer
 from tests.helpers.chat_templates import save_tokenizer
-from tests.helpers.trainers import live_batches, random_tokens, snapshot
+from tests.helpers.trainers import drive_as_hf_trainer, live_batches, make_trainer, random_tokens, snapshot
 
 pytestmark = pytest.mark.slow
 
@@ -37,11 +37,13 @@ def samples_of(batches: list[dict]) -> list[dict]:
     return [{key: value[i] for key, value in batch.items()} for batch in batches for i in range(len(batch["input_ids"]))]
 
 
-def hf_run(out, data, callbacks=(), resume=None, precision="fp32", meter=False, loss_scale=None, **overrides):
-    """A tiny Llama trained by BCD through transformers.Trainer (with a memory meter; under fp16-mixed from
-    `loss_scale`); returns the model and the BCD object."""
+def hf_run(out, data, callbacks=(), resume=None, precision="fp32", meter=False, loss_scale=None, options=None,
+           **overrides):
+    """A tiny Llama trained by BCD (OPTIONS, with `options`) through transformers.Trainer (with a memory meter;
+    under fp16-mixed from `loss_scale`); returns the model and the BCD object."""
     model = build_preset("tiny-llama", seed=0)
-    bcd = BlockCoordinateDescent(model, precision=precision, meter=MemoryMeter(model) if meter else None, **OPTIONS)
+    bcd = BlockCoordinateDescent(model, precision=precision, meter=MemoryMeter(model) if meter else None,
+                                 **{**OPTIONS, **(options or {})})
     if loss_scale is not None:
         bcd.optimizer.scaler.scale = loss_scale
     trainer = Trainer(model=model, args=hf_args(out, **overrides), train_dataset=data, optimizers=bcd.optimizers,
@@ -256,3 +258,62 @@ def test_the_optimizer_clips_in_fp32_and_the_trainer_not_again(tmp_path, precisi
         assert watch.seen == [(0.0, norm)] * 9 and args.max_grad_norm == norm
         runs[norm] = snapshot(model)
     assert any(not torch.equal(runs[0.05][name], runs[0.0][name]) for name in runs[0.0])
+
+
+EXPANSIONS = [("lowrank", "fp32"), ("lowrank", "bf16-mixed"), ("sgd", "fp32"), ("sgd", "bf16-mixed")]
+
+
+@pytest.mark.parametrize("expand, precision", EXPANSIONS)
+def test_the_hf_path_with_expansion_ends_with_our_trainer_s_weights_bit_for_bit(expand, precision):
+    """Descending, so blocks 1 and 0 have a suffix: the HF `BlockOptimizer` driven as `transformers.Trainer`
+    drives it (backward, step, scheduler step) over our trainer's batches, each micro-batch's loss computed as our
+    trainer computes it, ends with its weights, bit for bit; the expansion moved the suffix."""
+    expansion = dict(expand=expand, expand_lr=0.05, expand_rank=4)
+    ours = make_trainer(blocks__blocks=3, blocks__order="descending", optim__warmup_steps=1, optim__decay="cosine",
+                        run__precision=precision, **{f"blocks__{key}": value for key, value in expansion.items()})
+    ours.fit()
+    model = build_preset("tiny-llama", seed=0)
+    bcd = BlockCoordinateDescent(model, precision=precision, **OPTIONS, **expansion)
+    drive_as_hf_trainer(bcd, live_batches(9))
+    bcd.close()
+    expected, got = snapshot(ours.staged.model), snapshot(model)
+    assert all(torch.equal(expected[name], got[name]) for name in expected)
+    without = make_trainer(blocks__blocks=3, blocks__order="descending", optim__warmup_steps=1,
+                           optim__decay="cosine", run__precision=precision)
+    without.fit()
+    plain = snapshot(without.staged.model)
+    layer_0 = [name for name in got if ".layers.0." in name]  # block 0's own weights: block 1's suffix too
+    assert any(not torch.equal(got[name], plain[name]) for name in layer_0 if name.endswith("proj.weight"))
+
+
+@pytest.mark.parametrize("expand, precision", [("lowrank", "fp32"), ("lowrank", "bf16-mixed"), ("sgd", "fp32")])
+def test_a_mid_visit_resume_with_expansion_ends_as_the_uninterrupted_run(tmp_path, expand, precision):
+    """The checkpoint at step 4 is mid-visit of block 1, whose factors (lowrank) it carries with the masters."""
+    data, options = samples_of(live_batches(9)), dict(expand=expand, expand_lr=0.05)
+    whole, bcd = hf_run(tmp_path / "a", data, precision=precision, save_strategy="steps", save_steps=4,
+                        options=options)
+    saved = torch.load(tmp_path / "a" / "checkpoint-4" / "optimizer.pt", weights_only=True)
+    factors = 2 * 7 if expand == "lowrank" else 0  # A and B of each linear of the one suffix layer above block 1
+    block = len(bcd.partition.blocks[1].params) if precision != "fp32" else 0
+    assert len(saved["masters"]) == block + factors
+    resumed, _ = hf_run(tmp_path / "b", data, precision=precision, options=options,
+                        resume=str(tmp_path / "a" / "checkpoint-4"))
+    expected, got = snapshot(whole), snapshot(resumed)
+    assert all(torch.equal(expected[name], got[name]) for name in expected)
+
+
+def test_an_expansion_the_hf_path_cannot_run_is_refused_by_its_argument():
+    with pytest.raises(UsageError, match="expand") as refused:
+        BlockCoordinateDescent(build_preset("tiny-llama", seed=0), expand="lowrank", keep_state=True, **OPTIONS)
+    assert len(str(refused.value).splitlines()) == 1 and "keep_state" in str(refused.value)
+
+
+@pytest.mark.parametrize("saved, resumed", [(dict(expand="lowrank"), {}), ({}, dict(expand="lowrank")),
+                                            (dict(expand="lowrank"), dict(expand="lowrank", expand_rank=4))])
+def test_a_resume_with_another_expansion_is_refused_in_one_line(saved, resumed):
+    state = stepped_state(4, **saved)  # block 1, whose suffix is one layer
+    bcd = BlockCoordinateDescent(build_preset("tiny-llama", seed=0), **{**OPTIONS, **resumed})
+    with pytest.raises(UsageError, match="resume with the expand and expand_rank the checkpoint was trained with") \
+            as refused:
+        bcd.optimizer.load_state_dict(state)
+    assert len(str(refused.value).splitlines()) == 1

@@ -151,3 +151,21 @@ def test_the_meter_is_due_for_its_first_steps_after_each_reset():
     for _ in range(5):
         every.sample(optimizer)
     assert every.due()
+
+
+def test_a_trainable_tensor_outside_the_model_is_not_an_activation_but_what_is_made_from_it_is():
+    """A visit's own parameter (landscape expansion's factor) used in forward: its storage, and a view of it that
+    autograd saves (F.linear keeps the weight's transpose), count where the optimizer steps it, not as an
+    activation; its cast to another dtype is a tensor of its own and counts, and so does an input that requires
+    grad. float32: x (5x8) and x A^T (5x3)."""
+    model = nn.Linear(8, 8)
+    a, b = nn.Parameter(torch.randn(3, 8)), nn.Parameter(torch.randn(8, 3))
+    meter = MemoryMeter(model)
+    x = torch.randn(5, 8, requires_grad=True)
+    with meter.track():
+        nn.functional.linear(nn.functional.linear(x, a), b).sum().backward()
+    assert meter.report()["activations"] == 4 * (5 * 8 + 5 * 3)
+    meter.reset()
+    with meter.track():
+        nn.functional.linear(x.double(), a.double()).sum().backward()
+    assert meter.report()["activations"] == 8 * (5 * 8 + 3 * 8)  # the float64 copies of x and the factor

@@ -20,7 +20,7 @@ from preinfer.precision import Precision, resolve_precision
 from preinfer.staged import supervised_tokens
 from preinfer.visit_optimizer import VisitOptimizers
 from tests.helpers.cli_run import failure_line, run_cli
-from tests.helpers.trainers import live_batches, make_trainer, snapshot
+from tests.helpers.trainers import drive_as_hf_trainer, live_batches, make_trainer, snapshot
 
 VISIT = dict(blocks=3, steps_per_visit=3, lr=1e-3, order="descending", warmup_steps=1, decay="cosine")
 CLIP = 0.05  # below every step's gradient norm here: each step is clipped
@@ -37,16 +37,8 @@ def trained_by_hf_block_optimizer(precision: str, clip: float = CLIP, steps: int
                                   **options) -> dict[str, torch.Tensor]:
     model = build_preset("tiny-llama", seed=0)
     bcd = BlockCoordinateDescent(model, precision=precision, **VISIT, **options)
-    optimizer, scheduler = bcd.optimizers
-    optimizer.grad_clip = clip  # what BlockCallback hands over from TrainingArguments.max_grad_norm
-    router = RouterLoss(model, bcd.staged.layers)
-    for batch in live_batches(steps):
-        count = torch.tensor(float(supervised_tokens(batch["labels"])))
-        forward_backward(bcd.staged, batch, optimizer.block, 0, count, optimizer.current.scale_loss, router, 1,
-                         False)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
+    bcd.optimizer.grad_clip = clip  # what BlockCallback hands over from TrainingArguments.max_grad_norm
+    drive_as_hf_trainer(bcd, live_batches(steps))
     return snapshot(model)
 
 

@@ -17,12 +17,12 @@ from preinfer.low_bit import low_bit_adam
 from preinfer.memory.budget import blocks_for_budget, budget_settings
 from preinfer.memory.footprint import bcd_memory, fewest_blocks, pipeline_peak, stage_bytes
 from preinfer.memory.layer_spans import LayerSpan, block_params, partition
-from preinfer.memory.meter import MemoryMeter
 from preinfer.memory.quantized import frozen_linear_bytes, moment_bytes
 from preinfer.memory.settings import Settings
 from preinfer.memory.shapes import ModelShape, resolve_shape, shape_for_size
 from preinfer.partition import make_partition
 from preinfer.presets import build_preset
+from tests.helpers.metered_visits import metered_peak, visit_optimizer
 
 # Linear weights per layer: q 64x64, k and v 32x64, o 64x64, gate and up 128x64, down 64x128: 36,864 elements.
 TINY = ModelShape("tiny", "llama", vocab=256, hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16, intermediate=128)
@@ -97,23 +97,7 @@ def _metered_visit(name: str, k: int, frozen_dtype: str, optimizer: str, seq: in
     if frozen_dtype != "auto":
         frozen = [i for i in range(staged.num_layers) if not block.start <= i < block.stop]
         FrozenWeights(staged.layers, frozen_dtype, "cpu").quantize(frozen)
-    if optimizer == "sgd":
-        step = torch.optim.SGD(params, lr=1e-3, momentum=0.9)
-    elif optimizer == "adam":
-        step = torch.optim.Adam(params, lr=1e-3)
-    else:
-        step = low_bit_adam(params, optimizer, 1e-3, (0.9, 0.999), 0.0)
-    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
-    meter = MemoryMeter(model, steps_per_visit=None)
-    for _ in range(2):
-        with meter.track():
-            with torch.set_grad_enabled(block.embed):
-                state = staged.run(staged.embed(ids, labels=ids), 0, block.start)
-            staged.loss(staged.run(state, block.start, staged.num_layers)).backward()
-        meter.sample(step)
-        step.step()
-        meter.sample(step)
-    return meter.report()["tracked_peak"]
+    return metered_peak(staged, block, visit_optimizer(params, optimizer), seq, batch)
 
 
 @pytest.mark.parametrize("name, k, frozen_dtype, optimizer", [

@@ -20,13 +20,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = {"--seq-len": Settings.seq_len, "--epochs-per-visit": Settings.epochs_per_visit,
                 "--attention": Settings.attention, "--frozen-dtype": Settings.frozen_dtype,
                 "--optimizer": Settings.optimizer, "--fused-step": Settings.fused_step,
-                "--separate-ends": Settings.separate_ends}
+                "--separate-ends": Settings.separate_ends, "--expand": Settings.expand,
+                "--expand-rank": Settings.expand_rank}
     plan = dict(command="plan", defaults=defaults)
     add_flags(parser, "--model", "--arch", "--device", "--gpu", "--gpu-mem", "--memory-budget", "--seq-len",
               "--micro-batch", **plan)
     add_flags(parser.add_mutually_exclusive_group(), "--ufp", "--blocks", **plan)
     add_flags(parser, "--separate-ends", "--dtype", "--recompute", "--attention", "--frozen-dtype", "--optimizer", "--fused-step",
-              "--tokens", "--bandwidth-gbps", "--pipeline", "--epochs-per-visit", "--store-dtype", "--compression",
+              "--expand", "--expand-rank", "--tokens", "--bandwidth-gbps", "--pipeline", "--epochs-per-visit", "--store-dtype", "--compression",
               "--price-per-hour", "--mfu", "--json", **plan)
 
 
@@ -49,7 +50,8 @@ def settings_from_args(args: argparse.Namespace, layers: int) -> Settings:
         bandwidth_gbps=args.bandwidth_gbps, price_per_hour=args.price_per_hour, mfu=args.mfu,
         compression=args.compression, store_dtype=args.store_dtype, pipeline=args.pipeline,
         epochs_per_visit=args.epochs_per_visit, budget_bytes=budget, frozen_dtype=args.frozen_dtype,
-        optimizer=args.optimizer, fused_step=args.fused_step, host_device=on_host,
+        optimizer=args.optimizer, fused_step=args.fused_step, host_device=on_host, expand=args.expand,
+        expand_rank=args.expand_rank,
     )
 
 
@@ -63,6 +65,13 @@ def _device(s: dict) -> str:
     if s["host_device"]:
         return "CPU (host memory)"
     return f"GPU {s['gpu'] if s['gpu_mem_gb'] is None else str(s['gpu_mem_gb']) + ' GB'}"
+
+
+def _expansion(s: dict) -> str:
+    """The landscape expansion a plan prices, as the table's second line ends (nothing without one)."""
+    if s["expand"] == "none":
+        return ""
+    return f", expand {s['expand']}" + (f" rank {s['expand_rank']}" if s["expand"] == "lowrank" else "")
 
 
 def _money(value: float | None) -> str:
@@ -99,7 +108,7 @@ def render(result: MemoryPlan, model_spec: str | None = None) -> str:
         f"{_device(s)}: {_gib(result.capacity_bytes)} GiB usable"
         f"{' (--memory-budget)' if s['budget_bytes'] and not s['host_device'] else ''}; "
         f"W (weight bytes) = {_gib(result.weight_bytes)} GiB; {s['optimizer']}, frozen dtype {s['frozen_dtype']}"
-        f"{', fused step' if s['fused_step'] else ''}",
+        f"{', fused step' if s['fused_step'] else ''}{_expansion(s)}",
         "",
         f"{'memory per ' + ('process' if s['host_device'] else 'GPU') + ' (GiB)':<24}{'weights':>9}{'grads':>9}"
         f"{'optim':>9}{'activ':>9}{'host':>9}{'total':>9}{'x W':>7}  fits  visit",

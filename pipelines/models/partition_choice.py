@@ -52,7 +52,8 @@ def budget_partition(staged: preinfer.StagedModel, config: Config, first_layer: 
     settings = budget_settings(memory_budget(config.blocks), precision, config.data.seq_len,
                                config.data.batch_size, config.run.recompute, config.model.attention,
                                frozen_dtype=config.model.frozen_dtype, optimizer=config.optim.name,
-                               fused_step=config.optim.fused_step, host_device=config.run.device == "cpu")
+                               fused_step=config.optim.fused_step, host_device=config.run.device == "cpu",
+                               expand=config.blocks.expand, expand_rank=config.blocks.expand_rank)
     plan = blocks_for_budget(shape, settings, precision)
     return replace(make_partition(staged, num_blocks=plan.blocks), budget=plan)
 

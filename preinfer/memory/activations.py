@@ -42,6 +42,18 @@ from preinfer.memory.layer_spans import LayerSpan
 from preinfer.memory.shapes import ModelShape
 
 
+def linear_input_bytes(m: ModelShape, b: int, s: int, c: int, index: int | None, attention: str) -> int:
+    """Bytes of the inputs a decoder layer's linear weights keep for their gradients, beyond what the layer saves
+    in the gradient path anyway. Llama: the two norms' outputs (q/k/v and gate/up input) and the down_proj input;
+    GPT-2: the c_attn, c_fc and MLP c_proj inputs. Eager attention adds the o_proj (c_proj) input, which sdpa
+    keeps as its output anyway."""
+    bsh = b * s * m.hidden
+    if m.arch == "gpt2":
+        return 2 * bsh * c + b * s * m.intermediate * c + (bsh * c if attention == "eager" else 0)
+    o_proj = b * s * m.heads * m.head_dim * c if attention == "eager" else 0
+    return 2 * bsh * c + b * s * m.mlp_width(index) * c + o_proj
+
+
 def _llama_layer_acts(m: ModelShape, b: int, s: int, c: int, trainable: bool, input_grad: bool,
                       index: int | None, attention: str) -> int:
     """Bytes Llama layer `index` saves for backward. A sparse (MoE) layer counts its MLP at the width one token
@@ -53,12 +65,11 @@ def _llama_layer_acts(m: ModelShape, b: int, s: int, c: int, trainable: bool, in
     routing = b * s * m.experts * 4 + (b * s * m.experts_per_token * m.hidden * c if trainable else 0)
     f32 = 4  # RMSNorm upcasts its input to float32 and keeps that copy and rsqrt in float32
     total = (bsh + b * s) * f32 if input_grad else 0  # norm 1: input (pow), rsqrt
-    if trainable:  # weight gradients: both norms' normalised x and outputs, down_proj input
-        total += 4 * bsh * c + bsi * c
+    if trainable:  # weight gradients: both norms' normalised x, and the linear weights' inputs
+        total += 2 * bsh * c + linear_input_bytes(m, b, s, c, index, attention)
     if attention == "sdpa":  # q, k, v at the key/value heads, output (= o_proj input), float32 log-sum-exp
         total += (2 * bsad + 2 * bskd) * c + b * m.heads * s * f32
     else:
-        total += bsad * c if trainable else 0  # o_proj input
         total += 3 * bsad * c + probs * c  # q, repeated k, repeated v; softmax output (the matmul's input)
         if c != f32:
             total += probs * f32  # softmax runs with dtype=float32 and keeps that output, then a 16-bit copy
@@ -73,12 +84,11 @@ def _gpt2_layer_acts(m: ModelShape, b: int, s: int, c: int, trainable: bool, inp
     bsh, bsi, probs = b * s * m.hidden, b * s * m.intermediate, b * m.heads * s * s
     layer_norm = bsh * c + 2 * b * s * 4  # input, mean and rstd in float32 (for input and weight gradients)
     total = 2 * layer_norm  # ln_1 (its input or its weight needs grad), ln_2 (residual sum)
-    if trainable:  # weight gradients: c_attn, c_fc, MLP c_proj inputs
-        total += 2 * bsh * c + bsi * c
+    if trainable:  # weight gradients: the linear weights' inputs
+        total += linear_input_bytes(m, b, s, c, index, attention)
     if attention == "sdpa":  # q, k, v as views of c_attn's output; output (= c_proj input); float32 log-sum-exp
         total += 4 * bsh * c + b * m.heads * s * 4
     else:
-        total += bsh * c if trainable else 0  # attention c_proj input
         total += 3 * bsh * c + probs * c  # contiguous q, k, v copies for the batched matmuls; softmax output
     if m.dropout > 0:  # CUDA keeps a 1-byte mask; PyTorch's CPU path keeps a c-byte float mask instead
         # eager: attention dropout mask and output (sdpa's kernels draw theirs again in backward); two residual

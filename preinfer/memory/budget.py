@@ -23,13 +23,14 @@ def size_text(n: float) -> str:
 
 def budget_settings(budget: int, precision: str, seq_len: int, micro_batch: int, recompute: bool,
                     attention: str, *, frozen_dtype: str = "auto", optimizer: str = "adam", fused_step: bool = False,
-                    host_device: bool = False) -> Settings:
+                    host_device: bool = False, expand: str = "none", expand_rank: int = 8) -> Settings:
     """The planner's settings of a run under a memory budget of `budget` bytes, with the memory savers it uses."""
     if precision not in PRECISION_DTYPES:
         raise UsageError(f"precision '{precision}' is not one of {', '.join(PRECISION_DTYPES)}")
     return Settings(seq_len=seq_len, micro_batch=micro_batch, dtype=PRECISION_DTYPES[precision],
                     recompute=recompute, attention=attention, budget_bytes=budget, frozen_dtype=frozen_dtype,
-                    optimizer=optimizer, fused_step=fused_step, host_device=host_device)
+                    optimizer=optimizer, fused_step=fused_step, host_device=host_device, expand=expand,
+                    expand_rank=expand_rank)
 
 
 def blocks_for_budget(m: ModelShape, settings: Settings, precision: str) -> BudgetPlanRecord:

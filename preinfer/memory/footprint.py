@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from preinfer.memory.activations import step_activations
+from preinfer.memory.expansion import expanded
 from preinfer.memory.layer_spans import LayerSpan, block_params, partition
 from preinfer.memory.quantized import active_state, adjust
 from preinfer.memory.settings import DTYPES, Settings
@@ -69,6 +70,7 @@ def bcd_memory(m: ModelShape, settings: Settings, blocks: list[LayerSpan], k: in
                             settings.attention)
     weights, grads, optimizer, host = adjust(m, settings, block, block.start if store else 0,
                                              _component_bytes(settings, resident, block_params(m, block)))
+    grads, optimizer, acts = expanded(m, settings, block, grads, optimizer, acts)
     memory = Memory(weights, grads, optimizer, acts.total(), host=host)
     what = f"layers {block.start}-{block.stop - 1}" if block.stop > block.start else \
         ("the embedding" if block.embed else "the final norm and head")
@@ -117,7 +119,10 @@ def stage_bytes(m: ModelShape, settings: Settings, stage: LayerSpan, active: Lay
 
 def fewest_blocks(m: ModelShape, settings: Settings, degree: int = 1) -> tuple[int, int] | None:
     """The fewest blocks (largest UFP) whose worst live visit fits `settings.capacity()` per GPU with `degree`
-    pipeline stages, and that peak in bytes; None when even one layer per block does not fit."""
+    pipeline stages, and that peak in bytes; None when even one layer per block does not fit, or on a pipeline
+    with landscape expansion (its stages do not update the suffix: the trainer refuses it)."""
+    if degree > 1 and settings.expand != "none":
+        return None
     capacity = settings.capacity()
     for n in range(1, m.layers + 1):
         blocks = partition(m, n, settings.separate_ends)

@@ -16,7 +16,8 @@ How the peaks are measured (and why `tracked_peak` is coherent with the planner 
   `saved_tensors_hooks` pack hook, and released when autograd lets go of it (after its node ran in backward, or
   when the graph is dropped). Each distinct storage held is counted once (its full size, since a saved view keeps
   its whole storage alive); storages of model parameters (and views of them) are skipped because they are
-  counted as parameters. The step's activation peak is the maximum of the bytes held: the end of forward, or,
+  counted as parameters, and so are those of any other parameter (a visit's own, such as landscape
+  expansion's factors, counted where the optimizer steps them). The step's activation peak is the maximum of the bytes held: the end of forward, or,
   with recomputation, a moment in backward when a layer's recomputed tensors join the checkpointed inputs.
   One `track()` covers one step (forward + backward); each starts at 0.
 - sampled steps: tracking costs a Python call per saved tensor (several percent of a small model's step), and
@@ -178,7 +179,7 @@ class MemoryMeter:
         def pack(t: torch.Tensor) -> torch.Tensor | _Held:
             nonlocal current
             key = _storage_key(t)
-            if key is None or key in param_keys or t.numel() == 0:
+            if key is None or key in param_keys or t.numel() == 0 or _parameter(t):
                 return t
             if key not in held:
                 held[key] = [0, _storage_bytes(t)]
@@ -213,6 +214,11 @@ class MemoryMeter:
             "rss_peak": rss_peak_bytes(),
             "cuda_peak": cuda_peak_bytes(),
         }
+
+
+def _parameter(t: torch.Tensor) -> bool:
+    """Whether `t` is a parameter (of the model or not), or a view of one."""
+    return isinstance(t if t._base is None else t._base, torch.nn.Parameter)
 
 
 def _stepped(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:

@@ -65,6 +65,8 @@ class Settings:
     optimizer: str = "adam"  # adam, adamw: two moments; adam8bit, adamw8bit: 8-bit moments; sgd: one momentum buffer
     fused_step: bool = False  # each gradient freed as its step runs in backward
     host_device: bool = False  # the device is the host (CPU): the frozen weights' host masters share its budget
+    expand: str = "none"  # landscape expansion of the suffix: none, lowrank (rank-r factors) or sgd
+    expand_rank: int = 8  # lowrank: the factors' rank
 
     def capacity(self) -> int:
         """Bytes a training process can fill on one GPU (the memory budget where one is given)."""

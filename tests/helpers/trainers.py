@@ -6,9 +6,12 @@ import preinfer
 from pipelines.data.batches import live_sources
 from pipelines.data.in_memory import TokenDataset
 from preinfer.config import Config
+from preinfer.forward_backward import forward_backward
+from preinfer.moe import RouterLoss
 from preinfer.partition import make_partition
 from preinfer.presets import build_preset
 from preinfer.run_dir import RunDir
+from preinfer.staged import supervised_tokens
 from preinfer.trainer import Trainer
 
 
@@ -60,3 +63,18 @@ def assert_resumes_as(reference, run_dir, **overrides) -> None:
     ref, got = snapshot(reference.staged.model), snapshot(resumed.staged.model)
     assert all(torch.equal(ref[k], got[k]) for k in ref)
     assert [v["eval_loss"] for v in resumed.progress.visits] == [v["eval_loss"] for v in reference.progress.visits]
+
+
+def drive_as_hf_trainer(bcd, batches: list[dict]) -> None:
+    """Step a `preinfer.hf.BlockCoordinateDescent` over `batches` as `transformers.Trainer` drives it (backward,
+    `optimizer.step()`, `scheduler.step()`, `zero_grad`), each micro-batch's loss computed as our trainer computes
+    it (`preinfer.forward_backward`), so that only the optimizer lifecycle differs from our trainer's."""
+    optimizer, scheduler = bcd.optimizers
+    router = RouterLoss(bcd.staged.model, bcd.staged.layers)
+    for batch in batches:
+        count = torch.tensor(float(supervised_tokens(batch["labels"])))
+        forward_backward(bcd.staged, batch, optimizer.block, 0, count, optimizer.current.scale_loss, router, 1,
+                         False)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
