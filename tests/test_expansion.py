@@ -145,8 +145,8 @@ def test_bcd_from_stores_ends_as_live_with_expansion(tmp_path, corpus, expand, o
     assert_close(weights(on_config.run.out), weights(off_config.run.out))
     assert [v["eval_loss"] for v in on["visits"]] == pytest.approx([v["eval_loss"] for v in off["visits"]], rel=1e-5)
     assert all(v["source_boundary"] > 0 for v in on["visits"] if v["block"] > 0)
-    how = [(r.boundary, r.how) for r in cache_records(on_config.run.out)]
-    assert how == [(r.boundary, r.how) for r in cache_records(plain_config.run.out)]
+    how = sorted((r.boundary, r.how) for r in cache_records(on_config.run.out))  # records of concurrent writes
+    assert how == sorted((r.boundary, r.how) for r in cache_records(plain_config.run.out))  # come in any order
     assert not weights(on_config.run.out).keys() - weights(plain_config.run.out).keys()
     assert any(not torch.equal(t, weights(plain_config.run.out)[k]) for k, t in weights(on_config.run.out).items())
 
