@@ -157,25 +157,23 @@ def run_all(model: Path, work: Path, config: dict, args: argparse.Namespace) -> 
         if name in args.rows:
             settings = Settings(seq_len=args.seq_len, micro_batch=1, dtype="float32",
                                 blocks=config["num_hidden_layers"], host_device=True, **fields)
-            rows[f"bcd_{name}_one_layer"] = one_layer_per_block(model, work, settings, args, flags, train)
+            rows[f"bcd_{name}_one_layer"] = one_layer_per_block(model, work / name, settings, args, flags, train)
     return rows
 
 
-def one_layer_per_block(model: Path, work: Path, settings: Settings, args: argparse.Namespace, flags: list[str],
+def one_layer_per_block(model: Path, out: Path, settings: Settings, args: argparse.Namespace, flags: list[str],
                         train: list[str]) -> dict:
-    """A run of the model at one layer per block with `flags`, its first --saver-visits visits, against the
-    planner's largest of them (`settings`); or, when a tiny-llama probe with `flags` does not train, the probe's
-    refusal."""
+    """A run of the model at one layer per block with `flags` into `out` (its probe's run too), its first
+    --saver-visits visits, against the planner's largest of them (`settings`); or, when a tiny-llama probe with
+    `flags` does not train, the probe's refusal."""
     probe, _ = measured(cli("bcd", "--model", "tiny-llama", "--blocks", "4", "--steps-per-visit", "1", "--total-steps",
                             "1", "--seq-len", "32", "--batch-size", "2", "--eval-tokens", "64", "--pre-inference",
-                            "off", "--out", str(work / "probe"), *flags))
-    shutil.rmtree(work / "probe", ignore_errors=True)
+                            "off", "--out", str(out / "probe"), *flags))
+    shutil.rmtree(out / "probe", ignore_errors=True)
     if probe["exit"] != 0:
         return dict(ran=False, probe=probe, note="bcd does not train with these flags yet: " + probe["last_line"])
-    out = work / "one-layer"
     run, _ = measured(cli("bcd", "--model", str(model), "--blocks", str(settings.blocks), "--total-steps",
-                          str(args.steps * args.saver_visits), "--out", str(out), *flags, *train))
-    shutil.rmtree(out, ignore_errors=True)  # the next flags' run writes a run of its own there
+                          str(args.steps * args.saver_visits), "--out", str(out / "run"), *flags, *train))
     return dict(ran=True, flags=" ".join(flags), **with_ratio(run, planned_visits(model, settings, args.saver_visits)))
 
 

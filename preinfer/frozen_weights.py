@@ -1,15 +1,17 @@
 """Frozen linear weights held in fewer bits for their forward and the backward through them, masters kept exact.
 
 `FrozenWeights(layers, dtype, device)` takes the decoder layers whose `nn.Linear` submodules it manages (the
-embedding and the LM head stay in their resident dtype). It copies every such weight to host memory (CPU tensors,
-pinned when the device is CUDA): these masters are the authoritative weights. `quantize(indices)` swaps each
-managed `nn.Linear` of those layers for a `FrozenLinear` holding codes built from the master on the device, and
-points the weight's Parameter at its host master (its device storage is freed), so that state dicts, checkpoints,
-exports and fingerprints see the master and never the codes; `restore(indices)` puts the original `nn.Linear` (the
-same module and Parameter objects) back with the master copied onto the device bit for bit, for a block's visit.
-Quantizing a restored layer first copies its device weight (trained during the visit) into its master, then builds
-the codes from the master: codes are never built from codes. `masters()` gives the authoritative weights by name.
-Norm weights and biases stay resident as they are.
+embedding and the LM head stay in their resident dtype). Every such weight has a master in host memory: these are
+the authoritative weights. On an accelerator each master is a copy (pinned when the device is CUDA); on the CPU the
+master is the loaded weight's own storage, never a second copy, so that a model loaded at W bytes stays at W bytes
+plus its codes. `quantize(indices)` swaps each managed `nn.Linear` of those layers for a `FrozenLinear` holding
+codes built from the master on the device, and points the weight's Parameter at its host master (its device
+storage is freed), so that state dicts, checkpoints, exports and fingerprints see the master and never the codes;
+`restore(indices)` puts the original `nn.Linear` (the same module and Parameter objects) back with the master
+copied onto the device bit for bit (on the CPU: the master itself, trained in place), for a block's visit.
+Quantizing a restored layer first copies its device weight (trained during the visit) into its master unless they
+are one storage, then builds the codes from the master: codes are never built from codes. `masters()` gives the
+authoritative weights by name. Norm weights and biases stay resident as they are.
 
 `QuantizedFrozenLayers` is the `preinfer.visit.VisitHook` of `--frozen-dtype`: at its first visit every layer
 outside the block is quantized; each visit restores its block's layers and quantizes them again when it ends.
@@ -123,8 +125,7 @@ class FrozenWeights:
         if not any(self.linears):
             raise UsageError(f"frozen dtype {dtype} holds nn.Linear weights; these layers have none: use "
                              f"--frozen-dtype auto")
-        pin = self.device.type == "cuda"
-        self._masters = [{path: _host_copy(linear.weight, pin) for path, linear in found.items()}
+        self._masters = [{path: self._host_master(linear.weight) for path, linear in found.items()}
                          for found in self.linears]
         if dtype == "nf4":
             _check_nf4(self._masters)
@@ -149,7 +150,7 @@ class FrozenWeights:
             if index not in self.quantized:
                 continue
             for path, linear in self.linears[index].items():
-                linear.weight.data = self._masters[index][path].to(self.device, copy=True)
+                linear.weight.data = self._on_device(self._masters[index][path])
                 _set_child(self.layers[index], path, linear)
             self.quantized.discard(index)
 
@@ -162,10 +163,23 @@ class FrozenWeights:
         return {f"{index}.{path}.weight": master
                 for index, found in enumerate(self._masters) for path, master in found.items()}
 
+    def _host_master(self, weight: torch.Tensor) -> torch.Tensor:
+        """The master of `weight`: its own storage on the CPU, else a host copy (pinned for CUDA)."""
+        if self.device.type == "cpu" and weight.device.type == "cpu":
+            return weight.detach()
+        host = weight.detach().to("cpu", copy=True)
+        return host.pin_memory() if self.device.type == "cuda" else host
+
+    def _on_device(self, master: torch.Tensor) -> torch.Tensor:
+        """The weight a restored linear trains: the master itself on the CPU, else its copy on the device."""
+        return master if self.device.type == "cpu" else master.to(self.device, copy=True)
+
     def _sync_master(self, index: int) -> None:
         if index not in self.quantized:
             for path, linear in self.linears[index].items():
-                self._masters[index][path].copy_(linear.weight.detach())
+                master = self._masters[index][path]
+                if linear.weight.data_ptr() != master.data_ptr():
+                    master.copy_(linear.weight.detach())
 
 
 class QuantizedFrozenLayers:
@@ -233,11 +247,6 @@ def _run_codes(layer: nn.Module, frozen: dict[str, FrozenLinear]) -> None:
 
 def _linears(layer: nn.Module) -> dict[str, nn.Linear]:
     return {path: module for path, module in layer.named_modules() if path and isinstance(module, nn.Linear)}
-
-
-def _host_copy(weight: torch.Tensor, pin: bool) -> torch.Tensor:
-    host = weight.detach().to("cpu", copy=True)
-    return host.pin_memory() if pin else host
 
 
 def _check_nf4(masters: list[dict[str, torch.Tensor]]) -> None:

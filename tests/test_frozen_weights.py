@@ -93,6 +93,23 @@ def test_a_restored_layers_trained_weight_becomes_its_master():
     assert torch.equal(model.model.layers[1].mlp.up_proj.weight, trained)
 
 
+def test_on_the_cpu_a_master_is_the_loaded_weight_itself_never_a_second_copy():
+    model = tiny_llama()
+    linears = {path: m for path, m in model.model.layers.named_modules() if isinstance(m, torch.nn.Linear)}
+    loaded = {f"{path}.weight": m.weight.data_ptr() for path, m in linears.items()}
+    frozen = FrozenWeights(model.model.layers, "nf4", "cpu")
+    frozen.quantize([0, 1, 2])
+    assert {name: t.data_ptr() for name, t in frozen.masters().items()} == loaded
+    frozen.restore([1])
+    up = model.model.layers[1].mlp.up_proj.weight
+    assert up.data_ptr() == loaded["1.mlp.up_proj.weight"]  # the restored layer trains its master in place
+    with torch.no_grad():
+        up.add_(1.0)
+    frozen.quantize([1])
+    assert torch.equal(frozen.masters()["1.mlp.up_proj.weight"], up.detach())
+    assert {name: t.data_ptr() for name, t in frozen.masters().items()} == loaded
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "int8", "nf4"])
 def test_input_gradients_flow_through_quantized_layers_to_a_trainable_layer_below(dtype):
     reference, model = tiny_llama(), tiny_llama()
