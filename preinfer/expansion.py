@@ -3,8 +3,8 @@ block get a cheap update at every step from the gradients its backward already r
 
 `--expand lowrank` (`LowRankExpansion`): each linear weight W [out, in] of a suffix layer gets rank-r fp32 factors
 A [r, in] (drawn from N(0, 1/in) by a generator seeded with the run's seed, the step the visit starts at and
-the block, so a resumed run draws what the uninterrupted one drew and the run's own random state is not touched) and B [out, r] (zeros, so the model is unchanged when
-the visit starts), added to the layer's output by a forward hook: y = W x + B (A x). `activate` returns them, so
+the block, so a resumed run draws what the uninterrupted one drew and the run's own random state is not touched)
+and B [out, r] (zeros, so the model is unchanged when the visit starts), added to the layer's output by a forward hook: y = W x + B (A x). `activate` returns them, so
 the visit's optimizer steps them with the block (at `--expand-lr` in a group of their own when it is given, else in
 the block's; on the visit's schedule either way), clipping covers them and the data-parallel reducer sums their
 gradients like the block's. When the visit ends, B A is added into W (in fp32, cast to W's dtype) and the factors
@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from preinfer.config import DEFAULT_LR, Config
+from preinfer.config import Config
+from preinfer.optim import resolved_lr
 from preinfer.partition import Block
 from preinfer.staged import StagedModel
 
@@ -151,10 +152,6 @@ def expansion_hooks(staged: StagedModel, config: Config, step: Callable[[], int]
     if b.expand == "lowrank":
         return [LowRankExpansion(staged, b.expand_rank, b.expand_lr, config.run.seed, step)]
     if b.expand == "sgd":
-        return [SgdExpansion(staged, b.expand_lr if b.expand_lr is not None else visit_lr(config))]
+        return [SgdExpansion(staged, b.expand_lr if b.expand_lr is not None else resolved_lr(config.optim))]
     return []
 
-
-def visit_lr(config: Config) -> float:
-    """The rate a visit's optimizer starts at (`--lr`, or the optimizer's default)."""
-    return config.optim.lr if config.optim.lr is not None else DEFAULT_LR[config.optim.name]

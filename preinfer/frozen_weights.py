@@ -44,6 +44,7 @@ from preinfer.config import Config
 from preinfer.errors import UsageError
 from preinfer.memory.quantized import FROZEN_DTYPES, NF4_BLOCK, nf4_scaler_block
 from preinfer.partition import Block
+from preinfer.precision import host_copy
 from preinfer.staged import StagedModel
 from preinfer.torchao_extra import torchao_module
 
@@ -164,11 +165,9 @@ class FrozenWeights:
                 for index, found in enumerate(self._masters) for path, master in found.items()}
 
     def _host_master(self, weight: torch.Tensor) -> torch.Tensor:
-        """The master of `weight`: its own storage on the CPU, else a host copy (pinned for CUDA)."""
-        if self.device.type == "cpu" and weight.device.type == "cpu":
-            return weight.detach()
-        host = weight.detach().to("cpu", copy=True)
-        return host.pin_memory() if self.device.type == "cuda" else host
+        """The master of `weight`: its own storage when it is in host memory already (on the CPU), else a host
+        copy (pinned for CUDA)."""
+        return host_copy(weight, pin=self.device.type == "cuda")
 
     def _on_device(self, master: torch.Tensor) -> torch.Tensor:
         """The weight a restored linear trains: the master itself on the CPU, else its copy on the device."""

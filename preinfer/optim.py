@@ -11,8 +11,8 @@ from torch import nn
 from transformers import get_scheduler
 
 from preinfer.config import DEFAULT_LR, DEFAULT_WEIGHT_DECAY, LR_DECAYS, OPEN_ENDED_DECAYS, OptimConfig, StopConfig
-from preinfer.errors import UsageError
 from preinfer.config.choices import LOW_BIT_OPTIMIZERS
+from preinfer.errors import UsageError
 from preinfer.low_bit import low_bit_adam
 
 

@@ -237,3 +237,13 @@ class ActiveBlock:
         self._hooks.clear()
         for master in self.masters:
             master.grad = None
+
+
+def host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+    """`tensor` in host memory (pinned with `pin`, for fast copies back to a CUDA device): itself when it is there
+    already, else a copy."""
+    if tensor.device.type == "cpu" and (not pin or tensor.is_pinned()):
+        return tensor.detach()
+    if not pin:
+        return tensor.detach().cpu()
+    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor)

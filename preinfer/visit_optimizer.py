@@ -37,7 +37,7 @@ from preinfer.config import OptimConfig
 from preinfer.errors import UsageError
 from preinfer.memory.meter import tensor_bytes
 from preinfer.optim import LrSchedule, build_optimizer, resolved_lr, step_tensor
-from preinfer.precision import ActiveBlock, LossScaler, Precision
+from preinfer.precision import ActiveBlock, LossScaler, Precision, host_copy
 
 # The optimizer settings a saved state must share with the run resuming it (torch's load_state_dict would
 # silently bring back the saved ones).
@@ -204,16 +204,7 @@ class VisitOptimizers:
 
 def on_host(state: dict) -> dict:
     """An optimizer state dict with every tensor in host memory (pinned where CUDA is, for the copy back)."""
-    return {"state": {index: {key: host_copy(value) if torch.is_tensor(value) else value
+    pin = torch.cuda.is_available()
+    return {"state": {index: {key: host_copy(value, pin) if torch.is_tensor(value) else value
                               for key, value in entries.items()} for index, entries in state["state"].items()},
             "param_groups": state["param_groups"]}
-
-
-def host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` in host memory, pinned where CUDA is: a copy unless it already is."""
-    pin = torch.cuda.is_available()
-    if tensor.device.type == "cpu" and (not pin or tensor.is_pinned()):
-        return tensor.detach()
-    if not pin:
-        return tensor.detach().cpu()
-    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor)
