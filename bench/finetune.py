@@ -8,7 +8,9 @@ chat template, so `chat` reads the instruction format). Two tasks, each with its
 
 - `chat`: the pydoc conversations of `bench.chat_data` (questions about Python answered by the first paragraph
   of a pydoc section), trained with the assistant-only loss of the model's own chat template (`--tokenizer auto`);
-- `text`: domain adaptation on the plain text of pydoc (`builtin:pydoc`).
+- `text`: domain adaptation on the plain text of pydoc (`builtin:pydoc`);
+- `licences`: the same on the general corpus (below), English prose that is not pydoc: the corpus that choosing
+  issue 38's defaults on pydoc never saw. Its forgetting is measured on pydoc's text instead.
 
 Forgetting is measured on a second, general corpus that none of them trains on (--general: by default the English
 licence texts a Debian or Ubuntu system ships in /usr/share/common-licenses, joined into one file): its eval loss
@@ -36,6 +38,10 @@ clipping:
   the active block held in fewer bits for their forward and backward, masters exact; the export holds the masters);
 - `bcd-nf4-8bit`: `bcd-nf4` with the active block's Adam moments in 8 bits (`--optimizer adam8bit`) and each
   tensor's step inside backward (`--fused-step`);
+- the levers of issue 38 (`--methods levers` runs `bcd` and all of them): `bcd-lowrank` and `bcd-sgd` (`bcd`
+  with `--expand lowrank` or `sgd`), `bcd-depth-lr` (`--block-lr depth:0.5..1.5`: half the rate at the first
+  block, 1.5x at the last; `bcd-depth-lr-down` the other way round), `bcd-x4` (the same steps as 4x the sweeps of visits a quarter as long),
+  `bcd-x4-keep` (with `--keep-optimizer-state`) and `bcd-x4-lowrank` (with `--expand lowrank`);
 - `qlora`: QLoRA, `lora16` on an NF4 base: every linear weight that LoRA adapts is replaced, before training, by
   torchao's NF4 tensor (`torchao...nf4_tensor.to_nf4`, the blocks of `--frozen-dtype nf4`: 64 elements, scaler
   blocks of 256), whose `F.linear` dequantizes it for each matmul, as torchtune's QLoRA does; the embedding and the
@@ -45,7 +51,8 @@ clipping:
   against). Its tracked peak is the same meter's as the other loop rows' (an NF4 weight counts its codes and scales).
 
 Learning rates: each method family runs every rate of its grid (--grid) on the chat task and is judged at its
-own best final eval loss there; the text task and the other `bcd-*` methods reuse that rate. Measured per run:
+own best final eval loss there; the text task and the other `bcd-*` methods reuse that rate (with --every-rate every
+method runs at every rate of its family's grid; the comparisons take each method at its best). Measured per run:
 final eval loss on the task and on the general corpus (one function, `bench.lib.runs.eval_loss`, on each run's saved
 weights), tokens/s (padded tokens of the steps over the training time: the visits' wall time plus any store
 building, evaluation excluded), the memory meter's tracked peak, the process's peak RSS (`wait4`), the eval-loss
@@ -60,6 +67,8 @@ counted.
     python -m bench.finetune                     # both tasks, the grid, the speed section (hours on 2 CPU cores)
     python -m bench.finetune --checkpoint gemma3 --tasks chat --methods full,bcd,bcd-store \
         --grid "full=3e-5;bcd=3e-5" --steps-per-visit 3 --eval-batches 4 --no-speed   # Gemma 3 270M (10 min)
+    python -m bench.finetune --tasks chat --methods full,lora16,badam,levers --grid "full=3e-5;bcd=1e-4;badam=1e-4;lora=3e-4" \
+        --steps-per-visit 20 --no-speed --out bench/out/levers.json        # issue 38's levers, 60 steps
     python -m bench.finetune --quick             # smoke run: tiny-llama, 2 steps per method (`make test` runs it)
 
 Writes bench/out/finetune.json (--out) and a plot of eval loss against training time beside it (same stem,
@@ -93,12 +102,19 @@ from preinfer.partition import balanced_ranges
 # The `bcd` rows of issue 37, by method: their flags on top of `bcd`'s.
 LOW_BIT = {**{f"bcd-{dtype}": ["--frozen-dtype", dtype] for dtype in ("bf16", "int8", "nf4")},
            "bcd-nf4-8bit": ["--frozen-dtype", "nf4", "--optimizer", "adam8bit", "--fused-step"]}
+# The levers of issue 38, by method: their flags on top of `bcd`'s. Not in the default --methods (`--methods levers`).
+LEVERS = {"bcd-lowrank": ["--expand", "lowrank"], "bcd-sgd": ["--expand", "sgd"],
+          "bcd-depth-lr": ["--block-lr", "depth:0.5..1.5"], "bcd-depth-lr-down": ["--block-lr", "depth:1.5..0.5"],
+          "bcd-x4": [],
+          "bcd-x4-keep": ["--keep-optimizer-state"], "bcd-x4-lowrank": ["--expand", "lowrank"]}
+# Rows that spend the same steps in SHORTER-times more sweeps of SHORTER-times shorter visits.
+SHORTER = 4
 LORA_RANK = {"lora8": 8, "lora16": 16, "qlora": 16}
 LOOP_METHODS = ("badam", *LORA_RANK)  # the methods of `loop_worker`
 METHODS = ("full", "bcd", "bcd-store", "bcd-auto", "bcd-budget", *LOW_BIT, "badam", "lora8", "lora16", "qlora")
-TASKS = ("chat", "text")
+TASKS = ("chat", "text", "licences")
 FAMILY = {"full": "full", "bcd": "bcd", "bcd-store": "bcd", "bcd-auto": "bcd", "bcd-budget": "bcd", "badam": "badam",
-          "lora8": "lora", "lora16": "lora", "qlora": "lora", **dict.fromkeys(LOW_BIT, "bcd")}
+          "lora8": "lora", "lora16": "lora", "qlora": "lora", **dict.fromkeys([*LOW_BIT, *LEVERS], "bcd")}
 PRE_INFERENCE = {"bcd-store": "on", "bcd-auto": "auto"}  # the others live
 # The method that stands for its family in the grid.
 GRID_METHOD = {"full": "full", "bcd": "bcd", "badam": "badam", "lora": "lora16"}
@@ -112,10 +128,12 @@ REFERENCE_TABLE6 = ("The reference's Table 6 (Llama-2-7B, Alpaca): BCD training 
 # Data.
 
 
-def task_data(task: str, scratch: Path) -> str:
-    """The --data of a task."""
+def task_data(task: str, scratch: Path, general: str) -> str:
+    """The --data of a task (`licences`: the general corpus, `general`)."""
     if task == "text":
         return "builtin:pydoc"
+    if task == "licences":
+        return general
     path = scratch / "pydoc-chat.jsonl"
     if not path.exists():  # each conversation once: pydoc repeats some sections under several topics
         lines = dict.fromkeys(json.dumps(r) + "\n" for r in records())
@@ -156,6 +174,14 @@ def equal_ranges(model: str, blocks: int) -> str:
     return ",".join(f"{lo}-{hi - 1}" for lo, hi in balanced_ranges([1] * layers, blocks))
 
 
+def visit_steps(args: argparse.Namespace) -> int:
+    """--steps-per-visit, which the `bcd-x4` rows split into SHORTER visits."""
+    if args.steps_per_visit % SHORTER:
+        raise SystemExit(f"finetune: the bcd-x4 rows split --steps-per-visit into {SHORTER} visits: give a "
+                         f"multiple of {SHORTER} (got {args.steps_per_visit})")
+    return args.steps_per_visit
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Flags of one run, as `preinfer bcd` reads them (the loop workers parse the same flags into the same config).
 
@@ -166,7 +192,7 @@ def run_flags(args: argparse.Namespace, method: str, data: str, lr: float, out: 
     flags = ["--model", args.model, "--tokenizer", args.tokenizer, "--data", data, "--seq-len", str(args.seq_len),
              "--batch-size", str(args.batch_size), "--optimizer", "adam", "--lr", str(lr), "--weight-decay", "0",
              "--warmup-steps", "0", "--grad-clip", "0", "--precision", "fp32", "--eval-tokens",
-             str(args.eval_batches * args.batch_size * args.seq_len), "--seed", "0", "--order", "ascending",
+             str(args.eval_batches * args.batch_size * args.seq_len), "--seed", str(args.seed), "--order", "ascending",
              "--eval-fraction", str(args.eval_fraction), "--out", str(out)]
     if args.max_samples:
         flags += ["--max-samples", str(args.max_samples)]
@@ -179,6 +205,10 @@ def run_flags(args: argparse.Namespace, method: str, data: str, lr: float, out: 
                         "--pre-inference", "auto"]
     if method in LOW_BIT:  # after `bcd`'s flags: its --optimizer replaces theirs
         flags += LOW_BIT[method]
+    if method in LEVERS:
+        flags += LEVERS[method]
+        if method.startswith("bcd-x4"):
+            flags += ["--sweeps", str(args.sweeps * SHORTER), "--steps-per-visit", str(visit_steps(args) // SHORTER)]
     return flags + ["--ranges", args.ranges, "--pre-inference", PRE_INFERENCE.get(method, "off")]
 
 
@@ -292,12 +322,12 @@ def run(method: str, flags: list[str], scratch: Path, eval_count: int) -> dict:
 def measured(args: argparse.Namespace, method: str, task: str, lr: float, scratch: Path, evals: dict,
              budget: float = 0.0) -> dict:
     """One run of `method` on `task` at `lr`, evaluated on the task and the general corpus."""
-    out = scratch / f"{task}-{method}-{lr:g}"
+    out = scratch / f"{task}-{method}-{lr:g}-{args.seed}"
     flags = run_flags(args, method, evals["data"], lr, out, budget)
     result = run(method, flags, scratch, args.eval_batches)
     model_dir = result.pop("model_dir")
     tokens = result["steps"] * args.batch_size * args.seq_len
-    row = dict(task=task, method=method, lr=lr, steps=result["steps"], eval_loss=eval_loss(model_dir, evals["task"]),
+    row = dict(task=task, method=method, lr=lr, seed=args.seed, steps=result["steps"], eval_loss=eval_loss(model_dir, evals["task"]),
                general_loss=eval_loss(model_dir, evals["general"]), tokens_per_s=tokens / result["train_s"],
                train_s=result["train_s"], caching_s=result.get("caching_s", 0.0),
                tracked_peak_mib=result["tracked_peak"] / 2**20, rss_mib=result["rss"] / 2**20,
@@ -305,7 +335,7 @@ def measured(args: argparse.Namespace, method: str, task: str, lr: float, scratc
     shutil.rmtree(out, ignore_errors=True)
     with args.out.with_suffix(".rows.jsonl").open("a") as log:  # kept if a later run fails
         log.write(json.dumps(row) + "\n")
-    print(f"[finetune] {task} {method} lr {lr:g}: eval {row['eval_loss']:.4f}, general {row['general_loss']:.4f}, "
+    print(f"[finetune] {task} {method} lr {lr:g} seed {args.seed}: eval {row['eval_loss']:.4f}, general {row['general_loss']:.4f}, "
           f"{row['tokens_per_s']:.0f} tokens/s, peak {row['tracked_peak_mib']:.0f} MiB, RSS {row['rss_mib']:.0f} "
           f"MiB, wall {row['wall_s']:.0f} s", flush=True)
     return row
@@ -317,7 +347,8 @@ def measured(args: argparse.Namespace, method: str, task: str, lr: float, scratc
 
 def task_evals(args: argparse.Namespace, task: str, scratch: Path, general: str) -> dict:
     """A task's data, its eval batches and the general corpus's, and the base model's loss on both."""
-    data = task_data(task, scratch)
+    data = task_data(task, scratch, general)
+    general = "builtin:pydoc" if task == "licences" else general  # forgetting measured on a corpus not trained on
     flags = run_flags(args, "bcd", data, 1e-4, scratch / "unused")
     general_flags = run_flags(argparse.Namespace(**{**vars(args), "eval_fraction": 0.5}), "bcd", general, 1e-4,
                               scratch / "unused")
@@ -328,6 +359,15 @@ def task_evals(args: argparse.Namespace, task: str, scratch: Path, general: str)
     print(f"[finetune] {task}: base model eval {evals['base']['eval_loss']:.4f}, general "
           f"{evals['base']['general_loss']:.4f}", flush=True)
     return evals
+
+
+def method_names(text: str) -> list[str]:
+    """--methods as names: `levers` stands for `bcd` and every row of LEVERS."""
+    names = [name for part in text.split(",") for name in (["bcd", *LEVERS] if part == "levers" else [part])]
+    unknown = [name for name in names if name not in FAMILY]
+    if unknown:
+        raise SystemExit(f"finetune: --methods names {', '.join(unknown)}; expected of {', '.join(FAMILY)} or levers")
+    return list(dict.fromkeys(names))
 
 
 def grids(text: str) -> dict[str, list[float]]:
@@ -343,7 +383,7 @@ def grids(text: str) -> dict[str, list[float]]:
 
 def compare(args: argparse.Namespace, scratch: Path) -> dict:
     """The grid on the chat task, then every method at its family's best rate on every task."""
-    methods, tasks, rates = args.methods.split(","), args.tasks.split(","), grids(args.grid)
+    methods, tasks, rates = method_names(args.methods), args.tasks.split(","), grids(args.grid)
     general = general_corpus(args.general, scratch)
     evals = {task: task_evals(args, task, scratch, general) for task in tasks}
     families = {FAMILY[m] for m in methods}
@@ -354,21 +394,23 @@ def compare(args: argparse.Namespace, scratch: Path) -> dict:
         best[family] = min(tried, key=lambda r: r["eval_loss"])["lr"]
     rows = []
     for task in tasks:
-        done = {r["method"]: r for r in grid_rows if r["task"] == task and r["lr"] == best[FAMILY[r["method"]]]}
+        done = {(r["method"], r["lr"]): r for r in grid_rows if r["task"] == task}
         for method in sorted(methods, key=lambda m: m == "bcd-budget"):  # the budget is LoRA r16's peak
-            if method not in done:
-                budget = done["lora16"]["tracked_peak_mib"] * 2**20 if method == "bcd-budget" else 0.0
-                done[method] = measured(args, method, task, best[FAMILY[method]], scratch, evals[task], budget)
-            rows.append(done[method])
+            for lr in rates[FAMILY[method]] if args.every_rate else [best[FAMILY[method]]]:
+                key = (method, lr)
+                if key not in done:
+                    budget = done["lora16", lr]["tracked_peak_mib"] * 2**20 if method == "bcd-budget" else 0.0
+                    done[key] = measured(args, method, task, lr, scratch, evals[task], budget)
+                rows.append(done[key])
         add_comparisons([r for r in rows if r["task"] == task], evals[task]["base"])
     return dict(grid=grid_rows, best_lr=best, rows=rows,
                 base={task: e["base"] for task, e in evals.items()})
 
 
 def add_comparisons(rows: list[dict], base: dict) -> None:
-    """Each row against LoRA r16 and full Adam on the same task: eval loss, forgetting, tokens/s, time to reach
-    LoRA r16's final eval loss."""
-    by = {r["method"]: r for r in rows}
+    """Each row against LoRA r16 and full Adam on the same task (each at its best rate): eval loss, forgetting,
+    tokens/s, tracked peak, time to reach LoRA r16's final eval loss."""
+    by = {r["method"]: r for r in sorted(rows, key=lambda r: -r["eval_loss"])}
     lora, full = by.get("lora16"), by.get("full")
     for row in rows:
         row["forgetting"] = row["general_loss"] - base["general_loss"]
@@ -379,12 +421,13 @@ def add_comparisons(rows: list[dict], base: dict) -> None:
             row["s_to_lora16_loss"] = reached["train_s"] if reached else None
         if full:
             row["vs_full_pct"] = 100 * (row["eval_loss"] / full["eval_loss"] - 1)
+            row["x_full_peak"] = row["tracked_peak_mib"] / full["tracked_peak_mib"]
 
 
 def speed(args: argparse.Namespace, scratch: Path) -> list[dict]:
     """Tokens/s over a whole sweep whose visits reread their samples: LoRA r16 against BCD from stores, alternating
     for --speed-repeats rounds (medians; the ratio is the median of each round's)."""
-    data = task_data(args.tasks.split(",")[0], scratch)
+    data = task_data(args.tasks.split(",")[0], scratch, general_corpus(args.general, scratch))
     setup = argparse.Namespace(**{**vars(args), "max_samples": args.speed_samples, "sweeps": 1})
     setup.steps_per_visit = args.speed_epochs * -(-args.speed_samples // args.batch_size)
     rows = []
@@ -442,9 +485,10 @@ def shown(column: str, value: object) -> object:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.finetune", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
-    p.add_argument("--tasks", default=",".join(TASKS),
-                   help="comma-separated, of chat, text; the grid runs on the first")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"comma-separated, of {', '.join(FAMILY)}; `levers` stands for bcd and {', '.join(LEVERS)}")
+    p.add_argument("--tasks", default="chat,text",
+                   help=f"comma-separated, of {', '.join(TASKS)}; the grid runs on the first")
     p.add_argument("--checkpoint", choices=sorted(KNOWN), default=DEFAULT,
                    help="bench.checkpoint's checkpoint, where --model is not given: "
                         + ", ".join(f"{name}: {known.title}" for name, known in KNOWN.items()) + f" [{DEFAULT}]")
@@ -452,6 +496,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--general", help="the general corpus (a --data) [the licence texts in /usr/share/common-licenses]")
     p.add_argument("--grid", default=GRIDS, help="learning rates per family: 'full=..;bcd=..;badam=..;lora=..'")
     p.add_argument("--ranges", help="the blocks of bcd and badam [UFP 1/3: thirds of the model's layers]")
+    p.add_argument("--every-rate", action="store_true",
+                   help="every method at every rate of its family's grid, not only at the family's best")
+    p.add_argument("--seed", type=int, default=0, help="every run's --seed (the sample order, LoRA's and the "
+                   "factors' initialisation)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--steps-per-visit", type=int, default=12)
@@ -505,8 +553,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=1))
     if result["rows"]:
         plot(result["rows"], result["base"], args.out.with_suffix(".png"))
-        columns = ["task", "method", "lr", "eval_loss", "general_loss", "forgetting", "tokens_per_s",
-                   "tracked_peak_mib", "rss_mib", "wall_s", "vs_lora16", "vs_full_pct", "x_lora16_tokens_per_s",
+        columns = ["task", "method", "lr", "seed", "eval_loss", "general_loss", "forgetting", "tokens_per_s",
+                   "tracked_peak_mib", "rss_mib", "wall_s", "vs_lora16", "vs_full_pct", "x_full_peak", "x_lora16_tokens_per_s",
                    "s_to_lora16_loss"]
         print(table([{c: shown(c, r.get(c)) for c in columns} for r in result["rows"]], columns))
     if speed_rows:

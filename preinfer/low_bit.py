@@ -5,7 +5,11 @@ Each moment of a tensor with at least 4096 elements and a multiple of 256 is hel
 element) of torchao's dynamic quantization map (256 float32 values per moment), with one float32 absmax scale per
 block of 256 elements; smaller tensors (norm weights) keep float32 moments, as in torchao. The step is torchao's
 `single_param_adam` run eagerly, not through `torch.compile`: no compiler toolchain is needed (CPU, CUDA, ROCm), the
-first step does not wait for a compilation, and the result does not depend on what a compiler fused. Learning rates
+first step does not wait for a compilation, and the result does not depend on what a compiler fused. Eagerly, its
+re-quantization of a moment holds int64 codes and their lookups, about 13 times the float32 tensor at once (5 GiB
+for a 49152 x 2048 embedding), so a quantized tensor steps in chunks of CHUNK elements, each whole 256-blocks:
+views of the weight, its gradient and each moment's codes and scales, so the result is the one-call step's, bit for
+bit, at a chunk's temporaries. Learning rates
 stay plain floats, so a schedule sets `group["lr"]` as for torch's Adam. `state_dict()` splits each quantized moment
 into `<key>.codes`, `<key>.scale`, `<key>.qmap` tensors and a `<key>.signed` flag (safetensors and JSON hold those;
 the tensor subclass they hold would not be), and `load_state_dict` puts it back together.
@@ -23,6 +27,7 @@ from preinfer.errors import UsageError
 from preinfer.torchao_extra import torchao_module
 
 PARTS = ("codes", "scale", "qmap")
+CHUNK = 1 << 22  # elements of a quantized tensor stepped at once (module docstring): ~200 MiB of temporaries
 
 
 def low_bit_adam(params: Iterable, name: str, lr: float, betas: tuple[float, float],
@@ -65,6 +70,27 @@ def _join(entries: dict, subclass: type) -> dict:
     return out
 
 
+def _chunks(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> list:
+    """(weight, gradient, moment, moment) views of at most CHUNK elements each, on whole blocks of the moments'
+    quantization; the tensors themselves where the moments are plain or the tensor is small or not contiguous."""
+    quantized = type(exp_avg).__name__ == "OptimState8bit"
+    if not quantized or weight.numel() <= CHUNK or not (weight.is_contiguous() and grad.is_contiguous()):
+        return [(weight, grad, exp_avg, exp_avg_sq)]
+    block = exp_avg.block_size
+    step = CHUNK - CHUNK % block
+    flat = weight.view(-1), grad.view(-1)
+    return [(flat[0][lo:lo + step], flat[1][lo:lo + step], _state_view(exp_avg, lo, lo + step),
+             _state_view(exp_avg_sq, lo, lo + step)) for lo in range(0, weight.numel(), step)]
+
+
+def _state_view(state: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Elements lo:hi of an 8-bit moment (lo on a block boundary), sharing its codes and scales."""
+    hi = min(hi, state.numel())
+    block = state.block_size
+    return type(state)(state.codes.view(-1)[lo:hi], state.scale[lo // block:-(-hi // block)], state.qmap,
+                       state.signed, dtype=state.dtype)
+
+
 @functools.cache
 def _eager_class(name: str) -> type:
     """torchao's class for `name` with an eager step, float learning rates and a plain state dict."""
@@ -101,9 +127,10 @@ def _eager_class(name: str) -> type:
                 state["exp_avg_sq"] = self._new_buffer(param, False)
             state["step"] += 1
             beta1, beta2 = group["betas"]
-            adam.single_param_adam(param.detach(), param.grad, state["step"], state["exp_avg"], state["exp_avg_sq"],
-                                   None, group["lr"], beta1, beta2, group["weight_decay"], group["eps"],
-                                   self.is_adamw, False)
+            for weight, grad, exp_avg, exp_avg_sq in _chunks(param.detach(), param.grad, state["exp_avg"],
+                                                             state["exp_avg_sq"]):
+                adam.single_param_adam(weight, grad, state["step"], exp_avg, exp_avg_sq, None, group["lr"], beta1,
+                                       beta2, group["weight_decay"], group["eps"], self.is_adamw, False)
 
         def state_dict(self) -> dict:
             return plain_state(super().state_dict())

@@ -50,6 +50,34 @@ def test_steps_are_torchs_within_the_quantization_error(name, reference):
         assert float((p - q).detach().norm() / (q - p0).detach().norm()) < 0.05
 
 
+def test_a_large_tensor_steps_in_chunks_with_torchaos_one_call_result_bit_for_bit(monkeypatch):
+    """Chunks of whole quantization blocks (the last one shorter) give the weights and 8-bit moments of torchao's
+    `single_param_adam` over the whole tensor, step after step."""
+    from torchao.optim import adam
+
+    monkeypatch.setattr(low_bit, "CHUNK", 4096)
+    calls = []
+    one_call = adam.single_param_adam
+    monkeypatch.setattr(adam, "single_param_adam", lambda p, *a: calls.append(p.numel()) or one_call(p, *a))
+    torch.manual_seed(0)
+    ours = nn.Parameter(torch.randn(64, 160))  # 10,240 elements: chunks of 4096, 4096 and 2048
+    theirs = ours.detach().clone()
+    optimizer = low_bit_adam([ours], "adamw8bit", 1e-3, (0.9, 0.999), 0.01)
+    group = optimizer.param_groups[0]
+    for step in range(3):
+        ours.grad = torch.randn(64, 160, generator=torch.Generator().manual_seed(step))
+        optimizer.step()
+        state = optimizer.state[ours]
+        if step == 0:
+            moments = [optimizer._new_buffer(theirs, signed) for signed in (True, False)]
+        one_call(theirs, ours.grad, state["step"], *moments, None, group["lr"], 0.9, 0.999, 0.01, group["eps"],
+                 True, False)
+        assert torch.equal(ours.detach(), theirs)
+        for mine, reference in zip((state["exp_avg"], state["exp_avg_sq"]), moments):
+            assert torch.equal(mine.codes, reference.codes) and torch.equal(mine.scale, reference.scale)
+    assert calls == [4096, 4096, 2048] * 3
+
+
 def test_the_rate_is_a_float_a_schedule_sets():
     net = model()
     optimizer = low_bit_adam(net.parameters(), "adam8bit", 1e-3, (0.9, 0.999), 0.0)

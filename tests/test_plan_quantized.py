@@ -45,7 +45,7 @@ def test_int8_frozen_layers_hold_a_byte_and_a_row_scale_and_their_masters_go_to_
     # three frozen layers, each 36,864 bytes of codes + 4 x 512 rows of scales instead of 2 x 36,864
     assert today.weights - int8.weights == 3 * (2 * 36864 - (36864 + 4 * 512))
     assert int8.host == 4 * 36864 * 2  # every layer's linear masters, bf16
-    assert int8.total == int8.weights + int8.grads + int8.optimizer + int8.activations
+    assert int8.total == int8.weights + int8.grads + int8.optimizer + int8.activations + int8.step
 
 
 def test_8bit_moments_and_the_fused_step():
@@ -184,7 +184,9 @@ def test_a_cpu_plan_budgets_this_machine_s_memory_and_counts_the_host_masters(tm
     assert plan["memory"]["full_adam"]["total"] > 16 * 1.7e9 and plan["memory"]["bcd_live"]["fits"]
     nf4 = plan_json(capsys, *flags, "--blocks", "24", "--frozen-dtype", "nf4")["memory"]["bcd_live"]
     assert nf4["host"] > 0 and nf4["total"] == sum(nf4[part] for part in
-                                                   ("weights", "grads", "optimizer", "activations", "host"))
+                                                   ("weights", "grads", "optimizer", "activations", "step", "host"))
+    # block 0's Adam step on the CPU: two temporaries the size of the tied embedding, once its activations are freed
+    assert nf4["step"] == 2 * 49152 * 2048 * 4 - nf4["activations"] > 0
     machine = plan_json(capsys, *flags)["capacity_bytes"]
     assert machine == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert main(["plan", *flags]) == 0

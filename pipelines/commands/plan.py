@@ -111,14 +111,16 @@ def render(result: MemoryPlan, model_spec: str | None = None) -> str:
         f"{', fused step' if s['fused_step'] else ''}{_expansion(s)}",
         "",
         f"{'memory per ' + ('process' if s['host_device'] else 'GPU') + ' (GiB)':<24}{'weights':>9}{'grads':>9}"
-        f"{'optim':>9}{'activ':>9}{'host':>9}{'total':>9}{'x W':>7}  fits  visit",
+        f"{'optim':>9}{'activ':>9}{'step':>9}{'host':>9}{'total':>9}{'x W':>7}  fits  visit",
     ]
     for name, mem in result.memory.items():
         ratio = mem.total / result.weight_bytes
         lines.append(
             f"{name:<24}{_gib(mem.weights):>9}{_gib(mem.grads):>9}{_gib(mem.optimizer):>9}{_gib(mem.activations):>9}"
-            f"{_gib(mem.host):>9}{_gib(mem.total):>9}{ratio:>7.2f}  {'yes' if mem.fits else 'no':<4}  {mem.note}"
+            f"{_gib(mem.step):>9}{_gib(mem.host):>9}{_gib(mem.total):>9}{ratio:>7.2f}  {'yes' if mem.fits else 'no':<4}  {mem.note}"
         )
+    if any(mem.step for mem in result.memory.values()):
+        lines.append("step = the Adam step's temporaries (its denominator) beyond the activations freed before it")
     if s["host_device"]:
         lines.append("host = masters of the frozen weights held as codes; on the CPU they share the budget "
                      "(in the total)")

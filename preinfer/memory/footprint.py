@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from preinfer.memory.activations import step_activations
 from preinfer.memory.expansion import expanded
 from preinfer.memory.layer_spans import LayerSpan, block_params, partition
-from preinfer.memory.quantized import active_state, adjust
+from preinfer.memory.quantized import active_state, adjust, block_tensors
 from preinfer.memory.settings import DTYPES, Settings
 from preinfer.memory.shapes import ModelShape
 
@@ -25,13 +25,33 @@ class Memory:
     fits: bool = False
     note: str = ""
     host: int = 0  # host memory: the masters of frozen weights held in fewer bits (in the total on a CPU device)
+    step: int = 0  # the optimizer step's temporaries beyond the activations it follows (`step_temporaries`)
+
+    @property
+    def held(self) -> int:
+        """Bytes of the tensors the visit holds (what the memory meter measures): the total without `step`."""
+        return self.total - self.step
 
     def finish(self, settings: Settings) -> Memory:
         """Fill in the total (the host masters too where the device is the host) and whether it fits."""
-        self.total = self.weights + self.grads + self.optimizer + self.activations
+        self.total = self.weights + self.grads + self.optimizer + self.activations + self.step
         self.total += self.host if settings.host_device else 0
         self.fits = self.total <= settings.capacity()
         return self
+
+
+def step_temporaries(m: ModelShape, settings: Settings, span: LayerSpan, activations: int) -> int:
+    """Bytes torch's Adam and AdamW step allocates for a moment beyond the `activations` backward has freed by then.
+    Its denominator sqrt(v) / c + eps is new memory: on a CPU device the single-tensor step builds it one tensor at
+    a time from two temporaries that tensor's size (`sqrt`, then the division), on CUDA the multi-tensor (foreach)
+    step builds it for every trainable tensor at once. Not counted: SGD's step (in place), the 8-bit optimizers'
+    (its float32 temporaries are one tensor's), and the fused step's, which runs tensor by tensor during backward.
+    Dense layers' tensors (`block_tensors`); 0 for a sparse model."""
+    if settings.optimizer not in ("adam", "adamw") or settings.fused_step or m.sparse:
+        return 0
+    tensors, moment = block_tensors(m, span), DTYPES[settings.dtype]["moments"] // 2
+    temporaries = 2 * max(tensors) * moment if settings.host_device else sum(tensors) * moment
+    return max(0, temporaries - activations)
 
 
 
@@ -49,8 +69,10 @@ def full_memory(m: ModelShape, settings: Settings, recompute: bool) -> Memory:
     acts = step_activations(m, settings.micro_batch, settings.seq_len, DTYPES[settings.dtype]["act"], None, recompute,
                             settings.attention)
     weights, grads, optimizer = _component_bytes(settings, n, n)
-    grads, optimizer = active_state(m, settings, LayerSpan(0, m.layers, True, True), grads, optimizer)
-    return Memory(weights, grads, optimizer, acts.total()).finish(settings)
+    everything = LayerSpan(0, m.layers, True, True)
+    grads, optimizer = active_state(m, settings, everything, grads, optimizer)
+    step = step_temporaries(m, settings, everything, acts.total())
+    return Memory(weights, grads, optimizer, acts.total(), step=step).finish(settings)
 
 
 def bcd_memory(m: ModelShape, settings: Settings, blocks: list[LayerSpan], k: int, store: bool) -> Memory:
@@ -71,7 +93,8 @@ def bcd_memory(m: ModelShape, settings: Settings, blocks: list[LayerSpan], k: in
     weights, grads, optimizer, host = adjust(m, settings, block, block.start if store else 0,
                                              _component_bytes(settings, resident, block_params(m, block)))
     grads, optimizer, acts = expanded(m, settings, block, grads, optimizer, acts)
-    memory = Memory(weights, grads, optimizer, acts.total(), host=host)
+    step = step_temporaries(m, settings, block, acts.total())
+    memory = Memory(weights, grads, optimizer, acts.total(), host=host, step=step)
     what = f"layers {block.start}-{block.stop - 1}" if block.stop > block.start else \
         ("the embedding" if block.embed else "the final norm and head")
     memory.note = f"block {k} ({what})"
@@ -98,7 +121,7 @@ def stage_bytes(m: ModelShape, settings: Settings, stage: LayerSpan, active: Lay
     """Bytes one pipeline stage holds while `active` trains (None: full Adam): its layers' weights (resident: the
     trainer refuses a frozen dtype on a pipeline), gradients and optimizer state (8-bit, fused) for the part of the
     active block it holds, and the activations of `in_flight` micro-batches (none below the active block, which runs
-    forward only)."""
+    forward only), and the step's temporaries beyond them."""
     c = DTYPES[settings.dtype]["act"]
     acts = step_activations(m, settings.micro_batch, settings.seq_len, c, active, settings.recompute,
                             settings.attention)
@@ -114,7 +137,8 @@ def stage_bytes(m: ModelShape, settings: Settings, stage: LayerSpan, active: Lay
     if trainable:
         grads, optimizer = active_state(m, settings, held, grads, optimizer)
     stage_acts = acts.total(stage.start, stage.stop, inputs=stage.embed, outputs=stage.head) * in_flight
-    return weights + grads + optimizer + stage_acts
+    step = step_temporaries(m, settings, held, stage_acts) if trainable else 0
+    return weights + grads + optimizer + stage_acts + step
 
 
 def fewest_blocks(m: ModelShape, settings: Settings, degree: int = 1) -> tuple[int, int] | None:

@@ -1,0 +1,46 @@
+"""What an optimizer step allocates beyond the tensors it keeps, measured in a fresh process's peak RSS: the term the
+planner adds for torch's CPU Adam step (`step_temporaries`), and the bound the chunked 8-bit step keeps."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from preinfer.memory.footprint import step_temporaries
+from preinfer.memory.layer_spans import LayerSpan
+from preinfer.memory.settings import Settings
+from preinfer.memory.shapes import resolve_shape
+
+ROWS, COLS = 8192, 2048  # 16.8M elements: a 64 MiB float32 tensor, every allocation of it mmapped (and given back)
+
+PEAK_DURING_STEP = f"""
+import resource, sys, torch
+from preinfer.optim import build_optimizer
+from preinfer.config import OptimConfig
+p = torch.nn.Parameter(torch.randn({ROWS}, {COLS}))
+optimizer = build_optimizer([p], OptimConfig(name=sys.argv[1], lr=1e-4, weight_decay=0.0))
+p.grad = torch.randn_like(p)
+optimizer.step()  # the state exists from here on
+rss = int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) * 1024
+optimizer.step()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss) / p.numel() / 4)
+"""
+
+
+def peak_in_tensors(optimizer: str) -> float:
+    """The peak RSS rise during a second step of `optimizer` on one tensor, in multiples of its float32 bytes."""
+    out = subprocess.run([sys.executable, "-c", PEAK_DURING_STEP, optimizer], capture_output=True, text=True,
+                         check=True).stdout
+    return float(out.split()[-1])
+
+
+def test_torchs_cpu_adam_step_allocates_the_two_temporaries_the_planner_counts():
+    shape = resolve_shape("llama3-8b")
+    settings = Settings(dtype="float32", host_device=True)
+    span = LayerSpan(0, 1, True, False)  # the embedding is the largest tensor
+    assert step_temporaries(shape, settings, span, 0) == 2 * 4 * shape.vocab * shape.hidden
+    assert 1.7 < peak_in_tensors("adam") < 2.5
+
+
+def test_the_8bit_step_of_a_large_tensor_stays_within_a_chunk_s_temporaries():
+    assert peak_in_tensors("adamw8bit") < 4  # one call over the whole tensor: about 13 x the tensor
