@@ -326,6 +326,32 @@ def test_finetune_quick_compares_every_method_on_the_same_batches(tmp_path, monk
     assert out.with_suffix(".png").stat().st_size > 0
 
 
+def test_finetune_lever_rows_parse_into_bcd_with_their_lever_at_the_same_step_count():
+    """bench.finetune's issue-38 rows: each one's flags, by the real command line, are `bcd`'s with its lever, and
+    the bcd-x4 rows spend the same steps in 4x the sweeps of a quarter the visit."""
+    import argparse
+
+    from bench.lib.runs import parse_config
+
+    finetune = _load("finetune")
+    args = argparse.Namespace(model="tiny-llama", tokenizer="byte", seq_len=32, batch_size=2, eval_batches=1, seed=1,
+                              eval_fraction=0.2, max_samples=0, sweeps=1, steps_per_visit=8, ranges="0-1,2-3")
+    configs = {m: parse_config(finetune.run_flags(args, m, "builtin:pydoc", 1e-4, Path("unused")))
+               for m in ["bcd", *finetune.LEVERS]}
+    assert finetune.method_names("full,levers") == ["full", "bcd", *finetune.LEVERS]
+    for method, config in configs.items():
+        blocks = config.blocks.sweeps * len(config.blocks.ranges.split(","))
+        assert blocks * config.stop.steps_per_visit == 16 and config.run.seed == 1, method
+    assert configs["bcd-x4"].blocks.sweeps == 4 and configs["bcd-x4"].stop.steps_per_visit == 2
+    assert configs["bcd-lowrank"].blocks.expand == configs["bcd-x4-lowrank"].blocks.expand == "lowrank"
+    assert configs["bcd-sgd"].blocks.expand == "sgd" and configs["bcd-x4-keep"].optim.keep_state
+    assert configs["bcd-depth-lr"].optim.block_lr == "depth:0.5..1.5"
+    assert not configs["bcd"].optim.keep_state and configs["bcd"].blocks.expand == "none"
+    with pytest.raises(SystemExit, match="multiple of 4"):
+        finetune.run_flags(argparse.Namespace(**{**vars(args), "steps_per_visit": 6}), "bcd-x4", "builtin:pydoc",
+                           1e-4, Path("unused"))
+
+
 METHODS_AT_EQUAL_STEPS = ("full", "bcd", "bcd-store", "bcd-auto", "bcd-bf16", "bcd-int8", "bcd-nf4", "bcd-nf4-8bit",
                           "badam", "lora8", "lora16", "qlora")
 
