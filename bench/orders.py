@@ -22,7 +22,8 @@ such as 1/3 evaluates a setup that plateaus within an epoch more often):
   for an importance order (whose sweeps may visit fewer blocks, down to one, and with --stop gain end visits early:
   the step budget, not the sweeps, ends it, so every row has the same cap in epochs). --gain adds a row
   `ORDER+gain` for each importance order, the same run with `--stop gain` (a visit also ends when another block
-  would gain more).
+  would gain more). --levers adds a row `ORDER+LEVER` for each order and lever of issue 38: `lowrank` and `sgd`
+  (`--expand`), `keep` (`--keep-optimizer-state`).
 
 Measured per row, from the run's metrics.jsonl (`bench.lib.runs.cli_result`): the eval loss at each visit's end
 against cumulative training time (the visits' `wall_s`, plus the seconds of `cache` records, store building, and
@@ -87,6 +88,11 @@ from pipelines.cli import set_process_environment
 
 ORDERS = ("ascending", "descending", "random", "importance", "importance-cached")
 IMPORTANCE_ORDERS = ("importance", "importance-cached")
+# A row's suffix after its order (`ORDER+SUFFIX`) and the flags it adds: `gain` for importance orders (--gain), the
+# levers of issue 38 for every order (--levers).
+SUFFIX_FLAGS = {"gain": ["--stop", "gain"], "lowrank": ["--expand", "lowrank"], "sgd": ["--expand", "sgd"],
+                "keep": ["--keep-optimizer-state"]}
+LEVERS = ("lowrank", "sgd", "keep")
 UFPS = ("1/2", "1/3", "1/4")
 TARGETS = dict(x_time=0.6, x_epochs=1.15, best_vs_full_pct=0.5)
 
@@ -115,12 +121,12 @@ def bcd_flags(args: argparse.Namespace, out: Path, row: str, ufp: str, visit_ste
     """BCD-Adam of a row (`ORDER` or `ORDER+gain`) at `ufp`, pre-inference auto, capped at --sweeps x 3 visits of
     `visit_steps` steps: a step budget of them, and the sweeps holding them (for an importance order, whose sweeps
     may visit one block and, with `--stop gain`, end a visit early, as many sweeps as steps)."""
-    order, _, stop = row.partition("+")
+    order, _, suffix = row.partition("+")
     total = args.sweeps * 3 * visit_steps
     sweeps = total if order in IMPORTANCE_ORDERS else sweeps_at(args.sweeps, ufp)  # a sweep: at least one step
     flags = [*shared_flags(args, out), "--lr", str(args.bcd_lr or args.lr), "--ufp", ufp, "--order", order,
              "--sweeps", str(sweeps), "--total-steps", str(total), "--pre-inference", "auto"]
-    return flags + (["--stop", stop] if stop else [])
+    return flags + SUFFIX_FLAGS.get(suffix, [])
 
 
 def sweeps_at(sweeps: int, ufp: str) -> int:
@@ -129,12 +135,15 @@ def sweeps_at(sweeps: int, ufp: str) -> int:
 
 
 def rows_of(args: argparse.Namespace) -> list[str]:
-    """The rows to run: every order of --orders, and with --gain each importance order again with `--stop gain`."""
-    orders = args.orders.split(",")
-    unknown = [o for o in orders if o not in ORDERS]
+    """The rows to run: every order of --orders, with --gain each importance order again with `--stop gain`, and
+    each order again with each lever of --levers."""
+    orders, levers = args.orders.split(","), [lever for lever in args.levers.split(",") if lever]
+    unknown = [o for o in orders if o not in ORDERS] + [lever for lever in levers if lever not in LEVERS]
     if unknown:
-        raise SystemExit(f"orders: --orders names {', '.join(unknown)}; expected some of {', '.join(ORDERS)}")
-    return orders + ([f"{o}+gain" for o in orders if o in IMPORTANCE_ORDERS] if args.gain else [])
+        raise SystemExit(f"orders: --orders or --levers names {', '.join(unknown)}; expected some of "
+                         f"{', '.join(ORDERS)} and of {', '.join(LEVERS)}")
+    gain = [f"{o}+gain" for o in orders if o in IMPORTANCE_ORDERS] if args.gain else []
+    return orders + gain + [f"{o}+{lever}" for o in orders for lever in levers]
 
 
 def run(name: str, flags: list[str]) -> dict:
@@ -309,6 +318,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--orders", default=",".join(ORDERS), help=f"comma-separated, of {', '.join(ORDERS)}")
     p.add_argument("--gain", action="store_true", help="also each importance order with --stop gain")
+    p.add_argument("--levers", default="", help=f"also each order with each of these, comma-separated, of "
+                   f"{', '.join(LEVERS)} (--expand lowrank, --expand sgd, --keep-optimizer-state)")
     p.add_argument("--model", default="small-llama", help="a preset or a model directory")
     p.add_argument("--data", default="builtin:pydoc")
     p.add_argument("--tokenizer", default="auto", help="as `preinfer bcd --tokenizer`")

@@ -378,8 +378,18 @@ def test_orders_rows_are_real_bcd_runs_of_each_order_and_gain_adds_importance_or
         assert config.pre_inference.mode == "auto" and config.optim.lr == args.lr
     full = config_for_command(build_parser().parse_args(["bcd", *orders.full_flags(args, tmp_path)]))
     assert (full.run.mode, full.blocks.sweeps, full.optim.keep_state) == ("full", 12, True)
+    levers = orders.parse_args(["--orders", "ascending", "--levers", "lowrank,keep"])
+    assert orders.rows_of(levers) == ["ascending", "ascending+lowrank", "ascending+keep"]
+    lowrank, keep = (config_for_command(build_parser().parse_args(["bcd", *orders.bcd_flags(levers, tmp_path, row,
+                                                                                               "1/3", 10)]))
+                     for row in ("ascending+lowrank", "ascending+keep"))
+    assert (lowrank.blocks.expand, lowrank.optim.keep_state, keep.blocks.expand, keep.optim.keep_state) == \
+        ("lowrank", False, "none", True)
+    assert lowrank.blocks.order == keep.blocks.order == "ascending" and keep.stop.rule == "budget"
     with pytest.raises(SystemExit):
         orders.parse_args(["--orders", "sideways"])
+    with pytest.raises(SystemExit):
+        orders.parse_args(["--levers", "magic"])
     with pytest.raises(SystemExit):
         orders.parse_args(["--ufps", "1/3,2/3"])
     thirds = orders.parse_args(["--visit-epochs", "1/3", "--full-epochs", "2", "--eval-tokens", "512"])
