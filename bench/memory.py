@@ -239,16 +239,17 @@ def run_worker(args: argparse.Namespace) -> None:
 
 def predict(model: str, seq_len: int, batch: int, rows: list[dict], num_layers: int, store: bool | None,
             recompute: bool, precision: str, attention: str) -> list[int]:
-    """The planner's total bytes for each measured visit (store None: full Adam), on the real partition's layer
-    ranges (not the planner's even split)."""
+    """The planner's bytes of tensors held (what the meter measures: the total without the step's temporaries) for
+    each measured visit (store None: full Adam), on the real partition's layer ranges (not the planner's even
+    split)."""
     shape = resolve_shape(model)
     settings = Settings(seq_len=seq_len, micro_batch=batch, dtype=PLANNER_DTYPES[precision],
                            blocks=max(len(rows), 1), recompute=recompute, attention=attention)
     if store is None:
-        return [full_memory(shape, settings, recompute=recompute).total]
+        return [full_memory(shape, settings, recompute=recompute).held]
     all_blocks = full_blocks(shape, rows, num_layers)
     by_start = {b.start: i for i, b in enumerate(all_blocks)}
-    return [bcd_memory(shape, settings, all_blocks, by_start[r["start"]], store).total for r in rows]
+    return [bcd_memory(shape, settings, all_blocks, by_start[r["start"]], store).held for r in rows]
 
 
 def full_blocks(shape: ModelShape, rows: list[dict], num_layers: int) -> list[LayerSpan]:

@@ -142,9 +142,9 @@ def measure_staged(name: str, k: int | None, recompute: bool = True, attention: 
 def test_plan_matches_meter_with_recomputation(name, k):
     shape, settings = resolve_shape(name), replace(SETTINGS, recompute=True)
     if k is None:
-        predicted = full_memory(shape, settings, recompute=True).total
+        predicted = full_memory(shape, settings, recompute=True).held
     else:
-        predicted = bcd_memory(shape, settings, partition(shape, BLOCKS), k, store=False).total
+        predicted = bcd_memory(shape, settings, partition(shape, BLOCKS), k, store=False).held
     assert predicted == pytest.approx(measure_staged(name, k), rel=0.15)
 
 
@@ -160,9 +160,9 @@ def test_plan_matches_meter_with_sdpa(name, k, recompute, tolerance):
     """With sdpa (the default) the planner prices no [T, T] probabilities and matches what autograd saves."""
     shape, settings = resolve_shape(name), replace(SETTINGS, recompute=recompute, attention="sdpa")
     if k is None:
-        predicted = full_memory(shape, settings, recompute=recompute).total
+        predicted = full_memory(shape, settings, recompute=recompute).held
     else:
-        predicted = bcd_memory(shape, settings, partition(shape, BLOCKS), k, store=False).total
+        predicted = bcd_memory(shape, settings, partition(shape, BLOCKS), k, store=False).held
     assert predicted == pytest.approx(measure_staged(name, k, recompute, "sdpa"), rel=tolerance)
 
 
@@ -176,7 +176,7 @@ def test_sdpa_saves_less_than_eager_by_the_attention_probabilities():
 
 @pytest.mark.parametrize("name", ["tiny-llama", "small-llama", "tiny-moe"])
 def test_plan_matches_meter_full_adam(name):
-    predicted = full_memory(resolve_shape(name), SETTINGS, recompute=False).total
+    predicted = full_memory(resolve_shape(name), SETTINGS, recompute=False).held
     assert predicted == pytest.approx(measure_full(name), rel=0.15)
 
 
@@ -184,14 +184,14 @@ def test_plan_matches_meter_full_adam(name):
                                     ("tiny-moe", 1)])
 def test_plan_matches_meter_bcd_live(name, k):
     shape = resolve_shape(name)
-    predicted = bcd_memory(shape, SETTINGS, partition(shape, BLOCKS), k, store=False).total
+    predicted = bcd_memory(shape, SETTINGS, partition(shape, BLOCKS), k, store=False).held
     assert predicted == pytest.approx(measure_live(name, k), rel=0.15)
 
 
 @pytest.mark.parametrize("name,k", [("tiny-llama", 1), ("small-llama", 1), ("small-llama", 2)])
 def test_plan_matches_meter_bcd_store(name, k):
     shape = resolve_shape(name)
-    predicted = bcd_memory(shape, SETTINGS, partition(shape, BLOCKS), k, store=True).total
+    predicted = bcd_memory(shape, SETTINGS, partition(shape, BLOCKS), k, store=True).held
     assert predicted == pytest.approx(measure_store(name, k), rel=0.15)
 
 

@@ -109,7 +109,7 @@ def test_the_meter_agrees_with_the_planner_within_2_percent_on_the_new_rows(name
     the trainer's, not run here)."""
     shape = resolve_shape(name)
     settings = Settings(seq_len=64, micro_batch=4, dtype="float32", frozen_dtype=frozen_dtype, optimizer=optimizer)
-    planned = bcd_memory(shape, settings, partition(shape, 3), k, store=False).total
+    planned = bcd_memory(shape, settings, partition(shape, 3), k, store=False).held
     assert planned == pytest.approx(_metered_visit(name, k, frozen_dtype, optimizer), rel=0.02)
 
 
