@@ -8,6 +8,7 @@ and process-wide settings are made here, before that module loads torch, never o
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib
 import logging
 import os
@@ -34,11 +35,21 @@ COMMANDS = {
 # forward 3-13x (bench/train.py) and a small-llama Adam step 4x (OpenMP's default: 4.78 s, PASSIVE 1.18 s, on
 # 2 busy cores; docs/results.md, "The hot path"). On idle cores spinning is faster (issue 12: 155 ms against
 # 235 ms); set OMP_WAIT_POLICY there. OpenMP reads it when torch loads.
-PROCESS_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE"}
+#
+# glibc's malloc serves an allocation below its mmap threshold from its heap and keeps the freed memory there. The
+# threshold starts at 128 KiB and rises to the size of each freed mmap-ed block, up to 32 MiB, so after the first
+# large tensors are freed every later tensor up to 32 MiB (an 8-bit step's chunks, a layer's activations) stays in
+# the heap when freed: on SmolLM2-1.7B with nf4 frozen layers and the 8-bit fused step the process held 2.5 GiB
+# above the planner's figure, 0.8 GiB of it such freed memory. A fixed threshold of 4 MiB returns every tensor of
+# 4 MiB or more to the system when it is freed (docs/precision-and-memory.md, "The largest scale"). glibc reads the
+# variable when a process starts: `bound_heap` sets the same threshold in this process.
+MMAP_THRESHOLD = 4 << 20
+PROCESS_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE", "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
 # Loggers that warn while transformers imports them, about nothing a run can act on: torchao (the `quant` extra) on
 # its CUDA-only kernels this machine cannot load, torch's pytree on a deprecation. Raised to ERROR before a command's
 # module loads.
 IMPORT_WARNINGS = ("torchao", "torch.utils._pytree")
+M_MMAP_THRESHOLD = -3  # mallopt's parameter number in glibc's malloc.h
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -94,9 +105,22 @@ def command_parsers() -> dict[str, CommandParser]:
 
 
 def set_process_environment() -> None:
-    """PROCESS_ENVIRONMENT, where the environment does not set it already."""
+    """PROCESS_ENVIRONMENT, where the environment does not set it already, for this process and its children."""
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:  # else glibc took the user's at this process's start
+        bound_heap(MMAP_THRESHOLD)
     for key, value in PROCESS_ENVIRONMENT.items():
         os.environ.setdefault(key, value)
+
+
+def bound_heap(threshold: int) -> bool:
+    """Set glibc's mmap threshold of this process to `threshold` bytes (see PROCESS_ENVIRONMENT), which also stops
+    glibc raising it; False where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, threshold))
 
 
 def hide_import_warnings() -> None:
