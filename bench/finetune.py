@@ -73,7 +73,7 @@ counted.
 
 Writes bench/out/finetune.json (--out) and a plot of eval loss against training time beside it (same stem,
 .png); each run's row is also appended to <stem>.rows.jsonl as soon as it is measured, so a failed invocation
-keeps what it measured.
+keeps what it measured, and `--resume` takes those rows (the same task and flags) instead of running them again.
 """
 
 from __future__ import annotations
@@ -324,6 +324,11 @@ def measured(args: argparse.Namespace, method: str, task: str, lr: float, scratc
     """One run of `method` on `task` at `lr`, evaluated on the task and the general corpus."""
     out = scratch / f"{task}-{method}-{lr:g}-{args.seed}"
     flags = run_flags(args, method, evals["data"], lr, out, budget)
+    key = run_key(args, task, flags, scratch)
+    if args.resume and (row := measured_before(args.out, key)) is not None:
+        print(f"[finetune] {task} {method} lr {lr:g} seed {args.seed}: eval {row['eval_loss']:.4f}, measured "
+              f"before (--resume)", flush=True)
+        return row
     result = run(method, flags, scratch, args.eval_batches)
     model_dir = result.pop("model_dir")
     tokens = result["steps"] * args.batch_size * args.seq_len
@@ -331,7 +336,7 @@ def measured(args: argparse.Namespace, method: str, task: str, lr: float, scratc
                general_loss=eval_loss(model_dir, evals["general"]), tokens_per_s=tokens / result["train_s"],
                train_s=result["train_s"], caching_s=result.get("caching_s", 0.0),
                tracked_peak_mib=result["tracked_peak"] / 2**20, rss_mib=result["rss"] / 2**20,
-               wall_s=result["wall_s"], curve=result["curve"])
+               wall_s=result["wall_s"], curve=result["curve"], key=key)
     shutil.rmtree(out, ignore_errors=True)
     with args.out.with_suffix(".rows.jsonl").open("a") as log:  # kept if a later run fails
         log.write(json.dumps(row) + "\n")
@@ -339,6 +344,21 @@ def measured(args: argparse.Namespace, method: str, task: str, lr: float, scratc
           f"{row['tokens_per_s']:.0f} tokens/s, peak {row['tracked_peak_mib']:.0f} MiB, RSS {row['rss_mib']:.0f} "
           f"MiB, wall {row['wall_s']:.0f} s", flush=True)
     return row
+
+
+def run_key(args: argparse.Namespace, task: str, flags: list[str], scratch: Path) -> str:
+    """What makes a run the same run: its task, the model as given (`--model` or `--checkpoint`) and its flags, the
+    run's --out left out and the invocation's temporary directory (a preset's saved weights, the chat data) named
+    `<scratch>`."""
+    kept = [flag for before, flag in zip(["", *flags], flags) if "--out" not in (before, flag)]
+    return " ".join([task, args.source, *kept]).replace(str(scratch), "<scratch>")
+
+
+def measured_before(out: Path, key: str) -> dict | None:
+    """The last row of `out`'s rows file (<stem>.rows.jsonl) measured with `key`, if any."""
+    rows = out.with_suffix(".rows.jsonl")
+    lines = rows.read_text().splitlines() if rows.exists() else []
+    return next((row for row in map(json.loads, reversed(lines)) if row.get("key") == key), None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -516,6 +536,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--speed-epochs", type=int, default=3, help="epochs a visit in the speed section")
     p.add_argument("--speed-repeats", type=int, default=2, help="rounds of the speed section (alternating)")
     p.add_argument("--out", type=Path, default=OUT / "finetune.json")
+    p.add_argument("--resume", action="store_true",
+                   help="take each run already measured with the same task and flags from <stem>.rows.jsonl of "
+                        "--out (an earlier invocation's, e.g. one stopped part-way) instead of running it again")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: tiny-llama, the chat task, seq 128, batch 2, 2 steps per method")
     p.add_argument("--worker", choices=LOOP_METHODS, help=argparse.SUPPRESS)
@@ -541,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="finetune-") as tmp:
+        args.source = args.model or args.checkpoint
         args.model, args.tokenizer = base_model(args.model, args.checkpoint, Path(tmp))
         args.ranges = args.ranges or equal_ranges(args.model, 3)
         args.speed_ranges = args.speed_ranges or f"{equal_ranges(args.model, 3)};{equal_ranges(args.model, 6)}"

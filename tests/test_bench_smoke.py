@@ -352,6 +352,29 @@ def test_finetune_lever_rows_parse_into_bcd_with_their_lever_at_the_same_step_co
                            1e-4, Path("unused"))
 
 
+@pytest.mark.slow
+def test_finetune_resume_takes_the_rows_measured_with_the_same_flags_and_runs_the_others(tmp_path, monkeypatch):
+    """bench.finetune --resume: a run measured before with the same task and flags (the scratch paths aside) is
+    taken from <stem>.rows.jsonl, not run again; one with another seed runs."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    general = tmp_path / "general.txt"
+    general.write_text("".join(f"Paragraph {i}: the fox ran over the hill.\n\n" for i in range(40)))
+    out, finetune = tmp_path / "finetune.json", _load("finetune")
+    quick = ["--quick", "--methods", "bcd", "--no-speed", "--general", str(general), "--out", str(out)]
+    rows_file = out.with_suffix(".rows.jsonl")
+
+    def rows() -> list[dict]:
+        return [json.loads(line) for line in rows_file.read_text().splitlines()]
+
+    assert finetune.main(quick) == 0
+    first = rows()
+    assert len(first) == 1 and "--out" not in first[0]["key"] and "<scratch>/base" in first[0]["key"]
+    assert finetune.main([*quick, "--resume"]) == 0
+    assert rows() == first and json.loads(out.read_text())["rows"][0]["eval_loss"] == first[0]["eval_loss"]
+    assert finetune.main([*quick, "--resume", "--seed", "1"]) == 0
+    assert len(rows()) == 2 and rows()[1]["seed"] == 1 and rows()[1]["key"] != first[0]["key"]
+
+
 METHODS_AT_EQUAL_STEPS = ("full", "bcd", "bcd-store", "bcd-auto", "bcd-bf16", "bcd-int8", "bcd-nf4", "bcd-nf4-8bit",
                           "badam", "lora8", "lora16", "qlora")
 
