@@ -324,7 +324,7 @@ def measured(args: argparse.Namespace, method: str, task: str, lr: float, scratc
     """One run of `method` on `task` at `lr`, evaluated on the task and the general corpus."""
     out = scratch / f"{task}-{method}-{lr:g}-{args.seed}"
     flags = run_flags(args, method, evals["data"], lr, out, budget)
-    key = run_key(args, task, flags, scratch)
+    key = run_key(args, task, method, flags, scratch)
     if args.resume and (row := measured_before(args.out, key)) is not None:
         print(f"[finetune] {task} {method} lr {lr:g} seed {args.seed}: eval {row['eval_loss']:.4f}, measured "
               f"before (--resume)", flush=True)
@@ -346,12 +346,12 @@ def measured(args: argparse.Namespace, method: str, task: str, lr: float, scratc
     return row
 
 
-def run_key(args: argparse.Namespace, task: str, flags: list[str], scratch: Path) -> str:
-    """What makes a run the same run: its task, the model as given (`--model` or `--checkpoint`) and its flags, the
-    run's --out left out and the invocation's temporary directory (a preset's saved weights, the chat data) named
-    `<scratch>`."""
+def run_key(args: argparse.Namespace, task: str, method: str, flags: list[str], scratch: Path) -> str:
+    """What makes a run the same run: its task, method (the loop rows read `bcd`'s flags), the model as given
+    (`--model` or `--checkpoint`) and its flags, the run's --out left out and the invocation's temporary directory
+    (a preset's saved weights, the chat data) named `<scratch>`."""
     kept = [flag for before, flag in zip(["", *flags], flags) if "--out" not in (before, flag)]
-    return " ".join([task, args.source, *kept]).replace(str(scratch), "<scratch>")
+    return " ".join([task, method, args.source, *kept]).replace(str(scratch), "<scratch>")
 
 
 def measured_before(out: Path, key: str) -> dict | None:
