@@ -25,7 +25,7 @@ class Memory:
     fits: bool = False
     note: str = ""
     host: int = 0  # host memory: the masters of frozen weights held in fewer bits (in the total on a CPU device)
-    step: int = 0  # the optimizer step's temporaries beyond the activations it follows (`step_temporaries`)
+    step: int = 0  # a moment's temporaries beyond the held tensors and the activations freed by then (`transients`)
 
     @property
     def held(self) -> int:
@@ -54,6 +54,20 @@ def step_temporaries(m: ModelShape, settings: Settings, span: LayerSpan, activat
     return max(0, temporaries - activations)
 
 
+def tied_gradients(m: ModelShape, settings: Settings, span: LayerSpan, activations: int) -> int:
+    """Bytes a tied embedding's backward holds for a moment beyond its one gradient and the `activations` freed by
+    then: the head's gradient of the weight, the embedding's, and their sum are alive together (in the resident
+    dtype; measured: 3.0x the weight's bytes over a backward's baseline). 0 unless `span` trains the tied weight."""
+    if not (m.tied and span.embed):
+        return 0
+    return max(0, 2 * m.vocab * m.hidden * DTYPES[settings.dtype]["weight"] - activations)
+
+
+def transients(m: ModelShape, settings: Settings, span: LayerSpan, activations: int) -> int:
+    """The largest of a visit's temporaries, each at its own moment: the optimizer step's (after backward) and a
+    tied embedding's gradients (at the end of backward)."""
+    return max(step_temporaries(m, settings, span, activations), tied_gradients(m, settings, span, activations))
+
 
 def _component_bytes(settings: Settings, resident: int, trainable: int) -> tuple[int, int, int]:
     """Weights, gradient and optimizer-state bytes of `resident` and `trainable` parameter counts (SGD keeps one
@@ -71,7 +85,7 @@ def full_memory(m: ModelShape, settings: Settings, recompute: bool) -> Memory:
     weights, grads, optimizer = _component_bytes(settings, n, n)
     everything = LayerSpan(0, m.layers, True, True)
     grads, optimizer = active_state(m, settings, everything, grads, optimizer)
-    step = step_temporaries(m, settings, everything, acts.total())
+    step = transients(m, settings, everything, acts.total())
     return Memory(weights, grads, optimizer, acts.total(), step=step).finish(settings)
 
 
@@ -93,7 +107,7 @@ def bcd_memory(m: ModelShape, settings: Settings, blocks: list[LayerSpan], k: in
     weights, grads, optimizer, host = adjust(m, settings, block, block.start if store else 0,
                                              _component_bytes(settings, resident, block_params(m, block)))
     grads, optimizer, acts = expanded(m, settings, block, grads, optimizer, acts)
-    step = step_temporaries(m, settings, block, acts.total())
+    step = transients(m, settings, block, acts.total())
     memory = Memory(weights, grads, optimizer, acts.total(), host=host, step=step)
     what = f"layers {block.start}-{block.stop - 1}" if block.stop > block.start else \
         ("the embedding" if block.embed else "the final norm and head")
