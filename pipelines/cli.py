@@ -44,12 +44,12 @@ COMMANDS = {
 # 4 MiB or more to the system when it is freed (docs/precision-and-memory.md, "The largest scale"). glibc reads the
 # variable when a process starts: `bound_heap` sets the same threshold in this process.
 MMAP_THRESHOLD = 4 << 20
+M_MMAP_THRESHOLD = -3  # mallopt's parameter number in glibc's malloc.h
 PROCESS_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE", "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
 # Loggers that warn while transformers imports them, about nothing a run can act on: torchao (the `quant` extra) on
 # its CUDA-only kernels this machine cannot load, torch's pytree on a deprecation. Raised to ERROR before a command's
 # module loads.
 IMPORT_WARNINGS = ("torchao", "torch.utils._pytree")
-M_MMAP_THRESHOLD = -3  # mallopt's parameter number in glibc's malloc.h
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -112,15 +112,12 @@ def set_process_environment() -> None:
         os.environ.setdefault(key, value)
 
 
-def bound_heap(threshold: int) -> bool:
+def bound_heap(threshold: int) -> None:
     """Set glibc's mmap threshold of this process to `threshold` bytes (see PROCESS_ENVIRONMENT), which also stops
-    glibc raising it; False where the C library is not glibc."""
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(M_MMAP_THRESHOLD, threshold))
+    glibc raising it; nothing where the C library has no `mallopt`."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None:
+        mallopt(M_MMAP_THRESHOLD, threshold)
 
 
 def hide_import_warnings() -> None:

@@ -14,6 +14,12 @@ from preinfer.memory.shapes import resolve_shape
 
 ROWS, COLS = 8192, 2048  # 16.8M elements: a 64 MiB float32 tensor, every allocation of it mmapped (and given back)
 
+# A child's /proc/self/status field in bytes.
+STATUS = '''
+def status(field):
+    return int(open("/proc/self/status").read().split(field + ":")[1].split()[0]) * 1024
+'''
+
 # The peak is the process's VmHWM, reset just before the step (getrusage's ru_maxrss would not do: a child
 # inherits its parent's maximum, and pytest's own is larger than this whole process).
 PEAK_DURING_STEP = f"""
@@ -21,9 +27,7 @@ import sys, torch
 from preinfer.optim import build_optimizer
 from preinfer.config import OptimConfig
 
-def status(field):
-    return int(open("/proc/self/status").read().split(field + ":")[1].split()[0]) * 1024
-
+{STATUS}
 p = torch.nn.Parameter(torch.randn({ROWS}, {COLS}))
 optimizer = build_optimizer([p], OptimConfig(name=sys.argv[1], lr=1e-4, weight_decay=0.0))
 p.grad = torch.randn_like(p)
@@ -60,9 +64,7 @@ PEAK_DURING_TIED_BACKWARD = f"""
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-def status(field):
-    return int(open("/proc/self/status").read().split(field + ":")[1].split()[0]) * 1024
-
+{STATUS}
 config = LlamaConfig(vocab_size={ROWS}, hidden_size={COLS}, intermediate_size=64, num_hidden_layers=1,
                      num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)
 model = LlamaForCausalLM(config)

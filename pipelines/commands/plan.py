@@ -120,8 +120,8 @@ def render(result: MemoryPlan, model_spec: str | None = None) -> str:
             f"{_gib(mem.step):>9}{_gib(mem.host):>9}{_gib(mem.total):>9}{ratio:>7.2f}  {'yes' if mem.fits else 'no':<4}  {mem.note}"
         )
     if any(mem.step for mem in result.memory.values()):
-        lines.append("step = the Adam step's temporaries (its denominator), or a tied embedding's two extra gradients at "
-                     "the end of backward, whichever is larger, beyond the activations freed by then")
+        lines.append("step = the Adam step's temporaries (its denominator), or a tied embedding's two extra "
+                     "gradients at the end of backward, whichever is larger, beyond the activations freed by then")
     if s["host_device"]:
         lines.append("host = masters of the frozen weights held as codes; on the CPU they share the budget "
                      "(in the total)")
