@@ -23,7 +23,7 @@ clipping:
 
 - `full`: full-parameter Adam, `preinfer bcd --mode full` (one block; Adam's state kept across its visits);
 - `bcd`: BCD-Adam at UFP 1/3 (--ranges, ascending; by default thirds of the model's layers),
-  `preinfer bcd --pre-inference off` (live);
+  `preinfer bcd --pre-inference off` (live; the rest its defaults: landscape expansion `auto`, lowrank here);
 - `bcd-store`: the same trained from stores, `--pre-inference on` (the frozen prefix's boundary states cached
   once, store building counted in the training time);
 - `bcd-auto`: the same with `--pre-inference auto` (the sweep planner decides where stores pay);
@@ -38,8 +38,9 @@ clipping:
   the active block held in fewer bits for their forward and backward, masters exact; the export holds the masters);
 - `bcd-nf4-8bit`: `bcd-nf4` with the active block's Adam moments in 8 bits (`--optimizer adam8bit`) and each
   tensor's step inside backward (`--fused-step`);
-- the levers of issue 38 (`--methods levers` runs `bcd` and all of them): `bcd-lowrank` and `bcd-sgd` (`bcd`
-  with `--expand lowrank` or `sgd`), `bcd-depth-lr` (`--block-lr depth:0.5..1.5`: half the rate at the first
+- the levers of issue 38 (`--methods levers` runs `bcd` and all of them): `bcd-none`, `bcd-lowrank` and `bcd-sgd`
+  (`bcd` with `--expand none`, the default before issue 38's measurements, `lowrank`, what the default `auto`
+  makes of these runs, or `sgd`), `bcd-depth-lr` (`--block-lr depth:0.5..1.5`: half the rate at the first
   block, 1.5x at the last; `bcd-depth-lr-down` the other way round), `bcd-x4` (the same steps as 4x the sweeps of visits a quarter as long),
   `bcd-x4-keep` (with `--keep-optimizer-state`) and `bcd-x4-lowrank` (with `--expand lowrank`);
 - `qlora`: QLoRA, `lora16` on an NF4 base: every linear weight that LoRA adapts is replaced, before training, by
@@ -103,7 +104,7 @@ from preinfer.partition import balanced_ranges
 LOW_BIT = {**{f"bcd-{dtype}": ["--frozen-dtype", dtype] for dtype in ("bf16", "int8", "nf4")},
            "bcd-nf4-8bit": ["--frozen-dtype", "nf4", "--optimizer", "adam8bit", "--fused-step"]}
 # The levers of issue 38, by method: their flags on top of `bcd`'s. Not in the default --methods (`--methods levers`).
-LEVERS = {"bcd-lowrank": ["--expand", "lowrank"], "bcd-sgd": ["--expand", "sgd"],
+LEVERS = {"bcd-none": ["--expand", "none"], "bcd-lowrank": ["--expand", "lowrank"], "bcd-sgd": ["--expand", "sgd"],
           "bcd-depth-lr": ["--block-lr", "depth:0.5..1.5"], "bcd-depth-lr-down": ["--block-lr", "depth:1.5..0.5"],
           "bcd-x4": [],
           "bcd-x4-keep": ["--keep-optimizer-state"], "bcd-x4-lowrank": ["--expand", "lowrank"]}
@@ -111,7 +112,8 @@ LEVERS = {"bcd-lowrank": ["--expand", "lowrank"], "bcd-sgd": ["--expand", "sgd"]
 SHORTER = 4
 LORA_RANK = {"lora8": 8, "lora16": 16, "qlora": 16}
 LOOP_METHODS = ("badam", *LORA_RANK)  # the methods of `loop_worker`
-METHODS = ("full", "bcd", "bcd-store", "bcd-auto", "bcd-budget", *LOW_BIT, "badam", "lora8", "lora16", "qlora")
+METHODS = ("full", "bcd", "bcd-none", "bcd-store", "bcd-auto", "bcd-budget", *LOW_BIT, "badam", "lora8", "lora16",
+           "qlora")
 TASKS = ("chat", "text", "licences")
 FAMILY = {"full": "full", "bcd": "bcd", "bcd-store": "bcd", "bcd-auto": "bcd", "bcd-budget": "bcd", "badam": "badam",
           "lora8": "lora", "lora16": "lora", "qlora": "lora", **dict.fromkeys([*LOW_BIT, *LEVERS], "bcd")}

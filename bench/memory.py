@@ -2,6 +2,8 @@
 
 Each configuration runs in its own subprocess (so that process RSS peaks are separate) and trains with the real
 `preinfer.trainer.Trainer` and `preinfer.memory.meter.MemoryMeter` for a few steps per visit, on the default corpus.
+BCD-Adam is the paper's, each visit training its block alone (`--expand none`; the default `auto` adds low-rank
+factors above the block, about 7% of the tracked peak on SmolLM2: docs/fine-tuning.md).
 Per configuration it reports the meter's peak tracked memory (max over visits of `tracked_peak`, with the
 components of that visit: params, grads, optimizer, activations) and the process peak RSS, each as a ratio to
 full Adam, beside the planner's prediction (`preinfer.memory`) and the reference paper's figures.
@@ -79,11 +81,12 @@ def rss_now() -> int:
 
 
 def worker_config(args: argparse.Namespace, mode: str, ufp: str | None, recompute: bool) -> Config:
-    """The training config of one memory run: Adam, a few steps per visit, one sweep, one eval batch."""
+    """The training config of one memory run: Adam, a few steps per visit, one sweep, one eval batch, BCD as the
+    paper runs it (no landscape expansion)."""
     return load_config(overrides=dict(
         model=dict(name=args.model, attention=args.attention),
         data=dict(seq_len=args.seq_len, batch_size=args.batch_size, eval_tokens=args.seq_len * args.batch_size),
-        blocks=dict(ufp=ufp or "1", sweeps=1, order="ascending"),
+        blocks=dict(ufp=ufp or "1", sweeps=1, order="ascending", expand="none"),
         optim=dict(name="adam", lr=1e-4),
         stop=dict(steps_per_visit=args.steps),
         run=dict(mode=mode, seed=0, recompute=recompute, precision=args.precision),
@@ -244,7 +247,7 @@ def predict(model: str, seq_len: int, batch: int, rows: list[dict], num_layers: 
     split)."""
     shape = resolve_shape(model)
     settings = Settings(seq_len=seq_len, micro_batch=batch, dtype=PLANNER_DTYPES[precision],
-                           blocks=max(len(rows), 1), recompute=recompute, attention=attention)
+                           blocks=max(len(rows), 1), recompute=recompute, attention=attention, expand="none")
     if store is None:
         return [full_memory(shape, settings, recompute=recompute).held]
     all_blocks = full_blocks(shape, rows, num_layers)

@@ -22,8 +22,9 @@ such as 1/3 evaluates a setup that plateaus within an epoch more often):
   for an importance order (whose sweeps may visit fewer blocks, down to one, and with --stop gain end visits early:
   the step budget, not the sweeps, ends it, so every row has the same cap in epochs). --gain adds a row
   `ORDER+gain` for each importance order, the same run with `--stop gain` (a visit also ends when another block
-  would gain more). --levers adds a row `ORDER+LEVER` for each order and lever of issue 38: `lowrank` and `sgd`
-  (`--expand`), `keep` (`--keep-optimizer-state`).
+  would gain more). --levers adds a row `ORDER+LEVER` for each order and lever of issue 38: `none`, `lowrank` and
+  `sgd` (`--expand`; a row without a lever runs the default, `auto`, which is lowrank here and none with `keep`),
+  `keep` (`--keep-optimizer-state`).
 
 Measured per row, from the run's metrics.jsonl (`bench.lib.runs.cli_result`): the eval loss at each visit's end
 against cumulative training time (the visits' `wall_s`, plus the seconds of `cache` records, store building, and
@@ -90,9 +91,9 @@ ORDERS = ("ascending", "descending", "random", "importance", "importance-cached"
 IMPORTANCE_ORDERS = ("importance", "importance-cached")
 # A row's suffix after its order (`ORDER+SUFFIX`) and the flags it adds: `gain` for importance orders (--gain), the
 # levers of issue 38 for every order (--levers).
-SUFFIX_FLAGS = {"gain": ["--stop", "gain"], "lowrank": ["--expand", "lowrank"], "sgd": ["--expand", "sgd"],
-                "keep": ["--keep-optimizer-state"]}
-LEVERS = ("lowrank", "sgd", "keep")
+SUFFIX_FLAGS = {"gain": ["--stop", "gain"], "none": ["--expand", "none"], "lowrank": ["--expand", "lowrank"],
+                "sgd": ["--expand", "sgd"], "keep": ["--keep-optimizer-state"]}
+LEVERS = ("none", "lowrank", "sgd", "keep")
 UFPS = ("1/2", "1/3", "1/4")
 TARGETS = dict(x_time=0.6, x_epochs=1.15, best_vs_full_pct=0.5)
 
@@ -319,7 +320,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--orders", default=",".join(ORDERS), help=f"comma-separated, of {', '.join(ORDERS)}")
     p.add_argument("--gain", action="store_true", help="also each importance order with --stop gain")
     p.add_argument("--levers", default="", help=f"also each order with each of these, comma-separated, of "
-                   f"{', '.join(LEVERS)} (--expand lowrank, --expand sgd, --keep-optimizer-state)")
+                   f"{', '.join(LEVERS)} (--expand none, lowrank or sgd, --keep-optimizer-state)")
     p.add_argument("--model", default="small-llama", help="a preset or a model directory")
     p.add_argument("--data", default="builtin:pydoc")
     p.add_argument("--tokenizer", default="auto", help="as `preinfer bcd --tokenizer`")

@@ -186,7 +186,7 @@ def hf_trainer_worker(config) -> dict:
     o, steps = config.optim, config.stop.steps_per_visit
     bcd = BlockCoordinateDescent(model, ranges=config.blocks.ranges, steps_per_visit=steps, optimizer="adam",
                                  lr=o.lr, betas=tuple(o.betas), weight_decay=0.0, precision=precision,
-                                 meter=MemoryMeter(model))
+                                 expand=config.blocks.expand, meter=MemoryMeter(model))
     stamps, times, visits = [], [], []
 
     class Clock(TrainerCallback):  # each visit from its first step's start to its last step's end

@@ -1,6 +1,10 @@
 """Landscape expansion over the suffix (BREAD, NeurIPS 2025): during a visit, the decoder layers above the active
 block get a cheap update at every step from the gradients its backward already runs through them.
 
+`--expand auto`, the default, is lowrank where it runs (`expansion_of`: a dense model's BCD run without --active,
+--experts, --frozen-dtype, a pipeline or --keep-optimizer-state) and none elsewhere; bench.finetune measured it
+better than none on both SmolLM2 corpora and seeds (docs/results.md, "BCD's levers on SmolLM2").
+
 `--expand lowrank` (`LowRankExpansion`): each linear weight W [out, in] of a suffix layer gets rank-r fp32 factors
 A [r, in] (drawn from N(0, 1/in) by a generator seeded with the run's seed, the step the visit starts at and
 the block, so a resumed run draws what the uninterrupted one drew and the run's own random state is not touched)
@@ -33,6 +37,8 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from preinfer.config import Config
+from preinfer.config.rules import resolved_expand
+from preinfer.moe import sparse_blocks
 from preinfer.optim import resolved_lr
 from preinfer.partition import Block
 from preinfer.staged import StagedModel
@@ -145,13 +151,21 @@ def visit_seed(seed: int, step: int, block: int) -> int:
     return int.from_bytes(hashlib.sha256(f"expand/{seed}/{step}/{block}".encode()).digest()[:8], "little")
 
 
+def expansion_of(staged: StagedModel, config: Config) -> str:
+    """The expansion a run of `staged` with `config` makes: [blocks] expand, auto resolved (lowrank where it runs,
+    none on a mixture-of-experts model, whose fused experts it would not reach and the planner does not price)."""
+    expand = resolved_expand(config)
+    if config.blocks.expand == "auto" and sparse_blocks(staged.layers):
+        return "none"
+    return expand
+
+
 def expansion_hooks(staged: StagedModel, config: Config, step: Callable[[], int]) -> list[LowRankExpansion |
                                                                                            SgdExpansion]:
-    """The visit hooks `config`'s `[blocks] expand` asks for (none: no hook); `step`: the run's global step now."""
-    b = config.blocks
-    if b.expand == "lowrank":
+    """The visit hooks of the run's expansion (`expansion_of`; none: no hook); `step`: the run's global step now."""
+    b, expand = config.blocks, expansion_of(staged, config)
+    if expand == "lowrank":
         return [LowRankExpansion(staged, b.expand_rank, b.expand_lr, config.run.seed, step)]
-    if b.expand == "sgd":
+    if expand == "sgd":
         return [SgdExpansion(staged, b.expand_lr if b.expand_lr is not None else resolved_lr(config.optim))]
     return []
-

@@ -149,7 +149,7 @@ class BlockCoordinateDescent:
         precision: Precision = "auto",
         fused_step: bool = False,
         block_lr: str | None = None,
-        expand: Expand = "none",
+        expand: Expand = "auto",
         expand_rank: int = 8,
         expand_lr: float | None = None,
         meter: MemoryMeter | None = None,

@@ -65,6 +65,7 @@ class VisitRecord(Record):
     tokens: int  # as in the step records, at the end of the visit
     source_boundary: int  # 0: token batches (prefix run live); k > 0: trained from a store at boundary k
     lr: float | None = None  # the visit's full learning rate: --lr times the block's --block-lr factor
+    expand: str | None = None  # what expanded the layers above the block: lowrank or sgd (auto resolved); None: none
     memory: dict[str, int] = field(default_factory=dict)  # the memory meter's peaks in bytes; {} without a meter
     eval_s: float = 0.0  # time of the evaluation after the visit (not in wall_s)
     ranks: list[dict] | None = None  # pipeline runs: each rank's `rank`, `stage`, `replica` and memory peaks

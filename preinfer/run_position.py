@@ -59,12 +59,13 @@ class RunPosition:
         )
 
     def visit_record(self, block: Block, steps: int, reason: str, eval_loss: float, wall: float, boundary: int,
-                     memory: dict, eval_s: float, gain: dict | None, lr: float | None = None) -> VisitRecord:
-        """The record of the visit just finished (`lr`: its full rate)."""
+                     memory: dict, eval_s: float, gain: dict | None, lr: float | None = None,
+                     expand: str | None = None) -> VisitRecord:
+        """The record of the visit just finished (`lr`: its full rate; `expand`: its suffix's expansion)."""
         return VisitRecord(
             sweep=self.sweep, block=block.index, label=block.label, steps=steps, stop_reason=reason,
             eval_loss=eval_loss, wall_s=wall, tokens=self.tokens, source_boundary=boundary, lr=lr, memory=memory,
-            eval_s=eval_s, gain=gain,
+            eval_s=eval_s, gain=gain, expand=expand,
         )
 
 

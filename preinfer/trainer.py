@@ -30,7 +30,7 @@ from preinfer.checkpoint import STATE
 from preinfer.config import Config
 from preinfer.errors import DivergedError, PreinferError, UsageError
 from preinfer.evaluation import eval_mode
-from preinfer.expansion import expansion_hooks
+from preinfer.expansion import expansion_hooks, expansion_of
 from preinfer.frozen_weights import frozen_weight_hooks
 from preinfer.layout import Layout, replica_layout
 from preinfer.metrics import MetricsLog, Record
@@ -209,13 +209,18 @@ class Trainer:
         memory = self.optimizers.with_host_bytes(self.meter.report()) if self.meter is not None else {}
         record = p.visit_record(block, stop.steps, reason, eval_loss, wall, train.boundary, memory,
                                 time.perf_counter() - evaluated, gain.report() if gain is not None else None,
-                                visit.initial_lr)
+                                visit.initial_lr, self.expansion(block))
         p.visits.append(record.to_dict())
         if self.meter is not None:
             record.ranks = self.layout.rank_memory(memory)
         self.emit(record)
         self.visit_sources.visit_finished(block)
         return True
+
+    def expansion(self, block: Block) -> str | None:
+        """The landscape expansion `block`'s visit makes of the layers above it; None: none."""
+        expand = expansion_of(self.staged, self.config)
+        return expand if expand != "none" and block.stop < len(self.staged.layers) else None
 
     def evaluate(self, source: BatchSource) -> float:
         """Mean next-token loss over every supervised token of the source's eval pass."""

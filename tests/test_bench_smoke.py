@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from bench.lib import runs
+from preinfer.config.rules import resolved_expand
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -292,10 +293,10 @@ def test_chat_data_writes_a_conversation_per_prose_section(tmp_path):
 @pytest.mark.slow
 def test_finetune_quick_compares_every_method_on_the_same_batches(tmp_path, monkeypatch):
     """bench.finetune --quick: every method trains 2 steps of tiny-llama on the chat task, and the JSON holds a
-    row per method, the grid, the base losses, the curves and the speed section. BCD live, from stores, with
-    pre-inference auto and BAdam train the same blocks on the same batches with the same Adam: the same eval loss.
-    BCD with frozen layers in bf16, int8 or nf4 (and nf4 with 8-bit Adam stepped in backward) lands close to it,
-    at a smaller tracked peak the fewer the bits; QLoRA (LoRA r16 on an NF4 base) trains other weights than LoRA
+    row per method, the grid, the base losses, the curves and the speed section. BCD live, from stores and with
+    pre-inference auto train the same blocks on the same batches with the same Adam and expansion: the same eval
+    loss; BCD without expansion is BAdam's. BCD without expansion with frozen layers in bf16, int8 or nf4 (and
+    nf4 with 8-bit Adam stepped in backward) lands close to that, at a smaller tracked peak the fewer the bits; QLoRA (LoRA r16 on an NF4 base) trains other weights than LoRA
     r16, at a smaller tracked peak."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     general = tmp_path / "general.txt"
@@ -314,12 +315,14 @@ def test_finetune_quick_compares_every_method_on_the_same_batches(tmp_path, monk
         assert math.isfinite(row["general_loss"]) and row["tokens_per_s"] > 0 and row["tracked_peak_mib"] > 0
         assert row["curve"] and row["curve"][-1]["train_s"] <= row["train_s"] + 1e-6, method
     assert all(rows[m]["steps"] == 2 for m in METHODS_AT_EQUAL_STEPS)
-    same = [rows[m]["eval_loss"] for m in ("bcd", "bcd-store", "bcd-auto", "badam")]
+    same = [rows[m]["eval_loss"] for m in ("bcd", "bcd-store", "bcd-auto")]  # the default expansion, lowrank
     assert max(same) - min(same) < 1e-4 * same[0]
+    assert abs(rows["bcd-none"]["eval_loss"] - rows["badam"]["eval_loss"]) < 1e-4 * same[0]  # BAdam expands nothing
+    assert rows["bcd-none"]["eval_loss"] != rows["bcd"]["eval_loss"]
     assert rows["lora8"]["eval_loss"] != rows["lora16"]["eval_loss"]
-    for method in finetune.LOW_BIT:  # the same run with frozen layers in fewer bits: close, not equal
-        assert abs(rows[method]["eval_loss"] / rows["bcd"]["eval_loss"] - 1) < 1e-2, method
-    peaks = [rows[m]["tracked_peak_mib"] for m in ("bcd", "bcd-bf16", "bcd-int8", "bcd-nf4")]
+    for method in finetune.LOW_BIT:  # the run without expansion, frozen layers in fewer bits: close, not equal
+        assert abs(rows[method]["eval_loss"] / rows["bcd-none"]["eval_loss"] - 1) < 1e-2, method
+    peaks = [rows[m]["tracked_peak_mib"] for m in ("bcd-none", "bcd-bf16", "bcd-int8", "bcd-nf4")]
     assert peaks == sorted(peaks, reverse=True) and peaks[0] > peaks[-1]  # the meter counts the codes
     assert rows["qlora"]["eval_loss"] != rows["lora16"]["eval_loss"]  # trained against the NF4 base
     assert rows["qlora"]["tracked_peak_mib"] < rows["lora16"]["tracked_peak_mib"]
@@ -347,7 +350,8 @@ def test_finetune_lever_rows_parse_into_bcd_with_their_lever_at_the_same_step_co
     assert configs["bcd-lowrank"].blocks.expand == configs["bcd-x4-lowrank"].blocks.expand == "lowrank"
     assert configs["bcd-sgd"].blocks.expand == "sgd" and configs["bcd-x4-keep"].optim.keep_state
     assert configs["bcd-depth-lr"].optim.block_lr == "depth:0.5..1.5"
-    assert not configs["bcd"].optim.keep_state and configs["bcd"].blocks.expand == "none"
+    assert not configs["bcd"].optim.keep_state and configs["bcd"].blocks.expand == "auto"  # the defaults
+    assert resolved_expand(configs["bcd"]) == "lowrank" and configs["bcd-none"].blocks.expand == "none"
     with pytest.raises(SystemExit, match="multiple of 4"):
         finetune.run_flags(argparse.Namespace(**{**vars(args), "steps_per_visit": 6}), "bcd-x4", "builtin:pydoc",
                            1e-4, Path("unused"))
@@ -378,8 +382,8 @@ def test_finetune_resume_takes_the_rows_measured_with_the_same_flags_and_runs_th
     assert len({finetune.run_key(args, "chat", m, ["--lr", "1e-4"], tmp_path) for m in ("bcd", "badam", "lora16")}) == 3
 
 
-METHODS_AT_EQUAL_STEPS = ("full", "bcd", "bcd-store", "bcd-auto", "bcd-bf16", "bcd-int8", "bcd-nf4", "bcd-nf4-8bit",
-                          "badam", "lora8", "lora16", "qlora")
+METHODS_AT_EQUAL_STEPS = ("full", "bcd", "bcd-none", "bcd-store", "bcd-auto", "bcd-bf16", "bcd-int8", "bcd-nf4",
+                          "bcd-nf4-8bit", "badam", "lora8", "lora16", "qlora")
 
 
 def test_orders_rows_are_real_bcd_runs_of_each_order_and_gain_adds_importance_orders_with_stop_gain(tmp_path):
@@ -404,13 +408,12 @@ def test_orders_rows_are_real_bcd_runs_of_each_order_and_gain_adds_importance_or
         assert config.pre_inference.mode == "auto" and config.optim.lr == args.lr
     full = config_for_command(build_parser().parse_args(["bcd", *orders.full_flags(args, tmp_path)]))
     assert (full.run.mode, full.blocks.sweeps, full.optim.keep_state) == ("full", 12, True)
-    levers = orders.parse_args(["--orders", "ascending", "--levers", "lowrank,keep"])
-    assert orders.rows_of(levers) == ["ascending", "ascending+lowrank", "ascending+keep"]
-    lowrank, keep = (config_for_command(build_parser().parse_args(["bcd", *orders.bcd_flags(levers, tmp_path, row,
-                                                                                               "1/3", 10)]))
-                     for row in ("ascending+lowrank", "ascending+keep"))
-    assert (lowrank.blocks.expand, lowrank.optim.keep_state, keep.blocks.expand, keep.optim.keep_state) == \
-        ("lowrank", False, "none", True)
+    levers = orders.parse_args(["--orders", "ascending", "--levers", "none,lowrank,keep"])
+    assert orders.rows_of(levers) == ["ascending", "ascending+none", "ascending+lowrank", "ascending+keep"]
+    none, lowrank, keep = (config_for_command(build_parser().parse_args(["bcd", *orders.bcd_flags(
+        levers, tmp_path, row, "1/3", 10)])) for row in ("ascending+none", "ascending+lowrank", "ascending+keep"))
+    assert (lowrank.blocks.expand, lowrank.optim.keep_state, keep.optim.keep_state) == ("lowrank", False, True)
+    assert none.blocks.expand == "none" and resolved_expand(keep) == "none"  # auto: kept state runs without it
     assert lowrank.blocks.order == keep.blocks.order == "ascending" and keep.stop.rule == "budget"
     with pytest.raises(SystemExit):
         orders.parse_args(["--orders", "sideways"])

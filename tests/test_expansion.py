@@ -17,7 +17,8 @@ from pipelines.training import partition_for, train
 from preinfer.batch_source import LiveSources
 from preinfer.config import Config
 from preinfer.errors import UsageError
-from preinfer.expansion import LowRankExpansion, linear_weights
+from preinfer.config.rules import expand_problems, resolved_expand
+from preinfer.expansion import LowRankExpansion, expansion_of, linear_weights
 from preinfer.fingerprint import prefix_digest
 from preinfer.partition import make_partition
 from preinfer.presets import build_preset
@@ -36,6 +37,48 @@ def test_expand_none_adds_no_hook_and_the_visit_steps_the_block_alone():
     groups = visit.optimizer.param_groups
     assert len(groups) == 1 and [id(p) for p in groups[0]["params"]] == [id(p) for p in block.params]
     assert trainer.lifecycle.checkpointed(visit) == []
+
+
+def test_a_run_with_no_expand_flag_trains_as_expand_lowrank_and_records_it():
+    """The default, auto, is lowrank in a dense model's BCD run: the same weights bit for bit as --expand lowrank
+    given, and each visit's record names it but the top block's (no layer above it)."""
+    records = []
+    default = make_trainer(on_record=records.append)
+    assert default.config.blocks.expand == "auto"
+    default.fit()
+    explicit = make_trainer(blocks__expand="lowrank")
+    explicit.fit()
+    for (name, param), other in zip(default.staged.model.named_parameters(), explicit.staged.model.parameters()):
+        assert torch.equal(param, other), name
+    none = make_trainer(blocks__expand="none")
+    none.fit()
+    top = default.partition.blocks[-1].params
+    assert any(not torch.equal(p, q) for p, q in zip(top, none.partition.blocks[-1].params))
+    visits = [r for r in records if r.kind == "visit"]
+    assert [r.expand for r in visits] == ["lowrank", "lowrank", None]
+    assert [v.get("expand") for v in default.progress.visits] == ["lowrank", "lowrank", None]
+
+
+@pytest.mark.parametrize("change", [dict(blocks__active="1-2"), dict(blocks__experts="top:0.5"),
+                                    dict(model__frozen_dtype="int8"), dict(run__pipeline=2),
+                                    dict(optim__keep_state=True), dict(run__mode="full")])
+def test_auto_is_none_where_lowrank_does_not_run_and_refuses_nothing(change):
+    config = Config()
+    assert resolved_expand(config) == "lowrank"
+    for key, value in change.items():
+        section, name = key.split("__")
+        setattr(getattr(config, section), name, value)
+    assert resolved_expand(config) == "none"
+    assert list(expand_problems(config)) == []
+
+
+def test_auto_is_none_on_a_mixture_of_experts_model_and_lowrank_asked_for_is_kept():
+    staged = preinfer.stage(build_preset("tiny-moe", seed=0))
+    config = Config()
+    assert expansion_of(staged, config) == "none"
+    config.blocks.expand = "lowrank"
+    assert expansion_of(staged, config) == "lowrank"
+    assert expansion_of(preinfer.stage(build_preset("tiny-llama", seed=0)), Config()) == "lowrank"
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])

@@ -109,7 +109,7 @@ def test_auto_installs_nothing_and_keeps_every_weight_as_it_was():
         held.append(([id(p) for p in auto.staged.model.parameters()], quantized_layers(auto.staged.model)))
 
     held = []
-    auto = make_trainer(on_record=record, model__frozen_dtype="auto")
+    auto = make_trainer(on_record=record, model__frozen_dtype="auto", blocks__expand="none")
     params = [id(p) for p in auto.staged.model.parameters()]
     assert auto.lifecycle.hooks == ()  # the visit runs today's code path, nothing in between
     auto.fit()
@@ -117,13 +117,13 @@ def test_auto_installs_nothing_and_keeps_every_weight_as_it_was():
 
 
 def test_bf16_codes_of_bf16_weights_train_bit_for_bit_as_auto():
-    exact = make_trainer(run__precision="bf16-mixed")
+    exact = make_trainer(run__precision="bf16-mixed", blocks__expand="none")  # codes run without expansion
     exact.fit()
     assert same_run(exact, make_trainer(run__precision="bf16-mixed", model__frozen_dtype="bf16"))
 
 
 def test_a_quantized_run_differs_from_the_exact_one_only_within_the_codes_error():
-    exact, int8 = make_trainer(), make_trainer(model__frozen_dtype="int8")
+    exact, int8 = make_trainer(blocks__expand="none"), make_trainer(model__frozen_dtype="int8")
     exact.fit()
     int8.fit()
     losses = [(a["eval_loss"], b["eval_loss"]) for a, b in zip(exact.progress.visits, int8.progress.visits)]

@@ -86,7 +86,8 @@ def test_a_resume_from_a_mid_visit_checkpoint_ends_as_the_uninterrupted_run(tmp_
     saved = torch.load(tmp_path / "a" / "checkpoint-4" / "optimizer.pt", weights_only=True)
     assert saved["position"] == dict(sweep=0, visit=1, visit_step=1, global_step=4)  # block 1, step 2 of 3
     assert saved["order"] == [2, 1, 0]
-    assert len(saved["masters"]) == (0 if precision == "fp32" else len(bcd.partition.blocks[1].params))
+    factors = 2 * 7  # the default expansion's (lowrank): A and B of each linear of the one layer above block 1
+    assert len(saved["masters"]) == (0 if precision == "fp32" else len(bcd.partition.blocks[1].params)) + factors
     resumed, again = hf_run(tmp_path / "b", data, precision=precision, resume=str(tmp_path / "a" / "checkpoint-4"))
     expected, got = snapshot(whole), snapshot(resumed)
     assert all(torch.equal(expected[name], got[name]) for name in expected)
@@ -128,7 +129,7 @@ class VisitWatch(TrainerCallback):
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 def test_a_visit_touches_only_its_block_and_holds_optimizer_state_for_it_alone(tmp_path, monkeypatch, precision):
     model = build_preset("tiny-llama", seed=0)
-    bcd = BlockCoordinateDescent(model, precision=precision, **OPTIONS)
+    bcd = BlockCoordinateDescent(model, precision=precision, expand="none", **OPTIONS)
     watch = VisitWatch(bcd)
     real_step = torch.optim.Adam.step
 
@@ -279,7 +280,7 @@ def test_the_hf_path_with_expansion_ends_with_our_trainer_s_weights_bit_for_bit(
     expected, got = snapshot(ours.staged.model), snapshot(model)
     assert all(torch.equal(expected[name], got[name]) for name in expected)
     without = make_trainer(blocks__blocks=3, blocks__order="descending", optim__warmup_steps=1,
-                           optim__decay="cosine", run__precision=precision)
+                           optim__decay="cosine", run__precision=precision, blocks__expand="none")
     without.fit()
     plain = snapshot(without.staged.model)
     layer_0 = [name for name in got if ".layers.0." in name]  # block 0's own weights: block 1's suffix too
@@ -308,7 +309,8 @@ def test_an_expansion_the_hf_path_cannot_run_is_refused_by_its_argument():
     assert len(str(refused.value).splitlines()) == 1 and "keep_state" in str(refused.value)
 
 
-@pytest.mark.parametrize("saved, resumed", [(dict(expand="lowrank"), {}), ({}, dict(expand="lowrank")),
+@pytest.mark.parametrize("saved, resumed", [(dict(expand="lowrank"), dict(expand="none")),
+                                            (dict(expand="none"), dict(expand="lowrank")), ({}, dict(expand="none")),
                                             (dict(expand="lowrank"), dict(expand="lowrank", expand_rank=4))])
 def test_a_resume_with_another_expansion_is_refused_in_one_line(saved, resumed):
     state = stepped_state(4, **saved)  # block 1, whose suffix is one layer

@@ -91,9 +91,10 @@ def test_the_command_plan_prints_runs_on_the_pipeline_it_recommends(two_ranks):
 
 
 def one_process(tmp: Path, corpus: str, model: str, blocks: str, more: list[str], name: str) -> dict[str, torch.Tensor]:
-    """The same run in one process, over the same micro-batches (batch 2, two accumulated per step)."""
+    """The same run in one process, over the same micro-batches (batch 2, two accumulated per step), without
+    landscape expansion, as a pipeline runs."""
     assert main(["bcd", "--model", model, "--blocks", blocks, "--data", corpus, *COMMON, *more, "--batch-size", "2",
-                 "--grad-accum", "2", "--out", str(tmp / name)]) == 0
+                 "--grad-accum", "2", "--expand", "none", "--out", str(tmp / name)]) == 0
     return weights(str(tmp / name))
 
 
@@ -130,7 +131,7 @@ def test_training_from_a_store_on_two_stages_equals_one_process(two_ranks, tmp_p
     the model directory."""
     tmp, _ = two_ranks
     assert main(["train", "--store", str(tmp / "cache"), "--model", str(tmp / "model"), *STORE_RUN,
-                 "--batch-size", "2", "--grad-accum", "2", "--out", str(tmp_path / "one")]) == 0
+                 "--batch-size", "2", "--grad-accum", "2", "--expand", "none", "--out", str(tmp_path / "one")]) == 0
     pipeline, single = weights(str(tmp / "store")), weights(str(tmp_path / "one"))
     assert set(pipeline) == set(single) and not any(k.startswith("model.embed_tokens") for k in pipeline)
     assert_close(pipeline, single)
@@ -270,7 +271,7 @@ def test_a_pipeline_of_two_times_two_replicas_equals_one_process_reading_both_re
     config.data.eval_tokens, config.data.batch_size = 256, 4
     config.blocks.ufp, config.blocks.blocks, config.blocks.sweeps = None, 2, 2
     config.optim.lr, config.optim.grad_accum = 1e-3, 4
-    config.stop.steps_per_visit = 2
+    config.stop.steps_per_visit, config.blocks.expand = 2, "none"  # as the pipeline runs
     config.run.out, config.model.attention = str(tmp_path / "one"), "eager"
     data = load_datasets(config, quiet=True)
     staged = preinfer.stage(build_preset("tiny-llama", attention="eager"))

@@ -24,7 +24,9 @@ from preinfer.presets import build_preset
 
 SEQ, BATCH, BLOCKS = 128, 4, 3
 # The hand-built steps below pass an additive float mask, which is what eager attention takes.
-SETTINGS = Settings(seq_len=SEQ, micro_batch=BATCH, dtype="float32", gpu="4090", blocks=BLOCKS, attention="eager")
+# The measured steps train the block alone: no landscape expansion (priced in test_plan_expansion).
+SETTINGS = Settings(seq_len=SEQ, micro_batch=BATCH, dtype="float32", gpu="4090", blocks=BLOCKS, attention="eager",
+                    expand="none")
 
 
 def _batch(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

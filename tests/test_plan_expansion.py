@@ -87,7 +87,7 @@ def plan_json(capsys, *argv: str) -> dict:
 
 def test_plan_takes_the_expand_flags_and_the_automatic_ufp_counts_them(capsys):
     flags = ["--model", "7b", "--dtype", "bf16-mixed", "--recompute", "--gpu-mem", "40"]
-    today = plan_json(capsys, *flags)
+    today = plan_json(capsys, *flags, "--expand", "none")
     shape = shape_for_size("7b")
     for expand in ("lowrank", "sgd"):
         plan = plan_json(capsys, *flags, "--expand", expand, "--expand-rank", "16")
@@ -116,9 +116,27 @@ def test_no_pipeline_is_offered_with_expansion_which_a_pipeline_does_not_run(cap
 
 
 def test_an_expansion_the_planner_does_not_price_is_refused():
-    with pytest.raises(UsageError, match="expand 'dense' is not one of none, lowrank, sgd"):
+    with pytest.raises(UsageError, match="expand 'dense' is not one of auto, none, lowrank, sgd"):
         bcd_memory(resolve_shape("small-llama"), Settings(expand="dense"), partition(resolve_shape("small-llama"), 3),
                    0, store=False)
     moe = resolve_shape("tiny-moe")
     with pytest.raises(UsageError, match="--expand is priced for dense models only"):
         bcd_memory(moe, Settings(expand="sgd"), partition(moe, 2), 0, store=False)
+
+
+def test_the_default_auto_is_priced_as_the_trainer_resolves_it(capsys):
+    """auto: lowrank on a dense model with frozen_dtype auto, in one GPU; none under --frozen-dtype, on a mixture of
+    experts and on a pipeline (whose stages the trainer runs without expansion)."""
+    flags = ["--model", "7b", "--dtype", "bf16-mixed", "--recompute", "--gpu-mem", "40"]
+    default = plan_json(capsys, *flags)
+    assert default["settings"]["expand"] == "lowrank"
+    assert default["memory"] == plan_json(capsys, *flags, "--expand", "lowrank")["memory"]
+    nf4 = plan_json(capsys, *flags, "--frozen-dtype", "nf4")
+    assert nf4["settings"]["expand"] == "none"
+    assert nf4["memory"] == plan_json(capsys, *flags, "--frozen-dtype", "nf4", "--expand", "none")["memory"]
+    moe = resolve_shape("tiny-moe")
+    assert bcd_memory(moe, Settings(), partition(moe, 2), 0, store=False) == \
+        bcd_memory(moe, Settings(expand="none"), partition(moe, 2), 0, store=False)
+    pipeline = ["--model", "13b", "--dtype", "bf16-mixed", "--gpu-mem", "16"]
+    offered = plan_json(capsys, *pipeline)["auto"]
+    assert offered == plan_json(capsys, *pipeline, "--expand", "none")["auto"] and offered["pipeline_degree"] > 1

@@ -27,7 +27,7 @@ from tests.helpers.metered_visits import metered_peak, visit_optimizer
 # Linear weights per layer: q 64x64, k and v 32x64, o 64x64, gate and up 128x64, down 64x128: 36,864 elements.
 TINY = ModelShape("tiny", "llama", vocab=256, hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16, intermediate=128)
 BLOCKS = [LayerSpan(0, 1, True, False), LayerSpan(1, 2, False, False), LayerSpan(2, 4, False, True)]
-BASE = Settings(dtype="bf16-mixed", seq_len=8)
+BASE = Settings(dtype="bf16-mixed", seq_len=8, expand="none")  # the block alone (expansion: test_plan_expansion)
 
 
 def visit(**fields):
@@ -108,7 +108,8 @@ def test_the_meter_agrees_with_the_planner_within_2_percent_on_the_new_rows(name
     """Frozen layers as codes, 8-bit moments and SGD's one buffer, measured on real CPU steps (the fused step is
     the trainer's, not run here)."""
     shape = resolve_shape(name)
-    settings = Settings(seq_len=64, micro_batch=4, dtype="float32", frozen_dtype=frozen_dtype, optimizer=optimizer)
+    settings = Settings(seq_len=64, micro_batch=4, dtype="float32", frozen_dtype=frozen_dtype, optimizer=optimizer,
+                        expand="none")  # the metered visit steps the block alone
     planned = bcd_memory(shape, settings, partition(shape, 3), k, store=False).held
     assert planned == pytest.approx(_metered_visit(name, k, frozen_dtype, optimizer), rel=0.02)
 

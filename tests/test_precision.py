@@ -51,9 +51,10 @@ def test_the_resolved_precision_is_one_object_the_trainer_reads_without_resolvin
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])
 def test_resident_weights_are_the_masters_cast_down_and_frozen_weights_never_change(preset):
-    """Invariant 9 after every step of every visit, the tied GPT-2 embedding included."""
+    """Invariant 9 after every step of every visit, the tied GPT-2 embedding included (without expansion, which
+    invariant 18 lets change the layers above the block: tests/test_expansion.py)."""
     checked = []
-    trainer = make_trainer(preset, **MIXED)
+    trainer = make_trainer(preset, **MIXED, blocks__expand="none")
     model = trainer.staged.model
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     before = snapshot(model)
@@ -85,7 +86,7 @@ def test_resident_weights_are_the_masters_cast_down_and_frozen_weights_never_cha
 
 
 def test_meter_under_bf16_mixed_is_exact_against_tensor_sizes():
-    trainer = make_trainer(**MIXED, stop__steps_per_visit=2)
+    trainer = make_trainer(**MIXED, stop__steps_per_visit=2, blocks__expand="none")  # the block's tensors alone
     trainer.meter = MemoryMeter(trainer.staged.model)
     trainer.fit()
     every = sum(p.numel() for p in trainer.staged.model.parameters())

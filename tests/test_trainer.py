@@ -16,7 +16,8 @@ from tests.helpers.trainers import make_trainer, snapshot
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])
 @pytest.mark.parametrize("block_index", [0, 1, 2])
 def test_a_visit_touches_only_its_block(preset, block_index):
-    trainer = make_trainer(preset)
+    """Invariant 4, without expansion (which invariant 18 lets update the layers above: tests/test_expansion.py)."""
+    trainer = make_trainer(preset, blocks__expand="none")
     block = trainer.partition.blocks[block_index]
     model = trainer.staged.model
     mine = {id(p) for p in block.params}
@@ -146,11 +147,11 @@ def test_resume_is_bit_identical(tmp_path, precision):
     saved = load_file(str(tmp_path / "b" / "checkpoint" / "state.safetensors"))
     masters = [saved[f"master.{i}"] for i in range(sum(name.startswith("master.") for name in saved))]
     params = halted.partition.blocks[1].params
-    if precision == "fp32":
-        assert masters == []
-    else:  # the fp32 masters hold what the bf16 weights cannot, and travel with the checkpoint
-        assert all(m.dtype == torch.float32 for m in masters) and len(masters) == len(params)
-        assert [m.shape for m in masters] == [p.shape for p in params]
+    factors = 2 * 7  # the default expansion's (lowrank): A and B of each linear of the one layer above block 1
+    own = 0 if precision == "fp32" else len(params)
+    assert len(masters) == own + factors and all(m.dtype == torch.float32 for m in masters)
+    if precision != "fp32":  # the fp32 masters hold what the bf16 weights cannot, and travel with the checkpoint
+        assert [m.shape for m in masters[:own]] == [p.shape for p in params]
         assert any(not torch.equal(m, p.float()) for m, p in zip(masters, params))
     resumed = make_trainer(run_dir=tmp_path / "b", **overrides)
     resumed.resume()

@@ -8,6 +8,7 @@ import preinfer
 from preinfer.memory.budget import blocks_for_budget, budget_settings
 from preinfer.config import BlockConfig, Config
 from preinfer.errors import UsageError
+from preinfer.expansion import expansion_of
 from preinfer.memory.settings import GPUS, Settings
 from preinfer.memory.shapes import shape_from_config
 from preinfer.partition import Partition, make_partition, parse_ranges, parse_ufp
@@ -53,7 +54,7 @@ def budget_partition(staged: preinfer.StagedModel, config: Config, first_layer: 
                                config.data.batch_size, config.run.recompute, config.model.attention,
                                frozen_dtype=config.model.frozen_dtype, optimizer=config.optim.name,
                                fused_step=config.optim.fused_step, host_device=config.run.device == "cpu",
-                               expand=config.blocks.expand, expand_rank=config.blocks.expand_rank)
+                               expand=expansion_of(staged, config), expand_rank=config.blocks.expand_rank)
     plan = blocks_for_budget(shape, settings, precision)
     return replace(make_partition(staged, num_blocks=plan.blocks), budget=plan)
 

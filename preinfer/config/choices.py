@@ -35,8 +35,9 @@ ExpertPart = Literal["none", "router", "shared", "attention", "rest"]
 # How the frozen decoder layers' linear weights are held for their forward (preinfer.frozen_weights); auto: in the
 # resident dtype, as every other weight.
 FrozenDtype = Literal["auto", "bf16", "int8", "nf4"]
-# Landscape expansion over the suffix (preinfer.expansion): none, rank-r factors per linear weight, or plain SGD.
-Expand = Literal["none", "lowrank", "sgd"]
+# Landscape expansion over the suffix (preinfer.expansion): rank-r factors per linear weight, plain SGD, or none;
+# auto: lowrank where it runs (a dense model's BCD run without what it does not run with), else none.
+Expand = Literal["auto", "none", "lowrank", "sgd"]
 
 
 class Names:

@@ -239,10 +239,14 @@ def frozen_dtype_problems(c: Any) -> Iterator[Problem]:
 
 
 def expand_problems(c: Any) -> Iterator[Problem]:
-    """Landscape expansion's: what it does not run with."""
-    b, expand = c.blocks, c.blocks.expand
-    if expand == "none":
-        return
+    """Landscape expansion's: what an explicit expansion does not run with (auto resolves to none there)."""
+    if c.blocks.expand not in ("auto", "none"):
+        yield from expand_conflicts(c, c.blocks.expand)
+
+
+def expand_conflicts(c: Any, expand: str) -> Iterator[Problem]:
+    """What expansion `expand` (lowrank or sgd) does not run with in config `c`."""
+    b = c.blocks
     if b.active is not None:
         yield "blocks", "expand", "none with {blocks.active} (it keeps the layers above the active block frozen)"
     if b.experts is not None:
@@ -258,6 +262,14 @@ def expand_problems(c: Any) -> Iterator[Problem]:
     if expand == "sgd" and c.run.precision == "fp16-mixed":
         yield "blocks", "expand", "lowrank or none under {run.precision} fp16-mixed (the sgd step does not " \
                                   "unscale the suffix's gradients)"
+
+
+def resolved_expand(c: Any) -> str:
+    """[blocks] expand with auto resolved from the config alone: lowrank in a BCD run where nothing it does not run
+    with is set, else none (`preinfer.expansion.expansion_of` also turns it off on a mixture-of-experts model)."""
+    if c.blocks.expand != "auto":
+        return c.blocks.expand
+    return "lowrank" if c.run.mode == "bcd" and not any(expand_conflicts(c, "lowrank")) else "none"
 
 
 def pipeline_problems(c: Any) -> Iterator[Problem]:

@@ -59,7 +59,9 @@ class BlockConfig:
     experts: str | None = None  # "top:0.5": in sparse layers train only the experts carrying that share of tokens
     experts_with: Names[ExpertPart] = "router,shared,attention,rest"  # what trains with the chosen experts
     experts_sample: int = 8  # training batches whose routing picks the experts
-    expand: Expand = "none"  # landscape expansion: cheap updates of the layers above the active block each step
+    # landscape expansion: cheap updates of the layers above the active block each step; auto: lowrank where it
+    # runs (a dense model's BCD run without active, experts, frozen_dtype, a pipeline or keep_state), else none
+    expand: Expand = "auto"
     expand_rank: int = 8  # lowrank: the factors' rank
     expand_lr: float | None = None  # the expansion's rate; None: the visit's rate
 

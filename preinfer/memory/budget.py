@@ -23,7 +23,7 @@ def size_text(n: float) -> str:
 
 def budget_settings(budget: int, precision: str, seq_len: int, micro_batch: int, recompute: bool,
                     attention: str, *, frozen_dtype: str = "auto", optimizer: str = "adam", fused_step: bool = False,
-                    host_device: bool = False, expand: str = "none", expand_rank: int = 8) -> Settings:
+                    host_device: bool = False, expand: str = "auto", expand_rank: int = 8) -> Settings:
     """The planner's settings of a run under a memory budget of `budget` bytes, with the memory savers it uses."""
     if precision not in PRECISION_DTYPES:
         raise UsageError(f"precision '{precision}' is not one of {', '.join(PRECISION_DTYPES)}")

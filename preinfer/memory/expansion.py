@@ -1,6 +1,7 @@
 """What landscape expansion (`expand`, `preinfer.expansion`) adds to a visit's bytes, counted as that module
 allocates it. The suffix is the decoder layers above the active block, [block.stop, layers); a block holding the
-head has none.
+head has none. `auto` (the default) is priced as the trainer resolves it in a one-GPU BCD run (`planned_expand`):
+lowrank on a dense model with frozen_dtype auto, else none; on a pipeline, none.
 
 - lowrank: each linear weight [out, in] of a suffix layer gets fp32 factors A [r, in] and B [out, r]:
   r * (in + out) elements, each with an fp32 gradient and the block's optimizer state (8-bit moments under
@@ -34,8 +35,16 @@ def check_expand(m: ModelShape, settings: Settings) -> None:
     """A UsageError for an expansion these fields do not price."""
     if settings.expand not in get_args(Expand):
         raise UsageError(f"expand '{settings.expand}' is not one of {', '.join(get_args(Expand))}")
-    if settings.expand != "none" and m.sparse:
+    if settings.expand not in ("auto", "none") and m.sparse:
         raise UsageError("--expand is priced for dense models only")
+
+
+def planned_expand(m: ModelShape, settings: Settings) -> str:
+    """`settings.expand` with auto resolved as the trainer resolves it for a one-GPU BCD visit: lowrank on a dense
+    model whose frozen layers are held in the resident dtype (frozen_dtype auto), else none."""
+    if settings.expand != "auto":
+        return settings.expand
+    return "lowrank" if not m.sparse and settings.frozen_dtype == "auto" else "none"
 
 
 def layer_linears(m: ModelShape) -> list[tuple[int, int]]:
@@ -54,12 +63,12 @@ def expanded(m: ModelShape, settings: Settings, block: LayerSpan, grads: int, op
     """Gradient and optimizer-state bytes and the step's activations of a visit of `block` with `settings.expand`,
     from those without it (module docstring)."""
     check_expand(m, settings)
-    suffix = m.layers - block.stop
-    if settings.expand == "none" or suffix == 0:
+    suffix, expand = m.layers - block.stop, planned_expand(m, settings)
+    if expand == "none" or suffix == 0:
         return grads, optimizer, acts
     d = DTYPES[settings.dtype]
     b, s, c = settings.micro_batch, settings.seq_len, d["act"]
-    if settings.expand == "sgd":
+    if expand == "sgd":
         grads += m.span_params(block.stop, m.layers) * d["weight"]
         return grads, optimizer, _with_layers(acts, block, lambda i: _sgd_layer_extra(m, settings, i))
     tensors = factor_tensors(m, settings.expand_rank, suffix)

@@ -158,8 +158,9 @@ def stage_bytes(m: ModelShape, settings: Settings, stage: LayerSpan, active: Lay
 def fewest_blocks(m: ModelShape, settings: Settings, degree: int = 1) -> tuple[int, int] | None:
     """The fewest blocks (largest UFP) whose worst live visit fits `settings.capacity()` per GPU with `degree`
     pipeline stages, and that peak in bytes; None when even one layer per block does not fit, or on a pipeline
-    with landscape expansion (its stages do not update the suffix: the trainer refuses it)."""
-    if degree > 1 and settings.expand != "none":
+    with landscape expansion asked for (its stages do not update the suffix: the trainer refuses it; auto is none
+    there)."""
+    if degree > 1 and settings.expand not in ("auto", "none"):
         return None
     capacity = settings.capacity()
     for n in range(1, m.layers + 1):

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 from preinfer.errors import UsageError
 from preinfer.memory.cost import cost
+from preinfer.memory.expansion import planned_expand
 from preinfer.memory.footprint import Memory, auto_choice, full_memory, full_pipeline_degree, worst_bcd
 from preinfer.memory.layer_spans import partition
 from preinfer.memory.settings import DTYPES, GPUS, USABLE_FRACTION, Settings
@@ -54,7 +55,7 @@ def plan_memory(m: ModelShape, settings: Settings) -> MemoryPlan:
                  bytes_per_boundary=None if not settings.tokens else per_token * settings.tokens)
     return MemoryPlan(
         model=asdict(m) | dict(params=m.total_params()),
-        settings=asdict(settings) | dict(ufp=1 / settings.blocks),
+        settings=asdict(settings) | dict(ufp=1 / settings.blocks, expand=planned_expand(m, settings)),
         capacity_bytes=settings.capacity(),
         weight_bytes=m.total_params() * DTYPES[settings.dtype]["weight"],
         memory=memory, auto=auto, full_adam_pipeline_degree=full_pipeline_degree(m, settings),

@@ -65,7 +65,8 @@ class Settings:
     optimizer: str = "adam"  # adam, adamw: two moments; adam8bit, adamw8bit: 8-bit moments; sgd: one momentum buffer
     fused_step: bool = False  # each gradient freed as its step runs in backward
     host_device: bool = False  # the device is the host (CPU): the frozen weights' host masters share its budget
-    expand: str = "none"  # landscape expansion of the suffix: none, lowrank (rank-r factors) or sgd
+    expand: str = "auto"  # landscape expansion of the suffix: none, lowrank (rank-r factors), sgd, or auto (lowrank
+    # where a BCD run makes it: a dense model with frozen_dtype auto, one GPU; else none)
     expand_rank: int = 8  # lowrank: the factors' rank
 
     def capacity(self) -> int:
