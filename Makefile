@@ -17,11 +17,13 @@ $(VENV)/.installed: pyproject.toml constraints.txt Makefile
 demo: setup
 	$(VENV)/bin/preinfer demo
 
+# Two pytest-xdist workers: most tests wait on a process of their own (a job, torchrun, a Dask cluster) or run
+# single-threaded (tests/conftest.py), so two run side by side on two cores.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow and not distributed"
+	$(PY) -m pytest -q -n 2 -m "not slow and not distributed"
 
 # The generated reference pages (docs/reference/): every command's flags, the config keys, the metrics records.
 docs: setup
