@@ -98,6 +98,7 @@ from bench.lib.pretrained import DEFAULT, KNOWN, checkpoint_dir
 from bench.lib.runs import (MeteredLoop, block_names, cli_result, eval_loss, mean_loss, parse_config, prepared,
                             split_batches)
 from pipelines.cli import set_process_environment
+from preinfer.config.rules import resolved_expand
 from preinfer.partition import balanced_ranges
 
 # The `bcd` rows of issue 37, by method: their flags on top of `bcd`'s.
@@ -351,9 +352,11 @@ def measured(args: argparse.Namespace, method: str, task: str, lr: float, scratc
 def run_key(args: argparse.Namespace, task: str, method: str, flags: list[str], scratch: Path) -> str:
     """What makes a run the same run: its task, method (the loop rows read `bcd`'s flags), the model as given
     (`--model` or `--checkpoint`) and its flags, the run's --out left out and the invocation's temporary directory
-    (a preset's saved weights, the chat data) named `<scratch>`."""
+    (a preset's saved weights, the chat data) named `<scratch>`; for a BCD row also the landscape expansion its
+    flags resolve to, so that a row measured under another default (`--expand none` before `auto`) is not taken."""
     kept = [flag for before, flag in zip(["", *flags], flags) if "--out" not in (before, flag)]
-    return " ".join([task, method, args.source, *kept]).replace(str(scratch), "<scratch>")
+    expansion = [f"expand={resolved_expand(parse_config(flags))}"] if FAMILY[method] == "bcd" else []
+    return " ".join([task, method, args.source, *kept, *expansion]).replace(str(scratch), "<scratch>")
 
 
 def measured_before(out: Path, key: str) -> dict | None:

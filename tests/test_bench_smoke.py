@@ -380,6 +380,10 @@ def test_finetune_resume_takes_the_rows_measured_with_the_same_flags_and_runs_th
     assert len(rows()) == 2 and rows()[1]["seed"] == 1
     args = argparse.Namespace(source="tiny-llama")  # BAdam's and LoRA's runs read bcd's flags: keyed apart
     assert len({finetune.run_key(args, "chat", m, ["--lr", "1e-4"], tmp_path) for m in ("bcd", "badam", "lora16")}) == 3
+    keys = {flag: finetune.run_key(args, "chat", "bcd", ["--lr", "1e-4", *flag], tmp_path)
+            for flag in ((), ("--keep-optimizer-state",))}  # BCD rows: keyed by the expansion their flags resolve to
+    assert keys[()].endswith("expand=lowrank") and keys[("--keep-optimizer-state",)].endswith("expand=none")
+    assert "expand=" not in finetune.run_key(args, "chat", "lora16", ["--lr", "1e-4"], tmp_path)
 
 
 METHODS_AT_EQUAL_STEPS = ("full", "bcd", "bcd-none", "bcd-store", "bcd-auto", "bcd-bf16", "bcd-int8", "bcd-nf4",
