@@ -92,6 +92,7 @@ class Trainer:
         self.lifecycle = VisitLifecycle(staged, config, self.layout, self.optimizers, self.experts, meter,
                                         hooks=[*frozen_weight_hooks(staged, config),
                                                *expansion_hooks(staged, config, lambda: self.progress.global_step)])
+        self.expand = expansion_of(staged, config)  # the run's landscape expansion, auto resolved
         sources.attach(self.emit)
 
     @property
@@ -219,8 +220,7 @@ class Trainer:
 
     def expansion(self, block: Block) -> str | None:
         """The landscape expansion `block`'s visit makes of the layers above it; None: none."""
-        expand = expansion_of(self.staged, self.config)
-        return expand if expand != "none" and block.stop < len(self.staged.layers) else None
+        return self.expand if self.expand != "none" and block.stop < len(self.staged.layers) else None
 
     def evaluate(self, source: BatchSource) -> float:
         """Mean next-token loss over every supervised token of the source's eval pass."""

@@ -296,8 +296,8 @@ def test_finetune_quick_compares_every_method_on_the_same_batches(tmp_path, monk
     row per method, the grid, the base losses, the curves and the speed section. BCD live, from stores and with
     pre-inference auto train the same blocks on the same batches with the same Adam and expansion: the same eval
     loss; BCD without expansion is BAdam's. BCD without expansion with frozen layers in bf16, int8 or nf4 (and
-    nf4 with 8-bit Adam stepped in backward) lands close to that, at a smaller tracked peak the fewer the bits; QLoRA (LoRA r16 on an NF4 base) trains other weights than LoRA
-    r16, at a smaller tracked peak."""
+    nf4 with 8-bit Adam stepped in backward) lands close to that, at a smaller tracked peak the fewer the bits;
+    QLoRA (LoRA r16 on an NF4 base) trains other weights than LoRA r16, at a smaller tracked peak."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     general = tmp_path / "general.txt"
     general.write_text("".join(f"Paragraph {i}: the fox ran over the hill and rested by the river.\n\n"
