@@ -8,6 +8,7 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
+from preinfer.atomic_write import write_atomically
 from preinfer.config import Config, dump_toml
 from preinfer.errors import PreinferError
 from preinfer.metrics import plot_losses, read_metrics
@@ -56,5 +57,5 @@ def finish_run(trainer: Trainer, run: RunDir, export: Callable[[Path], object]) 
     export(run.export)
     records = read_metrics(run.metrics)
     plot_losses({"BCD": records}, run.loss_plot, title=f"{trainer.config.model.name}: {run.path.name}")
-    run.summary.write_text(json.dumps(summary, indent=1))
+    write_atomically(run.summary, json.dumps(summary, indent=1))
     return summary
