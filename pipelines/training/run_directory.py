@@ -21,7 +21,7 @@ from preinfer.run_dir import RunDir
 from preinfer.trainer import Trainer
 from pipelines.data.corpus import CorpusDigest
 from pipelines.flags import config_for_command, run_dir
-from pipelines.jobs.output import held_output
+from pipelines.jobs.output import check_not_a_file, held_output
 from pipelines.training.inputs import absolute_flags, input_fingerprints, recorded_config, write_inputs
 
 
@@ -37,8 +37,7 @@ def check_run_dir(run: RunDir, resume: bool) -> None:
     """Refuse an --out that is a file, a directory holding what a run does not write, another run (unless resuming
     it; a run that stopped before its first checkpoint may be started again), or nothing to resume."""
     out = run.path
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} is a file, not a directory")
+    check_not_a_file(out)
     misplaced = run.misplaced_entries()
     if misplaced:
         raise UsageError(f"--out {out}: {misplaced[0]}; move it away and run again, nothing was changed")
