@@ -1,15 +1,19 @@
 """The one atomic write of a file: `write_atomically` publishes a file whole or not at all, durably, with the
 permissions the umask gives (`give_umask_mode`, which also mends what a library's own writer made 0600).
 
-Every file the project writes in place goes through it: the run directory's config, inputs, metrics and summary,
-a checkpoint's files, the export's weights, a pipeline's gathered weights, and the token store's staged files and
-description. It lives here, on the model side, because the model side writes files of its own (checkpoints, the
-run directory) and may import nothing of `storage` or `pipelines`; `pipelines` imports it from here.
+The files the project publishes whole go through it: a run directory's config.toml, inputs.json and summary.json
+and its metrics log cut back on --resume, a checkpoint's files, the export's weights (the export of a whole model,
+which transformers' `save_pretrained` writes, gets the umask's mode after it), a pipeline's gathered weights, and
+the token store's staged files and description. A checkpoint directory is published by a rename of its own
+(`preinfer.checkpoint`), made durable with `fsync_directory`.
 
-`storage` imports nothing of ours (the design's rule), so its blob layer publishes a store's blobs itself
-(`storage.blobs.Blobs.write`): one PUT on object storage, a dict in process memory, and on a local disk the same
-steps as below. tests/test_atomic_write.py holds both to one contract: the umask's mode, and a file complete or
-absent after a crash between the write and the rename.
+It lives here, on the model side, because the model side writes files of its own (checkpoints, the run directory)
+and may import nothing of `storage` or `pipelines`; `pipelines` imports it from here. `storage` may import nothing
+of ours either (the design's rule), so its blob layer publishes a store's blobs itself (`storage.blobs.Blobs.write`,
+one verb over three places: one PUT on object storage, a dict in process memory, and on a local disk the same steps
+as below, in `LocalBlobs.write`). That local case is the one twin left, by the rule; tests/test_atomic_write.py
+holds both to one contract: the umask's mode, and a file complete or absent after a crash between the write and the
+rename.
 """
 
 from __future__ import annotations
