@@ -12,9 +12,9 @@ The public surface (what `preinfer cache` and `bcd --pre-inference` use; the mod
   layers: the encoding errors compound, see docs/results.md).
 - `CacheOptions`: every option of a job, checked when made (see its fields); `parse_dask` reads `--dask`.
 - `CacheResult`, `CacheJobError`, `cache_fingerprint`, `check_boundary`, `default_samples_per_shard` (and a run's
-  `samples_per_shard`, so that live and stored runs read in the same order), `bytes_per_token` (of a store dtype, for cost models), the names a command offers (`DEFAULT_SPLITS`,
-  `STORE_DTYPES`, `STORE_FORMATS`), and `open_cache` (the stores of a cache
-  directory, or {"": store} for a single store).
+  `samples_per_shard`, so that live and stored runs read in the same order), `bytes_per_token` (of a store dtype,
+  for cost models), the names a command offers (`DEFAULT_SPLITS`, `STORE_DTYPES`, `STORE_FORMATS`), and
+  `open_cache` (the stores of a cache directory, or {"": store} for a single store).
 
 What is stored, per sample i of a split's token samples (store sample i = dataset sample i, dataset order):
 `hidden` [T, H] in the storage dtype, `attention_mask` [T] bool, `position_ids` [T] int64, `labels` [T] int64,
