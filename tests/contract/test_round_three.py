@@ -11,7 +11,7 @@ from tests.helpers.cli_run import failure_line, run_cli
 
 # Every number here passes its own type check but becomes a step torch cannot hold in float32 (case 4, 5).
 OVERFLOWING = [
-    (["--lr", "1e40"], "--lr 1e+40 ([optim] lr): expected a finite number > 0, at most 3.4e38"),
+    (["--lr", "1e40"], "argument --lr: expected a positive number up to 3.4e38"),
     (["--lr", "1e38"], "--lr / (1 - beta1) is 1e+39"),  # the rate fits, Adam's first step does not
     (["--block-lr", "1e308,1e308"], "--block-lr 1e308,1e308 ([optim] block_lr): expected depth:LO..HI"),
     (["--block-lr", "depth:1..1e300"], "each at most 3.4e38"),  # block 0 would train, block 1 die
@@ -19,7 +19,7 @@ OVERFLOWING = [
     (["--optimizer", "adamw", "--lr", "1e30", "--weight-decay", "1e30"], "times --weight-decay 1e+60"),
     (["--momentum", "1e39", "--optimizer", "sgd"], "--momentum 1e+39 ([optim] momentum)"),
     (["--grad-clip", "1e39"], "--grad-clip 1e+39"),
-    (["--expand-lr", "1e39"], "--expand-lr 1e+39"),
+    (["--expand-lr", "1e39"], "argument --expand-lr: expected a positive number up to 3.4e38"),
 ]
 
 
@@ -30,13 +30,21 @@ def test_a_number_torch_cannot_hold_is_refused_before_any_load(tiny, corpus, tmp
     assert code == 2 and message in failure_line(err) and not out.exists()
 
 
-def test_an_overflowing_rate_in_toml_or_the_hf_front_end_is_refused(tiny, corpus, tmp_path, capsys):
+@pytest.mark.parametrize("text, message", [
+    ("[optim]\nlr = 1e40\n", "[optim] lr = 1e+40: expected a finite number > 0, at most 3.4e38"),
+    ("[optim]\nweight_decay = 1e39\n", "[optim] weight_decay = 1e+39: expected a finite number >= 0, at most"),
+    ("[blocks]\nexpand_lr = 1e39\n", "[blocks] expand_lr = 1e+39: expected a finite number > 0, at most 3.4e38"),
+    ("[optim]\nblock_lr = 'depth:1..1e300'\n", "[optim] block_lr = 'depth:1..1e300': expected depth:LO..HI"),
+])
+def test_an_overflowing_rate_in_toml_is_refused(tmp_path, capsys, text, message):
     config = tmp_path / "c.toml"
-    config.write_text("[optim]\nlr = 1e40\n")
+    config.write_text(text)
     out = tmp_path / "run"
     code, _, err = run_cli(["bcd", "--config", str(config), "--model", "tiny-llama", "--out", str(out)], capsys)
-    assert code == 2 and "[optim] lr = 1e+40: expected a finite number > 0, at most 3.4e38" in failure_line(err)
-    assert not out.exists()
+    assert code == 2 and message in failure_line(err) and not out.exists()
+
+
+def test_an_overflowing_rate_in_the_hf_front_end_is_refused():
     with pytest.raises(UsageError, match=r"\(lr=1e\+40\): expected a finite number > 0, at most 3.4e38"):
         BlockCoordinateDescent(model=None, steps_per_visit=2, lr=1e40)
     with pytest.raises(UsageError, match="block_lr"):
@@ -49,3 +57,81 @@ def test_the_largest_rates_that_fit_train_to_finite_weights_or_stop_on_divergenc
     code, _, err = run_cli(["bcd", *tiny, "--data", corpus, "--out", str(tmp_path / "run"), "--optimizer", "sgd",
                             "--lr", "3e38", "--momentum", "0"], capsys)
     assert code in (0, 1) and "overflow" not in err and "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def llama_config(tmp_path_factory) -> dict:
+    from preinfer.presets import preset_config
+
+    return preset_config("tiny-llama").to_dict()
+
+
+def written_model_config(directory, values: dict):
+    import json
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(values))
+    return directory / "config.json"
+
+
+# A config.json whose fields transformers or the planner cannot use (case 7), and its kin found here.
+BAD_FIELDS = [
+    ({"hidden_size": 0}, "hidden_size = 0: expected an integer in [1, 2^31)"),
+    ({"num_hidden_layers": -1}, "num_hidden_layers = -1: expected an integer in [1, 2^31)"),
+    ({"vocab_size": 10**30}, "vocab_size = 1000000000000000000000000000000: expected an integer in [1, 2^31)"),
+    ({"num_hidden_layers": "4"}, "Field 'num_hidden_layers' expected int, got str"),
+    ({"hidden_size": 64.5}, "Field 'hidden_size' expected int, got float"),
+]
+
+
+@pytest.mark.parametrize("edit, message", BAD_FIELDS, ids=[str(e) for e, _ in BAD_FIELDS])
+@pytest.mark.parametrize("as_directory", [False, True], ids=["file", "directory"])
+def test_plan_on_a_config_with_a_bad_field_names_the_file_and_field(llama_config, tmp_path, capsys, edit, message,
+                                                                    as_directory):
+    path = written_model_config(tmp_path / "m", {**llama_config, **edit})
+    spec = str(path.parent if as_directory else path)
+    code, _, err = run_cli(["plan", "--model", spec], capsys)
+    line = failure_line(err)
+    assert code == 2 and message in line and spec in line
+
+
+@pytest.mark.parametrize("text", ['{"model_type": "llama", ', "[1]"], ids=["truncated", "a list"])
+def test_plan_on_a_config_that_is_no_json_object_is_one_line(tmp_path, capsys, text):
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    code, _, err = run_cli(["plan", "--model", str(path)], capsys)
+    assert code == 2 and f"cannot read a model config from '{path}'" in failure_line(err)
+
+
+@pytest.mark.parametrize("flag, value", [("--tokens", "1e400"), ("--seq-len", "1" + "0" * 400),
+                                         ("--micro-batch", "1" + "0" * 30), ("--gpu-mem", "1e300"),
+                                         ("--expand-rank", "1" + "0" * 30)])
+def test_plan_refuses_a_number_too_large_for_its_arithmetic(capsys, flag, value):
+    code, _, err = run_cli(["plan", "--model", "7b", flag, value], capsys)
+    assert code == 2 and f"argument {flag}: expected" in failure_line(err)
+
+
+def test_plan_refuses_a_family_it_does_not_price_with_another_family_s_fields(llama_config, tmp_path, capsys):
+    """A Mamba config given a Llama's attention fields is no attention model: not planned as Llama (case 11)."""
+    path = written_model_config(tmp_path / "mamba", {**llama_config, "model_type": "mamba"})
+    code, _, err = run_cli(["plan", "--model", str(path.parent)], capsys)
+    assert code == 2 and "model type 'mamba' has no hidden_size" in failure_line(err)
+    code, _, err = run_cli(["plan", "--model", str(written_model_config(tmp_path / "llama", llama_config))], capsys)
+    assert code == 0, err
+
+
+def test_plan_refuses_nf4_where_bcd_refuses_it(llama_config, tmp_path, capsys):
+    """nf4 codes 64-element blocks: a 20x40 linear cannot be held in nf4, in plan as in bcd (case 11)."""
+    odd = {**llama_config, "hidden_size": 40, "intermediate_size": 100, "head_dim": 10}
+    spec = str(written_model_config(tmp_path / "odd", odd).parent)
+    code, _, err = run_cli(["plan", "--model", spec, "--frozen-dtype", "nf4"], capsys)
+    assert code == 2 and "frozen dtype nf4 needs weights whose element count is divisible by 64" in failure_line(err)
+    assert run_cli(["plan", "--model", spec, "--frozen-dtype", "int8"], capsys)[0] == 0
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec)).save_pretrained(spec)
+    capsys.readouterr()  # save_pretrained's progress bar
+    code, _, err = run_cli(["bcd", "--model", spec, "--tokenizer", "byte", "--frozen-dtype", "nf4", "--expand",
+                            "none", "--seq-len", "16", "--batch-size", "2", "--steps-per-visit", "1",
+                            "--eval-tokens", "0", "--out", str(tmp_path / "run")], capsys)
+    assert code == 2 and "frozen dtype nf4 needs weights whose element count is divisible by 64" in failure_line(err)
