@@ -135,3 +135,29 @@ def test_plan_refuses_nf4_where_bcd_refuses_it(llama_config, tmp_path, capsys):
                             "none", "--seq-len", "16", "--batch-size", "2", "--steps-per-visit", "1",
                             "--eval-tokens", "0", "--out", str(tmp_path / "run")], capsys)
     assert code == 2 and "frozen dtype nf4 needs weights whose element count is divisible by 64" in failure_line(err)
+
+
+def child_stderr(args: list[str], cwd) -> str:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stderr
+
+
+@pytest.mark.slow
+def test_what_torchao_s_import_prints_is_shown_with_verbose_only(corpus, tmp_path):
+    """Case 16: torchao's and torch pytree's import-time warnings (those a bare `import torchao` prints here) stay
+    off a run's stderr, and --verbose shows them."""
+    printed = [line for line in child_stderr(["-c", "import torchao"], tmp_path).splitlines() if line.strip()]
+    run = ["-m", "pipelines.cli", "bcd", "--model", "tiny-llama", "--optimizer", "adam8bit", "--seq-len", "16",
+           "--batch-size", "2", "--steps-per-visit", "1", "--total-steps", "1", "--eval-tokens", "0", "--data",
+           corpus, "--pre-inference", "off"]
+    quiet = child_stderr([*run, "--out", str(tmp_path / "quiet")], tmp_path)
+    verbose = child_stderr([*run, "--out", str(tmp_path / "verbose"), "--verbose"], tmp_path)
+    assert not any(line.split(":")[0] in quiet for line in printed), quiet
+    assert "Failed to load" not in quiet and "_pytree" not in quiet
+    assert all(line.split(":")[0] in verbose for line in printed), verbose
