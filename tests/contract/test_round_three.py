@@ -161,3 +161,28 @@ def test_what_torchao_s_import_prints_is_shown_with_verbose_only(corpus, tmp_pat
     assert not any(line.split(":")[0] in quiet for line in printed), quiet
     assert "Failed to load" not in quiet and "_pytree" not in quiet
     assert all(line.split(":")[0] in verbose for line in printed), verbose
+
+
+@pytest.fixture(scope="module")
+def kept_run(corpus, tmp_path_factory):
+    """A tiny bcd run with --eval-tokens and --max-samples whose boundary-2 store it kept (block 1 above it trains
+    last, so the store's prefix is the run's final one)."""
+    out = tmp_path_factory.mktemp("kept") / "run"
+    assert main(["bcd", "--model", "tiny-llama", "--seq-len", "16", "--batch-size", "2", "--steps-per-visit", "1",
+                 "--eval-tokens", "128", "--max-samples", "40", "--blocks", "2", "--pre-inference", "on",
+                 "--keep-stores", "--data", corpus, "--out", str(out)]) == 0
+    return out
+
+
+def test_verify_checks_the_stores_of_a_run_with_its_own_samples(kept_run, corpus, capsys):
+    """Case 13: the run's stores hold its --max-samples and --eval-tokens samples; verify reads them from the run
+    directory, or takes the flags beside an export."""
+    store = str(kept_run / "stores" / "boundary-2")
+    code, out, _ = run_cli(["verify", store, "--model", str(kept_run), "--sample", "2"], capsys)
+    assert code == 0 and out.strip().endswith("verify: OK") and "bit-exact" in out
+    export = ["verify", store, "--model", str(kept_run / "export"), "--tokenizer", "byte", "--data", corpus,
+              "--sample", "2"]
+    code, out, _ = run_cli([*export, "--eval-tokens", "128", "--max-samples", "40"], capsys)
+    assert code == 0 and out.strip().endswith("verify: OK")
+    code, out, _ = run_cli(export, capsys)  # other samples than the run's: the dataset's fingerprint differs
+    assert code == 1 and "STALE" in out and "dataset" in out
