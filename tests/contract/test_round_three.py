@@ -186,3 +186,33 @@ def test_verify_checks_the_stores_of_a_run_with_its_own_samples(kept_run, corpus
     assert code == 0 and out.strip().endswith("verify: OK")
     code, out, _ = run_cli(export, capsys)  # other samples than the run's: the dataset's fingerprint differs
     assert code == 1 and "STALE" in out and "dataset" in out
+
+
+@pytest.mark.parametrize("expand", ["lowrank", "none"])
+def test_a_raised_budget_on_resume_continues_the_cut_visit_to_the_larger_budget_s_weights(corpus, tmp_path, capsys,
+                                                                                          expand):
+    """Case 3: 2 blocks, 3 steps a visit, 2 sweeps, cut by --total-steps 4 (visit 1 after 1 of its 3 steps), then
+    --resume --total-steps 12: the export equals the run started with 12, tensor for tensor, bit for bit (the cut
+    visit's low-rank factors continue, not merged and drawn again)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    flags = ["bcd", "--model", "tiny-llama", "--seq-len", "16", "--batch-size", "2", "--steps-per-visit", "3",
+             "--blocks", "2", "--sweeps", "2", "--eval-tokens", "32", "--pre-inference", "off", "--expand", expand,
+             "--data", corpus, "--lr", "1e-3"]
+    cut, straight = tmp_path / "cut", tmp_path / "straight"
+    assert run_cli([*flags, "--out", str(cut), "--total-steps", "4"], capsys)[0] == 0
+    assert run_cli(["bcd", "--out", str(cut), "--resume", "--total-steps", "12"], capsys)[0] == 0
+    assert run_cli([*flags, "--out", str(straight), "--total-steps", "12"], capsys)[0] == 0
+    resumed, expected = (load_file(str(run / "export" / "model.safetensors")) for run in (cut, straight))
+    assert resumed.keys() == expected.keys()
+    assert all(torch_equal(resumed[name], expected[name]) for name in expected)
+    steps = [json.loads(line) for line in (cut / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in steps if r["kind"] == "step") == 12
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)
