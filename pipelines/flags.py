@@ -101,13 +101,15 @@ def use_s3_endpoint(args: argparse.Namespace) -> None:
 
 def data_flags(args: argparse.Namespace, base: Config) -> DataConfig:
     """The data section of a run's config (`base`) with the data flags given on top: --data, --dataset-split,
-    --skip-unrenderable, --eval-fraction, --token-store and, where the command takes it, --seq-len."""
+    --skip-unrenderable, --eval-fraction, --token-store and, where the command takes them, --seq-len,
+    --eval-tokens and --max-samples."""
     data = base.data
+    given = {key: getattr(args, key) for key in ("eval_tokens", "max_samples") if getattr(args, key, None) is not None}
     return replace(data, path=args.data or data.path, token_store=args.token_store or data.token_store,
                    dataset_split=args.dataset_split or data.dataset_split,
                    skip_unrenderable=args.skip_unrenderable or data.skip_unrenderable,
                    eval_fraction=data.eval_fraction if args.eval_fraction is None else args.eval_fraction,
-                   seq_len=getattr(args, "seq_len", None) or data.seq_len)
+                   seq_len=getattr(args, "seq_len", None) or data.seq_len, **given)
 
 
 def config_from_args(args: argparse.Namespace, path: str | None = None) -> Config:

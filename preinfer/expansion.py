@@ -38,6 +38,7 @@ from transformers.pytorch_utils import Conv1D
 
 from preinfer.config import Config
 from preinfer.config.rules import resolved_expand
+from preinfer.errors import UsageError
 from preinfer.moe import sparse_blocks
 from preinfer.optim import resolved_lr
 from preinfer.partition import Block
@@ -89,12 +90,24 @@ class Factors:
         self.handle.remove()
 
 
+def check_rank(staged: StagedModel, rank: int) -> None:
+    """Refuse, in one line, a rank above the smallest width (rows or columns) of the layers' linear weights."""
+    widths = [min(module.weight.shape) for module, _ in linear_weights(list(staged.layers))]
+    if widths and rank > min(widths):
+        raise UsageError(f"--expand-rank {rank} ([blocks] expand_rank): expected at most {min(widths)}, the "
+                         f"narrowest width of the model's linear weights (a rank-{min(widths)} update is already "
+                         f"full rank there)")
+
+
 class LowRankExpansion:
     """`--expand lowrank` (see the module's docstring)."""
 
     def __init__(self, staged: StagedModel, rank: int, lr: float | None, seed: int = 0,
                  step: Callable[[], int] = lambda: 0):
-        """`step`: the run's global step now (the factors of a visit are drawn from it, the seed and the block)."""
+        """`step`: the run's global step now (the factors of a visit are drawn from it, the seed and the block);
+        a rank above the narrowest linear's width is refused (its factors could hold no more than a full-rank
+        update, at rank x (in + out) floats each)."""
+        check_rank(staged, rank)
         self.staged, self.rank, self.lr, self.seed, self.step = staged, rank, lr, seed, step
         self.factors: list[Factors] = []
 
