@@ -101,7 +101,6 @@ REFERENCE_TABLE6 = ("The reference's Table 6 (Llama-2-7B, Alpaca): BCD training 
                     "eval loss BCD 1.192, LoRA 1.931, full fine-tuning 1.269. GPT-2 1.5B: BCD 4.35, full 4.37.")
 
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # The comparison.
 

@@ -131,7 +131,6 @@ def run_flags(args: argparse.Namespace, method: str, data: str, lr: float, out: 
     return flags + ["--ranges", args.ranges, "--pre-inference", PRE_INFERENCE.get(method, "off")]
 
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # One run, as a process of its own.
 

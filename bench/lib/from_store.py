@@ -136,8 +136,6 @@ def pieces(args: argparse.Namespace, staged, partition, active: int, data) -> di
                 repeats=args.piece_repeats)
 
 
-
-
 def store_dtype_runs(args: argparse.Namespace, root: Path) -> dict:
     """The top block of a trained run trained from a store in each dtype: final eval loss, reader wait."""
     staged, data = trained_model(args.trained)

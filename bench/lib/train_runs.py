@@ -30,8 +30,6 @@ def base_config(args: argparse.Namespace, **sections) -> Config:
     return load_config(overrides=overrides)
 
 
-
-
 class Run:
     """One trainer visit of the top block; collects its step records."""
 
@@ -68,7 +66,6 @@ def train_once(staged, partition, active: int, config: Config, sources: LiveSour
         for source in (sources.train, sources.eval):
             source.close()
     return run
-
 
 
 def timed_run(config: Config, out: Path) -> tuple[dict, list[Record], float, float]:
