@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Iterable
 from dataclasses import fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from preinfer.config import Config, DataConfig, check_resume, load_config
 from preinfer.errors import UsageError
@@ -19,10 +19,14 @@ from pipelines.command_flags import COMMAND_FLAGS, FLAGS, SHARED_FLAGS
 from pipelines.flag_table import PRE_INFERENCE_FLAGS, STORE_FLAGS, TRAINING_FLAGS, Flag, shown
 from pipelines.flag_types import device_problem, local_directory, store_location
 
+if TYPE_CHECKING:
+    from preinfer.run_dir import RunDir
+
 __all__ = [
     "COMMAND_FLAGS", "CONFIG_FLAGS", "DATA_FLAGS", "FLAGS", "PRE_INFERENCE_FLAGS", "SHARED_FLAGS", "STORE_FLAGS",
     "TRAINING_FLAGS", "Flag", "add_flags", "add_training_flags", "config_for_command", "config_from_args",
-    "data_flags", "flag", "option_defaults", "print_summary", "shown", "summary_line", "use_s3_endpoint",
+    "data_flags", "flag", "option_defaults", "print_summary", "run_dir", "shown", "summary_line",
+    "use_s3_endpoint",
 ]
 
 # The flag that sets each config key, by "section.key".
@@ -117,12 +121,17 @@ def config_from_args(args: argparse.Namespace, path: str | None = None) -> Confi
     return load_config(path or args.config, overrides, flags=CONFIG_FLAGS)
 
 
+def run_dir(args: argparse.Namespace) -> RunDir:
+    """The run directory of a `bcd` or `train` command: its --out, or the default one."""
+    from preinfer.run_dir import RunDir  # imports torch: `plan` and the command list load this module without it
+
+    return RunDir(args.run__out or Config().run.out)
+
+
 def config_for_command(args: argparse.Namespace) -> Config:
     """The config of a `bcd` or `train` run: with --resume the run's own config.toml, else --config; then
     the flags (with --resume, only those of RESUMABLE_KEYS may change it); refused before anything is opened."""
-    from preinfer.run_dir import RunDir  # imports torch: `plan` and the command list load this module without it
-
-    run = RunDir(args.run__out or Config().run.out)
+    run = run_dir(args)
     path = str(run.config) if args.resume else None
     config = config_from_args(args, path=path)
     problem = device_problem(config.run.device)

@@ -7,11 +7,9 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-import preinfer
 from preinfer.config import Config
 from preinfer.errors import UsageError
 from preinfer.batch_source import LiveSources
-from pipelines.cache import default_samples_per_shard
 from pipelines.data import batches
 from pipelines.data.token_store import TokenStoreDataset
 from pipelines.data.corpus import CorpusDigest
@@ -30,7 +28,7 @@ class Datasets:
 def load_datasets(config: Config, quiet: bool = False, corpus: CorpusDigest | None = None) -> Datasets:
     """The run's splits, read lazily from the token store of --data (built first if need be: by rank 0 alone
     while the other ranks wait). --max-samples takes each split's first samples, --eval-tokens caps eval.
-    `corpus`: the corpus's fingerprint where the run has it already (`pipelines.jobs.inputs.run_corpus`)."""
+    `corpus`: the corpus's fingerprint where the run has it already (`pipelines.training.inputs.run_corpus`)."""
     m = config.model
     choice = model_tokenizer(m.tokenizer, m.name, m.chat_template, m.chat_template_name)
     tokenizer, d = choice.tokenizer, config.data
@@ -57,14 +55,6 @@ def check_batch_size(batch_size: int, samples: int, split: str) -> None:
     if batch_size > samples:
         raise UsageError(f"--batch-size {batch_size} is more than the {samples} samples of {split}; give at most "
                          f"{samples}")
-
-
-def samples_per_shard(config: Config, staged: preinfer.StagedModel) -> int:
-    """The configured shard size, or the caching job's default for boundary states in the compute dtype (the
-    same as `preinfer cache` picks, so live and stored runs read in the same order)."""
-    if config.data.samples_per_shard:
-        return config.data.samples_per_shard
-    return default_samples_per_shard(config.data.seq_len, staged.hidden_size, staged.compute_dtype)
 
 
 def live_sources(data: Datasets, config: Config, shard: int, rank: int = 0, world: int = 1) -> LiveSources:

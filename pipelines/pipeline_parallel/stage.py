@@ -17,7 +17,6 @@ weights into `checkpoint/model.safetensors`, which the export and `--model RUN_D
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from preinfer.atomic_write import write_atomically
 from preinfer.batch_source import BatchSource
 from preinfer.checkpoint import WEIGHTS, Checkpoint, load_checkpoint, save_checkpoint
 from preinfer.config import Config
@@ -231,6 +231,4 @@ def gather_weights(files: list[Path], out: Path) -> None:
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         tensors.update(load_file(str(file)))
-    tmp = out.with_name(out.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out)
+    write_atomically(out, lambda file: save_file(tensors, str(file), metadata={"format": "pt"}))
