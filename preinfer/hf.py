@@ -46,7 +46,8 @@ from torch import nn
 from transformers import TrainerCallback
 
 from preinfer.block_order import parse_fixed_order, sweep_order
-from preinfer.config import config_from_arguments
+from preinfer.config import ArgumentNaming, config_from_arguments
+from preinfer.config.resolved import check_resolved
 from preinfer.config.choices import BlockOrder, Expand, LrDecay, Optimizer, Precision
 from preinfer.errors import UsageError
 from preinfer.expansion import expansion_hooks
@@ -65,6 +66,7 @@ ARGUMENTS = {"steps_per_visit": "stop.steps_per_visit", "ufp": "blocks.ufp", "bl
              "keep_state": "optim.keep_state", "precision": "run.precision", "fused_step": "optim.fused_step",
              "block_lr": "optim.block_lr", "expand": "blocks.expand", "expand_rank": "blocks.expand_rank",
              "expand_lr": "blocks.expand_lr"}
+NAMING = ArgumentNaming("BlockCoordinateDescent", {key: argument for argument, key in ARGUMENTS.items()})
 _BCD_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its BlockCoordinateDescent
 
 
@@ -168,6 +170,7 @@ class BlockCoordinateDescent:
         if previous is not None:  # one BCD at a time holds a model's hooks and masters: the newer one
             previous.close()
         self.precision = apply_precision(model, config.run.precision)
+        check_resolved(config, self.precision, NAMING)  # the rules judge the precision auto resolved to
         self.staged = stage(model)
         self.partition = make_partition(self.staged, ufp=None if b.ufp is None else parse_ufp(b.ufp),
                                         num_blocks=b.blocks, ranges=b.ranges, separate_ends=b.separate_ends)

@@ -30,6 +30,7 @@ from preinfer.checkpoint import STATE
 from preinfer.config import Config
 from preinfer.errors import DivergedError, PreinferError, UsageError
 from preinfer.evaluation import eval_mode
+from preinfer.config.resolved import check_resolved
 from preinfer.expansion import expansion_hooks, expansion_of
 from preinfer.frozen_weights import frozen_weight_hooks
 from preinfer.layout import Layout, replica_layout
@@ -88,7 +89,7 @@ class Trainer:
                              f"{self.precision}")
         self.sweeps = Sweeps(staged, partition, config, sources, self.scaler, clock, self.emit,
                              lambda: self.checkpoint_dir / STATE, active_block, self.world_size)
-        config.validate()  # direct callers too: every rule that needs only the config
+        check_resolved(config, self.precision)  # direct callers too: every rule, on the resolved run
         self.lifecycle = VisitLifecycle(staged, config, self.layout, self.optimizers, self.experts, meter,
                                         hooks=[*frozen_weight_hooks(staged, config),
                                                *expansion_hooks(staged, config, lambda: self.progress.global_step)])

@@ -75,8 +75,14 @@ def config_from_arguments(caller: str, keys: Mapping[str, str], values: Mapping[
     config = Config()
     for name, value in values.items():
         section, key = keys[name].split(".")
-        setattr(getattr(config, section), key, value)
+        target = getattr(config, section)
+        listed = isinstance(value, (list, tuple)) and _field(target, key).metadata.get("comma_list")
+        setattr(target, key, comma_text(list(value)) if listed else value)
     return config.validate(ArgumentNaming(caller, {key: name for name, key in keys.items()}))
+
+
+def _field(section: Any, key: str) -> Any:
+    return next(item for item in fields(section) if item.name == key)
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | None = None,
@@ -89,6 +95,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
     in_file = _apply(config, _read_toml(Path(path)), source=str(path)) if path is not None else set()
     in_flags = _apply(config, overrides or {}, source="flags")
     naming = SourceNaming(path, in_file, in_flags, flags or {})
+    _choose_partition(config, in_file - in_flags, Naming(), where=f"{path}: ")
     _choose_partition(config, in_flags, naming)
     stop = config.stop
     if stop.steps_per_visit is None and stop.epochs_per_visit is None and stop.patience is None:
@@ -96,12 +103,13 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
     return config.validate(naming)
 
 
-def _choose_partition(config: Config, in_flags: set[str], naming: Naming) -> None:
-    """A partition key given as an override (ufp, blocks or ranges: at most one) unsets the file's others."""
-    chosen = [key for key in PARTITION_ORDER if f"blocks.{key}" in in_flags]
+def _choose_partition(config: Config, given: set[str], naming: Naming, where: str = "") -> None:
+    """A partition key given by one source (ufp, blocks or ranges: at most one) unsets the others: an override's
+    the file's, the file's the defaults'."""
+    chosen = [key for key in PARTITION_ORDER if f"blocks.{key}" in given]
     if len(chosen) > 1:
         given = ", ".join(naming.key("blocks", key) for key in chosen)
-        raise UsageError(f"give only one of {', '.join(naming.key('blocks', key) for key in PARTITION_ORDER)} "
+        raise UsageError(f"{where}give only one of {', '.join(naming.key('blocks', key) for key in PARTITION_ORDER)} "
                          f"(got {given})")
     for key in PARTITION_ORDER:
         if chosen and key != chosen[0]:
@@ -144,6 +152,8 @@ def _apply(config: Config, values: dict, source: str) -> set[str]:
                 parse = keys[key].metadata.get("parse")
                 where = f"{source}: [{section}] {key}"
                 parsed = _parse(value, parse, where) if parse else _number(value, field_hint(type(target), key))
+                if isinstance(parsed, list) and keys[key].metadata.get("comma_list"):
+                    parsed = comma_text(parsed)
                 setattr(target, key, parsed)
                 applied.add(f"{section}.{key}")
     return applied
@@ -155,6 +165,11 @@ def _parse(value: Any, parse: Callable[[Any], Any], where: str) -> Any:
         return parse(value)
     except UsageError as error:
         raise UsageError(f"{where} = {value!r}: {error}") from None
+
+
+def comma_text(items: list) -> str:
+    """A comma-list key written as a list (TOML's `[1, 0.5]`, a Python list) in the comma form the key holds."""
+    return ",".join(str(item) for item in items)
 
 
 def _number(value: Any, hint: Any) -> Any:

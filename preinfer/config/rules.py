@@ -264,12 +264,15 @@ def expand_conflicts(c: Any, expand: str) -> Iterator[Problem]:
                                   "unscale the suffix's gradients)"
 
 
-def resolved_expand(c: Any) -> str:
-    """[blocks] expand with auto resolved from the config alone: lowrank in a BCD run where nothing it does not run
-    with is set, else none (`preinfer.expansion.expansion_of` also turns it off on a mixture-of-experts model)."""
+def resolved_expand(c: Any, sparse: bool = False) -> str:
+    """[blocks] expand with auto resolved: lowrank in a BCD run of a dense model (not `sparse`: a mixture of experts,
+    whose fused experts it would not reach) where nothing it does not run with is set, else none. The one rule of
+    `auto`: the trainer (`preinfer.expansion.expansion_of`), the planner (`preinfer.memory.expansion`) and the run
+    record (`preinfer.config.resolved`) all resolve it here."""
     if c.blocks.expand != "auto":
         return c.blocks.expand
-    return "lowrank" if c.run.mode == "bcd" and not any(expand_conflicts(c, "lowrank")) else "none"
+    runs = c.run.mode == "bcd" and not sparse and not any(expand_conflicts(c, "lowrank"))
+    return "lowrank" if runs else "none"
 
 
 def pipeline_problems(c: Any) -> Iterator[Problem]:
