@@ -55,7 +55,7 @@ from preinfer.hf_optimizer import BlockOptimizer, VisitSchedule
 from preinfer.memory.meter import MemoryMeter
 from preinfer.families import stage
 from preinfer.partition import make_partition, parse_ufp
-from preinfer.precision import apply_precision
+from preinfer.precision import resolve_precision, weights_dtype
 
 # BlockCoordinateDescent's arguments that are config keys: argument -> "section.key".
 ARGUMENTS = {"steps_per_visit": "stop.steps_per_visit", "ufp": "blocks.ufp", "blocks": "blocks.blocks",
@@ -136,14 +136,15 @@ class BlockCoordinateDescent:
         config = config_from_arguments("BlockCoordinateDescent", ARGUMENTS, options)  # refused before the model
         # is cast or staged
         b, seed = config.blocks, config.run.seed
-        previous = _BCD_OF.get(model)
-        if previous is not None:  # one BCD at a time holds a model's hooks and masters: the newer one
-            previous.close()
-        self.precision = apply_precision(model, config.run.precision)
-        check_resolved(config, self.precision, NAMING)  # the rules judge the precision auto resolved to
+        self.precision = resolve_precision(config.run.precision, weights_dtype(model))
         self.staged = stage(model)
         self.partition = make_partition(self.staged, ufp=None if b.ufp is None else parse_ufp(b.ufp),
                                         num_blocks=b.blocks, ranges=b.ranges, separate_ends=b.separate_ends)
+        check_resolved(config, self.precision, NAMING, len(self.partition))  # the rules judge the resolved run
+        previous = _BCD_OF.get(model)
+        if previous is not None:  # one BCD at a time holds a model's hooks and masters: the newer one
+            previous.close()
+        self.precision.apply(model)
         count = len(self.partition)
         fixed = parse_fixed_order(b.fixed_order, count) if b.fixed_order else None
         sweep_order(b.order, count, 0, seed, b.start_block, fixed)  # a bad order or start block is refused here

@@ -73,6 +73,7 @@ class Trainer:
         self.progress = RunPosition()
         self.wall_s = 0.0  # time spent in fit()
         self.precision = precision if precision is not None else apply_precision(staged.model, config.run.precision)
+        check_resolved(config, self.precision, blocks=len(partition))  # direct callers too: the resolved run
         self.optimizers = VisitOptimizers(config.optim, self.precision, torch.device(config.run.device).type,
                                           len(partition))
         self.visit: VisitOptimizer | None = None  # the visit's optimizer and masters; None between visits
@@ -89,7 +90,6 @@ class Trainer:
                              f"{self.precision}")
         self.sweeps = Sweeps(staged, partition, config, sources, self.scaler, clock, self.emit,
                              lambda: self.checkpoint_dir / STATE, active_block, self.world_size)
-        check_resolved(config, self.precision)  # direct callers too: every rule, on the resolved run
         self.lifecycle = VisitLifecycle(staged, config, self.layout, self.optimizers, self.experts, meter,
                                         hooks=[*frozen_weight_hooks(staged, config),
                                                *expansion_hooks(staged, config, lambda: self.progress.global_step)])

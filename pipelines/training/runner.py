@@ -111,7 +111,7 @@ def resolve(config: Config, layout: OneProcess | PipelineLayout, first: int) -> 
     precision.apply(model)
     staged = preinfer.stage(model)
     partition, active = partition_for(staged, config, first_layer=first, precision=precision)
-    resolved = resolve_run(check_resolved(config, precision, flag_naming()), precision,
+    resolved = resolve_run(check_resolved(config, precision, flag_naming(), len(partition)), precision,
                            sparse=bool(sparse_blocks(staged.layers)), blocks=len(partition))
     return Resolution(model, loaded, precision, staged, partition, active, resolved)
 

@@ -5,10 +5,12 @@ rules judge the config as it resolved (`check_resolved`), not as it was written.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from preinfer.config.rules import Naming, check, resolved_expand
+from preinfer.config.choices import names
+from preinfer.config.rules import Naming, Problem, check, resolved_expand
 from preinfer.config.sections import Config
 
 # The resident dtype of each run precision: what `[pre_inference] store_dtype = "auto"` stores (bit for bit) and
@@ -58,9 +60,18 @@ class ResolvedNaming(Naming):
         return self.naming.value(section, key, value)
 
 
-def check_resolved(config: Config, precision: str, naming: Naming | None = None) -> Config:
-    """`config` if every rule holds for the run it resolves to (the precision `auto` became: `precision`); else the
-    one-line UsageError of `Config.validate`, naming a resolved precision as what it resolved from and to."""
+def check_resolved(config: Config, precision: str, naming: Naming | None = None, blocks: int | None = None) -> Config:
+    """`config` if every rule holds for the run it resolves to (the precision `auto` became: `precision`; the
+    partition's `blocks`, where it is known); else the one-line UsageError of `Config.validate`, naming a resolved
+    precision as what it resolved from and to."""
     resolved = dataclasses.replace(config, run=dataclasses.replace(config.run, precision=str(precision)))
-    check(resolved, ResolvedNaming(naming or Naming(), config.run.precision, str(precision)))
+    check(resolved, ResolvedNaming(naming or Naming(), config.run.precision, str(precision)),
+          partition_problems(config, blocks))
     return config
+
+
+def partition_problems(config: Config, blocks: int | None) -> Iterator[Problem]:
+    """The rules of the partition's size: a listed block rate per block."""
+    rates = config.optim.block_lr
+    if blocks is not None and rates is not None and ":" not in rates and len(names(rates)) != blocks:
+        yield "optim", "block_lr", f"{blocks} factors, one per block of the partition (or a rule depth:LO..HI)"

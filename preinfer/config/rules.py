@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields
 from itertools import chain
 from typing import Any, Literal, get_origin
@@ -299,11 +299,11 @@ class _Keys:
         return self.naming.key(self.section, key)
 
 
-def check(config: Any, naming: Naming | None = None) -> None:
-    """Refuse the first key that breaks a rule, in one line: the key and its value as `naming` names them, and
-    what was expected."""
+def check(config: Any, naming: Naming | None = None, more: Iterable[Problem] = ()) -> None:
+    """Refuse the first key that breaks a rule (those of `more` after the config's own), in one line: the key and
+    its value as `naming` names them, and what was expected."""
     naming = naming or Naming()
-    for section, key, expected in chain(key_problems(config), rule_problems(config)):
+    for section, key, expected in chain(key_problems(config), rule_problems(config), more):
         keys = {item.name: _Keys(naming, item.name) for item in fields(config)}
         value = getattr(getattr(config, section), key)
         raise UsageError(f"{naming.value(section, key, value)}: expected {expected.format(**keys)}")
