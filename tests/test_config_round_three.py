@@ -73,11 +73,11 @@ def test_an_hf_checkpoint_resumes_with_the_arguments_it_was_trained_with():
 @pytest.mark.slow
 @pytest.mark.parametrize("flags, named", [
     (["--keep-optimizer-state"], "[optim] keep_state False -> True"),  # case 10: blamed the run's own config.toml
-    (["--expand", "sgd", "--keep-optimizer-state"], "[blocks] expand"),  # the same class, two keys changed
+    (["--pipeline", "2"], "[run] pipeline 1 -> 2"),  # the same class: another rule of the saved lowrank
 ])
 def test_a_cli_resume_names_the_flag_it_changes_not_the_saved_config(flags, named, tmp_path, capsys):
     out = tmp_path / "run"
-    assert run_cli(["bcd", *QUICK, "--out", str(out), "--total-steps", "1"], capsys)[0] == 0  # lowrank (auto)
+    assert run_cli(["bcd", *QUICK, "--out", str(out), "--total-steps", "1", "--expand", "lowrank"], capsys)[0] == 0
     before = tree(out)
     code, _, err = run_cli(["bcd", *QUICK, "--out", str(out), "--resume", *flags], capsys)
     line = failure_line(err)
