@@ -12,10 +12,7 @@ from typing import Any
 from preinfer.config.choices import names
 from preinfer.config.rules import Naming, Problem, check, resolved_expand
 from preinfer.config.sections import Config
-
-# The resident dtype of each run precision: what `[pre_inference] store_dtype = "auto"` stores (bit for bit) and
-# `[model] frozen_dtype = "auto"` holds.
-RESIDENT_DTYPE_NAMES = {"fp32": "float32", "bf16-mixed": "bfloat16", "fp16-mixed": "float16"}
+from preinfer.precision import Precision
 
 
 @dataclass(frozen=True)
@@ -35,7 +32,7 @@ class ResolvedRun:
 def resolve_run(config: Config, precision: str, sparse: bool, blocks: int) -> ResolvedRun:
     """The run of `config` in the resolved `precision`, on a model with sparse (mixture-of-experts) layers or not,
     partitioned into `blocks` blocks."""
-    resident = RESIDENT_DTYPE_NAMES[str(precision)]
+    resident = str(Precision(precision).resident_dtype).removeprefix("torch.")  # what auto stores and holds
     store, frozen = config.pre_inference.store_dtype, config.model.frozen_dtype
     return ResolvedRun(precision=str(precision), expand=resolved_expand(config, sparse),
                        frozen_dtype=resident if frozen == "auto" else frozen,
