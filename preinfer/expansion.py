@@ -165,12 +165,9 @@ def visit_seed(seed: int, step: int, block: int) -> int:
 
 
 def expansion_of(staged: StagedModel, config: Config) -> str:
-    """The expansion a run of `staged` with `config` makes: [blocks] expand, auto resolved (lowrank where it runs,
-    none on a mixture-of-experts model, whose fused experts it would not reach and the planner does not price)."""
-    expand = resolved_expand(config)
-    if config.blocks.expand == "auto" and sparse_blocks(staged.layers):
-        return "none"
-    return expand
+    """The expansion a run of `staged` with `config` makes: [blocks] expand, auto resolved by `resolved_expand`
+    (none on a mixture-of-experts model)."""
+    return resolved_expand(config, sparse=bool(sparse_blocks(staged.layers)))
 
 
 def expansion_hooks(staged: StagedModel, config: Config, step: Callable[[], int]) -> list[LowRankExpansion |

@@ -20,16 +20,13 @@ from enum import StrEnum
 import torch
 from torch import nn
 
+from preinfer.config.choices import RUN_PRECISIONS
 from preinfer.errors import CheckpointError, UsageError
 
-class Precision(StrEnum):
+class _Precision(StrEnum):
     """A run's training precision, resolved once (`resolve_precision`) and read by everything after: the trainer,
     the pipeline's stages, `preinfer.hf`. A string enum, so that it is its name wherever a name is written (records,
-    JSON, the memory planner's tables)."""
-
-    FP32 = "fp32"
-    BF16_MIXED = "bf16-mixed"
-    FP16_MIXED = "fp16-mixed"
+    JSON, the memory planner's tables); its members are the config's vocabulary (`RUN_PRECISIONS`): `Precision`."""
 
     @property
     def resident_dtype(self) -> torch.dtype:
@@ -62,6 +59,8 @@ class Precision(StrEnum):
                 f"state for the active block only{scaling}; the model's weights were {name})")
 
 
+Precision = _Precision("Precision", {name.upper().replace("-", "_"): name for name in RUN_PRECISIONS},
+                       module=__name__)
 PRECISIONS = tuple(p.value for p in Precision)
 RESIDENT_DTYPES = {Precision.FP32: torch.float32, Precision.BF16_MIXED: torch.bfloat16,
                    Precision.FP16_MIXED: torch.float16}

@@ -30,6 +30,7 @@ from preinfer.checkpoint import STATE
 from preinfer.config import Config
 from preinfer.errors import DivergedError, PreinferError, UsageError
 from preinfer.evaluation import eval_mode
+from preinfer.config.resolved import check_resolved
 from preinfer.expansion import expansion_hooks, expansion_of
 from preinfer.frozen_weights import frozen_weight_hooks
 from preinfer.layout import Layout, replica_layout
@@ -72,6 +73,7 @@ class Trainer:
         self.progress = RunPosition()
         self.wall_s = 0.0  # time spent in fit()
         self.precision = precision if precision is not None else apply_precision(staged.model, config.run.precision)
+        check_resolved(config, self.precision, blocks=len(partition))  # direct callers too: the resolved run
         self.optimizers = VisitOptimizers(config.optim, self.precision, torch.device(config.run.device).type,
                                           len(partition))
         self.visit: VisitOptimizer | None = None  # the visit's optimizer and masters; None between visits
@@ -88,7 +90,6 @@ class Trainer:
                              f"{self.precision}")
         self.sweeps = Sweeps(staged, partition, config, sources, self.scaler, clock, self.emit,
                              lambda: self.checkpoint_dir / STATE, active_block, self.world_size)
-        config.validate()  # direct callers too: every rule that needs only the config
         self.lifecycle = VisitLifecycle(staged, config, self.layout, self.optimizers, self.experts, meter,
                                         hooks=[*frozen_weight_hooks(staged, config),
                                                *expansion_hooks(staged, config, lambda: self.progress.global_step)])

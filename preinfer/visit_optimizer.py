@@ -148,9 +148,6 @@ class VisitOptimizers:
 
     def __init__(self, optim: OptimConfig, precision: Precision, device_type: str, blocks: int = 1):
         """`blocks`: how many the partition has (for `block_lr`'s factors)."""
-        if optim.fused_step and precision.loss_scaling:
-            raise UsageError(f"--fused-step steps each tensor in backward, before {precision}'s loss scaling checks "
-                             f"every gradient: drop --fused-step, or train in bf16-mixed or fp32")
         self.optim, self.precision = optim, precision
         self.scaler = LossScaler(device_type, enabled=precision.loss_scaling)
         self._kept: dict[int, dict] = {}

@@ -116,4 +116,9 @@ OPEN_ENDED_DECAYS = ("none", "constant_with_warmup", "inverse_sqrt")
 # The optimizers with blockwise 8-bit moments (preinfer.low_bit, the torchao extra).
 LOW_BIT_OPTIMIZERS: tuple[str, ...] = ("adam8bit", "adamw8bit")
 TRACKERS = tuple(name for name in get_args(Tracker) if name != "none")
+# The dtypes a store may hold boundary states in (auto: the compute dtype): the one list the planner, the caching
+# job and the flags read; a name's bits are its first number (float8_e4m3: 8, bfloat16: 16).
+STORE_DTYPES: tuple[str, ...] = tuple(name for name in get_args(StoreDtype) if name != "auto")
+# The training precisions a run resolves to (auto: follows the model's weights): `preinfer.precision.Precision`.
+RUN_PRECISIONS: tuple[str, ...] = tuple(name for name in get_args(Precision) if name != "auto")
 EXPERT_PARTS = tuple(name for name in get_args(ExpertPart) if name != "none")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields
 from itertools import chain
 from typing import Any, Literal, get_origin
@@ -293,12 +293,15 @@ def expand_conflicts(c: Any, expand: str) -> Iterator[Problem]:
                                   "unscale the suffix's gradients)"
 
 
-def resolved_expand(c: Any) -> str:
-    """[blocks] expand with auto resolved from the config alone: lowrank in a BCD run where nothing it does not run
-    with is set, else none (`preinfer.expansion.expansion_of` also turns it off on a mixture-of-experts model)."""
+def resolved_expand(c: Any, sparse: bool = False) -> str:
+    """[blocks] expand with auto resolved: lowrank in a BCD run of a dense model (not `sparse`: a mixture of experts,
+    whose fused experts it would not reach) where nothing it does not run with is set, else none. The one rule of
+    `auto`: the trainer (`preinfer.expansion.expansion_of`), the planner (`preinfer.memory.expansion`) and the run
+    record (`preinfer.config.resolved`) all resolve it here."""
     if c.blocks.expand != "auto":
         return c.blocks.expand
-    return "lowrank" if c.run.mode == "bcd" and not any(expand_conflicts(c, "lowrank")) else "none"
+    runs = c.run.mode == "bcd" and not sparse and not any(expand_conflicts(c, "lowrank"))
+    return "lowrank" if runs else "none"
 
 
 def pipeline_problems(c: Any) -> Iterator[Problem]:
@@ -325,11 +328,11 @@ class _Keys:
         return self.naming.key(self.section, key)
 
 
-def check(config: Any, naming: Naming | None = None) -> None:
-    """Refuse the first key that breaks a rule, in one line: the key and its value as `naming` names them, and
-    what was expected."""
+def check(config: Any, naming: Naming | None = None, more: Iterable[Problem] = ()) -> None:
+    """Refuse the first key that breaks a rule (those of `more` after the config's own), in one line: the key and
+    its value as `naming` names them, and what was expected."""
     naming = naming or Naming()
-    for section, key, expected in chain(key_problems(config), rule_problems(config)):
+    for section, key, expected in chain(key_problems(config), rule_problems(config), more):
         keys = {item.name: _Keys(naming, item.name) for item in fields(config)}
         value = getattr(getattr(config, section), key)
         raise UsageError(f"{naming.value(section, key, value)}: expected {expected.format(**keys)}")
