@@ -34,8 +34,10 @@ from tests.helpers.training_runs import assert_close, cache_and_model, torchrun,
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["--seq-len", "32", "--samples-per-shard", "8", "--eval-fraction", "0.2", "--sweeps", "2",
-          "--steps-per-visit", "2", "--lr", "1e-3", "--seed", "0", "--pre-inference", "off", "--eval-tokens", "256"]
-STORE_RUN = ["--steps-per-visit", "2", "--lr", "1e-3", "--blocks", "2", "--seed", "0", "--eval-tokens", "256"]
+          "--steps-per-visit", "2", "--lr", "1e-3", "--seed", "0", "--pre-inference", "off", "--eval-tokens", "256",
+          "--expand", "none"]
+STORE_RUN = ["--steps-per-visit", "2", "--lr", "1e-3", "--blocks", "2", "--seed", "0", "--eval-tokens", "256",
+             "--expand", "none"]
 RUNS = {  # name: (model, blocks, more flags); each runs at --batch-size 4 --pipeline 2 --microbatches 2
     "llama": ("tiny-llama", "4", []),
     "gpt2": ("tiny-gpt2", "2", []),  # the tied wte = lm_head on both end stages, owned by block 0
@@ -91,10 +93,9 @@ def test_the_command_plan_prints_runs_on_the_pipeline_it_recommends(two_ranks):
 
 
 def one_process(tmp: Path, corpus: str, model: str, blocks: str, more: list[str], name: str) -> dict[str, torch.Tensor]:
-    """The same run in one process, over the same micro-batches (batch 2, two accumulated per step), without
-    landscape expansion, as a pipeline runs."""
+    """The same run in one process, over the same micro-batches (batch 2, two accumulated per step)."""
     assert main(["bcd", "--model", model, "--blocks", blocks, "--data", corpus, *COMMON, *more, "--batch-size", "2",
-                 "--grad-accum", "2", "--expand", "none", "--out", str(tmp / name)]) == 0
+                 "--grad-accum", "2", "--out", str(tmp / name)]) == 0
     return weights(str(tmp / name))
 
 
@@ -131,7 +132,7 @@ def test_training_from_a_store_on_two_stages_equals_one_process(two_ranks, tmp_p
     the model directory."""
     tmp, _ = two_ranks
     assert main(["train", "--store", str(tmp / "cache"), "--model", str(tmp / "model"), *STORE_RUN,
-                 "--batch-size", "2", "--grad-accum", "2", "--expand", "none", "--out", str(tmp_path / "one")]) == 0
+                 "--batch-size", "2", "--grad-accum", "2", "--out", str(tmp_path / "one")]) == 0
     pipeline, single = weights(str(tmp / "store")), weights(str(tmp_path / "one"))
     assert set(pipeline) == set(single) and not any(k.startswith("model.embed_tokens") for k in pipeline)
     assert_close(pipeline, single)
@@ -298,23 +299,6 @@ def test_bad_pipeline_input_is_one_line_and_exit_2(tmp_path, corpus, capsys, fla
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and expected in err
     assert not (tmp_path / "r").exists()
-
-
-def test_fp16_mixed_on_a_pipeline_is_refused_also_when_auto_resolves_to_it(tmp_path, corpus, capsys):
-    """Loss scaling has no finite check across stages: `--precision fp16-mixed`, and `auto` over float16 weights."""
-    model_dir = tmp_path / "fp16"
-    build_preset("tiny-llama", seed=0).to(torch.float16).save_pretrained(model_dir)
-    capsys.readouterr()  # save_pretrained's progress
-    for precision, model, line in [
-            ("fp16-mixed", "tiny-llama", "--precision fp16-mixed ([run] precision): expected bf16-mixed or fp32 on a "
-                                         "pipeline (fp16-mixed's loss scaling does not run there)"),
-            ("auto", str(model_dir), "--precision auto (fp16-mixed for the model's float16 weights): fp16-mixed (loss "
-                                     "scaling) does not run on a pipeline; give --precision bf16-mixed or fp32")]:
-        flags = ["--model", model, "--precision", precision, "--pipeline", "2", "--batch-size", "4"]
-        assert main([*bcd(tmp_path, corpus), *flags]) == 2
-        err = capsys.readouterr().err.strip()
-        assert err.splitlines() == [f"preinfer bcd: error: {line}"]
-        assert not (tmp_path / "r").exists()
 
 
 def test_stages_are_contiguous_with_the_ends_and_minimise_the_largest_stage():
