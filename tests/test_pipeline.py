@@ -17,6 +17,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from pipelines.cli import main
+from pipelines.pipeline_parallel.layout import PipelineLayout
+from preinfer.config import Config
 from preinfer.errors import UsageError
 from preinfer.memory.layer_spans import partition
 from preinfer.memory.settings import Settings
@@ -274,3 +276,14 @@ def test_gpipe_keeps_every_micro_batch_in_flight_and_1f1b_fewer():
 def test_more_stages_than_layers_is_refused():
     with pytest.raises(UsageError, match="more stages than the model's 4 layers"):
         cut_stages(resolve_shape("tiny-llama"), Settings(), 5, partition(resolve_shape("tiny-llama"), 2), 5)
+
+
+def test_the_fused_step_is_refused_with_replicas_of_a_pipeline_before_any_load():
+    """Their gradients are summed after backward; one replica (world size = stages) runs it."""
+    config = Config()
+    config.model.name, config.optim.fused_step, config.run.pipeline = "tiny-llama", True, 2
+    config.data.batch_size, config.stop.steps_per_visit = 4, 2
+    layout = PipelineLayout(config, 0)
+    layout.join(0, 2)
+    with pytest.raises(UsageError, match=r"^--fused-step steps each tensor .* before the 2 replicas sum the grad"):
+        layout.join(0, 4)

@@ -47,8 +47,13 @@ class PipelineLayout:
         self.stores: PreInference | None = None
 
     def join(self, rank: int, world: int) -> None:
-        """Refuse a world size the stages do not divide."""
-        check_degree(self.config.run.pipeline, world)
+        """Refuse a world size the stages do not divide, and the fused step with replicas (their gradients are
+        summed after backward)."""
+        replicas = check_degree(self.config.run.pipeline, world)
+        if self.config.optim.fused_step and replicas > 1:
+            raise UsageError(f"--fused-step steps each tensor as backward completes its gradient, before the "
+                             f"{replicas} replicas sum the gradients: drop --fused-step, or run one replica of the "
+                             f"pipeline (torchrun --nproc-per-node {self.config.run.pipeline})")
 
     @property
     def replica(self) -> int:

@@ -28,7 +28,7 @@ from torch import nn
 from preinfer.batch_source import BatchSource
 from preinfer.checkpoint import WEIGHTS, Checkpoint, load_checkpoint, save_checkpoint
 from preinfer.config import Config
-from preinfer.errors import PreinferError, UsageError
+from preinfer.errors import PreinferError
 from preinfer.forward_backward import to_device
 from preinfer.grad_buckets import BucketedAllReduce
 from preinfer.layout import any_rank
@@ -60,9 +60,6 @@ class StageLayout:
         self.reducer: BucketedAllReduce | None = None  # replicas: this stage's part of the active block
         self.tied_hooks: list = []  # while the tied weight's block trains: the hooks joining its two gradients
         self.tied_sends: list[dist.Work] = []  # the last stage's sends of this step's head parts
-        if config.optim.fused_step and mesh.replicas > 1:
-            raise UsageError("--fused-step steps each tensor as backward completes its gradient, before the "
-                             "replicas sum the gradients: drop --fused-step, or run one replica of the pipeline")
 
     def trained(self, block: Block) -> list[nn.Parameter]:
         """The parameters of `block` this stage holds and owns."""
