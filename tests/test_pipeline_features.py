@@ -1,7 +1,7 @@
 """Every feature on a pipeline of 2 (issue 44 part 5), each against the same run in one process (invariant 10:
 float32, relative 1e-5): frozen weights in int8 and nf4 on each stage, landscape expansion (lowrank and sgd) over
-the suffix layers each stage holds, the fused step, fp16-mixed's loss scaling agreed across the stages, kept
-optimizer state, adamw8bit and pre-inference on. All pipeline runs are one torchrun job of 2 gloo processes; the
+the suffix layers each stage holds, the fused step, fp16-mixed's loss scaling agreed across the stages (asked for,
+and resolved by auto from float16 weights), kept optimizer state, adamw8bit and pre-inference on and auto. All pipeline runs are one torchrun job of 2 gloo processes; the
 one-process references read the same samples in the same micro-batches (`--batch-size 2 --grad-accum 2` against
 `--batch-size 4 --microbatches 2`), as tests/test_pipeline.py's do.
 """
@@ -14,8 +14,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from pipelines.cli import main
+from pipelines.data.tokenizers import ByteTokenizer
 from preinfer.metrics import CacheRecord, StepRecord, VisitRecord, read_metrics
 from preinfer.precision import LossScaler
+from preinfer.presets import build_preset
 from preinfer.run_dir import RunDir
 from tests.helpers.training_runs import assert_close, torchrun, weights
 
@@ -24,40 +26,53 @@ BASE = ["--model", "tiny-llama", "--blocks", "2", "--seq-len", "32", "--samples-
         "--eval-tokens", "256", "--pre-inference", "off"]
 RUNS = {  # name: flags of a pipeline run and of its one-process reference
     "int8": ["--frozen-dtype", "int8", "--fused-step", "--expand", "none"],
-    "nf4": ["--frozen-dtype", "nf4", "--optimizer", "adamw8bit", "--expand", "none", "--pre-inference", "on"],
+    "nf4": ["--frozen-dtype", "nf4", "--optimizer", "adamw8bit", "--fused-step", "--expand", "none",
+            "--pre-inference", "on"],
     "lowrank": ["--expand", "lowrank", "--fused-step", "--optimizer", "adamw8bit"],
     "sgd": ["--expand", "sgd", "--expand-lr", "1e-2", "--keep-optimizer-state", "--pre-inference", "auto"],
     "fp16": ["--precision", "fp16-mixed", "--expand", "lowrank", "--pre-inference", "on"],
+    "fp16-auto": ["--model", "{float16}", "--precision", "auto"],  # resolved to fp16-mixed from the weights' dtype
 }
 RESUMED = {"int8": None, "lowrank": 1}  # halted after this global step (None: after one sweep), then resumed
 
 
-def run(corpus: str, name: str, out: Path, *flags: str) -> list[str]:
-    return ["bcd", *BASE, "--data", corpus, *RUNS[name], *flags, "--out", str(out)]
+def run(corpus: str, float16: Path, name: str, out: Path, *flags: str) -> list[str]:
+    """The command of run `name` (`float16`: the directory of a model in float16 weights)."""
+    given = [flag.format(float16=float16) for flag in RUNS[name]]
+    return ["bcd", *BASE, "--data", corpus, *given, *flags, "--out", str(out)]
 
 
 @pytest.fixture(scope="module")
-def two_stages(tmp_path_factory, corpus) -> Path:
+def float16(tmp_path_factory) -> Path:
+    """tiny-llama saved in float16, with its tokenizer."""
+    model_dir = tmp_path_factory.mktemp("float16") / "model"
+    build_preset("tiny-llama", seed=0).to(torch.float16).save_pretrained(model_dir)
+    ByteTokenizer().save(model_dir)
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def two_stages(tmp_path_factory, corpus, float16) -> Path:
     """Every RUNS entry on a pipeline of 2 stages, and the RESUMED ones halted and resumed: int8 after its first
     sweep, lowrank after step 1, mid-visit of block 0, whose factors on the stage holding layers above it the
     stage's checkpoint carries."""
     tmp = tmp_path_factory.mktemp("features2")
     pipeline = ["--batch-size", "4", "--pipeline", "2", "--microbatches", "2"]
-    runs, halts = [run(corpus, name, tmp / name, *pipeline) for name in RUNS], {}
+    runs, halts = [run(corpus, float16, name, tmp / name, *pipeline) for name in RUNS], {}
     for name, step in RESUMED.items():
         out = tmp / f"{name}-resumed"
         if step is None:
-            runs.append(run(corpus, name, out, *pipeline, "--sweeps", "1"))
+            runs.append(run(corpus, float16, name, out, *pipeline, "--sweeps", "1"))
         else:
             halts[len(runs)] = step
-            runs.append(run(corpus, name, out, *pipeline))
+            runs.append(run(corpus, float16, name, out, *pipeline))
         runs.append(["bcd", "--out", str(out), "--resume", "--sweeps", "2"])
     torchrun(tmp, 2, runs, halts=halts)
     return tmp
 
 
-def one_process(corpus: str, name: str, out: Path) -> dict[str, torch.Tensor]:
-    assert main(run(corpus, name, out, "--batch-size", "2", "--grad-accum", "2")) == 0
+def one_process(corpus: str, float16: Path, name: str, out: Path) -> dict[str, torch.Tensor]:
+    assert main(run(corpus, float16, name, out, "--batch-size", "2", "--grad-accum", "2")) == 0
     return weights(str(out))
 
 
@@ -65,8 +80,9 @@ def one_process(corpus: str, name: str, out: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", list(RUNS))
-def test_each_feature_on_two_stages_ends_with_the_weights_of_one_process(two_stages, corpus, tmp_path, name):
-    pipeline, single = weights(str(two_stages / name)), one_process(corpus, name, tmp_path / "one")
+def test_each_feature_on_two_stages_ends_with_the_weights_of_one_process(two_stages, corpus, float16, tmp_path,
+                                                                         name):
+    pipeline, single = weights(str(two_stages / name)), one_process(corpus, float16, name, tmp_path / "one")
     assert set(pipeline) == set(single)
     assert_close(pipeline, single)
     exported = AutoModelForCausalLM.from_pretrained(two_stages / name / "export").state_dict()
@@ -90,8 +106,6 @@ def stage_weights(run_dir: Path) -> list[dict[str, torch.Tensor]]:
 def test_frozen_weights_checkpoint_masters_and_every_layer_trains(two_stages):
     """Each stage's checkpoint and the gathered weights hold float32 masters (never codes), and every layer's
     linears changed from the preset's (both blocks trained through their visits' masters)."""
-    from preinfer.presets import build_preset
-
     initial = build_preset("tiny-llama").state_dict()
     for name in ("int8", "nf4"):
         for held in stage_weights(two_stages / name):
@@ -118,9 +132,10 @@ def test_expansion_updates_the_suffix_that_each_stage_holds(two_stages):
 def test_fp16_on_two_stages_scales_the_loss_and_makes_its_stores(two_stages):
     """The loss scale every step reports is the one scaler's, the same as one process's (the weights test), and
     pre-inference made its stores through the stages."""
+    for name in ("fp16", "fp16-auto"):
+        steps = [r for r in read_metrics(RunDir(two_stages / name).metrics) if isinstance(r, StepRecord)]
+        assert steps and all(r.loss_scale is not None and r.loss_scale >= 1 for r in steps)
     records = read_metrics(RunDir(two_stages / "fp16").metrics)
-    steps = [r for r in records if isinstance(r, StepRecord)]
-    assert steps and all(r.loss_scale is not None and r.loss_scale >= 1 for r in steps)
     assert [r.boundary for r in records if isinstance(r, CacheRecord) and r.how == "input"]
 
 
