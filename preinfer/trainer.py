@@ -92,7 +92,8 @@ class Trainer:
                              lambda: self.checkpoint_dir / STATE, active_block, self.world_size)
         self.lifecycle = VisitLifecycle(staged, config, self.layout, self.optimizers, self.experts, meter,
                                         hooks=[*frozen_weight_hooks(staged, config),
-                                               *expansion_hooks(staged, config, lambda: self.progress.global_step)])
+                                               *expansion_hooks(staged, config, lambda: self.progress.global_step,
+                                                                self.layout.sum_over_replicas)])
         self.expand = expansion_of(staged, config)  # the run's landscape expansion, auto resolved
         sources.attach(self.emit)
 

@@ -228,8 +228,6 @@ def fused_step_problems(c: Any) -> Iterator[Problem]:
         yield "optim", "fused_step", why.format("{optim.grad_clip} > 0", "the global gradient norm is known")
     if c.run.precision == "fp16-mixed":
         yield "optim", "fused_step", why.format("{run.precision} fp16-mixed", "loss scaling checks every gradient")
-    if c.run.pipeline > 1:
-        yield "optim", "fused_step", why.format("{run.pipeline} > 1", "a stage's micro-batches are all through")
     if c.blocks.experts is not None:
         yield "optim", "fused_step", why.format("{blocks.experts}", "the chosen experts' gradients are sliced out")
 
@@ -256,15 +254,13 @@ def partition_problems(c: Any) -> Iterator[Problem]:
 
 
 def frozen_dtype_problems(c: Any) -> Iterator[Problem]:
-    """Frozen weights in fewer bits: in BCD, in one process or data-parallel replicas."""
+    """Frozen weights in fewer bits: in BCD."""
     frozen = c.model.frozen_dtype
     if frozen == "auto":
         return
     if c.run.mode == "full":
         yield "model", "frozen_dtype", f"auto with {{run.mode}} full (every weight trains: none is frozen to hold " \
                                        f"in {frozen})"
-    elif c.run.pipeline > 1:
-        yield "model", "frozen_dtype", "auto on a pipeline (its stages hold their layers in the resident dtype)"
 
 
 def expand_problems(c: Any) -> Iterator[Problem]:
@@ -283,8 +279,6 @@ def expand_conflicts(c: Any, expand: str) -> Iterator[Problem]:
     if c.model.frozen_dtype != "auto":
         yield "blocks", "expand", "none with {model.frozen_dtype} other than auto (the suffix's linear weights " \
                                   "are codes there, which it would not update)"
-    if c.run.pipeline > 1:
-        yield "blocks", "expand", "none on a pipeline ({run.pipeline} > 1: its stages do not update the suffix)"
     if expand == "lowrank" and c.optim.keep_state:
         yield "blocks", "expand", "sgd or none with {optim.keep_state} (each visit starts new factors, which " \
                                   "the kept moments of the last visit's would not fit)"
@@ -312,8 +306,6 @@ def pipeline_problems(c: Any) -> Iterator[Problem]:
         yield "run", "microbatches", f"a divisor of {{data.batch_size}} {batch} (0: as many as {{run.pipeline}})"
     elif r.pipeline_schedule == "1f1b" and microbatches < r.pipeline:
         yield "run", "microbatches", "at least {run.pipeline} under {run.pipeline_schedule} 1f1b; or gpipe"
-    if r.precision == "fp16-mixed":
-        yield "run", "precision", "bf16-mixed or fp32 on a pipeline (fp16-mixed's loss scaling does not run there)"
     if c.pre_inference.mode == "on" and c.pre_inference.dask:
         yield "pre_inference", "dask", "unset on a pipeline (its stages build the stores)"
 
