@@ -12,7 +12,8 @@ from itertools import chain
 from typing import Any, Literal, get_origin
 
 from preinfer.config.choices import (
-    IMPORTANCE_ORDERS, LOW_BIT_OPTIMIZERS, OPEN_ENDED_DECAYS, choices_of, field_hint, is_names, is_optional, names, parse_experts,
+    DEFAULT_LR, IMPORTANCE_ORDERS, LOW_BIT_OPTIMIZERS, OPEN_ENDED_DECAYS, choices_of, field_hint, is_names,
+    is_optional, names, parse_experts,
 )
 from preinfer.block_lr import FLOAT32_MAX, GRAMMAR, parse_block_lr
 from preinfer.errors import UsageError
@@ -194,8 +195,6 @@ def _parses(parse: Callable[[str], Any], text: str) -> bool:
 def rate_problems(c: Any) -> Iterator[Problem]:
     """Every step an optimizer takes fits in float32: the largest block's rate, its first Adam step (the rate over
     1 - beta1, Adam's bias correction at step 1) and its decoupled weight decay (the rate times the decay)."""
-    from preinfer.config.sections import DEFAULT_LR  # it imports this module
-
     o = c.optim
     rate = (o.lr if o.lr is not None else DEFAULT_LR[o.name]) * (
         parse_block_lr(o.block_lr).largest() if o.block_lr is not None else 1.0)
