@@ -45,8 +45,6 @@ def train(config: Config, staged: preinfer.StagedModel, partition: Partition, ac
         prepare_run_dir(run, config, resume, corpus)
     trackers = Trackers.open(config, run.path, trainer.rank)
     trainer.on_record = lambda record: (ui.record(record), trackers.record(record))
-    if resolved is not None:
-        trainer.emit(ResolvedRecord(**resolved.to_dict()))
     if partition.budget is not None:
         trainer.emit(partition.budget)
     for note in [*notes, partition.report()]:
@@ -56,6 +54,8 @@ def train(config: Config, staged: preinfer.StagedModel, partition: Partition, ac
     started = time.perf_counter()
     with StopOnSignals(trainer) as signals:
         try:
+            if resolved is not None:  # after a resume's checks: a refused checkpoint leaves metrics.jsonl as it was
+                trainer.emit(ResolvedRecord(**resolved.to_dict()))
             trainer.fit()
         except (OSError, CheckpointWriteError) as err:
             raise stopped_writing(err, command, run) from None
