@@ -45,14 +45,14 @@ def train(config: Config, staged: preinfer.StagedModel, partition: Partition, ac
         prepare_run_dir(run, config, resume, corpus)
     trackers = Trackers.open(config, run.path, trainer.rank)
     trainer.on_record = lambda record: (ui.record(record), trackers.record(record))
-    if resolved is not None:
-        trainer.emit(ResolvedRecord(**resolved.to_dict()))
     if partition.budget is not None:
         trainer.emit(partition.budget)
     for note in [*notes, partition.report()]:
         ui.note(note)
     if resume:
         resume_run(trainer, run, config)
+    if resolved is not None:  # after the checkpoint is read: a refused resume adds nothing to the record
+        trainer.emit(ResolvedRecord(**resolved.to_dict()))
     started = time.perf_counter()
     with StopOnSignals(trainer) as signals:
         try:
