@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, TextIO
 
+from preinfer.atomic_write import write_atomically
 from preinfer.errors import PreinferError
 
 
@@ -276,9 +277,7 @@ class MetricsLog:
                     record.get("kind") == "visit" and seen > visits):
                 continue
             kept.append(line + "\n")
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(kept))
-        tmp.replace(self.path)
+        write_atomically(self.path, "".join(kept))
 
 
 def read_metrics(path: Path) -> list[Record]:

@@ -121,7 +121,6 @@ def test_the_fused_step_steps_in_backward_and_frees_each_gradient(precision):
                            "fused step steps each tensor in backward, before the global gradient norm is known"),
     (["--precision", "fp16-mixed"], "expected false with --precision fp16-mixed: the fused step steps each tensor "
                                     "in backward, before loss scaling checks every gradient"),
-    (["--pipeline", "2"], "expected false with --pipeline > 1"),
     (["--experts", "top:0.5"], "expected false with --experts"),
 ])
 def test_the_fused_step_is_refused_where_it_cannot_apply(argv, line, tmp_path, capsys):

@@ -32,14 +32,14 @@ from pipelines.training.distributed import init_distributed
 from pipelines.training.fit import stopped_writing, train
 from pipelines.training.layout import OneProcess
 from pipelines.data.corpus import CorpusDigest
-from pipelines.jobs.inputs import check_inputs, run_corpus
-from pipelines.jobs.runs import owning_run
+from pipelines.training.inputs import check_inputs, run_corpus
 from pipelines.pre_inference.stores import owning_store_dir
 from pipelines.models.partition_choice import partition_for
-from pipelines.training.run_directory import finish_run
+from pipelines.training.run_directory import finish_run, owning_run
 from pipelines.training.store_input import StoreInput
 from pipelines.training.trackers import check_trackers
-from pipelines.data.run_data import live_sources, load_datasets, samples_per_shard
+from pipelines.cache import samples_per_shard
+from pipelines.data.run_data import live_sources, load_datasets
 
 if TYPE_CHECKING:  # torch.distributed.pipelining loads only for pipelines
     from pipelines.pipeline_parallel.layout import PipelineLayout

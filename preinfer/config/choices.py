@@ -39,6 +39,10 @@ FrozenDtype = Literal["auto", "bf16", "int8", "nf4"]
 # auto: lowrank where it runs (a dense model's BCD run without what it does not run with), else none.
 Expand = Literal["auto", "none", "lowrank", "sgd"]
 
+# The reference paper's defaults of the optimizers.
+DEFAULT_LR = {"sgd": 0.1, "adam": 5e-5, "adamw": 5e-5, "adam8bit": 5e-5, "adamw8bit": 5e-5}
+DEFAULT_WEIGHT_DECAY = {"sgd": 1e-5, "adam": 0.0, "adamw": 0.01, "adam8bit": 0.0, "adamw8bit": 0.01}
+
 
 class Names:
     """`Names[X]`: a str holding a comma list of the values of the Literal X."""

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from preinfer.config.choices import (
-    DEFAULT_ATTENTION, Attention, BlockOrder, Expand, ExpertPart, FrozenDtype, LrDecay, Mode, Names, Optimizer,
+    DEFAULT_ATTENTION, DEFAULT_LR, DEFAULT_WEIGHT_DECAY, Attention, BlockOrder, Expand, ExpertPart, FrozenDtype, LrDecay, Mode, Names, Optimizer,
     PipelineSchedule, Precision, PreInferenceMode, StopRuleName, StoreDtype, StoreFormat, Tracker,
 )
 from preinfer.config.rules import Naming, check
@@ -72,9 +72,6 @@ class BlockConfig:
     expand_lr: float | None = None  # the expansion's rate; None: the visit's rate
 
 
-# The reference paper's defaults of the optimizers.
-DEFAULT_LR = {"sgd": 0.1, "adam": 5e-5, "adamw": 5e-5, "adam8bit": 5e-5, "adamw8bit": 5e-5}
-DEFAULT_WEIGHT_DECAY = {"sgd": 1e-5, "adam": 0.0, "adamw": 0.01, "adam8bit": 0.0, "adamw8bit": 0.01}
 
 
 @dataclass
