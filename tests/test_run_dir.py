@@ -8,7 +8,7 @@ import pytest
 from pipelines.models import model_source
 from preinfer.errors import PreinferError
 from preinfer.metrics import (RECORD_KINDS, CacheRecord, ImportanceRecord, PlanOutcomeRecord, PreInferenceRecord,
-                              StepRecord, SweepPlanRecord, VisitRecord, parse_record, read_metrics)
+                              ResolvedRecord, StepRecord, SweepPlanRecord, VisitRecord, parse_record, read_metrics)
 from preinfer.run_dir import RunDir
 from tests.helpers.cli_run import run_cli
 
@@ -58,7 +58,7 @@ def test_json_keys_of_records():
     assert deleted["reason"].startswith("block 0") and "from" not in deleted
     assert set(reused) == {"kind", "boundary", "how", "seconds", "bytes"}
     assert set(RECORD_KINDS) == {"step", "visit", "cache", "pre_inference", "budget_plan", "sweep_plan",
-                                 "plan_outcome", "resume", "importance"}
+                                 "plan_outcome", "resume", "importance", "resolved"}
     assert "gain" not in visit and gain_visit["gain"]["predicted"] == {"0": 0.2}
     assert decision["saving_s"] == 0.8 and visit["memory"] == {"params": 10, "activations": 4}
 
@@ -83,7 +83,7 @@ def test_a_run_writes_typed_records_and_resolves_as_a_model(tmp_path, capsys):
     run = RunDir(out)
     records = read_metrics(run.metrics)
     assert {type(r) for r in records} == {StepRecord, VisitRecord, CacheRecord, PreInferenceRecord, SweepPlanRecord,
-                                          PlanOutcomeRecord}
+                                          PlanOutcomeRecord, ResolvedRecord}
     visits = [r for r in records if isinstance(r, VisitRecord)]
     assert [v.block for v in visits] == [0, 1] and visits[1].source_boundary > 0
     assert json.loads(run.summary.read_text())["visits"] == [v.to_dict() for v in visits]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import preinfer
 from preinfer.config import Config, RunConfig
@@ -43,6 +44,9 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = model_tokenizer(args.tokenizer or base.model.tokenizer, args.model,
                                     base.model.chat_template, base.model.chat_template_name).tokenizer
         data = data_flags(args, base)
+        if run_config is not None and not inside(args.path, args.model):  # a store the run did not make: all samples
+            data.eval_tokens = args.eval_tokens if args.eval_tokens is not None else 0
+            data.max_samples = args.max_samples if args.max_samples is not None else 0
         data.seq_len = int(parts.get("seq_len", data.seq_len))
         names = [s for s in found if s] or list(DEFAULT_SPLITS)
         datasets = run_samples(data_splits(data, tokenizer, names, progress=False), data)
@@ -53,3 +57,8 @@ def run(args: argparse.Namespace) -> int:
     bad = [c.split or c.path for c in checks if not c.ok]
     print(f"verify: {'OK' if not bad else 'FAILED (' + ', '.join(bad) + ')'}")
     return 0 if not bad else 1
+
+
+def inside(path: str, directory: str) -> bool:
+    """Whether the store at `path` lies in `directory` (a run's own stores are under its run directory)."""
+    return "://" not in path and Path(directory).resolve() in Path(path).resolve().parents
