@@ -61,7 +61,7 @@ from bench.lib.from_store import pieces, store_dtype_runs, throughput
 from bench.lib.scenarios import scenario_main, scenario_report, scenario_run
 from bench.lib.train_runs import base_config, timed_run
 from preinfer.metrics import CacheRecord, PreInferenceRecord
-from preinfer.optim import LR_DECAYS
+from preinfer.config import LR_DECAYS
 
 TARGETS = {"achieved_over_ideal": ">= 0.9", "wait_fraction": "<= 0.02"}
 
