@@ -13,6 +13,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Every test starts on one intra-op thread, whatever a test before it in the same worker set: the float32 sums
+    of the tests that compare runs bit for bit, or within 1e-5, follow the thread count."""
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def token_store_cache(tmp_path_factory):
     """Jobs tokenise corpora into a cache of this session's own (never the user's ~/.cache), shared by its tests
