@@ -194,6 +194,7 @@ class BudgetPlanRecord(Record):
     recompute: bool  # whether the plan priced recomputation
     seq_len: int  # tokens per sample
     micro_batch: int  # samples per micro-batch (--batch-size)
+    separate_ends: bool = False  # the embedding and the head in blocks of their own (chosen, or asked for)
 
 
 @dataclass
