@@ -138,10 +138,25 @@ def pipeline_peak(m: ModelShape, settings: Settings, blocks: list[LayerSpan] | N
     """Largest per-GPU bytes with `degree` pipeline stages (layers split evenly; None: full Adam).
 
     1F1B schedule: stage j keeps the activations of (degree - j) micro-batches in flight."""
-    stages = partition(m, degree)
     visits = [None] if blocks is None else blocks
     return max(stage_bytes(m, settings, stage, active, degree - j)
-               for active in visits for j, stage in enumerate(stages))
+               for j, stage in enumerate(partition(m, degree)) for active in distinct_visits(stage, visits))
+
+
+def distinct_visits(stage: LayerSpan, blocks: list[LayerSpan | None]) -> list[LayerSpan | None]:
+    """The visits of `blocks` that can differ on `stage`: those holding a part of it, and one of those wholly
+    below it and one wholly above (the stage holds the same for each of those: its layers frozen, in the gradient
+    path above the active block and running forward only below it)."""
+    touching = [active for active in blocks if active is None or _holds_part(stage, active)]
+    below = next((a for a in blocks if a is not None and not _holds_part(stage, a) and a.stop <= stage.start), None)
+    above = next((a for a in blocks if a is not None and not _holds_part(stage, a) and a.start >= stage.stop), None)
+    return touching + [visit for visit in (below, above) if visit is not None]
+
+
+def _holds_part(stage: LayerSpan, active: LayerSpan) -> bool:
+    """Whether `stage` holds a layer or an end of block `active`."""
+    return (max(stage.start, active.start) < min(stage.stop, active.stop) or (stage.embed and active.embed)
+            or (stage.head and active.head))
 
 
 def stage_memory(m: ModelShape, settings: Settings, stage: LayerSpan, active: LayerSpan | None,
@@ -185,8 +200,11 @@ def fewest_blocks(m: ModelShape, settings: Settings, degree: int = 1) -> tuple[i
     if degree > 1 and settings.expand not in ("auto", "none"):
         return None
     capacity = settings.capacity()
+    if degree > 1 and pipeline_peak(m, settings, partition(m, m.layers, settings.separate_ends), degree) > capacity:
+        return None  # a stage's visits of one layer a block are its smallest: a coarser block only adds to each
     for n in range(1, m.layers + 1):
-        peak = max(visit_peaks(m, settings, partition(m, n, settings.separate_ends), degree))
+        blocks = partition(m, n, settings.separate_ends)
+        peak = max(visit_peaks(m, settings, blocks)) if degree == 1 else pipeline_peak(m, settings, blocks, degree)
         if peak <= capacity:
             return n, peak
     return None

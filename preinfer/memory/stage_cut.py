@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from preinfer.errors import UsageError
-from preinfer.memory.footprint import Memory, block_text, stage_bytes, stage_memory
+from preinfer.memory.footprint import Memory, block_text, distinct_visits, stage_bytes, stage_memory
 from preinfer.memory.layer_spans import LayerSpan
 from preinfer.memory.settings import Settings
 from preinfer.memory.shapes import ModelShape
@@ -31,22 +31,6 @@ def stage_cost(m: ModelShape, settings: Settings, stage: LayerSpan, index: int, 
     """Peak bytes of stage `index` over every visit of `blocks`."""
     flight = in_flight(schedule, index, degree, microbatches)
     return max(stage_bytes(m, settings, stage, active, flight) for active in distinct_visits(stage, blocks))
-
-
-def distinct_visits(stage: LayerSpan, blocks: list[LayerSpan | None]) -> list[LayerSpan | None]:
-    """The visits of `blocks` that can differ on `stage`: those holding a part of it, and one of those wholly
-    below it and one wholly above (the stage holds the same for each of those: its layers frozen, in the gradient
-    path above the active block and running forward only below it)."""
-    touching = [active for active in blocks if active is None or _holds_part(stage, active)]
-    below = next((a for a in blocks if a is not None and not _holds_part(stage, a) and a.stop <= stage.start), None)
-    above = next((a for a in blocks if a is not None and not _holds_part(stage, a) and a.start >= stage.stop), None)
-    return touching + [visit for visit in (below, above) if visit is not None]
-
-
-def _holds_part(stage: LayerSpan, active: LayerSpan) -> bool:
-    """Whether `stage` holds a layer or an end of block `active`."""
-    return (max(stage.start, active.start) < min(stage.stop, active.stop) or (stage.embed and active.embed)
-            or (stage.head and active.head))
 
 
 def cut_stages(m: ModelShape, settings: Settings, degree: int, blocks: list[LayerSpan], microbatches: int,
