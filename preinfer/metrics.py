@@ -198,6 +198,19 @@ class BudgetPlanRecord(Record):
 
 
 @dataclass
+class ResolvedRecord(Record):
+    """The run's config with every auto settled (`preinfer.config.resolved.ResolvedRun`), as `preinfer plan --json`
+    shows it under `resolved`; written at the start of the run, and again on --resume."""
+
+    kind: ClassVar[str] = "resolved"
+    precision: str  # fp32, bf16-mixed or fp16-mixed (auto follows the model's weights)
+    expand: str  # the landscape expansion: none, lowrank or sgd
+    frozen_dtype: str  # the frozen linear weights' dtype: the resident one, or bf16, int8, nf4
+    store_dtype: str  # the dtype the stores hold boundary states in
+    blocks: int  # blocks of the partition
+
+
+@dataclass
 class ResumeRecord(Record):
     """A run resumed from its checkpoint, and the config keys the resuming command changed."""
 
@@ -209,7 +222,7 @@ class ResumeRecord(Record):
 RECORD_KINDS: dict[str, type[Record]] = {cls.kind: cls for cls in (StepRecord, VisitRecord, CacheRecord,
                                                                    PreInferenceRecord, BudgetPlanRecord,
                                                                    SweepPlanRecord, PlanOutcomeRecord,
-                                                                   ResumeRecord, ImportanceRecord)}
+                                                                   ResumeRecord, ImportanceRecord, ResolvedRecord)}
 
 
 def parse_record(data: dict[str, Any]) -> Record:

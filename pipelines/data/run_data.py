@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from preinfer.config import Config
+from preinfer.config import Config, DataConfig
 from preinfer.errors import UsageError
 from preinfer.batch_source import LiveSources
 from pipelines.data import batches
@@ -40,14 +40,19 @@ def load_datasets(config: Config, quiet: bool = False, corpus: CorpusDigest | No
     if first and dist.is_initialized():
         dist.barrier()
     announce(choice, found, quiet or not first)
-    train, evaluation = found["train"], found["eval"]
-    if d.max_samples:
-        train, evaluation = train.head(d.max_samples), evaluation.head(d.max_samples)
-    check_batch_size(d.batch_size, len(train), f"the train split of {d.path}")
+    found = run_samples(found, d)
+    check_batch_size(d.batch_size, len(found["train"]), f"the train split of {d.path}")
+    return Datasets(found["train"], found["eval"], tokenizer)
+
+
+def run_samples(splits: dict[str, TokenStoreDataset], d: DataConfig) -> dict[str, TokenStoreDataset]:
+    """The samples a run reads of each split: --max-samples takes each split's first, --eval-tokens caps eval (what
+    a run's stores hold, so `preinfer verify` recomputes the same samples)."""
+    found = {name: split.head(d.max_samples) if d.max_samples else split for name, split in splits.items()}
     capped = eval_samples(d.eval_tokens, d.seq_len)
-    if capped is not None and capped < len(evaluation):
-        evaluation = evaluation.head(capped)
-    return Datasets(train, evaluation, tokenizer)
+    if "eval" in found and capped is not None and capped < len(found["eval"]):
+        found["eval"] = found["eval"].head(capped)
+    return found
 
 
 def check_batch_size(batch_size: int, samples: int, split: str) -> None:
