@@ -179,7 +179,7 @@ def test_llama3_70b_on_four_stages_fits_20_gib_a_card(capsys):
 
 
 def test_huge_figures_stay_separated_in_the_table(capsys):
-    argv = ["--model", "llama3-70b", "--tokens", "1e25", "--seq-len", "1000000", "--micro-batch", "64"]
+    argv = ["--model", "llama3-70b", "--tokens", "9e15", "--seq-len", "1000000", "--micro-batch", "64"]
     plan = plan_json(capsys, *argv)
     code, out, _ = run_cli(["plan", *argv], capsys)
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] and
@@ -191,3 +191,13 @@ def test_huge_figures_stay_separated_in_the_table(capsys):
         assert figures[:7] == pytest.approx([memory[part] / GIB for part in parts], abs=0.006)
         assert rows[name][9] in ("yes", "no")
     assert max(plan["memory"]["full_adam"][part] for part in ("activations", "total")) > 1e5 * GIB
+
+
+def test_the_plan_offers_no_run_line_the_run_would_refuse(tmp_path, capsys):
+    flags = ["--expand", "lowrank", "--frozen-dtype", "nf4", "--dtype", "bf16-mixed"]
+    code, out, _ = run_cli(["plan", "--model", "7b", *flags], capsys)
+    line = next(line for line in out.splitlines() if line.startswith("run it: "))
+    assert code == 0 and line.startswith("run it: none offered: bcd would refuse it (--expand lowrank")
+    code, _, err = run_cli(["bcd", *TINY, "--expand", "lowrank", "--frozen-dtype", "nf4", "--out",
+                            str(tmp_path / "run")], capsys)
+    assert code == 2 and "--expand lowrank" in err and not (tmp_path / "run").exists()
