@@ -4,7 +4,9 @@
     trainer = Trainer(model=model, args=args, train_dataset=data, optimizers=bcd.optimizers,
                       callbacks=[bcd.callback])
 
-The options are `preinfer bcd`'s, with its defaults: the blocks (`ufp`, `blocks` or `ranges`; `separate_ends`),
+The options are `preinfer bcd`'s config keys (`ARGUMENTS`), with its defaults (an option not given is the config's
+default; a comma-list option may be a list, `block_lr=[1, 0.5]`), judged by its rules on the run as it resolves
+(`preinfer.config.resolved.check_resolved`: precision auto resolved from the model's weights): the blocks (`ufp`, `blocks` or `ranges`; `separate_ends`),
 their order (`order`, `fixed_order`, `start_block`, `seed`), `steps_per_visit`, the optimizer (`optimizer`, `lr`,
 `betas`, `momentum`, `weight_decay`, `keep_state`, `fused_step`, `block_lr`), each visit's schedule
 (`warmup_steps`, `decay`), `precision` and landscape expansion over the suffix (`expand`, `expand_rank`,
@@ -20,7 +22,8 @@ order; the sweeps go on until the Trainer's `max_steps`. The optimizer lifecycle
   order), the visit length, the active block's optimizer state and, under mixed precision, its fp32 masters: only
   tensors and plain Python types, which `Trainer` saves with `torch.save` and loads with
   `torch.load(weights_only=True)`, so `trainer.train(resume_from_checkpoint=...)` continues the same visit at the
-  same step. Resuming with another `steps_per_visit`, `lr`, `betas`, `momentum` or `weight_decay` is refused.
+  same step. The state carries the config it was trained with: resuming with any other argument is refused in
+  one line naming it (the check of `preinfer bcd --resume`, `preinfer.config.resume.refused_changes`).
 - `VisitSchedule` sets each step's learning rate from the visit's step (`preinfer.optim.LrSchedule`).
 - `meter` (a `preinfer.memory.meter.MemoryMeter` of the model), if given, tracks the first steps of each visit as
   `preinfer bcd` does; each finished visit's peaks land in `optimizer.visit_memory`.

@@ -20,7 +20,7 @@ from enum import StrEnum
 import torch
 from torch import nn
 
-from preinfer.config.choices import RUN_PRECISIONS
+from preinfer.config.choices import RESIDENT_DTYPE_NAMES, RUN_PRECISIONS
 from preinfer.errors import CheckpointError, UsageError
 
 class _Precision(StrEnum):
@@ -62,9 +62,8 @@ class _Precision(StrEnum):
 Precision = _Precision("Precision", {name.upper().replace("-", "_"): name for name in RUN_PRECISIONS},
                        module=__name__)
 PRECISIONS = tuple(p.value for p in Precision)
-RESIDENT_DTYPES = {Precision.FP32: torch.float32, Precision.BF16_MIXED: torch.bfloat16,
-                   Precision.FP16_MIXED: torch.float16}
-MIXED_FOR_DTYPE = {torch.bfloat16: Precision.BF16_MIXED, torch.float16: Precision.FP16_MIXED}
+RESIDENT_DTYPES = {precision: getattr(torch, RESIDENT_DTYPE_NAMES[precision]) for precision in Precision}
+MIXED_FOR_DTYPE = {dtype: precision for precision, dtype in RESIDENT_DTYPES.items() if precision.mixed}
 
 
 def resolve_precision(requested: str, weights: torch.dtype) -> Precision:

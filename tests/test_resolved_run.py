@@ -3,6 +3,8 @@ the same flags, and the rules judge the run as it resolved (issue 48 case 1: pre
 fp16-mixed)."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -106,3 +108,12 @@ def test_the_hf_front_end_judges_precision_auto_resolved_to_fp16_mixed(options):
         BlockCoordinateDescent(model, steps_per_visit=2, blocks=2, **options)
     argument = next(iter(options))
     assert str(refused.value).startswith(f"BlockCoordinateDescent({argument}=") and "--" not in str(refused.value)
+
+
+def test_planning_a_size_with_its_resolved_run_loads_neither_torch_nor_transformers():
+    """The resolution the plan shares with the run is the config's (its vocabularies, its rules), not torch's."""
+    code = ("import sys, io, contextlib\nfrom pipelines.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n    main(['plan', '--model', '7b', '--json'])\n"
+            "print(sorted({'torch', 'transformers'} & set(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, check=True)
+    assert done.stdout.strip() == "[]"

@@ -123,6 +123,8 @@ TRACKERS = tuple(name for name in get_args(Tracker) if name != "none")
 # The dtypes a store may hold boundary states in (auto: the compute dtype): the one list the planner, the caching
 # job and the flags read; a name's bits are its first number (float8_e4m3: 8, bfloat16: 16).
 STORE_DTYPES: tuple[str, ...] = tuple(name for name in get_args(StoreDtype) if name != "auto")
-# The training precisions a run resolves to (auto: follows the model's weights): `preinfer.precision.Precision`.
+# The training precisions a run resolves to (auto: follows the model's weights): `preinfer.precision.Precision`,
+# and the dtype each holds every weight in (what a store's and the frozen weights' auto hold).
 RUN_PRECISIONS: tuple[str, ...] = tuple(name for name in get_args(Precision) if name != "auto")
+RESIDENT_DTYPE_NAMES: dict[str, str] = dict(zip(RUN_PRECISIONS, ("float32", "bfloat16", "float16"), strict=True))
 EXPERT_PARTS = tuple(name for name in get_args(ExpertPart) if name != "none")

@@ -9,10 +9,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from preinfer.config.choices import names
+from preinfer.config.choices import RESIDENT_DTYPE_NAMES, names
 from preinfer.config.rules import Naming, Problem, check, resolved_expand
 from preinfer.config.sections import Config
-from preinfer.precision import Precision
 
 
 @dataclass(frozen=True)
@@ -32,7 +31,7 @@ class ResolvedRun:
 def resolve_run(config: Config, precision: str, sparse: bool, blocks: int) -> ResolvedRun:
     """The run of `config` in the resolved `precision`, on a model with sparse (mixture-of-experts) layers or not,
     partitioned into `blocks` blocks."""
-    resident = str(Precision(precision).resident_dtype).removeprefix("torch.")  # what auto stores and holds
+    resident = RESIDENT_DTYPE_NAMES[str(precision)]  # what auto stores and holds
     store, frozen = config.pre_inference.store_dtype, config.model.frozen_dtype
     return ResolvedRun(precision=str(precision), expand=resolved_expand(config, sparse),
                        frozen_dtype=resident if frozen == "auto" else frozen,
