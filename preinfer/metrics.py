@@ -188,7 +188,7 @@ class BudgetPlanRecord(Record):
 
     kind: ClassVar[str] = "budget_plan"
     budget: int  # bytes each visit may fill
-    blocks: int  # the fewest blocks whose every visit fits
+    blocks: int  # blocks of layers (as --blocks counts them) of the fewest visits that fit
     predicted: list[int]  # the planner's peak of each block's visit, live
     precision: str  # the run's precision the plan priced
     recompute: bool  # whether the plan priced recomputation

@@ -1,5 +1,6 @@
-"""Bytes per GPU: of full-parameter Adam, of each BCD visit (live or from a store) and of a pipeline stage, and the
-fewest blocks or the smallest pipeline that fits."""
+"""Bytes per GPU: of full-parameter Adam, of each BCD visit (live or from a store) and of a pipeline stage (its own
+card), and the automatic partition: the fewest visits that fit, the ends inside or apart, on one GPU or the
+smallest pipeline."""
 
 from __future__ import annotations
 
