@@ -16,11 +16,11 @@ import preinfer
 from pipelines.training import partition_for
 from preinfer.config import load_config
 from preinfer.memory.budget import blocks_for_budget, budget_settings
-from preinfer.memory.footprint import bcd_memory, best_fit, fewest_blocks, visit_peaks, worst_bcd
-from preinfer.memory.layer_spans import partition
+from preinfer.memory.footprint import bcd_memory, best_fit, fewest_blocks, stage_bytes, visit_peaks, worst_bcd
+from preinfer.memory.layer_spans import LayerSpan, partition
 from preinfer.memory.settings import GIB, Settings
 from preinfer.memory.shapes import resolve_shape
-from preinfer.memory.stage_cut import cut_stages, stage_label
+from preinfer.memory.stage_cut import cut_stages, stage_cost, stage_label
 from preinfer.presets import build_preset
 from tests.helpers.cli_run import run_cli
 
@@ -201,3 +201,15 @@ def test_the_plan_offers_no_run_line_the_run_would_refuse(tmp_path, capsys):
     code, _, err = run_cli(["bcd", *TINY, "--expand", "lowrank", "--frozen-dtype", "nf4", "--out",
                             str(tmp_path / "run")], capsys)
     assert code == 2 and "--expand lowrank" in err and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("separate_ends", [False, True])
+def test_a_stage_s_cost_over_its_distinct_visits_is_its_cost_over_every_visit(separate_ends):
+    shape = resolve_shape("llama3-8b")
+    settings = Settings(dtype="bf16-mixed", recompute=True, frozen_dtype="nf4", optimizer="adamw8bit",
+                        fused_step=True)
+    blocks = partition(shape, 8, separate_ends)
+    for j, (lo, hi) in enumerate([(0, 5), (5, 13), (13, 27), (27, 32)]):
+        stage = LayerSpan(lo, hi, lo == 0, hi == shape.layers)
+        every = max(stage_bytes(shape, settings, stage, active, 4 - j) for active in blocks)
+        assert stage_cost(shape, settings, stage, j, 4, blocks, 4, "1f1b") == every
