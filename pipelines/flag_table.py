@@ -124,8 +124,9 @@ TRAINING_FLAGS: list[Flag] = [
     Flag("--samples-per-shard", "data", "samples_per_shard",
          "samples per store shard, which also shapes the sample order; 0 = about 64 MiB of boundary states",
          dict(type=non_negative_int)),
-    Flag("--ufp", "blocks", "ufp", "unfrozen parameter fraction per block, e.g. 1/3; auto: the fewest blocks whose "
-                                   "every visit fits --memory-budget (or --gpu), by the planner of `preinfer plan`"),
+    Flag("--ufp", "blocks", "ufp", "unfrozen parameter fraction per block, e.g. 1/3; auto: the fewest visits whose "
+                                   "every one fits --memory-budget (or --gpu), the embedding and head inside the "
+                                   "first and last block or apart, by the planner of `preinfer plan`"),
     Flag("--memory-budget", "blocks", "memory_budget",
          "the memory each visit may fill, e.g. 22GiB, 512MiB, 24GB (10^9 bytes) or 1.5e9, instead of the GPU's "
          "usable memory: the automatic UFP (bcd --ufp auto, plan) is the fewest blocks that fit it",
@@ -135,7 +136,8 @@ TRAINING_FLAGS: list[Flag] = [
          dict(choices=list(GPUS))),
     Flag("--blocks", "blocks", "blocks", "number of blocks (instead of --ufp)", dict(type=positive_int)),
     Flag("--ranges", "blocks", "ranges", "explicit inclusive layer ranges, e.g. 0-3,4-7"),
-    Flag("--separate-ends", "blocks", "separate_ends", "embedding and head form blocks of their own", SWITCH),
+    Flag("--separate-ends", "blocks", "separate_ends", "embedding and head form blocks of their own (with --ufp "
+                                                       "auto too; without it auto chooses where they go)", SWITCH),
     Flag("--active", "blocks", "active",
          "train only this inclusive layer range as one block, e.g. 4-5; every other layer stays frozen"),
     Flag("--order", "blocks", "order", "block order within a sweep; importance: at each sweep's start, score every "

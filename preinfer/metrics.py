@@ -188,12 +188,13 @@ class BudgetPlanRecord(Record):
 
     kind: ClassVar[str] = "budget_plan"
     budget: int  # bytes each visit may fill
-    blocks: int  # the fewest blocks whose every visit fits
+    blocks: int  # blocks of layers (as --blocks counts them) of the fewest visits that fit
     predicted: list[int]  # the planner's peak of each block's visit, live
     precision: str  # the run's precision the plan priced
     recompute: bool  # whether the plan priced recomputation
     seq_len: int  # tokens per sample
     micro_batch: int  # samples per micro-batch (--batch-size)
+    separate_ends: bool = False  # the embedding and the head in blocks of their own (chosen, or asked for)
 
 
 @dataclass

@@ -131,7 +131,6 @@ def bad_toml(tmp_path) -> str:
     (["--ufp", "auto"], "exactly one of --memory-budget and --gpu"),
     (["--ufp", "auto", "--memory-budget", "1GiB", "--gpu", "4090"], "exactly one"),
     (["--ufp", "1/3", "--memory-budget", "1GiB"], "--ufp auto"),
-    (["--ufp", "auto", "--memory-budget", "1GiB", "--separate-ends"], "--separate-ends"),
     (["--ufp", "auto", "--gpu", "h100"], "--gpu"),
     (["--config", "TOML"], "[blocks] memory_budget"),
 ])

@@ -14,7 +14,7 @@ from preinfer.errors import UsageError
 from preinfer.expansion import LowRankExpansion, SgdExpansion
 from preinfer.memory.budget import blocks_for_budget, budget_settings
 from preinfer.memory.expansion import factor_tensors
-from preinfer.memory.footprint import bcd_memory, fewest_blocks, worst_bcd
+from preinfer.memory.footprint import bcd_memory, best_fit, worst_bcd
 from preinfer.memory.layer_spans import partition
 from preinfer.memory.settings import Settings
 from preinfer.memory.shapes import resolve_shape, shape_for_size
@@ -96,12 +96,13 @@ def test_plan_takes_the_expand_flags_and_the_automatic_ufp_counts_them(capsys):
         worst = worst_bcd(shape, expected, partition(shape, 3), store=False)
         assert plan["memory"]["bcd_live"]["total"] == worst.total > today["memory"]["bcd_live"]["total"]
         assert plan["memory"]["full_adam"] == today["memory"]["full_adam"]
-        fewer, _ = fewest_blocks(shape, expected)
-        assert plan["auto"]["blocks"] == fewer
+        fit = best_fit(shape, expected)
+        assert (plan["auto"]["blocks"], plan["auto"]["separate_ends"]) == (fit.blocks, fit.separate_ends)
         budget = budget_settings(expected.capacity(), "bf16-mixed", 1024, 1, True, "sdpa", expand=expand,
                                  expand_rank=16)
-        assert blocks_for_budget(shape, budget, "bf16-mixed").blocks == fewer
-    assert fewest_blocks(shape, expected)[0] > today["auto"]["blocks"]  # sgd's suffix gradients need more blocks
+        record = blocks_for_budget(shape, budget, "bf16-mixed")
+        assert (record.blocks, record.separate_ends) == (fit.blocks, fit.separate_ends)
+    assert best_fit(shape, expected).visits > today["auto"]["visits"]  # sgd's suffix gradients need more blocks
     assert main(["plan", *flags, "--expand", "lowrank"]) == 0
     assert "expand lowrank rank 8" in capsys.readouterr().out
 

@@ -15,7 +15,7 @@ from preinfer.errors import UsageError
 from preinfer.frozen_weights import FrozenWeights, encode
 from preinfer.low_bit import low_bit_adam
 from preinfer.memory.budget import blocks_for_budget, budget_settings
-from preinfer.memory.footprint import bcd_memory, fewest_blocks, pipeline_peak, stage_bytes
+from preinfer.memory.footprint import bcd_memory, fewest_blocks, pipeline_peak, stage_bytes, stage_memory
 from preinfer.memory.layer_spans import LayerSpan, block_params, partition
 from preinfer.memory.quantized import frozen_linear_bytes, moment_bytes
 from preinfer.memory.settings import Settings
@@ -209,12 +209,20 @@ def test_bench_scale_quick_runs_every_process_and_sets_its_peak_rss_beside_the_p
     assert savers["ran"] and savers["exit"] == 0 and savers["peak_rss"] > savers["planned"] > 0
 
 
-def test_a_pipeline_stage_prices_the_8bit_moments_and_the_fused_step_and_keeps_its_layers_resident():
+def test_a_pipeline_stage_prices_the_8bit_moments_the_fused_step_and_the_codes_of_its_frozen_layers():
     shape = shape_for_size("13b")
     base = Settings(dtype="bf16-mixed", recompute=True)
     savers = dataclasses.replace(base, optimizer="adamw8bit", fused_step=True)
     blocks = partition(shape, 8)
     assert pipeline_peak(shape, savers, blocks, 2) < pipeline_peak(shape, base, blocks, 2)
-    stage, active = partition(shape, 2)[1], blocks[0]  # the upper stage holds none of block 0
-    nf4 = dataclasses.replace(base, frozen_dtype="nf4")  # the trainer refuses it on a pipeline: layers resident
-    assert stage_bytes(shape, nf4, stage, active, 1) == stage_bytes(shape, base, stage, active, 1)
+    stage, active = partition(shape, 2)[1], blocks[0]  # the upper stage holds none of block 0: all 20 layers coded
+    nf4 = dataclasses.replace(base, frozen_dtype="nf4")
+    coded, resident = stage_memory(shape, nf4, stage, active, 1), stage_memory(shape, base, stage, active, 1)
+    one_card = [bcd_memory(shape, settings, blocks, 0, store=False) for settings in (base, nf4)]
+    frozen_on_one_card = shape.layers - (active.stop - active.start)
+    per_layer = (one_card[0].weights - one_card[1].weights) // frozen_on_one_card
+    assert resident.weights - coded.weights == (stage.stop - stage.start) * per_layer > 0
+    assert coded.host == one_card[1].host * (stage.stop - stage.start) // shape.layers > 0
+    assert (coded.grads, coded.optimizer, coded.activations) == \
+        (resident.grads, resident.optimizer, resident.activations)
+    assert stage_bytes(shape, nf4, stage, active, 1) == coded.total

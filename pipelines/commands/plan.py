@@ -7,14 +7,16 @@ import argparse
 import json
 import os
 
+from preinfer.config import load_config
 from preinfer.errors import UsageError
 from preinfer.config.resolved import ResolvedRun, resolve_run
+from preinfer.memory.budget import size_text
 from preinfer.memory.expansion import planned_config
 from preinfer.memory.layer_spans import blocks_for_ufp, partition
 from preinfer.memory.plan import MemoryPlan, plan_memory
 from preinfer.memory.settings import GIB, RUN_PRECISIONS, Settings
 from preinfer.memory.shapes import SIZES, ModelShape, resolve_shape
-from pipelines.flags import add_flags
+from pipelines.flags import CONFIG_FLAGS, add_flags, flag
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,23 +83,85 @@ def _money(value: float | None) -> str:
     return "-" if value is None else f"${value:,.2f}"
 
 
-def pipeline_command(result: MemoryPlan, model_spec: str | None) -> str:
-    """The torchrun command line of the plan's automatic choice on its pipeline: N processes, N stages, the
-    blocks it chose, N micro-batches of the planned micro-batch per step (1F1B keeps at most N - j of them in
-    flight on stage j, as the planner counts)."""
+def run_flags(result: MemoryPlan, model_spec: str | None) -> list[tuple[str, object]]:
+    """The flags of the `bcd` run of the plan's automatic choice, with the values it priced: its blocks and the
+    ends' placement, its savers and expansion (none on a pipeline, whose stages are priced without it), and on a
+    pipeline of N, N stages and N micro-batches of the planned micro-batch a step (1F1B keeps at most N - j of them
+    in flight on stage j, as the planner counts). True stands for a switch."""
     s, auto = result.settings, result.auto
     degree = auto["pipeline_degree"]
-    model = model_spec or f"<a {result.model['name']} model directory>"
-    flags = [f"--model {model}", f"--blocks {auto['blocks']}", f"--pipeline {degree}", f"--microbatches {degree}",
-             f"--batch-size {s['micro_batch'] * degree}", f"--seq-len {s['seq_len']}",
-             f"--precision {RUN_PRECISIONS[s['dtype']]}", f"--attention {s['attention']}",
-             *(["--recompute"] if s["recompute"] else [])]
-    return f"torchrun --nproc-per-node {degree} -m pipelines.cli bcd " + " ".join(flags)
+    expand = s["expand"] if degree == 1 else "none"
+    flags: list[tuple[str, object]] = [
+        ("--model", model_spec or f"<a {result.model['name']} model directory>"), ("--blocks", auto["blocks"]),
+        ("--separate-ends", auto["separate_ends"]), ("--seq-len", s["seq_len"]),
+        ("--batch-size", s["micro_batch"] * degree), ("--precision", RUN_PRECISIONS[s["dtype"]]),
+        ("--attention", s["attention"]), ("--recompute", s["recompute"]),
+        ("--frozen-dtype", None if s["frozen_dtype"] == "auto" else s["frozen_dtype"]),
+        ("--optimizer", s["optimizer"]), ("--fused-step", s["fused_step"]), ("--expand", expand),
+        ("--expand-rank", s["expand_rank"] if expand == "lowrank" else None),
+        ("--device", "cpu" if s["host_device"] else None),
+    ]
+    if degree > 1:
+        flags += [("--pipeline", degree), ("--microbatches", degree)]
+    return [(name, value) for name, value in flags if value not in (None, False)]
+
+
+def run_command_line(result: MemoryPlan, model_spec: str | None) -> str:
+    """The command line of the plan's automatic choice: `preinfer bcd ...` on one GPU, torchrun on a pipeline;
+    or why it is not offered, when the run's own rules (`preinfer.config`) would refuse it."""
+    flags = run_flags(result, model_spec)
+    overrides: dict[str, dict[str, object]] = {}
+    for name, value in flags:
+        definition = flag(name)
+        overrides.setdefault(definition.section, {})[definition.key] = value
+    try:
+        load_config(overrides=overrides, flags=CONFIG_FLAGS)
+    except UsageError as refused:
+        return f"none offered: bcd would refuse it ({refused})"
+    words = " ".join(name if value is True else f"{name} {value}" for name, value in flags)
+    degree = result.auto["pipeline_degree"]
+    if degree == 1:
+        return f"preinfer bcd {words}"
+    return f"torchrun --nproc-per-node {degree} -m pipelines.cli bcd {words}"
+
+
+def memory_table(result: MemoryPlan) -> list[str]:
+    """The memory rows as a table whose columns are as wide as their widest figure, two spaces apart."""
+    s = result.settings
+    stages = f", worst of {s['pipeline']} stages" if result.stages else ""
+    header = [f"memory per {'process' if s['host_device'] else 'GPU'}{stages} (GiB)", "weights", "grads", "optim",
+              "activ", "step", "host", "total", "x W", "fits", "visit"]
+    rows = [[name, *(_gib(getattr(mem, part)) for part in ("weights", "grads", "optimizer", "activations", "step",
+                                                           "host", "total")),
+             f"{mem.total / result.weight_bytes:.2f}", "yes" if mem.fits else "no", mem.note]
+            for name, mem in result.memory.items()]
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        numbers = "".join(f"  {cell:>{width}}" for cell, width in zip(cells[1:-2], widths[1:-2]))
+        return f"{cells[0]:<{widths[0]}}{numbers}  {cells[-2]:<{widths[-2]}}  {cells[-1]}".rstrip()
+
+    return [line(header), *(line(row) for row in rows)]
+
+
+def automatic_lines(result: MemoryPlan, model_spec: str | None) -> list[str]:
+    """The automatic partition (the fewest visits that fit, the ends' placement too), and its run line."""
+    auto = result.auto
+    if auto["blocks"] is None:
+        return ["automatic UFP: nothing fits, even one layer per GPU"]
+    ends = " + the embedding and head blocks" if auto["separate_ends"] else ", the ends inside the first and last"
+    where = "on one GPU" if auto["pipeline_degree"] == 1 else f"on {auto['pipeline_degree']} GPUs in a pipeline"
+    return [
+        f"automatic UFP: 1/{auto['blocks']} ({auto['blocks']} blocks{ends}; {auto['visits']} visits) {where}, "
+        f"largest visit {size_text(auto['per_gpu_bytes'])} per GPU; full Adam needs "
+        f"{result.full_adam_pipeline_degree or 'more than one layer per'} GPU(s)",
+        f"run it: {run_command_line(result, model_spec)}",
+    ]
 
 
 def render(result: MemoryPlan, model_spec: str | None = None) -> str:
-    """A readable table of a plan; `model_spec` is what `--model` of the printed pipeline command names (None
-    for a bare size)."""
+    """A readable table of a plan; `model_spec` is what `--model` of the printed run command names (None for a
+    bare size)."""
     m, s = result.model, result.settings
     lines = [
         f"model {m['name']} ({m['arch']}, {m['params'] / 1e9:.3g}B parameters, {m['layers']} layers); "
@@ -108,15 +172,11 @@ def render(result: MemoryPlan, model_spec: str | None = None) -> str:
         f"W (weight bytes) = {_gib(result.weight_bytes)} GiB; {s['optimizer']}, frozen dtype {s['frozen_dtype']}"
         f"{', fused step' if s['fused_step'] else ''}{_expansion(s)}",
         "",
-        f"{'memory per ' + ('process' if s['host_device'] else 'GPU') + ' (GiB)':<24}{'weights':>9}{'grads':>9}"
-        f"{'optim':>9}{'activ':>9}{'step':>9}{'host':>9}{'total':>9}{'x W':>7}  fits  visit",
+        *memory_table(result),
     ]
-    for name, mem in result.memory.items():
-        ratio = mem.total / result.weight_bytes
-        lines.append(
-            f"{name:<24}{_gib(mem.weights):>9}{_gib(mem.grads):>9}{_gib(mem.optimizer):>9}{_gib(mem.activations):>9}"
-            f"{_gib(mem.step):>9}{_gib(mem.host):>9}{_gib(mem.total):>9}{ratio:>7.2f}  {'yes' if mem.fits else 'no':<4}  {mem.note}"
-        )
+    if result.stages:
+        lines.append(f"stages of BCD on --pipeline {s['pipeline']} (each its own card, cut as the run cuts them): "
+                     + "; ".join(f"{stage['label']} {_gib(stage['peak_bytes'])}" for stage in result.stages))
     if any(mem.step for mem in result.memory.values()):
         lines.append("step = the Adam step's temporaries (its denominator), or a tied embedding's two extra "
                      "gradients at the end of backward, whichever is larger, beyond the activations freed by then")
@@ -125,18 +185,7 @@ def render(result: MemoryPlan, model_spec: str | None = None) -> str:
                      "(in the total)")
     elif any(mem.host for mem in result.memory.values()):
         lines.append("host = masters of the frozen weights held as codes, in host memory (not in the total)")
-    auto = result.auto
-    lines.append("")
-    if auto["blocks"] is None:
-        lines.append("automatic UFP: nothing fits, even one layer per GPU")
-    else:
-        lines.append(
-            f"automatic UFP: 1/{auto['blocks']} ({auto['blocks']} blocks) on {auto['pipeline_degree']} GPU(s) "
-            f"in a pipeline, {_gib(auto['per_gpu_bytes'])} GiB per GPU; full Adam needs "
-            f"{result.full_adam_pipeline_degree or 'more than one layer per'} GPU(s)"
-        )
-    if (auto["pipeline_degree"] or 1) > 1:
-        lines.append(f"run it: {pipeline_command(result, model_spec)}")
+    lines += ["", *automatic_lines(result, model_spec)]
     store = result.store
     size = "" if store["bytes_per_boundary"] is None else f", {_gib(store['bytes_per_boundary'])} GiB per boundary"
     lines.append(f"store: {store['dtype']}, {store['bytes_per_token']:.0f} bytes/token on disk{size}")

@@ -36,23 +36,22 @@ def partition_for(staged: preinfer.StagedModel, config: Config, first_layer: int
 
 
 def budget_partition(staged: preinfer.StagedModel, config: Config, first_layer: int, precision: str) -> Partition:
-    """The fewest blocks whose every live visit fits the memory budget by the planner of `preinfer plan` (same
-    precision, recomputation, sequence length and micro-batch), the plan attached; exit 2 naming what would fit
-    when even one layer per block does not."""
+    """The planner's automatic partition under the memory budget (`preinfer.memory.budget.blocks_for_budget`: the
+    fewest visits whose every live one fits, the ends inside the first and last block or apart, as `preinfer plan`
+    chooses at the same precision, recomputation, sequence length and micro-batch), the plan attached; exit 2
+    naming what would fit when even one layer per block does not."""
     if first_layer:
         raise UsageError("--ufp auto plans whole-model runs (preinfer bcd); give --ufp or --blocks to train from "
                          "a store")
-    if config.blocks.separate_ends:
-        raise UsageError("--ufp auto plans blocks whose first holds the embedding and last the head; drop "
-                         "--separate-ends or give --blocks")
     shape = shape_from_config(staged.model.config)
     settings = budget_settings(memory_budget(config.blocks), precision, config.data.seq_len,
                                config.data.batch_size, config.run.recompute, config.model.attention,
                                frozen_dtype=config.model.frozen_dtype, optimizer=config.optim.name,
                                fused_step=config.optim.fused_step, host_device=config.run.device == "cpu",
-                               expand=expansion_of(staged, config), expand_rank=config.blocks.expand_rank)
+                               expand=expansion_of(staged, config), expand_rank=config.blocks.expand_rank,
+                               separate_ends=config.blocks.separate_ends)
     plan = blocks_for_budget(shape, settings, precision)
-    return replace(make_partition(staged, num_blocks=plan.blocks), budget=plan)
+    return replace(make_partition(staged, num_blocks=plan.blocks, separate_ends=plan.separate_ends), budget=plan)
 
 
 def memory_budget(blocks: BlockConfig) -> int:

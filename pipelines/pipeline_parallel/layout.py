@@ -136,7 +136,8 @@ def stage_layout(config: Config, microbatches: int,
     r = config.run
     settings = Settings(seq_len=config.data.seq_len, micro_batch=config.data.batch_size // microbatches,
                         dtype=PRECISION_DTYPES[precision], recompute=r.recompute,
-                        attention=config.model.attention)
+                        attention=config.model.attention, frozen_dtype=config.model.frozen_dtype,
+                        optimizer=config.optim.name, fused_step=config.optim.fused_step)
     stages = cut_stages(shape, settings, r.pipeline, blocks, microbatches, r.pipeline_schedule, first)
     peaks = [stage_cost(shape, settings, stage, j, r.pipeline, blocks, microbatches, r.pipeline_schedule)
              for j, stage in enumerate(stages)]

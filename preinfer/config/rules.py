@@ -248,8 +248,6 @@ def partition_problems(c: Any) -> Iterator[Problem]:
     chosen = b.ranges is None and b.blocks is None and b.active is None and c.run.mode == "bcd"
     if chosen and b.ufp == "auto" and (b.memory_budget is None) == (b.gpu is None):
         yield "blocks", "ufp", "a fraction, or auto with exactly one of {blocks.memory_budget} and {blocks.gpu}"
-    if chosen and b.ufp == "auto" and b.separate_ends:
-        yield "blocks", "separate_ends", "false with {blocks.ufp} auto (its blocks hold the embedding and the head)"
 
 
 def frozen_dtype_problems(c: Any) -> Iterator[Problem]:

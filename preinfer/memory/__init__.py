@@ -10,11 +10,12 @@ step. Modules, from the inputs to the plan:
 - `layer_spans`: runs of consecutive layers (`LayerSpan`) and the partition into blocks;
 - `activations`: the bytes each layer saves for backward;
 - `quantized`: what frozen weights in fewer bits, 8-bit moments and a fused step change in a visit;
-- `footprint`: bytes per GPU of full Adam, of each BCD visit and of a pipeline stage;
+- `footprint`: bytes per GPU of full Adam, of each BCD visit and of a pipeline stage, and the automatic
+  partition (`best_fit`: the fewest visits that fit, the ends' placement too);
 - `traffic`: a store's size and its traffic against a pipeline's;
 - `cost`: training FLOPs, GPU-hours and dollars;
 - `plan`: `MemoryPlan`, everything `preinfer plan` reports;
-- `budget`: the fewest blocks that fit a memory budget (`--ufp auto`);
-- `stage_cut`: the layers cut into pipeline stages;
+- `budget`: the automatic partition under a memory budget (`--ufp auto`), or what would fit;
+- `stage_cut`: the layers cut into pipeline stages, and the plan's rows priced stage by stage;
 - `meter`: the memory measured on real steps (imports torch; the rest does not).
 """

@@ -1,14 +1,15 @@
-"""Bytes per GPU: of full-parameter Adam, of each BCD visit (live or from a store) and of a pipeline stage, and the
-fewest blocks or the smallest pipeline that fits."""
+"""Bytes per GPU: of full-parameter Adam, of each BCD visit (live or from a store) and of a pipeline stage (its own
+card), and the automatic partition: the fewest visits that fit, the ends inside or apart, on one GPU or the
+smallest pipeline."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from preinfer.memory.activations import step_activations
 from preinfer.memory.expansion import expanded
 from preinfer.memory.layer_spans import LayerSpan, block_params, partition
-from preinfer.memory.quantized import active_state, adjust, block_tensors
+from preinfer.memory.quantized import active_state, adjust, block_tensors, frozen_weights
 from preinfer.memory.settings import DTYPES, Settings
 from preinfer.memory.shapes import ModelShape
 
@@ -109,10 +110,15 @@ def bcd_memory(m: ModelShape, settings: Settings, blocks: list[LayerSpan], k: in
     grads, optimizer, acts = expanded(m, settings, block, grads, optimizer, acts)
     step = transients(m, settings, block, acts.total())
     memory = Memory(weights, grads, optimizer, acts.total(), host=host, step=step)
-    what = f"layers {block.start}-{block.stop - 1}" if block.stop > block.start else \
-        ("the embedding" if block.embed else "the final norm and head")
-    memory.note = f"block {k} ({what})"
+    memory.note = f"block {k} ({block_text(block)})"
     return memory.finish(settings)
+
+
+def block_text(block: LayerSpan) -> str:
+    """What a block trains, as a visit's note names it: `layers 0-9`, `the embedding`, `the final norm and head`."""
+    if block.stop > block.start:
+        return f"layers {block.start}-{block.stop - 1}"
+    return "the embedding" if block.embed else "the final norm and head"
 
 
 def worst_bcd(m: ModelShape, settings: Settings, blocks: list[LayerSpan], store: bool) -> Memory:
@@ -121,21 +127,45 @@ def worst_bcd(m: ModelShape, settings: Settings, blocks: list[LayerSpan], store:
     return max((bcd_memory(m, settings, blocks, k, store) for k in candidates), key=lambda mem: mem.total)
 
 
+def visit_peaks(m: ModelShape, settings: Settings, blocks: list[LayerSpan], degree: int = 1) -> list[int]:
+    """Each live visit's peak bytes per GPU: on one GPU (`bcd_memory`), else its largest stage's on `degree`
+    stages (`pipeline_peak`)."""
+    if degree == 1:
+        return [bcd_memory(m, settings, blocks, k, store=False).total for k in range(len(blocks))]
+    return [pipeline_peak(m, settings, [active], degree) for active in blocks]
+
+
 def pipeline_peak(m: ModelShape, settings: Settings, blocks: list[LayerSpan] | None, degree: int) -> int:
     """Largest per-GPU bytes with `degree` pipeline stages (layers split evenly; None: full Adam).
 
     1F1B schedule: stage j keeps the activations of (degree - j) micro-batches in flight."""
-    stages = partition(m, degree)
     visits = [None] if blocks is None else blocks
     return max(stage_bytes(m, settings, stage, active, degree - j)
-               for active in visits for j, stage in enumerate(stages))
+               for j, stage in enumerate(partition(m, degree)) for active in distinct_visits(stage, visits))
 
 
-def stage_bytes(m: ModelShape, settings: Settings, stage: LayerSpan, active: LayerSpan | None, in_flight: int) -> int:
-    """Bytes one pipeline stage holds while `active` trains (None: full Adam): its layers' weights (resident: the
-    trainer refuses a frozen dtype on a pipeline), gradients and optimizer state (8-bit, fused) for the part of the
-    active block it holds, and the activations of `in_flight` micro-batches (none below the active block, which runs
-    forward only), and the step's temporaries beyond them."""
+def distinct_visits(stage: LayerSpan, blocks: list[LayerSpan | None]) -> list[LayerSpan | None]:
+    """The visits of `blocks` that can differ on `stage`: those holding a part of it, and one of those wholly
+    below it and one wholly above (the stage holds the same for each of those: its layers frozen, in the gradient
+    path above the active block and running forward only below it)."""
+    touching = [active for active in blocks if active is None or _holds_part(stage, active)]
+    below = next((a for a in blocks if a is not None and not _holds_part(stage, a) and a.stop <= stage.start), None)
+    above = next((a for a in blocks if a is not None and not _holds_part(stage, a) and a.start >= stage.stop), None)
+    return touching + [visit for visit in (below, above) if visit is not None]
+
+
+def _holds_part(stage: LayerSpan, active: LayerSpan) -> bool:
+    """Whether `stage` holds a layer or an end of block `active`."""
+    return (max(stage.start, active.start) < min(stage.stop, active.stop) or (stage.embed and active.embed)
+            or (stage.head and active.head))
+
+
+def stage_memory(m: ModelShape, settings: Settings, stage: LayerSpan, active: LayerSpan | None,
+                 in_flight: int) -> Memory:
+    """What one pipeline stage holds while `active` trains (None: full Adam), as its own card: its layers' weights
+    (those outside the active block held in the frozen dtype, their masters in host memory), gradients and
+    optimizer state (8-bit, fused) for the part of the active block it holds, the activations of `in_flight`
+    micro-batches (none below the active block, which runs forward only), and the step's temporaries beyond them."""
     c = DTYPES[settings.dtype]["act"]
     acts = step_activations(m, settings.micro_batch, settings.seq_len, c, active, settings.recompute,
                             settings.attention)
@@ -150,35 +180,79 @@ def stage_bytes(m: ModelShape, settings: Settings, stage: LayerSpan, active: Lay
     weights, grads, optimizer = _component_bytes(settings, params, trainable)
     if trainable:
         grads, optimizer = active_state(m, settings, held, grads, optimizer)
+    layers = stage.stop - stage.start
+    delta, host = (0, 0) if active is None else \
+        frozen_weights(m, settings, layers - (held.stop - held.start), layers)
     stage_acts = acts.total(stage.start, stage.stop, inputs=stage.embed, outputs=stage.head) * in_flight
     step = step_temporaries(m, settings, held, stage_acts) if trainable else 0
-    return weights + grads + optimizer + stage_acts + step
+    return Memory(weights + delta, grads, optimizer, stage_acts, host=host, step=step).finish(settings)
+
+
+def stage_bytes(m: ModelShape, settings: Settings, stage: LayerSpan, active: LayerSpan | None, in_flight: int) -> int:
+    """Peak bytes of one pipeline stage while `active` trains (`stage_memory`)."""
+    return stage_memory(m, settings, stage, active, in_flight).total
 
 
 def fewest_blocks(m: ModelShape, settings: Settings, degree: int = 1) -> tuple[int, int] | None:
     """The fewest blocks (largest UFP) whose worst live visit fits `settings.capacity()` per GPU with `degree`
-    pipeline stages, and that peak in bytes; None when even one layer per block does not fit, or on a pipeline
-    with landscape expansion asked for (a stage's share of it is not priced yet, though the stages run it; auto is
-    priced as none there)."""
+    pipeline stages, the ends placed as `settings.separate_ends` says, and that peak in bytes; None when even one
+    layer per block does not fit, or on a pipeline with landscape expansion asked for (a stage's share of it is not
+    priced yet, though the stages run it; auto is priced as none there)."""
     if degree > 1 and settings.expand not in ("auto", "none"):
         return None
     capacity = settings.capacity()
+    if degree > 1 and pipeline_peak(m, settings, partition(m, m.layers, settings.separate_ends), degree) > capacity:
+        return None  # a stage's visits of one layer a block are its smallest: a coarser block only adds to each
     for n in range(1, m.layers + 1):
         blocks = partition(m, n, settings.separate_ends)
-        peak = worst_bcd(m, settings, blocks, store=False).total if degree == 1 else \
-            pipeline_peak(m, settings, blocks, degree)
+        peak = max(visit_peaks(m, settings, blocks)) if degree == 1 else pipeline_peak(m, settings, blocks, degree)
         if peak <= capacity:
             return n, peak
     return None
 
 
+@dataclass(frozen=True)
+class Fit:
+    """A partition whose every visit fits: `blocks` blocks of layers (`--blocks`), the embedding and the head in
+    blocks of their own (`separate_ends`) or inside the first and the last, and the worst visit's bytes per GPU."""
+
+    blocks: int
+    separate_ends: bool
+    peak: int
+
+    @property
+    def visits(self) -> int:
+        """Visits of one sweep: the blocks of layers, and the ends' own blocks."""
+        return self.blocks + 2 * self.separate_ends
+
+
+def placements(settings: Settings) -> tuple[bool, ...]:
+    """The ends' placements a choice weighs (`separate_ends` of each): apart where `settings` asks for it, else
+    inside the first and last block or apart."""
+    return (True,) if settings.separate_ends else (False, True)
+
+
+def best_fit(m: ModelShape, settings: Settings, degree: int = 1) -> Fit | None:
+    """The automatic partition on `degree` GPUs: of the ends' placements (`placements`), the one whose fewest
+    fitting blocks (`fewest_blocks`) make the fewest visits, the largest share of the model trained in each; on a
+    tie the ends inside, so that no visit trains an end alone. None when no placement fits."""
+    fits = [Fit(found[0], apart, found[1]) for apart in placements(settings)
+            if (found := fewest_blocks(m, replace(settings, separate_ends=apart), degree)) is not None]
+    return min(fits, key=lambda fit: fit.visits, default=None)
+
+
 def auto_choice(m: ModelShape, settings: Settings) -> dict:
-    """The fewest blocks (largest UFP) whose worst live visit fits one GPU, else the smallest pipeline degree."""
+    """The automatic partition (`best_fit`) on one GPU, else on the smallest pipeline degree that fits, and each
+    of its visits' peak per GPU."""
     for degree in range(1, m.layers + 1):
-        found = fewest_blocks(m, settings, degree)
-        if found is not None:
-            return dict(blocks=found[0], ufp=1 / found[0], pipeline_degree=degree, per_gpu_bytes=found[1])
-    return dict(blocks=None, ufp=None, pipeline_degree=None, per_gpu_bytes=None)
+        fit = best_fit(m, settings, degree)
+        if fit is not None:
+            blocks = partition(m, fit.blocks, fit.separate_ends)
+            return dict(blocks=fit.blocks, ufp=1 / fit.blocks, pipeline_degree=degree, per_gpu_bytes=fit.peak,
+                        separate_ends=fit.separate_ends, visits=fit.visits,
+                        predicted=visit_peaks(m, settings, blocks, degree))
+    return dict(blocks=None, ufp=None, pipeline_degree=None, per_gpu_bytes=None, separate_ends=None, visits=None,
+                predicted=None)
 
 
 def full_pipeline_degree(m: ModelShape, settings: Settings) -> int | None:

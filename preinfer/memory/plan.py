@@ -1,4 +1,5 @@
-"""The plan `preinfer plan` reports: memory per GPU, the automatic UFP, store size, traffic and cost."""
+"""The plan `preinfer plan` reports: memory per GPU (on a pipeline, per stage: each stage its own card), the
+automatic partition, store size, traffic and cost."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from preinfer.memory.footprint import Memory, auto_choice, full_memory, full_pip
 from preinfer.memory.layer_spans import partition
 from preinfer.memory.settings import DTYPES, GPUS, USABLE_FRACTION, Settings
 from preinfer.memory.shapes import ModelShape
+from preinfer.memory.stage_cut import stage_cost, stage_label, stage_rows
 from preinfer.memory.traffic import store_bytes_per_token, store_dtype, traffic
 
 
@@ -29,6 +31,7 @@ class MemoryPlan:
     traffic: dict
     cost: dict | None
     notes: list[str] = field(default_factory=list)
+    stages: list[dict] | None = None  # with `pipeline` > 1: BCD's stage cut, each stage's layers and peak bytes
 
     def to_dict(self) -> dict:
         """A JSON-ready dict."""
@@ -42,12 +45,20 @@ def plan_memory(m: ModelShape, settings: Settings) -> MemoryPlan:
     if settings.dtype not in DTYPES:
         raise UsageError(f"unknown dtype '{settings.dtype}'; use one of {', '.join(DTYPES)}")
     blocks = partition(m, settings.blocks, settings.separate_ends)
-    memory = {
-        "full_adam": full_memory(m, settings, recompute=False),
-        "full_adam_recompute": full_memory(m, settings, recompute=True),
-        "bcd_live": worst_bcd(m, settings, blocks, store=False),
-        "bcd_store": worst_bcd(m, settings, blocks, store=True),
-    }
+    stages = None
+    if (settings.pipeline or 1) > 1:
+        memory, cut = stage_rows(m, settings, settings.pipeline, blocks)
+        stages = [dict(start=stage.start, stop=stage.stop, embed=stage.embed, head=stage.head,
+                       label=stage_label(stage),
+                       peak_bytes=stage_cost(m, settings, stage, j, len(cut), blocks, len(cut), "1f1b"))
+                  for j, stage in enumerate(cut)]
+    else:
+        memory = {
+            "full_adam": full_memory(m, settings, recompute=False),
+            "full_adam_recompute": full_memory(m, settings, recompute=True),
+            "bcd_live": worst_bcd(m, settings, blocks, store=False),
+            "bcd_store": worst_bcd(m, settings, blocks, store=True),
+        }
     auto = auto_choice(m, settings)
     degree = settings.pipeline or max(2, auto["pipeline_degree"] or 2)
     per_token = store_bytes_per_token(m, settings)
@@ -63,5 +74,5 @@ def plan_memory(m: ModelShape, settings: Settings) -> MemoryPlan:
         notes=[
             f"fits = total <= {USABLE_FRACTION:.0%} of the GPU's memory (CUDA context and fragmentation)",
             "BCD rows are the worst visit; from a store excludes block 0, which has no prefix and trains live",
-        ],
+        ], stages=stages,
     )

@@ -17,6 +17,7 @@ allocate them.
 
 from __future__ import annotations
 
+import functools
 from typing import get_args
 
 from preinfer.config.choices import LOW_BIT_OPTIMIZERS, FrozenDtype, Optimizer
@@ -103,10 +104,14 @@ def frozen_weights(m: ModelShape, settings: Settings, frozen: int, resident: int
     if settings.frozen_dtype == "auto":
         return 0, 0
     w = DTYPES[settings.dtype]["weight"]
-    shapes = linear_shapes(m)
-    per_layer = sum(r * c for r, c in shapes)
-    coded = sum(frozen_linear_bytes(r, c, settings.frozen_dtype, w) for r, c in shapes)
-    return frozen * (coded - per_layer * w), resident * per_layer * w
+    per_layer = sum(r * c for r, c in linear_shapes(m))
+    return frozen * (_coded_layer(m, settings.frozen_dtype, w) - per_layer * w), resident * per_layer * w
+
+
+@functools.lru_cache(maxsize=64)
+def _coded_layer(m: ModelShape, frozen_dtype: str, weight_bytes: int) -> int:
+    """Device bytes of one decoder layer's linear weights held in `frozen_dtype`."""
+    return sum(frozen_linear_bytes(r, c, frozen_dtype, weight_bytes) for r, c in linear_shapes(m))
 
 
 def active_state(m: ModelShape, settings: Settings, span: LayerSpan, grads: int, optimizer: int) -> tuple[int, int]:

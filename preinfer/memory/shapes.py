@@ -4,6 +4,8 @@ directory or a Hugging Face config."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -11,7 +13,8 @@ from pathlib import Path
 from preinfer.errors import UsageError
 
 
-# Standard shapes for model sizes. Llama-shaped: Llama-2 7B and 13B; 1.5B and 20B scaled with the same ratios.
+# Standard shapes for model sizes. Llama-shaped: Llama-2 7B and 13B; 1.5B and 20B scaled with the same ratios;
+# Llama-3 8B and 70B (grouped-query attention, 128k tokens, untied head).
 # GPT-2-shaped: GPT-2 XL for 1.5B; 4h MLP, 50257 tokens, 1024 positions, tied embedding for the rest.
 SIZES = {
     "llama": {
@@ -20,6 +23,7 @@ SIZES = {
         "13b": dict(hidden=5120, layers=40, heads=40, intermediate=13824),
         "20b": dict(hidden=6144, layers=44, heads=48, intermediate=16384),
         "llama3-8b": dict(hidden=4096, layers=32, heads=32, intermediate=14336, vocab=128256, kv_heads=8),
+        "llama3-70b": dict(hidden=8192, layers=80, heads=64, intermediate=28672, vocab=128256, kv_heads=8),
     },
     "gpt2": {
         "1.5b": dict(hidden=1600, layers=48, heads=25),
@@ -86,8 +90,18 @@ class ModelShape:
 
     def span_params(self, start: int, stop: int, active: bool = False) -> int:
         """Parameters of layers [start, stop) (`active`: those one token runs through)."""
-        count = self.active_layer_params if active else self.layer_params
-        return sum(count(layer) for layer in range(start, stop))
+        sums = self._active_sums if active else self._sums
+        return sums[stop] - sums[start]
+
+    @functools.cached_property
+    def _sums(self) -> tuple[int, ...]:
+        """Parameters of layers [0, i) for every i (the planner asks for many spans of one shape)."""
+        return tuple(itertools.accumulate((self.layer_params(i) for i in range(self.layers)), initial=0))
+
+    @functools.cached_property
+    def _active_sums(self) -> tuple[int, ...]:
+        """Parameters one token runs through in layers [0, i) for every i."""
+        return tuple(itertools.accumulate((self.active_layer_params(i) for i in range(self.layers)), initial=0))
 
     def mlp_width(self, layer: int) -> int:
         """Hidden units one token activates in the MLP of `layer` (top-k experts and a shared expert if sparse)."""

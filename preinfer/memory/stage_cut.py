@@ -9,8 +9,10 @@ programming), so it never needs more than the parameter-balanced cut the planner
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from preinfer.errors import UsageError
-from preinfer.memory.footprint import stage_bytes
+from preinfer.memory.footprint import Memory, block_text, distinct_visits, stage_bytes, stage_memory
 from preinfer.memory.layer_spans import LayerSpan
 from preinfer.memory.settings import Settings
 from preinfer.memory.shapes import ModelShape
@@ -28,7 +30,7 @@ def stage_cost(m: ModelShape, settings: Settings, stage: LayerSpan, index: int, 
                blocks: list[LayerSpan], microbatches: int, schedule: str) -> int:
     """Peak bytes of stage `index` over every visit of `blocks`."""
     flight = in_flight(schedule, index, degree, microbatches)
-    return max(stage_bytes(m, settings, stage, active, flight) for active in blocks)
+    return max(stage_bytes(m, settings, stage, active, flight) for active in distinct_visits(stage, blocks))
 
 
 def cut_stages(m: ModelShape, settings: Settings, degree: int, blocks: list[LayerSpan], microbatches: int,
@@ -50,6 +52,36 @@ def cut_stages(m: ModelShape, settings: Settings, degree: int, blocks: list[Laye
     bounds = minimax_cut(layers, degree, cost)
     return [LayerSpan(first + lo, first + hi, j == 0 and first == 0, j == degree - 1)
             for j, (lo, hi) in enumerate(bounds)]
+
+
+def stage_rows(m: ModelShape, settings: Settings, degree: int, blocks: list[LayerSpan],
+               schedule: str = "1f1b") -> tuple[dict[str, Memory], list[LayerSpan]]:
+    """The plan's memory rows on a pipeline of `degree` (`degree` micro-batches a step, as the plan's run line
+    gives), each the worst stage priced as its own card, and the stages of BCD's cut (`cut_stages`, as the run cuts
+    them). Full Adam's stages are cut for its one visit of every parameter; from a store, block 0 is left out."""
+    rows = {}
+    for name, recompute in (("full_adam", False), ("full_adam_recompute", True)):
+        full = replace(settings, recompute=recompute)
+        rows[name] = worst_stage(m, full, cut_stages(m, full, degree, [None], degree, schedule), [None], schedule)
+    stages = cut_stages(m, settings, degree, blocks, degree, schedule)
+    rows["bcd_live"] = worst_stage(m, settings, stages, blocks, schedule)
+    rows["bcd_store"] = worst_stage(m, settings, stages, blocks, schedule, first_visit=1 if len(blocks) > 1 else 0)
+    return rows, stages
+
+
+def worst_stage(m: ModelShape, settings: Settings, stages: list[LayerSpan], visits: list[LayerSpan | None],
+                schedule: str, first_visit: int = 0) -> Memory:
+    """The largest of `stages`' memories over the visits `visits[first_visit:]` (None: full Adam), each stage
+    keeping as many micro-batches in flight as `schedule` does with one a stage per step."""
+    degree, worst = len(stages), None
+    for j, stage in enumerate(stages):
+        flight = in_flight(schedule, j, degree, degree)
+        for k, active in enumerate(visits[first_visit:], first_visit):
+            memory = stage_memory(m, settings, stage, active, flight)
+            if worst is None or memory.total > worst.total:
+                block = "" if active is None else f", block {k} ({block_text(active)})"
+                worst, memory.note = memory, f"stage {j} of {degree} ({stage_label(stage)}){block}"
+    return worst
 
 
 def stage_label(stage: LayerSpan) -> str:
