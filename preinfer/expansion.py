@@ -2,7 +2,7 @@
 block get a cheap update at every step from the gradients its backward already runs through them.
 
 `--expand auto`, the default, is lowrank where it runs (`expansion_of`: a dense model's BCD run without --active,
---experts, --frozen-dtype, a pipeline or --keep-optimizer-state) and none elsewhere; bench.finetune measured it
+--experts, a pipeline or --keep-optimizer-state) and none elsewhere; bench.finetune measured it
 better than none on both SmolLM2 corpora and seeds (docs/results.md, "BCD's levers on SmolLM2").
 
 `--expand lowrank` (`LowRankExpansion`): each linear weight W [out, in] of a suffix layer gets rank-r fp32 factors
@@ -18,6 +18,13 @@ and hooks are removed. A mid-visit checkpoint carries the factors with the visit
 `--expand sgd` (`SgdExpansion`): every parameter of the suffix layers takes a gradient for the visit; after each
 optimizer step it gets a plain SGD step, w <- w - lr g (in fp32, cast to w's dtype; summed over the data-parallel
 replicas first), at the constant rate `--expand-lr`, and the gradient is dropped. It keeps no state.
+
+On layers held in fewer bits (`--frozen-dtype`, `preinfer.frozen_weights.FrozenWeight`) both write the master, as
+QLoRA's adapters sit beside NF4 weights: lowrank's factors sit beside the codes (made on the run's device) and its
+merge adds B A into the layer's master, whose codes are then built from it again; sgd's gradient of a frozen
+weight is grad^T x taken through the codes (the straight-through gradient of the weight the forward ran), on the
+master's device, and its step writes the master and rebuilds the codes (on an accelerator, a weight's transfer
+each way per step). Nothing is quantized from codes, and the export holds masters only.
 
 Only the decoder layers `[block.stop, num_layers)` change: the embedding and the head are trained only by the
 blocks the partition gives them (a head-holding block has no suffix). The layers below the active block never
@@ -59,12 +66,13 @@ def linear_weights(layers: list[nn.Module]) -> Iterator[tuple[nn.Module, bool]]:
 
 
 class Factors:
-    """One linear module's rank-r factors and the forward hook that adds their product to its output."""
+    """One linear module's rank-r factors, on `device` (where the module computes), and the forward hook that adds
+    their product to its output."""
 
-    def __init__(self, module: nn.Module, transposed: bool, rank: int, lr: float | None, gen: torch.Generator):
+    def __init__(self, module: nn.Module, transposed: bool, rank: int, lr: float | None, gen: torch.Generator,
+                 device: torch.device | str):
         self.module, self.transposed = module, transposed
         out_features, in_features = module.weight.shape[::-1] if transposed else module.weight.shape
-        device = module.weight.device
         self.a = nn.Parameter(torch.randn(rank, in_features, generator=gen).div_(in_features ** 0.5).to(device))
         self.b = nn.Parameter(torch.zeros(out_features, rank, device=device))
         if lr is not None:
@@ -83,9 +91,10 @@ class Factors:
 
     @torch.no_grad()
     def merge(self) -> None:
-        """Add the dense update into the weight and remove the hook."""
+        """Add the dense update into the weight (where it is: a frozen weight's master, whose codes are then built
+        from it again) and remove the hook."""
         weight = self.module.weight
-        weight.copy_(weight.float() + self.dense())
+        weight.copy_(weight.float() + self.dense().to(weight.device))
         self.handle.remove()
 
 
@@ -93,15 +102,17 @@ class LowRankExpansion:
     """`--expand lowrank` (see the module's docstring)."""
 
     def __init__(self, staged: StagedModel, rank: int, lr: float | None, seed: int = 0,
-                 step: Callable[[], int] = lambda: 0):
-        """`step`: the run's global step now (the factors of a visit are drawn from it, the seed and the block)."""
+                 step: Callable[[], int] = lambda: 0, device: torch.device | str = "cpu"):
+        """`step`: the run's global step now (the factors of a visit are drawn from it, the seed and the block);
+        `device`: the run's, where the factors are made."""
         self.staged, self.rank, self.lr, self.seed, self.step = staged, rank, lr, seed, step
+        self.device = torch.device(device)
         self.factors: list[Factors] = []
 
     def activate(self, block: Block) -> list[nn.Parameter]:
         layers = suffix_layers(self.staged, block)
         gen = torch.Generator().manual_seed(visit_seed(self.seed, self.step(), block.index))
-        self.factors = [Factors(module, transposed, self.rank, self.lr, gen)
+        self.factors = [Factors(module, transposed, self.rank, self.lr, gen, self.device)
                         for module, transposed in linear_weights(layers)]
         return [factor for f in self.factors for factor in (f.a, f.b)]
 
@@ -117,8 +128,9 @@ class LowRankExpansion:
 class SgdExpansion:
     """`--expand sgd` (see the module's docstring)."""
 
-    def __init__(self, staged: StagedModel, lr: float):
-        self.staged, self.lr = staged, lr
+    def __init__(self, staged: StagedModel, lr: float, device: torch.device | str = "cpu"):
+        """`device`: the run's, where the replicas sum the gradients."""
+        self.staged, self.lr, self.device = staged, lr, torch.device(device)
         self.params: list[nn.Parameter] = []
 
     def activate(self, block: Block) -> list[nn.Parameter]:
@@ -134,9 +146,10 @@ class SgdExpansion:
         for param in self.params:
             if param.grad is None:
                 continue
+            grad = param.grad.to(self.device)  # itself, but for a frozen weight's (on its host master)
             if replicated:
-                dist.all_reduce(param.grad)
-            param.copy_(param.float() - self.lr * param.grad.float())
+                dist.all_reduce(grad)
+            param.copy_(param.float() - self.lr * grad.float().to(param.device))
             param.grad = None
 
     def deactivate(self, block: Block) -> None:
@@ -165,7 +178,8 @@ def expansion_hooks(staged: StagedModel, config: Config, step: Callable[[], int]
     """The visit hooks of the run's expansion (`expansion_of`; none: no hook); `step`: the run's global step now."""
     b, expand = config.blocks, expansion_of(staged, config)
     if expand == "lowrank":
-        return [LowRankExpansion(staged, b.expand_rank, b.expand_lr, config.run.seed, step)]
+        return [LowRankExpansion(staged, b.expand_rank, b.expand_lr, config.run.seed, step, config.run.device)]
     if expand == "sgd":
-        return [SgdExpansion(staged, b.expand_lr if b.expand_lr is not None else resolved_lr(config.optim))]
+        lr = b.expand_lr if b.expand_lr is not None else resolved_lr(config.optim)
+        return [SgdExpansion(staged, lr, config.run.device)]
     return []

@@ -60,8 +60,7 @@ def test_a_run_with_no_expand_flag_trains_as_expand_lowrank_and_records_it():
 
 
 @pytest.mark.parametrize("change", [dict(blocks__active="1-2"), dict(blocks__experts="top:0.5"),
-                                    dict(model__frozen_dtype="int8"), dict(run__pipeline=2),
-                                    dict(optim__keep_state=True), dict(run__mode="full")])
+                                    dict(run__pipeline=2), dict(optim__keep_state=True), dict(run__mode="full")])
 def test_auto_is_none_where_lowrank_does_not_run_and_refuses_nothing(change):
     config = Config()
     assert resolved_expand(config) == "lowrank"
@@ -70,6 +69,16 @@ def test_auto_is_none_where_lowrank_does_not_run_and_refuses_nothing(change):
         setattr(getattr(config, section), name, value)
     assert resolved_expand(config) == "none"
     assert list(expand_problems(config)) == []
+
+
+@pytest.mark.parametrize("frozen", ["bf16", "int8", "nf4"])
+def test_auto_is_lowrank_and_both_expansions_run_beside_frozen_codes(frozen):
+    config = Config()
+    config.model.frozen_dtype = frozen
+    assert resolved_expand(config) == "lowrank"
+    for expand in ("lowrank", "sgd"):
+        config.blocks.expand = expand
+        assert list(expand_problems(config)) == []
 
 
 def test_auto_is_none_on_a_mixture_of_experts_model_and_lowrank_asked_for_is_kept():
@@ -227,7 +236,6 @@ def test_expand_lr_puts_the_factors_in_a_group_of_their_own_on_the_visit_s_sched
     (dict(pipeline=2), "[blocks] expand = 'sgd': expected none on a pipeline"),
     (dict(precision="fp16-mixed"), "[blocks] expand = 'sgd': expected lowrank or none under [run] precision"),
     (dict(expand="lowrank", keep_state=True), "[blocks] expand = 'lowrank': expected sgd or none with [optim]"),
-    (dict(frozen_dtype="int8"), "[blocks] expand = 'sgd': expected none with [model] frozen_dtype other than auto"),
     (dict(expand_rank=0), "[blocks] expand_rank = 0: expected an integer >= 1"),
 ])
 def test_what_expansion_does_not_run_with_is_refused_in_one_line(change, message):

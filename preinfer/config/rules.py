@@ -251,9 +251,6 @@ def expand_conflicts(c: Any, expand: str) -> Iterator[Problem]:
         yield "blocks", "expand", "none with {blocks.active} (it keeps the layers above the active block frozen)"
     if b.experts is not None:
         yield "blocks", "expand", "none with {blocks.experts} (expert-granular blocks update nothing outside them)"
-    if c.model.frozen_dtype != "auto":
-        yield "blocks", "expand", "none with {model.frozen_dtype} other than auto (the suffix's linear weights " \
-                                  "are codes there, which it would not update)"
     if c.run.pipeline > 1:
         yield "blocks", "expand", "none on a pipeline ({run.pipeline} > 1: its stages do not update the suffix)"
     if expand == "lowrank" and c.optim.keep_state:

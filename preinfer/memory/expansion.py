@@ -1,7 +1,7 @@
 """What landscape expansion (`expand`, `preinfer.expansion`) adds to a visit's bytes, counted as that module
 allocates it. The suffix is the decoder layers above the active block, [block.stop, layers); a block holding the
 head has none. `auto` (the default) is priced as the trainer resolves it in a one-GPU BCD run (`planned_expand`):
-lowrank on a dense model with frozen_dtype auto, else none; on a pipeline, none.
+lowrank on a dense model (any frozen_dtype: the factors sit beside the codes), else none; on a pipeline, none.
 
 - lowrank: each linear weight [out, in] of a suffix layer gets fp32 factors A [r, in] and B [out, r]:
   r * (in + out) elements, each with an fp32 gradient and the block's optimizer state (8-bit moments under
@@ -41,10 +41,10 @@ def check_expand(m: ModelShape, settings: Settings) -> None:
 
 def planned_expand(m: ModelShape, settings: Settings) -> str:
     """`settings.expand` with auto resolved as the trainer resolves it for a one-GPU BCD visit: lowrank on a dense
-    model whose frozen layers are held in the resident dtype (frozen_dtype auto), else none."""
+    model (its factors beside the codes under a frozen dtype), else none."""
     if settings.expand != "auto":
         return settings.expand
-    return "lowrank" if not m.sparse and settings.frozen_dtype == "auto" else "none"
+    return "lowrank" if not m.sparse else "none"
 
 
 def layer_linears(m: ModelShape) -> list[tuple[int, int]]:
