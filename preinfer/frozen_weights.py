@@ -109,16 +109,14 @@ class FrozenWeight(nn.Parameter):
     """A frozen linear weight held as codes: a Parameter over its exact master's storage (host memory), with the
     codes built from that master on `device`. `F.linear` on it runs from the codes (`_DequantizedLinear`); every
     other operation is the master's own (state dicts, checkpoints, exports and fingerprints read the master), and
-    an in-place write (`copy_`, `add_`, ...) writes the master and then builds the codes from it again."""
+    an in-place write through it (`copy_`, `add_`, `w[...] = v`) writes the master and then builds the codes from
+    it again (a write through `.data`, a plain tensor over the master, does not)."""
 
     def __new__(cls, master: torch.Tensor, frozen_dtype: str, device: torch.device) -> FrozenWeight:
         weight = super().__new__(cls, master, requires_grad=False)
         weight.frozen_dtype, weight.compute_device = frozen_dtype, device
         weight.encode()
         return weight
-
-    def __init__(self, *args) -> None:
-        """Everything is set by `__new__`."""
 
     @property
     def codes(self) -> tuple[torch.Tensor, ...]:
@@ -150,8 +148,9 @@ class FrozenWeight(nn.Parameter):
         return out
 
 
-def _frozen_linear(x: torch.Tensor, weight: FrozenWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    y = _DequantizedLinear.apply(x, weight)
+def _frozen_linear(input: torch.Tensor, weight: FrozenWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(input, weight, bias)` (its argument names) on a frozen weight."""
+    y = _DequantizedLinear.apply(input, weight)
     return y if bias is None else y + bias
 
 

@@ -251,14 +251,15 @@ def test_what_expansion_does_not_run_with_is_refused_in_one_line(change, message
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("expand,lr", [("lowrank", 3e-3), ("sgd", 0.05)])
-def test_torchrun_two_ranks_expand_as_one_process_with_the_same_global_batch(tmp_path, expand, lr):
+@pytest.mark.parametrize("expand,lr,frozen", [("lowrank", 3e-3, "auto"), ("sgd", 0.05, "auto"),
+                                              ("lowrank", 3e-3, "nf4"), ("sgd", 0.05, "int8")])
+def test_torchrun_two_ranks_expand_as_one_process_with_the_same_global_batch(tmp_path, expand, lr, frozen):
     """`train --store` (two blocks above boundary 2) with expansion on two gloo ranks ends with the weights of one
     process whose batch is both ranks' batches: the factors' gradients are summed with the block's, the sgd step's
-    over the replicas."""
+    over the replicas; under a frozen dtype too (the suffix model's meta prefix not held, its layers in codes)."""
     corpus = paragraphs_corpus(tmp_path / "corpus.txt")
     model_dir, store = cache_and_model(tmp_path, corpus)
-    flags = ["--expand", expand, "--expand-lr", str(lr)]
+    flags = ["--expand", expand, "--expand-lr", str(lr), "--frozen-dtype", frozen]
     torchrun(tmp_path, 2, [["train", "--store", store, "--model", model_dir, "--steps-per-visit", "3", "--lr", "1e-3",
                             "--blocks", "2", "--seed", "0", "--batch-size", "2", *flags, "--out", str(tmp_path / "two")]])
     config = Config()
@@ -266,6 +267,7 @@ def test_torchrun_two_ranks_expand_as_one_process_with_the_same_global_batch(tmp
     config.data.batch_size = 4
     config.blocks.ufp, config.blocks.blocks = None, 2
     config.blocks.expand, config.blocks.expand_lr = expand, lr
+    config.model.frozen_dtype = frozen
     config.optim.lr = 1e-3
     config.stop.steps_per_visit = 3
     config.run.out = str(tmp_path / "one")

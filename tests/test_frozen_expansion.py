@@ -14,6 +14,7 @@ from preinfer.frozen_weights import FrozenWeight, QuantizedFrozenLayers, decode,
 from preinfer.partition import make_partition
 from preinfer.presets import build_preset
 from tests.helpers.trainers import live_batches, make_trainer, snapshot
+from tests.helpers.training_runs import assert_close
 
 
 def decoded(codes, dtype: str) -> torch.Tensor:
@@ -139,3 +140,17 @@ def test_resume_mid_visit_with_codes_and_expansion_is_bit_identical(tmp_path, dt
     ref, got = snapshot(reference.staged.model), snapshot(resumed.staged.model)
     assert all(torch.equal(ref[k], got[k]) for k in ref)
     assert [v["eval_loss"] for v in resumed.progress.visits] == [v["eval_loss"] for v in reference.progress.visits]
+
+
+@pytest.mark.parametrize("dtype,expand,change", [("int8", "lowrank", dict(run__recompute=True)),
+                                                 ("nf4", "sgd", dict(run__recompute=True)),
+                                                 ("int8", "lowrank", dict(optim__fused_step=True))])
+def test_recompute_and_the_fused_step_train_codes_and_their_expansion_as_without(dtype, expand, change):
+    """Each layer run again in backward (`--recompute`) decodes its codes and runs its factors again; the fused step
+    steps the block inside backward: the same weights (relative 1e-5) as the plain run."""
+    trained = []
+    for extra in ({}, change):
+        trainer = make_trainer(model__frozen_dtype=dtype, blocks__expand=expand, blocks__expand_lr=0.05, **extra)
+        trainer.fit()
+        trained.append(snapshot(trainer.staged.model))
+    assert_close(trained[1], trained[0])
