@@ -66,7 +66,6 @@ runs.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import shutil
 import statistics
@@ -78,157 +77,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from bench.lib.common import OUT, ROOT, command_line, machine, module_command, run_paced, table
-from bench.lib.runs import (MeteredLoop, bcd_flags, block_names, eval_loss, parse_config, preinfer_result,
-                            prepared, split_batches)
+from bench.lib.peer_loops import run_worker
+from bench.lib.runs import bcd_flags, eval_loss, preinfer_result, split_batches
 from pipelines.cli import set_process_environment
 from preinfer.config import ATTENTIONS
 
 METHODS = ("plain", "badam", "hf-trainer", "preinfer", "preinfer-auto")
 TARGETS = dict(steps_per_s=1.0, window=0.97, eval_loss=0.01, hf_trainer_x_preinfer=0.95)
-# A pacer stops after this many seconds, whether or not it was told to.
-PACE_LIMIT_S = 3600
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Workers: plain and badam (each in a process of its own).
-
-
-def plain_worker(config, ready: Path | None = None, until: Path | None = None) -> dict:
-    """The plain per-block loop. As a pacer (`ready`, `until`; one block), it creates `ready` after its first step
-    and keeps stepping over its batches, round and round, until `until` exists."""
-    model, precision, blocks, batches = prepared(config)
-    loop, mixed, o = MeteredLoop(model), precision != "fp32", config.optim
-    stamps, times, index, train_s = [], [], 0, 0.0
-    steps = config.stop.steps_per_visit
-    for block in blocks:
-        started = time.perf_counter()
-        loop.new_block()
-        model.requires_grad_(False)
-        for param in block.params:
-            param.requires_grad_(True)
-        masters = [p.detach().float().clone() for p in block.params] if mixed else list(block.params)
-        optimizer = torch.optim.Adam(masters, lr=o.lr, betas=tuple(o.betas), weight_decay=0.0)
-        for step in itertools.count():
-            if until is None and step == steps:
-                break
-            if until is not None and step and (until.exists() or time.perf_counter() - started > PACE_LIMIT_S):
-                break
-            loss = loop.loss(batches[index % len(batches)])
-            index += 1
-            if mixed:
-                for param, master in zip(block.params, masters):
-                    master.grad, param.grad = param.grad.float(), None
-            optimizer.step()
-            if mixed:
-                with torch.no_grad():
-                    for param, master in zip(block.params, masters):
-                        param.copy_(master)
-            loop.sample(optimizer)
-            optimizer.zero_grad(set_to_none=True)
-            loss.item()
-            stamps.append(time.perf_counter() - started)
-            times.append(time.time())
-            if ready is not None and step == 0:
-                ready.touch()
-        train_s += stamps[-1]
-        del optimizer, masters
-    return finished(model, loop, stamps, times, train_s, config)
-
-
-def badam_worker(config) -> dict:
-    """BAdam's BlockOptimizer over the same blocks, batches and Adam."""
-    from badam import BlockOptimizer
-
-    model, _, blocks, batches = prepared(config)
-    loop, o, steps = MeteredLoop(model), config.optim, config.stop.steps_per_visit
-    started = time.perf_counter()
-    base = torch.optim.Adam(model.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=0.0)
-    optimizer = BlockOptimizer(base_optimizer=base, named_parameters_list=list(model.named_parameters()),
-                               block_prefix_list=block_names(model, blocks), switch_block_every=steps,
-                               switch_mode="ascending", verbose=0)
-    adam_step = base.step
-
-    def step_and_sample(*args, **kwargs):  # inside BAdam's step, before it drops the masters' gradients
-        out = adam_step(*args, **kwargs)
-        loop.sample(base)
-        return out
-
-    base.step = step_and_sample
-    stamps, times, train_s = [], [], 0.0
-    for index, batch in enumerate(batches):
-        if index % steps == 0:
-            loop.new_block()
-            if index:
-                started = time.perf_counter()
-        loss = loop.loss(batch)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss.item()
-        stamps.append(time.perf_counter() - started)
-        times.append(time.time())
-        if index % steps == steps - 1:
-            train_s += stamps[-1]
-    return finished(model, loop, stamps, times, train_s, config)
-
-
-def hf_trainer_worker(config) -> dict:
-    """`preinfer.hf.BlockCoordinateDescent` inside `transformers.Trainer`: the same blocks, batches (their samples
-    in order, batched by the same size, no shuffling) and Adam; the meter is the integration's own."""
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-
-    from preinfer.hf import BlockCoordinateDescent
-    from preinfer.memory.meter import MemoryMeter
-
-    model, precision, blocks, batches = prepared(config)
-    o, steps = config.optim, config.stop.steps_per_visit
-    bcd = BlockCoordinateDescent(model, ranges=config.blocks.ranges, steps_per_visit=steps, optimizer="adam",
-                                 lr=o.lr, betas=tuple(o.betas), weight_decay=0.0, precision=precision,
-                                 expand=config.blocks.expand, meter=MemoryMeter(model))
-    stamps, times, visits = [], [], []
-
-    class Clock(TrainerCallback):  # each visit from its first step's start to its last step's end
-        def on_step_begin(self, args, state, control, **kwargs):
-            if bcd.optimizer.visit_step == 0:
-                visits.append(time.perf_counter())
-
-        def on_step_end(self, args, state, control, **kwargs):
-            stamps.append(time.perf_counter() - visits[-1])
-            times.append(time.time())
-
-    samples = [{key: value[i] for key, value in batch.items()} for batch in batches
-               for i in range(len(batch["input_ids"]))]
-    args = TrainingArguments(output_dir=str(config.run.out), per_device_train_batch_size=config.data.batch_size,
-                             max_steps=len(batches), train_sampling_strategy="sequential", max_grad_norm=0.0,
-                             report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
-                             use_cpu=config.run.device == "cpu", seed=config.run.seed)
-    Trainer(model=model, args=args, train_dataset=samples, optimizers=bcd.optimizers,
-            callbacks=[bcd.callback, Clock()]).train()
-    ends = [stamps[(i + 1) * steps - 1] for i in range(len(blocks))]
-    memory = [*bcd.optimizer.visit_memory, bcd.optimizer.meter.report()]
-    model.save_pretrained(config.run.out)
-    return dict(steps=len(stamps), train_s=sum(ends), stamps=stamps, times=times,
-                tracked_peak=max(m["tracked_peak"] for m in memory), model_dir=str(config.run.out))
-
-
-def finished(model: torch.nn.Module, loop: MeteredLoop, stamps: list[float], times: list[float], train_s: float,
-             config) -> dict:
-    """A worker's result (`times`: each step's end on the clock); its final weights saved with save_pretrained
-    into the run's --out."""
-    loop.new_block()
-    model.save_pretrained(config.run.out)
-    return dict(steps=len(stamps), train_s=train_s, stamps=stamps, times=times, tracked_peak=loop.peak,
-                model_dir=str(config.run.out))
-
-
-def run_worker(method: str, flags: list[str], result: Path, ready: Path | None, until: Path | None) -> None:
-    config = parse_config(flags)
-    Path(config.run.out).mkdir(parents=True, exist_ok=True)
-    workers = {"badam": badam_worker, "hf-trainer": hf_trainer_worker}
-    out = plain_worker(config, ready, until) if method == "plain" else workers[method](config)
-    result.write_text(json.dumps(out))
 
 
 # ---------------------------------------------------------------------------------------------------------------

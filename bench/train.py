@@ -56,23 +56,12 @@ from pathlib import Path
 
 import torch
 
-import preinfer
-from bench.lib.common import OUT, ROOT, command_line, machine, module_command, run_side_by_side, table
-from bench.lib.trained import cache_split, trained_model
-from pipelines.cache import CacheOptions, cache_boundary, open_cache
-from pipelines.models import resolve_model
-from pipelines.data.batches import ReaderBatches
-from pipelines.models.suffix import load_suffix, to_device
-from pipelines import training
-from pipelines.training import live_sources, load_datasets, partition_for, samples_per_shard
-from preinfer.config import Config, load_config
-from preinfer.metrics import (CacheRecord, PlanOutcomeRecord, PreInferenceRecord, Record, StepRecord,
-                              SweepPlanRecord, VisitRecord, read_metrics)
-from preinfer.optim import LR_DECAYS, build_optimizer
-from preinfer.run_dir import RunDir
-from preinfer.batch_source import LiveSources
-from preinfer.staged import causal_lm_loss, supervised_tokens
-from preinfer.trainer import Trainer
+from bench.lib.common import OUT, command_line, machine, table
+from bench.lib.from_store import pieces, store_dtype_runs, throughput
+from bench.lib.scenarios import scenario_main, scenario_report, scenario_run
+from bench.lib.train_runs import base_config, timed_run
+from preinfer.metrics import CacheRecord, PreInferenceRecord
+from preinfer.optim import LR_DECAYS
 
 TARGETS = {"achieved_over_ideal": ">= 0.9", "wait_fraction": "<= 0.02"}
 
@@ -130,174 +119,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-
-
-def base_config(args: argparse.Namespace, **sections) -> Config:
-    overrides = dict(
-        model=dict(name=args.model),
-        data=dict(seq_len=args.seq_len, batch_size=args.batch_size),
-        blocks=dict(ufp="1/3"),
-        optim=dict(name="adam", lr=2e-3),
-        run=dict(seed=0),
-    )
-    for section, values in sections.items():
-        overrides[section] = {**overrides.get(section, {}), **values}
-    return load_config(overrides=overrides)
-
-
-# ---- 1 and 3: steps/s live and from a store ------------------------------------------------------------------
-
-
-class Run:
-    """One trainer visit of the top block; collects its step records."""
-
-    def __init__(self):
-        self.steps: list[dict] = []
-        self.visit: VisitRecord | None = None
-        self.tokens = 0
-
-    def record(self, record: Record) -> None:
-        if isinstance(record, StepRecord):
-            tokens = record.tokens - self.tokens
-            self.tokens = record.tokens
-            self.steps.append(dict(loss=record.loss, wait_s=record.wait_s, step_s=tokens / record.tokens_per_s))
-        elif isinstance(record, VisitRecord):
-            self.visit = record
-
-    def summary(self, warmup: int) -> dict:
-        measured = self.steps[warmup:]
-        step_s = sum(s["step_s"] for s in measured)
-        wait_s = sum(s["wait_s"] for s in measured)
-        return dict(steps=len(measured), step_s=step_s, steps_per_s=len(measured) / step_s, wait_s=wait_s,
-                    wait_fraction=wait_s / step_s, first_step_s=self.steps[0]["step_s"],
-                    first_wait_s=self.steps[0]["wait_s"], visit_wall_s=self.visit.wall_s,
-                    losses=[s["loss"] for s in self.steps])
-
-
-def train_once(staged, partition, active: int, config: Config, sources: LiveSources) -> Run:
-    run = Run()
-    torch.manual_seed(config.run.seed)
-    trainer = Trainer(staged, partition, config, sources, None, None, on_record=run.record, active_block=active)
-    try:
-        trainer.fit()
-    finally:
-        for source in (sources.train, sources.eval):
-            source.close()
-    return run
-
-
-def throughput(args: argparse.Namespace, root: Path) -> dict:
-    config = base_config(args, data=dict(eval_tokens=args.seq_len * args.batch_size, max_samples=args.samples),
-                         stop=dict(steps_per_visit=args.warmup + args.steps),
-                         pre_inference=dict(mode="off"))
-    data = load_datasets(config)
-    model = resolve_model(args.model, seed=0)
-    staged = preinfer.stage(model)
-    ufp_partition, _ = partition_for(staged, config)
-    top = ufp_partition.blocks[-1]
-    k, num_layers = top.start, staged.num_layers
-    config.blocks.active = f"{k}-{num_layers - 1}"
-    partition, active = partition_for(staged, config)
-    shard = samples_per_shard(config, staged)
-
-    started = time.perf_counter()
-    built = cache_boundary(staged, {"train": data.train, "eval": data.eval}, data.tokenizer, k, root / f"store-{k}",
-                           CacheOptions(samples_per_shard=shard, mode="overwrite", progress=False,
-                                        model_name=args.model))
-    build_s = time.perf_counter() - started
-    stores = open_cache(root / f"store-{k}", splits=["train", "eval"])
-    store_bytes = sum(s.stored_bytes for s in built.splits.values())
-
-    suffix = load_suffix(args.model, k, seed=0)
-    suffix_staged = preinfer.stage(to_device(suffix.model, "cpu"))
-    suffix_partition, suffix_active = partition_for(suffix_staged, config, first_layer=k)
-
-    def store_sources() -> LiveSources:
-        b, seed = config.data.batch_size, config.run.seed
-        return LiveSources(ReaderBatches(stores["train"], k, b, seed),
-                           ReaderBatches(stores["eval"], k, b, seed, shuffle=False))
-
-    runs: dict[str, list[dict]] = {"live": [], "store": []}
-    for rep in range(args.repeats):
-        for name in ("live", "store"):
-            if name == "live":
-                run = train_once(staged, partition, active, config, live_sources(data, config, shard))
-            else:
-                run = train_once(suffix_staged, suffix_partition, suffix_active, config, store_sources())
-            runs[name].append(run.summary(args.warmup))
-            r = runs[name][-1]
-            print(f"[train] rep {rep} {name}: {r['steps_per_s']:.2f} steps/s, wait {100 * r['wait_fraction']:.2f}%,"
-                  f" first step {r['first_step_s']:.3f} s (wait {r['first_wait_s']:.3f} s)", flush=True)
-    loss_diff = max(abs(a - b) / abs(a) for live, store in zip(runs["live"], runs["store"])
-                    for a, b in zip(live["losses"], store["losses"]))
-    median = {name: statistics.median(r["steps_per_s"] for r in rs) for name, rs in runs.items()}
-    store_runs = runs["store"]
-    return dict(
-        boundary=k, num_layers=num_layers, active=config.blocks.active, samples_per_shard=shard,
-        train_samples=len(data.train), eval_samples=len(data.eval),
-        store=dict(build_s=build_s, job_seconds=built.seconds, stored_MiB=store_bytes / 2**20),
-        live_steps_per_s=median["live"], store_steps_per_s=median["store"],
-        achieved=median["store"] / median["live"],
-        wait_fraction=statistics.median(r["wait_fraction"] for r in store_runs),
-        wait_fraction_with_first=statistics.median(
-            (r["wait_s"] + r["first_wait_s"]) / (r["step_s"] + r["first_step_s"]) for r in store_runs),
-        live_wait_fraction=statistics.median(r["wait_fraction"] for r in runs["live"]),
-        max_rel_loss_diff=loss_diff, runs={n: [{k2: v for k2, v in r.items() if k2 != "losses"} for r in rs]
-                                           for n, rs in runs.items()},
-        staged=staged, partition=partition, active_index=active, data=data,
-    )
-
-
-# ---- 2: the pieces of one step -------------------------------------------------------------------------------
-
-
-def pieces(args: argparse.Namespace, staged, partition, active: int, data) -> dict:
-    """Median seconds of the prefix forward (no_grad), the suffix forward + backward and the Adam step."""
-    block = partition.blocks[active]
-    k, num_layers = block.start, staged.num_layers
-    model = staged.model
-    model.requires_grad_(False)
-    for param in block.params:
-        param.requires_grad_(True)
-    model.train()
-    for module in staged.prefix_modules(k):
-        module.eval()
-    optimizer = build_optimizer(list(block.params), base_config(args).optim)
-    rows = data.train[: args.batch_size]
-    ids, mask, labels = rows["input_ids"], rows["attention_mask"], rows["labels"]
-    count = supervised_tokens(labels)
-
-    def prefix():
-        with torch.no_grad():
-            return staged.run(staged.embed(ids, mask, labels), 0, k)
-
-    state = prefix()
-
-    def suffix():
-        out = staged.run(state, k, num_layers)
-        loss = causal_lm_loss(staged.logits(out), out.labels, reduction="sum") / count
-        loss.backward()
-        loss.item()
-
-    def step():
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    times: dict[str, list[float]] = {"prefix": [], "suffix": [], "adam": []}
-    for index in range(args.piece_repeats + 3):  # 3 warm-up rounds
-        for name, fn in (("prefix", prefix), ("suffix", suffix), ("adam", step)):
-            t0 = time.perf_counter()
-            fn()
-            if index >= 3:
-                times[name].append(time.perf_counter() - t0)
-    model.requires_grad_(False)
-    med = {name: statistics.median(ts) for name, ts in times.items()}
-    return dict(prefix_s=med["prefix"], suffix_s=med["suffix"], adam_s=med["adam"],
-                ideal=(med["prefix"] + med["suffix"]) / med["suffix"],
-                ideal_with_adam=(med["prefix"] + med["suffix"] + med["adam"]) / (med["suffix"] + med["adam"]),
-                repeats=args.piece_repeats)
-
-
 # ---- 4: whole bcd runs ---------------------------------------------------------------------------------------
 
 
@@ -306,10 +127,7 @@ def bcd_run(args: argparse.Namespace, mode: str, out: Path) -> dict:
                          blocks=dict(sweeps=args.sweeps, order="ascending"),
                          stop=dict(epochs_per_visit=args.bcd_epochs),
                          run=dict(out=str(out)), pre_inference=dict(mode=mode, store_dir=str(out.parent / f"{out.name}-stores")))
-    started, cpu = time.perf_counter(), time.process_time()
-    summary = training.run(config, quiet=True)
-    wall, cpu = time.perf_counter() - started, time.process_time() - cpu
-    records = read_metrics(RunDir(out).metrics)
+    summary, records, wall, _ = timed_run(config, out)
     caches = [r.to_dict() for r in records if isinstance(r, CacheRecord)]
     decisions = [{k: r.to_dict()[k] for k in ("block", "boundary", "decision", "steps", "prefix_per_step",
                                              "read_per_step", "build", "build_from", "saving_s")}
@@ -341,193 +159,13 @@ def bcd(args: argparse.Namespace, root: Path) -> dict:
                               ufp="1/3", optimizer="adam", lr=2e-3, order="ascending"))
 
 
-# ---- store dtypes: training the top block from exact and lossy stores (issue 14) ---------------------------------
-
-
-def store_dtype_runs(args: argparse.Namespace, root: Path) -> dict:
-    """The top block of a trained run trained from a store in each dtype: final eval loss, reader wait."""
-    staged, data = trained_model(args.trained)
-    config = base_config(args, stop=dict(steps_per_visit=args.warmup + args.dtype_steps),
-                         pre_inference=dict(mode="off"), optim=dict(decay=args.dtype_lr_decay))
-    k = partition_for(staged, config)[0].blocks[-1].start
-    config.blocks.active = f"{k}-{staged.num_layers - 1}"
-    stores = {}
-    for dtype in ["float32", *args.store_dtypes.split(",")]:
-        cache_split(staged, data, k, root / dtype, dtype)
-        stores[dtype] = open_cache(root / dtype, splits=["train", "eval"])
-    rows = []
-    for seed in [int(s) for s in args.dtype_seeds.split(",")]:
-        config.run.seed = seed
-        for dtype, split_stores in stores.items():
-            suffix = preinfer.stage(to_device(load_suffix(args.trained, k, seed=0).model, "cpu"))
-            partition, active = partition_for(suffix, config, first_layer=k)
-            b = config.data.batch_size
-            sources = LiveSources(ReaderBatches(split_stores["train"], k, b, seed),
-                                  ReaderBatches(stores["float32"]["eval"], k, b, seed, shuffle=False))
-            run = train_once(suffix, partition, active, config, sources)
-            summary = run.summary(args.warmup)
-            rows.append(dict(seed=seed, dtype=dtype, final_eval_loss=run.visit.eval_loss,
-                             wait_fraction=summary["wait_fraction"], steps_per_s=summary["steps_per_s"],
-                             first_wait_s=summary["first_wait_s"]))
-        exact = rows[-len(stores)]["final_eval_loss"]
-        for row in rows[-len(stores):]:
-            row["rel_eval_loss_diff"] = (row["final_eval_loss"] - exact) / exact
-            print(table([row], list(row)).splitlines()[-1], flush=True)
-    by_dtype = {}
-    for dtype in stores:
-        diffs = [r["rel_eval_loss_diff"] for r in rows if r["dtype"] == dtype]
-        waits = [r["wait_fraction"] for r in rows if r["dtype"] == dtype]
-        by_dtype[dtype] = dict(seeds=len(diffs), mean_rel_eval_loss_diff=statistics.mean(diffs),
-                               max_rel_eval_loss_diff=max(diffs), median_wait_fraction=statistics.median(waits))
-    return dict(boundary=k, active=config.blocks.active, steps=args.dtype_steps, warmup=args.warmup,
-                lr_decay=args.dtype_lr_decay, seq_len=args.seq_len, batch_size=args.batch_size, trained=args.trained,
-                rows=rows, summary=by_dtype,
-                eval="the exact (float32) eval store for every run; each seed's runs against that seed's exact run",
-                targets=dict(rel_eval_loss_diff="<= 0.005", wait_fraction="<= 0.01"))
-
-# ---- 5: the scenario table -----------------------------------------------------------------------------------
-
-SCENARIO_EPOCHS = (0.1, 1.0, 3.0)
-SCENARIO_MODES = ("auto", "on", "off")
-
-
-def scenario_run(args: argparse.Namespace, model: str, order: str, epochs: float, mode: str, out: Path) -> dict:
-    """One whole bcd run of a scenario: wall time, final eval loss, auto's plans and the model's prediction."""
-    config = base_config(argparse.Namespace(**{**vars(args), "model": model}),
-                         data=dict(max_samples=args.scenario_samples), blocks=dict(sweeps=args.sweeps, order=order),
-                         stop=dict(epochs_per_visit=epochs), run=dict(out=str(out)),
-                         pre_inference=dict(mode=mode, store_dir=str(out.parent / f"{out.name}-stores")))
-    started, cpu = time.perf_counter(), time.process_time()
-    summary = training.run(config, quiet=True)
-    wall, cpu = time.perf_counter() - started, time.process_time() - cpu
-    records = read_metrics(RunDir(out).metrics)
-    plans = [r for r in records if isinstance(r, SweepPlanRecord)]
-    outcome = [r for r in records if isinstance(r, PlanOutcomeRecord)]
-    return dict(mode=mode, wall_s=wall, cpu_s=cpu, load_average=os.getloadavg()[0], fit_s=summary["wall_s"],
-                final_eval_loss=summary["final_eval_loss"],
-                steps=summary["steps"], sources=[v["source_boundary"] for v in summary["visits"]],
-                plans=[dict(sweep=p.sweep, reason=p.reason, chosen=p.chosen, predicted_s=p.predicted_s,
-                            alternative=p.alternative, alternative_s=p.alternative_s, live_s=p.live_s,
-                            note=p.note) for p in plans],
-                predicted_s=outcome[-1].run_predicted_s if outcome else None,
-                measured_s=outcome[-1].run_measured_s if outcome else None)
-
-
-def scenario_command(args: argparse.Namespace, model: str, order: str, epochs: float, mode: str,
-                     out: Path) -> tuple[list[str], Path]:
-    """The command that runs `scenario_run` in a Python process of its own, as a user's `preinfer bcd` runs
-    (nothing carried over from the runs before it: allocator state, threads, opened stores, warmed code paths; its
-    times leave out the process's start and imports), and the file it writes its result to."""
-    result = out.parent / f"{out.name}.json"
-    spec = dict(model=model, order=order, epochs=epochs, mode=mode, out=str(out))
-    command = [*module_command("train"), "--seq-len", str(args.seq_len), "--batch-size",
-               str(args.batch_size), "--scenario-samples", str(args.scenario_samples), "--sweeps", str(args.sweeps),
-               "--threads", "1", "--scenario-worker", json.dumps(spec), "--result", str(result)]
-    return command, result
+# ---- 5: the scenario table's worker process ------------------------------------------------------------------
 
 
 def scenario_worker(args: argparse.Namespace) -> None:
     spec = json.loads(args.scenario_worker)
     run = scenario_run(args, spec["model"], spec["order"], spec["epochs"], spec["mode"], Path(spec["out"]))
     args.result.write_text(json.dumps(run))
-
-
-def scenario_pair(args: argparse.Namespace, model: str, order: str, epochs: float, modes: tuple[str, str],
-                  out: Path) -> dict[str, dict]:
-    """The runs of two modes of a scenario side by side, the first mode on core 0 (`run_side_by_side`)."""
-    commands = {mode: scenario_command(args, model, order, epochs, mode, out / mode) for mode in modes}
-    out.mkdir(parents=True, exist_ok=True)
-    run_side_by_side([command for command, _ in commands.values()], ROOT)
-    return {mode: json.loads(result.read_text()) for mode, (_, result) in commands.items()}
-
-
-def scenarios(args: argparse.Namespace, root: Path, on_row=lambda rows: None) -> list[dict]:
-    """Every scenario: auto against on and auto against off, each pair side by side (one core and one thread
-    each; auto on core 0 in even repeats, core 1 in odd ones), --scenario-repeats times, after one untimed pair per
-    model (the disk's caches). Auto over each mode: the median over repeats of the pair's ratio; auto over the
-    better of the two: the larger of those (auto <= 1.05 x min(on, off) iff both ratios are <= 1.05). `on_row`
-    sees the rows so far after each scenario."""
-    rows = []
-    for model in args.scenario_models.split(","):
-        scenario_pair(args, model, "ascending", SCENARIO_EPOCHS[0], ("on", "off"), root / f"warm-up-{model}")
-        for order in ("ascending", "descending"):
-            for epochs in SCENARIO_EPOCHS:
-                name = f"{model}-{order}-{epochs:g}"
-                repeats: dict[str, list[dict]] = {mode: [] for mode in SCENARIO_MODES}
-                ratios: dict[str, dict[str, list[float]]] = {m: {"wall_s": [], "cpu_s": []} for m in ("on", "off")}
-                for r in range(args.scenario_repeats):
-                    for other in ("on", "off"):
-                        modes = ("auto", other) if r % 2 == 0 else (other, "auto")
-                        done = scenario_pair(args, model, order, epochs, modes, root / f"{name}-{other}-{r}")
-                        for mode in modes:
-                            repeats[mode].append(done[mode])
-                        for key, values in ratios[other].items():
-                            values.append(done["auto"][key] / done[other][key])
-                runs = {mode: dict(runs[0], wall_s=statistics.median(r["wall_s"] for r in runs),
-                                   walls_s=[r["wall_s"] for r in runs],
-                                   cpu_s=statistics.median(r["cpu_s"] for r in runs),
-                                   predicted_s=_median_or_none([r["predicted_s"] for r in runs]),
-                                   measured_s=_median_or_none([r["measured_s"] for r in runs]),
-                                   repeats=runs[1:])
-                        for mode, runs in repeats.items()}
-                over = {m: {key: statistics.median(v) for key, v in r.items()} for m, r in ratios.items()}
-                losses = [r["final_eval_loss"] for mode in SCENARIO_MODES for r in repeats[mode]]
-                row = dict(model=model, order=order, epochs_per_visit=epochs, runs=runs, pair_ratios=ratios,
-                           auto_over_on=over["on"]["wall_s"], auto_over_off=over["off"]["wall_s"],
-                           auto_over_best=max(over["on"]["wall_s"], over["off"]["wall_s"]),
-                           auto_over_best_cpu=max(over["on"]["cpu_s"], over["off"]["cpu_s"]),
-                           max_rel_eval_loss_diff=max(abs(a - losses[-1]) / abs(losses[-1]) for a in losses))
-                rows.append(row)
-                on_row(rows)
-                print(f"[train] {name}: " + ", ".join(
-                    f"{m} {r['wall_s']:.1f} s ({' '.join(f'{w:.1f}' for w in r['walls_s'])})" for m, r in runs.items())
-                      + f"; auto / on {row['auto_over_on']:.3f}, auto / off {row['auto_over_off']:.3f}", flush=True)
-    return rows
-
-
-def _median_or_none(values: list[float | None]) -> float | None:
-    known = [v for v in values if v is not None]
-    return statistics.median(known) if known else None
-
-
-def scenario_report(rows: list[dict]) -> str:
-    lines = []
-    for row in rows:
-        runs = row["runs"]
-        auto, on = runs["auto"], runs["on"]
-        lines.append(dict(
-            model=row["model"], order=row["order"], epochs=f"{row['epochs_per_visit']:g}",
-            auto_s=auto["wall_s"], on_s=on["wall_s"], off_s=runs["off"]["wall_s"],
-            auto_over_on=f"{row['auto_over_on']:.3f}", auto_over_off=f"{row['auto_over_off']:.3f}",
-            auto_over_best=f"{row['auto_over_best']:.3f}", cpu_auto_over_best=f"{row['auto_over_best_cpu']:.3f}",
-            auto_sources=" ".join(map(str, auto["sources"])),
-            on_sources=" ".join(map(str, on["sources"])),
-            auto_predicted_s=auto["predicted_s"], auto_measured_s=auto["measured_s"],
-            on_predicted_s=on["predicted_s"], on_measured_s=on["measured_s"],
-            loss_diff=f"{row['max_rel_eval_loss_diff']:.1e}"))
-    return table(lines, list(lines[0]) if lines else [])
-
-
-def scenario_main(args: argparse.Namespace, root: Path) -> dict:
-    load = [os.getloadavg()[0]]
-    started = time.perf_counter()
-
-    def partial(rows: list[dict]) -> None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".partial.json").write_text(json.dumps(rows, indent=1))
-
-    rows = scenarios(args, root, partial)
-    load.append(os.getloadavg()[0])
-    return dict(
-        benchmark="train scenarios", command=command_line("train", sys.argv[1:]),
-        machine=machine(), load_average=load, wall_s=time.perf_counter() - started,
-        settings=dict(models=args.scenario_models, data="builtin:pydoc", seq_len=args.seq_len,
-                      batch_size=args.batch_size, max_samples=args.scenario_samples, sweeps=args.sweeps, ufp="1/3",
-                      repeats=args.scenario_repeats, optimizer="adam", lr=2e-3, store="zarr, float32",
-                      threads=torch.get_num_threads()),
-        target="auto_over_best <= 1.05", scenarios=rows,
-        targets_met=all(r["auto_over_best"] <= 1.05 for r in rows),
-    )
 
 
 # ---- report --------------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ M_MMAP_THRESHOLD = -3  # mallopt's parameter number in glibc's malloc.h
 PROCESS_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE", "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
 # Loggers that warn while transformers imports them, about nothing a run can act on: torchao (the `quant` extra) on
 # its CUDA-only kernels this machine cannot load, torch's pytree on a deprecation. Raised to ERROR before a command's
-# module loads.
+# module loads, unless the command line asks for --verbose.
 IMPORT_WARNINGS = ("torchao", "torch.utils._pytree")
 
 
@@ -135,9 +135,17 @@ def show_framework_messages() -> None:
     logger.setLevel(logging.INFO)
 
 
+def asks_for_verbose(argv: list[str] | None) -> bool:
+    """Whether the command line gives --verbose, read before a command's module (and what it imports) loads."""
+    verbose = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    verbose.add_argument("--verbose", action="store_true")
+    return verbose.parse_known_args(argv)[0].verbose
+
+
 def main(argv: list[str] | None = None) -> int:
     set_process_environment()
-    hide_import_warnings()
+    if not asks_for_verbose(argv):
+        hide_import_warnings()
     args = build_parser().parse_args(argv)
     if args.verbose:
         show_framework_messages()

@@ -163,7 +163,8 @@ TRAINING_FLAGS: list[Flag] = [
          "active block from the gradients its backward computes; lowrank: rank --expand-rank factors on their "
          "linear weights, stepped by the visit's optimizer and merged when the visit ends; sgd: a plain SGD step "
          "on their weights (under --frozen-dtype, on the masters of the codes); auto: lowrank where it runs (a dense "
-         "model's BCD run without --active, --experts, --pipeline or --keep-optimizer-state), else none"),
+         "model's BCD run without --active, --experts or --keep-optimizer-state; a pipeline's stages too), else "
+         "none"),
     Flag("--expand-rank", "blocks", "expand_rank", "--expand lowrank: the factors' rank", dict(type=positive_int)),
     Flag("--expand-lr", "blocks", "expand_lr", "--expand: the expansion's rate (lowrank: the factors' rate in the "
          "visit's optimizer, on its schedule; sgd: the SGD step's)", dict(type=positive_float),
@@ -189,7 +190,7 @@ TRAINING_FLAGS: list[Flag] = [
          "so bias correction does not restart", SWITCH),
     Flag("--fused-step", "optim", "fused_step", "step each tensor in backward as soon as its gradient is complete "
          "and free that gradient at once (no step's gradients all resident; refused with --grad-clip, fp16-mixed, "
-         "--pipeline and --experts)", SWITCH),
+         "--experts and data-parallel replicas)", SWITCH),
     Flag("--block-lr", "optim", "block_lr", "per-block learning rates as factors of --lr: depth:LO..HI (linear in "
          "the block's index, LO at the first block, HI at the last) or a comma list of factors, one per block"),
     Flag("--steps-per-visit", "stop", "steps_per_visit", "step budget per visit", dict(type=positive_int)),

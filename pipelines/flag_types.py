@@ -5,15 +5,21 @@ and `pipelines.command_flags`."""
 from __future__ import annotations
 
 import argparse
-import math
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 
+from preinfer.block_lr import FLOAT32_MAX
 from preinfer.errors import UsageError
 from preinfer.sizes import parse_size
 
 # Where CUDA builds of PyTorch come from (the tag names the CUDA version; pytorch.org lists the current ones).
 CUDA_WHEELS = "https://download.pytorch.org/whl/cu128"
+
+
+# The largest number a flag takes: for integers (sizes, counts, steps) the largest whole number a float holds
+# exactly, for numbers float32's largest, so that no product of them overflows the planner's floats or becomes a
+# step torch cannot hold in float32.
+MAX_INT, MAX_FLOAT = 2**53, FLOAT32_MAX
 
 
 def _number(text: str, kind: type, expected: str) -> int | float:
@@ -26,24 +32,24 @@ def _number(text: str, kind: type, expected: str) -> int | float:
 def positive_int(text: str) -> int:
     """An integer > 0."""
     value = _number(text, int, "a positive integer")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    if not 1 <= value <= MAX_INT:
+        raise argparse.ArgumentTypeError(f"expected a positive integer up to 2^53, got {text}")
     return value
 
 
 def non_negative_int(text: str) -> int:
     """An integer >= 0."""
     value = _number(text, int, "an integer >= 0")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
+    if not 0 <= value <= MAX_INT:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2^53], got {text}")
     return value
 
 
 def positive_float(text: str) -> float:
     """A finite number > 0 (sizes such as GB, rates, ratios, epochs)."""
     value = _number(text, float, "a positive number")
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    if not 0 < value <= MAX_FLOAT:
+        raise argparse.ArgumentTypeError(f"expected a positive number up to 3.4e38 (float32's largest), got {text}")
     return value
 
 
@@ -65,8 +71,8 @@ def token_count(text: str) -> int:
     except InvalidOperation:
         raise argparse.ArgumentTypeError(f"expected a number of tokens such as 1e9 or 1_000_000_000, "
                                          f"got '{text}'") from None
-    if not (value.is_finite() and value > 0 and value == value.to_integral_value()):
-        raise argparse.ArgumentTypeError(f"expected a whole number of tokens > 0, got {text}")
+    if not (value.is_finite() and 0 < value <= MAX_INT and value == value.to_integral_value()):
+        raise argparse.ArgumentTypeError(f"expected a whole number of tokens in [1, 2^53], got {text}")
     return int(value)
 
 

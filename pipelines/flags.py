@@ -11,18 +11,22 @@ import os
 import sys
 from collections.abc import Iterable
 from dataclasses import fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from preinfer.config import Config, DataConfig, check_resume, load_config
+from preinfer.config import Config, DataConfig, SourceNaming, load_config, load_resumed
 from preinfer.errors import UsageError
 from pipelines.command_flags import COMMAND_FLAGS, FLAGS, SHARED_FLAGS
 from pipelines.flag_table import PRE_INFERENCE_FLAGS, STORE_FLAGS, TRAINING_FLAGS, Flag, shown
 from pipelines.flag_types import device_problem, local_directory, store_location
 
+if TYPE_CHECKING:
+    from preinfer.run_dir import RunDir
+
 __all__ = [
     "COMMAND_FLAGS", "CONFIG_FLAGS", "DATA_FLAGS", "FLAGS", "PRE_INFERENCE_FLAGS", "SHARED_FLAGS", "STORE_FLAGS",
     "TRAINING_FLAGS", "Flag", "add_flags", "add_training_flags", "config_for_command", "config_from_args",
-    "data_flags", "flag", "option_defaults", "print_summary", "shown", "summary_line", "use_s3_endpoint",
+    "data_flags", "flag", "option_defaults", "print_summary", "run_dir", "shown", "summary_line",
+    "use_s3_endpoint",
 ]
 
 # The flag that sets each config key, by "section.key".
@@ -97,40 +101,57 @@ def use_s3_endpoint(args: argparse.Namespace) -> None:
 
 def data_flags(args: argparse.Namespace, base: Config) -> DataConfig:
     """The data section of a run's config (`base`) with the data flags given on top: --data, --dataset-split,
-    --skip-unrenderable, --eval-fraction, --token-store and, where the command takes it, --seq-len."""
+    --skip-unrenderable, --eval-fraction, --token-store and, where the command takes them, --seq-len,
+    --eval-tokens and --max-samples."""
     data = base.data
+    given = {key: getattr(args, key) for key in ("eval_tokens", "max_samples") if getattr(args, key, None) is not None}
     return replace(data, path=args.data or data.path, token_store=args.token_store or data.token_store,
                    dataset_split=args.dataset_split or data.dataset_split,
                    skip_unrenderable=args.skip_unrenderable or data.skip_unrenderable,
                    eval_fraction=data.eval_fraction if args.eval_fraction is None else args.eval_fraction,
-                   seq_len=getattr(args, "seq_len", None) or data.seq_len)
+                   seq_len=getattr(args, "seq_len", None) or data.seq_len, **given)
 
 
-def config_from_args(args: argparse.Namespace, path: str | None = None) -> Config:
-    """Defaults, then the config file (`path`, or --config), then the flags given: validated, a bad value named by
-    its flag or by its key in the file."""
+def flag_naming() -> SourceNaming:
+    """Names every config key by its flag (`--expand sgd ([blocks] expand)`), as a run's flags set them."""
+    return SourceNaming(None, set(), set(CONFIG_FLAGS), CONFIG_FLAGS)
+
+
+def config_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The config keys the flags given set: {section: {key: value}}."""
     overrides: dict[str, dict[str, Any]] = {}
     for name, value in vars(args).items():
         if "__" in name and value is not None:
             section, key = name.split("__", 1)
             overrides.setdefault(section, {})[key] = value
-    return load_config(path or args.config, overrides, flags=CONFIG_FLAGS)
+    return overrides
+
+
+def config_from_args(args: argparse.Namespace, path: str | None = None) -> Config:
+    """Defaults, then the config file (`path`, or --config), then the flags given: validated, a bad value named by
+    its flag or by its key in the file."""
+    return load_config(path or args.config, config_overrides(args), flags=CONFIG_FLAGS)
+
+
+def run_dir(args: argparse.Namespace) -> RunDir:
+    """The run directory of a `bcd` or `train` command: its --out, or the default one."""
+    from preinfer.run_dir import RunDir  # imports torch: `plan` and the command list load this module without it
+
+    return RunDir(args.run__out or Config().run.out)
 
 
 def config_for_command(args: argparse.Namespace) -> Config:
     """The config of a `bcd` or `train` run: with --resume the run's own config.toml, else --config; then
     the flags (with --resume, only those of RESUMABLE_KEYS may change it); refused before anything is opened."""
-    from preinfer.run_dir import RunDir  # imports torch: `plan` and the command list load this module without it
-
-    run = RunDir(args.run__out or Config().run.out)
-    path = str(run.config) if args.resume else None
-    config = config_from_args(args, path=path)
+    run = run_dir(args)
+    if args.resume:
+        config = load_resumed(str(run.config), config_overrides(args), CONFIG_FLAGS, str(run.path))
+    else:
+        config = config_from_args(args)
     problem = device_problem(config.run.device)
     if problem:
         raise UsageError(f"[run] device = {config.run.device!r}: {problem}")
     _check_locations(config)
-    if args.resume:
-        check_resume(load_config(path), config, str(run.path))
     return config
 
 

@@ -13,8 +13,8 @@ from tqdm import tqdm
 
 from preinfer.memory.budget import budget_line, visit_against_budget
 from preinfer.metrics import (
-    BudgetPlanRecord, CacheRecord, ImportanceRecord, PlanOutcomeRecord, PreInferenceRecord, Record, ResumeRecord,
-    SweepPlanRecord, VisitRecord,
+    BudgetPlanRecord, CacheRecord, ImportanceRecord, PlanOutcomeRecord, PreInferenceRecord, Record, ResolvedRecord,
+    ResumeRecord, SweepPlanRecord, VisitRecord,
 )
 
 
@@ -89,6 +89,8 @@ class Progress:
 
     def _record_line(self, record: Record) -> str | None:
         """The line of a record that ends the open bar ('' for one that shows none); None for a step."""
+        if isinstance(record, ResolvedRecord):
+            return ""  # the run's first lines say it (its precision, partition and expansion)
         if isinstance(record, CacheRecord):
             if record.how in ("input", "roll_forward"):
                 source = "the input" if record.how == "input" else f"the store at boundary {record.from_}"

@@ -6,18 +6,22 @@ The grammar is one of two forms, each a factor of `--lr` (or of the optimizer's 
   block: LO); e.g. `depth:0.5..1.5`;
 - a comma list of factors, one per block in the partition's order; e.g. `1,0.5,0.5`.
 
-Every factor is a finite number > 0. A visit's rate (its schedule's full rate, the step and visit records' `lr`)
+Every factor is a number > 0 that float32 holds (at most FLOAT32_MAX), and so is every block's resolved factor (a
+depth rule's lie between LO and HI); `preinfer.config.rules` bounds the rate they multiply. A visit's rate (its schedule's full rate, the step and visit records' `lr`)
 is the factor of its block times the rate.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from preinfer.errors import UsageError
 
-GRAMMAR = "depth:LO..HI or a comma list of factors > 0, one per block (e.g. depth:0.5..1.5 or 1,0.5,0.5)"
+# float32's largest finite value (`torch.finfo(torch.float32).max`, written out: the config's rules load no torch).
+# A rate, or a factor of it, above it cannot become an optimizer's step ("value cannot be converted to type float").
+FLOAT32_MAX = 3.4028234663852886e38
+GRAMMAR = "depth:LO..HI or a comma list of factors > 0, one per block (e.g. depth:0.5..1.5 or 1,0.5,0.5), each " \
+          "at most 3.4e38 (float32's largest)"
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,10 @@ class BlockRates:
                              f"{blocks} blocks; give {blocks}, or a rule depth:LO..HI")
         return list(self.listed)
 
+    def largest(self) -> float:
+        """The largest factor any block can get (a depth rule's lie between LO and HI)."""
+        return max(self.listed) if self.listed else max(self.low, self.high)
+
 
 def parse_block_lr(text: str) -> BlockRates:
     """`text` as `BlockRates`, or a one-line UsageError naming the grammar."""
@@ -55,4 +63,4 @@ def _factor(text: str) -> bool:
         value = float(text)
     except ValueError:
         return False
-    return 0 < value < math.inf
+    return 0 < value <= FLOAT32_MAX

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import shutil
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from preinfer.atomic_write import fsync_directory, write_atomically
 from preinfer.errors import CheckpointError, CheckpointWriteError, DivergedError, PreinferError, first_line
 
 WEIGHTS, TENSORS, STATE, DIGEST = "model.safetensors", "state.safetensors", "state.json", "digest.json"
@@ -68,17 +68,17 @@ def _write_whole(tmp: Path, model: nn.Module, optimizers: dict[int, dict], train
                  masters: list[torch.Tensor]) -> None:
     """Write a whole checkpoint into `tmp`, its digest last."""
     tmp.mkdir(parents=True)
-    save_file(resident_state(model), str(tmp / WEIGHTS), metadata={"format": "pt"})
+    weights = resident_state(model)
+    write_atomically(tmp / WEIGHTS, lambda file: save_file(weights, str(file), metadata={"format": "pt"}))
     tensors, optim_meta = {}, {}
     for block, state in optimizers.items():
         optim_meta[str(block)] = _flatten_optimizer(state, f"optim.{block}", tensors)
     for index, master in enumerate(masters):
         tensors[f"master.{index}"] = master.detach().contiguous()
     tensors.update(_torch_rng_states())
-    save_file(tensors, str(tmp / TENSORS))
+    write_atomically(tmp / TENSORS, lambda file: save_file(tensors, str(file)))
     meta = {"trainer": trainer_state, "optimizers": optim_meta, "masters": len(masters), "rng": _host_rng_state()}
-    (tmp / STATE).write_text(json.dumps(meta, indent=1))
-    _fsync_dir(tmp)
+    write_atomically(tmp / STATE, json.dumps(meta, indent=1))
     _write_digest(tmp)
 
 
@@ -123,7 +123,7 @@ def _retire(path: Path, old: Path) -> None:
 def _publish(tmp: Path, path: Path) -> None:
     """Put the new checkpoint in place, durably (the second rename of a save)."""
     tmp.rename(path)
-    _fsync_parent(path)
+    fsync_directory(path.parent)
 
 
 def _settle(path: Path) -> None:
@@ -323,23 +323,4 @@ def _sha256(path: Path) -> str | None:
 def _write_digest(path: Path) -> None:
     """Record the sha256 of each file of the checkpoint being written at `path`, durably, as its last file."""
     record = {name: _sha256(path / name) for name in (WEIGHTS, TENSORS, STATE)}
-    with (path / DIGEST).open("w") as f:
-        json.dump(record, f)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_parent(path / DIGEST)
-
-
-def _fsync_dir(path: Path) -> None:
-    for child in path.iterdir():
-        with child.open("rb") as f:
-            os.fsync(f.fileno())
-
-
-def _fsync_parent(path: Path) -> None:
-    """Make the entries of `path`'s directory (a rename, a new file) durable."""
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_atomically(path / DIGEST, json.dumps(record))

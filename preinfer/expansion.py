@@ -2,8 +2,8 @@
 block get a cheap update at every step from the gradients its backward already runs through them.
 
 `--expand auto`, the default, is lowrank where it runs (`expansion_of`: a dense model's BCD run without --active,
---experts, a pipeline or --keep-optimizer-state) and none elsewhere; bench.finetune measured it
-better than none on both SmolLM2 corpora and seeds (docs/results.md, "BCD's levers on SmolLM2").
+--experts or --keep-optimizer-state, with any --frozen-dtype; on a pipeline too) and none elsewhere; bench.finetune
+measured it better than none on both SmolLM2 corpora and seeds (docs/results.md, "BCD's levers on SmolLM2").
 
 `--expand lowrank` (`LowRankExpansion`): each linear weight W [out, in] of a suffix layer gets rank-r fp32 factors
 A [r, in] (drawn from N(0, 1/in) by a generator seeded with the run's seed, the step the visit starts at and
@@ -18,6 +18,9 @@ and hooks are removed. A mid-visit checkpoint carries the factors with the visit
 `--expand sgd` (`SgdExpansion`): every parameter of the suffix layers takes a gradient for the visit; after each
 optimizer step it gets a plain SGD step, w <- w - lr g (in fp32, cast to w's dtype; summed over the data-parallel
 replicas first), at the constant rate `--expand-lr`, and the gradient is dropped. It keeps no state.
+
+On a pipeline each stage expands the suffix layers it holds: the factors are drawn in one process's order (a
+stage draws, then drops, the others'), and each stage's visit optimizer steps its own.
 
 On layers held in fewer bits (`--frozen-dtype`, `preinfer.frozen_weights.FrozenWeight`) both write the master, as
 QLoRA's adapters sit beside NF4 weights: lowrank's factors sit beside the codes (made on the run's device) and its
@@ -45,10 +48,17 @@ from transformers.pytorch_utils import Conv1D
 
 from preinfer.config import Config
 from preinfer.config.rules import resolved_expand
+from preinfer.errors import UsageError
 from preinfer.moe import sparse_blocks
 from preinfer.optim import resolved_lr
 from preinfer.partition import Block
 from preinfer.staged import StagedModel
+
+
+def sum_over_world(tensor: torch.Tensor) -> None:
+    """Sum `tensor` in place over every process of torchrun's group (nothing in one process)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor)
 
 
 def suffix_layers(staged: StagedModel, block: Block) -> list[nn.Module]:
@@ -98,22 +108,38 @@ class Factors:
         self.handle.remove()
 
 
+def check_rank(staged: StagedModel, rank: int) -> None:
+    """Refuse, in one line, a rank above the smallest width (rows or columns) of the layers' linear weights."""
+    widths = [min(module.weight.shape) for module, _ in linear_weights(list(staged.layers))]
+    if widths and rank > min(widths):
+        raise UsageError(f"--expand-rank {rank} ([blocks] expand_rank): expected at most {min(widths)}, the "
+                         f"narrowest width of the model's linear weights (a rank-{min(widths)} update is already "
+                         f"full rank there)")
+
+
 class LowRankExpansion:
     """`--expand lowrank` (see the module's docstring)."""
 
     def __init__(self, staged: StagedModel, rank: int, lr: float | None, seed: int = 0,
                  step: Callable[[], int] = lambda: 0, device: torch.device | str = "cpu"):
         """`step`: the run's global step now (the factors of a visit are drawn from it, the seed and the block);
-        `device`: the run's, where the factors are made."""
+        `device`: the run's, where the factors are made; a rank above the narrowest linear's width is refused (its
+        factors could hold no more than a full-rank update, at rank x (in + out) floats each)."""
+        check_rank(staged, rank)
         self.staged, self.rank, self.lr, self.seed, self.step = staged, rank, lr, seed, step
         self.device = torch.device(device)
         self.factors: list[Factors] = []
 
     def activate(self, block: Block) -> list[nn.Parameter]:
+        """Factors of the suffix's linears this process holds (a pipeline stage's other layers are on the meta
+        device), each drawn where one process would draw it."""
         layers = suffix_layers(self.staged, block)
         gen = torch.Generator().manual_seed(visit_seed(self.seed, self.step(), block.index))
-        self.factors = [Factors(module, transposed, self.rank, self.lr, gen, self.device)
-                        for module, transposed in linear_weights(layers)]
+        drawn = [Factors(module, transposed, self.rank, self.lr, gen, "meta" if module.weight.is_meta else self.device)
+                 for module, transposed in linear_weights(layers)]
+        for unheld in (f for f in drawn if f.module.weight.is_meta):
+            unheld.handle.remove()
+        self.factors = [f for f in drawn if not f.module.weight.is_meta]
         return [factor for f in self.factors for factor in (f.a, f.b)]
 
     def after_step(self) -> None:
@@ -128,27 +154,30 @@ class LowRankExpansion:
 class SgdExpansion:
     """`--expand sgd` (see the module's docstring)."""
 
-    def __init__(self, staged: StagedModel, lr: float, device: torch.device | str = "cpu"):
-        """`device`: the run's, where the replicas sum the gradients."""
-        self.staged, self.lr, self.device = staged, lr, torch.device(device)
+    def __init__(self, staged: StagedModel, lr: float,
+                 sum_over_replicas: Callable[[torch.Tensor], None] = sum_over_world,
+                 device: torch.device | str = "cpu"):
+        """`sum_over_replicas`: sums a gradient in place over the data-parallel replicas (the trainer's layout's;
+        by default over every process of torchrun's group); `device`: the run's, where the sum runs."""
+        self.staged, self.lr, self.sum_over_replicas = staged, lr, sum_over_replicas
+        self.device = torch.device(device)
         self.params: list[nn.Parameter] = []
 
     def activate(self, block: Block) -> list[nn.Parameter]:
+        """The suffix's parameters this process holds (not a pipeline stage's others, on the meta device)."""
         self.params = [p for layer in suffix_layers(self.staged, block) for p in layer.parameters()
-                       if p.is_floating_point()]
+                       if p.is_floating_point() and not p.is_meta]
         for param in self.params:
             param.requires_grad_(True)
         return []
 
     @torch.no_grad()
     def after_step(self) -> None:
-        replicated = dist.is_initialized() and dist.get_world_size() > 1
         for param in self.params:
             if param.grad is None:
                 continue
             grad = param.grad.to(self.device)  # itself, but for a frozen weight's (on its host master)
-            if replicated:
-                dist.all_reduce(grad)
+            self.sum_over_replicas(grad)
             param.copy_(param.float() - self.lr * grad.float().to(param.device))
             param.grad = None
 
@@ -165,21 +194,20 @@ def visit_seed(seed: int, step: int, block: int) -> int:
 
 
 def expansion_of(staged: StagedModel, config: Config) -> str:
-    """The expansion a run of `staged` with `config` makes: [blocks] expand, auto resolved (lowrank where it runs,
-    none on a mixture-of-experts model, whose fused experts it would not reach and the planner does not price)."""
-    expand = resolved_expand(config)
-    if config.blocks.expand == "auto" and sparse_blocks(staged.layers):
-        return "none"
-    return expand
+    """The expansion a run of `staged` with `config` makes: [blocks] expand, auto resolved by `resolved_expand`
+    (none on a mixture-of-experts model)."""
+    return resolved_expand(config, sparse=bool(sparse_blocks(staged.layers)))
 
 
-def expansion_hooks(staged: StagedModel, config: Config, step: Callable[[], int]) -> list[LowRankExpansion |
-                                                                                           SgdExpansion]:
-    """The visit hooks of the run's expansion (`expansion_of`; none: no hook); `step`: the run's global step now."""
+def expansion_hooks(staged: StagedModel, config: Config, step: Callable[[], int],
+                    sum_over_replicas: Callable[[torch.Tensor], None] = sum_over_world,
+                    ) -> list[LowRankExpansion | SgdExpansion]:
+    """The visit hooks of the run's expansion (`expansion_of`; none: no hook); `step`: the run's global step now;
+    `sum_over_replicas`: the layout's sum of a tensor over the data-parallel replicas."""
     b, expand = config.blocks, expansion_of(staged, config)
     if expand == "lowrank":
         return [LowRankExpansion(staged, b.expand_rank, b.expand_lr, config.run.seed, step, config.run.device)]
     if expand == "sgd":
         lr = b.expand_lr if b.expand_lr is not None else resolved_lr(config.optim)
-        return [SgdExpansion(staged, lr, config.run.device)]
+        return [SgdExpansion(staged, lr, sum_over_replicas, config.run.device)]
     return []

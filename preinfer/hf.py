@@ -4,7 +4,9 @@
     trainer = Trainer(model=model, args=args, train_dataset=data, optimizers=bcd.optimizers,
                       callbacks=[bcd.callback])
 
-The options are `preinfer bcd`'s, with its defaults: the blocks (`ufp`, `blocks` or `ranges`; `separate_ends`),
+The options are `preinfer bcd`'s config keys (`ARGUMENTS`), with its defaults (an option not given is the config's
+default; a comma-list option may be a list, `block_lr=[1, 0.5]`), judged by its rules on the run as it resolves
+(`preinfer.config.resolved.check_resolved`: precision auto resolved from the model's weights): the blocks (`ufp`, `blocks` or `ranges`; `separate_ends`),
 their order (`order`, `fixed_order`, `start_block`, `seed`), `steps_per_visit`, the optimizer (`optimizer`, `lr`,
 `betas`, `momentum`, `weight_decay`, `keep_state`, `fused_step`, `block_lr`), each visit's schedule
 (`warmup_steps`, `decay`), `precision` and landscape expansion over the suffix (`expand`, `expand_rank`,
@@ -20,7 +22,8 @@ order; the sweeps go on until the Trainer's `max_steps`. The optimizer lifecycle
   order), the visit length, the active block's optimizer state and, under mixed precision, its fp32 masters: only
   tensors and plain Python types, which `Trainer` saves with `torch.save` and loads with
   `torch.load(weights_only=True)`, so `trainer.train(resume_from_checkpoint=...)` continues the same visit at the
-  same step. Resuming with another `steps_per_visit`, `lr`, `betas`, `momentum` or `weight_decay` is refused.
+  same step. The state carries the config it was trained with: resuming with any other argument is refused in
+  one line naming it (the check of `preinfer bcd --resume`, `preinfer.config.resume.refused_changes`).
 - `VisitSchedule` sets each step's learning rate from the visit's step (`preinfer.optim.LrSchedule`).
 - `meter` (a `preinfer.memory.meter.MemoryMeter` of the model), if given, tracks the first steps of each visit as
   `preinfer bcd` does; each finished visit's peaks land in `optimizer.visit_memory`.
@@ -41,20 +44,21 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from typing import Any
 
 from torch import nn
 from transformers import TrainerCallback
 
 from preinfer.block_order import parse_fixed_order, sweep_order
-from preinfer.config import config_from_arguments
-from preinfer.config.choices import BlockOrder, Expand, LrDecay, Optimizer, Precision
+from preinfer.config import ArgumentNaming, config_from_arguments
+from preinfer.config.resolved import check_resolved
 from preinfer.errors import UsageError
 from preinfer.expansion import expansion_hooks
 from preinfer.hf_optimizer import BlockOptimizer, VisitSchedule
 from preinfer.memory.meter import MemoryMeter
 from preinfer.families import stage
 from preinfer.partition import make_partition, parse_ufp
-from preinfer.precision import apply_precision
+from preinfer.precision import resolve_precision, weights_dtype
 
 # BlockCoordinateDescent's arguments that are config keys: argument -> "section.key".
 ARGUMENTS = {"steps_per_visit": "stop.steps_per_visit", "ufp": "blocks.ufp", "blocks": "blocks.blocks",
@@ -65,6 +69,7 @@ ARGUMENTS = {"steps_per_visit": "stop.steps_per_visit", "ufp": "blocks.ufp", "bl
              "keep_state": "optim.keep_state", "precision": "run.precision", "fused_step": "optim.fused_step",
              "block_lr": "optim.block_lr", "expand": "blocks.expand", "expand_rank": "blocks.expand_rank",
              "expand_lr": "blocks.expand_lr"}
+NAMING = ArgumentNaming("BlockCoordinateDescent", {key: argument for argument, key in ARGUMENTS.items()})
 _BCD_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its BlockCoordinateDescent
 
 
@@ -125,52 +130,24 @@ class BlockCoordinateDescent:
     """BCD for `transformers.Trainer`: `optimizers` (the optimizer and its scheduler) and `callback`, built from
     the model and `preinfer bcd`'s block and optimizer options (see the module's docstring)."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        steps_per_visit: int,
-        ufp: str | float | None = None,
-        blocks: int | None = None,
-        ranges: str | None = None,
-        separate_ends: bool = False,
-        order: BlockOrder = "ascending",
-        fixed_order: str | None = None,
-        start_block: int | None = None,
-        seed: int = 0,
-        optimizer: Optimizer = "adam",
-        lr: float | None = None,
-        betas: tuple[float, float] = (0.9, 0.95),
-        momentum: float = 0.9,
-        weight_decay: float | None = None,
-        warmup_steps: int = 0,
-        decay: LrDecay = "none",
-        keep_state: bool = False,
-        precision: Precision = "auto",
-        fused_step: bool = False,
-        block_lr: str | None = None,
-        expand: Expand = "auto",
-        expand_rank: int = 8,
-        expand_lr: float | None = None,
-        meter: MemoryMeter | None = None,
-    ):
-        if ufp is None and blocks is None and ranges is None:
-            ufp = "1/3"
-        config = config_from_arguments("BlockCoordinateDescent", ARGUMENTS, dict(
-            steps_per_visit=steps_per_visit, ufp=None if ufp is None else str(ufp), blocks=blocks, ranges=ranges,
-            separate_ends=separate_ends, order=order, fixed_order=fixed_order, start_block=start_block, seed=seed,
-            optimizer=optimizer, lr=lr, betas=list(betas) if isinstance(betas, (list, tuple)) else betas,
-            momentum=momentum, weight_decay=weight_decay, warmup_steps=warmup_steps, decay=decay,
-            keep_state=keep_state, precision=precision, fused_step=fused_step, block_lr=block_lr, expand=expand,
-            expand_rank=expand_rank, expand_lr=expand_lr))  # refused here, before the model is cast or staged
-        b, optim = config.blocks, config.optim
-        previous = _BCD_OF.get(model)
-        if previous is not None:  # one BCD at a time holds a model's hooks and masters: the newer one
-            previous.close()
-        self.precision = apply_precision(model, config.run.precision)
+    def __init__(self, model: nn.Module, *, meter: MemoryMeter | None = None, **options: Any):
+        """`options`: the config keys of `ARGUMENTS` by their argument names (`steps_per_visit` is required); an
+        option not given keeps the config's default (`preinfer.config.sections`), so these are `preinfer bcd`'s."""
+        if "steps_per_visit" not in options:
+            raise UsageError("BlockCoordinateDescent needs steps_per_visit=N: the optimizer steps of one visit (the "
+                             "Trainer's max_steps ends the run)")
+        config = config_from_arguments("BlockCoordinateDescent", ARGUMENTS, options)  # refused before the model
+        # is cast or staged
+        b, seed = config.blocks, config.run.seed
+        self.precision = resolve_precision(config.run.precision, weights_dtype(model))
         self.staged = stage(model)
         self.partition = make_partition(self.staged, ufp=None if b.ufp is None else parse_ufp(b.ufp),
                                         num_blocks=b.blocks, ranges=b.ranges, separate_ends=b.separate_ends)
+        check_resolved(config, self.precision, NAMING, len(self.partition))  # the rules judge the resolved run
+        previous = _BCD_OF.get(model)
+        if previous is not None:  # one BCD at a time holds a model's hooks and masters: the newer one
+            previous.close()
+        self.precision.apply(model)
         count = len(self.partition)
         fixed = parse_fixed_order(b.fixed_order, count) if b.fixed_order else None
         sweep_order(b.order, count, 0, seed, b.start_block, fixed)  # a bad order or start block is refused here
@@ -178,8 +155,8 @@ class BlockCoordinateDescent:
         def visits(sweep: int) -> list[int]:
             return sweep_order(b.order, count, sweep, seed, b.start_block, fixed)
 
-        self.optimizer = BlockOptimizer(self.staged, self.partition, optim, steps_per_visit, visits, self.precision,
-                                        meter, lambda step: expansion_hooks(self.staged, config, step))
+        self.optimizer = BlockOptimizer(self.staged, self.partition, config, NAMING, visits, self.precision, meter,
+                                        lambda step: expansion_hooks(self.staged, config, step))
         self.scheduler = VisitSchedule(self.optimizer)
         self.callback = BlockCallback(self.optimizer)
         self.hooks = [model.register_forward_hook(self._scale_loss)] if self.optimizer.scaler.enabled else []

@@ -9,7 +9,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from preinfer.config import OptimConfig
+from preinfer.config import Config, Naming, config_from_dict
+from preinfer.config.resume import refused_changes
 from preinfer.errors import CheckpointError, UsageError
 from preinfer.memory.meter import MemoryMeter
 from preinfer.partition import Block, Partition
@@ -19,18 +20,21 @@ from preinfer.visit import VisitHook, activate_hooks, checkpointed, freeze, unfr
 from preinfer.visit_optimizer import VisitOptimizer, VisitOptimizers
 
 POSITION = ("sweep", "visit", "visit_step", "global_step")
-STATE_KEYS = {"position", "order", "optimizer", "kept", "masters", "loss_scaler", "steps_per_visit"}
-OLDER_STATE_KEYS = STATE_KEYS - {"steps_per_visit"}  # states saved before the visit length was
+STATE_KEYS = {"position", "order", "optimizer", "kept", "masters", "loss_scaler", "steps_per_visit", "config"}
+# states saved before the config was, and before the visit length was
+OLDER_STATE_KEYS = (STATE_KEYS - {"config"}, STATE_KEYS - {"config", "steps_per_visit"})
 
 
 class BlockOptimizer:
     """The optimizer `Trainer` steps: the active block's `VisitOptimizer`, opened anew at each visit boundary."""
 
-    def __init__(self, staged: StagedModel, partition: Partition, optim: OptimConfig, steps_per_visit: int,
+    def __init__(self, staged: StagedModel, partition: Partition, config: Config, naming: Naming,
                  order: Callable[[int], list[int]], precision: Precision, meter: MemoryMeter | None = None,
                  hooks: Callable[[Callable[[], int]], Sequence[VisitHook]] = lambda step: ()):
-        """`hooks`: the visit hooks (landscape expansion), made from a callable giving the run's global step."""
-        self.staged, self.partition, self.steps_per_visit = staged, partition, steps_per_visit
+        """`naming`: how the config's keys are named (by the arguments that set them); `hooks`: the visit hooks
+        (landscape expansion), made from a callable giving the run's global step."""
+        optim, self.config, self.naming = config.optim, config, naming
+        self.staged, self.partition, self.steps_per_visit = staged, partition, config.stop.steps_per_visit
         self.order, self.precision, self.meter = order, precision, meter
         self.metered = False  # the meter tracks the current step (the callback sets it)
         self.visit_memory: list[dict[str, int]] = []  # with a meter: each finished visit's peaks, as bcd reports them
@@ -157,13 +161,14 @@ class BlockOptimizer:
             "kept": {str(index): state for index, state in self.optimizers.kept.items()},
             "masters": [m.detach().clone() for m in checkpointed(self.current, self.extras)],
             "loss_scaler": self.scaler.state_dict() if self.scaler.enabled else None,
+            "config": self.config.to_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue at a saved position: the block of that visit, with its optimizer state and masters. A visit
         length or optimizer setting (lr, betas, momentum, weight decay) other than the checkpoint's is refused:
         the run would not continue as it was trained."""
-        if not isinstance(state, dict) or set(state) not in (STATE_KEYS, OLDER_STATE_KEYS):
+        if not isinstance(state, dict) or set(state) not in (STATE_KEYS, *OLDER_STATE_KEYS):
             found = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise CheckpointError(f"optimizer state: expected BlockOptimizer's keys {sorted(STATE_KEYS)}, got {found}")
         position = state["position"]
@@ -171,6 +176,8 @@ class BlockOptimizer:
                 isinstance(v, int) and v >= 0 for v in position.values()):
             raise CheckpointError(f"optimizer state: position {position!r:.80}: expected non-negative integers "
                                   f"{', '.join(POSITION)}")
+        if "config" in state:
+            self._check_config(state["config"])
         self._check_visit_length(state.get("steps_per_visit"), position["visit_step"])
         order = self.order(position["sweep"])
         if state["order"] != order or position["visit"] >= len(order):
@@ -184,6 +191,17 @@ class BlockOptimizer:
         if self.scaler.enabled and state["loss_scaler"] is not None:
             self.scaler.load_state_dict(state["loss_scaler"])
         self._activate(state["masters"], state["optimizer"])
+
+    def _check_config(self, saved: dict) -> None:
+        """Refuse arguments other than those the checkpoint was trained with (`refused_changes`, the check of
+        `preinfer bcd --resume`), each named by its argument."""
+        changed = refused_changes(config_from_dict(saved, "the optimizer state's config"), self.config)
+        if changed:
+            keys = [key.split(".") for key in changed]
+            raise UsageError("; ".join(
+                f"{self.naming.key(*key)}={after!r}: the checkpoint was trained with {self.naming.key(*key)}={before!r}"
+                for key, (before, after) in zip(keys, changed.values()))
+                + "; resume with the arguments it was trained with (none of them is resumable)")
 
     def _check_visit_length(self, saved: int | None, visit_step: int) -> None:
         """Refuse a `steps_per_visit` other than the checkpoint's (older checkpoints do not say theirs: one shorter

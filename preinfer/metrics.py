@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, TextIO
 
+from preinfer.atomic_write import write_atomically
 from preinfer.errors import PreinferError
 
 
@@ -196,6 +197,19 @@ class BudgetPlanRecord(Record):
 
 
 @dataclass
+class ResolvedRecord(Record):
+    """The run's config with every auto settled (`preinfer.config.resolved.ResolvedRun`), as `preinfer plan --json`
+    shows it under `resolved`; written at the start of the run, and again on --resume."""
+
+    kind: ClassVar[str] = "resolved"
+    precision: str  # fp32, bf16-mixed or fp16-mixed (auto follows the model's weights)
+    expand: str  # the landscape expansion: none, lowrank or sgd
+    frozen_dtype: str  # the frozen linear weights' dtype: the resident one, or bf16, int8, nf4
+    store_dtype: str  # the dtype the stores hold boundary states in
+    blocks: int  # blocks of the partition
+
+
+@dataclass
 class ResumeRecord(Record):
     """A run resumed from its checkpoint, and the config keys the resuming command changed."""
 
@@ -207,7 +221,7 @@ class ResumeRecord(Record):
 RECORD_KINDS: dict[str, type[Record]] = {cls.kind: cls for cls in (StepRecord, VisitRecord, CacheRecord,
                                                                    PreInferenceRecord, BudgetPlanRecord,
                                                                    SweepPlanRecord, PlanOutcomeRecord,
-                                                                   ResumeRecord, ImportanceRecord)}
+                                                                   ResumeRecord, ImportanceRecord, ResolvedRecord)}
 
 
 def parse_record(data: dict[str, Any]) -> Record:
@@ -263,9 +277,7 @@ class MetricsLog:
                     record.get("kind") == "visit" and seen > visits):
                 continue
             kept.append(line + "\n")
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(kept))
-        tmp.replace(self.path)
+        write_atomically(self.path, "".join(kept))
 
 
 def read_metrics(path: Path) -> list[Record]:

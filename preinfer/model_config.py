@@ -15,9 +15,10 @@ from contextlib import contextmanager
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
+from huggingface_hub.errors import StrictDataclassError
 from transformers.utils import logging as framework_logging
 
-from preinfer.errors import UsageError, first_line
+from preinfer.errors import UsageError
 from preinfer.presets import PRESETS, preset_config
 from preinfer.families import stage
 
@@ -26,26 +27,56 @@ from preinfer.families import stage
 FRAMEWORK_LOG = logging.getLogger("preinfer.framework")
 
 
+# The refusals transformers raises for a config it cannot read or build a model of: a file that is no JSON, a field of
+# the wrong type (its strict dataclasses), a value its model cannot be built with, an unknown model type.
+CONFIG_REFUSALS = (OSError, ValueError, KeyError, TypeError, AttributeError, ArithmeticError, StrictDataclassError)
+# The sizes of a config that the planner and a model's build read: each an integer in [1, MAX_SIZE] where set.
+SIZE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "num_key_value_heads",
+               "head_dim", "intermediate_size")
+MAX_SIZE = 2**31 - 1
+
+
+@contextmanager
+def config_refusals(what: str) -> Iterator[None]:
+    """transformers' refusal of a config inside the block as one UsageError: `what` (`cannot read a model config
+    from 'PATH'`), then transformers' words on one line."""
+    try:
+        yield
+    except CONFIG_REFUSALS as err:
+        raise UsageError(f"{what}: {one_line(err)}") from None
+
+
+def one_line(err: BaseException) -> str:
+    """A library's multi-line message joined into one line."""
+    return " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
+
+
 def local_config(spec: str) -> PreTrainedConfig:
     """The config of a preset or of a local model directory, without building the model."""
     if spec in PRESETS:
         return preset_config(spec)
-    try:
-        with framework_messages():
-            return AutoConfig.from_pretrained(spec, local_files_only=True)
-    except (OSError, ValueError) as err:
-        raise UsageError(f"cannot read a model config from '{spec}': {first_line(err)}") from None
+    with config_refusals(f"cannot read a model config from '{spec}'"), framework_messages():
+        return AutoConfig.from_pretrained(spec, local_files_only=True)
+
+
+def check_sizes(config: PreTrainedConfig, source: str) -> None:
+    """Refuse, in one line naming `source` and the field, a size in SIZE_FIELDS that is not an integer in
+    [1, MAX_SIZE] (a list, as some families give per layer, is not checked here)."""
+    for key in SIZE_FIELDS:
+        value = getattr(config, key, None)
+        if value is None or isinstance(value, list):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SIZE:
+            raise UsageError(f"{source}: {key} = {value!r}: expected an integer in [1, 2^31)")
 
 
 def check_stageable(config: PreTrainedConfig, spec: str) -> None:
-    """Refuse, before any weight is read, a config whose causal LM preinfer cannot stage (it is built on the
-    meta device: no memory)."""
-    try:
-        with framework_messages(), torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-    except (ValueError, KeyError) as err:
-        raise UsageError(f"--model '{spec}': no causal LM for model type '{config.model_type}': "
-                         f"{first_line(err)}") from None
+    """Refuse, before any weight is read, a config whose sizes are out of range or whose causal LM preinfer cannot
+    stage (it is built on the meta device: no memory)."""
+    check_sizes(config, spec if spec.endswith(".json") or spec in PRESETS else f"{spec}/config.json")
+    with config_refusals(f"--model '{spec}': no causal LM for model type '{config.model_type}'"), \
+            framework_messages(), torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
     stage(model)
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import get_scheduler
 
-from preinfer.config import DEFAULT_LR, DEFAULT_WEIGHT_DECAY, LR_DECAYS, OPEN_ENDED_DECAYS, OptimConfig, StopConfig
+from preinfer.config import DEFAULT_LR, DEFAULT_WEIGHT_DECAY, OptimConfig, StopConfig
 from preinfer.config.choices import LOW_BIT_OPTIMIZERS
 from preinfer.errors import UsageError
 from preinfer.low_bit import low_bit_adam
@@ -73,15 +73,8 @@ class LrSchedule:
 
     @classmethod
     def for_visit(cls, cfg: OptimConfig, steps: int | None, lr: float = 1.0) -> LrSchedule:
-        """The schedule of a visit of at most `steps` steps (None: it ends on a plateau, not at a known step)."""
-        if cfg.decay not in LR_DECAYS:
-            raise UsageError(f"--lr-decay {cfg.decay!r} is not one of {', '.join(LR_DECAYS)}")
-        if cfg.decay not in OPEN_ENDED_DECAYS and steps is None:
-            raise UsageError(f"--lr-decay {cfg.decay} needs each visit's length: --steps-per-visit or "
-                             f"--epochs-per-visit (a visit that ends on a plateau has no known last step)")
-        if cfg.warmup_ratio and steps is None:
-            raise UsageError("--warmup-ratio needs each visit's length: --steps-per-visit or --epochs-per-visit "
-                             "(a visit that ends on a plateau has no known last step); or give --warmup-steps")
+        """The schedule of a visit of at most `steps` steps (None: it ends on a plateau, not at a known step: its
+        decay has no end and its warmup is in steps, the config's rules, `preinfer.config.rules.rule_problems`)."""
         return cls(warmup_steps(cfg, steps), cfg.decay, steps, lr)
 
     def factor(self, step: int) -> float:

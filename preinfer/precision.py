@@ -20,16 +20,13 @@ from enum import StrEnum
 import torch
 from torch import nn
 
+from preinfer.config.choices import RESIDENT_DTYPE_NAMES, RUN_PRECISIONS
 from preinfer.errors import CheckpointError, UsageError
 
-class Precision(StrEnum):
+class _Precision(StrEnum):
     """A run's training precision, resolved once (`resolve_precision`) and read by everything after: the trainer,
     the pipeline's stages, `preinfer.hf`. A string enum, so that it is its name wherever a name is written (records,
-    JSON, the memory planner's tables)."""
-
-    FP32 = "fp32"
-    BF16_MIXED = "bf16-mixed"
-    FP16_MIXED = "fp16-mixed"
+    JSON, the memory planner's tables); its members are the config's vocabulary (`RUN_PRECISIONS`): `Precision`."""
 
     @property
     def resident_dtype(self) -> torch.dtype:
@@ -62,10 +59,11 @@ class Precision(StrEnum):
                 f"state for the active block only{scaling}; the model's weights were {name})")
 
 
+Precision = _Precision("Precision", {name.upper().replace("-", "_"): name for name in RUN_PRECISIONS},
+                       module=__name__)
 PRECISIONS = tuple(p.value for p in Precision)
-RESIDENT_DTYPES = {Precision.FP32: torch.float32, Precision.BF16_MIXED: torch.bfloat16,
-                   Precision.FP16_MIXED: torch.float16}
-MIXED_FOR_DTYPE = {torch.bfloat16: Precision.BF16_MIXED, torch.float16: Precision.FP16_MIXED}
+RESIDENT_DTYPES = {precision: getattr(torch, RESIDENT_DTYPE_NAMES[precision]) for precision in Precision}
+MIXED_FOR_DTYPE = {dtype: precision for precision, dtype in RESIDENT_DTYPES.items() if precision.mixed}
 
 
 def resolve_precision(requested: str, weights: torch.dtype) -> Precision:
@@ -104,7 +102,11 @@ class LossScaler:
     masters (from 2^16, halved on a step with non-finite gradients, which is skipped, doubled after
     `growth_interval` finite steps in a row: GradScaler's defaults), with the count of skipped steps. Disabled
     (`enabled=False`, every precision but fp16-mixed) it changes nothing: the loss is not scaled and every step
-    runs. Its state is four plain numbers (`STATE_KEYS`), saved in a checkpoint as JSON."""
+    runs. Its state is four plain numbers (`STATE_KEYS`), saved in a checkpoint as JSON.
+
+    Where several processes hold parts of one step's gradients (a pipeline's stages, some holding none), `agree`
+    is set: it sums a found-inf flag over them all, so that every process skips the same steps and keeps the same
+    scale; the gradients are then unscaled and the scale updated here, by GradScaler's own rule."""
 
     STATE_KEYS = ("scale", "growth_interval", "good_steps", "skipped")
 
@@ -113,6 +115,8 @@ class LossScaler:
         self.grad_scaler = torch.amp.GradScaler(device, init_scale=scale, growth_interval=growth_interval,
                                                 enabled=enabled)
         self.skipped = 0  # steps skipped so far in the run
+        self.agree: Callable[[torch.Tensor], None] | None = None
+        self.found_inf = torch.zeros(())  # with `agree`: whether the last unscaled gradients were not all finite
 
     @property
     def enabled(self) -> bool:
@@ -134,7 +138,17 @@ class LossScaler:
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale in place and note whether all are finite (call it before
         clipping them)."""
-        self.grad_scaler.unscale_(optimizer)
+        if self.agree is None:
+            self.grad_scaler.unscale_(optimizer)
+            return
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        device = grads[0].device if grads else torch.device("cpu")
+        inverse = torch.tensor(1.0 / self.scale, dtype=torch.float32, device=device)
+        self.found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        for grad in grads:
+            grad.mul_(inverse)
+            self.found_inf = torch.maximum(self.found_inf, (~grad.isfinite()).any().float())
+        self.agree(self.found_inf)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """GradScaler's step and update: the optimizer steps unless a gradient was not finite (the step is then
@@ -143,6 +157,8 @@ class LossScaler:
         if not self.enabled:  # fp32 and bf16: a plain step, no hook on the hot path
             optimizer.step()
             return True
+        if self.agree is not None:
+            return self._agreed_step(optimizer)
         stepped: list[bool] = []
         hook = optimizer.register_step_post_hook(lambda *_: stepped.append(True))
         try:
@@ -152,6 +168,21 @@ class LossScaler:
         self.grad_scaler.update()
         self.skipped += not stepped
         return bool(stepped)
+
+    def _agreed_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """The step unless the agreed found-inf is set, and GradScaler's update of the scale: halved on a skipped
+        step, doubled after `growth_interval` finite steps in a row."""
+        stepped = not bool(self.found_inf)
+        if stepped:
+            optimizer.step()
+        state = self.state_dict()
+        scale, good = state["scale"], state["good_steps"] + 1
+        if not stepped:
+            scale, good = scale * self.grad_scaler.get_backoff_factor(), 0
+        elif good == state["growth_interval"]:
+            scale, good = scale * self.grad_scaler.get_growth_factor(), 0
+        self.load_state_dict({**state, "scale": scale, "good_steps": good, "skipped": self.skipped + (not stepped)})
+        return stepped
 
     def state_dict(self) -> dict:
         """The scale, growth interval, finite steps since the last change of scale (GradScaler's growth tracker)

@@ -9,6 +9,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from preinfer.atomic_write import write_atomically
 from preinfer.checkpoint import WEIGHTS, newest_checkpoint
 
 # The entries a run writes in its directory: its files, and its directories (the checkpoint's with a save's two
@@ -100,21 +101,8 @@ class RunDir:
         return found
 
     def write_config(self, text: str) -> None:
-        """Publish config.toml (see `publish`)."""
-        self.publish(self.config, text)
-
-    def publish(self, path: Path, text: str) -> None:
-        """Publish one of the run's files atomically: written beside, made durable, renamed into place (a failed
-        write leaves no partial file)."""
-        temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            with temporary.open("w") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(temporary, path)
-        finally:
-            temporary.unlink(missing_ok=True)
+        """Publish config.toml (`preinfer.atomic_write.write_atomically`)."""
+        write_atomically(self.config, text)
 
 
 def _kind(path: Path) -> str | None:

@@ -125,6 +125,11 @@ class Sweeps:
         total = self.config.stop.total_steps
         return total is not None and position.global_step >= total
 
+    def budget_ends_before_visit(self, position: RunPosition) -> bool:
+        """Whether the run's --total-steps are done at a visit's start: not within a visit it cut, which a resumed
+        run continues (a raised budget) or closes without a step (the same budget)."""
+        return self.steps_spent(position) and position.visit_step == 0
+
     def gain_rule(self, block: Block, order: list[int], budget: int | None, position: RunPosition) -> GainRule | None:
         """With --stop gain: the visit's rule, against the blocks still to visit in this sweep (at its last visit,
         every other block), restored from the position when the visit resumes; started on the clock."""

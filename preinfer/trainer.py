@@ -30,6 +30,7 @@ from preinfer.checkpoint import STATE
 from preinfer.config import Config
 from preinfer.errors import DivergedError, PreinferError, UsageError
 from preinfer.evaluation import eval_mode
+from preinfer.config.resolved import check_resolved
 from preinfer.expansion import expansion_hooks, expansion_of
 from preinfer.frozen_weights import frozen_weight_hooks
 from preinfer.layout import Layout, replica_layout
@@ -72,6 +73,7 @@ class Trainer:
         self.progress = RunPosition()
         self.wall_s = 0.0  # time spent in fit()
         self.precision = precision if precision is not None else apply_precision(staged.model, config.run.precision)
+        check_resolved(config, self.precision, blocks=len(partition))  # direct callers too: the resolved run
         self.optimizers = VisitOptimizers(config.optim, self.precision, torch.device(config.run.device).type,
                                           len(partition))
         self.visit: VisitOptimizer | None = None  # the visit's optimizer and masters; None between visits
@@ -88,10 +90,10 @@ class Trainer:
                              f"{self.precision}")
         self.sweeps = Sweeps(staged, partition, config, sources, self.scaler, clock, self.emit,
                              lambda: self.checkpoint_dir / STATE, active_block, self.world_size)
-        config.validate()  # direct callers too: every rule that needs only the config
         self.lifecycle = VisitLifecycle(staged, config, self.layout, self.optimizers, self.experts, meter,
                                         hooks=[*frozen_weight_hooks(staged, config),
-                                               *expansion_hooks(staged, config, lambda: self.progress.global_step)])
+                                               *expansion_hooks(staged, config, lambda: self.progress.global_step,
+                                                                self.layout.sum_over_replicas)])
         self.expand = expansion_of(staged, config)  # the run's landscape expansion, auto resolved
         sources.attach(self.emit)
 
@@ -142,16 +144,16 @@ class Trainer:
 
     def _fit(self, max_total_steps: int | None) -> list[dict]:
         p = self.progress
-        while p.sweep < self.config.blocks.sweeps and not self.sweeps.steps_spent(p):
+        while p.sweep < self.config.blocks.sweeps and not self.sweeps.budget_ends_before_visit(p):
             order = self.sweeps.order(p.sweep, p)
             if p.visit == 0:
                 self.visit_sources.sweep_started([self.partition.blocks[i] for i in order])
             while p.visit < len(order):
-                if self.sweeps.steps_spent(p):
+                if self.sweeps.budget_ends_before_visit(p):
                     return p.visits
                 block = self.partition.blocks[order[p.visit]]
-                if not self._visit(block, max_total_steps, order):
-                    return p.visits
+                if not self._visit(block, max_total_steps, order) or p.visits[-1]["stop_reason"] == "total-steps":
+                    return p.visits  # a visit cut by --total-steps keeps its mid-visit checkpoint (`_visit`)
                 p.visit += 1
                 p.visit_step, p.stop, p.gain = 0, None, None
                 self._checkpoint(self.optimizers.states())
@@ -173,7 +175,8 @@ class Trainer:
         gain = self.sweeps.gain_rule(block, order, stop.max_steps, p)
         if self.meter is not None:
             self.meter.reset()
-        started, reason = time.perf_counter(), None
+        started = time.perf_counter()
+        reason = "total-steps" if self.sweeps.steps_spent(p) else None  # resumed cut visit, the same budget
         while reason is None:
             halted = max_total_steps is not None and p.global_step >= max_total_steps
             if halted or self.layout.stop_agreed(self.stop_requested):
@@ -200,8 +203,8 @@ class Trainer:
             p.loss_scaler = self.scaler.state_dict() if self.scaler.enabled else None
             self.emit(p.step_record(block, loss, visit.lr, tokens, timings, started, self._scaler_fields()))
             every = cfg.run.checkpoint_every
-            if every and p.global_step % every == 0 and reason is None:
-                self._save_visit_state(train, visit, block, stop)
+            if reason == "total-steps" or (every and p.global_step % every == 0 and reason is None):
+                self._save_visit_state(train, visit, block, stop)  # a raised budget continues a cut visit
         wall = time.perf_counter() - started
         self.lifecycle.deactivate(block, visit, p)
         self.visit = None

@@ -20,8 +20,10 @@ micro-batch is complete (`ActiveBlock.watch`), and the gradient is freed at once
 all resident (torchtune's optimizer in backward). The optimizer is the same one, stepping one tensor at a time
 (`preinfer.optim.step_tensor`), so the weights equal the unfused step's. Gradient accumulation works (the earlier
 micro-batches accumulate, the last one steps); what needs every gradient of a step before the first tensor steps is
-refused: global-norm clipping, fp16-mixed's loss scaling, a pipeline's micro-batches, expert slicing
-(`Config.validate`), and data parallelism's reducer (`ActiveBlock.watch`, at the visit's start).
+refused: global-norm clipping, fp16-mixed's loss scaling, expert slicing (`Config.validate`), and data
+parallelism's reducer (`ActiveBlock.watch`, at the visit's start; a pipeline's replicas, at the stage's). On a
+pipeline a stage tells its block which micro-batch's backward is the step's last
+(`pipelines.pipeline_parallel.visit`).
 """
 
 from __future__ import annotations
@@ -148,9 +150,6 @@ class VisitOptimizers:
 
     def __init__(self, optim: OptimConfig, precision: Precision, device_type: str, blocks: int = 1):
         """`blocks`: how many the partition has (for `block_lr`'s factors)."""
-        if optim.fused_step and precision.loss_scaling:
-            raise UsageError(f"--fused-step steps each tensor in backward, before {precision}'s loss scaling checks "
-                             f"every gradient: drop --fused-step, or train in bf16-mixed or fp32")
         self.optim, self.precision = optim, precision
         self.scaler = LossScaler(device_type, enabled=precision.loss_scaling)
         self._kept: dict[int, dict] = {}

@@ -91,7 +91,8 @@ class Blobs(ABC):
 
 
 class LocalBlobs(Blobs):
-    """Blobs in a local directory; writes go through a temporary name, fsync and rename."""
+    """Blobs in a local directory; writes go through a temporary name, fsync and rename (the steps of
+    `preinfer.atomic_write`, which storage may not import: tests/test_atomic_write.py holds both to one contract)."""
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root)

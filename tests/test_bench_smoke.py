@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.lib import runs
+from bench.lib import finetune_runs, peer_loops, runs
 from preinfer.config.rules import resolved_expand
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -213,7 +213,7 @@ def test_peers_plain_loop_trains_like_preinfer_bcd_on_the_same_batches(tmp_path,
     from preinfer.precision import apply_precision
     from preinfer.presets import build_preset
 
-    plain = peers.plain_worker(config("plain"))
+    plain = peer_loops.plain_worker(config("plain"))
     training.run(config("preinfer"), quiet=True)
     mine = runs.preinfer_result(tmp_path / "preinfer")
     initial = build_preset(args.model, seed=0)
@@ -240,7 +240,7 @@ def test_peers_hf_trainer_row_trains_like_the_plain_loop_on_the_same_batches(tmp
 
     config = functools.partial(peers_config, peers, args, tmp_path)
 
-    plain, hf = peers.plain_worker(config("plain")), peers.hf_trainer_worker(config("hf"))
+    plain, hf = peer_loops.plain_worker(config("plain")), peer_loops.hf_trainer_worker(config("hf"))
     batches = peers.eval_batches(args, runs.bcd_flags(args, tmp_path / "x", 1, args.ranges, args.seq_len,
                                                        args.batch_size))
     losses = [runs.eval_loss(run["model_dir"], batches) for run in (plain, hf)]
@@ -320,7 +320,7 @@ def test_finetune_quick_compares_every_method_on_the_same_batches(tmp_path, monk
     assert abs(rows["bcd-none"]["eval_loss"] - rows["badam"]["eval_loss"]) < 1e-4 * same[0]  # BAdam expands nothing
     assert rows["bcd-none"]["eval_loss"] != rows["bcd"]["eval_loss"]
     assert rows["lora8"]["eval_loss"] != rows["lora16"]["eval_loss"]
-    for method in finetune.LOW_BIT:  # the run without expansion, frozen layers in fewer bits: close, not equal
+    for method in finetune_runs.LOW_BIT:  # the run without expansion, frozen layers in fewer bits: close, not equal
         assert abs(rows[method]["eval_loss"] / rows["bcd-none"]["eval_loss"] - 1) < 1e-2, method
     peaks = [rows[m]["tracked_peak_mib"] for m in ("bcd-none", "bcd-bf16", "bcd-int8", "bcd-nf4")]
     assert peaks == sorted(peaks, reverse=True) and peaks[0] > peaks[-1]  # the meter counts the codes
@@ -379,11 +379,11 @@ def test_finetune_resume_takes_the_rows_measured_with_the_same_flags_and_runs_th
     assert finetune.main([*quick, "--resume", "--seed", "1"]) == 0
     assert len(rows()) == 2 and rows()[1]["seed"] == 1
     args = argparse.Namespace(source="tiny-llama")  # BAdam's and LoRA's runs read bcd's flags: keyed apart
-    assert len({finetune.run_key(args, "chat", m, ["--lr", "1e-4"], tmp_path) for m in ("bcd", "badam", "lora16")}) == 3
-    keys = {flag: finetune.run_key(args, "chat", "bcd", ["--lr", "1e-4", *flag], tmp_path)
+    assert len({finetune_runs.run_key(args, "chat", m, ["--lr", "1e-4"], tmp_path) for m in ("bcd", "badam", "lora16")}) == 3
+    keys = {flag: finetune_runs.run_key(args, "chat", "bcd", ["--lr", "1e-4", *flag], tmp_path)
             for flag in ((), ("--keep-optimizer-state",))}  # BCD rows: keyed by the expansion their flags resolve to
     assert keys[()].endswith("expand=lowrank") and keys[("--keep-optimizer-state",)].endswith("expand=none")
-    assert "expand=" not in finetune.run_key(args, "chat", "lora16", ["--lr", "1e-4"], tmp_path)
+    assert "expand=" not in finetune_runs.run_key(args, "chat", "lora16", ["--lr", "1e-4"], tmp_path)
 
 
 METHODS_AT_EQUAL_STEPS = ("full", "bcd", "bcd-none", "bcd-store", "bcd-auto", "bcd-bf16", "bcd-int8", "bcd-nf4",

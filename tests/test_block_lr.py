@@ -21,7 +21,8 @@ def test_the_rule_and_the_list_give_each_block_its_factor(text, blocks, factors)
 
 
 def test_a_list_of_another_length_than_the_partition_is_refused_when_the_trainer_is_made():
-    with pytest.raises(UsageError, match=r"^--block-lr 1,2: lists 2 factors but the partition has 3 blocks; give 3"):
+    with pytest.raises(UsageError, match=r"^\[optim\] block_lr = '1,2': expected 3 factors, one per block of the "
+                                         r"partition"):  # a rule of the resolved run (`check_resolved`)
         make_trainer(optim__block_lr="1,2")
 
 

@@ -260,8 +260,6 @@ def test_a_file_s_bad_value_or_rule_between_keys_is_one_line_naming_it(written, 
     (["--ufp", "1/2", "--blocks", "2"], "give only one of --ranges, --blocks, --ufp (got --blocks, --ufp)"),
     (["--pipeline", "2", "--pre-inference", "on", "--dask", "local:2"], "--dask local:2 ([pre_inference] dask): "
                                                                         "expected unset on a pipeline"),
-    (["--pipeline", "2", "--precision", "fp16-mixed"], "--precision fp16-mixed ([run] precision): expected "
-                                                       "bf16-mixed or fp32 on a pipeline"),
 ])
 def test_a_rule_between_flags_is_one_line_naming_the_flags(argv, line, tmp_path, capsys):
     code, got = cli_failure(argv, tmp_path, capsys)

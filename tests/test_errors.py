@@ -1,12 +1,14 @@
 """Every error the project raises derives from one of its two roots, `preinfer.errors.PreinferError` (the model side
 and `pipelines`) and `storage.errors.StorageError` (the storage side), read from the source with `ast`: no builtin
-exception class is raised, returned or subclassed outside a short list of Python protocols; and the CLI turns the
+exception class is raised, returned or subclassed outside a short list of Python protocols; every exception class of
+ours hangs from those two or from `RunStopped` (a run stopped by a signal, which is no error); and the CLI turns the
 errors into one line and an exit code (2 for bad input, 1 at run time)."""
 
 from __future__ import annotations
 
 import ast
 import builtins
+import importlib
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from pipelines.cache.shards import NonFiniteStates
 from pipelines.cli import main
 from pipelines.data.batches import NoBatchesError
 from pipelines.data.token_store.staging import StagingError
+from pipelines.training.signals import RunStopped
 from preinfer.errors import BoundaryStateError, PreinferError, UsageError
 from storage import StorageError
 
@@ -38,9 +41,6 @@ ALLOWED = {
         "the index check of TokenStoreDataset.__getitem__: the sequence protocol's IndexError",
     ("pipelines/data/token_store/dataset.py", "TokenStoreDataset._positions", "TypeError"):
         "the index check of TokenStoreDataset.__getitem__: an index of the wrong type is a TypeError, as for a list",
-    ("preinfer/adapters/hf.py", "_Stop", "Exception"):
-        "not an error: the stand-in of the last decoder layer a pass needs ends the model's own forward there, and the "
-        "adapter catches it at once (it never leaves preinfer.adapters.hf)",
     ("pipelines/training/signals.py", "RunStopped", "SystemExit"):
         "not an error: a run stopped by a signal after its checkpoint exits with 128 + the signal's number, and a "
         "SystemExit ends the interpreter with that code from every command",
@@ -130,6 +130,28 @@ def test_no_builtin_exception_outside_the_protocols():
 
 def test_the_two_roots_are_apart():
     assert not issubclass(PreinferError, StorageError) and not issubclass(StorageError, PreinferError)
+
+
+def our_exception_classes() -> set[type]:
+    """Every exception class defined in our packages (each of their modules imported)."""
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            importlib.import_module(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    found, todo = set(), [BaseException]
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if cls.__module__.split(".")[0] in PACKAGES:
+            found.add(cls)
+    return found
+
+
+def test_our_exceptions_hang_from_three_roots():
+    ours = our_exception_classes()
+    roots = {cls for cls in ours if not any(base in ours for base in cls.__bases__)}
+    assert roots == {PreinferError, StorageError, RunStopped}
+    assert len(ours) > 20  # the walk found the subclasses
 
 
 @pytest.mark.parametrize("error, code", [

@@ -60,7 +60,7 @@ def test_a_run_with_no_expand_flag_trains_as_expand_lowrank_and_records_it():
 
 
 @pytest.mark.parametrize("change", [dict(blocks__active="1-2"), dict(blocks__experts="top:0.5"),
-                                    dict(run__pipeline=2), dict(optim__keep_state=True), dict(run__mode="full")])
+                                    dict(optim__keep_state=True), dict(run__mode="full")])
 def test_auto_is_none_where_lowrank_does_not_run_and_refuses_nothing(change):
     config = Config()
     assert resolved_expand(config) == "lowrank"
@@ -233,7 +233,6 @@ def test_expand_lr_puts_the_factors_in_a_group_of_their_own_on_the_visit_s_sched
 
 @pytest.mark.parametrize("change,message", [
     (dict(active="1-2"), "[blocks] expand = 'sgd': expected none with [blocks] active"),
-    (dict(pipeline=2), "[blocks] expand = 'sgd': expected none on a pipeline"),
     (dict(precision="fp16-mixed"), "[blocks] expand = 'sgd': expected lowrank or none under [run] precision"),
     (dict(expand="lowrank", keep_state=True), "[blocks] expand = 'lowrank': expected sgd or none with [optim]"),
     (dict(expand_rank=0), "[blocks] expand_rank = 0: expected an integer >= 1"),

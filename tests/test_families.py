@@ -138,3 +138,15 @@ def test_the_supported_families_section_of_the_docs_is_up_to_date():
 
     text = DOC.read_text()
     assert rendered(text) == text, "rebuild it: PYTHONPATH=$PWD python -m pipelines.families_doc"
+
+
+def test_the_readme_model_line_is_up_to_date_and_names_only_exact_families():
+    from pipelines.families_doc import KNOWN, README, readme_line, rendered
+
+    text = README.read_text()
+    assert rendered(text, readme_line, README) == text, "rebuild it: PYTHONPATH=$PWD python -m pipelines.families_doc"
+    line = " ".join(readme_line().split())
+    assert f"checkpoints of {len(EXACT)} model families" in line
+    named = line.split(": ", 1)[1].split(" and ")[0].split(", ")
+    assert named and {family for family, name in KNOWN.items() if name in named} <= set(EXACT)
+    assert len(named) == len({family for family in KNOWN if family in EXACT})

@@ -139,7 +139,6 @@ def test_a_quantized_run_differs_from_the_exact_one_only_within_the_codes_error(
 
 @pytest.mark.parametrize("key,value,match", [
     ("run__mode", "full", r"^\[model\] frozen_dtype = 'int8': expected auto with \[run\] mode full"),
-    ("run__pipeline", 2, r"^\[model\] frozen_dtype = 'int8': expected auto on a pipeline"),
 ])
 def test_frozen_dtype_is_refused_where_it_cannot_apply_in_one_line(key, value, match):
     config = Config()

@@ -196,7 +196,8 @@ def test_resume_with_a_smaller_steps_per_visit_is_refused_in_one_line():
     """Issue 36: resumed at visit step 2 of 3 with visits of 2, the run stayed on one block for ever."""
     state = stepped_state(5)  # block 1, its step 3 of 3 next
     assert state["position"]["visit_step"] == 2 and state["steps_per_visit"] == 3
-    for saved in (state, {k: v for k, v in state.items() if k != "steps_per_visit"}):  # also states saved before
+    older = {k: v for k, v in state.items() if k not in ("steps_per_visit", "config")}  # states saved before them
+    for saved in (state, older):
         bcd = BlockCoordinateDescent(build_preset("tiny-llama", seed=0), **{**OPTIONS, "steps_per_visit": 2})
         with pytest.raises(UsageError, match="^steps_per_visit=2: the checkpoint") as refused:
             bcd.optimizer.load_state_dict(saved)
@@ -212,7 +213,7 @@ def test_resume_with_another_learning_rate_or_optimizer_setting_is_refused_in_on
     state = stepped_state(2)
     bcd = BlockCoordinateDescent(build_preset("tiny-llama", seed=0), **{**OPTIONS, **changed})
     name = next(iter(changed))
-    with pytest.raises(UsageError, match=f"^{name}=.*: the optimizer state being resumed was trained with {name}=") \
+    with pytest.raises(UsageError, match=f"^{name}=.*: the checkpoint was trained with {name}=") \
             as refused:
         bcd.optimizer.load_state_dict(state)
     assert len(str(refused.value).splitlines()) == 1
@@ -315,7 +316,42 @@ def test_an_expansion_the_hf_path_cannot_run_is_refused_by_its_argument():
 def test_a_resume_with_another_expansion_is_refused_in_one_line(saved, resumed):
     state = stepped_state(4, **saved)  # block 1, whose suffix is one layer
     bcd = BlockCoordinateDescent(build_preset("tiny-llama", seed=0), **{**OPTIONS, **resumed})
-    with pytest.raises(UsageError, match="resume with the expand and expand_rank the checkpoint was trained with") \
+    with pytest.raises(UsageError, match="the checkpoint was trained with expand") \
             as refused:
         bcd.optimizer.load_state_dict(state)
     assert len(str(refused.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize("optimizer", ["adamw8bit", "adam8bit"])
+def test_the_hf_front_end_gives_the_cli_trainer_s_losses_with_expansion_and_8_bit_state(tmp_path, optimizer):
+    """Issue 44 part 4: one config and one visit lifecycle (its hooks, `preinfer.visit_optimizer`) behind both
+    front-ends. In fp32, with lowrank expansion and 8-bit moments, the trainer `preinfer bcd` runs (its step
+    records) and BlockCoordinateDescent under transformers.Trainer (the loss of each training forward) see the same
+    losses over the same batches, and end with the same weights."""
+    settings = dict(optimizer=optimizer, expand="lowrank", expand_rank=4, expand_lr=0.05, precision="fp32")
+    records = []
+    ours = make_trainer(blocks__blocks=3, blocks__order="descending", optim__warmup_steps=1, optim__decay="cosine",
+                        optim__name=optimizer, blocks__expand="lowrank", blocks__expand_rank=4,
+                        blocks__expand_lr=0.05, run__precision="fp32", on_record=records.append)
+    ours.fit()
+    model = build_preset("tiny-llama", seed=0)
+    bcd = BlockCoordinateDescent(model, **OPTIONS, **settings)
+    losses = []
+    model.register_forward_hook(lambda module, args, out: losses.append(out.loss.item()) if module.training else None)
+    held = []  # the moments' kinds at each step's end: 8-bit codes (torchao's OptimState8bit) for the large tensors
+
+    class Moments(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            held.extend(type(moments["exp_avg"]).__name__ for moments in bcd.optimizer.state.values() if moments)
+
+    Trainer(model=model, args=hf_args(tmp_path), train_dataset=samples_of(live_batches(9)), optimizers=bcd.optimizers,
+            callbacks=[bcd.callback, Moments()]).train()
+    steps = [record.loss for record in records if record.kind == "step"]
+    assert len(steps) == len(losses) == 9
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(steps), rtol=1e-6, atol=0.0)
+    assert len(set(steps)) == 9  # every step trained
+    assert "OptimState8bit" in held
+    expected, got = snapshot(ours.staged.model), snapshot(model)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+

@@ -1,6 +1,7 @@
 """The import graph of `preinfer/`, `storage/` and `pipelines/`, read from the source with `ast` (imports inside
-functions and under TYPE_CHECKING included): no cycle, the fixed dependency direction, `pipelines/` and `bench/`
-using only `storage`'s public names, and every public name of `storage` used by them or by the docs' Python."""
+functions and under TYPE_CHECKING included): no cycle, the fixed dependency direction, the floors of `pipelines/`
+(each imports only the floors below it), `pipelines/` and `bench/` using only `storage`'s public names, and every
+public name of `storage` used by them or by the docs' Python."""
 
 from __future__ import annotations
 
@@ -14,6 +15,22 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("preinfer", "storage", "pipelines")
 # package -> the packages it may never import
 FORBIDDEN = {"storage": ("preinfer", "pipelines"), "preinfer": ("storage", "pipelines")}
+# The floors of `pipelines/`, lowest first (pipelines/__init__.py says what each holds): each floor's parts, by name,
+# with the modules (and packages) each part holds. A module imports its own part and the parts of lower floors
+# only: never a part beside it on its floor, never one above.
+FLOORS: list[dict[str, tuple[str, ...]]] = [
+    {"jobs": ("pipelines.jobs",), "progress": ("pipelines.progress",),
+     "flags": ("pipelines.flag_types", "pipelines.flag_table", "pipelines.command_flags", "pipelines.flags")},
+    {"models": ("pipelines.models",)},
+    {"data": ("pipelines.data",)},
+    {"cache": ("pipelines.cache",)},
+    {"pre_inference": ("pipelines.pre_inference",)},
+    {"pipeline_parallel": ("pipelines.pipeline_parallel",)},
+    {"training": ("pipelines.training",), "store_training": ("pipelines.store_training",)},
+    {"commands": ("pipelines.commands",)},
+    {"cli": ("pipelines.cli",), "families_doc": ("pipelines.families_doc",)},
+    {"reference": ("pipelines.reference",)},
+]
 
 
 def module_name(path: Path) -> str:
@@ -110,6 +127,54 @@ def test_dependency_direction():
     wrong = [f"{source} imports {target}" for source, targets_ in graph().items() for target in targets_
              if target.split(".")[0] in FORBIDDEN.get(source.split(".")[0], ())]
     assert wrong == []
+
+
+def floor_of(module: str, floors: list[dict[str, tuple[str, ...]]] = FLOORS) -> tuple[int, str] | None:
+    """(floor, part) of a module of `pipelines` (None: the package itself, which imports nothing)."""
+    for level, parts in enumerate(floors):
+        for part, holds in parts.items():
+            if any(module == held or module.startswith(held + ".") for held in holds):
+                return level, part
+    return None
+
+
+def floor_violations(edges: dict[str, set[str]], floors: list[dict[str, tuple[str, ...]]] = FLOORS) -> list[str]:
+    """Each import of `pipelines` that points up a floor or across one, as 'a (floor part) imports b (part)'."""
+    wrong = []
+    for source, imported in sorted(edges.items()):
+        mine = floor_of(source, floors) if source.startswith("pipelines.") else None
+        for target in sorted(imported):
+            theirs = floor_of(target, floors) if target.startswith("pipelines.") else None
+            if mine and theirs and theirs[1] != mine[1] and theirs[0] >= mine[0]:
+                wrong.append(f"{source} ({mine[1]}, floor {mine[0]}) imports {target} ({theirs[1]}, floor {theirs[0]})")
+    return wrong
+
+
+def test_the_floor_check_finds_an_import_up_and_one_across():
+    floors = [{"low": ("pipelines.low",), "side": ("pipelines.side",)}, {"high": ("pipelines.high",)}]
+    edges = {"pipelines.high.a": {"pipelines.low.b", "pipelines.high.c", "preinfer.x"},
+             "pipelines.low.b": {"pipelines.high", "pipelines.low.d"}, "pipelines.side": {"pipelines.low.b"}}
+    assert floor_violations(edges, floors) == [
+        "pipelines.low.b (low, floor 0) imports pipelines.high (high, floor 1)",
+        "pipelines.side (side, floor 0) imports pipelines.low.b (low, floor 0)"]
+
+
+def test_every_module_of_pipelines_has_a_floor():
+    assert [name for name in modules() if name.startswith("pipelines.") and floor_of(name) is None] == []
+
+
+def test_no_import_points_up_a_floor():
+    assert floor_violations(graph()) == []
+
+
+def test_the_package_docstring_names_the_floors_in_order():
+    import pipelines
+
+    text = pipelines.__doc__
+    names = [f"`{part}`" for parts in FLOORS for part in parts]
+    assert all(name in text for name in names), [name for name in names if name not in text]
+    firsts = [min(text.index(f"`{part}`") for part in parts) for parts in FLOORS]
+    assert firsts == sorted(firsts)
 
 
 def _private_store_names() -> set[str]:

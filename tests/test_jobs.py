@@ -9,7 +9,7 @@ import pytest
 
 import pipelines.commands.plan as plan_command
 from pipelines.cli import main
-from pipelines.jobs.inputs import absolute_path, recorded_config
+from pipelines.training.inputs import absolute_path, recorded_config
 from pipelines.jobs.output import held_output
 from pipelines.progress import Progress
 from preinfer.config import Config

@@ -42,8 +42,9 @@ def test_warmup_ratio_is_the_visit_s_share_rounded_up_as_transformers_training_a
 
 
 def test_warmup_ratio_needs_a_visit_length_and_excludes_warmup_steps():
-    with pytest.raises(UsageError, match="--warmup-ratio needs each visit's length"):
-        LrSchedule.for_visit(OptimConfig(warmup_ratio=0.1), None)
+    with pytest.raises(UsageError, match=r"--warmup-ratio 0.1 \(\[optim\] warmup_ratio\): expected 0 when a visit "
+                                         r"ends on a plateau"):  # the config's rule, once
+        load_config(overrides={"optim": {"warmup_ratio": 0.1}, "stop": {"patience": 3}})
     with pytest.raises(UsageError, match=r"--warmup-ratio 0.1 \(\[optim\] warmup_ratio\): expected 0 when"):
         load_config(overrides={"optim": {"warmup_ratio": 0.1, "warmup_steps": 2}})
     with pytest.raises(UsageError, match=r"--warmup-ratio 1.0 .*expected a number in \[0, 1\)"):
@@ -51,7 +52,8 @@ def test_warmup_ratio_needs_a_visit_length_and_excludes_warmup_steps():
 
 
 def test_a_schedule_with_an_end_needs_a_visit_length():
-    with pytest.raises(UsageError, match="--lr-decay polynomial needs each visit's length"):
-        LrSchedule.for_visit(OptimConfig(decay="polynomial"), None)
+    with pytest.raises(UsageError, match=r"polynomial \(\[optim\] decay\): expected one of none, "
+                                         r"constant_with_warmup, inverse_sqrt when a visit ends on a plateau"):
+        load_config(overrides={"optim": {"decay": "polynomial"}, "stop": {"patience": 3}})
     assert LrSchedule.for_visit(OptimConfig(decay="inverse_sqrt", warmup_steps=4), None).factor(8) == \
         pytest.approx(transformers_rates("inverse_sqrt", 4, 9, 1.0)[8])

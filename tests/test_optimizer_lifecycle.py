@@ -10,7 +10,8 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
-from preinfer.config import OptimConfig
+from preinfer.config import Config, OptimConfig, StopConfig
+from preinfer.config.resolved import check_resolved
 from preinfer.errors import UsageError
 from preinfer.forward_backward import forward_backward
 from preinfer.hf import BlockCoordinateDescent
@@ -120,7 +121,6 @@ def test_the_fused_step_steps_in_backward_and_frees_each_gradient(precision):
                            "fused step steps each tensor in backward, before the global gradient norm is known"),
     (["--precision", "fp16-mixed"], "expected false with --precision fp16-mixed: the fused step steps each tensor "
                                     "in backward, before loss scaling checks every gradient"),
-    (["--pipeline", "2"], "expected false with --pipeline > 1"),
     (["--experts", "top:0.5"], "expected false with --experts"),
 ])
 def test_the_fused_step_is_refused_where_it_cannot_apply(argv, line, tmp_path, capsys):
@@ -131,8 +131,10 @@ def test_the_fused_step_is_refused_where_it_cannot_apply(argv, line, tmp_path, c
 
 def test_the_fused_step_is_refused_under_a_resolved_fp16_mixed_and_beside_a_reducer():
     optim = OptimConfig(fused_step=True)
-    with pytest.raises(UsageError, match=r"^--fused-step steps each tensor in backward, before fp16-mixed's loss"):
-        VisitOptimizers(optim, resolve_precision("auto", torch.float16), "cpu")
+    with pytest.raises(UsageError, match=r"^\[optim\] fused_step = True: expected false with \[run\] precision auto, "
+                                         r"resolved from the model's weights to fp16-mixed: the fused step"):
+        config = Config(optim=optim, stop=StopConfig(steps_per_visit=1))
+        check_resolved(config, resolve_precision("auto", torch.float16))  # the one rule, on the resolved run
     visit = VisitOptimizers(optim, Precision.FP32, "cpu").open(0, [nn.Parameter(torch.ones(2))], 1)
     with pytest.raises(UsageError, match=r"before data parallelism sums the gradients over the replicas: drop "):
         visit.active.watch(lambda index: None)  # what the data-parallel layout does at a visit's start

@@ -16,10 +16,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-import preinfer
 from pipelines.cli import main
-from pipelines.data.batches import token_batches
-from pipelines.training import load_datasets, partition_for, train
+from pipelines.pipeline_parallel.layout import PipelineLayout
 from preinfer.config import Config
 from preinfer.errors import UsageError
 from preinfer.memory.layer_spans import partition
@@ -28,14 +26,15 @@ from preinfer.memory.shapes import resolve_shape
 from preinfer.metrics import CacheRecord, PreInferenceRecord, SweepPlanRecord, VisitRecord, read_metrics
 from preinfer.presets import build_preset
 from preinfer.run_dir import RunDir
-from preinfer.batch_source import LiveSources
 from preinfer.memory.stage_cut import cut_stages, stage_cost
 from tests.helpers.training_runs import assert_close, cache_and_model, torchrun, weights
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["--seq-len", "32", "--samples-per-shard", "8", "--eval-fraction", "0.2", "--sweeps", "2",
-          "--steps-per-visit", "2", "--lr", "1e-3", "--seed", "0", "--pre-inference", "off", "--eval-tokens", "256"]
-STORE_RUN = ["--steps-per-visit", "2", "--lr", "1e-3", "--blocks", "2", "--seed", "0", "--eval-tokens", "256"]
+          "--steps-per-visit", "2", "--lr", "1e-3", "--seed", "0", "--pre-inference", "off", "--eval-tokens", "256",
+          "--expand", "none"]
+STORE_RUN = ["--steps-per-visit", "2", "--lr", "1e-3", "--blocks", "2", "--seed", "0", "--eval-tokens", "256",
+             "--expand", "none"]
 RUNS = {  # name: (model, blocks, more flags); each runs at --batch-size 4 --pipeline 2 --microbatches 2
     "llama": ("tiny-llama", "4", []),
     "gpt2": ("tiny-gpt2", "2", []),  # the tied wte = lm_head on both end stages, owned by block 0
@@ -91,10 +90,9 @@ def test_the_command_plan_prints_runs_on_the_pipeline_it_recommends(two_ranks):
 
 
 def one_process(tmp: Path, corpus: str, model: str, blocks: str, more: list[str], name: str) -> dict[str, torch.Tensor]:
-    """The same run in one process, over the same micro-batches (batch 2, two accumulated per step), without
-    landscape expansion, as a pipeline runs."""
+    """The same run in one process, over the same micro-batches (batch 2, two accumulated per step)."""
     assert main(["bcd", "--model", model, "--blocks", blocks, "--data", corpus, *COMMON, *more, "--batch-size", "2",
-                 "--grad-accum", "2", "--expand", "none", "--out", str(tmp / name)]) == 0
+                 "--grad-accum", "2", "--out", str(tmp / name)]) == 0
     return weights(str(tmp / name))
 
 
@@ -131,7 +129,7 @@ def test_training_from_a_store_on_two_stages_equals_one_process(two_ranks, tmp_p
     the model directory."""
     tmp, _ = two_ranks
     assert main(["train", "--store", str(tmp / "cache"), "--model", str(tmp / "model"), *STORE_RUN,
-                 "--batch-size", "2", "--grad-accum", "2", "--expand", "none", "--out", str(tmp_path / "one")]) == 0
+                 "--batch-size", "2", "--grad-accum", "2", "--out", str(tmp_path / "one")]) == 0
     pipeline, single = weights(str(tmp / "store")), weights(str(tmp_path / "one"))
     assert set(pipeline) == set(single) and not any(k.startswith("model.embed_tokens") for k in pipeline)
     assert_close(pipeline, single)
@@ -227,61 +225,6 @@ def test_the_tied_weight_is_one_tensor_on_both_end_stages(two_ranks):
                            build_preset("tiny-gpt2").transformer.wte.weight.detach())  # it trained
 
 
-class ReplicaMicroBatches:
-    """One process reading what the replicas of a pipeline read, in their micro-batches: replica 0's batch's
-    halves, then replica 1's (grad_accum 4 makes one step of them)."""
-
-    def __init__(self, dataset, batch_size: int, samples_per_shard: int, replicas: int = 2, parts: int = 2):
-        self.readers = [token_batches(dataset, batch_size, samples_per_shard, 0, rank, replicas)
-                        for rank in range(replicas)]
-        self.parts, self.boundary = parts, 0
-        self.batches_per_epoch = self.readers[0].batches_per_epoch * replicas * parts
-        self.pending: list[dict] = []
-
-    def __next__(self) -> dict:
-        if not self.pending:
-            for reader in self.readers:
-                batch = next(reader)
-                self.pending += [{k: v.chunk(self.parts)[i] for k, v in batch.items()} for i in range(self.parts)]
-        return self.pending.pop(0)
-
-    def state_dict(self) -> dict:
-        assert not self.pending  # steps end at a whole batch of every replica
-        return {"readers": [reader.state_dict() for reader in self.readers]}
-
-    def load_state_dict(self, state: dict) -> None:
-        for reader, saved in zip(self.readers, state["readers"]):
-            reader.load_state_dict(saved)
-
-
-@pytest.mark.distributed
-@pytest.mark.timeout(600)
-def test_a_pipeline_of_two_times_two_replicas_equals_one_process_reading_both_replicas(tmp_path, corpus):
-    """In eager attention: PyTorch's CPU sdpa kernel rounds differently for micro-batches of 2 samples (the mesh's)
-    and of 1 (the one process's), and Adam carries that to 1.2e-5 relative on one weight after 2 sweeps."""
-    torchrun(tmp_path, 4, [["bcd", "--model", "tiny-llama", "--blocks", "2", "--data", corpus, *COMMON,
-                            "--batch-size", "4", "--pipeline", "2", "--attention", "eager",
-                            "--out", str(tmp_path / "mesh")]])
-    records = visits(tmp_path / "mesh")
-    assert sorted((r["stage"], r["replica"]) for r in records[0].ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-
-    config = Config()
-    config.model.name, config.data.path = "tiny-llama", corpus
-    config.data.seq_len, config.data.samples_per_shard, config.data.eval_fraction = 32, 8, 0.2
-    config.data.eval_tokens, config.data.batch_size = 256, 4
-    config.blocks.ufp, config.blocks.blocks, config.blocks.sweeps = None, 2, 2
-    config.optim.lr, config.optim.grad_accum = 1e-3, 4
-    config.stop.steps_per_visit, config.blocks.expand = 2, "none"  # as the pipeline runs
-    config.run.out, config.model.attention = str(tmp_path / "one"), "eager"
-    data = load_datasets(config, quiet=True)
-    staged = preinfer.stage(build_preset("tiny-llama", attention="eager"))
-    blocks, _ = partition_for(staged, config)
-    evaluation = token_batches(data.eval, 4, 8, 0, shuffle=False)
-    train(config, staged, blocks, None, LiveSources(ReplicaMicroBatches(data.train, 4, 8), evaluation),
-          resume=False, quiet=True)
-    assert_close(weights(str(tmp_path / "mesh")), weights(str(tmp_path / "one")))
-
-
 def bcd(tmp_path: Path, corpus: str, *flags: str) -> list[str]:
     return ["bcd", "--model", "tiny-llama", "--data", corpus, "--seq-len", "32", "--out", str(tmp_path / "r"),
             *flags]
@@ -298,23 +241,6 @@ def test_bad_pipeline_input_is_one_line_and_exit_2(tmp_path, corpus, capsys, fla
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and expected in err
     assert not (tmp_path / "r").exists()
-
-
-def test_fp16_mixed_on_a_pipeline_is_refused_also_when_auto_resolves_to_it(tmp_path, corpus, capsys):
-    """Loss scaling has no finite check across stages: `--precision fp16-mixed`, and `auto` over float16 weights."""
-    model_dir = tmp_path / "fp16"
-    build_preset("tiny-llama", seed=0).to(torch.float16).save_pretrained(model_dir)
-    capsys.readouterr()  # save_pretrained's progress
-    for precision, model, line in [
-            ("fp16-mixed", "tiny-llama", "--precision fp16-mixed ([run] precision): expected bf16-mixed or fp32 on a "
-                                         "pipeline (fp16-mixed's loss scaling does not run there)"),
-            ("auto", str(model_dir), "--precision auto (fp16-mixed for the model's float16 weights): fp16-mixed (loss "
-                                     "scaling) does not run on a pipeline; give --precision bf16-mixed or fp32")]:
-        flags = ["--model", model, "--precision", precision, "--pipeline", "2", "--batch-size", "4"]
-        assert main([*bcd(tmp_path, corpus), *flags]) == 2
-        err = capsys.readouterr().err.strip()
-        assert err.splitlines() == [f"preinfer bcd: error: {line}"]
-        assert not (tmp_path / "r").exists()
 
 
 def test_stages_are_contiguous_with_the_ends_and_minimise_the_largest_stage():
@@ -350,3 +276,14 @@ def test_gpipe_keeps_every_micro_batch_in_flight_and_1f1b_fewer():
 def test_more_stages_than_layers_is_refused():
     with pytest.raises(UsageError, match="more stages than the model's 4 layers"):
         cut_stages(resolve_shape("tiny-llama"), Settings(), 5, partition(resolve_shape("tiny-llama"), 2), 5)
+
+
+def test_the_fused_step_is_refused_with_replicas_of_a_pipeline_before_any_load():
+    """Their gradients are summed after backward; one replica (world size = stages) runs it."""
+    config = Config()
+    config.model.name, config.optim.fused_step, config.run.pipeline = "tiny-llama", True, 2
+    config.data.batch_size, config.stop.steps_per_visit = 4, 2
+    layout = PipelineLayout(config, 0)
+    layout.join(0, 2)
+    with pytest.raises(UsageError, match=r"^--fused-step steps each tensor .* before the 2 replicas sum the grad"):
+        layout.join(0, 4)

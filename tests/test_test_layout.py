@@ -6,6 +6,8 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
 TEST_MODULES = {path.stem for path in TESTS.rglob("test_*.py")}
+# The packages a test module sits in (`tests`, `tests.contract`, ...): a dotted name's leading parts, passed over.
+TEST_PACKAGES = {"tests"} | {path.name for path in TESTS.rglob("*") if path.is_dir() and path.name != "__pycache__"}
 
 
 def imported_modules(tree: ast.Module) -> list[str]:
@@ -22,8 +24,14 @@ def imported_modules(tree: ast.Module) -> list[str]:
 
 
 def imports_of_test_modules(names: list[str], test_modules: set[str] = TEST_MODULES) -> set[str]:
-    """The test modules that `names` import (`test_x`, `test_x.Y`, `tests.test_x`, `.test_x`)."""
-    modules = {name.lstrip(".").removeprefix("tests.").split(".")[0] for name in names}
+    """The test modules that `names` import (`test_x`, `test_x.Y`, `tests.test_x`, `.test_x`, and one in a package
+    of the tests: `tests.contract.test_x`, `..contract.test_x`)."""
+    modules = set()
+    for name in names:
+        parts = name.lstrip(".").split(".")
+        while len(parts) > 1 and parts[0] in TEST_PACKAGES:
+            parts.pop(0)
+        modules.add(parts[0])
     return modules & test_modules
 
 
@@ -35,12 +43,16 @@ from tests.test_trainer import make_trainer
 from tests import test_from_store
 from . import test_moe
 from .test_ranks import MEASURED
+from tests.contract.test_ownership import hold
+from ..contract import test_properties
+from .contract.test_inputs import CASES
 def inner():
     from test_pipeline import torchrun
 import tests.helpers.cache_jobs
 from tests.helpers.trainers import snapshot
 """
-    expected = {"test_cache", "test_data", "test_trainer", "test_from_store", "test_moe", "test_ranks", "test_pipeline"}
+    expected = {"test_cache", "test_data", "test_trainer", "test_from_store", "test_moe", "test_ranks", "test_pipeline",
+                "test_ownership", "test_properties", "test_inputs"}
     assert imports_of_test_modules(imported_modules(ast.parse(source)), expected | {"test_other"}) == expected
 
 

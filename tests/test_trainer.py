@@ -110,11 +110,16 @@ def test_a_decaying_rate_needs_a_known_visit_length():
         make_trainer(optim__decay="cosine", stop__steps_per_visit=None, stop__patience=3)  # refused when made
 
 
+def untimed(visits: list[dict]) -> list[dict]:
+    """Visit records without their measured times."""
+    return [{k: v for k, v in visit.items() if k not in ("wall_s", "eval_s")} for visit in visits]
+
+
 @pytest.mark.parametrize("order", ["ascending", "importance"])
 def test_total_steps_ends_the_run_mid_visit_and_mid_sweep_and_a_raised_budget_continues_it(tmp_path, order):
     """--total-steps 7 of 3-step visits: visits of 3, 3 and 1 steps, the last stopped by it (evaluated and
     recorded), the run ending in its first sweep of three; resumed with the same budget it trains nothing, with
-    9 it goes on at the next visit."""
+    9 it continues the cut visit (issue 48, case 3) to the weights of the run started with 9, bit for bit."""
     records = []
     overrides = dict(blocks__sweeps=3, blocks__order=order, blocks__importance_floor=1, stop__steps_per_visit=3)
     trainer = make_trainer(run_dir=tmp_path, on_record=records.append, stop__total_steps=7, **overrides)
@@ -126,12 +131,16 @@ def test_total_steps_ends_the_run_mid_visit_and_mid_sweep_and_a_raised_budget_co
     weights = snapshot(trainer.staged.model)
     again = make_trainer(run_dir=tmp_path, stop__total_steps=7, **overrides)
     again.resume()
-    assert again.fit() == visits and again.progress.global_step == 7
+    assert untimed(again.fit()) == untimed(visits) and again.progress.global_step == 7
     assert all(torch.equal(weights[k], p) for k, p in again.staged.model.named_parameters())
     raised = make_trainer(run_dir=tmp_path, stop__total_steps=9, **overrides)
     raised.resume()
-    more = raised.fit()[len(visits):]
-    assert [(v["steps"], v["stop_reason"]) for v in more] == [(2, "total-steps")] and raised.progress.global_step == 9
+    assert [(v["steps"], v["stop_reason"]) for v in raised.fit()] == [(3, "steps")] * 3
+    assert raised.progress.global_step == 9
+    straight = make_trainer(run_dir=tmp_path / "straight", stop__total_steps=9, **overrides)
+    assert untimed(straight.fit()) == untimed(raised.progress.visits)
+    assert all(torch.equal(p, dict(straight.staged.model.named_parameters())[k])
+               for k, p in raised.staged.model.named_parameters())
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "fp16-mixed"])

@@ -11,10 +11,10 @@ The public surface (what `preinfer cache` and `bcd --pre-inference` use; the mod
   with the same weights, batch size and shard size) or a lossy encoding (its decoded states go through the
   layers: the encoding errors compound, see docs/results.md).
 - `CacheOptions`: every option of a job, checked when made (see its fields); `parse_dask` reads `--dask`.
-- `CacheResult`, `CacheJobError`, `cache_fingerprint`, `check_boundary`, `default_samples_per_shard`,
-  `bytes_per_token` (of a store dtype, for cost models), the names a command offers (`DEFAULT_SPLITS`,
-  `STORE_DTYPES`, `STORE_FORMATS`), and `open_cache` (the stores of a cache
-  directory, or {"": store} for a single store).
+- `CacheResult`, `CacheJobError`, `cache_fingerprint`, `check_boundary`, `default_samples_per_shard` (and a run's
+  `samples_per_shard`, so that live and stored runs read in the same order), `bytes_per_token` (of a store dtype,
+  for cost models), the names a command offers (`DEFAULT_SPLITS`, `STORE_DTYPES`, `STORE_FORMATS`), and
+  `open_cache` (the stores of a cache directory, or {"": store} for a single store).
 
 What is stored, per sample i of a split's token samples (store sample i = dataset sample i, dataset order):
 `hidden` [T, H] in the storage dtype, `attention_mask` [T] bool, `position_ids` [T] int64, `labels` [T] int64,
@@ -73,12 +73,15 @@ write a shard (tests inject faults and delays with it; it travels to the Dask wo
 
 from pipelines.cache.build import cache_boundary, roll_forward
 from pipelines.cache.directory import DEFAULT_SPLITS, open_cache
-from pipelines.cache.fingerprints import bytes_per_token, cache_fingerprint, check_boundary, default_samples_per_shard
+from pipelines.cache.fingerprints import (
+    bytes_per_token, cache_fingerprint, check_boundary, default_samples_per_shard, samples_per_shard,
+)
 from pipelines.cache.options import STORE_DTYPES, STORE_FORMATS, CacheOptions, Part, parse_dask
 from pipelines.cache.result import CacheJobError, CacheResult
 
 __all__ = [
     "cache_boundary", "roll_forward", "open_cache", "CacheOptions", "Part", "CacheResult", "CacheJobError",
-    "cache_fingerprint", "check_boundary", "default_samples_per_shard", "parse_dask", "bytes_per_token",
+    "cache_fingerprint", "check_boundary", "default_samples_per_shard", "samples_per_shard", "parse_dask",
+    "bytes_per_token",
     "DEFAULT_SPLITS", "STORE_DTYPES", "STORE_FORMATS",
 ]

@@ -163,8 +163,7 @@ def _prepare_store(path: Location, split: str, fields, num_samples: int, per_sha
                    opts: CacheOptions) -> Store:
     """Create the store of one split, or reopen the one there to resume it (refusing another fingerprint)."""
     where = f"{split} store {path}" if split else f"store {path}"
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"{opts.out_flag} {path} is a file, not a directory")
+    check_not_a_file(path, opts.out_flag)
     overwrite = opts.mode == "overwrite"
     if overwrite and path.is_dir() and not holds_only_store_entries(path):
         raise UsageError(f"{path} is not an activation store; not deleting it (choose another {opts.out_flag})")

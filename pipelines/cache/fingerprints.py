@@ -1,4 +1,4 @@
-"""What a store of boundary states is: its fingerprint, its fields and its default shard size."""
+"""What a store of boundary states is: its fingerprint, its fields and its shard size (a run's too)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from pipelines.data.batches import TokenSamples
+from preinfer.config import Config
 from preinfer.errors import UsageError
 from preinfer.fingerprint import boundary_fingerprint, prefix_digest
 from preinfer.staged import StagedModel
@@ -63,6 +64,14 @@ def default_samples_per_shard(seq_len: int, hidden_size: int, dtype: torch.dtype
     """Samples per shard so that a shard holds about `target` bytes of hidden states (at least 1)."""
     sample_bytes = seq_len * hidden_size * torch.empty((), dtype=dtype).element_size()
     return max(1, target // sample_bytes)
+
+
+def samples_per_shard(config: Config, staged: StagedModel) -> int:
+    """A run's shard size: the configured one, or the caching job's default for boundary states in the compute
+    dtype (the same as `preinfer cache` picks, so live and stored runs read in the same order)."""
+    if config.data.samples_per_shard:
+        return config.data.samples_per_shard
+    return default_samples_per_shard(config.data.seq_len, staged.hidden_size, staged.compute_dtype)
 
 
 def store_fields(seq_len: int, hidden_size: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], Any]]:

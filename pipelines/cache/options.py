@@ -10,12 +10,13 @@ from typing import Any
 
 import torch
 
+from preinfer.config.choices import STORE_DTYPES as STORE_DTYPE_NAMES
 from preinfer.errors import UsageError
 from storage import StorageError, codec_spec
 
-# Exact store dtypes (bit for bit), then the lossy encodings (8-bit codes and a per-token scale, storage.encodings).
-STORE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                "float8_e4m3": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2, "int8": torch.int8}
+# Exact store dtypes (bit for bit), then the lossy encodings (8-bit codes and a per-token scale, storage.encodings):
+# `preinfer.config.choices.STORE_DTYPES` as torch's dtypes (float8_e4m3 is torch's "fn" variant, without inf).
+STORE_DTYPES = {name: getattr(torch, {"float8_e4m3": "float8_e4m3fn"}.get(name, name)) for name in STORE_DTYPE_NAMES}
 MODES = ("resume", "overwrite", "refuse")
 STORE_FORMATS = ("zarr", "safetensors")
 

@@ -8,7 +8,7 @@ from pipelines.flags import (
     PRE_INFERENCE_FLAGS, add_flags, add_training_flags, print_summary, use_s3_endpoint,
 )
 from pipelines import training
-from pipelines.jobs.runs import run_config
+from pipelines.training.run_directory import run_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

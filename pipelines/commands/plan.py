@@ -8,10 +8,12 @@ import json
 import os
 
 from preinfer.errors import UsageError
-from preinfer.memory.layer_spans import blocks_for_ufp
+from preinfer.config.resolved import ResolvedRun, resolve_run
+from preinfer.memory.expansion import planned_config
+from preinfer.memory.layer_spans import blocks_for_ufp, partition
 from preinfer.memory.plan import MemoryPlan, plan_memory
-from preinfer.memory.settings import GIB, Settings
-from preinfer.memory.shapes import SIZES, resolve_shape
+from preinfer.memory.settings import GIB, RUN_PRECISIONS, Settings
+from preinfer.memory.shapes import SIZES, ModelShape, resolve_shape
 from pipelines.flags import add_flags
 
 
@@ -77,10 +79,6 @@ def _expansion(s: dict) -> str:
 def _money(value: float | None) -> str:
     """Dollars, or a dash when no price is known."""
     return "-" if value is None else f"${value:,.2f}"
-
-
-# The run precision of each planner dtype (pure bf16 has no run precision: bf16-mixed is the nearest).
-RUN_PRECISIONS = {"float32": "fp32", "bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed"}
 
 
 def pipeline_command(result: MemoryPlan, model_spec: str | None) -> str:
@@ -167,12 +165,19 @@ def render(result: MemoryPlan, model_spec: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def resolved_run(shape: ModelShape, settings: Settings) -> ResolvedRun:
+    """The run a plan prices, every auto settled by the rules a run settles them by (`resolve_run`)."""
+    blocks = len(partition(shape, settings.blocks, settings.separate_ends))
+    return resolve_run(planned_config(settings), RUN_PRECISIONS[settings.dtype], any(shape.sparse), blocks)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Print the plan as a table or JSON."""
+    """Print the plan as a table or JSON (with the run it prices resolved, as a run records it)."""
     shape = resolve_shape(args.model, args.arch)
-    result = plan_memory(shape, settings_from_args(args, shape.layers))
+    settings = settings_from_args(args, shape.layers)
+    result = plan_memory(shape, settings)
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        print(json.dumps(result.to_dict() | {"resolved": resolved_run(shape, settings).to_dict()}, indent=2))
     else:
         print(render(result, None if args.model.lower() in SIZES[args.arch] else args.model))
     return 0

@@ -10,16 +10,21 @@ from preinfer.errors import UsageError
 from pipelines.data.tokenizer_choice import model_tokenizer
 from pipelines.cache.directory import DEFAULT_SPLITS, cache_splits
 from pipelines.cache.report import verify_cache
+from pipelines.data.run_data import run_samples
 from pipelines.data.token_store.resolve import data_splits
 from pipelines.flags import DATA_FLAGS, add_flags, data_flags, use_s3_endpoint
 from pipelines.models import model_source
 from storage import open_store
 
 
+# The flags that choose which samples of the data a run's stores hold: a run's own, when --model is a run directory.
+RUN_SAMPLES = ("--eval-tokens", "--max-samples")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_flags(parser, "path", "--model", *DATA_FLAGS, "--attention", "--sample", "--seed", "--model-seed", "--device",
-              "--s3-endpoint", command="verify", defaults={"--device": RunConfig.device},
-              from_run=(*DATA_FLAGS, "--model-seed", "--attention"))
+    add_flags(parser, "path", "--model", *DATA_FLAGS, *RUN_SAMPLES, "--attention", "--sample", "--seed",
+              "--model-seed", "--device", "--s3-endpoint", command="verify", defaults={"--device": RunConfig.device},
+              from_run=(*DATA_FLAGS, *RUN_SAMPLES, "--model-seed", "--attention"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         data = data_flags(args, base)
         data.seq_len = int(parts.get("seq_len", data.seq_len))
         names = [s for s in found if s] or list(DEFAULT_SPLITS)
-        datasets = data_splits(data, tokenizer, names, progress=False)
+        datasets = run_samples(data_splits(data, tokenizer, names, progress=False), data)
     checks = verify_cache(args.path, staged, datasets, tokenizer, samples=args.sample, seed=args.seed,
                           device=args.device)
     for check in checks:

@@ -7,11 +7,9 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-import preinfer
-from preinfer.config import Config
+from preinfer.config import Config, DataConfig
 from preinfer.errors import UsageError
 from preinfer.batch_source import LiveSources
-from pipelines.cache import default_samples_per_shard
 from pipelines.data import batches
 from pipelines.data.token_store import TokenStoreDataset
 from pipelines.data.corpus import CorpusDigest
@@ -30,7 +28,7 @@ class Datasets:
 def load_datasets(config: Config, quiet: bool = False, corpus: CorpusDigest | None = None) -> Datasets:
     """The run's splits, read lazily from the token store of --data (built first if need be: by rank 0 alone
     while the other ranks wait). --max-samples takes each split's first samples, --eval-tokens caps eval.
-    `corpus`: the corpus's fingerprint where the run has it already (`pipelines.jobs.inputs.run_corpus`)."""
+    `corpus`: the corpus's fingerprint where the run has it already (`pipelines.training.inputs.run_corpus`)."""
     m = config.model
     choice = model_tokenizer(m.tokenizer, m.name, m.chat_template, m.chat_template_name)
     tokenizer, d = choice.tokenizer, config.data
@@ -42,14 +40,19 @@ def load_datasets(config: Config, quiet: bool = False, corpus: CorpusDigest | No
     if first and dist.is_initialized():
         dist.barrier()
     announce(choice, found, quiet or not first)
-    train, evaluation = found["train"], found["eval"]
-    if d.max_samples:
-        train, evaluation = train.head(d.max_samples), evaluation.head(d.max_samples)
-    check_batch_size(d.batch_size, len(train), f"the train split of {d.path}")
+    found = run_samples(found, d)
+    check_batch_size(d.batch_size, len(found["train"]), f"the train split of {d.path}")
+    return Datasets(found["train"], found["eval"], tokenizer)
+
+
+def run_samples(splits: dict[str, TokenStoreDataset], d: DataConfig) -> dict[str, TokenStoreDataset]:
+    """The samples a run reads of each split: --max-samples takes each split's first, --eval-tokens caps eval (what
+    a run's stores hold, so `preinfer verify` recomputes the same samples)."""
+    found = {name: split.head(d.max_samples) if d.max_samples else split for name, split in splits.items()}
     capped = eval_samples(d.eval_tokens, d.seq_len)
-    if capped is not None and capped < len(evaluation):
-        evaluation = evaluation.head(capped)
-    return Datasets(train, evaluation, tokenizer)
+    if "eval" in found and capped is not None and capped < len(found["eval"]):
+        found["eval"] = found["eval"].head(capped)
+    return found
 
 
 def check_batch_size(batch_size: int, samples: int, split: str) -> None:
@@ -57,14 +60,6 @@ def check_batch_size(batch_size: int, samples: int, split: str) -> None:
     if batch_size > samples:
         raise UsageError(f"--batch-size {batch_size} is more than the {samples} samples of {split}; give at most "
                          f"{samples}")
-
-
-def samples_per_shard(config: Config, staged: preinfer.StagedModel) -> int:
-    """The configured shard size, or the caching job's default for boundary states in the compute dtype (the
-    same as `preinfer cache` picks, so live and stored runs read in the same order)."""
-    if config.data.samples_per_shard:
-        return config.data.samples_per_shard
-    return default_samples_per_shard(config.data.seq_len, staged.hidden_size, staged.compute_dtype)
 
 
 def live_sources(data: Datasets, config: Config, shard: int, rank: int = 0, world: int = 1) -> LiveSources:

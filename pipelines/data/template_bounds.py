@@ -32,6 +32,8 @@ from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
 
+from preinfer.errors import UsageError
+
 MAX_RENDER_STEPS = 1 << 20  # loop iterations and calls of one render
 MAX_RENDER_CHARS = 1 << 24  # characters (or list items) of any value a render makes, and of its output
 MAX_INT_BITS = 4096  # the largest integer a template may compute by a power or a product
@@ -40,8 +42,9 @@ _PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
 _FORMAT_NUMBER = re.compile(r"\d+")
 
 
-class TemplateLimitError(SecurityError):
-    """A render went over one of the bounds (steps, sizes) of `BoundedSandbox`."""
+class TemplateLimitError(SecurityError, UsageError):
+    """A render went over one of the bounds (steps, sizes) of `BoundedSandbox`: a refusal of the sandbox's kind
+    (Jinja's SecurityError), and bad input of ours (a chat template that cannot be used)."""
 
 
 class Budget:

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
+from preinfer.atomic_write import give_umask_mode, write_atomically
 from preinfer.precision import cast_weights, weights_dtype
 from preinfer.presets import PRESETS
 from pipelines.models.suffix import Suffix, config_and_files, meta_model
@@ -35,8 +37,15 @@ def export_full(suffix: Suffix, out: Path) -> bool:
     out.mkdir(parents=True, exist_ok=True)
     model.config.dtype = weights_dtype(model)
     model.config.save_pretrained(out)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    write_atomically(out / "model.safetensors", lambda file: save_file(tensors, str(file), metadata={"format": "pt"}))
     return True
+
+
+def export_pretrained(model: nn.Module, out: Path) -> None:
+    """The whole model in memory as transformers' `save_pretrained` writes it, its files given the mode the umask
+    gives (its safetensors writer makes them 0600)."""
+    model.save_pretrained(out)
+    give_umask_mode(path for path in out.iterdir() if path.is_file())
 
 
 def export_from_weights(spec: str, weights: Path, out: Path) -> bool:

@@ -9,7 +9,7 @@ from preinfer.memory.budget import blocks_for_budget, budget_settings
 from preinfer.config import BlockConfig, Config
 from preinfer.errors import UsageError
 from preinfer.expansion import expansion_of
-from preinfer.memory.settings import GPUS, Settings
+from preinfer.memory.settings import Settings
 from preinfer.memory.shapes import shape_from_config
 from preinfer.partition import Partition, make_partition, parse_ranges, parse_ufp
 
@@ -19,11 +19,7 @@ def partition_for(staged: preinfer.StagedModel, config: Config, first_layer: int
     """The blocks of the run and the one to train alone (`blocks.active`) or None. Full mode is one block;
     otherwise ranges, then a block count, then UFP, whichever is set first; UFP auto plans the fewest blocks
     that fit the memory budget in `precision` (see `budget_partition`)."""
-    b = config.blocks
-    if config.run.mode not in ("bcd", "full"):
-        raise UsageError(f"--mode '{config.run.mode}' is not one of bcd, full")
-    if b.ufp != "auto" and (b.memory_budget is not None or b.gpu is not None):
-        raise UsageError("--memory-budget and --gpu choose the blocks with --ufp auto; give --ufp auto or drop them")
+    b = config.blocks  # its keys and the rules between them hold (`Config.validate`)
     if b.active is not None:
         ranges, active = _active_ranges(b.active, first_layer, staged.num_layers)
         return make_partition(staged, ranges=ranges, first_layer=first_layer), active
@@ -60,14 +56,9 @@ def budget_partition(staged: preinfer.StagedModel, config: Config, first_layer: 
 
 
 def memory_budget(blocks: BlockConfig) -> int:
-    """Bytes of [blocks] memory_budget, or the planner's usable memory of [blocks] gpu."""
-    if (blocks.memory_budget is None) == (blocks.gpu is None):
-        raise UsageError("--ufp auto needs exactly one of --memory-budget SIZE and --gpu NAME")
-    if blocks.gpu is not None:
-        if blocks.gpu not in GPUS:
-            raise UsageError(f"[blocks] gpu = {blocks.gpu!r} is not one of {', '.join(GPUS)}")
-        return Settings(gpu=blocks.gpu).capacity()
-    return blocks.memory_budget
+    """Bytes of [blocks] memory_budget, or the planner's usable memory of [blocks] gpu (exactly one is set: the
+    config's rules, `preinfer.config.rules.partition_problems`)."""
+    return Settings(gpu=blocks.gpu).capacity() if blocks.gpu is not None else blocks.memory_budget
 
 
 def _active_ranges(active: str, first: int, num_layers: int) -> tuple[str, int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from torch import nn
 
 import preinfer
@@ -27,9 +28,10 @@ from pipelines.models.export import export_from_weights
 from pipelines.models.suffix import Suffix, load_modules, meta_model, prefix_digest, to_device
 from pipelines.pipeline_parallel.mesh import PipelineMesh, check_degree, make_mesh
 from pipelines.pipeline_parallel.stage import StageLayout
-from pipelines.pipeline_parallel.stores import pipeline_pre_inference
+from pipelines.pipeline_parallel.visit import StageLink
 from pipelines.models.partition_choice import partition_for
 from pipelines.pre_inference import PreInference
+from pipelines.pre_inference.stage_writer import stage_pre_inference
 from pipelines.data.run_data import Datasets
 
 
@@ -45,8 +47,13 @@ class PipelineLayout:
         self.stores: PreInference | None = None
 
     def join(self, rank: int, world: int) -> None:
-        """Refuse a world size the stages do not divide."""
-        check_degree(self.config.run.pipeline, world)
+        """Refuse a world size the stages do not divide, and the fused step with replicas (their gradients are
+        summed after backward)."""
+        replicas = check_degree(self.config.run.pipeline, world)
+        if self.config.optim.fused_step and replicas > 1:
+            raise UsageError(f"--fused-step steps each tensor as backward completes its gradient, before the "
+                             f"{replicas} replicas sum the gradients: drop --fused-step, or run one replica of the "
+                             f"pipeline (torchrun --nproc-per-node {self.config.run.pipeline})")
 
     @property
     def replica(self) -> int:
@@ -84,7 +91,8 @@ class PipelineLayout:
         """Live sources, or with `--pre-inference on` stores the stages make for every visit above the input."""
         if self.config.pre_inference.mode != "on":
             return live
-        self.stores = pipeline_pre_inference(staged, self.stages, self.mesh, data, self.config, live, shard, quiet)
+        link = StageLink(staged, self.stages, self.mesh, torch.device(self.config.run.device))
+        self.stores = stage_pre_inference(staged, link, data, self.config, live, shard, quiet)
         return self.stores
 
     def precision(self, model: nn.Module) -> Precision:
@@ -122,10 +130,6 @@ def stage_layout(config: Config, microbatches: int,
         raise UsageError(f"--pipeline: {config.model.name} is a mixture-of-experts model; its router loss spans "
                          f"stages, which is not built yet")
     precision = resolve_precision(config.run.precision, weights_dtype(model))
-    if precision == "fp16-mixed":
-        resolved = "" if config.run.precision == precision else " (fp16-mixed for the model's float16 weights)"
-        raise UsageError(f"--precision {config.run.precision}{resolved}: fp16-mixed (loss scaling) does not run on a "
-                         f"pipeline; give --precision bf16-mixed or fp32")
     partition, _ = partition_for(staged, config, first_layer=first, precision=precision)
     blocks = [LayerSpan(b.start, b.stop, b.has_embed, b.has_head) for b in partition.blocks]
     shape = shape_from_config(model.config)

@@ -17,7 +17,6 @@ weights into `checkpoint/model.safetensors`, which the export and `--model RUN_D
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from preinfer.atomic_write import write_atomically
 from preinfer.batch_source import BatchSource
 from preinfer.checkpoint import WEIGHTS, Checkpoint, load_checkpoint, save_checkpoint
 from preinfer.config import Config
@@ -69,12 +69,21 @@ class StageLayout:
         """The visit's pipeline; with replicas, this stage's buckets, summed over its data group after the step's
         backward (a pipeline step's micro-batches end a gradient only when the whole step has run); when `block`
         holds the tied weight, the hooks joining its gradients."""
-        self.pipeline = VisitPipeline(self.staged, self.stages, self.mesh, block, self.microbatches,
+        self.pipeline = VisitPipeline(self.staged, self.stages, self.mesh, block, visit, self.microbatches,
                                       self.config.run.pipeline_schedule, self.config.run.recompute, self.device,
                                       boundary)
         if self.mesh.replicas > 1 and visit.active.masters:
             self.reducer = BucketedAllReduce(visit.active.masters, group=self.mesh.data_group)
         self.tied_hooks = self._join_tied_grads() if self._owns_tied(block) else []
+        if visit.scaler.enabled:
+            visit.scaler.agree = self._any_rank_found_inf
+
+    def _any_rank_found_inf(self, found: torch.Tensor) -> None:
+        """fp16-mixed: `found` (whether this rank's gradients are not all finite) set on every rank where any
+        stage or replica found one, so that all skip the same steps."""
+        agreed = found.to(self.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        found.copy_(agreed)
 
     def fetch(self, train: BatchSource, count: int) -> list[dict]:
         """No batches for a stage wholly below the store this visit reads (it does no work)."""
@@ -90,8 +99,7 @@ class StageLayout:
         weight's gradients sent on the way have arrived when it returns."""
         total, tokens = 0.0, 0
         for index, batch in enumerate(batches):
-            visit.active.last_micro_batch = index == len(batches) - 1
-            total += self.pipeline.step(batch, count)
+            total += self.pipeline.step(batch, count, last=index == len(batches) - 1)
             tokens += int(batch["attention_mask"].sum())
         for work in self.tied_sends:
             work.wait()
@@ -231,6 +239,4 @@ def gather_weights(files: list[Path], out: Path) -> None:
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         tensors.update(load_file(str(file)))
-    tmp = out.with_name(out.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out)
+    write_atomically(out, lambda file: save_file(tensors, str(file), metadata={"format": "pt"}))

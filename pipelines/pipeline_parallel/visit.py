@@ -15,11 +15,16 @@ ordinary stages of the schedule whose parameters do not require grad: backward g
 Shapes are given to `PipelineStage` statically (its dynamic shape inference runs a real forward and backward
 on the first step), one schedule per batch shape: a short last batch of an epoch gets the largest micro-batch
 count not above M that divides it (GPipe when 1F1B would need more micro-batches than stages).
+
+The visit's optimizer (`VisitOptimizer`) reaches into the schedule at two points: the last stage's loss is
+scaled by it (fp16-mixed's loss scale, where the loss is), and before each micro-batch's backward the stage tells
+its active block whether that backward is the step's last (the last micro-batch of the step's last batch), so that
+the fused step steps each tensor once its gradient is complete.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -28,6 +33,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from preinfer.memory.layer_spans import LayerSpan
 from preinfer.partition import Block
 from preinfer.staged import StagedModel, causal_lm_loss, supervised_tokens
+from preinfer.visit_optimizer import VisitOptimizer
 from pipelines.pipeline_parallel.mesh import PipelineMesh
 from pipelines.pipeline_parallel.stage_module import StageModule
 
@@ -45,12 +51,26 @@ def entry_stage(stages: list[LayerSpan], block: Block) -> int:
     return 0 if block.has_embed else stage_of(stages, block.start)
 
 
+class VisitStage(PipelineStage):
+    """A `PipelineStage` that calls `before_backward(i)` before the backward of micro-batch i."""
+
+    def __init__(self, *args, before_backward: Callable[[int], None], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.before_backward = before_backward
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        self.before_backward(bwd_chunk_id)
+        return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+
 class VisitPipeline:
-    """Runs the batches of one visit through this rank's stage (see the module docstring)."""
+    """Runs the batches of one visit through this rank's stage (see the module docstring), for `visit`'s
+    optimizer."""
 
     def __init__(self, staged: StagedModel, stages: list[LayerSpan], mesh: PipelineMesh, block: Block,
-                 microbatches: int, schedule: str, recompute: bool, device: torch.device, source: int = 0):
-        self.staged, self.stages, self.mesh, self.device = staged, stages, mesh, device
+                 visit: VisitOptimizer, microbatches: int, schedule: str, recompute: bool, device: torch.device,
+                 source: int = 0):
+        self.staged, self.stages, self.mesh, self.device, self.visit = staged, stages, mesh, device, visit
         self.microbatches, self.schedule_name = microbatches, schedule
         self.entry = entry_stage(stages, block)
         self.first = stage_of(stages, source)  # the stage the batches feed (a store at `source` > 0, else tokens)
@@ -60,14 +80,15 @@ class VisitPipeline:
         self.module = StageModule(staged, stage, None if self.frozen else block, recompute, source)
         self.schedules: dict[tuple[int, ...], object] = {}
         self.count = torch.ones((), device=device)  # supervised tokens of the global batch (the loss divisor)
+        self.parts, self.last_batch = 1, True  # the batch in the schedule: its micro-batches, whether the step's last
 
-    def step(self, batch: dict[str, torch.Tensor], count: torch.Tensor) -> float:
-        """Forward and backward of one batch (all its micro-batches); the gradients accumulate into the
-        parameters that require grad. Returns this stage's share of the loss (the last stage's sum over
-        micro-batches of supervised-token loss / `count`; 0 elsewhere)."""
-        self.count = count
+    def step(self, batch: dict[str, torch.Tensor], count: torch.Tensor, last: bool = True) -> float:
+        """Forward and backward of one batch (all its micro-batches; `last`: the step's last batch); the
+        gradients accumulate into the parameters that require grad. Returns this stage's share of the loss (the
+        last stage's sum over micro-batches of supervised-token loss / `count`; 0 elsewhere)."""
+        self.count, self.last_batch = count, last
         root, mask = stage_input(batch, self.staged), batch["attention_mask"]
-        parts = self._parts(mask.shape[0])
+        parts = self.parts = self._parts(mask.shape[0])
         if self.frozen:
             self._forward_only(root, mask, parts)
             return 0.0
@@ -83,10 +104,14 @@ class VisitPipeline:
             schedule.step(*args, target=batch["labels"], losses=losses, **kwargs)
         else:
             schedule.step(*args, **kwargs)
-        return float(sum(loss.item() for loss in losses))
+        return float(sum(loss.item() for loss in losses)) / self.visit.scaler.scale
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return causal_lm_loss(logits, labels, reduction="sum") / self.count
+        """The micro-batch's loss, scaled (fp16-mixed) for its backward."""
+        return self.visit.scale_loss(causal_lm_loss(logits, labels, reduction="sum") / self.count)
+
+    def _before_backward(self, part: int) -> None:
+        self.visit.active.last_micro_batch = self.last_batch and part == self.parts - 1
 
     def _parts(self, rows: int) -> int:
         """Micro-batches for a batch of `rows` samples: M, or for a short batch the most that divide it."""
@@ -121,8 +146,9 @@ class VisitPipeline:
             width = self.staged.model.config.vocab_size if stage.head else self.staged.hidden_size
             example_out = torch.empty(rows, length, width, dtype=self.staged.compute_dtype, device="meta",
                                       requires_grad=True)
-            pipeline_stage = PipelineStage(self.module, index, count, self.device, input_args=example_in,
-                                           output_args=example_out, group=self.mesh.tails[self.entry])
+            pipeline_stage = VisitStage(self.module, index, count, self.device, input_args=example_in,
+                                        output_args=example_out, group=self.mesh.tails[self.entry],
+                                        before_backward=self._before_backward)
             kind = SCHEDULES[self.schedule_name]
             if kind is Schedule1F1B and parts < count:
                 kind = ScheduleGPipe
@@ -142,6 +168,34 @@ def receive_hidden(staged: StagedModel, mesh: PipelineMesh, shape: torch.Size, d
     hidden = torch.empty(*shape, staged.hidden_size, dtype=staged.compute_dtype, device=device)
     dist.recv(hidden, mesh.rank_of(mesh.stage - 1))
     return hidden
+
+
+class StageLink:
+    """This rank's stage as pre-inference's stage writer reaches the others
+    (`pipelines.pre_inference.stage_writer.StageLink`)."""
+
+    def __init__(self, staged: StagedModel, spans: list[LayerSpan], mesh: PipelineMesh, device: torch.device):
+        self.staged, self.spans, self.mesh, self.device = staged, spans, mesh, device
+        self.stage, self.replica, self.replicas = mesh.stage, mesh.replica, mesh.replicas
+        self.module = StageModule(staged, spans[mesh.stage])
+
+    def holding(self, layer: int) -> int:
+        return stage_of(self.spans, layer)
+
+    def gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        every = [torch.zeros_like(tensor) for _ in range(self.mesh.stages)]
+        dist.all_gather(every, tensor, group=self.mesh.pipe_group)
+        return every
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.module(x, attention_mask)
+
+    def receive(self, shape: torch.Size) -> torch.Tensor:
+        return receive_hidden(self.staged, self.mesh, shape, self.device)
+
+    def send(self, hidden: torch.Tensor) -> None:
+        dist.send(hidden.contiguous(), self.mesh.rank_of(self.mesh.stage + 1))
 
 
 @torch.no_grad()

@@ -17,11 +17,12 @@ longer usable, or no longer read by the plan, are deleted unless `keep_stores`.
 
 One executor serves every layout: one process, data-parallel ranks and a pipeline's stages all run `PreInference`;
 what differs is how a store is made, the `StoreWriter` it is given (`writers.LocalWriter` by default; a
-pipeline's stages make each store together, `pipelines.pipeline_parallel.stores.StageWriter`, from the input only).
+pipeline's stages make each store together, `stage_writer.StageWriter`, from the input only).
 
 Modules: `sweep_plan` (the plans, pure), `executor` (`PreInference`, following the plan), `stores` (the stores
-made, checked and deleted), `writers` (how the processes make a store), `probe` (the first estimates: a layer's
-forward, the disk), `rates` (the throughputs measured in this run) and `ranks` (the numbers the ranks agree on).
+made, checked and deleted), `writers` (how the processes make a store), `stage_writer` (how a pipeline's stages
+make one), `probe` (the first estimates: a layer's forward, the disk), `rates` (the throughputs measured in this
+run) and `ranks` (the numbers the ranks agree on).
 """
 
 from pipelines.pre_inference.executor import PreInference

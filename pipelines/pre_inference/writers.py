@@ -1,7 +1,7 @@
 """How the processes of a run make a store of boundary states: the strategy pre-inference is given
 (`StoreWriter`), what making one measured (`Built`), and the writer of a run that holds the whole model in each
 process (`LocalWriter`: one process, or data-parallel replicas). A pipeline's writer, whose stages make each store
-together, is `pipelines.pipeline_parallel.stores.StageWriter`."""
+together, is `pipelines.pre_inference.stage_writer.StageWriter`."""
 
 from __future__ import annotations
 

@@ -16,8 +16,9 @@ from preinfer.config import Config, load_config, resume_changes
 from preinfer.errors import CheckpointWriteError, PreinferError, is_disk_full
 from preinfer.layout import Layout
 from preinfer.memory.meter import MemoryMeter
-from preinfer.metrics import ResumeRecord
+from preinfer.metrics import ResolvedRecord, ResumeRecord
 from preinfer.partition import Partition
+from preinfer.config.resolved import ResolvedRun
 from preinfer.precision import Precision
 from preinfer.run_dir import RunDir
 from preinfer.trainer import Trainer
@@ -31,7 +32,7 @@ from pipelines.training.signals import RunStopped, StopOnSignals
 def train(config: Config, staged: preinfer.StagedModel, partition: Partition, active: int | None,
           chosen: VisitSources, resume: bool, quiet: bool, notes: list[str] = (), command: str = "bcd",
           layout: Layout | None = None, precision: Precision | None = None,
-          corpus: CorpusDigest | None = None) -> Trainer:
+          corpus: CorpusDigest | None = None, resolved: ResolvedRun | None = None) -> Trainer:
     """Build the trainer on `layout` in `precision` (defaults: `Trainer`'s), with its memory meter and progress
     display (shown by rank 0 only; it checks the block order), create the run directory (rank 0), resume if asked,
     and run it; a signal stops it with `RunStopped` after a checkpoint."""
@@ -53,6 +54,8 @@ def train(config: Config, staged: preinfer.StagedModel, partition: Partition, ac
     started = time.perf_counter()
     with StopOnSignals(trainer) as signals:
         try:
+            if resolved is not None:  # after a resume's checks: a refused checkpoint leaves metrics.jsonl as it was
+                trainer.emit(ResolvedRecord(**resolved.to_dict()))
             trainer.fit()
         except (OSError, CheckpointWriteError) as err:
             raise stopped_writing(err, command, run) from None

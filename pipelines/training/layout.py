@@ -15,7 +15,7 @@ from preinfer.config import Config
 from preinfer.layout import Layout, replica_layout
 from preinfer.precision import Precision, resolve_precision, weights_dtype
 from pipelines.models import resolve_model
-from pipelines.models.export import export_full
+from pipelines.models.export import export_full, export_pretrained
 from pipelines.models.suffix import Suffix, load_suffix, to_device
 from pipelines.pre_inference import PreInference
 from pipelines.data.run_data import Datasets
@@ -71,7 +71,7 @@ class OneProcess:
         (`export_full`)."""
         if self.suffix is not None:
             return export_full(self.suffix, directory)
-        self.model.save_pretrained(directory)
+        export_pretrained(self.model, directory)
         return True
 
     def close(self) -> None:

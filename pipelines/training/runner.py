@@ -12,27 +12,34 @@ as an uninterrupted run. A second signal acts as usual."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+from torch import nn
 
 import preinfer
 from preinfer.batch_source import VisitSources
 from preinfer.config import Config
-from preinfer.precision import weights_dtype
+from preinfer.config.resolved import check_resolved, resolve_run
+from preinfer.moe import sparse_blocks
+from preinfer.partition import Partition
+from preinfer.precision import Precision, weights_dtype
 from preinfer.run_dir import RunDir
+from pipelines.flags import flag_naming
 from pipelines.data.tokenizer_choice import model_tokenizer
 from pipelines.data.tokenizers import Tokenizer
 from pipelines.training.distributed import init_distributed
 from pipelines.training.fit import stopped_writing, train
 from pipelines.training.layout import OneProcess
 from pipelines.data.corpus import CorpusDigest
-from pipelines.jobs.inputs import check_inputs, run_corpus
-from pipelines.jobs.runs import owning_run
+from pipelines.training.inputs import check_inputs, run_corpus
 from pipelines.pre_inference.stores import owning_store_dir
 from pipelines.models.partition_choice import partition_for
-from pipelines.training.run_directory import finish_run
+from pipelines.training.run_directory import finish_run, owning_run
 from pipelines.training.store_input import StoreInput
 from pipelines.training.trackers import check_trackers
-from pipelines.data.run_data import live_sources, load_datasets, samples_per_shard
+from pipelines.cache import samples_per_shard
+from pipelines.data.run_data import live_sources, load_datasets
 
 if TYPE_CHECKING:  # torch.distributed.pipelining loads only for pipelines
     from pipelines.pipeline_parallel.layout import PipelineLayout
@@ -56,19 +63,15 @@ def _run(config: Config, run_dir: RunDir, resume: bool, quiet: bool, rank: int, 
     first = store.boundary if store is not None else 0
     layout = layout_for(config, first)
     layout.join(rank, world)
-    model = layout.load(first)
-    loaded = weights_dtype(model)
-    precision = layout.precision(model)  # resolved once; everything after reads it
-    precision.apply(model)
+    model, loaded, precision, staged, partition, active, resolved = resolve(config, layout, first)
     notes = [precision.describe(loaded), *layout.notes()]
     if store is not None:
         notes.append(store.check_prefix(layout.prefix(first), config))
-    staged = preinfer.stage(model)
-    partition, active = partition_for(staged, config, first_layer=first, precision=precision)
     chosen, tokenizer = sources(config, layout, staged, store, quiet, corpus)
     command = "bcd" if store is None else "train"
     trainer = train(config, staged, partition, active, chosen, resume, quiet, notes, command=command,
-                    layout=layout.seams(staged), precision=precision, corpus=corpus)
+                    layout=layout.seams(staged), precision=precision, corpus=corpus,
+                    resolved=resolved)
     layout.close()
 
     def export(directory: Path) -> None:
@@ -85,6 +88,32 @@ def _run(config: Config, run_dir: RunDir, resume: bool, quiet: bool, rank: int, 
         return finish_run(trainer, run_dir, export)
     except OSError as err:
         raise stopped_writing(err, command, run_dir) from None
+
+
+class Resolution(NamedTuple):
+    """The run loaded and resolved: its model (in its precision), staged and partitioned, and the run record."""
+
+    model: nn.Module
+    loaded: torch.dtype  # the dtype its weights were loaded in
+    precision: Precision
+    staged: preinfer.StagedModel
+    partition: Partition
+    active: int | None
+    resolved: ResolvedRun
+
+
+def resolve(config: Config, layout: OneProcess | PipelineLayout, first: int) -> Resolution:
+    """Load the model on `layout`, resolve its precision (once: everything after reads it) and partition, and the
+    run they make, judged by every rule (`check_resolved`: a rule of fp16-mixed holds for auto resolved to it)."""
+    model = layout.load(first)
+    loaded = weights_dtype(model)
+    precision = layout.precision(model)
+    precision.apply(model)
+    staged = preinfer.stage(model)
+    partition, active = partition_for(staged, config, first_layer=first, precision=precision)
+    resolved = resolve_run(check_resolved(config, precision, flag_naming(), len(partition)), precision,
+                           sparse=bool(sparse_blocks(staged.layers)), blocks=len(partition))
+    return Resolution(model, loaded, precision, staged, partition, active, resolved)
 
 
 def sources(config: Config, layout: OneProcess | PipelineLayout, staged: preinfer.StagedModel,

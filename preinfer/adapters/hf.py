@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from preinfer.boundary_state import BoundaryState
-from preinfer.errors import UnsupportedModelError
+from preinfer.errors import PreinferError, UnsupportedModelError
 from preinfer.moe import use_row_invariant_experts
 from preinfer.staged import LayerCall, StagedModel
 
@@ -37,8 +37,9 @@ ADAPTER_VERSION = 2
 EMBEDDING_NORMS = frozenset({"layernorm_embedding", "word_embeddings_layernorm"})  # part of every prefix fingerprint: a change to what the adapter computes changes it
 
 
-class _Stop(Exception):
-    """Raised by the stand-in of the last layer a pass needs: the rest of the forward is not run."""
+class _Stop(PreinferError):
+    """Raised by the stand-in of the last layer a pass needs: the rest of the forward is not run (not a failure:
+    the adapter catches it at once, and it never leaves this module)."""
 
     def __init__(self, hidden: torch.Tensor):
         super().__init__("stop")

@@ -7,7 +7,8 @@ from preinfer.config.choices import (
     TRACKERS, check_attention, choices, names,
 )
 from preinfer.config.files import (
-    MOVED_RUN_KEYS, ArgumentNaming, SourceNaming, config_from_arguments, dump_toml, load_config,
+    MOVED_RUN_KEYS, ArgumentNaming, SourceNaming, config_from_arguments, config_from_dict, dump_toml,
+    load_config, load_resumed,
 )
 from preinfer.config.resume import PARTITION_ORDER, RESUMABLE_KEYS, check_resume, resume_changes
 from preinfer.config.rules import BOUNDS, Naming
@@ -23,6 +24,7 @@ __all__ = [
     "EXPERT_PARTS", "IMPORTANCE_ORDERS", "LR_DECAYS", "MOVED_RUN_KEYS", "OPEN_ENDED_DECAYS", "ORDERS",
     "PARTITION_ORDER", "RESUMABLE_KEYS", "TRACKERS", "ArgumentNaming", "BlockConfig", "Config",
     "DataConfig", "ModelConfig", "Naming", "OptimConfig", "PreInferenceConfig", "RunConfig", "SourceNaming",
-    "StopConfig", "StoreConfig", "check_attention", "check_resume", "choices", "config_from_arguments", "dump_toml",
-    "load_config", "names", "report_names", "resume_changes",
+    "StopConfig", "StoreConfig", "check_attention", "check_resume", "choices", "config_from_arguments",
+    "config_from_dict", "dump_toml",
+    "load_config", "load_resumed", "names", "report_names", "resume_changes",
 ]

@@ -39,6 +39,10 @@ FrozenDtype = Literal["auto", "bf16", "int8", "nf4"]
 # auto: lowrank where it runs (a dense model's BCD run without what it does not run with), else none.
 Expand = Literal["auto", "none", "lowrank", "sgd"]
 
+# The reference paper's defaults of the optimizers.
+DEFAULT_LR = {"sgd": 0.1, "adam": 5e-5, "adamw": 5e-5, "adam8bit": 5e-5, "adamw8bit": 5e-5}
+DEFAULT_WEIGHT_DECAY = {"sgd": 1e-5, "adam": 0.0, "adamw": 0.01, "adam8bit": 0.0, "adamw8bit": 0.01}
+
 
 class Names:
     """`Names[X]`: a str holding a comma list of the values of the Literal X."""
@@ -116,4 +120,11 @@ OPEN_ENDED_DECAYS = ("none", "constant_with_warmup", "inverse_sqrt")
 # The optimizers with blockwise 8-bit moments (preinfer.low_bit, the torchao extra).
 LOW_BIT_OPTIMIZERS: tuple[str, ...] = ("adam8bit", "adamw8bit")
 TRACKERS = tuple(name for name in get_args(Tracker) if name != "none")
+# The dtypes a store may hold boundary states in (auto: the compute dtype): the one list the planner, the caching
+# job and the flags read; a name's bits are its first number (float8_e4m3: 8, bfloat16: 16).
+STORE_DTYPES: tuple[str, ...] = tuple(name for name in get_args(StoreDtype) if name != "auto")
+# The training precisions a run resolves to (auto: follows the model's weights): `preinfer.precision.Precision`,
+# and the dtype each holds every weight in (what a store's and the frozen weights' auto hold).
+RUN_PRECISIONS: tuple[str, ...] = tuple(name for name in get_args(Precision) if name != "auto")
+RESIDENT_DTYPE_NAMES: dict[str, str] = dict(zip(RUN_PRECISIONS, ("float32", "bfloat16", "float16"), strict=True))
 EXPERT_PARTS = tuple(name for name in get_args(ExpertPart) if name != "none")

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from preinfer.config.choices import field_hint
-from preinfer.config.resume import PARTITION_ORDER
+from preinfer.config.resume import PARTITION_ORDER, check_resume
 from preinfer.config.rules import Naming, is_number
 from preinfer.config.sections import DEFAULT_EPOCHS_PER_VISIT, Config
 from preinfer.errors import PreinferError, UsageError
@@ -69,14 +69,45 @@ class ArgumentNaming(Naming):
         return f"{self.caller}({argument}={value!r})" if argument else super().value(section, key, value)
 
 
+def config_from_dict(values: dict, source: str) -> Config:
+    """The config a `Config.to_dict` wrote (a checkpoint's), unvalidated; a key this version does not know is
+    refused naming `source`."""
+    config = Config()
+    _apply(config, values, source)
+    return config
+
+
 def config_from_arguments(caller: str, keys: Mapping[str, str], values: Mapping[str, Any]) -> Config:
     """The defaults with `values` (by argument name) at the keys `keys` maps them to ("section.key"), validated:
-    a bad value is named by its argument of `caller`."""
-    config = Config()
+    a bad value is named by its argument of `caller`. A partition argument given unsets the default's (as a flag
+    does), a list or tuple is a comma-list key's list form (or a list key's value), a number a text key's text."""
+    unknown = sorted(set(values) - set(keys))
+    if unknown:
+        raise UsageError(f"{caller}() got an unknown argument {unknown[0]!r}: expected {', '.join(keys)}")
+    config, given = Config(), set()
     for name, value in values.items():
         section, key = keys[name].split(".")
-        setattr(getattr(config, section), key, value)
-    return config.validate(ArgumentNaming(caller, {key: name for name, key in keys.items()}))
+        target = getattr(config, section)
+        setattr(target, key, _argument_value(value, _field(target, key), field_hint(type(target), key)))
+        if value is not None:
+            given.add(keys[name])
+    naming = ArgumentNaming(caller, {key: name for name, key in keys.items()})
+    _choose_partition(config, given, naming)
+    return config.validate(naming)
+
+
+def _argument_value(value: Any, item: Any, hint: Any) -> Any:
+    """An argument's value in the form its key holds: a list for a list key, "1,0.5" for a comma list given as a
+    list, "1/3" text for a number given to a text key such as ufp."""
+    if isinstance(value, (list, tuple)):
+        return comma_text(list(value)) if item.metadata.get("comma_list") else list(value)
+    if hint is str and is_number(value):
+        return str(value)
+    return value
+
+
+def _field(section: Any, key: str) -> Any:
+    return next(item for item in fields(section) if item.name == key)
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | None = None,
@@ -85,23 +116,42 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
     partition key among them unsets the file's others); a visit with no stopping rule gets
     DEFAULT_EPOCHS_PER_VISIT; then validated (`Config.validate`), naming a bad key as the user gave it
     (`SourceNaming`)."""
+    config, naming = _loaded(path, overrides, flags)
+    return config.validate(naming)
+
+
+def load_resumed(path: str | Path, overrides: dict[str, dict[str, Any]], flags: Mapping[str, str],
+                 where: str) -> Config:
+    """A resumed run's config: its own (`path`) with `overrides` on top, refused first where they change a key a
+    resume may not (`check_resume`: the changed key is named, not a rule it breaks with the saved config's others),
+    then validated as `load_config` does."""
+    config, naming = _loaded(path, overrides, flags)
+    check_resume(load_config(path), config, where)
+    return config.validate(naming)
+
+
+def _loaded(path: str | Path | None, overrides: dict[str, dict[str, Any]] | None,
+            flags: Mapping[str, str] | None) -> tuple[Config, SourceNaming]:
+    """`load_config`'s config before it is validated, and how it names its keys."""
     config = Config()
     in_file = _apply(config, _read_toml(Path(path)), source=str(path)) if path is not None else set()
     in_flags = _apply(config, overrides or {}, source="flags")
     naming = SourceNaming(path, in_file, in_flags, flags or {})
+    _choose_partition(config, in_file - in_flags, Naming(), where=f"{path}: ")
     _choose_partition(config, in_flags, naming)
     stop = config.stop
     if stop.steps_per_visit is None and stop.epochs_per_visit is None and stop.patience is None:
         stop.epochs_per_visit = DEFAULT_EPOCHS_PER_VISIT
-    return config.validate(naming)
+    return config, naming
 
 
-def _choose_partition(config: Config, in_flags: set[str], naming: Naming) -> None:
-    """A partition key given as an override (ufp, blocks or ranges: at most one) unsets the file's others."""
-    chosen = [key for key in PARTITION_ORDER if f"blocks.{key}" in in_flags]
+def _choose_partition(config: Config, given: set[str], naming: Naming, where: str = "") -> None:
+    """A partition key given by one source (ufp, blocks or ranges: at most one) unsets the others: an override's
+    the file's, the file's the defaults'."""
+    chosen = [key for key in PARTITION_ORDER if f"blocks.{key}" in given]
     if len(chosen) > 1:
         given = ", ".join(naming.key("blocks", key) for key in chosen)
-        raise UsageError(f"give only one of {', '.join(naming.key('blocks', key) for key in PARTITION_ORDER)} "
+        raise UsageError(f"{where}give only one of {', '.join(naming.key('blocks', key) for key in PARTITION_ORDER)} "
                          f"(got {given})")
     for key in PARTITION_ORDER:
         if chosen and key != chosen[0]:
@@ -144,6 +194,8 @@ def _apply(config: Config, values: dict, source: str) -> set[str]:
                 parse = keys[key].metadata.get("parse")
                 where = f"{source}: [{section}] {key}"
                 parsed = _parse(value, parse, where) if parse else _number(value, field_hint(type(target), key))
+                if isinstance(parsed, list) and keys[key].metadata.get("comma_list"):
+                    parsed = comma_text(parsed)
                 setattr(target, key, parsed)
                 applied.add(f"{section}.{key}")
     return applied
@@ -155,6 +207,11 @@ def _parse(value: Any, parse: Callable[[Any], Any], where: str) -> Any:
         return parse(value)
     except UsageError as error:
         raise UsageError(f"{where} = {value!r}: {error}") from None
+
+
+def comma_text(items: list) -> str:
+    """A comma-list key written as a list (TOML's `[1, 0.5]`, a Python list) in the comma form the key holds."""
+    return ",".join(str(item) for item in items)
 
 
 def _number(value: Any, hint: Any) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from preinfer.config.rules import Naming
 from preinfer.config.sections import Config
 from preinfer.errors import UsageError
 
@@ -25,17 +26,24 @@ def resume_changes(saved: Config, asked: Config) -> dict[str, list[Any]]:
     return {key: [before[key], after[key]] for key in before if before[key] != after[key] and key != "run.out"}
 
 
-def check_resume(saved: Config, asked: Config, where: str) -> dict[str, list[Any]]:
-    """The changes of `resume_changes` when every one is in RESUMABLE_KEYS; else refuse, listing the others."""
-    changes = resume_changes(saved, asked)
-    refused = [f"[{key.replace('.', '] ', 1)} {changes[key][0]!r} -> {changes[key][1]!r}"
-               for key in changes if key not in RESUMABLE_KEYS]
+def refused_changes(saved: Config, asked: Config) -> dict[str, list[Any]]:
+    """The changes of `resume_changes` that a resume may not make (keys outside RESUMABLE_KEYS): the one
+    resume-compatibility check of `preinfer bcd --resume` and of `preinfer.hf`'s checkpoints."""
+    return {key: change for key, change in resume_changes(saved, asked).items() if key not in RESUMABLE_KEYS}
+
+
+def check_resume(saved: Config, asked: Config, where: str, naming: Naming | None = None) -> dict[str, list[Any]]:
+    """The changes of `resume_changes` when every one is in RESUMABLE_KEYS; else refuse, listing the others, each
+    named as `naming` names its key (by default `[section] key`)."""
+    naming = naming or Naming()
+    refused = [f"{naming.key(*key.split('.'))} {before!r} -> {after!r}"
+               for key, (before, after) in refused_changes(saved, asked).items()]
     if refused:
         allowed = ", ".join(f"[{key.replace('.', '] ', 1)}" for key in RESUMABLE_KEYS)
         raise UsageError(f"--resume continues the run in {where} as configured, but the flags change "
                          f"{'; '.join(refused)}; drop them (only {allowed} may change) or start a new run in "
                          f"another --out")
-    return changes
+    return resume_changes(saved, asked)
 
 
 def _comparable(config: Config) -> dict[str, Any]:

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields
 from itertools import chain
 from typing import Any, Literal, get_origin
 
 from preinfer.config.choices import (
-    IMPORTANCE_ORDERS, LOW_BIT_OPTIMIZERS, OPEN_ENDED_DECAYS, choices_of, field_hint, is_names, is_optional, names, parse_experts,
+    DEFAULT_LR, IMPORTANCE_ORDERS, LOW_BIT_OPTIMIZERS, OPEN_ENDED_DECAYS, choices_of, field_hint, is_names,
+    is_optional, names, parse_experts,
 )
-from preinfer.block_lr import GRAMMAR, parse_block_lr
+from preinfer.block_lr import FLOAT32_MAX, GRAMMAR, parse_block_lr
 from preinfer.errors import UsageError
 from preinfer.partition import parse_ufp
 from preinfer.torchao_extra import torchao_installed
@@ -38,12 +39,13 @@ class Bound:
     rule: str
     ok: Callable[[Any], bool]
     text: str | None = None
+    limit: str = ""  # the upper limit's words, after the rule
 
     def expected(self, hint: Any) -> str:
         if self.text:
             return self.text
         kind = "an integer" if hint is int else ("a number" if self.rule.startswith("in ") else "a finite number")
-        return f"{kind} {self.rule}"
+        return f"{kind} {self.rule}{self.limit}"
 
 
 def at_least(low: float) -> Bound:
@@ -52,6 +54,14 @@ def at_least(low: float) -> Bound:
 
 def above(low: float) -> Bound:
     return Bound(f"> {low}", lambda value: low < value < math.inf)
+
+
+FLOAT32_LIMIT = ", at most 3.4e38 (float32's largest)"
+
+
+def in_float32(bound: Bound) -> Bound:
+    """`bound`, and at most FLOAT32_MAX: a number that becomes a tensor or an optimizer's hyper-parameter."""
+    return Bound(bound.rule, lambda value: bound.ok(value) and value <= FLOAT32_MAX, limit=FLOAT32_LIMIT)
 
 
 # A dataset split's name as Hugging Face `datasets` allows it (`datasets.splits`'s pattern).
@@ -66,11 +76,12 @@ BOUNDS: dict[str, Bound] = {
     "blocks.memory_budget": at_least(1), "blocks.blocks": at_least(1), "blocks.start_block": at_least(0),
     "blocks.sweeps": at_least(1), "blocks.importance_batches": at_least(1), "blocks.importance_floor": at_least(1),
     "blocks.importance_margin": at_least(0), "blocks.experts_sample": at_least(1),
-    "blocks.expand_rank": at_least(1), "blocks.expand_lr": above(0),
-    "optim.lr": above(0), "optim.momentum": at_least(0), "optim.weight_decay": at_least(0),
+    "blocks.expand_rank": at_least(1), "blocks.expand_lr": in_float32(above(0)),
+    "optim.lr": in_float32(above(0)), "optim.momentum": in_float32(at_least(0)),
+    "optim.weight_decay": in_float32(at_least(0)),
     "optim.betas": Bound("", lambda betas: len(betas) == 2 and all(0 <= b < 1 for b in betas),
                          text="two numbers in [0, 1)"),
-    "optim.warmup_steps": at_least(0), "optim.warmup_ratio": SHARE, "optim.grad_clip": at_least(0),
+    "optim.warmup_steps": at_least(0), "optim.warmup_ratio": SHARE, "optim.grad_clip": in_float32(at_least(0)),
     "optim.grad_accum": at_least(1),
     "stop.steps_per_visit": at_least(1), "stop.epochs_per_visit": above(0), "stop.patience": at_least(1),
     "stop.min_delta": at_least(0), "stop.smoothing": SHARE, "stop.gain_window": at_least(1),
@@ -147,6 +158,8 @@ def rule_problems(c: Any) -> Iterator[Problem]:
     yield from fused_step_problems(c)
     if o.block_lr is not None and not _parses(parse_block_lr, o.block_lr):
         yield "optim", "block_lr", GRAMMAR
+    else:
+        yield from rate_problems(c)
     if s.rule == "gain" and b.order not in IMPORTANCE_ORDERS:
         yield "stop", "rule", "budget unless {blocks.order} is " + " or ".join(IMPORTANCE_ORDERS) + \
                               " (the gain rule predicts other blocks' gains from their scores)"
@@ -179,6 +192,21 @@ def _parses(parse: Callable[[str], Any], text: str) -> bool:
     return True
 
 
+def rate_problems(c: Any) -> Iterator[Problem]:
+    """Every step an optimizer takes fits in float32: the largest block's rate, its first Adam step (the rate over
+    1 - beta1, Adam's bias correction at step 1) and its decoupled weight decay (the rate times the decay)."""
+    o = c.optim
+    rate = (o.lr if o.lr is not None else DEFAULT_LR[o.name]) * (
+        parse_block_lr(o.block_lr).largest() if o.block_lr is not None else 1.0)
+    step = rate if o.name == "sgd" else rate / (1 - o.betas[0])
+    decay = rate * (o.weight_decay or 0.0)
+    if max(step, decay) > FLOAT32_MAX:
+        of = "{optim.lr}" + (" x the largest factor of {optim.block_lr}" if o.block_lr is not None else "")
+        taken = "" if o.name == "sgd" else " / (1 - beta1)"
+        yield "optim", "lr", f"a rate whose steps fit in float32: {of}{taken} is {step:.3g} and times " \
+                             f"{{optim.weight_decay}} {decay:.3g}, where float32's largest is 3.4e38"
+
+
 def data_problems(c: Any) -> Iterator[Problem]:
     """The dataset split's name, and a named chat template only where the tokenizer's own is used."""
     if not SPLIT_NAME.fullmatch(c.data.dataset_split):
@@ -199,8 +227,6 @@ def fused_step_problems(c: Any) -> Iterator[Problem]:
         yield "optim", "fused_step", why.format("{optim.grad_clip} > 0", "the global gradient norm is known")
     if c.run.precision == "fp16-mixed":
         yield "optim", "fused_step", why.format("{run.precision} fp16-mixed", "loss scaling checks every gradient")
-    if c.run.pipeline > 1:
-        yield "optim", "fused_step", why.format("{run.pipeline} > 1", "a stage's micro-batches are all through")
     if c.blocks.experts is not None:
         yield "optim", "fused_step", why.format("{blocks.experts}", "the chosen experts' gradients are sliced out")
 
@@ -227,15 +253,13 @@ def partition_problems(c: Any) -> Iterator[Problem]:
 
 
 def frozen_dtype_problems(c: Any) -> Iterator[Problem]:
-    """Frozen weights in fewer bits: in BCD, in one process or data-parallel replicas."""
+    """Frozen weights in fewer bits: in BCD."""
     frozen = c.model.frozen_dtype
     if frozen == "auto":
         return
     if c.run.mode == "full":
         yield "model", "frozen_dtype", f"auto with {{run.mode}} full (every weight trains: none is frozen to hold " \
                                        f"in {frozen})"
-    elif c.run.pipeline > 1:
-        yield "model", "frozen_dtype", "auto on a pipeline (its stages hold their layers in the resident dtype)"
 
 
 def expand_problems(c: Any) -> Iterator[Problem]:
@@ -251,8 +275,6 @@ def expand_conflicts(c: Any, expand: str) -> Iterator[Problem]:
         yield "blocks", "expand", "none with {blocks.active} (it keeps the layers above the active block frozen)"
     if b.experts is not None:
         yield "blocks", "expand", "none with {blocks.experts} (expert-granular blocks update nothing outside them)"
-    if c.run.pipeline > 1:
-        yield "blocks", "expand", "none on a pipeline ({run.pipeline} > 1: its stages do not update the suffix)"
     if expand == "lowrank" and c.optim.keep_state:
         yield "blocks", "expand", "sgd or none with {optim.keep_state} (each visit starts new factors, which " \
                                   "the kept moments of the last visit's would not fit)"
@@ -261,12 +283,15 @@ def expand_conflicts(c: Any, expand: str) -> Iterator[Problem]:
                                   "unscale the suffix's gradients)"
 
 
-def resolved_expand(c: Any) -> str:
-    """[blocks] expand with auto resolved from the config alone: lowrank in a BCD run where nothing it does not run
-    with is set, else none (`preinfer.expansion.expansion_of` also turns it off on a mixture-of-experts model)."""
+def resolved_expand(c: Any, sparse: bool = False) -> str:
+    """[blocks] expand with auto resolved: lowrank in a BCD run of a dense model (not `sparse`: a mixture of experts,
+    whose fused experts it would not reach) where nothing it does not run with is set, else none. The one rule of
+    `auto`: the trainer (`preinfer.expansion.expansion_of`), the planner (`preinfer.memory.expansion`) and the run
+    record (`preinfer.config.resolved`) all resolve it here."""
     if c.blocks.expand != "auto":
         return c.blocks.expand
-    return "lowrank" if c.run.mode == "bcd" and not any(expand_conflicts(c, "lowrank")) else "none"
+    runs = c.run.mode == "bcd" and not sparse and not any(expand_conflicts(c, "lowrank"))
+    return "lowrank" if runs else "none"
 
 
 def pipeline_problems(c: Any) -> Iterator[Problem]:
@@ -277,8 +302,6 @@ def pipeline_problems(c: Any) -> Iterator[Problem]:
         yield "run", "microbatches", f"a divisor of {{data.batch_size}} {batch} (0: as many as {{run.pipeline}})"
     elif r.pipeline_schedule == "1f1b" and microbatches < r.pipeline:
         yield "run", "microbatches", "at least {run.pipeline} under {run.pipeline_schedule} 1f1b; or gpipe"
-    if r.precision == "fp16-mixed":
-        yield "run", "precision", "bf16-mixed or fp32 on a pipeline (fp16-mixed's loss scaling does not run there)"
     if c.pre_inference.mode == "on" and c.pre_inference.dask:
         yield "pre_inference", "dask", "unset on a pipeline (its stages build the stores)"
 
@@ -293,11 +316,11 @@ class _Keys:
         return self.naming.key(self.section, key)
 
 
-def check(config: Any, naming: Naming | None = None) -> None:
-    """Refuse the first key that breaks a rule, in one line: the key and its value as `naming` names them, and
-    what was expected."""
+def check(config: Any, naming: Naming | None = None, more: Iterable[Problem] = ()) -> None:
+    """Refuse the first key that breaks a rule (those of `more` after the config's own), in one line: the key and
+    its value as `naming` names them, and what was expected."""
     naming = naming or Naming()
-    for section, key, expected in chain(key_problems(config), rule_problems(config)):
+    for section, key, expected in chain(key_problems(config), rule_problems(config), more):
         keys = {item.name: _Keys(naming, item.name) for item in fields(config)}
         value = getattr(getattr(config, section), key)
         raise UsageError(f"{naming.value(section, key, value)}: expected {expected.format(**keys)}")

@@ -6,11 +6,17 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from preinfer.config.choices import (
-    DEFAULT_ATTENTION, Attention, BlockOrder, Expand, ExpertPart, FrozenDtype, LrDecay, Mode, Names, Optimizer,
+    DEFAULT_ATTENTION, DEFAULT_LR, DEFAULT_WEIGHT_DECAY, Attention, BlockOrder, Expand, ExpertPart, FrozenDtype, LrDecay, Mode, Names, Optimizer,
     PipelineSchedule, Precision, PreInferenceMode, StopRuleName, StoreDtype, StoreFormat, Tracker,
 )
 from preinfer.config.rules import Naming, check
 from preinfer.sizes import parse_size
+
+
+
+def comma_list(default: str | None) -> Any:
+    """A key holding a comma list: TOML (and the HF arguments) may write it as a list, `[1, 0.5]` for "1,0.5"."""
+    return field(default=default, metadata={"comma_list": True})
 
 
 @dataclass
@@ -46,10 +52,10 @@ class BlockConfig:
     memory_budget: int | None = field(default=None, metadata={"parse": parse_size})
     gpu: str | None = None  # with ufp = "auto": the budget is this GPU's usable memory in the planner (4090, ...)
     blocks: int | None = None  # number of blocks (instead of ufp)
-    ranges: str | None = None  # explicit inclusive layer ranges, e.g. "0-3,4-7" (instead of ufp)
+    ranges: str | None = comma_list(None)  # explicit inclusive layer ranges, e.g. "0-3,4-7" (instead of ufp)
     separate_ends: bool = False  # embedding and head as blocks of their own
     order: BlockOrder = "ascending"  # the block order within a sweep
-    fixed_order: str | None = None  # e.g. "2,0,1" with order = "fixed"
+    fixed_order: str | None = comma_list(None)  # e.g. "2,0,1" with order = "fixed"
     start_block: int | None = None  # the block every sweep begins with; None: the order's own first block
     sweeps: int = 1  # passes over all blocks
     importance_batches: int = 2  # importance orders: training batches whose gradients score the blocks
@@ -57,7 +63,7 @@ class BlockConfig:
     importance_margin: float = 0.25  # importance-cached: ascending unless the scores spread by more than this
     active: str | None = None  # train only this inclusive layer range, e.g. "4-5"; the other blocks stay frozen
     experts: str | None = None  # "top:0.5": in sparse layers train only the experts carrying that share of tokens
-    experts_with: Names[ExpertPart] = "router,shared,attention,rest"  # what trains with the chosen experts
+    experts_with: Names[ExpertPart] = comma_list("router,shared,attention,rest")  # what trains with the chosen experts
     experts_sample: int = 8  # training batches whose routing picks the experts
     # landscape expansion: cheap updates of the layers above the active block each step; auto: lowrank where it
     # runs (a dense model's BCD run without active, experts, frozen_dtype, a pipeline or keep_state), else none
@@ -66,9 +72,6 @@ class BlockConfig:
     expand_lr: float | None = None  # the expansion's rate; None: the visit's rate
 
 
-# The reference paper's defaults of the optimizers.
-DEFAULT_LR = {"sgd": 0.1, "adam": 5e-5, "adamw": 5e-5, "adam8bit": 5e-5, "adamw8bit": 5e-5}
-DEFAULT_WEIGHT_DECAY = {"sgd": 1e-5, "adam": 0.0, "adamw": 0.01, "adam8bit": 0.0, "adamw8bit": 0.01}
 
 
 @dataclass
@@ -85,7 +88,7 @@ class OptimConfig:
     grad_accum: int = 1  # micro-batches per optimizer step
     keep_state: bool = False  # keep each block's optimizer state between its visits, in host memory
     fused_step: bool = False  # each tensor steps in backward once its gradient is complete, then freed at once
-    block_lr: str | None = None  # per-block rates, factors of lr: depth:LO..HI (linear in the block) or a list
+    block_lr: str | None = comma_list(None)  # per-block rates, factors of lr: depth:LO..HI (linear in block) or a list
 
 
 # A visit's epoch budget when the config gives no stopping rule.
@@ -116,7 +119,7 @@ class RunConfig:
     pipeline: int = 1  # pipeline stages (under torchrun: world size = pipeline x data-parallel replicas)
     microbatches: int = 0  # micro-batches per step through the pipeline; 0: as many as stages
     pipeline_schedule: PipelineSchedule = "1f1b"  # the pipeline's schedule (torch.distributed.pipelining)
-    report_to: Names[Tracker] = "none"  # experiment trackers, each named once (rank 0 reports)
+    report_to: Names[Tracker] = comma_list("none")  # experiment trackers, each named once (rank 0 reports)
 
 
 @dataclass

@@ -8,12 +8,10 @@ from dataclasses import replace
 from preinfer.errors import UsageError
 from preinfer.memory.footprint import bcd_memory, fewest_blocks, worst_bcd
 from preinfer.memory.layer_spans import partition
-from preinfer.memory.settings import GIB, Settings
+from preinfer.memory.settings import GIB, PRECISION_DTYPES, Settings
 from preinfer.memory.shapes import ModelShape
 from preinfer.metrics import BudgetPlanRecord
 
-# The planner's byte counts of each training precision (fp16-mixed keeps the same bytes as bf16-mixed).
-PRECISION_DTYPES = {"fp32": "float32", "bf16-mixed": "bf16-mixed", "fp16-mixed": "bf16-mixed"}
 
 
 def size_text(n: float) -> str:

@@ -1,7 +1,7 @@
 """What landscape expansion (`expand`, `preinfer.expansion`) adds to a visit's bytes, counted as that module
 allocates it. The suffix is the decoder layers above the active block, [block.stop, layers); a block holding the
-head has none. `auto` (the default) is priced as the trainer resolves it in a one-GPU BCD run (`planned_expand`):
-lowrank on a dense model (any frozen_dtype: the factors sit beside the codes), else none; on a pipeline, none.
+head has none. `auto` (the default) is priced as the trainer resolves it in a one-GPU BCD run (`planned_expand`, by the
+trainer's own rule).
 
 - lowrank: each linear weight [out, in] of a suffix layer gets fp32 factors A [r, in] and B [out, r]:
   r * (in + out) elements, each with an fp32 gradient and the block's optimizer state (8-bit moments under
@@ -22,12 +22,14 @@ from __future__ import annotations
 import dataclasses
 from typing import get_args
 
+from preinfer.config import Config
 from preinfer.config.choices import Expand
+from preinfer.config.rules import resolved_expand
 from preinfer.errors import UsageError
 from preinfer.memory.activations import StepActs, layer_activation_bytes, linear_input_bytes
 from preinfer.memory.layer_spans import LayerSpan
 from preinfer.memory.quantized import LOW_BIT_OPTIMIZERS, linear_shapes, moment_bytes
-from preinfer.memory.settings import DTYPES, Settings
+from preinfer.memory.settings import DTYPES, RUN_PRECISIONS, Settings
 from preinfer.memory.shapes import ModelShape
 
 
@@ -40,11 +42,20 @@ def check_expand(m: ModelShape, settings: Settings) -> None:
 
 
 def planned_expand(m: ModelShape, settings: Settings) -> str:
-    """`settings.expand` with auto resolved as the trainer resolves it for a one-GPU BCD visit: lowrank on a dense
-    model (its factors beside the codes under a frozen dtype), else none."""
-    if settings.expand != "auto":
-        return settings.expand
-    return "lowrank" if not m.sparse else "none"
+    """`settings.expand` with auto resolved by the trainer's rule (`resolved_expand`) for the one-GPU BCD run
+    `settings` prices."""
+    return resolved_expand(planned_config(settings), sparse=any(m.sparse))
+
+
+def planned_config(settings: Settings) -> Config:
+    """The config of the one-GPU BCD run that `settings` prices (the keys the planner has)."""
+    config = Config()
+    config.blocks.expand, config.blocks.expand_rank = settings.expand, settings.expand_rank
+    config.model.frozen_dtype, config.model.attention = settings.frozen_dtype, settings.attention
+    config.optim.name, config.optim.fused_step = settings.optimizer, settings.fused_step
+    config.run.precision, config.run.recompute = RUN_PRECISIONS[settings.dtype], settings.recompute
+    config.pre_inference.store_dtype = settings.store_dtype or "auto"
+    return config
 
 
 def layer_linears(m: ModelShape) -> list[tuple[int, int]]:

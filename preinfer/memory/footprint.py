@@ -158,8 +158,8 @@ def stage_bytes(m: ModelShape, settings: Settings, stage: LayerSpan, active: Lay
 def fewest_blocks(m: ModelShape, settings: Settings, degree: int = 1) -> tuple[int, int] | None:
     """The fewest blocks (largest UFP) whose worst live visit fits `settings.capacity()` per GPU with `degree`
     pipeline stages, and that peak in bytes; None when even one layer per block does not fit, or on a pipeline
-    with landscape expansion asked for (its stages do not update the suffix: the trainer refuses it; auto is none
-    there)."""
+    with landscape expansion asked for (a stage's share of it is not priced yet, though the stages run it; auto is
+    priced as none there)."""
     if degree > 1 and settings.expand not in ("auto", "none"):
         return None
     capacity = settings.capacity()

@@ -90,6 +90,11 @@ def check_settings(m: ModelShape, settings: Settings) -> None:
         raise UsageError("the frozen dtype, 8-bit optimizer and fused step are priced for dense models only")
     if settings.frozen_dtype != "auto" and m.arch != "llama":
         raise UsageError(f"frozen dtype {settings.frozen_dtype} holds nn.Linear weights; GPT-2's Conv1D has none")
+    odd = [(rows, cols) for rows, cols in linear_shapes(m) if rows * cols % NF4_BLOCK]
+    if settings.frozen_dtype == "nf4" and odd:  # as preinfer.frozen_weights refuses it in a run
+        rows, cols = odd[0]
+        raise UsageError(f"frozen dtype nf4 needs weights whose element count is divisible by {NF4_BLOCK}; "
+                         f"{m.name}'s {rows}x{cols} linear weight has {rows * cols}: use int8 or bf16")
 
 
 def frozen_weights(m: ModelShape, settings: Settings, frozen: int, resident: int) -> tuple[int, int]:

@@ -36,6 +36,11 @@ DTYPES: dict[str, dict] = {
     "bf16-mixed": dict(weight=2, grad=4, master=4, moments=8, act=2),
     "bf16": dict(weight=2, grad=2, master=0, moments=4, act=2),  # pure bf16, moments in bf16 too
 }
+# The run precision (`preinfer.config.choices.Precision`) of each planner dtype (pure bf16 has none: bf16-mixed
+# is the nearest), and the planner dtype of each run precision (fp16-mixed holds bf16-mixed's bytes).
+RUN_PRECISIONS = {"float32": "fp32", "bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed"}
+PRECISION_DTYPES = {precision: dtype for dtype, precision in reversed(RUN_PRECISIONS.items())} | {
+    "fp16-mixed": "bf16-mixed"}
 
 
 

@@ -3,6 +3,7 @@ directory or a Hugging Face config."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -124,9 +125,9 @@ def shape_from_config(config, name: str = "") -> ModelShape:
             dropout=max(config.attn_pdrop, config.resid_pdrop, config.embd_pdrop),
         )
     needed = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-    if not all(hasattr(config, key) for key in needed):
-        raise UsageError(f"model type '{config.model_type}' has no hidden_size, num_hidden_layers, "
-                         "num_attention_heads or vocab_size")
+    if not all(_declared(config, key) for key in needed):
+        raise UsageError(f"'{name or config.model_type}': model type '{config.model_type}' has no hidden_size, num_hidden_layers, "
+                         "num_attention_heads or vocab_size of its own: the planner prices attention layers only")
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None) or heads
     intermediate = next((v for k in ("intermediate_size", "ffn_hidden_size", "n_inner")
@@ -142,6 +143,15 @@ def shape_from_config(config, name: str = "") -> ModelShape:
     from preinfer.memory.counted import counted_parameters
 
     return replace(shape, **counted_parameters(config))
+
+
+def _declared(config, key: str) -> bool:
+    """Whether `config`'s family has the field `key` (its class declares it, or maps it to one of its own): a key
+    written into another family's config.json (attention heads in a Mamba config) is no field of it."""
+    cls = type(config)
+    if not dataclasses.is_dataclass(cls):
+        return hasattr(config, key)
+    return key in {item.name for item in dataclasses.fields(cls)} or key in getattr(cls, "attribute_map", {})
 
 
 def _experts_from_config(config) -> dict:
@@ -180,18 +190,15 @@ def resolve_shape(spec: str, arch: str = "llama") -> ModelShape:
     config loads torch and transformers."""
     if spec.lower() in SIZES["llama"]:
         return shape_for_size(spec, arch)
-    from preinfer.model_config import check_stageable, local_config
+    from preinfer.model_config import check_stageable, config_refusals, local_config
     from preinfer.presets import PRESETS
 
     path = Path(spec)
     if path.is_file():
         from transformers import AutoConfig
 
-        try:
-            config_dict = json.loads(path.read_text())
-            config = AutoConfig.for_model(**config_dict)
-        except (OSError, ValueError, KeyError) as err:
-            raise UsageError(f"cannot read a model config from '{spec}': {err}") from err
+        with config_refusals(f"cannot read a model config from '{spec}'"):
+            config = AutoConfig.for_model(**json.loads(path.read_text()))
         check_stageable(config, spec)
         return shape_from_config(config, path.stem)
     if spec not in PRESETS and not path.is_dir():

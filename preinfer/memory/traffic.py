@@ -3,13 +3,17 @@ and its reads."""
 
 from __future__ import annotations
 
+import re
+
+from preinfer.config.choices import STORE_DTYPES as STORE_DTYPE_NAMES
 from preinfer.memory.settings import DTYPES, Settings
 from preinfer.memory.shapes import ModelShape
 
 
-# Store dtypes of boundary states: bytes per stored element. The lossy 8-bit encodings (float8_e4m3, float8_e5m2,
-# int8) add a float32 scale per token (storage.bytes_per_token is the same count; a test holds them equal).
-STORE_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3": 1, "float8_e5m2": 1, "int8": 1}
+# Store dtypes of boundary states (`preinfer.config.choices.STORE_DTYPES`): bytes per stored element, from the bits
+# each name gives. The lossy 8-bit encodings (float8_e4m3, float8_e5m2, int8) add a float32 scale per token
+# (storage.bytes_per_token is the same count; a test holds them equal).
+STORE_DTYPES = {name: int(re.search(r"\d+", name).group()) // 8 for name in STORE_DTYPE_NAMES}
 LOSSY_SCALE_BYTES = 4
 
 # Store compression: Blosc zstd level 1 + byte shuffle compresses bf16 activations 1.46x (measured on GPT-2

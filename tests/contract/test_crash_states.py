@@ -100,7 +100,7 @@ def test_a_save_killed_at_any_phase_resumes_to_the_uninterrupted_weights(phase, 
 def test_a_full_disk_at_the_start_names_the_path_and_a_rerun_works(tmp_path, corpus, capsys, monkeypatch):
     """ENOSPC while config.toml is written (a writer that raises it, no tmpfs or quota needed): one line naming
     the file and saying to run the same command again, nothing left behind; the same command then runs."""
-    import preinfer.run_dir
+    import preinfer.atomic_write
 
     out = tmp_path / "run"
     args = [*bcd_args(corpus, out), "--checkpoint-every", "0"]
@@ -113,7 +113,7 @@ def test_a_full_disk_at_the_start_names_the_path_and_a_rerun_works(tmp_path, cor
         def fsync(fd):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(preinfer.run_dir, "os", FullDisk())
+    monkeypatch.setattr(preinfer.atomic_write, "os", FullDisk())
     code, _, err = run_cli(args, capsys)
     assert code == 1 and "Traceback" not in err, err
     line = err.strip().splitlines()[-1]

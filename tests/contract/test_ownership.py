@@ -6,7 +6,6 @@ remains on disk."""
 
 import json
 import logging
-import os
 import signal
 import socket
 import subprocess
@@ -18,17 +17,12 @@ import pytest
 from moto.server import ThreadedMotoServer
 
 from tests.helpers.cli_run import run_cli
+from tests.helpers.owner_holder import HOST, child_env, hold
 from storage import location
 
-REPO = Path(__file__).resolve().parents[2]
 INJECT = Path(__file__).parents[1] / "helpers" / "inject.py"
 TINY = ["--model", "tiny-llama", "--seq-len", "32", "--batch-size", "4", "--steps-per-visit", "2",
         "--eval-tokens", "128", "--lr", "1e-3", "--max-samples", "16"]
-HOST = socket.gethostname()
-
-
-def child_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
 
 
 def snapshot(root: Path) -> dict[str, bytes]:
@@ -116,23 +110,6 @@ def test_a_failed_start_can_be_run_again(tmp_path, corpus, capsys):
 
 
 # ---- one writer per output (case 3) ----
-
-
-HOLD = """
-import sys
-from storage import owning
-with owning(sys.argv[1]):
-    print("held", flush=True)
-    sys.stdin.read()
-"""
-
-
-def hold(out: Path) -> subprocess.Popen:
-    """A process that holds the owner lock of `out` until its stdin closes (or it is killed)."""
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], env=child_env(), stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "held"
-    return holder
 
 
 @pytest.mark.slow

@@ -5,7 +5,6 @@ traceback; no file outside its output changes; memory stays bounded. Derandomize
 
 import json
 import os
-import resource
 import shutil
 import stat
 from pathlib import Path
@@ -16,6 +15,7 @@ from hypothesis import strategies as st
 
 from tests.helpers.chat_templates import CHATML, save_tokenizer
 from tests.helpers.cli_run import run_cli
+from tests.helpers.peak_memory import RSS_GROWTH, peak_rss
 from pipelines.data.chat import render_conversations
 from pipelines.data.corpus import read_documents
 from pipelines.data.in_memory import load_data
@@ -24,14 +24,6 @@ from preinfer.errors import UsageError
 
 FAST = settings(derandomize=True, max_examples=60, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-RSS_GROWTH = 512 << 20  # bytes a generated case may add to the process's peak memory
-
-
-def peak_rss() -> int:
-    """The process's peak resident memory in bytes (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def one_line(message: str) -> str:
     assert message.strip() and "\n" not in message.strip() and "Traceback" not in message, message
     return message

@@ -13,10 +13,10 @@ import pytest
 from transformers import AutoTokenizer
 
 import storage
-from tests.contract.test_ownership import HOST, hold
-from tests.contract.test_properties import RSS_GROWTH, peak_rss
 from tests.helpers.chat_templates import CHATML, save_tokenizer
 from tests.helpers.cli_run import failure_line, run_cli, tree
+from tests.helpers.owner_holder import HOST, hold
+from tests.helpers.peak_memory import RSS_GROWTH, peak_rss
 from pipelines.data.chat import render_conversations
 from pipelines.data.conversations import Conversation
 from pipelines.data.corpus import read_documents

@@ -50,11 +50,13 @@ def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
         assert relative.item() <= 1e-5, (name, relative.item())
 
 
-def torchrun(tmp_path: Path, procs: int, runs: list[list[str]], pinned: bool = False) -> subprocess.CompletedProcess:
+def torchrun(tmp_path: Path, procs: int, runs: list[list[str]], pinned: bool = False,
+             halts: dict[int, int] | None = None) -> subprocess.CompletedProcess:
     """The `preinfer` command lines `runs` in one torchrun job of `procs` gloo ranks (`pinned`: pre-inference plans
-    with `pinned_rates.PINNED`, not with what it measures)."""
+    with `pinned_rates.PINNED`, not with what it measures; `halts`: {run index: the global step its fit halts
+    after, with a checkpoint})."""
     listing = tmp_path / f"runs-{procs}.json"
-    listing.write_text(json.dumps({"pinned": pinned, "runs": runs}))
+    listing.write_text(json.dumps({"pinned": pinned, "runs": runs, "halts": halts or {}}))
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--standalone",
          str(ROOT / "tests" / "helpers" / "pipeline_driver.py"), str(listing)],

@@ -16,7 +16,6 @@ LM text stores ids only: its mask is all true and its labels equal its ids.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import numpy as np
 
 import storage
+from preinfer.atomic_write import write_atomically
 from preinfer.errors import UsageError
 
 INFO = "token-store.json"
@@ -92,15 +92,7 @@ def default_samples_per_shard(seq_len: int, dtype: np.dtype) -> int:
 
 def write_json(path: Path, record: dict[str, Any]) -> None:
     """Publish `record` as JSON at `path` atomically (a reader sees the old file or the whole new one)."""
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with temporary.open("w", encoding="utf-8") as stream:
-            json.dump(record, stream, indent=1, sort_keys=True)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
+    write_atomically(path, json.dumps(record, indent=1, sort_keys=True))
 
 
 # What to do about a damaged token store, in every command that reads one (only `tokenize` has --overwrite).

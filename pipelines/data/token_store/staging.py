@@ -11,7 +11,6 @@ files or none; arrays are read back without pickle.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from preinfer.atomic_write import write_atomically
 from preinfer.errors import PreinferError
 from pipelines.data.token_store.layout import read_json, write_json
 from pipelines.data.sample_blocks import EncodedSplit
@@ -72,13 +72,12 @@ class Staging:
                 arrays[f"{split}.lengths"] = part.lengths
             if part.label_mask is not None:
                 arrays[f"{split}.label_mask"] = part.label_mask
-        target = self._chunk(index, ".npz")
-        temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-        with temporary.open("wb") as stream:
-            np.savez(stream, **arrays)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, target)
+
+        def save(file: Path) -> None:
+            with file.open("wb") as stream:
+                np.savez(stream, **arrays)
+
+        write_atomically(self._chunk(index, ".npz"), save)
         counts = {split: {"units": len(part.ids), "documents": part.documents, "truncated": part.truncated,
                           "skipped": part.skipped} for split, part in encoded.items()}
         write_json(self._chunk(index, ".json"), counts)

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from preinfer.atomic_write import write_atomically
 from preinfer.config import Config
 from preinfer.errors import UsageError
 from preinfer.presets import PRESETS
@@ -96,7 +97,7 @@ def input_fingerprints(config: Config, corpus: CorpusDigest | None = None) -> di
 
 def write_inputs(run: RunDir, inputs: dict[str, Any]) -> None:
     """Record the fingerprints of the run's inputs (`input_fingerprints`) in its directory."""
-    run.publish(run.inputs, json.dumps(inputs, indent=1))
+    write_atomically(run.inputs, json.dumps(inputs, indent=1))
 
 
 def check_inputs(run: RunDir, config: Config, corpus: CorpusDigest | None = None) -> None:
