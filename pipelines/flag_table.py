@@ -164,8 +164,9 @@ TRAINING_FLAGS: list[Flag] = [
     Flag("--expand", "blocks", "expand", "landscape expansion: each step also updates the decoder layers above the "
          "active block from the gradients its backward computes; lowrank: rank --expand-rank factors on their "
          "linear weights, stepped by the visit's optimizer and merged when the visit ends; sgd: a plain SGD step "
-         "on their weights; auto: lowrank where it runs (a dense model's BCD run without --active, --experts, "
-         "--frozen-dtype or --keep-optimizer-state; a pipeline's stages too), else none"),
+         "on their weights (under --frozen-dtype, on the masters of the codes); auto: lowrank where it runs (a dense "
+         "model's BCD run without --active, --experts or --keep-optimizer-state; a pipeline's stages too), else "
+         "none"),
     Flag("--expand-rank", "blocks", "expand_rank", "--expand lowrank: the factors' rank", dict(type=positive_int)),
     Flag("--expand-lr", "blocks", "expand_lr", "--expand: the expansion's rate (lowrank: the factors' rate in the "
          "visit's optimizer, on its schedule; sgd: the SGD step's)", dict(type=positive_float),

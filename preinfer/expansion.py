@@ -2,8 +2,8 @@
 block get a cheap update at every step from the gradients its backward already runs through them.
 
 `--expand auto`, the default, is lowrank where it runs (`expansion_of`: a dense model's BCD run without --active,
---experts, --frozen-dtype or --keep-optimizer-state; on a pipeline too) and none elsewhere; bench.finetune measured it
-better than none on both SmolLM2 corpora and seeds (docs/results.md, "BCD's levers on SmolLM2").
+--experts or --keep-optimizer-state, with any --frozen-dtype; on a pipeline too) and none elsewhere; bench.finetune
+measured it better than none on both SmolLM2 corpora and seeds (docs/results.md, "BCD's levers on SmolLM2").
 
 `--expand lowrank` (`LowRankExpansion`): each linear weight W [out, in] of a suffix layer gets rank-r fp32 factors
 A [r, in] (drawn from N(0, 1/in) by a generator seeded with the run's seed, the step the visit starts at and
@@ -21,6 +21,13 @@ replicas first), at the constant rate `--expand-lr`, and the gradient is dropped
 
 On a pipeline each stage expands the suffix layers it holds: the factors are drawn in one process's order (a
 stage draws, then drops, the others'), and each stage's visit optimizer steps its own.
+
+On layers held in fewer bits (`--frozen-dtype`, `preinfer.frozen_weights.FrozenWeight`) both write the master, as
+QLoRA's adapters sit beside NF4 weights: lowrank's factors sit beside the codes (made on the run's device) and its
+merge adds B A into the layer's master, whose codes are then built from it again; sgd's gradient of a frozen
+weight is grad^T x taken through the codes (the straight-through gradient of the weight the forward ran), on the
+master's device, and its step writes the master and rebuilds the codes (on an accelerator, a weight's transfer
+each way per step). Nothing is quantized from codes, and the export holds masters only.
 
 Only the decoder layers `[block.stop, num_layers)` change: the embedding and the head are trained only by the
 blocks the partition gives them (a head-holding block has no suffix). The layers below the active block never
@@ -69,12 +76,13 @@ def linear_weights(layers: list[nn.Module]) -> Iterator[tuple[nn.Module, bool]]:
 
 
 class Factors:
-    """One linear module's rank-r factors and the forward hook that adds their product to its output."""
+    """One linear module's rank-r factors, on `device` (where the module computes), and the forward hook that adds
+    their product to its output."""
 
-    def __init__(self, module: nn.Module, transposed: bool, rank: int, lr: float | None, gen: torch.Generator):
+    def __init__(self, module: nn.Module, transposed: bool, rank: int, lr: float | None, gen: torch.Generator,
+                 device: torch.device | str):
         self.module, self.transposed = module, transposed
         out_features, in_features = module.weight.shape[::-1] if transposed else module.weight.shape
-        device = module.weight.device
         self.a = nn.Parameter(torch.randn(rank, in_features, generator=gen).div_(in_features ** 0.5).to(device))
         self.b = nn.Parameter(torch.zeros(out_features, rank, device=device))
         if lr is not None:
@@ -93,9 +101,10 @@ class Factors:
 
     @torch.no_grad()
     def merge(self) -> None:
-        """Add the dense update into the weight and remove the hook."""
+        """Add the dense update into the weight (where it is: a frozen weight's master, whose codes are then built
+        from it again) and remove the hook."""
         weight = self.module.weight
-        weight.copy_(weight.float() + self.dense())
+        weight.copy_(weight.float() + self.dense().to(weight.device))
         self.handle.remove()
 
 
@@ -112,12 +121,13 @@ class LowRankExpansion:
     """`--expand lowrank` (see the module's docstring)."""
 
     def __init__(self, staged: StagedModel, rank: int, lr: float | None, seed: int = 0,
-                 step: Callable[[], int] = lambda: 0):
+                 step: Callable[[], int] = lambda: 0, device: torch.device | str = "cpu"):
         """`step`: the run's global step now (the factors of a visit are drawn from it, the seed and the block);
-        a rank above the narrowest linear's width is refused (its factors could hold no more than a full-rank
-        update, at rank x (in + out) floats each)."""
+        `device`: the run's, where the factors are made; a rank above the narrowest linear's width is refused (its
+        factors could hold no more than a full-rank update, at rank x (in + out) floats each)."""
         check_rank(staged, rank)
         self.staged, self.rank, self.lr, self.seed, self.step = staged, rank, lr, seed, step
+        self.device = torch.device(device)
         self.factors: list[Factors] = []
 
     def activate(self, block: Block) -> list[nn.Parameter]:
@@ -125,7 +135,8 @@ class LowRankExpansion:
         device), each drawn where one process would draw it."""
         layers = suffix_layers(self.staged, block)
         gen = torch.Generator().manual_seed(visit_seed(self.seed, self.step(), block.index))
-        drawn = [Factors(module, transposed, self.rank, self.lr, gen) for module, transposed in linear_weights(layers)]
+        drawn = [Factors(module, transposed, self.rank, self.lr, gen, "meta" if module.weight.is_meta else self.device)
+                 for module, transposed in linear_weights(layers)]
         for unheld in (f for f in drawn if f.module.weight.is_meta):
             unheld.handle.remove()
         self.factors = [f for f in drawn if not f.module.weight.is_meta]
@@ -144,10 +155,12 @@ class SgdExpansion:
     """`--expand sgd` (see the module's docstring)."""
 
     def __init__(self, staged: StagedModel, lr: float,
-                 sum_over_replicas: Callable[[torch.Tensor], None] = sum_over_world):
+                 sum_over_replicas: Callable[[torch.Tensor], None] = sum_over_world,
+                 device: torch.device | str = "cpu"):
         """`sum_over_replicas`: sums a gradient in place over the data-parallel replicas (the trainer's layout's;
-        by default over every process of torchrun's group)."""
+        by default over every process of torchrun's group); `device`: the run's, where the sum runs."""
         self.staged, self.lr, self.sum_over_replicas = staged, lr, sum_over_replicas
+        self.device = torch.device(device)
         self.params: list[nn.Parameter] = []
 
     def activate(self, block: Block) -> list[nn.Parameter]:
@@ -163,8 +176,9 @@ class SgdExpansion:
         for param in self.params:
             if param.grad is None:
                 continue
-            self.sum_over_replicas(param.grad)
-            param.copy_(param.float() - self.lr * param.grad.float())
+            grad = param.grad.to(self.device)  # itself, but for a frozen weight's (on its host master)
+            self.sum_over_replicas(grad)
+            param.copy_(param.float() - self.lr * grad.float().to(param.device))
             param.grad = None
 
     def deactivate(self, block: Block) -> None:
@@ -192,8 +206,8 @@ def expansion_hooks(staged: StagedModel, config: Config, step: Callable[[], int]
     `sum_over_replicas`: the layout's sum of a tensor over the data-parallel replicas."""
     b, expand = config.blocks, expansion_of(staged, config)
     if expand == "lowrank":
-        return [LowRankExpansion(staged, b.expand_rank, b.expand_lr, config.run.seed, step)]
+        return [LowRankExpansion(staged, b.expand_rank, b.expand_lr, config.run.seed, step, config.run.device)]
     if expand == "sgd":
-        return [SgdExpansion(staged, b.expand_lr if b.expand_lr is not None else resolved_lr(config.optim),
-                             sum_over_replicas)]
+        lr = b.expand_lr if b.expand_lr is not None else resolved_lr(config.optim)
+        return [SgdExpansion(staged, lr, sum_over_replicas, config.run.device)]
     return []

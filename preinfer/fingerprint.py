@@ -4,9 +4,10 @@ The prefix digest covers the adapter that computes the states (its identity: fam
 state computed by another adapter or an older version of it is not taken for this one's) and exactly the
 parameters and buffers that the embedding and layers `[0, k)` use (a tied weight and shared modules such as the
 rotary embedding included), tensor by tensor, so hashing a large prefix never needs a second copy of it in
-memory. A layer held in fewer bits (`--frozen-dtype`) counts as its masters, name, dtype and bytes, never as its
-codes: pre-inference runs the prefix from the masters (`preinfer.frozen_weights.masters_forward`), so its stores
-are those of the exact prefix, and a prefix of other weights or another dtype has another digest.
+memory. A weight held in fewer bits (`--frozen-dtype`) counts as its master (name, dtype, bytes) and how it is
+held (the frozen dtype, from `__tensor_flatten__`), never as its codes, which are a function of the two:
+pre-inference runs the prefix as the model holds it, so a store made under a frozen dtype is that prefix's, and
+the same masters held exactly, or in another frozen dtype, have another digest.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from preinfer.frozen_weights import FrozenLinear
 from preinfer.staged import StagedModel
 
 FINGERPRINT_VERSION = 1
@@ -43,7 +43,7 @@ def hash_tensors(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     """sha256 over each tensor's name, dtype, shape and raw bytes, streamed one tensor at a time."""
     h = hashlib.sha256()
     for name, tensor in tensors:
-        h.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\n".encode())
+        h.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}{_held_as(tensor)}\n".encode())
         h.update(_raw_bytes(tensor))
     return h.hexdigest()
 
@@ -82,12 +82,16 @@ def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _module_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
-    """The module's parameters, then its buffers but a frozen linear's codes: a quantized layer counts as its
-    master (its weight Parameter), which is what pre-inference runs it from."""
     yield from module.parameters()
-    for each in module.modules():
-        if not isinstance(each, FrozenLinear):
-            yield from each.buffers(recurse=False)
+    yield from module.buffers()
+
+
+def _held_as(tensor: torch.Tensor) -> str:
+    """How a tensor subclass holds its values (its type and `__tensor_flatten__` context: a frozen weight's dtype);
+    nothing for a plain tensor, whose line is what it always was."""
+    if not hasattr(tensor, "__tensor_flatten__"):
+        return ""
+    return f"|{type(tensor).__name__}:{tensor.__tensor_flatten__()[1]}"
 
 
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:

@@ -1,26 +1,34 @@
 """Frozen linear weights held in fewer bits for their forward and the backward through them, masters kept exact.
 
-`FrozenWeights(layers, dtype, device)` takes the decoder layers whose `nn.Linear` submodules it manages (the
-embedding and the LM head stay in their resident dtype). Every such weight has a master in host memory: these are
-the authoritative weights. On an accelerator each master is a copy (pinned when the device is CUDA); on the CPU the
-master is the loaded weight's own storage, never a second copy, so that a model loaded at W bytes stays at W bytes
-plus its codes. `quantize(indices)` swaps each managed `nn.Linear` of those layers for a `FrozenLinear` holding
-codes built from the master on the device, and points the weight's Parameter at its host master (its device
-storage is freed), so that state dicts, checkpoints, exports and fingerprints see the master and never the codes;
-`restore(indices)` puts the original `nn.Linear` (the same module and Parameter objects) back with the master
-copied onto the device bit for bit (on the CPU: the master itself, trained in place), for a block's visit.
-Quantizing a restored layer first copies its device weight (trained during the visit) into its master unless they
-are one storage, then builds the codes from the master: codes are never built from codes. `masters()` gives the
-authoritative weights by name. Norm weights and biases stay resident as they are.
+In the manner of torchao's `quantize_`: the module tree stays as it is, and a frozen `nn.Linear`'s weight is a
+tensor subclass, `FrozenWeight`, a Parameter over the exact master's storage with the codes beside it. `F.linear` on
+it runs from the codes; everything else (state dicts, checkpoints, exports, fingerprints, `torch.equal`) reads the
+master; an in-place write (expansion's merge, `--expand sgd`'s step, a checkpoint's load) writes the master and
+builds the codes from it again, so codes are never built from codes. Nothing outside this module asks whether a
+weight is quantized: the memory meter counts what a tensor holds (`__tensor_flatten__`: the codes), the
+fingerprint adds how it is held (the frozen dtype).
 
-`QuantizedFrozenLayers` is the `preinfer.visit.VisitHook` of `--frozen-dtype`: at its first visit every layer
-outside the block is quantized; each visit restores its block's layers and quantizes them again when it ends.
-`masters_forward(layers)` runs quantized layers from their masters (one layer's weights on the device at a time),
-as pre-inference does so that its stores stay exact.
+The two verbs are `FrozenWeights(layers, dtype, device).quantize(indices)` and `.restore(indices)`, on any decoder
+layers (a process's whole model, or the layers a pipeline stage holds). Every managed weight (the `nn.Linear`
+submodules of the layers; the embedding and the LM head stay in their resident dtype) has a master in host memory:
+these are the authoritative weights. On an accelerator each master is a copy (pinned when the device is CUDA); on
+the CPU the master is the loaded weight's own storage, never a second copy, so that a model loaded at W bytes stays
+at W bytes plus its codes. `quantize` sets each such linear's weight to a `FrozenWeight` with codes built from the
+master on the device, and points the layer's own weight Parameter at its host master (its device storage freed);
+`restore` puts that Parameter back (the same object, which the block's optimizer steps) with the master copied onto
+the device bit for bit (on the CPU: the master itself, trained in place), for a block's visit. Quantizing a
+restored layer first copies its device weight (trained during the visit) into its master unless they are one
+storage. `masters()` gives the authoritative weights by name. Norm weights and biases stay resident as they are.
 
-A `FrozenLinear` computes `x @ W^T (+ bias)` with W dequantized to x's dtype in forward and again in backward
-(one decoded weight at a time, freed after its matmul): backward keeps only a reference to the codes, and the
-frozen weight gets no gradient (the input does). Element error of W:
+`QuantizedFrozenLayers` is the `preinfer.visit.VisitHook` of `--frozen-dtype`: when it is made every held layer is
+quantized; each visit restores its block's layers and quantizes them again when it ends. Pre-inference, evaluation
+and live visits all run the model as it is held, so a store is the codes' prefix's (the stores-on run equals the
+live one) and its fingerprint names the frozen dtype.
+
+`F.linear` on a `FrozenWeight` computes `x @ W^T (+ bias)` with W dequantized to x's dtype in forward and again in
+backward (one decoded weight at a time, freed after its matmul): backward keeps only a reference to the codes, and
+the input gets its gradient; the frozen weight gets one only where it requires it (`--expand sgd`). Element error
+of W:
 
 - `bf16`: round to nearest bfloat16, |w - w'| <= 2^-8 |w| (exact when the master is bfloat16 already).
 - `int8`: symmetric per output row ("per channel"): scale = absmax(row) / 127 in float32, code = round(w / scale)
@@ -34,10 +42,10 @@ frozen weight gets no gradient (the input does). Element error of W:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from preinfer.config import Config
@@ -69,46 +77,87 @@ def decode(codes: Sequence[torch.Tensor], dtype: str, out: torch.dtype) -> torch
     return codes[0].get_original_weight().to(out)
 
 
+# The in-place operators a Python statement on a tensor calls (`w[...] = v`, `w += v`): writes, as `copy_` is.
+_INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__"})
+
+
 class _DequantizedLinear(torch.autograd.Function):
-    """x @ W^T with W decoded from codes in forward and again in backward. Backward keeps a reference to the codes
-    (resident buffers, never changed in place while they are held), not a saved copy: they are no activation, and
-    saved-tensor hooks (the memory meter's, recomputation's) see nothing of them."""
+    """x @ W^T with W decoded from the frozen weight's codes in forward and again in backward. Backward keeps a
+    reference to the codes of the forward (never changed in place: a write gives the weight new codes), not a saved
+    copy: they are no activation, and saved-tensor hooks (the memory meter's, recomputation's) see nothing of them.
+    Where the weight requires a gradient (`--expand sgd`), the input is saved and W's gradient, grad^T x, goes to
+    the weight in its master's dtype and on its master's device."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dtype: str, *codes: torch.Tensor) -> torch.Tensor:
-        ctx.dtype, ctx.codes = dtype, codes
-        return x @ decode(codes, dtype, x.dtype).t()
+    def forward(ctx, x: torch.Tensor, weight: FrozenWeight) -> torch.Tensor:
+        ctx.dtype, ctx.codes, ctx.master = weight.frozen_dtype, weight.codes, (weight.device, weight.dtype)
+        if weight.requires_grad:
+            ctx.save_for_backward(x)
+        return x @ decode(ctx.codes, ctx.dtype, x.dtype).t()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad @ decode(ctx.codes, ctx.dtype, grad.dtype), None, *(None for _ in ctx.codes)
+        grad_x = grad @ decode(ctx.codes, ctx.dtype, grad.dtype) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            (x,) = ctx.saved_tensors
+            grad_w = (grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])).to(*ctx.master)
+        return grad_x, grad_w
 
 
-class FrozenLinear(nn.Module):
-    """A frozen `nn.Linear`'s stand-in: its codes on the device (non-persistent buffers) are what forward and
-    backward read; its weight is the linear's own Parameter pointing at the host master (what a state dict holds),
-    its bias the linear's own Parameter."""
+class FrozenWeight(nn.Parameter):
+    """A frozen linear weight held as codes: a Parameter over its exact master's storage (host memory), with the
+    codes built from that master on `device`. `F.linear` on it runs from the codes (`_DequantizedLinear`); every
+    other operation is the master's own (state dicts, checkpoints, exports and fingerprints read the master), and
+    an in-place write through it (`copy_`, `add_`, `w[...] = v`) writes the master and then builds the codes from
+    it again (a write through `.data`, a plain tensor over the master, does not)."""
 
-    def __init__(self, linear: nn.Linear, master: torch.Tensor, codes: tuple[torch.Tensor, ...], dtype: str):
-        super().__init__()
-        self.dtype, self.in_features, self.out_features = dtype, linear.in_features, linear.out_features
-        object.__setattr__(self, "linear", linear)  # the module it stands in for, not a submodule of its own
-        self.master = master
-        linear.weight.data = master
-        self.weight, self.bias = linear.weight, linear.bias
-        self.names = tuple(f"code{i}" for i in range(len(codes)))
-        for name, code in zip(self.names, codes):
-            self.register_buffer(name, code, persistent=False)
+    def __new__(cls, master: torch.Tensor, frozen_dtype: str, device: torch.device) -> FrozenWeight:
+        weight = super().__new__(cls, master, requires_grad=False)
+        weight.frozen_dtype, weight.compute_device = frozen_dtype, device
+        weight.encode()
+        return weight
 
+    @property
     def codes(self) -> tuple[torch.Tensor, ...]:
-        return tuple(getattr(self, name) for name in self.names)
+        return tuple(getattr(self, name) for name in self.code_names)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _DequantizedLinear.apply(x, self.dtype, *self.codes())
-        return y if self.bias is None else y + self.bias
+    def encode(self) -> None:
+        """Build the codes from the master (never from codes)."""
+        codes = encode(self.detach().to(self.compute_device, non_blocking=True), self.frozen_dtype)
+        self.code_names = tuple(f"code{i}" for i in range(len(codes)))
+        for name, code in zip(self.code_names, codes):
+            setattr(self, name, code)
 
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}"
+    def __tensor_flatten__(self) -> tuple[list[str], str]:
+        """The tensors it holds on the device (its codes) and how (its frozen dtype); its own storage is the
+        master, in host memory."""
+        return list(self.code_names), self.frozen_dtype
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            return _frozen_linear(*args, **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        if _writes(func):
+            for target in args[0] if isinstance(args[0], (list, tuple)) else args[:1]:
+                if isinstance(target, FrozenWeight):
+                    target.encode()
+        return out
+
+
+def _frozen_linear(input: torch.Tensor, weight: FrozenWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(input, weight, bias)` (its argument names) on a frozen weight."""
+    y = _DequantizedLinear.apply(input, weight)
+    return y if bias is None else y + bias
+
+
+def _writes(func) -> bool:
+    """Whether `func` writes its first argument in place (torch's trailing underscore, or an in-place operator)."""
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__") and name != "requires_grad_") or name in _INPLACE_DUNDERS
 
 
 class FrozenWeights:
@@ -126,8 +175,8 @@ class FrozenWeights:
         if not any(self.linears):
             raise UsageError(f"frozen dtype {dtype} holds nn.Linear weights; these layers have none: use "
                              f"--frozen-dtype auto")
-        self._masters = [{path: self._host_master(linear.weight) for path, linear in found.items()}
-                         for found in self.linears]
+        self.params = [{path: linear.weight for path, linear in found.items()} for found in self.linears]
+        self._masters = [{path: self._host_master(param) for path, param in found.items()} for found in self.params]
         if dtype == "nf4":
             _check_nf4(self._masters)
         self.quantized: set[int] = set()
@@ -141,18 +190,19 @@ class FrozenWeights:
             self._sync_master(index)
             for path, linear in self.linears[index].items():
                 master = self._masters[index][path]
-                codes = encode(master.to(self.device, non_blocking=True), self.dtype)
-                _set_child(self.layers[index], path, FrozenLinear(linear, master, codes, self.dtype))
+                self.params[index][path].data = master  # its device storage freed
+                linear.weight = FrozenWeight(master, self.dtype, self.device)
             self.quantized.add(index)
 
     def restore(self, indices: Iterable[int]) -> None:
-        """Put layers `indices` back as their `nn.Linear`s with the masters on the device, bit for bit."""
+        """Put layers `indices` back with their own weight Parameters, the masters on the device bit for bit."""
         for index in indices:
             if index not in self.quantized:
                 continue
             for path, linear in self.linears[index].items():
-                linear.weight.data = self._on_device(self._masters[index][path])
-                _set_child(self.layers[index], path, linear)
+                param = self.params[index][path]
+                param.data = self._on_device(self._masters[index][path])
+                linear.weight = param
             self.quantized.discard(index)
 
     def masters(self) -> dict[str, torch.Tensor]:
@@ -175,20 +225,23 @@ class FrozenWeights:
 
     def _sync_master(self, index: int) -> None:
         if index not in self.quantized:
-            for path, linear in self.linears[index].items():
+            for path, param in self.params[index].items():
                 master = self._masters[index][path]
-                if linear.weight.data_ptr() != master.data_ptr():
-                    master.copy_(linear.weight.detach())
+                if param.data_ptr() != master.data_ptr():
+                    master.copy_(param.detach())
 
 
 class QuantizedFrozenLayers:
     """The visit hook of `--frozen-dtype` (see the module's docstring) over the decoder layers of `staged` that
-    hold weights (a suffix model's prefix below its store, on the meta device, is not held)."""
+    hold weights (a suffix model's prefix below its store, or a pipeline stage's layers of other stages, on the
+    meta device, is not held). Every held layer is quantized when the hook is made, so the model runs its codes
+    between visits too (pre-inference, evaluation)."""
 
     def __init__(self, staged: StagedModel, dtype: str, device: torch.device | str):
         held = [i for i, layer in enumerate(staged.layers) if not any(p.is_meta for p in layer.parameters())]
         self.weights = FrozenWeights([staged.layers[i] for i in held], dtype, device)
         self.local = {layer: index for index, layer in enumerate(held)}
+        self.weights.quantize(self.local.values())
 
     def activate(self, block: Block) -> list[nn.Parameter]:
         """The block's layers restored from their masters, every other held layer quantized; no extra parameters."""
@@ -214,36 +267,6 @@ def frozen_weight_hooks(staged: StagedModel, config: Config) -> list[QuantizedFr
     return [] if dtype == "auto" else [QuantizedFrozenLayers(staged, dtype, config.run.device)]
 
 
-@contextmanager
-def masters_forward(layers: Iterable[nn.Module]) -> Iterator[None]:
-    """Inside, each of `layers` that holds quantized linears runs from their masters: its `nn.Linear`s are put
-    back with the masters on the device just before its forward and the codes just after, so one layer's
-    weights at a time are on the device."""
-    handles = []
-    for layer in layers:
-        frozen = {path: m for path, m in layer.named_modules() if isinstance(m, FrozenLinear)}
-        if frozen:
-            handles.append(layer.register_forward_pre_hook(lambda module, args, f=frozen: _run_masters(module, f)))
-            handles.append(layer.register_forward_hook(lambda module, args, out, f=frozen: _run_codes(module, f)))
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _run_masters(layer: nn.Module, frozen: dict[str, FrozenLinear]) -> None:
-    for path, module in frozen.items():
-        module.weight.data = module.master.to(module.codes()[0].device)
-        _set_child(layer, path, module.linear)
-
-
-def _run_codes(layer: nn.Module, frozen: dict[str, FrozenLinear]) -> None:
-    for path, module in frozen.items():
-        module.weight.data = module.master
-        _set_child(layer, path, module)
-
-
 def _linears(layer: nn.Module) -> dict[str, nn.Linear]:
     return {path: module for path, module in layer.named_modules() if path and isinstance(module, nn.Linear)}
 
@@ -254,9 +277,3 @@ def _check_nf4(masters: list[dict[str, torch.Tensor]]) -> None:
             if master.numel() % NF4_BLOCK:
                 raise UsageError(f"frozen dtype nf4 needs weights whose element count is divisible by {NF4_BLOCK}; "
                                  f"layer {index} {path} has {master.numel()}: use int8 or bf16")
-
-
-def _set_child(layer: nn.Module, path: str, module: nn.Module) -> None:
-    """Put `module` at `path` inside `layer`."""
-    parent, _, name = path.rpartition(".")
-    setattr(layer.get_submodule(parent) if parent else layer, name, module)

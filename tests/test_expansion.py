@@ -60,8 +60,7 @@ def test_a_run_with_no_expand_flag_trains_as_expand_lowrank_and_records_it():
 
 
 @pytest.mark.parametrize("change", [dict(blocks__active="1-2"), dict(blocks__experts="top:0.5"),
-                                    dict(model__frozen_dtype="int8"), dict(optim__keep_state=True),
-                                    dict(run__mode="full")])
+                                    dict(optim__keep_state=True), dict(run__mode="full")])
 def test_auto_is_none_where_lowrank_does_not_run_and_refuses_nothing(change):
     config = Config()
     assert resolved_expand(config) == "lowrank"
@@ -70,6 +69,16 @@ def test_auto_is_none_where_lowrank_does_not_run_and_refuses_nothing(change):
         setattr(getattr(config, section), name, value)
     assert resolved_expand(config) == "none"
     assert list(expand_problems(config)) == []
+
+
+@pytest.mark.parametrize("frozen", ["bf16", "int8", "nf4"])
+def test_auto_is_lowrank_and_both_expansions_run_beside_frozen_codes(frozen):
+    config = Config()
+    config.model.frozen_dtype = frozen
+    assert resolved_expand(config) == "lowrank"
+    for expand in ("lowrank", "sgd"):
+        config.blocks.expand = expand
+        assert list(expand_problems(config)) == []
 
 
 def test_auto_is_none_on_a_mixture_of_experts_model_and_lowrank_asked_for_is_kept():
@@ -226,7 +235,6 @@ def test_expand_lr_puts_the_factors_in_a_group_of_their_own_on_the_visit_s_sched
     (dict(active="1-2"), "[blocks] expand = 'sgd': expected none with [blocks] active"),
     (dict(precision="fp16-mixed"), "[blocks] expand = 'sgd': expected lowrank or none under [run] precision"),
     (dict(expand="lowrank", keep_state=True), "[blocks] expand = 'lowrank': expected sgd or none with [optim]"),
-    (dict(frozen_dtype="int8"), "[blocks] expand = 'sgd': expected none with [model] frozen_dtype other than auto"),
     (dict(expand_rank=0), "[blocks] expand_rank = 0: expected an integer >= 1"),
 ])
 def test_what_expansion_does_not_run_with_is_refused_in_one_line(change, message):
@@ -242,14 +250,15 @@ def test_what_expansion_does_not_run_with_is_refused_in_one_line(change, message
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("expand,lr", [("lowrank", 3e-3), ("sgd", 0.05)])
-def test_torchrun_two_ranks_expand_as_one_process_with_the_same_global_batch(tmp_path, expand, lr):
+@pytest.mark.parametrize("expand,lr,frozen", [("lowrank", 3e-3, "auto"), ("sgd", 0.05, "auto"),
+                                              ("lowrank", 3e-3, "nf4"), ("sgd", 0.05, "int8")])
+def test_torchrun_two_ranks_expand_as_one_process_with_the_same_global_batch(tmp_path, expand, lr, frozen):
     """`train --store` (two blocks above boundary 2) with expansion on two gloo ranks ends with the weights of one
     process whose batch is both ranks' batches: the factors' gradients are summed with the block's, the sgd step's
-    over the replicas."""
+    over the replicas; under a frozen dtype too (the suffix model's meta prefix not held, its layers in codes)."""
     corpus = paragraphs_corpus(tmp_path / "corpus.txt")
     model_dir, store = cache_and_model(tmp_path, corpus)
-    flags = ["--expand", expand, "--expand-lr", str(lr)]
+    flags = ["--expand", expand, "--expand-lr", str(lr), "--frozen-dtype", frozen]
     torchrun(tmp_path, 2, [["train", "--store", store, "--model", model_dir, "--steps-per-visit", "3", "--lr", "1e-3",
                             "--blocks", "2", "--seed", "0", "--batch-size", "2", *flags, "--out", str(tmp_path / "two")]])
     config = Config()
@@ -257,6 +266,7 @@ def test_torchrun_two_ranks_expand_as_one_process_with_the_same_global_batch(tmp
     config.data.batch_size = 4
     config.blocks.ufp, config.blocks.blocks = None, 2
     config.blocks.expand, config.blocks.expand_lr = expand, lr
+    config.model.frozen_dtype = frozen
     config.optim.lr = 1e-3
     config.stop.steps_per_visit = 3
     config.run.out = str(tmp_path / "one")

@@ -1,22 +1,27 @@
 """`--frozen-dtype` end to end: a BCD run holds every layer outside the active block in codes and its block restored
-from the masters; checkpoints, exports and stores hold the masters; resume is bit for bit; auto is today's run."""
+from the masters; checkpoints and exports hold the masters; stores are made from the codes and equal live
+training; resume is bit for bit; auto is today's run."""
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from pipelines import training
 from pipelines.cache import CacheOptions
 from pipelines.data.tokenizers import load_tokenizer
 from pipelines.pre_inference.writers import LocalWriter
 from preinfer.config import Config
 from preinfer.errors import UsageError
 from preinfer.fingerprint import prefix_digest
-from preinfer.frozen_weights import FrozenLinear, FrozenWeights
+from preinfer.frozen_weights import FrozenWeight, FrozenWeights
 from preinfer.metrics import StepRecord
-from tests.helpers.cache_jobs import BATCH, PER_SHARD, assert_same_store, datasets_for, staged_model
+from tests.helpers.cache_jobs import (
+    BATCH, PER_SHARD, assert_same_store, datasets_for, staged_model, store_tensors,
+)
 from tests.helpers.cli_run import failure_line, run_cli
 from tests.helpers.corpus_samples import write_corpus
 from tests.helpers.trainers import make_trainer, snapshot
+from tests.helpers.training_runs import assert_close, config_for, weights
 
 LAYER = "model.layers."
 
@@ -26,7 +31,7 @@ def layer_of(name: str) -> int | None:
 
 
 def quantized_layers(model) -> set[int]:
-    return {layer_of(name) for name, module in model.named_modules() if isinstance(module, FrozenLinear)}
+    return {layer_of(name) for name, param in model.named_parameters() if isinstance(param, FrozenWeight)}
 
 
 @pytest.mark.parametrize("dtype", ["int8", "nf4"])
@@ -66,7 +71,7 @@ def test_a_trained_block_re_quantized_re_activated_and_exported_equals_its_maste
     trainer = make_trainer(on_record=record, model__frozen_dtype="int8")
     block = trainer.partition.blocks[1]
     trainer.fit()
-    (hook,) = trainer.lifecycle.hooks
+    hook = trainer.lifecycle.hooks[0]  # the frozen weights (expansion comes after it)
     masters = snapshot(trainer.staged.model)
     assert trained and all(torch.equal(masters[k], v) for k, v in trained.items())
     assert all(masters[k].device.type == "cpu" for k in trained if k.endswith("proj.weight"))
@@ -116,14 +121,16 @@ def test_auto_installs_nothing_and_keeps_every_weight_as_it_was():
     assert held and all(ids == params and not quantized for ids, quantized in held)
 
 
-def test_bf16_codes_of_bf16_weights_train_bit_for_bit_as_auto():
-    exact = make_trainer(run__precision="bf16-mixed", blocks__expand="none")  # codes run without expansion
+@pytest.mark.parametrize("expand", ["none", "lowrank"])
+def test_bf16_codes_of_bf16_weights_train_bit_for_bit_as_auto(expand):
+    exact = make_trainer(run__precision="bf16-mixed", blocks__expand=expand)
     exact.fit()
-    assert same_run(exact, make_trainer(run__precision="bf16-mixed", model__frozen_dtype="bf16"))
+    assert same_run(exact, make_trainer(run__precision="bf16-mixed", model__frozen_dtype="bf16",
+                                        blocks__expand=expand))
 
 
 def test_a_quantized_run_differs_from_the_exact_one_only_within_the_codes_error():
-    exact, int8 = make_trainer(blocks__expand="none"), make_trainer(model__frozen_dtype="int8")
+    exact, int8 = make_trainer(blocks__expand="none"), make_trainer(model__frozen_dtype="int8", blocks__expand="none")
     exact.fit()
     int8.fit()
     losses = [(a["eval_loss"], b["eval_loss"]) for a, b in zip(exact.progress.visits, int8.progress.visits)]
@@ -156,20 +163,42 @@ def test_a_model_without_linear_layers_is_refused_in_one_line():
 
 
 @pytest.mark.parametrize("source", [None, 1])
-def test_pre_inference_runs_the_prefix_from_the_masters_so_its_stores_are_exact(tmp_path, source):
+def test_pre_inference_runs_the_prefix_in_its_codes_and_the_fingerprint_names_their_dtype(tmp_path, source):
+    """A store made under a frozen dtype is the codes' prefix's (from the input, or rolled forward): the same
+    masters held in nf4 twice give the same store and digest, held exactly or in int8 another digest and store."""
     datasets = datasets_for(write_corpus(tmp_path / "corpus.txt"))
-    exact, held = staged_model(), staged_model()
-    FrozenWeights(held.layers, "nf4", "cpu").quantize(range(held.num_layers))
-    assert prefix_digest(held, 3) == prefix_digest(exact, 3)  # the masters, never the codes
+    models = {"exact": staged_model(), "nf4": staged_model(), "nf4 again": staged_model(), "int8": staged_model()}
+    for name, staged in models.items():
+        if name != "exact":
+            FrozenWeights(staged.layers, name.split()[0], "cpu").quantize(range(staged.num_layers))
+    digests = {name: prefix_digest(staged, 3) for name, staged in models.items()}
+    assert digests["nf4"] == digests["nf4 again"] and len(set(digests.values())) == 3
+    assert prefix_digest(models["nf4"], 0) == prefix_digest(models["exact"], 0)  # no frozen layer below 0
     options = CacheOptions(samples_per_shard=PER_SHARD, batch_size=BATCH, progress=False, model_name="tiny-llama")
-    stores = {}
-    for name, staged in (("exact", exact), ("held", held)):
+    for name, staged in models.items():
         writer = LocalWriter(staged, datasets, load_tokenizer("byte"))
         if source is not None:
             writer.write(source, None, str(tmp_path / name / "low"), options)
         writer.write(3, source and str(tmp_path / name / "low"), str(tmp_path / name / "k3"), options)
-        stores[name] = tmp_path / name / "k3"
-    assert_same_store(stores["exact"] / "train", stores["held"] / "train")
-    with torch.no_grad():  # the codes are what the layers run outside pre-inference
-        ids = datasets["train"][0:2]["input_ids"]
-        assert not torch.equal(exact.model(ids).logits, held.model(ids).logits)
+    assert_same_store(tmp_path / "nf4" / "k3" / "train", tmp_path / "nf4 again" / "k3" / "train")
+    for other in ("exact", "int8"):
+        assert store_tensors(tmp_path / "nf4" / "k3" / "train")[0]["hidden"].ne(
+            store_tensors(tmp_path / other / "k3" / "train")[0]["hidden"]).any()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,order", [("int8", "ascending"), ("nf4", "descending")])
+def test_bcd_from_stores_made_under_a_frozen_dtype_ends_as_live(tmp_path, corpus, dtype, order):
+    """Invariant 3 with codes: pre-inference on (stores, rolled forward where ascending) and off (live, the prefix
+    run in its codes at every step), lowrank expansion on: the same weights (relative 1e-5) and eval losses."""
+    runs = {}
+    for mode in ("off", "on"):
+        config = config_for(tmp_path, corpus, mode, mode=mode)
+        config.model.frozen_dtype, config.blocks.order, config.blocks.sweeps = dtype, order, 2
+        config.blocks.expand = "lowrank"
+        runs[mode] = (config, training.run(config, quiet=True))
+    (off_config, off), (on_config, on) = runs["off"], runs["on"]
+    assert_close(weights(on_config.run.out), weights(off_config.run.out))
+    assert [v["eval_loss"] for v in on["visits"]] == pytest.approx([v["eval_loss"] for v in off["visits"]], rel=1e-5)
+    assert any(v["source_boundary"] > 0 for v in on["visits"])
+    assert all(v["source_boundary"] == 0 for v in off["visits"])

@@ -5,10 +5,11 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from preinfer.errors import UsageError
-from preinfer.frozen_weights import FrozenLinear, FrozenWeights, decode, encode
+from preinfer.frozen_weights import FrozenWeight, FrozenWeights, decode, encode
 
 # Relative Frobenius error of a boundary state after every layer is frozen in the dtype, for weights of std 0.02:
 # bf16 rounds each weight by <= 2^-8 relatively, int8 by <= absmax(row) / 254, nf4 by <= 0.152 absmax(64-block).
@@ -36,12 +37,55 @@ def test_quantized_layers_give_the_masters_boundary_states_within_the_dtypes_err
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     frozen = FrozenWeights(model.model.layers, dtype, "cpu")
     frozen.quantize(range(3))
-    assert all(isinstance(m, FrozenLinear) for m in model.model.layers[0].self_attn.children())
+    assert all(isinstance(m.weight, FrozenWeight) for m in model.model.layers[0].self_attn.children())
     with torch.no_grad():
         expected, got = states(reference, ids), states(model, ids)
     errors = [relative(g, e) for g, e in zip(got[1:], expected[1:])]
     assert max(errors) < STATE_ERROR[dtype]
     assert max(errors) > 0  # the codes are used: the masters' forward is not what runs
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "nf4"])
+def test_f_linear_on_a_frozen_weight_is_torch_s_on_the_decoded_weight_saving_nothing_and_the_tree_is_unchanged(dtype):
+    """Forward and input gradient equal torch's `F.linear` on the decoded weight, within the master's element
+    bounds of its forward with the master; the weight takes no gradient, autograd saves no tensor of it, and the
+    module tree (names and types) and the parameter names are what they were."""
+    model = tiny_llama()
+    tree, names = [(n, type(m)) for n, m in model.named_modules()], [n for n, _ in model.named_parameters()]
+    FrozenWeights(model.model.layers, dtype, "cpu").quantize(range(3))
+    assert [(n, type(m)) for n, m in model.named_modules()] == tree
+    assert [n for n, _ in model.named_parameters()] == names
+    linear = model.model.layers[1].mlp.down_proj
+    master = linear.weight.detach().clone()
+    weight = decode(encode(master, dtype), dtype, torch.float32)
+    x = torch.randn(2, 5, master.shape[1], generator=torch.Generator().manual_seed(4), requires_grad=True)
+    reference = x.detach().clone().requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = linear(x)
+    expected = F.linear(reference, weight)
+    torch.testing.assert_close(y, expected, rtol=1e-6, atol=1e-7)
+    grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(5))
+    y.backward(grad)
+    expected.backward(grad)
+    torch.testing.assert_close(x.grad, reference.grad, rtol=1e-6, atol=1e-7)
+    assert saved == [] and linear.weight.grad is None
+    bound = torch.broadcast_to(ELEMENT_BOUND[dtype](master), master.shape)
+    assert bool(((weight - master).abs() <= bound * (1 + 1e-6)).all())
+    exact = F.linear(x.detach(), master)
+    assert bool(((y.detach() - exact).abs() <= x.detach().abs() @ bound.t() * (1 + 1e-5) + 1e-6).all())
+
+
+def _nf4_bound(w: torch.Tensor) -> torch.Tensor:
+    """0.152 absmax(64-block) plus 1/254 of the scaler block's largest centred absmax (one scaler block here)."""
+    absmax = w.reshape(-1, 64).abs().amax(1, keepdim=True)
+    assert absmax.numel() <= 256
+    return (0.152 * absmax + (absmax - absmax.mean()).abs().max() / 254).expand(-1, 64).reshape(w.shape)
+
+
+# The documented element bound of a weight's codes, as a tensor broadcasting to the weight.
+ELEMENT_BOUND = {"bf16": lambda w: w.abs() * 2**-8, "int8": lambda w: w.abs().amax(1, keepdim=True) / 254,
+                 "nf4": _nf4_bound}
 
 
 def test_element_errors_are_the_documented_bounds():
@@ -149,6 +193,6 @@ def test_a_missing_torchao_is_refused_in_one_line(monkeypatch):
 
 
 def _codes(module):
-    assert isinstance(module, FrozenLinear)
-    codes = module.codes()
+    assert isinstance(module.weight, FrozenWeight)
+    codes = module.weight.codes
     return [c.get_original_weight() if type(c).__name__ == "NF4Tensor" else c for c in codes]

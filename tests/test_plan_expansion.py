@@ -126,15 +126,16 @@ def test_an_expansion_the_planner_does_not_price_is_refused():
 
 
 def test_the_default_auto_is_priced_as_the_trainer_resolves_it(capsys):
-    """auto: lowrank on a dense model with frozen_dtype auto, in one GPU; none under --frozen-dtype, on a mixture of
-    experts and on a pipeline (whose stages the trainer runs without expansion)."""
+    """auto: lowrank on a dense model in one GPU (under --frozen-dtype too: the factors sit beside the codes); none
+    on a mixture of experts and on a pipeline (whose stages the trainer runs without expansion)."""
     flags = ["--model", "7b", "--dtype", "bf16-mixed", "--recompute", "--gpu-mem", "40"]
     default = plan_json(capsys, *flags)
     assert default["settings"]["expand"] == "lowrank"
     assert default["memory"] == plan_json(capsys, *flags, "--expand", "lowrank")["memory"]
     nf4 = plan_json(capsys, *flags, "--frozen-dtype", "nf4")
-    assert nf4["settings"]["expand"] == "none"
-    assert nf4["memory"] == plan_json(capsys, *flags, "--frozen-dtype", "nf4", "--expand", "none")["memory"]
+    assert nf4["settings"]["expand"] == "lowrank"
+    assert nf4["memory"] == plan_json(capsys, *flags, "--frozen-dtype", "nf4", "--expand", "lowrank")["memory"]
+    assert nf4["memory"] != plan_json(capsys, *flags, "--frozen-dtype", "nf4", "--expand", "none")["memory"]
     moe = resolve_shape("tiny-moe")
     assert bcd_memory(moe, Settings(), partition(moe, 2), 0, store=False) == \
         bcd_memory(moe, Settings(expand="none"), partition(moe, 2), 0, store=False)

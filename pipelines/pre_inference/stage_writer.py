@@ -7,7 +7,8 @@ input just before its reader (a pipeline does not roll stores forward). The stor
 own code (`pipelines.cache.cache_boundary`) on the rank of the first replica whose stage holds layer k (the
 writer), through `StagePrefix`: the stages below it run their layers over the same batches in the same order
 (`serve`, forward only) and send the hidden states up; the writer runs its own layers below k and writes the
-shards. Layers held in fewer bits (`--frozen-dtype`) run from their masters, so the store is the exact prefix's.
+shards. Layers held in fewer bits (`--frozen-dtype`) run their codes, as a live visit runs them, so training from
+the store equals training live.
 The store's prefix digest combines each stage's digest of the prefix tensors it holds (no rank holds the whole
 prefix). During a visit from a store, the stages wholly below k run nothing (their ranks idle, logged), and the
 stage holding k takes the stored states as its input.
@@ -30,7 +31,6 @@ from preinfer.batch_source import LiveSources
 from preinfer.boundary_state import BoundaryState
 from preinfer.config import Config
 from preinfer.fingerprint import hash_tensors, named_prefix_tensors
-from preinfer.frozen_weights import masters_forward
 from preinfer.memory.layer_spans import LayerSpan
 from preinfer.partition import Block
 from preinfer.staged import StagedModel
@@ -105,14 +105,13 @@ class StageWriter:
         link, writer = self.link, self.link.holding(boundary)
         options = dataclasses.replace(options, retries=0, device=str(link.device))
         measured = [0.0] * 5
-        with masters_forward(self.staged.layers[:boundary]):
-            if link.replica == 0 and link.stage == writer:
-                prefix = StagePrefix(self.staged, link)
-                result = cache_boundary(prefix, self.datasets, self.tokenizer, boundary, out, options, prefix=digest)
-                measured = [result.seconds, result.forward_seconds, result.write_seconds, result.samples_computed,
-                            result.stored_bytes]
-            elif link.replica == 0 and link.stage < writer:
-                serve(link, self.datasets, options.samples_per_shard, options.batch_size)
+        if link.replica == 0 and link.stage == writer:
+            prefix = StagePrefix(self.staged, link)
+            result = cache_boundary(prefix, self.datasets, self.tokenizer, boundary, out, options, prefix=digest)
+            measured = [result.seconds, result.forward_seconds, result.write_seconds, result.samples_computed,
+                        result.stored_bytes]
+        elif link.replica == 0 and link.stage < writer:
+            serve(link, self.datasets, options.samples_per_shard, options.batch_size)
         made = torch.tensor(measured, dtype=torch.float64, device=link.device)
         dist.all_reduce(made, op=dist.ReduceOp.MAX)  # the writer's numbers, on every rank (and a barrier)
         seconds, forward, written, samples, stored = made.tolist()

@@ -12,7 +12,6 @@ from typing import Protocol
 import torch.distributed as dist
 
 from preinfer.fingerprint import prefix_digest
-from preinfer.frozen_weights import masters_forward
 from preinfer.partition import Block
 from preinfer.staged import StagedModel
 from pipelines.cache import CacheOptions, CacheResult, Part, cache_boundary, roll_forward
@@ -73,13 +72,13 @@ class LocalWriter:
         return prefix_digest(self.staged, boundary)
 
     def write(self, boundary: int, source: Location | None, out: Location, options: CacheOptions) -> Built:
-        """The prefix runs from the masters of layers held in fewer bits, so the store is the exact prefix's."""
+        """The prefix runs as the model holds it (layers held in fewer bits from their codes, as a live visit runs
+        them), so training from the store equals training live."""
         if self.part is not None:
             options = dataclasses.replace(options, part=self.part)
-        with masters_forward(self.staged.layers[:boundary]):
-            if source is not None:
-                return Built.of(roll_forward(self.staged, source, boundary, out, options))
-            return Built.of(cache_boundary(self.staged, self.datasets, self.tokenizer, boundary, out, options))
+        if source is not None:
+            return Built.of(roll_forward(self.staged, source, boundary, out, options))
+        return Built.of(cache_boundary(self.staged, self.datasets, self.tokenizer, boundary, out, options))
 
     def reading(self, block: Block, boundary: int) -> None:
         """Nothing to say: the process runs the visit whole."""

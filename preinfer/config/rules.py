@@ -273,9 +273,6 @@ def expand_conflicts(c: Any, expand: str) -> Iterator[Problem]:
         yield "blocks", "expand", "none with {blocks.active} (it keeps the layers above the active block frozen)"
     if b.experts is not None:
         yield "blocks", "expand", "none with {blocks.experts} (expert-granular blocks update nothing outside them)"
-    if c.model.frozen_dtype != "auto":
-        yield "blocks", "expand", "none with {model.frozen_dtype} other than auto (the suffix's linear weights " \
-                                  "are codes there, which it would not update)"
     if expand == "lowrank" and c.optim.keep_state:
         yield "blocks", "expand", "sgd or none with {optim.keep_state} (each visit starts new factors, which " \
                                   "the kept moments of the last visit's would not fit)"

@@ -2,9 +2,10 @@
 
 How the peaks are measured (and why `tracked_peak` is coherent with the planner in `preinfer.memory`):
 
-- parameters: every parameter of the model (trainable or frozen), once per tensor, at every `sample()`; a frozen
-  linear layer held in fewer bits (`FrozenLinear`) counts its codes (a torchao tensor subclass by the tensors it
-  holds) instead of its weight, which is its host master (the planner's `host`, not on the device).
+- parameters: every parameter of the model (trainable or frozen), once per tensor, at every `sample()`; a tensor
+  subclass counts the tensors it holds (`__tensor_flatten__`): a frozen weight held in fewer bits
+  (`preinfer.frozen_weights.FrozenWeight`) its codes, not its own storage, which is its host master (the planner's
+  `host`, not on the device).
 - gradients: every `.grad` present in the model or on the optimizer's tensors, at every `sample()` (call it after
   `backward()`, where the gradients of one step are all present, and after `optimizer.step()`).
 - masters: under mixed precision the optimizer steps fp32 copies of the active block's weights; every tensor the
@@ -41,8 +42,6 @@ from pathlib import Path
 
 import torch
 
-from preinfer.frozen_weights import FrozenLinear
-
 
 def tensor_bytes(t: torch.Tensor) -> int:
     """Bytes of a tensor's elements (numel x element size), not of the storage behind it; a tensor subclass that
@@ -50,15 +49,6 @@ def tensor_bytes(t: torch.Tensor) -> int:
     if hasattr(t, "__tensor_flatten__"):
         return sum(tensor_bytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
     return t.numel() * t.element_size()
-
-
-def resident_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The model's weights as held on its device: its parameters, a frozen linear layer's (FrozenLinear) codes in
-    place of its weight, which is the layer's host master."""
-    frozen = [module for module in model.modules() if isinstance(module, FrozenLinear)]
-    masters = {id(module.weight) for module in frozen}
-    codes = [code for module in frozen for code in module.codes()]
-    return [*(p for p in model.parameters() if id(p) not in masters), *codes]
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
@@ -133,9 +123,9 @@ class MemoryMeter:
         return self.steps_per_visit is None or self._sampled < self.steps_per_visit
 
     def param_bytes(self) -> int:
-        """Bytes of every resident parameter of the model and of its frozen layers' codes (tied parameters once;
-        the meta-device prefix of a suffix-only model has no storage and is not counted)."""
-        return sum(tensor_bytes(p) for p in resident_tensors(self.model) if not p.is_meta)
+        """Bytes of every parameter of the model as held on its device (`tensor_bytes`: a frozen weight's codes;
+        tied parameters once; the meta-device prefix of a suffix-only model has no storage and is not counted)."""
+        return sum(tensor_bytes(p) for p in self.model.parameters() if not p.is_meta)
 
     def grad_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> int:
         """Bytes of every `.grad` present now in the model or on the tensors `optimizer` steps (each once)."""
@@ -163,7 +153,7 @@ class MemoryMeter:
     @contextlib.contextmanager
     def track(self) -> Iterator[None]:
         """Count the tensors held for backward during one step (forward + backward) and keep their peak."""
-        param_keys = {_storage_key(p) for p in [*self.model.parameters(), *resident_tensors(self.model)]}
+        param_keys = {_storage_key(p) for p in self.model.parameters()}
         held: dict[tuple[str, int], list[int]] = {}  # storage -> [saved tensors holding it, its bytes]
         current = 0
         self._step_activations = 0
