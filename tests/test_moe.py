@@ -196,9 +196,9 @@ def test_a_chosen_expert_that_gets_no_tokens_is_not_moved():
 
 
 def test_bad_expert_options_are_refused_in_one_line():
-    with pytest.raises(UsageError, match="--experts 'half'"):
+    with pytest.raises(UsageError, match=r"\[blocks\] experts = 'half': expected top:SHARE"):
         expert_trainer(blocks__experts="half")
-    with pytest.raises(UsageError, match="--experts-with 'router,mlp'"):
+    with pytest.raises(UsageError, match=r"\[blocks\] experts_with = 'router,mlp'"):
         expert_trainer(blocks__experts_with="router,mlp")
     with pytest.raises(UsageError, match="--experts needs a mixture-of-experts model"):
         make_trainer("tiny-llama", blocks__experts="top:0.5")

@@ -51,8 +51,6 @@ def train(config: Config, staged: preinfer.StagedModel, partition: Partition, ac
         ui.note(note)
     if resume:
         resume_run(trainer, run, config)
-    if resolved is not None:  # after the checkpoint is read: a refused resume adds nothing to the record
-        trainer.emit(ResolvedRecord(**resolved.to_dict()))
     started = time.perf_counter()
     with StopOnSignals(trainer) as signals:
         try:
