@@ -1,7 +1,7 @@
 """Faults during the writes of issue 48's last wave (part 4; DESIGN invariants 12 and 13): a run's checkpoint with
-8-bit optimizer state and low-rank expansion factors (mid-visit), with the kept optimizer state, the export, and the
-token store (`preinfer tokenize`, and the one a run writes under `--token-store`), each failing with a full disk and
-with a read-only file system at every write the command makes. Each time nothing already written is lost (the last
+8-bit optimizer state and low-rank expansion factors (mid-visit), with the kept optimizer state, and the export
+(the token store's: tests/contract/test_token_store_faults.py), each failing with a full disk and with a read-only
+file system at every write the command makes. Each time nothing already written is lost (the last
 complete checkpoint, the previous export and a complete token store stay bit for bit), the command ends in one line
 naming what failed and what to do (exit 1), and the command that line names (the same command, or `--resume`) ends
 as an uninterrupted run ends, bit for bit.
