@@ -2,10 +2,11 @@
 permissions the umask gives (`give_umask_mode`, which also mends what a library's own writer made 0600).
 
 The files the project publishes whole go through it: a run directory's config.toml, inputs.json and summary.json
-and its metrics log cut back on --resume, a checkpoint's files, the export's weights (the export of a whole model,
-which transformers' `save_pretrained` writes, gets the umask's mode after it), a pipeline's gathered weights, and
-the token store's staged files and description. A checkpoint directory is published by a rename of its own
-(`preinfer.checkpoint`), made durable with `fsync_directory`.
+and its metrics log cut back on --resume, a checkpoint's files, a pipeline's gathered weights, and the token store's
+staged files and description. A directory published whole, the export (whose files transformers' `save_pretrained`
+and a tokenizer's own writers write), goes through `write_directory_atomically`; a checkpoint directory is published
+by renames of its own (`preinfer.checkpoint`), made durable with `fsync_directory`. A failure of either is an
+OSError naming the path being published (a writer's own error of the disk, such as safetensors' "os error 28", too).
 
 It lives here, on the model side, because the model side writes files of its own (checkpoints, the run directory)
 and may import nothing of `storage` or `pipelines`; `pipelines` imports it from here. `storage` may import nothing
@@ -19,6 +20,8 @@ rename.
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -33,7 +36,7 @@ def write_atomically(path: str | os.PathLike, content: Content) -> None:
     durable (the directory fsynced). A reader sees the old file or the whole new one; a failed write leaves the
     old file as it was and no temporary; a crash may leave a temporary, hidden: `.NAME.tmp-...`."""
     path = Path(path)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    temporary = _hidden_sibling(path, "tmp")
     try:
         with open(temporary, "xb") as stream:
             if not callable(content):
@@ -43,9 +46,77 @@ def write_atomically(path: str | os.PathLike, content: Content) -> None:
         give_umask_mode([temporary])
         _fsync(temporary, os.O_RDONLY)
         os.replace(temporary, path)
+        fsync_directory(path.parent)
+    except Exception as err:
+        _raise_publish_error(err, path)
+        raise
     finally:
         temporary.unlink(missing_ok=True)
+
+
+def write_directory_atomically(path: str | os.PathLike, write: Callable[[Path], object]) -> bool:
+    """Publish the directory `path` whole: `write` (given a hidden temporary sibling) fills it, its files are made
+    durable with the umask's mode, the previous `path` is moved aside to a hidden sibling, the new one renamed into
+    place and the previous deleted. A failed write leaves the previous directory as it was and no temporary; a
+    crash leaves the previous directory or the new one at `path` (between the renames neither, the previous as
+    `.NAME.old-...`), and the next call removes what a crash left. False (nothing published, the previous kept)
+    when `write` wrote no file."""
+    path = Path(path)
+    for stale in path.parent.glob(f".{path.name}.*-*"):
+        if _LEFTOVER.fullmatch(stale.name.removeprefix(f".{path.name}")):
+            shutil.rmtree(stale, ignore_errors=True)
+    temporary, previous = _hidden_sibling(path, "tmp"), _hidden_sibling(path, "old")
+    try:
+        temporary.mkdir()
+        write(temporary)
+        files = sorted(file for file in temporary.rglob("*") if file.is_file())
+        if not files:
+            return False
+        give_umask_mode(files)
+        for file in files:
+            _fsync(file, os.O_RDONLY)
+        fsync_directory(temporary)
+        _replace_directory(temporary, path, previous)
+    except Exception as err:
+        _raise_publish_error(err, path)
+        raise
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+    shutil.rmtree(previous, ignore_errors=True)
+    return True
+
+
+def _replace_directory(new: Path, path: Path, previous: Path) -> None:
+    """Rename `new` to `path`, what was there moved to `previous` first (and back, if `new` cannot take its place)."""
+    if path.exists():
+        os.replace(path, previous)
+    try:
+        os.replace(new, path)
+    except OSError:
+        if previous.exists():
+            os.replace(previous, path)
+        raise
     fsync_directory(path.parent)
+
+
+# What `_hidden_sibling` names, after the published name: the leftovers of a crash that the next publish removes.
+_LEFTOVER = re.compile(r"\.(tmp|old)-\d+-[0-9a-f]{8}")
+# A writer's own report of an operating system error (Rust's std::io::Error, as safetensors raises it).
+_OS_ERROR_TEXT = re.compile(r"\(os error (\d+)\)")
+
+
+def _hidden_sibling(path: Path, kind: str) -> Path:
+    """A hidden name beside `path`, unique to this call: `.NAME.KIND-PID-HEX`."""
+    return path.with_name(f".{path.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _raise_publish_error(err: Exception, path: Path) -> None:
+    """Raise the error of a failed publish of `path` as an OSError naming `path`: `err`'s own error number, or the
+    one a writer reported in its text (as safetensors reports a full disk); return when `err` has none."""
+    found = _OS_ERROR_TEXT.search(str(err)) if not isinstance(err, OSError) else None
+    number = err.errno if isinstance(err, OSError) else int(found.group(1)) if found else None
+    if number is not None:
+        raise OSError(number, os.strerror(number), str(path)) from err
 
 
 def fsync_directory(directory: Path) -> None:

@@ -2,6 +2,7 @@
 checks it). The CLI maps UsageError to exit code 2 and every other PreinferError to 1."""
 
 import errno
+import os
 
 
 class PreinferError(Exception):
@@ -41,11 +42,26 @@ def first_line(error: BaseException) -> str:
 
 def is_disk_full(err: BaseException | None) -> bool:
     """Whether `err` (or what caused it; or its text, for an exception that crossed a process) is a full disk."""
+    return _caused_by(err, (errno.ENOSPC, errno.EDQUOT))
+
+
+def remedy(err: BaseException | None) -> str:
+    """The first thing to do about a write that `err` stopped: free space on a full disk, make the place writable
+    on a read-only file system (or a refused permission), else fix that."""
+    if is_disk_full(err):
+        return "free space"
+    return "make it writable" if _caused_by(err, (errno.EROFS, errno.EACCES, errno.EPERM)) else "fix that"
+
+
+def _caused_by(err: BaseException | None, numbers: tuple[int, ...]) -> bool:
+    """Whether `err`, or what caused it, is an OSError of one of `numbers` (or names one in its text: an exception
+    that crossed a process, a library's own report)."""
+    texts = [f"[Errno {number}]" for number in numbers] + [os.strerror(number) for number in numbers]
     seen = 0
     while err is not None and seen < 20:
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        if isinstance(err, OSError) and err.errno in numbers:
             return True
-        if "[Errno 28]" in str(err) or "No space left on device" in str(err):
+        if any(text in str(err) for text in texts):
             return True
         err, seen = err.__cause__ or err.__context__, seen + 1
     return False

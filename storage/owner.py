@@ -13,6 +13,7 @@ starting together the one whose write landed last holds it and the other stops.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -132,15 +133,21 @@ def _open_lock(path: Path, out: Path, what: str) -> int:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as error:
-        raise _not_a_lock(path, out, what, error.strerror or str(error)) from None
+        raise _not_a_lock(path, out, what, error) from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise _not_a_lock(path, out, what, "")
+        raise _not_a_lock(path, out, what, None)
     return fd
 
 
-def _not_a_lock(path: Path, out: Path, what: str, reason: str) -> OwnerLockError:
-    """The one line about a lock file that cannot be used: what stands in its place, or why it cannot be opened."""
+# What to do about a lock file that cannot be created, by its error: a read-only or refused directory, a full disk.
+_REMEDIES = {errno.EROFS: "make it writable", errno.EACCES: "make it writable", errno.EPERM: "make it writable",
+             errno.ENOSPC: "free space", errno.EDQUOT: "free space"}
+
+
+def _not_a_lock(path: Path, out: Path, what: str, error: OSError | None) -> OwnerLockError:
+    """The one line about a lock file that cannot be used: what stands in its place, or why it cannot be opened
+    and what to do."""
     try:
         mode = os.lstat(path).st_mode
     except OSError:
@@ -150,8 +157,13 @@ def _not_a_lock(path: Path, out: Path, what: str, reason: str) -> OwnerLockError
     kind = next((name for name, test in kinds.items() if test(mode)), None)
     if kind is None and mode and not stat.S_ISREG(mode):
         kind = "not a plain file"
-    problem = f"is {kind}, where a job keeps a plain file; remove it" if kind else f"cannot be opened ({reason})"
-    return OwnerLockError(f"{what} {out}: its owner lock {path.name} {problem} (nothing was written)")
+    if kind:
+        problem = f"is {kind}, where a job keeps a plain file; remove it (nothing was written)"
+    else:
+        reason = (error.strerror or str(error)) if error is not None else "unknown"
+        remedy = _REMEDIES.get(getattr(error, "errno", None), "fix that")
+        problem = f"cannot be opened ({reason}; nothing was written); {remedy}, then run the same command again"
+    return OwnerLockError(f"{what} {out}: its owner lock {path.name} {problem}")
 
 
 class _Lease:

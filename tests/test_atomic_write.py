@@ -1,6 +1,7 @@
 """The one atomic write (`preinfer.atomic_write`, issue 44 part 6; issue 48 case 14): a file it writes has the mode
 the umask gives (also what a library's own writer made 0600), and is complete or absent after a crash between the
-write and the rename; storage's blob layer, which may not import it, is held to the same contract. A real tiny run
+write and the rename; storage's blob layer, which may not import it, is held to the same contract. A directory
+published whole (the export) is the previous one or the whole new one, after a failure or a crash. A real tiny run
 writes every file of its directory, the checkpoint's and the export's weights too, with the umask's mode."""
 
 import os
@@ -14,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pipelines.pipeline_parallel.stage import gather_weights
-from preinfer.atomic_write import give_umask_mode, write_atomically
+from preinfer.atomic_write import give_umask_mode, write_atomically, write_directory_atomically
 from storage import blobs_for
 from tests.helpers.cli_run import run_cli
 
@@ -91,6 +92,67 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["file"]
 
 
+def export_writer(*names: str, fail_at: str | None = None, error: Exception | None = None):
+    """A writer of a directory's files `names` (each holding its name), raising `error` as it writes `fail_at`."""
+    def write(directory: Path) -> None:
+        for name in names:
+            if name == fail_at:
+                (directory / name).write_text("half")
+                raise error
+            (directory / name).write_text(name)
+    return write
+
+
+def tree(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): p.read_text() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_directory_is_published_whole_and_replaces_the_previous_one(tmp_path):
+    assert write_directory_atomically(tmp_path / "export", export_writer("config.json", "model.safetensors"))
+    assert write_directory_atomically(tmp_path / "export", export_writer("config.json", "tokenizer.json"))
+    assert tree(tmp_path) == {"export/config.json": "config.json", "export/tokenizer.json": "tokenizer.json"}
+
+
+@pytest.mark.parametrize("fail_at", ["config.json", "model.safetensors", "tokenizer.json"])
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), OSError(30, "Read-only file system"),
+                                   RuntimeError("Error while serializing: I/O error: No space left on device "
+                                                "(os error 28)")], ids=["ENOSPC", "EROFS", "writer's own text"])
+def test_a_directory_whose_write_fails_at_any_file_leaves_the_previous_one_and_no_temporary(tmp_path, fail_at,
+                                                                                           error):
+    """The previous export stays bit for bit; the failure is an OSError of the error's number naming the directory
+    (a writer's own report of one, as safetensors' "os error 28", too)."""
+    names = ("config.json", "model.safetensors", "tokenizer.json")
+    write_directory_atomically(tmp_path / "export", export_writer(*names))
+    with pytest.raises(OSError) as failure:
+        write_directory_atomically(tmp_path / "export", export_writer(*names, fail_at=fail_at, error=error))
+    assert (failure.value.errno, failure.value.filename) == (28 if "28" in str(error) else 30,
+                                                             str(tmp_path / "export"))
+    assert tree(tmp_path) == {f"export/{name}": name for name in names}
+
+
+@pytest.mark.parametrize("umask_value, expected", [(0o022, 0o644), (0o077, 0o600)])
+def test_a_published_directory_s_files_have_the_mode_the_umask_gives(tmp_path, umask, umask_value, expected):
+    """Also the files a library's own writer made 0600 (safetensors, as transformers' `save_pretrained` writes)."""
+    umask(umask_value)
+    write_directory_atomically(tmp_path / "export", lambda directory: safetensors_writer(directory / "w"))
+    assert mode(tmp_path / "export" / "w") == expected
+
+
+def test_a_directory_written_empty_is_not_published(tmp_path):
+    write_directory_atomically(tmp_path / "export", export_writer("config.json"))
+    assert not write_directory_atomically(tmp_path / "export", export_writer())
+    assert tree(tmp_path) == {"export/config.json": "config.json"}
+
+
+def test_the_leftovers_of_a_crashed_publish_are_removed_by_the_next_and_nothing_else(tmp_path):
+    for leftover in (".export.tmp-12-0123abcd", ".export.old-12-0123abcd"):
+        (tmp_path / leftover).mkdir()
+        (tmp_path / leftover / "config.json").write_text("crashed")
+    (tmp_path / ".export.mine").write_text("not a publish's")
+    write_directory_atomically(tmp_path / "export", export_writer("config.json"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".export.mine", "export"]
+
+
 # A child process that dies (as under SIGKILL: nothing cleaned up) once its write is durable and before the rename.
 CRASH = """
 import os, sys
@@ -101,6 +163,10 @@ path = Path(sys.argv[1])
 if sys.argv[2] == "storage":
     from storage import blobs_for
     blobs_for(path.parent).write(path.name, b"new" * 1000)
+elif sys.argv[2] == "directory":
+    from preinfer.atomic_write import write_directory_atomically
+    write_directory_atomically(path, lambda directory: (directory / "w").write_bytes(b"new" * 1000))
+    os._exit(0)  # not killed: nothing was renamed
 else:
     from preinfer.atomic_write import write_atomically
     write_atomically(path, b"new" * 1000)
@@ -123,6 +189,25 @@ def test_a_crash_between_write_and_rename_leaves_the_file_whole_or_absent(tmp_pa
     if writer == "preinfer":
         write_atomically(path, b"again")  # the next write goes through beside the crash's temporary
         assert path.read_bytes() == b"again"
+
+
+@pytest.mark.parametrize("before", [None, b"old"], ids=["absent", "present"])
+def test_a_crash_before_a_directory_s_renames_leaves_the_previous_one_whole(tmp_path, before):
+    """Killed at its first rename (the previous directory moved aside, or the new one put in place): the previous
+    directory is at its place as it was (or none is), the new one hidden and whole; the next publish removes it."""
+    path = tmp_path / "export"
+    if before is not None:
+        path.mkdir()
+        (path / "w").write_bytes(before)
+    child = subprocess.run([sys.executable, "-c", CRASH.format(repo=str(REPO)), str(path), "directory"],
+                           capture_output=True, timeout=120)
+    assert child.returncode == 137, child.stderr.decode()[-2000:]
+    assert ((path / "w").read_bytes() if path.exists() else None) == before
+    leftovers = [p for p in tmp_path.iterdir() if p != path]
+    assert [p.name.startswith(".export.tmp-") for p in leftovers] == [True]
+    assert (leftovers[0] / "w").read_bytes() == b"new" * 1000  # durable before the renames
+    write_directory_atomically(path, lambda directory: (directory / "w").write_bytes(b"again"))
+    assert [p.name for p in tmp_path.iterdir()] == ["export"] and (path / "w").read_bytes() == b"again"
 
 
 def test_a_pipelines_gathered_weights_have_the_umask_mode(tmp_path, umask):

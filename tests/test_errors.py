@@ -41,6 +41,10 @@ ALLOWED = {
         "the index check of TokenStoreDataset.__getitem__: the sequence protocol's IndexError",
     ("pipelines/data/token_store/dataset.py", "TokenStoreDataset._positions", "TypeError"):
         "the index check of TokenStoreDataset.__getitem__: an index of the wrong type is a TypeError, as for a list",
+    ("preinfer/atomic_write.py", "_raise_publish_error", "OSError"):
+        "the atomic writes' contract: a failed publish is an OSError of the disk's error number naming the path "
+        "published (also where a writer reported one in its text: safetensors' 'os error 28'), which every job's "
+        "handler of OSError turns into its one line with the remedy",
     ("pipelines/training/signals.py", "RunStopped", "SystemExit"):
         "not an error: a run stopped by a signal after its checkpoint exits with 128 + the signal's number, and a "
         "SystemExit ends the interpreter with that code from every command",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from preinfer.errors import PreinferError, UsageError, is_disk_full
+from preinfer.errors import PreinferError, UsageError, remedy
 
 
 def run_command(command: str, run: Callable[[], int | None]) -> int:
@@ -38,8 +38,8 @@ def _failures() -> tuple[type[Exception], ...]:
 
 
 def stopped(what: str, err: OSError, then: str) -> PreinferError:
-    """The one line of a job an OSError stopped: `what` failed, why and where, the first thing to do (free space
-    on a full disk, else fix that), then `then` (what continues the job)."""
+    """The one line of a job an OSError stopped: `what` failed, why and where, the first thing to do
+    (`preinfer.errors.remedy`: free space on a full disk, make it writable on a read-only one), then `then` (what
+    continues the job)."""
     where = f" at {err.filename}" if err.filename else ""
-    first = "free space" if is_disk_full(err) else "fix that"
-    return PreinferError(f"{what} ({err.strerror or err}{where}); {first}, then {then}")
+    return PreinferError(f"{what} ({err.strerror or err}{where}); {remedy(err)}, then {then}")

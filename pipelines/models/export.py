@@ -1,5 +1,7 @@
 """Writing a trained model as a complete `save_pretrained` directory: the tensors in memory, and those that are
-not (a prefix below a store, on the meta device) copied from the source model's files."""
+not (a prefix below a store, on the meta device) copied from the source model's files. Each writes into a fresh
+directory, which the run publishes whole (`preinfer.atomic_write.write_directory_atomically`: the files made
+durable with the umask's mode, then renamed into place), so a crash never leaves a part of an export."""
 
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from preinfer.atomic_write import give_umask_mode, write_atomically
 from preinfer.precision import cast_weights, weights_dtype
 from preinfer.presets import PRESETS
 from pipelines.models.suffix import Suffix, config_and_files, meta_model
@@ -37,15 +38,13 @@ def export_full(suffix: Suffix, out: Path) -> bool:
     out.mkdir(parents=True, exist_ok=True)
     model.config.dtype = weights_dtype(model)
     model.config.save_pretrained(out)
-    write_atomically(out / "model.safetensors", lambda file: save_file(tensors, str(file), metadata={"format": "pt"}))
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return True
 
 
 def export_pretrained(model: nn.Module, out: Path) -> None:
-    """The whole model in memory as transformers' `save_pretrained` writes it, its files given the mode the umask
-    gives (its safetensors writer makes them 0600)."""
+    """The whole model in memory as transformers' `save_pretrained` writes it."""
     model.save_pretrained(out)
-    give_umask_mode(path for path in out.iterdir() if path.is_file())
 
 
 def export_from_weights(spec: str, weights: Path, out: Path) -> bool:

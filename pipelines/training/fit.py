@@ -13,7 +13,7 @@ import torch.distributed as dist
 import preinfer
 from preinfer.batch_source import VisitSources
 from preinfer.config import Config, load_config, resume_changes
-from preinfer.errors import CheckpointWriteError, PreinferError, is_disk_full
+from preinfer.errors import CheckpointWriteError, PreinferError, remedy
 from preinfer.layout import Layout
 from preinfer.memory.meter import MemoryMeter
 from preinfer.metrics import ResolvedRecord, ResumeRecord
@@ -77,7 +77,7 @@ def stopped_writing(err: OSError | CheckpointWriteError, command: str, run: RunD
     resuming from its last complete checkpoint, or (none written yet) the same command again."""
     what = str(err) if isinstance(err, CheckpointWriteError) else \
         f"the run in {run.path} stopped ({err.strerror or err}{f' at {err.filename}' if err.filename else ''})"
-    first = "free space" if is_disk_full(err) else "fix that"
+    first = remedy(err)
     then = f"run `preinfer {command} --out {run.path} --resume`" if run.has_checkpoint() else \
         "run the same command again (no checkpoint was written: it starts the run over)"
     return PreinferError(f"{what}; {first}, then {then}")

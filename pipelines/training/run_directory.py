@@ -13,9 +13,9 @@ import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from preinfer.atomic_write import write_atomically
+from preinfer.atomic_write import write_atomically, write_directory_atomically
 from preinfer.config import Config, dump_toml
-from preinfer.errors import PreinferError, UsageError
+from preinfer.errors import PreinferError, UsageError, remedy
 from preinfer.metrics import plot_losses, read_metrics
 from preinfer.run_dir import RunDir
 from preinfer.trainer import Trainer
@@ -81,11 +81,12 @@ def prepare_run_dir(run: RunDir, config: Config, resume: bool, corpus: CorpusDig
     except OSError as err:
         run.config.unlink(missing_ok=True)  # a config without its inputs would resume unchecked
         raise PreinferError(f"writing {run.config} failed ({err.strerror or err}); nothing of the run is written, "
-                            f"free space or fix the directory, then run the same command again") from None
+                            f"{remedy(err)}, then run the same command again") from None
 
 
 def finish_run(trainer: Trainer, run: RunDir, export: Callable[[Path], object]) -> dict:
-    """Export, plot and summarise a finished run (rank 0 writes; other ranks return the summary only)."""
+    """Export (`export` fills a directory published whole as the run's export: the previous one is kept until the
+    new one is complete), plot and summarise a finished run (rank 0 writes; other ranks return the summary only)."""
     visits = trainer.progress.visits
     final = visits[-1]["eval_loss"] if visits else math.nan
     summary = {
@@ -100,7 +101,7 @@ def finish_run(trainer: Trainer, run: RunDir, export: Callable[[Path], object]) 
     }
     if trainer.rank != 0:
         return summary
-    export(run.export)
+    write_directory_atomically(run.export, export)
     records = read_metrics(run.metrics)
     plot_losses({"BCD": records}, run.loss_plot, title=f"{trainer.config.model.name}: {run.path.name}")
     write_atomically(run.summary, json.dumps(summary, indent=1))

@@ -3,9 +3,6 @@ save, a store's publish and a token store's publish (the kill injected in that p
 leave it: `inject.py`), then run again or resumed, ends bit for bit where an uninterrupted job ends; a full disk
 (a writer that raises ENOSPC) says which path and how to go on, and that way works."""
 
-import errno
-import functools
-import importlib
 import json
 import os
 import subprocess
@@ -18,7 +15,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from preinfer.checkpoint import is_complete
-from tests.helpers.cli_run import failure_line, run_cli
+from preinfer.run_dir import RunDir
+from tests.helpers.cli_run import run_cli
+from tests.helpers.disk_faults import ENOSPC, files, full_disk, stopped, works_once_freed
 
 REPO = Path(__file__).resolve().parents[2]
 INJECT = Path(__file__).parents[1] / "helpers" / "inject.py"
@@ -31,18 +30,6 @@ def killed_at(spec: str, argv: list[str]) -> None:
     done = subprocess.run([sys.executable, str(INJECT), f"{spec}=exit", "--", *argv], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == KILLED, done.stderr[-2000:]
-
-
-def files(root: Path) -> dict[str, bytes]:
-    """Every file under `root` with its bytes; a manifest without its creation time."""
-    found = {}
-    for path in sorted(root.rglob("*")):
-        if path.is_file():
-            data = path.read_bytes()
-            if path.name == "manifest.json":
-                data = json.dumps({k: v for k, v in json.loads(data).items() if k != "created"}).encode()
-            found[path.relative_to(root).as_posix()] = data
-    return found
 
 
 def reference_run(tmp_path_factory, argv: list[str]) -> Path:
@@ -98,22 +85,12 @@ def test_a_save_killed_at_any_phase_resumes_to_the_uninterrupted_weights(phase, 
 
 
 def test_a_full_disk_at_the_start_names_the_path_and_a_rerun_works(tmp_path, corpus, capsys, monkeypatch):
-    """ENOSPC while config.toml is written (a writer that raises it, no tmpfs or quota needed): one line naming
-    the file and saying to run the same command again, nothing left behind; the same command then runs."""
-    import preinfer.atomic_write
-
+    """ENOSPC while config.toml is written (the run directory's first atomic write raises it, whether or not the
+    token store the run reads was written before, by an earlier test): one line naming the file and saying to run
+    the same command again, nothing left behind; the same command then runs."""
     out = tmp_path / "run"
     args = [*bcd_args(corpus, out), "--checkpoint-every", "0"]
-
-    class FullDisk:
-        def __getattr__(self, name):
-            return getattr(os, name)
-
-        @staticmethod
-        def fsync(fd):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(preinfer.atomic_write, "os", FullDisk())
+    full_disk(monkeypatch, "preinfer.run_dir", "write_atomically", 1)
     code, _, err = run_cli(args, capsys)
     assert code == 1 and "Traceback" not in err, err
     line = err.strip().splitlines()[-1]
@@ -137,38 +114,6 @@ def full_disk_at(call: int, write, error: Exception):
         return write(tensors, filename, *args, **kwargs)
 
     return writer
-
-
-ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-
-def raises_at(call: int, function, error: Exception):
-    """`function`, except that its `call`-th call (1: the first) raises `error` instead."""
-    calls = {"n": 0}
-
-    @functools.wraps(function)
-    def failing(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == call:
-            raise error
-        return function(*args, **kwargs)
-
-    return failing
-
-
-def stopped(argv: list[str], capsys, one_line: bool = True) -> str:
-    """Run `preinfer ARGV` on a disk that fills: it exits 1 without a traceback; its one error line (the last of
-    stderr when not `one_line`: a finished run's export prints transformers' progress bar first)."""
-    code, _, err = run_cli(argv, capsys)
-    assert code == 1 and "Traceback" not in err, err
-    return failure_line(err) if one_line else err.strip().splitlines()[-1]
-
-
-def works_once_freed(argv: list[str], capsys, monkeypatch) -> None:
-    """With the disk's space back (the patched writer undone), `preinfer ARGV` ends with exit 0."""
-    monkeypatch.undo()
-    code, _, err = run_cli(argv, capsys)
-    assert code == 0, err
 
 
 def assert_weights(out: Path, expected: dict[str, torch.Tensor]) -> None:
@@ -234,6 +179,30 @@ def test_a_full_disk_elsewhere_in_a_run_says_what_continues_it_and_that_works(wr
     works_once_freed(rerun, capsys, monkeypatch)
     assert_weights(out, uninterrupted)
     assert (out / "summary.json").is_file() and (out / "loss.png").is_file() and (out / "export").is_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_an_export_killed_mid_write_keeps_the_previous_export_which_is_then_not_current(tmp_path, corpus,
+                                                                                        uninterrupted, capsys):
+    """A finished run resumed with a larger budget, killed once its new export has its config and weights but not
+    its tokenizer: the previous export stays whole and bit for bit (no new config.json beside old weights), the run
+    directory no longer counts it current (its checkpoint is newer: the checkpoint's weights are the model), and
+    the same command writes the new export, leaving nothing of the killed one."""
+    out = tmp_path / "run"
+    code, _, err = run_cli([*bcd_args(corpus, out), "--total-steps", "3"], capsys)
+    assert code == 0, err
+    previous = files(out / "export")
+    again = ["bcd", "--out", str(out), "--resume", "--total-steps", "6"]
+    killed_at("pipelines.models.export:export_pretrained@after", again)
+    assert files(out / "export") == previous and not RunDir(out).export_is_current()
+    assert [p.name for p in out.iterdir() if p.name.startswith(".export.tmp-")] != []  # the killed export's
+    code, _, err = run_cli(again, capsys)
+    assert code == 0, err
+    assert_weights(out, uninterrupted)
+    exported = load_file(str(out / "export" / "model.safetensors"))
+    assert set(exported) == set(uninterrupted) and all(torch.equal(exported[k], uninterrupted[k]) for k in exported)
+    assert RunDir(out).export_is_current() and not [p for p in out.iterdir() if p.name.startswith(".export")]
 
 
 # ---- stores ----
@@ -322,15 +291,6 @@ CACHE_WRITERS = {
 }
 
 
-def full_disk(monkeypatch, module: str, qualname: str, call: int) -> None:
-    """Make the `call`-th call of `module:qualname` (a writer) raise ENOSPC, until monkeypatch.undo()."""
-    owner = importlib.import_module(module)
-    *path, name = qualname.split(".")
-    for part in path:
-        owner = getattr(owner, part)
-    monkeypatch.setattr(owner, name, raises_at(call, getattr(owner, name), ENOSPC))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("writer", list(TOKENIZE_WRITERS))
 def test_a_full_disk_in_tokenize_names_out_and_the_same_command_resumes_it(writer, tmp_path, corpus, tokenized,
@@ -338,7 +298,7 @@ def test_a_full_disk_in_tokenize_names_out_and_the_same_command_resumes_it(write
     out = tmp_path / "tokens"
     full_disk(monkeypatch, *TOKENIZE_WRITERS[writer])
     line = stopped(tokenize_args(corpus, out), capsys)
-    assert f"writing the token store in {out} failed (No space left on device)" in line
+    assert f"writing the token store in {out} failed (No space left on device" in line  # (at the file, if known)
     assert "free space, then run the same command again" in line
     works_once_freed(tokenize_args(corpus, out), capsys, monkeypatch)
     assert files(out) == tokenized
