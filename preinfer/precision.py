@@ -238,19 +238,26 @@ class ActiveBlock:
             self._hooks.append(param.register_post_accumulate_grad_hook(self._hook(index)))
 
     def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        master = self.masters[index]
-
         def accumulated(param: torch.Tensor) -> None:
             if self.mixed:
                 grad, param.grad = param.grad, None
-                if master.grad is None:
-                    master.grad = grad.float()
-                else:
-                    master.grad.add_(grad)
-            if self.last_micro_batch and self.on_grad_ready is not None:
+                self.add_grad(index, grad)
+            elif self.last_micro_batch and self.on_grad_ready is not None:
                 self.on_grad_ready(index)
 
         return accumulated
+
+    def add_grad(self, index: int, grad: torch.Tensor) -> None:
+        """Add one micro-batch's `grad` of tensor `index` into the gradient the optimizer steps (its fp32 master's
+        under mixed precision), as backward accumulates it, and in the step's last micro-batch report it complete
+        (for a tensor backward does not reach itself: an expert's slice of a fused gradient)."""
+        master = self.masters[index]
+        if master.grad is None:
+            master.grad = grad.to(torch.float32, copy=True)
+        else:
+            master.grad.add_(grad)
+        if self.last_micro_batch and self.on_grad_ready is not None:
+            self.on_grad_ready(index)
 
     @torch.no_grad()
     def cast_down(self, index: int | None = None) -> None:

@@ -35,7 +35,7 @@ from preinfer.expansion import expansion_hooks, expansion_of
 from preinfer.frozen_weights import frozen_weight_hooks
 from preinfer.layout import Layout, replica_layout
 from preinfer.metrics import MetricsLog, Record
-from preinfer.moe import ExpertGranular
+from preinfer.moe import EXPERTS_IN_ONE_PROCESS, ExpertGranular
 from preinfer.optim import StopRule
 from preinfer.partition import Block, Partition
 from preinfer.precision import LossScaler, Precision, apply_precision
@@ -83,11 +83,7 @@ class Trainer:
         b = config.blocks
         self.experts = ExpertGranular(staged, b.experts, b.experts_with, b.experts_sample)
         if b.experts and self.world_size > 1:
-            raise UsageError("--experts (expert-granular blocks) runs in one process; drop it, or torchrun and "
-                             "--pipeline")
-        if b.experts and self.precision.mixed:
-            raise UsageError(f"--experts (expert-granular blocks) trains in fp32; drop it or --precision "
-                             f"{self.precision}")
+            raise UsageError(EXPERTS_IN_ONE_PROCESS)
         self.sweeps = Sweeps(staged, partition, config, sources, self.scaler, clock, self.emit,
                              lambda: self.checkpoint_dir / STATE, active_block, self.world_size)
         self.lifecycle = VisitLifecycle(staged, config, self.layout, self.optimizers, self.experts, meter,

@@ -234,7 +234,6 @@ def test_expand_lr_puts_the_factors_in_a_group_of_their_own_on_the_visit_s_sched
 @pytest.mark.parametrize("change,message", [
     (dict(active="1-2"), "[blocks] expand = 'sgd': expected none with [blocks] active"),
     (dict(precision="fp16-mixed"), "[blocks] expand = 'sgd': expected lowrank or none under [run] precision"),
-    (dict(expand="lowrank", keep_state=True), "[blocks] expand = 'lowrank': expected sgd or none with [optim]"),
     (dict(expand_rank=0), "[blocks] expand_rank = 0: expected an integer >= 1"),
 ])
 def test_what_expansion_does_not_run_with_is_refused_in_one_line(change, message):

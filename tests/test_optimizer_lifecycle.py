@@ -85,7 +85,10 @@ def fused_against_unfused(**overrides) -> tuple[dict, dict]:
     dict(run__precision="fp32", optim__name="adamw", optim__warmup_steps=1, optim__decay="cosine"),
     dict(run__precision="fp32", optim__name="sgd"), dict(run__precision="fp32", optim__name="adamw8bit"),
     dict(run__precision="bf16-mixed"), dict(preset="tiny-gpt2", run__precision="fp32", run__recompute=True),
-], ids=["adam", "accumulated", "adamw-scheduled", "sgd", "adamw8bit", "bf16-mixed", "tied-recomputed"])
+    dict(preset="tiny-moe", run__precision="fp32", optim__grad_accum=2, blocks__experts="top:0.5"),
+    dict(preset="tiny-moe", run__precision="bf16-mixed", blocks__experts="top:0.5"),
+], ids=["adam", "accumulated", "adamw-scheduled", "sgd", "adamw8bit", "bf16-mixed", "tied-recomputed", "experts",
+        "experts-bf16-mixed"])
 def test_the_fused_step_equals_the_unfused_step(overrides):
     unfused, fused = fused_against_unfused(**overrides)
     initial = snapshot(build_preset(overrides.get("preset", "tiny-llama"), seed=0))
