@@ -201,7 +201,8 @@ class SingleProcess:
 
 class DataParallel(SingleProcess):
     """The whole model in every process of torchrun's group, each a replica reading its share of every batch; the
-    active block's gradients are summed in buckets launched as backward completes them (`BucketedAllReduce`)."""
+    active block's gradients are summed in buckets launched as backward completes them (`BucketedAllReduce`), and
+    the fused step steps each tensor once its bucket's sum is back."""
 
     def __init__(self, staged: StagedModel, config: Config):
         super().__init__(staged, config)
@@ -209,8 +210,9 @@ class DataParallel(SingleProcess):
         self.reducer: BucketedAllReduce | None = None
 
     def activate(self, block: Block, boundary: int, visit: VisitOptimizer) -> None:
+        """The visit's buckets; the fused step, watching the block until now, steps each tensor once it is summed."""
         self.reducer = BucketedAllReduce(visit.active.masters)
-        visit.active.watch(self.reducer.grad_ready)
+        self.reducer.on_reduced = visit.active.watch(self.reducer.grad_ready)
 
     def sum_over_replicas(self, tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor)

@@ -207,7 +207,7 @@ class ActiveBlock:
     """The tensors one visit's optimizer steps and their gradients: the block's own weights under fp32, fp32
     master copies of them under mixed precision. `on_grad_ready(i)` is called when tensor i's gradient of the
     step's last micro-batch is complete (the data-parallel reducer launches its buckets from it; the fused step
-    steps tensor i)."""
+    steps tensor i, at once or once the reducer has summed it)."""
 
     def __init__(self, params: list[nn.Parameter], mixed: bool, masters: list[torch.Tensor] | None = None):
         self.params, self.mixed = params, mixed
@@ -223,15 +223,14 @@ class ActiveBlock:
         if mixed:
             self._install_hooks()
 
-    def watch(self, on_grad_ready: Callable[[int], None]) -> None:
-        """Call `on_grad_ready(i)` as each gradient of the last micro-batch completes (one watcher: the fused step
-        or the data-parallel reducer)."""
-        if self.on_grad_ready is not None:
-            raise UsageError("--fused-step steps each tensor as backward completes its gradient, before data "
-                             "parallelism sums the gradients over the replicas: drop --fused-step under torchrun")
-        self.on_grad_ready = on_grad_ready
+    def watch(self, on_grad_ready: Callable[[int], None]) -> Callable[[int], None] | None:
+        """Call `on_grad_ready(i)` as each gradient of the last micro-batch completes (one watcher: the fused step,
+        or the data-parallel reducer, which hands each summed gradient on to the fused step); returns the watcher
+        it replaces (None: none)."""
+        replaced, self.on_grad_ready = self.on_grad_ready, on_grad_ready
         if not self._hooks:
             self._install_hooks()
+        return replaced
 
     def _install_hooks(self) -> None:
         for index, param in enumerate(self.params):

@@ -21,11 +21,12 @@ The fused step (`fused_step`): each tensor's step runs in backward, as soon as i
 micro-batch is complete (`ActiveBlock.watch`), and the gradient is freed at once, so a step's gradients are never
 all resident (torchtune's optimizer in backward). The optimizer is the same one, stepping one tensor at a time
 (`preinfer.optim.step_tensor`), so the weights equal the unfused step's. Gradient accumulation works (the earlier
-micro-batches accumulate, the last one steps); what needs every gradient of a step before the first tensor steps is
-refused: global-norm clipping, fp16-mixed's loss scaling, expert slicing (`Config.validate`), and data
-parallelism's reducer (`ActiveBlock.watch`, at the visit's start; a pipeline's replicas, at the stage's). On a
-pipeline a stage tells its block which micro-batch's backward is the step's last
-(`pipelines.pipeline_parallel.visit`).
+micro-batches accumulate, the last one steps); under data parallelism each tensor steps once the reducer has
+summed its bucket (`preinfer.grad_buckets`, still in backward); an expert's slice steps once backward has
+completed its fused gradient (`preinfer.moe.ExpertGranular`). What needs every gradient of a step before the first
+tensor steps is refused: global-norm clipping and fp16-mixed's loss scaling (`Config.validate`), and a pipeline's
+replicas, whose stages sum their gradients after the whole step (at the stage's join). On a pipeline a stage tells
+its block which micro-batch's backward is the step's last (`pipelines.pipeline_parallel.visit`).
 """
 
 from __future__ import annotations
