@@ -233,6 +233,15 @@ class DataParallel(SingleProcess):
     def stop_agreed(self, requested: bool) -> bool:
         return any_rank(requested, self.device)
 
+    def load(self, run_dir: RunDir, model: nn.Module) -> Checkpoint:
+        """Rank 0's checkpoint, its data cursor made this replica's: every replica has read as many batches of its
+        own share of the data, so its reader stands where rank 0's does, with its own rank."""
+        checkpoint = super().load(run_dir, model)
+        cursor = checkpoint.trainer.get("cursor")
+        if isinstance(cursor, dict) and "rank" in cursor:
+            checkpoint.trainer["cursor"] = {**cursor, "rank": self.rank}
+        return checkpoint
+
 
 def any_rank(flag: bool, device: torch.device) -> bool:
     """Whether `flag` is set on any rank of the default group."""
