@@ -190,7 +190,8 @@ class ExpertGranular:
     last micro-batch the fused step then steps it) and the fused gradient is freed; an expert that no token
     (padding included) has reached in the step gets no gradient, so the optimizer leaves it and its moments alone.
     `with_parts` trains with them (`router`, `shared` expert and its gate, `attention`, `rest`: norms, dense MLPs,
-    embedding and head); the others stay frozen. Without `--experts`, or for a block with no sparse layer, the block trains whole.
+    embedding and head); the others stay frozen. Without `--experts`, or for a block with no sparse layer, the
+    block trains whole.
     """
 
     def __init__(self, staged, experts: str | None, with_parts: str, sample_batches: int):

@@ -87,26 +87,26 @@ def procs(combination: tuple[str, ...]) -> int:
     return max(1, sum(FEATURES[f].procs for f in combination if FEATURES[f].procs > 1))
 
 
-def bcd_args(combination: tuple[str, ...], corpus: str, out: Path, reference: bool = False) -> list[str]:
+def bcd_args(combination: tuple[str, ...], corpus: str, out: Path) -> list[str]:
     """`preinfer bcd` arguments of `combination`: 2 blocks (unless the partition is chosen), 2 steps a visit, 2
-    sweeps, batches of 4 samples of 16 tokens from the first 32 samples of each split. A pipeline splits each batch into 2 micro-batches; its single-process
-    `reference` (and every other run) reads the same micro-batches, accumulating 2 per step."""
+    sweeps, batches of 4 samples of 16 tokens from the first 32 samples of each split. A pipeline splits each batch
+    into 2 micro-batches; every other run (its one-process reference too) reads the same micro-batches,
+    accumulating 2 per step."""
     moe = any(FEATURES[f].moe for f in combination)
     args = ["bcd", "--model", "tiny-moe" if moe else "tiny-llama", "--data", corpus, "--seq-len", "16",
             "--max-samples", "32", "--samples-per-shard", "8", "--eval-fraction", "0.2", "--eval-tokens", "64",
             "--steps-per-visit", "2", "--sweeps", "2", "--lr", "1e-3", "--seed", "0", "--out", str(out)]
-    features = [f for f in combination if not (reference and f == "pipeline2")]
-    if not any(f.startswith("stores") for f in features):
+    if not any(f.startswith("stores") for f in combination):
         args += ["--pre-inference", "off"]
-    if "ufp-auto" not in features:
+    if "ufp-auto" not in combination:
         args += ["--blocks", "2"]
-    if "expand" not in {FEATURES[f].key for f in features}:
+    if "expand" not in {FEATURES[f].key for f in combination}:
         args += ["--expand", "none"]  # the feature under test alone (auto expands where it runs)
-    if "pipeline2" in features:
+    if "pipeline2" in combination:
         args += ["--batch-size", "4", "--microbatches", "2"]
     else:
         args += ["--batch-size", "2", "--grad-accum", "2"]
-    for feature in features:
+    for feature in combination:
         args += FEATURES[feature].flags
     return args
 
