@@ -70,7 +70,7 @@ class Trainer:
         self.layout = layout if layout is not None else replica_layout(staged, config)
         self.rank, self.world_size = self.layout.rank, self.layout.world_size
         self.log = MetricsLog(run_dir.metrics if run_dir and self.rank == 0 else None)
-        self.progress = RunPosition()
+        self.position = RunPosition()
         self.wall_s = 0.0  # time spent in fit()
         self.precision = precision if precision is not None else apply_precision(staged.model, config.run.precision)
         check_resolved(config, self.precision, blocks=len(partition))  # direct callers too: the resolved run
@@ -88,7 +88,7 @@ class Trainer:
                              lambda: self.checkpoint_dir / STATE, active_block, self.world_size)
         self.lifecycle = VisitLifecycle(staged, config, self.layout, self.optimizers, self.experts, meter,
                                         hooks=[*frozen_weight_hooks(staged, config),
-                                               *expansion_hooks(staged, config, lambda: self.progress.global_step,
+                                               *expansion_hooks(staged, config, lambda: self.position.global_step,
                                                                 self.layout.sum_over_replicas)])
         self.expand = expansion_of(staged, config)  # the run's landscape expansion, auto resolved
         sources.attach(self.emit)
@@ -124,11 +124,11 @@ class Trainer:
         state_file = self.checkpoint_dir / STATE  # (refuses a trainer without a run directory)
         checkpoint = self.layout.load(self.run_dir, self.staged.model)
         self.optimizers.kept = checkpoint.optimizers
-        self.progress = RunPosition.from_state(checkpoint.trainer, str(state_file),
+        self.position = RunPosition.from_state(checkpoint.trainer, str(state_file),
                                                self.config.blocks.sweeps, self.sweeps.visits_per_sweep())
         self.saved_masters = checkpoint.masters
-        if self.scaler.enabled and self.progress.loss_scaler is not None:
-            self.scaler.load_state_dict(self.progress.loss_scaler)
+        if self.scaler.enabled and self.position.loss_scaler is not None:
+            self.scaler.load_state_dict(self.position.loss_scaler)
 
     def fit(self, max_total_steps: int | None = None) -> list[dict]:
         """Run every remaining visit; stop early (after a checkpoint) once `max_total_steps` steps are done or
@@ -139,7 +139,7 @@ class Trainer:
             self.log.close()
 
     def _fit(self, max_total_steps: int | None) -> list[dict]:
-        p = self.progress
+        p = self.position
         while p.sweep < self.config.blocks.sweeps and not self.sweeps.budget_ends_before_visit(p):
             order = self.sweeps.order(p.sweep, p)
             if p.visit == 0:
@@ -157,9 +157,9 @@ class Trainer:
         return p.visits
 
     def _visit(self, block: Block, max_total_steps: int | None, order: list[int] = ()) -> bool:
-        """Train `block` (visit `progress.visit` of the sweep's `order`) until its stopping rule fires; False if the
+        """Train `block` (visit `position.visit` of the sweep's `order`) until its stopping rule fires; False if the
         run was halted by `max_total_steps` or a stop request."""
-        p, cfg = self.progress, self.config
+        p, cfg = self.position, self.config
         train, evaluation = self.visit_sources.sources(block)
         if p.cursor is not None:
             train.load_state_dict(p.cursor)
@@ -235,10 +235,10 @@ class Trainer:
 
     def _save_visit_state(self, train: BatchSource, visit: VisitOptimizer, block: Block, stop: StopRule) -> None:
         """Checkpoint mid-visit: the active block's optimizer state travels with the others."""
-        self.progress.cursor = train.state_dict()
-        self.progress.stop = stop.state_dict()
+        self.position.cursor = train.state_dict()
+        self.position.stop = stop.state_dict()
         self._checkpoint(self.optimizers.states(block.index, visit), self.lifecycle.checkpointed(visit))
 
     def _checkpoint(self, optimizers: dict[int, dict], masters: list[torch.Tensor] = ()) -> None:
         if self.run_dir is not None:
-            self.layout.save(self.run_dir, self.staged.model, optimizers, vars(self.progress), list(masters))
+            self.layout.save(self.run_dir, self.staged.model, optimizers, vars(self.position), list(masters))

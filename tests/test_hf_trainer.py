@@ -68,7 +68,7 @@ def test_hf_trainer_ends_with_preinfer_bcd_s_weights_over_the_same_batches(tmp_p
     model, bcd = hf_run(tmp_path, samples_of(live_batches(18)), gradient_accumulation_steps=2, meter=True)
     kept = ("params", "masters", "grads", "optimizer")  # the meter's peaks of the two, activations aside
     assert [{k: memory[k] for k in kept} for memory in bcd.optimizer.visit_memory] == [
-        {k: visit["memory"][k] for k in kept} for visit in ours.progress.visits]
+        {k: visit["memory"][k] for k in kept} for visit in ours.position.visits]
     expected, got = snapshot(staged.model), snapshot(model)
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)

@@ -24,7 +24,7 @@ def test_a_run_resumed_with_kept_states_ends_bit_for_bit_as_one_run(tmp_path, ov
     reference, saved, resumed = halted_and_resumed(tmp_path, 3 * STEPS + 2, **options)
     assert {name.split(".")[1] for name in saved if name.startswith("optim.")} == {"0", "1", "2"}
     assert same_weights(reference, resumed)
-    assert [v["eval_loss"] for v in resumed.progress.visits] == [v["eval_loss"] for v in reference.progress.visits]
+    assert [v["eval_loss"] for v in resumed.position.visits] == [v["eval_loss"] for v in reference.position.visits]
 
 
 def test_kept_states_change_the_second_sweep_and_their_step_count_goes_on():
@@ -54,15 +54,15 @@ def test_the_visit_records_give_the_kept_states_host_bytes():
     trainer.meter = MemoryMeter(trainer.staged.model)
     trainer.fit()
     blocks, expected, visited = trainer.partition.blocks, [], 0
-    for visit in trainer.progress.visits:
+    for visit in trainer.position.visits:
         params = blocks[visit["block"]].params
         visited += sum(2 * 4 * p.numel() + 4 for p in params)
         expected.append(visited)
-    assert [v["memory"]["host_optimizer"] for v in trainer.progress.visits] == expected
+    assert [v["memory"]["host_optimizer"] for v in trainer.position.visits] == expected
     plain = make_trainer()
     plain.meter = MemoryMeter(plain.staged.model)
     plain.fit()
-    assert all("host_optimizer" not in v["memory"] for v in plain.progress.visits)
+    assert all("host_optimizer" not in v["memory"] for v in plain.position.visits)
 
 
 @pytest.mark.parametrize("expand_lr", [None, 0.05], ids=["one-group", "factors-apart"])
@@ -75,7 +75,7 @@ def test_with_lowrank_expansion_a_block_keeps_its_own_moments_and_its_new_factor
     block = trainer.partition.blocks[0]  # its suffix: blocks 1 and 2's layers
     kept = trainer.optimizers.kept[0]
     assert len(kept["state"]) == len(block.params) and all(float(e["step"]) == 3 for e in kept["state"].values())
-    visit = trainer.lifecycle.activate(block, trainer.progress)
+    visit = trainer.lifecycle.activate(block, trainer.position)
     assert trainer.lifecycle.extras > 0
     state = visit.optimizer.state
     for index, master in enumerate(visit.active.masters):

@@ -63,7 +63,7 @@ def test_full_mode_loss_equals_the_frameworks_loss_with_router_logits():
         expected = model(**batch, output_router_logits=True)
         lm_only = model(**batch).loss
     assert expected.aux_loss.item() > 0 and expected.loss.item() != lm_only.item()
-    visit = trainer.lifecycle.activate(block, trainer.progress)
+    visit = trainer.lifecycle.activate(block, trainer.position)
     loss, _, _ = trainer.lifecycle.train_step(block, FixedBatch(batch), visit)
     assert loss == pytest.approx(expected.loss.item(), rel=1e-6, abs=1e-6)
 
@@ -92,7 +92,7 @@ def test_with_recompute_the_routers_still_get_the_balancing_gradient():
         trainer = make_trainer("tiny-moe", blocks__blocks=1, run__recompute=recompute)
         block = trainer.partition.blocks[0]
         router = sparse_blocks(trainer.staged.layers)[3].gate.weight
-        visit = trainer.lifecycle.activate(block, trainer.progress)
+        visit = trainer.lifecycle.activate(block, trainer.position)
         router_loss = trainer.layout.router_loss
         router_loss.coef = 1.0
         state = trainer.staged.embed(**{k: moe_batch()[k] for k in ("input_ids", "attention_mask")})
@@ -141,7 +141,7 @@ def test_an_expert_granular_visit_changes_only_the_chosen_experts_slices():
     model = trainer.staged.model
     before = snapshot(model)
     trainer.fit()
-    chosen = trainer.progress.experts["0"]
+    chosen = trainer.position.experts["0"]
     assert set(chosen) == {"1", "3"} and all(0 < len(c) < 8 for c in chosen.values())
     fused = fused_tensors(model)
     for name, param in model.named_parameters():
@@ -157,8 +157,8 @@ def test_an_expert_granular_visit_changes_only_the_chosen_experts_slices():
 def test_the_optimizer_state_is_the_chosen_slices():
     trainer = expert_trainer()
     block = trainer.partition.blocks[0]
-    trainer.progress.experts["0"] = {"1": [0, 5], "3": [2]}
-    visit = trainer.lifecycle.activate(block, trainer.progress)
+    trainer.position.experts["0"] = {"1": [0, 5], "3": [2]}
+    visit = trainer.lifecycle.activate(block, trainer.position)
     trainer.lifecycle.train_step(block, FixedBatch(moe_batch(8)), visit)
     optimizer = visit.optimizer
     slices = [p[e] for name, p in fused_tensors(trainer.staged.model).items()
@@ -171,8 +171,8 @@ def test_the_optimizer_state_is_the_chosen_slices():
 def test_a_chosen_expert_that_gets_no_tokens_is_not_moved():
     trainer = expert_trainer(optim__grad_clip=1.0)
     block = trainer.partition.blocks[0]
-    trainer.progress.experts["0"] = {"1": [0, 1], "3": [0, 1]}
-    visit = trainer.lifecycle.activate(block, trainer.progress)
+    trainer.position.experts["0"] = {"1": [0, 1], "3": [0, 1]}
+    visit = trainer.lifecycle.activate(block, trainer.position)
     optimizer = visit.optimizer
     batch = FixedBatch(moe_batch(8))
     trainer.lifecycle.train_step(block, batch, visit)  # both experts get tokens and momentum
@@ -201,8 +201,8 @@ def test_under_mixed_precision_only_the_chosen_slices_train_and_each_is_its_mast
     model = trainer.staged.model
     before = snapshot(model)
     block = trainer.partition.blocks[0]
-    trainer.progress.experts["0"] = {"1": [0, 5], "3": [2]}
-    visit = trainer.lifecycle.activate(block, trainer.progress)
+    trainer.position.experts["0"] = {"1": [0, 5], "3": [2]}
+    visit = trainer.lifecycle.activate(block, trainer.position)
     for _ in range(2):
         visit.set_rate(0)
         trainer.lifecycle.train_step(block, FixedBatch(moe_batch(8)), visit)
@@ -229,12 +229,12 @@ def test_expansion_beside_expert_granular_blocks_moves_only_the_suffix_and_the_c
     model = trainer.staged.model
     before = snapshot(model)
     block = trainer.partition.blocks[0]
-    trainer.progress.experts["0"] = {"1": [0, 5]}
-    visit = trainer.lifecycle.activate(block, trainer.progress)
+    trainer.position.experts["0"] = {"1": [0, 5]}
+    visit = trainer.lifecycle.activate(block, trainer.position)
     for _ in range(2):
         visit.set_rate(0)
         trainer.lifecycle.train_step(block, FixedBatch(moe_batch(8)), visit)
-    trainer.lifecycle.deactivate(block, visit, trainer.progress)
+    trainer.lifecycle.deactivate(block, visit, trainer.position)
     moved = {name for name, param in model.named_parameters() if not torch.equal(param, before[name])}
     below = {name for name in moved if any(f".layers.{i}." in name for i in (0, 1)) or "embed" in name}
     assert {name for name in below if name not in fused_tensors(model)} == set()

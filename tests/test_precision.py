@@ -90,7 +90,7 @@ def test_meter_under_bf16_mixed_is_exact_against_tensor_sizes():
     trainer.meter = MemoryMeter(trainer.staged.model)
     trainer.fit()
     every = sum(p.numel() for p in trainer.staged.model.parameters())
-    for visit, block in zip(trainer.progress.visits, trainer.partition.blocks):
+    for visit, block in zip(trainer.position.visits, trainer.partition.blocks):
         memory, active = visit["memory"], sum(p.numel() for p in block.params)
         assert memory["params"] == 2 * every
         assert memory["masters"] == memory["grads"] == 4 * active
