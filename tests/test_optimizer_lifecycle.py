@@ -124,7 +124,6 @@ def test_the_fused_step_steps_in_backward_and_frees_each_gradient(precision):
                            "fused step steps each tensor in backward, before the global gradient norm is known"),
     (["--precision", "fp16-mixed"], "expected false with --precision fp16-mixed: the fused step steps each tensor "
                                     "in backward, before loss scaling checks every gradient"),
-    (["--experts", "top:0.5"], "expected false with --experts"),
 ])
 def test_the_fused_step_is_refused_where_it_cannot_apply(argv, line, tmp_path, capsys):
     out = tmp_path / "run"
@@ -132,15 +131,16 @@ def test_the_fused_step_is_refused_where_it_cannot_apply(argv, line, tmp_path, c
     assert code == 2 and line in failure_line(err) and not out.exists()
 
 
-def test_the_fused_step_is_refused_under_a_resolved_fp16_mixed_and_beside_a_reducer():
+def test_the_fused_step_is_refused_under_a_resolved_fp16_mixed_and_handed_to_a_reducer():
     optim = OptimConfig(fused_step=True)
     with pytest.raises(UsageError, match=r"^\[optim\] fused_step = True: expected false with \[run\] precision auto, "
                                          r"resolved from the model's weights to fp16-mixed: the fused step"):
         config = Config(optim=optim, stop=StopConfig(steps_per_visit=1))
         check_resolved(config, resolve_precision("auto", torch.float16))  # the one rule, on the resolved run
     visit = VisitOptimizers(optim, Precision.FP32, "cpu").open(0, [nn.Parameter(torch.ones(2))], 1)
-    with pytest.raises(UsageError, match=r"before data parallelism sums the gradients over the replicas: drop "):
-        visit.active.watch(lambda index: None)  # what the data-parallel layout does at a visit's start
+    reducer = lambda index: None  # noqa: E731 (what the data-parallel layout watches with at a visit's start)
+    assert visit.active.watch(reducer) == visit._step_one  # the fused step, which the reducer calls after each sum
+    assert visit.active.on_grad_ready is reducer
 
 
 @pytest.mark.parametrize("arguments, message", [
