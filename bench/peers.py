@@ -61,6 +61,7 @@ plain loop (median over the rounds of each window's ratio).
     python -m bench.peers                                  # bf16-mixed, all four, the long visit
     python -m bench.peers --precision fp32 --methods plain,preinfer --long-steps 0     # the hot path alone
     python -m bench.peers --quick                          # tiny-llama, a few steps, plain and preinfer (~1.5 min)
+    python -m bench.peers --guard                          # the goals against BAdam; exit 1 when one is missed
 
 bf16 matmuls are 5-25x slower than float32 on CPUs without AVX-512 BF16 or AMX (a small-llama step at seq 128 x 8:
 28 s against 1.1 s on the 2-core machine of docs/results.md), where the default bf16-mixed run takes hours:
