@@ -101,6 +101,12 @@ TRAINING_FLAGS: list[Flag] = [
          "(the resident dtype, as today), bf16, int8 (per row) or nf4 (torchao, pip install preinfer[quant]); each "
          "block keeps an exact master in host memory, restored for its visit, and checkpoints, exports and stores "
          "are made from the masters"),
+    Flag("--stream-frozen", "model", "stream_frozen",
+         "keep the frozen decoder layers in host memory (their codes under --frozen-dtype, else their weights; "
+         "pinned on CUDA) and copy each to the device only while it computes, the next one copied on a side "
+         "stream meanwhile: at most two frozen layers on the device. Each step runs its micro-batches layer-major "
+         "(one copy serves them all, their activations held together), bit-identical to a resident run; one "
+         "process, no --experts", SWITCH),
     Flag("--data", "data", "path", f"a corpus: {CORPUS}; or a token store written by preinfer tokenize"),
     Flag("--dataset-split", "data", "dataset_split",
          "the split of a dataset folder or repository that --data reads (train, validation, test or another it names "

@@ -25,6 +25,7 @@ class ModelConfig:
     tokenizer: str = "auto"  # auto (the model's own; byte for a preset), byte, or a local HF tokenizer directory
     chat_template: str | None = None  # a file whose Jinja chat template replaces the tokenizer's own
     attention: Attention = DEFAULT_ATTENTION  # the attention implementation every job runs the model with
+    stream_frozen: bool = False  # frozen layers in host memory, each copied to the device only while it computes
     frozen_dtype: FrozenDtype = "auto"  # frozen decoder layers' linear weights for their forward; masters stay exact
     chat_template_name: str | None = None  # which of the tokenizer's named chat templates renders; None: default
 
