@@ -116,7 +116,7 @@ class MemoryMeter:
 
     def reset(self) -> None:
         """Forget every peak (the process RSS peak cannot be reset; the CUDA peak is reset where present)."""
-        self._grads = self._masters = self._optimizer = self._activations = self._tracked = 0
+        self._grads = self._masters = self._optimizer = self._activations = self._tracked = self._params = 0
         self._step_activations = self._sampled = 0
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.reset_peak_memory_stats()
@@ -199,13 +199,15 @@ class MemoryMeter:
         self._grads = max(self._grads, grads)
         self._masters = max(self._masters, masters)
         self._optimizer = max(self._optimizer, state)
-        total = self.param_bytes() + self.frozen_device_bytes() + masters + grads + state + self._step_activations
+        params = self.param_bytes()
+        self._params = max(self._params, params)
+        total = params + self.frozen_device_bytes() + masters + grads + state + self._step_activations
         self._tracked = max(self._tracked, total)
 
     def report(self) -> dict[str, int]:
         """Peak bytes by component, the tracked total, the process RSS peak and the CUDA peak."""
         return {
-            "params": self.param_bytes(),
+            "params": self._params or self.param_bytes(),  # the largest sampled (a visit's block on the device)
             "frozen_device": self.frozen_device_bytes(),
             "masters": self._masters,
             "grads": self._grads,
