@@ -98,3 +98,20 @@ def test_stream_frozen_is_refused_where_it_cannot_apply_in_one_line(key, value, 
     with pytest.raises(UsageError, match=match) as refused:
         config.validate()
     assert "\n" not in str(refused.value)
+
+
+def test_a_streamed_run_halted_mid_visit_and_resumed_ends_as_the_resident_run(tmp_path):
+    """Frozen dtype auto, copies on: the checkpoint reads each evicted weight from its host copy, and the resumed
+    run's load writes there (the next copy to the device carries it)."""
+    overrides = dict(optim__grad_accum=2, stop__steps_per_visit=3)
+    reference = make_trainer(**overrides)
+    reference.fit()
+    for run, halt in ((make_trainer(run_dir=tmp_path, model__stream_frozen=True, **overrides), 4),
+                      (make_trainer(run_dir=tmp_path, model__stream_frozen=True, **overrides), None)):
+        run.layout.stream.copies = True
+        if halt is None:
+            run.resume()
+        run.fit(max_total_steps=halt)
+    ref, got = snapshot(reference.staged.model), snapshot(run.staged.model)
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    assert [v["eval_loss"] for v in run.progress.visits] == [v["eval_loss"] for v in reference.progress.visits]
