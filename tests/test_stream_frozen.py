@@ -4,6 +4,8 @@ The reference is the resident run of the same config: losses and weights bit for
 on (`LayerStream.copies`, which CUDA has): every streamed tensor really leaves its storage (freed, refilled from its
 host copy), so the mechanics a GPU runs are what these runs check, streams and pinning aside."""
 
+import copy
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -14,6 +16,7 @@ from preinfer.errors import UsageError
 from preinfer.frozen_weights import FrozenWeight
 from preinfer.memory.meter import MemoryMeter
 from preinfer.metrics import StepRecord
+from preinfer.presets import build_preset
 from preinfer.stream_frozen import LayerStream
 from tests.helpers.trainers import make_trainer, snapshot
 from tests.helpers.training_runs import config_for
@@ -115,3 +118,19 @@ def test_a_streamed_run_halted_mid_visit_and_resumed_ends_as_the_resident_run(tm
     ref, got = snapshot(reference.staged.model), snapshot(run.staged.model)
     assert all(torch.equal(ref[k], got[k]) for k in ref)
     assert [v["eval_loss"] for v in run.progress.visits] == [v["eval_loss"] for v in reference.progress.visits]
+
+
+def test_under_inference_mode_each_layer_is_fetched_for_its_forward_and_freed_after_it():
+    """Pre-inference's and evaluation's path (the forward hooks, copies on): the model's own logits, bit for bit,
+    and nothing of a streamed layer left on the device after it ran."""
+    model = build_preset("tiny-llama", seed=0).eval()
+    reference = copy.deepcopy(model)
+    layers = model.model.layers
+    stream = LayerStream(layers, "cpu", codes=False, copies=True)
+    stream.stream(range(len(layers)))
+    ids = torch.randint(0, 258, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        got, expected = model(ids).logits, reference(ids).logits
+    assert torch.equal(got, expected)
+    assert stream.fetches == len(layers) and stream.bytes == 0 and stream.peak <= 2 * stream.layer_bytes(0)
+    assert all(p.__dict__["stream_state"][0].untyped_storage().nbytes() == 0 for p in layers.parameters())
