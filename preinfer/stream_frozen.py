@@ -107,6 +107,8 @@ class LayerStream:
             return
         for weight in self._weights(index):
             weight.__dict__["streamed_by"] = self
+        if index in self.resident:
+            self._wait(self.resident[index][0])  # a copy still in flight writes what is about to be freed
         if self.copies and self.codes:
             self._codes_to_host(self._tensors(index))
         elif self.copies:
