@@ -17,7 +17,7 @@ Everything runs where the device is the host too, the copies then no-ops (`copie
 same bookkeeping: what is on the device, and its peak (`peak`: at most two layers in a step, the one computing
 and the one being copied).
 
-Outside the layer-major step (`preinfer.layer_major`, which places and frees the layers itself: `held`), forward
+Outside the layer-major step (`preinfer.layer_major`, which places and frees the layers itself: `holding`), forward
 hooks stream each layer as it runs: fetched (and the next prefetched) before its forward, evicted after it where
 nothing keeps it for backward (evaluation, pre-inference). A module marked by the stream (`streamed_by` on its
 weights) is counted by the memory meter as the stream's `peak`, not as resident parameters.
@@ -60,7 +60,7 @@ class LayerStream:
         self.side = torch.cuda.Stream(self.device) if self.copies and self.device.type == "cuda" else None
         self.streamed: set[int] = set()
         self.resident: dict[int, list] = {}  # streamed layer on the device -> [its copy's event or None, bytes]
-        self.held = False  # the layer-major step fetches and evicts itself
+        self.placing = False  # the layer-major step fetches and evicts the layers itself
         self.bytes = self.peak = self.fetches = 0
         for index, layer in enumerate(self.layers):
             layer.register_forward_pre_hook(self._before(index))
@@ -124,11 +124,11 @@ class LayerStream:
     @contextmanager
     def holding(self) -> Iterator[None]:
         """The enclosed code fetches and evicts the layers itself (the forward hooks leave them be)."""
-        self.held = True
+        self.placing = True
         try:
             yield
         finally:
-            self.held = False
+            self.placing = False
 
     def _weights(self, index: int) -> list[torch.Tensor]:
         """The streamed tensors' owners: the layer's frozen weights (codes), or all its parameters (auto)."""
@@ -207,13 +207,13 @@ class LayerStream:
 
     def _before(self, index: int):
         def hook(module, args):
-            if not self.held:
+            if not self.placing:
                 self.use(index, index + 1)
         return hook
 
     def _after(self, index: int):
         def hook(module, args, output):
-            if not self.held and not torch.is_grad_enabled():
+            if not self.placing and not torch.is_grad_enabled():
                 self.evict(index)
         return hook
 
@@ -223,11 +223,10 @@ class StreamedFrozenLayers:
     the block's layers stay on the device for its visit. After the frozen-dtype hook in a run's hooks, so that the
     codes it builds are the ones streamed."""
 
-    def __init__(self, staged: StagedModel, config: Config, copies: bool | None = None):
-        held = [i for i, layer in enumerate(staged.layers) if not any(p.is_meta for p in layer.parameters())]
-        self.held = held
-        self.stream = LayerStream(staged.layers, config.run.device, config.model.frozen_dtype != "auto", copies)
-        self.stream.stream(held)
+    def __init__(self, staged: StagedModel, config: Config):
+        self.held = [i for i, layer in enumerate(staged.layers) if not any(p.is_meta for p in layer.parameters())]
+        self.stream = LayerStream(staged.layers, config.run.device, config.model.frozen_dtype != "auto")
+        self.stream.stream(self.held)
 
     def activate(self, block: Block) -> list[nn.Parameter]:
         """The block's layers on the device, every other held layer streamed; no extra parameters."""
