@@ -17,15 +17,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from preinfer.wire import Wire
+
 BUCKET_BYTES = 25 * 2**20
 
 
 class BucketedAllReduce:
-    """Sums the gradients of `tensors` over `group` (None: the default process group), bucket by bucket."""
+    """Sums the gradients of `tensors` over the group of `wire` (by default the default process group, counted),
+    bucket by bucket."""
 
-    def __init__(self, tensors: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES,
-                 group: dist.ProcessGroup | None = None):
-        self.tensors, self.group = tensors, group
+    def __init__(self, tensors: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES, wire: Wire | None = None):
+        self.tensors, self.wire = tensors, wire if wire is not None else Wire()
         self.buckets: list[list[int]] = []
         size = 0
         for index in reversed(range(len(tensors))):
@@ -72,4 +74,4 @@ class BucketedAllReduce:
                 tensor.grad = torch.zeros_like(tensor, dtype=torch.float32)
             self.flat[bucket][offset:offset + tensor.numel()].copy_(tensor.grad.reshape(-1))
             offset += tensor.numel()
-        self.launched.append(dist.all_reduce(self.flat[bucket], group=self.group, async_op=True))
+        self.launched.append(self.wire.all_reduce(self.flat[bucket], async_op=True))
