@@ -1,7 +1,7 @@
 """The layout of a run directory: `RunDir` is the one place that names its files (config.toml, inputs.json,
-metrics.jsonl, checkpoint/, replicas/ (the checkpoints of data-parallel replicas 1.. that sync at visits' ends or
-every N steps), export/, loss.png, summary.json, stores/, and the trackers' tensorboard/, mlruns/ and wandb/);
-everything else asks it for their paths."""
+metrics.jsonl, checkpoint/, replicas/ (the checkpoints of data-parallel replicas 1, 2, ...), export/, loss.png,
+summary.json, stores/, and the trackers' tensorboard/, mlruns/ and wandb/); everything else asks it for their
+paths."""
 
 from __future__ import annotations
 
@@ -47,8 +47,7 @@ class RunDir:
             object.__setattr__(self, name, value)
 
     def replica_checkpoint(self, replica: int) -> Path:
-        """The checkpoint of data-parallel replica `replica` (1, 2, ...; replica 0's is `checkpoint`) where the
-        replicas differ between syncs (`--dp-sync visit`, `every:N`)."""
+        """The checkpoint of data-parallel replica `replica` (1, 2, ...; replica 0's is `checkpoint`)."""
         return self.path / "replicas" / f"checkpoint-{replica}"
 
     def tracker_dir(self, name: str) -> Path:

@@ -212,8 +212,8 @@ class DataParallel(SingleProcess):
     """The whole model in every process of torchrun's group, each a replica reading its share of every batch.
     `--dp-sync step`: the active block's gradients are summed in buckets launched as backward completes them
     (`BucketedAllReduce`). `visit`, `every:N`: each replica steps on its own share, and the replicas average the
-    block at the visit's end or every N steps (`preinfer.replica_sync`); each replica then checkpoints its own
-    state. Every collective goes through the replicas' `wire`, which counts the bytes sent."""
+    block at the visit's end or every N steps (`preinfer.replica_sync`). Each replica checkpoints its own state.
+    Every collective goes through the replicas' `wire`, which counts the bytes sent."""
 
     def __init__(self, staged: StagedModel, config: Config, dims: ParallelDims):
         super().__init__(staged, config)
@@ -269,15 +269,13 @@ class DataParallel(SingleProcess):
         return any_rank(requested, self.device, self.wire)
 
     def checkpoint_dir(self, run_dir: RunDir) -> Path:
-        """Rank 0's `checkpoint/`; where the replicas differ between syncs, each other replica's own."""
-        return run_dir.checkpoint if self.sync.per_step or self.rank == 0 else run_dir.replica_checkpoint(self.rank)
+        """Replica 0's is `checkpoint/`, every other one's its own (its data cursor, random state and, where the
+        replicas train apart, its weights and optimizer state are its own)."""
+        return run_dir.checkpoint if self.rank == 0 else run_dir.replica_checkpoint(self.rank)
 
     def save(self, run_dir: RunDir, model: nn.Module, optimizers: dict[int, dict], trainer_state: dict,
              masters: list[torch.Tensor]) -> None:
-        """Rank 0's checkpoint under step sync; else every replica's, with the outer step's state mid-visit."""
-        if self.sync.per_step:
-            super().save(run_dir, model, optimizers, trainer_state, masters)
-            return
+        """Every replica's own checkpoint, with the outer step's state mid-visit."""
         outer = self.outer.state() if self.outer is not None else []
         save_checkpoint(self.checkpoint_dir(run_dir), model, optimizers, trainer_state, masters, outer)
 
