@@ -3,8 +3,8 @@
 Every collective the data-parallel seams issue (the gradient buckets, the token count, the loss, the stop
 agreement, a visit's average) goes through a `Wire`, which counts what this rank sends for the tensor it hands
 over: an all-reduce over n ranks sends 2 (n - 1) / n of the tensor's bytes from each rank (reduce-scatter then
-all-gather, the ring algorithm of gloo's and NCCL's large all-reduces). The counts are read per step (`take_step`) and per visit (`take_visit`) into metrics.jsonl's step and
-visit records (`sent_bytes`).
+all-gather, the ring algorithm of gloo's and NCCL's large all-reduces). The counts are read per step
+(`take_step`) and per visit (`take_visit`) into metrics.jsonl's step and visit records (`sent_bytes`).
 """
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, "--model", "--arch", "--device", "--gpu", "--gpu-mem", "--memory-budget", "--seq-len",
               "--micro-batch", **plan)
     add_flags(parser.add_mutually_exclusive_group(), "--ufp", "--blocks", **plan)
-    add_flags(parser, "--separate-ends", "--dtype", "--recompute", "--attention", "--frozen-dtype", "--optimizer", "--fused-step",
-              "--expand", "--expand-rank", "--tokens", "--bandwidth-gbps", "--nodes", "--steps-per-visit", "--pipeline",
-              "--epochs-per-visit", "--store-dtype", "--compression",
+    add_flags(parser, "--separate-ends", "--dtype", "--recompute", "--attention", "--frozen-dtype", "--optimizer",
+              "--fused-step", "--expand", "--expand-rank", "--tokens", "--bandwidth-gbps", "--nodes",
+              "--steps-per-visit", "--pipeline", "--epochs-per-visit", "--store-dtype", "--compression",
               "--price-per-hour", "--mfu", "--json", **plan)
 
 
