@@ -9,14 +9,17 @@ collectives in the same order. `finish()` launches whatever is left, waits, and 
 
 Each element is summed across ranks exactly as a per-tensor all-reduce would sum it, so the result does not
 depend on the bucketing. The flat buffers are one more fp32 copy of the active block's gradients, kept for the
-visit.
+visit. `--grad-compression` chooses how a bucket is summed (`preinfer.grad_compression`: as it is, in bf16, or as
+PowerSGD's low-rank factors).
 """
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
+from collections.abc import Callable
 
+import torch
+
+from preinfer.grad_compression import gradient_sum
 from preinfer.wire import Wire
 
 BUCKET_BYTES = 25 * 2**20
@@ -24,10 +27,11 @@ BUCKET_BYTES = 25 * 2**20
 
 class BucketedAllReduce:
     """Sums the gradients of `tensors` over the group of `wire` (by default the default process group, counted),
-    bucket by bucket."""
+    bucket by bucket, each as `compression` sums it (with the sum's `state` from a mid-visit checkpoint)."""
 
-    def __init__(self, tensors: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES, wire: Wire | None = None):
-        self.tensors, self.wire = tensors, wire if wire is not None else Wire()
+    def __init__(self, tensors: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES, wire: Wire | None = None,
+                 compression: str = "none", state: list[torch.Tensor] = ()):
+        self.tensors = tensors
         self.buckets: list[list[int]] = []
         size = 0
         for index in reversed(range(len(tensors))):
@@ -40,12 +44,20 @@ class BucketedAllReduce:
         self.bucket_of = {i: b for b, members in enumerate(self.buckets) for i in members}
         self.flat = [torch.empty(sum(tensors[i].numel() for i in members), dtype=torch.float32,
                                  device=tensors[members[0]].device) for members in self.buckets]
+        shapes = [[tensors[i].shape for i in members] for members in self.buckets]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        self.sum = gradient_sum(compression, wire if wire is not None else Wire(), shapes, device)
+        self.sum.load(list(state))
         self.start_step()
+
+    def state(self) -> list[torch.Tensor]:
+        """The sum's state a mid-visit checkpoint carries (PowerSGD's)."""
+        return self.sum.state()
 
     def start_step(self) -> None:
         """Expect every gradient again (call before the step's backward passes)."""
         self.missing = [len(members) for members in self.buckets]
-        self.launched: list[dist.Work] = []
+        self.launched: list[Callable[[], None]] = []  # per launched bucket: what waits for its sum
 
     def grad_ready(self, index: int) -> None:
         """Tensor `index`'s gradient is final for this step: launch every bucket that is now complete, in order."""
@@ -58,8 +70,8 @@ class BucketedAllReduce:
         write the sums into the gradients."""
         for bucket in range(len(self.launched), len(self.buckets)):
             self._launch(bucket)
-        for work, bucket in zip(self.launched, range(len(self.buckets))):
-            work.wait()
+        for wait, bucket in zip(self.launched, range(len(self.buckets))):
+            wait()
             offset = 0
             for index in self.buckets[bucket]:
                 grad = self.tensors[index].grad
@@ -74,4 +86,4 @@ class BucketedAllReduce:
                 tensor.grad = torch.zeros_like(tensor, dtype=torch.float32)
             self.flat[bucket][offset:offset + tensor.numel()].copy_(tensor.grad.reshape(-1))
             offset += tensor.numel()
-        self.launched.append(self.wire.all_reduce(self.flat[bucket], async_op=True))
+        self.launched.append(self.sum.launch(bucket, self.flat[bucket]))

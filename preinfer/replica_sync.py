@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from preinfer.errors import UsageError
+from preinfer.grad_compression import GRAMMAR as COMPRESSION_GRAMMAR, parse_grad_compression
 from preinfer.wire import Wire
 
 DP_SYNC_GRAMMAR = "step, visit or every:N (N an integer >= 1)"
@@ -46,8 +47,8 @@ class DpSync:
 
 
 def dp_sync_problems(c: Any) -> Iterator[tuple[str, str, str]]:
-    """The config rules of `--dp-sync` (`preinfer.config.rules`' problems): its grammar, the outer step only where
-    replicas train apart, and what such replicas do not run with."""
+    """The config rules of `--dp-sync` and `--grad-compression` (`preinfer.config.rules`' problems): their grammars,
+    the outer step only where replicas train apart, compression only of step sync, and what does not compose."""
     r = c.run
     try:
         parse_dp_sync(r.dp_sync)
@@ -61,6 +62,16 @@ def dp_sync_problems(c: Any) -> Iterator[tuple[str, str, str]]:
     elif r.dp_sync != "step" and r.pipeline > 1:
         yield "run", "dp_sync", "step on a pipeline (its stages' replicas sum each step's gradients; averaging " \
                                 "them at syncs is not built for stages)"
+    try:
+        parse_grad_compression(r.grad_compression)
+    except UsageError:
+        yield "run", "grad_compression", COMPRESSION_GRAMMAR
+        return
+    if r.grad_compression != "none" and r.dp_sync != "step":
+        yield "run", "grad_compression", "none with {run.dp_sync} " + r.dp_sync + " (it compresses step sync's " \
+                                         "gradient sums; the replicas' average is sent whole)"
+    elif r.grad_compression != "none" and r.pipeline > 1:
+        yield "run", "grad_compression", "none on a pipeline (not built for its stages' sums)"
 
 
 def parse_dp_sync(text: str) -> DpSync:

@@ -211,7 +211,7 @@ class SingleProcess:
 class DataParallel(SingleProcess):
     """The whole model in every process of torchrun's group, each a replica reading its share of every batch.
     `--dp-sync step`: the active block's gradients are summed in buckets launched as backward completes them
-    (`BucketedAllReduce`). `visit`, `every:N`: each replica steps on its own share, and the replicas average the
+    (`BucketedAllReduce`; compressed with `--grad-compression`). `visit`, `every:N`: each replica steps on its own share, and the replicas average the
     block at the visit's end or every N steps (`preinfer.replica_sync`). Each replica checkpoints its own state.
     Every collective goes through the replicas' `wire`, which counts the bytes sent."""
 
@@ -223,17 +223,18 @@ class DataParallel(SingleProcess):
         self.step_replicas = self.world_size if self.sync.per_step else 1
         self.reducer: BucketedAllReduce | None = None
         self.outer: OuterStep | None = None
-        self.saved_outer: list[torch.Tensor] = []  # from a mid-visit checkpoint, for the visit it resumes
+        self.saved_sync: list[torch.Tensor] = []  # from a mid-visit checkpoint, for the visit it resumes
 
     def activate(self, block: Block, boundary: int, visit: VisitOptimizer) -> None:
-        if self.sync.per_step:
-            self.reducer = BucketedAllReduce(visit.active.masters, wire=self.wire)
-            visit.active.watch(self.reducer.grad_ready)
-            return
         r = self.config.run
-        self.outer = OuterStep(visit.active.masters, self.wire, r.outer_lr, r.outer_momentum, visit.active.cast_down,
-                               self.saved_outer)
-        self.saved_outer = []
+        if self.sync.per_step:
+            self.reducer = BucketedAllReduce(visit.active.masters, wire=self.wire, compression=r.grad_compression,
+                                             state=self.saved_sync)
+            visit.active.watch(self.reducer.grad_ready)
+        else:
+            self.outer = OuterStep(visit.active.masters, self.wire, r.outer_lr, r.outer_momentum,
+                                   visit.active.cast_down, self.saved_sync)
+        self.saved_sync = []
 
     def sum_over_replicas(self, tensor: torch.Tensor) -> None:
         """Summed under step sync; each replica's own otherwise."""
@@ -275,13 +276,13 @@ class DataParallel(SingleProcess):
 
     def save(self, run_dir: RunDir, model: nn.Module, optimizers: dict[int, dict], trainer_state: dict,
              masters: list[torch.Tensor]) -> None:
-        """Every replica's own checkpoint, with the outer step's state mid-visit."""
-        outer = self.outer.state() if self.outer is not None else []
-        save_checkpoint(self.checkpoint_dir(run_dir), model, optimizers, trainer_state, masters, outer)
+        """Every replica's own checkpoint, with the sync's state mid-visit (the outer step's, or PowerSGD's)."""
+        sync = self.outer.state() if self.outer is not None else self.reducer.state() if self.reducer else []
+        save_checkpoint(self.checkpoint_dir(run_dir), model, optimizers, trainer_state, masters, sync)
 
     def load(self, run_dir: RunDir, model: nn.Module) -> Checkpoint:
         checkpoint = load_checkpoint(self.checkpoint_dir(run_dir), model)
-        self.saved_outer = checkpoint.outer
+        self.saved_sync = checkpoint.sync
         return checkpoint
 
 

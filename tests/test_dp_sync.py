@@ -1,10 +1,11 @@
-"""How data-parallel replicas agree (`--dp-sync`, `preinfer.replica_sync`), on two gloo ranks of one torchrun job,
-each mode against its one-process definition: visit sync with a plain average ends with the mean of the replicas'
-independently trained blocks (each replica's training run in one process on its shard); the outer Nesterov step
-moves the start by lr (1 + momentum) times the replicas' mean change at a visit's one sync; every:1 with SGD
-(linear in the gradient) ends as step sync; a run halted mid-visit and resumed ends bit-identical in each mode;
-and the bytes each rank sent, counted at the collectives, are those of the block's tensors once a step or once a
-visit.
+"""How data-parallel replicas agree (`--dp-sync`, `preinfer.replica_sync`) and how step sync's gradients are sent
+(`--grad-compression`), on two gloo ranks of one torchrun job, each mode against its one-process definition:
+visit sync with a plain average ends with the mean of the replicas' independently trained blocks (each replica's
+training run in one process on its shard); the outer Nesterov step moves the start by lr (1 + momentum) times
+the replicas' mean change at a visit's one sync; every:1 with SGD (linear in the gradient) ends as step sync; a
+run halted mid-visit and resumed ends bit-identical in each mode (PowerSGD's too); and the bytes each rank sent,
+counted at the collectives, are those of the block's tensors (compressed: bf16's, PowerSGD's factors) once a step
+or once a visit.
 """
 
 from pathlib import Path
@@ -35,9 +36,11 @@ RUNS = {  # name: flags (each run one sweep of one 4-step visit of layers 2-3)
     "visit": ["--dp-sync", "visit"],
     "visit-outer": ["--dp-sync", "visit", *OUTER],
     "every-2-outer": ["--dp-sync", "every:2", *OUTER],
+    "sgd-bf16": [*SGD, "--grad-compression", "bf16"],
+    "sgd-powersgd": [*SGD, "--grad-compression", "powersgd:2"],
 }
-RESUMED = {"sgd-step": 2, "every-2-outer": 3}  # halted after this step (every:2: after its first sync, the outer
-# step's anchor, momentum and step count in each replica's checkpoint)
+RESUMED = {"sgd-step": 2, "every-2-outer": 3, "sgd-powersgd": 2}  # halted after this step (every:2: after its first
+# sync, the outer step's anchor, momentum and step count in each replica's checkpoint; PowerSGD: its Q and errors)
 
 
 def bcd(corpus: str, out: Path, *flags: str) -> list[str]:
@@ -110,6 +113,23 @@ def test_a_run_resumed_mid_visit_ends_bit_identical_in_each_mode(two_ranks, name
     resumed, whole = weights(str(two_ranks / f"{name}-resumed")), weights(str(two_ranks / name))
     assert set(resumed) == set(whole) and all(torch.equal(resumed[k], v) for k, v in whole.items())
     assert (RunDir(two_ranks / f"{name}-resumed").replica_checkpoint(1) / "state.json").is_file()  # its own
+
+
+def test_compressed_gradients_send_fewer_bytes_and_train(two_ranks):
+    """bf16 sends the block's gradients in 2 bytes each; PowerSGD at rank 2 sends P (n x 2) and Q (m x 2) of each
+    matrix it compresses ((n + m) 2 < n m) and the others whole; both move the block as step sync does, roughly."""
+    initial = build_preset("tiny-llama", seed=0).state_dict()
+    shapes = [initial[name].shape for name in block_tensors(initial)]
+    elements = sum(shape.numel() for shape in shapes)
+    factors = sum((s[0] + s[1]) * 2 if len(s) == 2 and (s[0] + s[1]) * 2 < s.numel() else s.numel() for s in shapes)
+    step = weights(str(two_ranks / "sgd-step"))
+    for name, per_step in (("sgd-bf16", 2 * elements + 12), ("sgd-powersgd", 4 * factors + 12)):
+        records = read_metrics(RunDir(two_ranks / name).metrics)
+        assert [r.sent_bytes for r in records if isinstance(r, StepRecord)] == [per_step] * 4, name
+        compressed = weights(str(two_ranks / name))
+        for tensor in block_tensors(initial):
+            moved = (step[tensor] - initial[tensor]).norm()
+            assert (compressed[tensor] - step[tensor]).norm() < moved, (name, tensor)
 
 
 def test_the_bytes_sent_are_the_blocks_once_a_step_or_once_a_visit(two_ranks):
