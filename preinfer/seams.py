@@ -211,9 +211,10 @@ class SingleProcess:
 class DataParallel(SingleProcess):
     """The whole model in every process of torchrun's group, each a replica reading its share of every batch.
     `--dp-sync step`: the active block's gradients are summed in buckets launched as backward completes them
-    (`BucketedAllReduce`; compressed with `--grad-compression`). `visit`, `every:N`: each replica steps on its own share, and the replicas average the
-    block at the visit's end or every N steps (`preinfer.replica_sync`). Each replica checkpoints its own state.
-    Every collective goes through the replicas' `wire`, which counts the bytes sent."""
+    (`BucketedAllReduce`; compressed with `--grad-compression`). `visit`, `every:N`: each replica steps on its own
+    share, and the replicas average the block at the visit's end or every N steps (`preinfer.replica_sync`). Each
+    replica checkpoints its own state. Every collective goes through the replicas' `wire`, which counts the bytes
+    sent."""
 
     def __init__(self, staged: StagedModel, config: Config, dims: ParallelDims):
         super().__init__(staged, config)
