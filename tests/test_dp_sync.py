@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import pipelines.training.placement as placement
 import pipelines.training.runner as runner
@@ -52,6 +53,8 @@ def two_ranks(tmp_path_factory, corpus) -> Path:
     """Every RUNS entry on two ranks, and the RESUMED ones again, halted mid-visit and resumed."""
     tmp = tmp_path_factory.mktemp("dp-sync")
     runs, halts = [bcd(corpus, tmp / name, *flags) for name, flags in RUNS.items()], {}
+    two_blocks = [*BASE[:2], *BASE[4:], "--blocks", "2"]  # BASE without --active 2-3: layers 0-1, then 2-3
+    runs.append(["bcd", *two_blocks, "--data", corpus, "--dp-sync", "visit", "--out", str(tmp / "visit-expanded")])
     for name, step in RESUMED.items():
         halts[len(runs)] = step
         runs.append(bcd(corpus, tmp / f"{name}-resumed", *RUNS[name]))
@@ -113,6 +116,17 @@ def test_a_run_resumed_mid_visit_ends_bit_identical_in_each_mode(two_ranks, name
     resumed, whole = weights(str(two_ranks / f"{name}-resumed")), weights(str(two_ranks / name))
     assert set(resumed) == set(whole) and all(torch.equal(resumed[k], v) for k, v in whole.items())
     assert (RunDir(two_ranks / f"{name}-resumed").replica_checkpoint(1) / "state.json").is_file()  # its own
+
+
+def test_visit_sync_with_lowrank_expansion_ends_with_the_same_weights_on_every_replica(two_ranks):
+    """Two visits, the first expanding the layers above its block (`--expand auto`: lowrank), whose factors the
+    replicas average with the block; after the last visit's sync both replicas' checkpoints hold one model."""
+    run = RunDir(two_ranks / "visit-expanded")
+    visits = [r for r in read_metrics(run.metrics) if isinstance(r, VisitRecord)]
+    assert [(v.block, v.expand) for v in visits] == [(0, "lowrank"), (1, None)]
+    replica = load_file(str(run.replica_checkpoint(1) / "model.safetensors"))
+    zero = weights(str(run.path))
+    assert set(zero) == set(replica) and all(torch.equal(zero[k], replica[k]) for k in zero)
 
 
 def test_compressed_gradients_send_fewer_bytes_and_train(two_ranks):
