@@ -9,16 +9,15 @@ trained(block)                 the block          the block              the par
 activate / deactivate          -                  buckets; visit's avg   the visit's pipeline, tied-weight hooks
 fetch                          grad_accum batches this rank's share      none below the visit's store
 forward_backward               micro-batches      the same, buckets out  each batch through the stages
-sum_over_replicas / reduce     -                  all-reduce             all-reduce over the stage's replicas
-combine                        -                  loss over ranks        loss over stages and replicas
+sum_over_replicas / reduce     -                  all-reduce (step sync) all-reduce over the stage's replicas
+combine                        -                  loss over replicas     loss over stages and replicas
 clip                           clip_grad_norm_    the same               the norm over every stage
 after_update / end_step        -                  every:N's average      the tied weight's values and gradient
 shared_cursor                  the cursor         the cursor             the cursor of the stage the store fed
 eval_sums                      the model          the model              through the stages, sums shared
 rank_memory                    None               None                   every rank's peaks
 stop_agreed                    the request        any rank's             any rank's
-checkpoint_dir / save / load   checkpoint/        rank 0 (step sync),    checkpoint/stage-J/, weights gathered
-                                                  else every replica
+checkpoint_dir / save / load   checkpoint/        each replica its own   checkpoint/stage-J/, weights gathered
 wire                           None               the bytes sent         the bytes sent over the replicas
 
 `SingleProcess` and `DataParallel` are here; `StageSeams` is `pipelines.pipeline_parallel.stage`'s.
