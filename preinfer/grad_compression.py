@@ -18,21 +18,9 @@ from collections.abc import Callable
 
 import torch
 
+from preinfer.config.sync_rules import parse_grad_compression
 from preinfer.errors import UsageError
 from preinfer.wire import Wire
-
-GRAMMAR = "none, bf16 or powersgd:R (R an integer >= 1)"
-
-
-def parse_grad_compression(text: str) -> int | None:
-    """The PowerSGD rank of `text` (None for none and bf16); a UsageError when it is none of the three."""
-    if text in ("none", "bf16"):
-        return None
-    head, _, rank = text.partition(":")
-    if head == "powersgd" and rank.isdigit() and int(rank) >= 1:
-        return int(rank)
-    raise UsageError(f"--grad-compression {text}: expected {GRAMMAR}")
-
 
 class PlainSum:
     """`none`: the bucket all-reduced in fp32."""

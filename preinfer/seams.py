@@ -35,13 +35,14 @@ from torch import nn
 from preinfer.batch_source import BatchSource
 from preinfer.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from preinfer.config import Config
+from preinfer.config.sync_rules import parse_dp_sync
 from preinfer.evaluation import eval_sums
 from preinfer.forward_backward import forward_backward, to_device
 from preinfer.grad_buckets import BucketedAllReduce
 from preinfer.moe import RouterLoss
 from preinfer.parallel_dims import ParallelDims
 from preinfer.partition import Block
-from preinfer.replica_sync import OuterStep, parse_dp_sync
+from preinfer.replica_sync import OuterStep
 from preinfer.run_dir import RunDir
 from preinfer.staged import StagedModel
 from preinfer.visit_optimizer import VisitOptimizer, clip_norm

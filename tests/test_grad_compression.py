@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from preinfer.grad_compression import parse_grad_compression
+from preinfer.config.sync_rules import parse_grad_compression
 from preinfer.errors import UsageError
 
 SHAPES = [(6, 40), (40,), (30, 8)]  # two matrices PowerSGD compresses at rank 2, and a vector it does not

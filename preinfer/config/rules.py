@@ -18,7 +18,7 @@ from preinfer.config.choices import (
 from preinfer.block_lr import FLOAT32_MAX, GRAMMAR, parse_block_lr
 from preinfer.errors import UsageError
 from preinfer.partition import parse_ufp
-from preinfer.replica_sync import dp_sync_problems
+from preinfer.config.sync_rules import dp_sync_problems
 from preinfer.torchao_extra import torchao_installed
 
 
