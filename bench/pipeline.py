@@ -59,20 +59,20 @@ def worker(args: argparse.Namespace) -> None:
     from preinfer.memory.shapes import shape_from_config
     from preinfer.partition import make_partition
     from preinfer.memory.stage_cut import cut_stages
-    from pipelines.pipeline_parallel.mesh import make_mesh
+    from preinfer.parallel_dims import parallel_dims
     from pipelines.pipeline_parallel.visit import VisitPipeline
     from pipelines.models.suffix import load_modules, meta_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    mesh = make_mesh(STAGES, "cpu")
+    dims = parallel_dims(STAGES, "cpu")
     shape = shape_from_config(meta_model(args.model).config)
     whole = [LayerSpan(0, shape.layers, True, True)]
     settings = Settings(seq_len=args.seq_len, micro_batch=args.batch_size // STAGES)
     stages = cut_stages(shape, settings, STAGES, whole, STAGES)
-    stage = stages[mesh.stage]
+    stage = stages[dims.stage]
     model = load_modules(args.model, lambda s: s.stage_modules(stage.start, stage.stop, stage.embed, stage.head),
-                         f"stage {mesh.stage}")
+                         f"stage {dims.stage}")
     staged = preinfer.stage(model)
     block = make_partition(staged, num_blocks=1).blocks[0]
     for param in model.parameters():
@@ -109,7 +109,7 @@ def worker(args: argparse.Namespace) -> None:
     rows = []
     for pipeline_schedule in ("gpipe", "1f1b"):
         for parts in [int(m) for m in args.microbatches.split(",")]:
-            pipe = VisitPipeline(staged, stages, mesh, block, parts, pipeline_schedule, False, torch.device("cpu"))
+            pipe = VisitPipeline(staged, stages, dims, block, parts, pipeline_schedule, False, torch.device("cpu"))
             steps = []
             for index in range(args.steps + 1):
                 counters.update(busy=0.0, bytes=0)

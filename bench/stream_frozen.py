@@ -67,7 +67,7 @@ def one_run(args: argparse.Namespace, stream: bool) -> dict:
                       on_record=lambda r: isinstance(r, StepRecord) and steps.setdefault(r.block, []).append(
                           r.visit_s))
     if stream and args.copies:
-        trainer.layout.stream.copies = True
+        trainer.seams.stream.copies = True
     trainer.meter = MemoryMeter(staged.model)
     trainer.fit()
     untracked = MemoryMeter.STEPS_PER_VISIT  # the meter's steps (and the first, which builds the optimizer state)

@@ -102,8 +102,12 @@ COMMAND_FLAGS: dict[str, list[Flag]] = {
              options=ON),
         Flag("--tokens", help="dataset / training token budget, e.g. 1e9: store size on disk, transfer times and "
                               "cost", options=dict(type=token_count)),
-        Flag("--bandwidth-gbps", help="inter-GPU link bandwidth in Gbit/s for the traffic comparison",
+        Flag("--bandwidth-gbps", help="link bandwidth in Gbit/s for the traffic comparisons (a pipeline's stages; "
+                                      "--nodes' data-parallel replicas, one link each)",
              options=dict(type=positive_float), default=Settings.bandwidth_gbps),
+        Flag("--nodes", help="data-parallel replicas: price each --dp-sync mode's seconds per step against the "
+                             "step's compute, and the scaling efficiency", options=dict(type=positive_int),
+             default=Settings.nodes),
         Flag("--pipeline", help="pipeline degree for the traffic comparison", options=dict(type=positive_int),
              unset="the plan's own, at least 2"),
         Flag("--store-dtype", help="storage dtype of boundary states; float8_e4m3, float8_e5m2, int8: 8-bit codes "

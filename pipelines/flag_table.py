@@ -242,6 +242,17 @@ TRAINING_FLAGS: list[Flag] = [
     Flag("--microbatches", "run", "microbatches", "micro-batches each --batch-size batch is split into on a "
          "pipeline; must divide it", dict(type=positive_int), unset="as many as --pipeline stages"),
     Flag("--pipeline-schedule", "run", "pipeline_schedule", "pipeline schedule (torch.distributed.pipelining)"),
+    Flag("--dp-sync", "run", "dp_sync", "how data-parallel replicas agree: step (the active block's gradients "
+         "summed at every step), visit (each replica trains the block on its own shard for the whole visit, then "
+         "the replicas average it: the block's bytes once a visit), every:N (averaged every N steps of a visit "
+         "and at its end)", dict(metavar="{step,visit,every:N}")),
+    Flag("--outer-lr", "run", "outer_lr", "visit, every:N: the outer step's rate along the replicas' mean change "
+         "(1 with --outer-momentum 0: the plain average; DiLoCo's: 0.7)", dict(type=positive_float)),
+    Flag("--outer-momentum", "run", "outer_momentum", "visit, every:N: the outer step's Nesterov momentum, in "
+         "[0, 1) (DiLoCo's: 0.9)", dict(type=float)),
+    Flag("--grad-compression", "run", "grad_compression", "--dp-sync step: how the replicas sum the gradients: "
+         "none (fp32), bf16 (half the bytes), powersgd:R (PowerSGD's rank-R factors with error feedback)",
+         dict(metavar="{none,bf16,powersgd:R}")),
     Flag("--report-to", "run", "report_to", f"experiment trackers the run's records go to (rank 0): a comma list of "
          f"{', '.join(TRACKERS)}, offline by default (event files, W&B offline, an MLflow file store in --out); "
          f"each needs its extra, pip install 'preinfer[tensorboard]'"),

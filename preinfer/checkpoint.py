@@ -30,18 +30,20 @@ WEIGHTS, TENSORS, STATE, DIGEST = "model.safetensors", "state.safetensors", "sta
 @dataclass
 class Checkpoint:
     """What a checkpoint restores besides the weights: optimizer states by block, the trainer's state, and
-    (mid-visit under mixed precision) the active block's fp32 masters."""
+    (mid-visit under mixed precision) the active block's fp32 masters, and (mid-visit, data parallel) the state of
+    how the replicas sync: the outer step's (`preinfer.replica_sync`) or PowerSGD's (`preinfer.grad_compression`)."""
 
     optimizers: dict[int, dict]
     trainer: dict
     masters: list[torch.Tensor] = field(default_factory=list)
+    sync: list[torch.Tensor] = field(default_factory=list)
 
 
 def save_checkpoint(path: Path, model: nn.Module, optimizers: dict[int, dict], trainer_state: dict,
-                    masters: list[torch.Tensor] = ()) -> None:
-    """Write weights, optimizer states (by block), the active block's masters, trainer state and RNG states;
-    atomically replaces `path` (see the module's docstring). Weights that are not finite are refused: the
-    checkpoint before stays."""
+                    masters: list[torch.Tensor] = (), sync: list[torch.Tensor] = ()) -> None:
+    """Write weights, optimizer states (by block), the active block's masters, the replicas' sync state, trainer
+    state and RNG states; atomically replaces `path` (see the module's docstring). Weights that are not finite are
+    refused: the checkpoint before stays."""
     _refuse_non_finite(model, trainer_state.get("global_step"))
     tmp, old = _sibling(path, ".tmp"), _sibling(path, ".old")
     try:
@@ -51,7 +53,7 @@ def save_checkpoint(path: Path, model: nn.Module, optimizers: dict[int, dict], t
     except OSError as err:
         raise _write_failed(path, path, err) from None
     try:
-        _write_whole(tmp, model, optimizers, trainer_state, masters)
+        _write_whole(tmp, model, optimizers, trainer_state, masters, sync)
     except (OSError, SafetensorError) as err:
         shutil.rmtree(tmp, ignore_errors=True)  # incomplete: its space back, the checkpoint before kept
         raise _write_failed(tmp, path, err) from None
@@ -65,7 +67,7 @@ def save_checkpoint(path: Path, model: nn.Module, optimizers: dict[int, dict], t
 
 
 def _write_whole(tmp: Path, model: nn.Module, optimizers: dict[int, dict], trainer_state: dict,
-                 masters: list[torch.Tensor]) -> None:
+                 masters: list[torch.Tensor], sync: list[torch.Tensor]) -> None:
     """Write a whole checkpoint into `tmp`, its digest last."""
     tmp.mkdir(parents=True)
     weights = resident_state(model)
@@ -73,11 +75,12 @@ def _write_whole(tmp: Path, model: nn.Module, optimizers: dict[int, dict], train
     tensors, optim_meta = {}, {}
     for block, state in optimizers.items():
         optim_meta[str(block)] = _flatten_optimizer(state, f"optim.{block}", tensors)
-    for index, master in enumerate(masters):
-        tensors[f"master.{index}"] = master.detach().contiguous()
+    for prefix, listed in (("master", masters), ("sync", sync)):
+        tensors.update({f"{prefix}.{index}": tensor.detach().contiguous() for index, tensor in enumerate(listed)})
     tensors.update(_torch_rng_states())
     write_atomically(tmp / TENSORS, lambda file: save_file(tensors, str(file)))
-    meta = {"trainer": trainer_state, "optimizers": optim_meta, "masters": len(masters), "rng": _host_rng_state()}
+    meta = {"trainer": trainer_state, "optimizers": optim_meta, "masters": len(masters), "sync": len(sync),
+            "rng": _host_rng_state()}
     write_atomically(tmp / STATE, json.dumps(meta, indent=1))
     _write_digest(tmp)
 
@@ -148,7 +151,8 @@ def load_checkpoint(path: Path, model: nn.Module) -> Checkpoint:
     meta = _read_state(found / STATE)
     tensors = read_tensors(found / TENSORS)
     load_resident_state(model, read_tensors(found / WEIGHTS), found / WEIGHTS)
-    missing = [name for name in ["rng.torch", *(f"master.{i}" for i in range(meta["masters"]))] if name not in tensors]
+    listed = [*(f"master.{i}" for i in range(meta["masters"])), *(f"sync.{i}" for i in range(meta["sync"]))]
+    missing = [name for name in ["rng.torch", *listed] if name not in tensors]
     if missing:
         raise CheckpointError(f"{found / TENSORS} lacks {missing[0]}; the run cannot resume from this checkpoint")
     try:
@@ -159,11 +163,12 @@ def load_checkpoint(path: Path, model: nn.Module) -> Checkpoint:
         raise CheckpointError(f"{found / STATE}: optimizers or rng do not fit the checkpoint's tensors ({err!r:.80}); "
                               f"the run cannot resume from this checkpoint") from None
     masters = [tensors[f"master.{index}"] for index in range(meta["masters"])]
-    return Checkpoint(optimizers, meta["trainer"], masters)
+    sync = [tensors[f"sync.{index}"] for index in range(meta["sync"])]
+    return Checkpoint(optimizers, meta["trainer"], masters, sync)
 
 
 # The top-level fields of state.json and their JSON types.
-STATE_FIELDS = {"trainer": dict, "optimizers": dict, "masters": int, "rng": dict}
+STATE_FIELDS = {"trainer": dict, "optimizers": dict, "masters": int, "sync": int, "rng": dict}
 
 
 def _why_incomplete(path: Path) -> CheckpointError:
@@ -192,6 +197,7 @@ def _read_state(file: Path) -> dict:
     if not isinstance(meta, dict):
         raise CheckpointError(f"{file}: expected a JSON object, got {type(meta).__name__}")
     meta.setdefault("masters", 0)
+    meta.setdefault("sync", 0)
     for key, kind in STATE_FIELDS.items():
         value = meta.get(key)
         if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):

@@ -159,7 +159,7 @@ class SgdExpansion:
     def __init__(self, staged: StagedModel, lr: float,
                  sum_over_replicas: Callable[[torch.Tensor], None] = sum_over_world,
                  device: torch.device | str = "cpu"):
-        """`sum_over_replicas`: sums a gradient in place over the data-parallel replicas (the trainer's layout's;
+        """`sum_over_replicas`: sums a gradient in place over the data-parallel replicas (the trainer's seams';
         by default over every process of torchrun's group); `device`: the run's, where the sum runs."""
         self.staged, self.lr, self.sum_over_replicas = staged, lr, sum_over_replicas
         self.device = torch.device(device)
@@ -205,7 +205,7 @@ def expansion_hooks(staged: StagedModel, config: Config, step: Callable[[], int]
                     sum_over_replicas: Callable[[torch.Tensor], None] = sum_over_world,
                     ) -> list[LowRankExpansion | SgdExpansion]:
     """The visit hooks of the run's expansion (`expansion_of`; none: no hook); `step`: the run's global step now;
-    `sum_over_replicas`: the layout's sum of a tensor over the data-parallel replicas."""
+    `sum_over_replicas`: the seams' sum of a tensor over the data-parallel replicas."""
     b, expand = config.blocks, expansion_of(staged, config)
     if expand == "lowrank":
         return [LowRankExpansion(staged, b.expand_rank, b.expand_lr, config.run.seed, step, config.run.device)]

@@ -9,7 +9,8 @@ collectives in the same order. `finish()` launches whatever is left, waits, and 
 
 Each element is summed across ranks exactly as a per-tensor all-reduce would sum it, so the result does not
 depend on the bucketing. A bucket's flat buffer (an fp32 copy of its gradients) lives from its launch until its
-sums are written back.
+sums are written back. `--grad-compression` chooses how a bucket is summed (`preinfer.grad_compression`: as it
+is, in bf16, or as PowerSGD's low-rank factors).
 
 With the fused step (`on_reduced`, the step of one tensor), each tensor steps once its sum is back: when a bucket
 is launched, every bucket before it is waited for, written back and stepped while backward goes on, so the step
@@ -21,18 +22,22 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
+
+from preinfer.grad_compression import gradient_sum
+from preinfer.wire import Wire
 
 BUCKET_BYTES = 25 * 2**20
 
 
 class BucketedAllReduce:
-    """Sums the gradients of `tensors` over `group` (None: the default process group), bucket by bucket, and hands
+    """Sums the gradients of `tensors` over the group of `wire` (by default the default process group, counted),
+    bucket by bucket, each as `compression` sums it (with the sum's `state` from a mid-visit checkpoint), and hands
     each summed tensor's index to `on_reduced` (the fused step) when it is given."""
 
-    def __init__(self, tensors: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES,
-                 group: dist.ProcessGroup | None = None, on_reduced: Callable[[int], None] | None = None):
-        self.tensors, self.group, self.on_reduced = tensors, group, on_reduced
+    def __init__(self, tensors: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES, wire: Wire | None = None,
+                 compression: str = "none", state: list[torch.Tensor] = (),
+                 on_reduced: Callable[[int], None] | None = None):
+        self.tensors, self.on_reduced = tensors, on_reduced
         self.buckets: list[list[int]] = []
         size = 0
         for index in reversed(range(len(tensors))):
@@ -43,12 +48,21 @@ class BucketedAllReduce:
             self.buckets[-1].append(index)
             size += nbytes
         self.bucket_of = {i: b for b, members in enumerate(self.buckets) for i in members}
+        shapes = [[tensors[i].shape for i in members] for members in self.buckets]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        self.sum = gradient_sum(compression, wire if wire is not None else Wire(), shapes, device)
+        self.sum.load(list(state))
         self.start_step()
+
+    def state(self) -> list[torch.Tensor]:
+        """The sum's state a mid-visit checkpoint carries (PowerSGD's)."""
+        return self.sum.state()
 
     def start_step(self) -> None:
         """Expect every gradient again (call before the step's backward passes)."""
         self.missing = [len(members) for members in self.buckets]
-        self.launched: list[tuple[dist.Work, torch.Tensor]] = []  # each launched bucket's work and flat buffer
+        # per launched bucket: what waits for its sum, and its flat buffer (None once written back)
+        self.launched: list[tuple[Callable[[], None], torch.Tensor | None]] = []
         self.written = 0  # the buckets whose sums are back in the gradients
 
     def grad_ready(self, index: int) -> None:
@@ -71,14 +85,14 @@ class BucketedAllReduce:
         """Wait for the launched buckets before bucket `stop` whose sums are not back yet, write them into the
         gradients, free their buffers, and hand their tensors to `on_reduced`."""
         while self.written < stop:
-            work, flat = self.launched[self.written]
-            work.wait()
+            wait, flat = self.launched[self.written]
+            wait()
             offset = 0
             for index in self.buckets[self.written]:
                 grad = self.tensors[index].grad
                 grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
-            self.launched[self.written] = (work, None)
+            self.launched[self.written] = (wait, None)
             if self.on_reduced is not None:
                 for index in self.buckets[self.written]:
                     self.on_reduced(index)
@@ -95,4 +109,4 @@ class BucketedAllReduce:
                 tensor.grad = torch.zeros_like(tensor, dtype=torch.float32)
             flat[offset:offset + tensor.numel()].copy_(tensor.grad.reshape(-1))
             offset += tensor.numel()
-        self.launched.append((dist.all_reduce(flat, group=self.group, async_op=True), flat))
+        self.launched.append((self.sum.launch(bucket, flat), flat))

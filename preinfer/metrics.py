@@ -46,6 +46,7 @@ class StepRecord(Record):
     time: float | None = None  # Unix time at this step's end (lines steps up with other processes' clocks)
     loss_scale: float | None = None  # fp16-mixed: the loss scale after this step
     skipped_steps: int | None = None  # fp16-mixed: steps of the run skipped so far for non-finite gradients
+    sent_bytes: int | None = None  # data parallel: bytes this rank sent in the step's collectives (preinfer.wire)
 
 
 @dataclass
@@ -71,6 +72,7 @@ class VisitRecord(Record):
     memory: dict[str, int] = field(default_factory=dict)  # the memory meter's peaks in bytes; {} without a meter
     eval_s: float = 0.0  # time of the evaluation after the visit (not in wall_s)
     ranks: list[dict] | None = None  # pipeline runs: each rank's `rank`, `stage`, `replica` and memory peaks
+    sent_bytes: int | None = None  # data parallel: bytes this rank sent in the visit, its closing sync included
     # --stop gain, at the visit's last step: window, rate and initial_rate (loss decrease per second), horizon_s,
     # and by other block: ratios (score over the active block's), switch_s, predicted (rates); best (block or null)
     gain: dict | None = None

@@ -1,6 +1,7 @@
 """The layout of a run directory: `RunDir` is the one place that names its files (config.toml, inputs.json,
-metrics.jsonl, checkpoint/, export/, loss.png, summary.json, stores/, and the trackers' tensorboard/, mlruns/ and
-wandb/); everything else asks it for their paths."""
+metrics.jsonl, checkpoint/, replicas/ (the checkpoints of data-parallel replicas 1, 2, ...), export/, loss.png,
+summary.json, stores/, and the trackers' tensorboard/, mlruns/ and wandb/); everything else asks it for their
+paths."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from preinfer.checkpoint import WEIGHTS, newest_checkpoint
 FILES = frozenset({"config.toml", "inputs.json", "metrics.jsonl", "loss.png", "summary.json"})
 CHECKPOINTS = ("checkpoint", "checkpoint.tmp", "checkpoint.old")
 TRACKER_DIRS = {"tensorboard": "tensorboard", "mlflow": "mlruns", "wandb": "wandb"}  # by tracker name
-DIRECTORIES = frozenset({*CHECKPOINTS, "export", "stores", *TRACKER_DIRS.values()})
+DIRECTORIES = frozenset({*CHECKPOINTS, "replicas", "export", "stores", *TRACKER_DIRS.values()})
 ENTRIES = FILES | DIRECTORIES
 
 
@@ -44,6 +45,10 @@ class RunDir:
                       stores=root / "stores", inputs=root / "inputs.json")
         for name, value in layout.items():
             object.__setattr__(self, name, value)
+
+    def replica_checkpoint(self, replica: int) -> Path:
+        """The checkpoint of data-parallel replica `replica` (1, 2, ...; replica 0's is `checkpoint`)."""
+        return self.path / "replicas" / f"checkpoint-{replica}"
 
     def tracker_dir(self, name: str) -> Path:
         """The folder tracker `name` (`--report-to`: tensorboard, mlflow, wandb) reports into."""

@@ -50,12 +50,13 @@ class RunPosition:
         return cls(**state)
 
     def step_record(self, block: Block, loss: float, lr: float, tokens: int, timings: dict, started: float,
-                    scaler: dict) -> StepRecord:
-        """The record of the step just counted (`tokens`: its own; `started`: the visit's start)."""
+                    optional: dict) -> StepRecord:
+        """The record of the step just counted (`tokens`: its own; `started`: the visit's start; `optional`: its
+        optional fields)."""
         return StepRecord(
             sweep=self.sweep, block=block.index, step=self.global_step, visit_step=self.visit_step, loss=loss,
             lr=lr, tokens=self.tokens, tokens_per_s=tokens / max(timings["step_s"], 1e-9), wait_s=timings["wait_s"],
-            visit_s=time.perf_counter() - started, time=time.time(), **scaler,
+            visit_s=time.perf_counter() - started, time=time.time(), **optional,
         )
 
     def visit_record(self, block: Block, steps: int, reason: str, eval_loss: float, wall: float, boundary: int,

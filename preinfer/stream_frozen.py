@@ -241,12 +241,13 @@ class StreamedFrozenLayers:
         self.stream.stream(self.held)
 
 
-def stream_frozen_hooks(staged: StagedModel, config: Config, layout) -> list[StreamedFrozenLayers]:
-    """The run's visit hook for `[model] stream_frozen` (none without it); the layout runs its steps layer-major."""
+def stream_frozen_hooks(staged: StagedModel, config: Config, seams) -> list[StreamedFrozenLayers]:
+    """The run's visit hook for `[model] stream_frozen` (none without it); the step's seams run its steps
+    layer-major."""
     if not config.model.stream_frozen:
         return []
-    if layout.world_size > 1:
+    if seams.world_size > 1:
         raise UsageError("--stream-frozen runs in one process; drop it under torchrun")
     hook = StreamedFrozenLayers(staged, config)
-    layout.stream = hook.stream
+    seams.stream = hook.stream
     return [hook]

@@ -2,9 +2,9 @@
 
 `Trainer.fit` is the visit loop: for each sweep (`preinfer.sweeps`: its order, importance measurements, the gain
 rule and the step budget) and each of its visits, activate the block, step it until its stopping rule fires
-(`preinfer.visit.VisitLifecycle`: one step, with the layout's seams), deactivate it, evaluate
-(`Layout.eval_sums`) and record the visit. Where the model lives (one process, data-parallel replicas, a
-pipeline stage) is the `Layout` the trainer is given (`preinfer.layout`); the optimizer lifecycle (masters,
+(`preinfer.visit.VisitLifecycle`: one step, through the step's seams), deactivate it, evaluate
+(`Seams.eval_sums`) and record the visit. Where the model lives (one process, data-parallel replicas, a
+pipeline stage) is the `Seams` the trainer is given (`preinfer.seams`); the optimizer lifecycle (masters,
 clipping, loss scaling, the schedule, kept states) is `preinfer.visit_optimizer`'s, shared with `preinfer.hf`.
 
 Precision (`preinfer.precision`): under mixed precision the optimizer steps fp32 masters of the active block,
@@ -33,7 +33,8 @@ from preinfer.evaluation import eval_mode
 from preinfer.config.resolved import check_resolved
 from preinfer.expansion import expansion_hooks, expansion_of
 from preinfer.frozen_weights import frozen_weight_hooks
-from preinfer.layout import Layout, replica_layout
+from preinfer.parallel_dims import parallel_dims
+from preinfer.seams import Seams, replica_seams
 from preinfer.metrics import MetricsLog, Record
 from preinfer.moe import EXPERTS_IN_ONE_PROCESS, ExpertGranular
 from preinfer.optim import StopRule
@@ -60,16 +61,18 @@ class Trainer:
         on_record: Callable[[Record], None] | None = None,
         active_block: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
-        layout: Layout | None = None,
+        seams: Seams | None = None,
         precision: Precision | None = None,
     ):
-        """`layout`: where the model lives (default: one process, or a data-parallel replica under torchrun);
+        """`seams`: where the model lives (default: one process, or a data-parallel replica under torchrun);
         `precision`: the run's, resolved and applied to the model (default: `run.precision` resolved and applied
         here)."""
         self.staged, self.partition, self.config, self.visit_sources = staged, partition, config, sources
         self.run_dir, self.on_record = run_dir, on_record
-        self.layout = layout if layout is not None else replica_layout(staged, config)
-        self.rank, self.world_size = self.layout.rank, self.layout.world_size
+        if seams is None:
+            seams = replica_seams(staged, config, parallel_dims(1, config.run.device))
+        self.seams = seams
+        self.rank, self.world_size = self.seams.rank, self.seams.world_size
         self.log = MetricsLog(run_dir.metrics if run_dir and self.rank == 0 else None)
         self.position = RunPosition()
         self.wall_s = 0.0  # time spent in fit()
@@ -87,11 +90,11 @@ class Trainer:
             raise UsageError(EXPERTS_IN_ONE_PROCESS)
         self.sweeps = Sweeps(staged, partition, config, sources, self.scaler, clock, self.emit,
                              lambda: self.checkpoint_dir / STATE, active_block, self.world_size)
-        self.lifecycle = VisitLifecycle(staged, config, self.layout, self.optimizers, self.experts, meter,
+        self.lifecycle = VisitLifecycle(staged, config, self.seams, self.optimizers, self.experts, meter,
                                         hooks=[*frozen_weight_hooks(staged, config),
-                                               *stream_frozen_hooks(staged, config, self.layout),
+                                               *stream_frozen_hooks(staged, config, self.seams),
                                                *expansion_hooks(staged, config, lambda: self.position.global_step,
-                                                                self.layout.sum_over_replicas)])
+                                                                self.seams.sum_over_replicas)])
         self.expand = expansion_of(staged, config)  # the run's landscape expansion, auto resolved
         sources.attach(self.emit)
 
@@ -119,12 +122,12 @@ class Trainer:
         """The directory of this process's checkpoint."""
         if self.run_dir is None:
             raise PreinferError("this trainer has no run directory to checkpoint into")
-        return self.layout.checkpoint_dir(self.run_dir)
+        return self.seams.checkpoint_dir(self.run_dir)
 
     def resume(self) -> None:
         """Continue from the run directory's checkpoint."""
         state_file = self.checkpoint_dir / STATE  # (refuses a trainer without a run directory)
-        checkpoint = self.layout.load(self.run_dir, self.staged.model)
+        checkpoint = self.seams.load(self.run_dir, self.staged.model)
         self.optimizers.kept = checkpoint.optimizers
         self.position = RunPosition.from_state(checkpoint.trainer, str(state_file),
                                                self.config.blocks.sweeps, self.sweeps.visits_per_sweep())
@@ -177,7 +180,7 @@ class Trainer:
         reason = "total-steps" if self.sweeps.steps_spent(p) else None  # resumed cut visit, the same budget
         while reason is None:
             halted = max_total_steps is not None and p.global_step >= max_total_steps
-            if halted or self.layout.stop_agreed(self.stop_requested):
+            if halted or self.seams.stop_agreed(self.stop_requested):
                 self._save_visit_state(train, visit, block, stop)
                 self.stopped = not halted
                 return False
@@ -199,7 +202,7 @@ class Trainer:
             p.gain = gain.state_dict() if gain is not None else None
             p.cursor = train.state_dict()
             p.loss_scaler = self.scaler.state_dict() if self.scaler.enabled else None
-            self.emit(p.step_record(block, loss, visit.lr, tokens, timings, started, self._scaler_fields()))
+            self.emit(p.step_record(block, loss, visit.lr, tokens, timings, started, self._step_fields()))
             every = cfg.run.checkpoint_every
             if reason == "total-steps" or (every and p.global_step % every == 0 and reason is None):
                 self._save_visit_state(train, visit, block, stop)  # a raised budget continues a cut visit
@@ -212,9 +215,11 @@ class Trainer:
         record = p.visit_record(block, stop.steps, reason, eval_loss, wall, train.boundary, memory,
                                 time.perf_counter() - evaluated, gain.report() if gain is not None else None,
                                 visit.initial_lr, self.expansion(block))
+        if self.seams.wire is not None:
+            record.sent_bytes = self.seams.wire.take_visit()
         p.visits.append(record.to_dict())
         if self.meter is not None:
-            record.ranks = self.layout.rank_memory(memory)
+            record.ranks = self.seams.rank_memory(memory)
         self.emit(record)
         self.visit_sources.visit_finished(block)
         return True
@@ -226,14 +231,16 @@ class Trainer:
     def evaluate(self, source: BatchSource) -> float:
         """Mean next-token loss over every supervised token of the source's eval pass."""
         with eval_mode(self.staged.model):
-            total, count = self.layout.eval_sums(source)
+            total, count = self.seams.eval_sums(source)
         return total / max(count, 1)
 
-    def _scaler_fields(self) -> dict:
-        """fp16-mixed: the step record's loss scale and skipped-step count."""
-        if not self.scaler.enabled:
-            return {}
-        return {"loss_scale": self.scaler.scale, "skipped_steps": self.scaler.skipped}
+    def _step_fields(self) -> dict:
+        """The step record's optional fields: data parallel, the bytes this rank sent in the step; fp16-mixed, the
+        loss scale and skipped-step count."""
+        fields = {} if self.seams.wire is None else {"sent_bytes": self.seams.wire.take_step()}
+        if self.scaler.enabled:
+            fields.update(loss_scale=self.scaler.scale, skipped_steps=self.scaler.skipped)
+        return fields
 
     def _save_visit_state(self, train: BatchSource, visit: VisitOptimizer, block: Block, stop: StopRule) -> None:
         """Checkpoint mid-visit: the active block's optimizer state travels with the others."""
@@ -243,4 +250,4 @@ class Trainer:
 
     def _checkpoint(self, optimizers: dict[int, dict], masters: list[torch.Tensor] = ()) -> None:
         if self.run_dir is not None:
-            self.layout.save(self.run_dir, self.staged.model, optimizers, vars(self.position), list(masters))
+            self.seams.save(self.run_dir, self.staged.model, optimizers, vars(self.position), list(masters))

@@ -2,9 +2,9 @@
 
 One step (`VisitLifecycle.train_step`): take `grad_accum` batches from the visit's source (token ids, or boundary
 states at some boundary k), count their supervised tokens over every replica, run forward and backward over them
-(`Layout.forward_backward`: in one process `preinfer.forward_backward`), sum the gradients over the replicas,
+(`Seams.forward_backward`: in one process `preinfer.forward_backward`), sum the gradients over the replicas,
 combine the loss, and step the active block's optimizer (`VisitOptimizer.step`: unscale, clip in fp32, step, cast
-the masters down). The layout (`preinfer.layout`) is the seam where a pipeline runs the same step over its
+the masters down). The step's seams (`preinfer.seams`) are where a pipeline runs the same step over its
 stages; a `VisitHook` is the seam where a visit brings in and takes out what it needs besides its block's optimizer
 (frozen weights held in fewer bits, landscape expansion over the suffix).
 """
@@ -22,7 +22,7 @@ from preinfer.batch_source import BatchSource
 from preinfer.config import Config
 from preinfer.errors import UsageError
 from preinfer.forward_backward import batch_state, to_device
-from preinfer.layout import Layout
+from preinfer.seams import Seams
 from preinfer.moe import ExpertGranular
 from preinfer.partition import Block
 from preinfer.run_position import RunPosition
@@ -46,11 +46,11 @@ class VisitHook(Protocol):
 
 
 class VisitLifecycle:
-    """Activates, steps and deactivates the visits of a run on `layout`."""
+    """Activates, steps and deactivates the visits of a run through `seams`."""
 
-    def __init__(self, staged: StagedModel, config: Config, layout: Layout, optimizers: VisitOptimizers,
+    def __init__(self, staged: StagedModel, config: Config, seams: Seams, optimizers: VisitOptimizers,
                  experts: ExpertGranular, meter=None, hooks: Sequence[VisitHook] = ()):
-        self.staged, self.config, self.layout, self.optimizers = staged, config, layout, optimizers
+        self.staged, self.config, self.seams, self.optimizers = staged, config, seams, optimizers
         self.experts, self.meter, self.hooks = experts, meter, tuple(hooks)
         self.extras = 0  # how many of the open visit's parameters the hooks gave
         self.device = torch.device(config.run.device)
@@ -67,14 +67,14 @@ class VisitLifecycle:
             position.experts[key] = self.experts.measure(block, states)
         unfreeze(self.staged, block)
         params = self.experts.activate(block, position.experts.get(key, {})) if self.experts.layers(block) \
-            else self.layout.trained(block)
+            else self.seams.trained(block)
         extras = activate_hooks(self.hooks, block, masters)
         self.extras = len(extras)
         mixed = self.optimizers.precision.mixed
         visit = self.optimizers.open(block.index, [*params, *extras], steps, masters if mixed else None,
                                      extras=len(extras))
         self.experts.attach(visit.active)
-        self.layout.activate(block, train.boundary if train is not None else 0, visit)
+        self.seams.activate(block, train.boundary if train is not None else 0, visit)
         return visit
 
     def checkpointed(self, visit: VisitOptimizer) -> list[torch.Tensor]:
@@ -87,34 +87,34 @@ class VisitLifecycle:
         The meter tracks and samples the steps it says are due. Under fp16-mixed a step whose gradients are not
         finite is skipped (the weights stay as they are). Returns (loss, this rank's real tokens, timings)."""
         t0 = time.perf_counter()
-        batches = self.layout.fetch(train, self.config.optim.grad_accum)
+        batches = self.seams.fetch(train, self.config.optim.grad_accum)
         wait = time.perf_counter() - t0
         count = torch.tensor(float(sum(supervised_tokens(b["labels"]) for b in batches)), device=self.device)
-        self.layout.sum_over_replicas(count)
+        self.seams.sum_over_replicas(count)
         metered = self.meter is not None and self.meter.due()
         with self.meter.track() if metered else nullcontext():
-            total, tokens = self.layout.forward_backward(batches, block, train.boundary, count, visit)
-        self.layout.reduce()
-        total, tokens = self.layout.combine(total, tokens)
+            total, tokens = self.seams.forward_backward(batches, block, train.boundary, count, visit)
+        self.seams.reduce()
+        total, tokens = self.seams.combine(total, tokens)
         self.experts.before_step()
-        if visit.step(self.layout.clip):
-            self.layout.after_update()
+        if visit.step(self.seams.clip):
+            self.seams.after_update()
         for hook in self.hooks:
             hook.after_step()
         if metered:
             self.meter.sample(visit.optimizer)
         visit.zero_grad()
-        self.layout.zero_grad()
+        self.seams.end_step()
         return total, tokens, {"wait_s": wait, "step_s": time.perf_counter() - t0}
 
     def deactivate(self, block: Block, visit: VisitOptimizer, position: RunPosition) -> None:
         """Freeze `block` again and free its masters, their gradients and (unless kept) the optimizer state; the
         position takes the data cursor every process reads on from."""
-        position.cursor = self.layout.shared_cursor(position.cursor)
+        position.cursor = self.seams.shared_cursor(position.cursor)
+        self.seams.deactivate()  # (where replicas sync at the visit's end, while the masters are there)
         self.optimizers.close(block.index, visit)
         self.experts.deactivate()
         freeze(block)
-        self.layout.deactivate()
         for hook in reversed(self.hooks):
             hook.deactivate(block)
 

@@ -239,18 +239,19 @@ def test_every_public_name_of_storage_has_a_user_outside_it():
     assert sorted(set(storage.__all__) - used) == [], "public names of storage that nothing outside it uses"
 
 
-# The one run path may reach the pipeline only through the layout it asks for (`runner.layout_for`'s lazy import).
-TRAINING_TO_PIPELINE = {"pipelines.training.runner": {"pipelines.pipeline_parallel.layout"}}
+# The one run path may reach the pipeline only through the placement it asks for (`runner.placement_for`'s lazy
+# import).
+TRAINING_TO_PIPELINE = {"pipelines.training.runner": {"pipelines.pipeline_parallel.placement"}}
 
 
 def test_training_and_the_pipeline_meet_only_at_the_seam():
-    """`pipelines.pipeline_parallel` implements `preinfer.layout.Layout` without importing `pipelines.training`;
-    `pipelines.training` reaches the pipeline through `layout_for` alone."""
+    """`pipelines.pipeline_parallel` implements `preinfer.seams.Seams` without importing `pipelines.training`;
+    `pipelines.training` reaches the pipeline through `placement_for` alone."""
     edges = graph()
     back = [f"{s} imports {t}" for s, ts in edges.items() if s.startswith("pipelines.pipeline_parallel")
             for t in ts if t.startswith("pipelines.training")]
     across = [f"{s} imports {t}" for s, ts in edges.items() if s.startswith("pipelines.training")
               for t in ts if t.startswith("pipelines.pipeline_parallel") and t not in TRAINING_TO_PIPELINE.get(s, ())]
     assert back == [] and across == []
-    assert "preinfer.layout" in edges["pipelines.pipeline_parallel.stage"]
+    assert "preinfer.seams" in edges["pipelines.pipeline_parallel.stage"]
     assert not any(t.startswith("pipelines.pipeline_parallel") for t in edges["preinfer.trainer"])

@@ -93,7 +93,7 @@ def test_with_recompute_the_routers_still_get_the_balancing_gradient():
         block = trainer.partition.blocks[0]
         router = sparse_blocks(trainer.staged.layers)[3].gate.weight
         visit = trainer.lifecycle.activate(block, trainer.position)
-        router_loss = trainer.layout.router_loss
+        router_loss = trainer.seams.router_loss
         router_loss.coef = 1.0
         state = trainer.staged.embed(**{k: moe_batch()[k] for k in ("input_ids", "attention_mask")})
         with router_loss.capture(0):

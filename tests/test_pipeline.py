@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from pipelines.cli import main
-from pipelines.pipeline_parallel.layout import PipelineLayout
+from pipelines.pipeline_parallel.placement import PipelinePlacement, run_stages
+from preinfer.parallel_dims import ParallelDims
 from preinfer.config import Config
 from preinfer.errors import UsageError
 from preinfer.memory.layer_spans import partition
@@ -283,7 +284,7 @@ def test_the_fused_step_is_refused_with_replicas_of_a_pipeline_before_any_load()
     config = Config()
     config.model.name, config.optim.fused_step, config.run.pipeline = "tiny-llama", True, 2
     config.data.batch_size, config.stop.steps_per_visit = 4, 2
-    layout = PipelineLayout(config, 0)
-    layout.join(0, 2)
+    plan = run_stages(config)
+    PipelinePlacement(config, ParallelDims(data=1, pipeline=2), plan)
     with pytest.raises(UsageError, match=r"^--fused-step steps each tensor .* before the 2 replicas sum the grad"):
-        layout.join(0, 4)
+        PipelinePlacement(config, ParallelDims(data=2, pipeline=2), plan)

@@ -13,7 +13,9 @@ from pipelines.data.batches import token_batches
 from pipelines.training import load_datasets, partition_for, train
 from preinfer.batch_source import LiveSources
 from preinfer.config import Config
+from preinfer.errors import UsageError
 from preinfer.metrics import VisitRecord, read_metrics
+from preinfer.parallel_dims import ParallelDims, check_degrees
 from preinfer.presets import build_preset
 from preinfer.run_dir import RunDir
 from tests.helpers.training_runs import assert_close, torchrun, weights
@@ -100,3 +102,14 @@ def test_a_pipeline_of_two_times_two_replicas_equals_one_process_reading_both_re
     train(config, staged, blocks, None, LiveSources(ReplicaMicroBatches(data.train, 4, 8), evaluation),
           resume=False, quiet=True)
     assert_close(weights(str(mesh / name)), weights(str(tmp_path / "one")))
+
+
+def test_the_parallel_dims_place_each_replica_s_stages_on_consecutive_ranks():
+    """rank = replica x stages + stage; a world the stages do not divide is refused before any group is made."""
+    dims = ParallelDims(data=2, pipeline=3, rank=4)
+    assert (dims.world, dims.replica, dims.stage, dims.rank_of(0), dims.is_first, dims.is_last) == (6, 1, 1, 3,
+                                                                                                   False, False)
+    assert ParallelDims(data=2, pipeline=3, rank=5).is_last and ParallelDims(data=2, pipeline=3, rank=3).is_first
+    assert check_degrees(3, 6) == 2 and ParallelDims().data_group is None
+    with pytest.raises(UsageError, match=r"^--pipeline 4 does not divide the world size 6"):
+        check_degrees(4, 6)

@@ -99,7 +99,7 @@ def test_the_planned_device_weights_of_each_visit_are_the_meter_s_streamed_run()
     """A streamed int8 run of tiny-llama on the CPU with copies on: the meter's parameters on the device plus its
     streamed frozen bytes equal the plan's weights column of the same visit on a GPU, bit for bit."""
     trainer = make_trainer(model__stream_frozen=True, model__frozen_dtype="int8", stop__steps_per_visit=1)
-    trainer.layout.stream.copies = True
+    trainer.seams.stream.copies = True
     trainer.meter = MemoryMeter(trainer.staged.model)
     trainer.fit()
     shape = resolve_shape("tiny-llama")

@@ -11,7 +11,8 @@ import torch
 
 from pipelines.cli import build_parser
 from pipelines.flags import config_for_command
-from pipelines.training.layout import OneProcess
+from pipelines.training.placement import WholeModel
+from preinfer.parallel_dims import ParallelDims
 from pipelines.training.runner import resolve
 from preinfer.config.resolved import ResolvedRun
 from preinfer.errors import UsageError
@@ -57,7 +58,7 @@ def run_would_record(flags: list[str], out) -> dict:
     """What the run path resolves before it trains (`runner.resolve`, which the run records)."""
     args = build_parser().parse_args(["bcd", "--model", "tiny-llama", *QUICK, "--out", str(out), *flags])
     config = config_for_command(args)
-    return resolve(config, OneProcess(config), 0).resolved.to_dict()
+    return resolve(config, WholeModel(config, ParallelDims()), 0).resolved.to_dict()
 
 
 @pytest.mark.parametrize("flags", FLAG_SETS, ids=" ".join)

@@ -28,7 +28,7 @@ def trained(stream: bool, preset: str = "tiny-llama", meter: bool = False, **ove
     trainer = make_trainer(preset, on_record=lambda r: isinstance(r, StepRecord) and losses.append(r.loss),
                            model__stream_frozen=stream, stop__steps_per_visit=2, **overrides)
     if stream:
-        trainer.layout.stream.copies = True
+        trainer.seams.stream.copies = True
     if meter:
         trainer.meter = MemoryMeter(trainer.staged.model)
     trainer.fit()
@@ -49,7 +49,7 @@ def test_a_streamed_run_equals_the_resident_run_bit_for_bit(preset, overrides):
     assert losses == resident_losses
     assert weights.keys() == resident_weights.keys()
     assert all(torch.equal(weights[k], resident_weights[k]) for k in weights)
-    stream = streamed.layout.stream
+    stream = streamed.seams.stream
     assert stream.bytes == 0 and not stream.resident  # nothing streamed is left on the device between visits
     steps, layers = 2 * len(streamed.partition.blocks), streamed.staged.num_layers
     assert stream.fetches < steps * 2 * layers * overrides["optim__grad_accum"]  # one copy serves every micro-batch
@@ -58,7 +58,7 @@ def test_a_streamed_run_equals_the_resident_run_bit_for_bit(preset, overrides):
 def test_the_meter_counts_at_most_two_streamed_layers_on_the_device_and_the_rest_in_host_memory():
     streamed, _, _ = trained(True, "tiny-llama", meter=True, model__frozen_dtype="int8")
     resident, _, _ = trained(False, "tiny-llama", meter=True, model__frozen_dtype="int8")
-    stream: LayerStream = streamed.layout.stream
+    stream: LayerStream = streamed.seams.stream
     layer = max(stream.layer_bytes(i) for i in range(len(stream.layers)))
     for on, off in zip(streamed.position.visits, resident.position.visits):
         got, was = on["memory"], off["memory"]
@@ -111,7 +111,7 @@ def test_a_streamed_run_halted_mid_visit_and_resumed_ends_as_the_resident_run(tm
     reference.fit()
     for run, halt in ((make_trainer(run_dir=tmp_path, model__stream_frozen=True, **overrides), 4),
                       (make_trainer(run_dir=tmp_path, model__stream_frozen=True, **overrides), None)):
-        run.layout.stream.copies = True
+        run.seams.stream.copies = True
         if halt is None:
             run.resume()
         run.fit(max_total_steps=halt)

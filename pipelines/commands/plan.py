@@ -26,13 +26,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 "--optimizer": Settings.optimizer, "--fused-step": Settings.fused_step,
                 "--separate-ends": Settings.separate_ends, "--expand": Settings.expand,
                 "--expand-rank": Settings.expand_rank, "--stream-frozen": Settings.stream_frozen,
-                "--masters": Settings.masters}
+                "--masters": Settings.masters, "--steps-per-visit": Settings.steps_per_visit}
     plan = dict(command="plan", defaults=defaults)
     add_flags(parser, "--model", "--arch", "--device", "--gpu", "--gpu-mem", "--memory-budget", "--seq-len",
               "--micro-batch", **plan)
     add_flags(parser.add_mutually_exclusive_group(), "--ufp", "--blocks", **plan)
-    add_flags(parser, "--separate-ends", "--dtype", "--recompute", "--attention", "--frozen-dtype", "--optimizer", "--fused-step",
-              "--stream-frozen", "--masters", "--expand", "--expand-rank", "--tokens", "--bandwidth-gbps", "--pipeline", "--epochs-per-visit", "--store-dtype", "--compression",
+    add_flags(parser, "--separate-ends", "--dtype", "--recompute", "--attention", "--frozen-dtype", "--optimizer",
+              "--fused-step", "--stream-frozen", "--masters", "--expand", "--expand-rank", "--tokens",
+              "--bandwidth-gbps", "--nodes", "--steps-per-visit", "--pipeline", "--epochs-per-visit",
+              "--store-dtype", "--compression",
               "--price-per-hour", "--mfu", "--json", **plan)
 
 
@@ -52,7 +54,8 @@ def settings_from_args(args: argparse.Namespace, layers: int) -> Settings:
         seq_len=args.seq_len, micro_batch=args.micro_batch, dtype=args.dtype, recompute=args.recompute,
         attention=args.attention, gpu=args.gpu, gpu_mem_gb=args.gpu_mem, blocks=blocks,
         separate_ends=args.separate_ends, tokens=args.tokens,
-        bandwidth_gbps=args.bandwidth_gbps, price_per_hour=args.price_per_hour, mfu=args.mfu,
+        bandwidth_gbps=args.bandwidth_gbps, nodes=args.nodes, steps_per_visit=args.steps_per_visit,
+        price_per_hour=args.price_per_hour, mfu=args.mfu,
         compression=args.compression, store_dtype=args.store_dtype, pipeline=args.pipeline,
         epochs_per_visit=args.epochs_per_visit, budget_bytes=budget, frozen_dtype=args.frozen_dtype,
         optimizer=args.optimizer, fused_step=args.fused_step, host_device=on_host, expand=args.expand,
@@ -221,6 +224,7 @@ def render(result: MemoryPlan, model_spec: str | None = None) -> str:
     if "pipeline_seconds_per_epoch" in t:
         lines.append(f"  at {s['bandwidth_gbps']:g} Gbps: pipeline {t['pipeline_seconds_per_epoch']:.0f} s/epoch, "
                      f"store reads {t['cache_seconds_per_epoch']:.0f} s/epoch")
+    lines += sync_lines(result.dp_sync)
     if result.cost is None:
         lines.append("cost: give --tokens for a cost estimate")
     elif "note" in result.cost:
@@ -233,6 +237,18 @@ def render(result: MemoryPlan, model_spec: str | None = None) -> str:
                      f"{_money(c['price_per_hour'])}/h: " + "; ".join(parts))
     lines += [f"note: {note}" for note in result.notes]
     return "\n".join(lines)
+
+
+def sync_lines(sync: dict | None) -> list[str]:
+    """The --dp-sync comparison of a plan for several nodes (none for one)."""
+    if sync is None:
+        return []
+    head = (f"data parallel on {sync['nodes']} nodes at {sync['bandwidth_gbps']:g} Gbps (ring all-reduce, no "
+            f"overlap): compute {sync['compute_seconds_per_step']:.3f} s/step; per --dp-sync mode, bytes a node sends "
+            f"per step, traffic s/step, scaling efficiency (visit: {sync['steps_per_visit']} steps a visit)")
+    rows = [f"  {mode:<10} {size_text(row['bytes_per_step']):>10} {row['seconds_per_step']:8.3f} s "
+            f"{row['efficiency']:6.1%}" for mode, row in sync["modes"].items()]
+    return [head, *rows]
 
 
 def resolved_run(shape: ModelShape, settings: Settings) -> ResolvedRun:

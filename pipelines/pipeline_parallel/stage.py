@@ -1,4 +1,4 @@
-"""The seams of one pipeline stage (`StageLayout`, a `preinfer.layout.Layout`): the one `preinfer.trainer.Trainer`
+"""The seams of one pipeline stage (`StageSeams`, a `preinfer.seams.Seams`): the one `preinfer.trainer.Trainer`
 runs the same sweeps, visits, stopping rules, steps, memory sampling, refusals and records on a pipeline, with each
 rank holding one stage. The stage does only what differs: the forward and backward of a step (over the stages),
 how the loss, tokens and gradient norm combine across stages, the tied weight's sharing, evaluation's sums,
@@ -31,33 +31,35 @@ from preinfer.config import Config
 from preinfer.errors import PreinferError
 from preinfer.forward_backward import to_device
 from preinfer.grad_buckets import BucketedAllReduce
-from preinfer.layout import any_rank
 from preinfer.memory.layer_spans import LayerSpan
+from preinfer.parallel_dims import ParallelDims
 from preinfer.partition import Block
 from preinfer.run_dir import RunDir
+from preinfer.seams import any_rank
 from preinfer.staged import StagedModel
 from preinfer.visit_optimizer import VisitOptimizer
-from pipelines.pipeline_parallel.mesh import PipelineMesh
+from preinfer.wire import Wire
 from pipelines.pipeline_parallel.visit import VisitPipeline, evaluate_stage
 
 TIED_TAG = 7  # point-to-point messages of tied-weight gradients (apart from the hidden states')
 
 
-class StageLayout:
-    """This rank's stage of the pipeline, as the trainer asks of a layout."""
+class StageSeams:
+    """This rank's stage of the pipeline, as the trainer asks of its seams."""
 
-    def __init__(self, staged: StagedModel, config: Config, mesh: PipelineMesh, stages: list[LayerSpan],
+    def __init__(self, staged: StagedModel, config: Config, dims: ParallelDims, stages: list[LayerSpan],
                  microbatches: int):
-        self.staged, self.config, self.mesh, self.stages, self.microbatches = staged, config, mesh, stages, microbatches
+        self.staged, self.config, self.dims, self.stages, self.microbatches = staged, config, dims, stages, microbatches
         self.device = torch.device(config.run.device)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         # Tensors both end stages hold (a tied embedding and head): the first stage owns them.
         embed = {id(p) for m in staged.embed_modules() for p in m.parameters() if not p.is_meta}
         self.tied = [p for m in staged.head_modules() for p in m.parameters() if id(p) in embed] \
-            if mesh.stages > 1 and (mesh.is_first or mesh.is_last) else []
-        self.borrowed = {id(p) for p in self.tied} if not mesh.is_first else set()
+            if dims.pipeline > 1 and (dims.is_first or dims.is_last) else []
+        self.borrowed = {id(p) for p in self.tied} if not dims.is_first else set()
         self.pipeline: VisitPipeline | None = None
         self.reducer: BucketedAllReduce | None = None  # replicas: this stage's part of the active block
+        self.wire = Wire(dims.data_group) if dims.data > 1 else None  # the sums over the stage's replicas
         self.tied_hooks: list = []  # while the tied weight's block trains: the hooks joining its two gradients
         self.tied_sends: list[dist.Work] = []  # the last stage's sends of this step's head parts
 
@@ -69,11 +71,11 @@ class StageLayout:
         """The visit's pipeline; with replicas, this stage's buckets, summed over its data group after the step's
         backward (a pipeline step's micro-batches end a gradient only when the whole step has run); when `block`
         holds the tied weight, the hooks joining its gradients."""
-        self.pipeline = VisitPipeline(self.staged, self.stages, self.mesh, block, visit, self.microbatches,
+        self.pipeline = VisitPipeline(self.staged, self.stages, self.dims, block, visit, self.microbatches,
                                       self.config.run.pipeline_schedule, self.config.run.recompute, self.device,
                                       boundary)
-        if self.mesh.replicas > 1 and visit.active.masters:
-            self.reducer = BucketedAllReduce(visit.active.masters, group=self.mesh.data_group)
+        if self.dims.data > 1 and visit.active.masters:
+            self.reducer = BucketedAllReduce(visit.active.masters, wire=self.wire)
         self.tied_hooks = self._join_tied_grads() if self._owns_tied(block) else []
         if visit.scaler.enabled:
             visit.scaler.agree = self._any_rank_found_inf
@@ -90,8 +92,8 @@ class StageLayout:
         return [] if self.pipeline.idle else [to_device(next(train), self.device) for _ in range(count)]
 
     def sum_over_replicas(self, tensor: torch.Tensor) -> None:
-        if self.mesh.data_group is not None and not self.pipeline.idle:
-            dist.all_reduce(tensor, group=self.mesh.data_group)
+        if self.wire is not None and not self.pipeline.idle:
+            self.wire.all_reduce(tensor)
 
     def forward_backward(self, batches: list[dict], block: Block, boundary: int, count: torch.Tensor,
                          visit: VisitOptimizer) -> tuple[float, int]:
@@ -118,7 +120,7 @@ class StageLayout:
         dist.all_reduce(loss)
         if self.pipeline.first > 0:
             counted = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-            dist.all_reduce(counted, op=dist.ReduceOp.MAX, group=self.mesh.pipe_group)
+            dist.all_reduce(counted, op=dist.ReduceOp.MAX, group=self.dims.pipe_group)
             tokens = int(counted)
         return loss.item(), tokens
 
@@ -128,7 +130,7 @@ class StageLayout:
         square = torch.zeros((), dtype=torch.float32, device=self.device)
         for grad in grads:
             square += grad.float().pow(2).sum()
-        dist.all_reduce(square, group=self.mesh.pipe_group)
+        dist.all_reduce(square, group=self.dims.pipe_group)
         coefficient = torch.clamp(max_norm / (square.sqrt() + 1e-6), max=1.0)
         for grad in grads:
             grad.mul_(coefficient.to(grad.dtype))
@@ -137,7 +139,7 @@ class StageLayout:
         if self.tied_hooks:
             self._share_tied_values()
 
-    def zero_grad(self) -> None:
+    def end_step(self) -> None:
         """The borrowed tied weight's gradient on the last stage (no optimizer of its own steps it)."""
         for param in self.tied:
             param.grad = None
@@ -148,7 +150,7 @@ class StageLayout:
         if self.pipeline.first == 0:
             return cursor
         shared = [cursor]
-        dist.broadcast_object_list(shared, src=self.mesh.rank_of(self.pipeline.first), group=self.mesh.pipe_group)
+        dist.broadcast_object_list(shared, src=self.dims.rank_of(self.pipeline.first), group=self.dims.pipe_group)
         return shared[0]
 
     def deactivate(self) -> None:
@@ -158,16 +160,16 @@ class StageLayout:
 
     def eval_sums(self, source: BatchSource) -> tuple[float, int]:
         """The eval pass forward through every stage, its sums combined so that every rank gets them."""
-        total, count = evaluate_stage(self.staged, self.stages, self.mesh, source.one_pass(), self.device,
+        total, count = evaluate_stage(self.staged, self.stages, self.dims, source.one_pass(), self.device,
                                       source.boundary)
         both = torch.tensor([total, float(count)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(both, group=self.mesh.pipe_group)
+        dist.all_reduce(both, group=self.dims.pipe_group)
         return both[0].item(), int(both[1].item())
 
     def rank_memory(self, memory: dict[str, int]) -> list[dict]:
         """Every rank's peaks (a visit record's `ranks`), gathered from all."""
         keys = list(memory)
-        mine = torch.tensor([self.rank, self.mesh.stage, self.mesh.replica, *memory.values()], dtype=torch.int64)
+        mine = torch.tensor([self.rank, self.dims.stage, self.dims.replica, *memory.values()], dtype=torch.int64)
         every = [torch.zeros_like(mine) for _ in range(self.world_size)]
         dist.all_gather(every, mine)
         return [{"rank": int(row[0]), "stage": int(row[1]), "replica": int(row[2]),
@@ -177,16 +179,16 @@ class StageLayout:
         return any_rank(requested, self.device)
 
     def checkpoint_dir(self, run_dir: RunDir) -> Path:
-        return run_dir.checkpoint / f"stage-{self.mesh.stage}"
+        return run_dir.checkpoint / f"stage-{self.dims.stage}"
 
     def save(self, run_dir: RunDir, model: nn.Module, optimizers: dict[int, dict], trainer_state: dict,
              masters: list[torch.Tensor]) -> None:
         """Each stage's checkpoint (first replica), then rank 0 gathers the stages' weights into one file."""
-        if self.mesh.replica == 0:
+        if self.dims.replica == 0:
             save_checkpoint(self.checkpoint_dir(run_dir), model, optimizers, trainer_state, masters)
         dist.barrier()
         if self.rank == 0:
-            gather_weights([run_dir.checkpoint / f"stage-{j}" / WEIGHTS for j in range(self.mesh.stages)],
+            gather_weights([run_dir.checkpoint / f"stage-{j}" / WEIGHTS for j in range(self.dims.pipeline)],
                            run_dir.checkpoint_weights)
         dist.barrier()
 
@@ -212,24 +214,24 @@ class StageLayout:
         the head's part (sent by the last stage as its backward makes it), as autograd sums the two uses of one
         tensor in one process: the same sums in the same order. Returns the hooks' handles."""
         def send(grad: torch.Tensor) -> None:
-            self.tied_sends.append(dist.isend(grad.contiguous(), self.mesh.rank_of(0), tag=TIED_TAG))
+            self.tied_sends.append(dist.isend(grad.contiguous(), self.dims.rank_of(0), tag=TIED_TAG))
 
         def add_head_part(grad: torch.Tensor) -> torch.Tensor:
             head = torch.empty_like(grad)
-            dist.recv(head, self.mesh.rank_of(self.mesh.stages - 1), tag=TIED_TAG)
+            dist.recv(head, self.dims.rank_of(self.dims.pipeline - 1), tag=TIED_TAG)
             return head + grad
 
-        return [param.register_hook(add_head_part if self.mesh.is_first else send) for param in self.tied]
+        return [param.register_hook(add_head_part if self.dims.is_first else send) for param in self.tied]
 
     @torch.no_grad()
     def _share_tied_values(self) -> None:
         """The owner's stepped values of each tied weight, copied into the last stage's."""
         for param in self.tied:
-            if self.mesh.is_first:
-                dist.send(param.detach().contiguous(), self.mesh.rank_of(self.mesh.stages - 1))
+            if self.dims.is_first:
+                dist.send(param.detach().contiguous(), self.dims.rank_of(self.dims.pipeline - 1))
             else:
                 value = torch.empty_like(param)
-                dist.recv(value, self.mesh.rank_of(0))
+                dist.recv(value, self.dims.rank_of(0))
                 param.copy_(value)
 
 

@@ -31,10 +31,10 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from preinfer.memory.layer_spans import LayerSpan
+from preinfer.parallel_dims import ParallelDims
 from preinfer.partition import Block
 from preinfer.staged import StagedModel, causal_lm_loss, supervised_tokens
 from preinfer.visit_optimizer import VisitOptimizer
-from pipelines.pipeline_parallel.mesh import PipelineMesh
 from pipelines.pipeline_parallel.stage_module import StageModule
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
@@ -67,16 +67,16 @@ class VisitPipeline:
     """Runs the batches of one visit through this rank's stage (see the module docstring), for `visit`'s
     optimizer."""
 
-    def __init__(self, staged: StagedModel, stages: list[LayerSpan], mesh: PipelineMesh, block: Block,
+    def __init__(self, staged: StagedModel, stages: list[LayerSpan], dims: ParallelDims, block: Block,
                  visit: VisitOptimizer, microbatches: int, schedule: str, recompute: bool, device: torch.device,
                  source: int = 0):
-        self.staged, self.stages, self.mesh, self.device, self.visit = staged, stages, mesh, device, visit
+        self.staged, self.stages, self.dims, self.device, self.visit = staged, stages, dims, device, visit
         self.microbatches, self.schedule_name = microbatches, schedule
         self.entry = entry_stage(stages, block)
         self.first = stage_of(stages, source)  # the stage the batches feed (a store at `source` > 0, else tokens)
-        self.idle = mesh.stage < self.first  # wholly below the store: runs nothing this visit
-        self.frozen = mesh.stage < self.entry
-        stage = stages[mesh.stage]
+        self.idle = dims.stage < self.first  # wholly below the store: runs nothing this visit
+        self.frozen = dims.stage < self.entry
+        stage = stages[dims.stage]
         self.module = StageModule(staged, stage, None if self.frozen else block, recompute, source)
         self.schedules: dict[tuple[int, ...], object] = {}
         self.count = torch.ones((), device=device)  # supervised tokens of the global batch (the loss divisor)
@@ -94,13 +94,13 @@ class VisitPipeline:
             return 0.0
         schedule = self._schedule(mask.shape, parts)
         kwargs = dict(attention_mask=mask)
-        if self.mesh.stage == self.entry:
-            x = root if self.mesh.stage == self.first else self._receive_all(mask.shape, mask, parts)
+        if self.dims.stage == self.entry:
+            x = root if self.dims.stage == self.first else self._receive_all(mask.shape, mask, parts)
             args = (x,)
         else:
             args = ()
         losses: list[torch.Tensor] = []
-        if self.mesh.is_last:
+        if self.dims.is_last:
             schedule.step(*args, target=batch["labels"], losses=losses, **kwargs)
         else:
             schedule.step(*args, **kwargs)
@@ -121,11 +121,11 @@ class VisitPipeline:
     def _forward_only(self, root: torch.Tensor, mask: torch.Tensor, parts: int) -> None:
         """A stage below the active block: each micro-batch in, through its layers without autograd, out."""
         for root_part, mask_part in zip(root.chunk(parts), mask.chunk(parts)):
-            x = root_part if self.mesh.stage == self.first else self._receive(mask_part.shape)
-            dist.send(self.module(x, mask_part).contiguous(), self.mesh.rank_of(self.mesh.stage + 1))
+            x = root_part if self.dims.stage == self.first else self._receive(mask_part.shape)
+            dist.send(self.module(x, mask_part).contiguous(), self.dims.rank_of(self.dims.stage + 1))
 
     def _receive(self, shape: torch.Size) -> torch.Tensor:
-        return receive_hidden(self.staged, self.mesh, shape, self.device)
+        return receive_hidden(self.staged, self.dims, shape, self.device)
 
     def _receive_all(self, shape: torch.Size, mask: torch.Tensor, parts: int) -> torch.Tensor:
         """The entry stage above the first: every micro-batch's hidden states from the frozen stage below."""
@@ -135,19 +135,19 @@ class VisitPipeline:
         """The schedule (and its `PipelineStage`) for batches of `shape` split into `parts` micro-batches."""
         key = (*shape, parts)
         if key not in self.schedules:
-            index, count = self.mesh.stage - self.entry, self.mesh.stages - self.entry
+            index, count = self.dims.stage - self.entry, self.dims.pipeline - self.entry
             rows, length = shape[0] // parts, shape[1]
             if index == 0 and self.module.embeds:
                 example_in = torch.empty(rows, length, dtype=torch.long, device="meta")
             else:
                 example_in = torch.empty(rows, length, self.staged.hidden_size, dtype=self.staged.compute_dtype,
                                          device="meta", requires_grad=index > 0)
-            stage = self.stages[self.mesh.stage]
+            stage = self.stages[self.dims.stage]
             width = self.staged.model.config.vocab_size if stage.head else self.staged.hidden_size
             example_out = torch.empty(rows, length, width, dtype=self.staged.compute_dtype, device="meta",
                                       requires_grad=True)
             pipeline_stage = VisitStage(self.module, index, count, self.device, input_args=example_in,
-                                        output_args=example_out, group=self.mesh.tails[self.entry],
+                                        output_args=example_out, group=self.dims.tails[self.entry],
                                         before_backward=self._before_backward)
             kind = SCHEDULES[self.schedule_name]
             if kind is Schedule1F1B and parts < count:
@@ -163,10 +163,10 @@ def stage_input(batch: dict[str, torch.Tensor], staged: StagedModel) -> torch.Te
     return batch["input_ids"] if "input_ids" in batch else batch["hidden"].to(staged.compute_dtype)
 
 
-def receive_hidden(staged: StagedModel, mesh: PipelineMesh, shape: torch.Size, device: torch.device) -> torch.Tensor:
+def receive_hidden(staged: StagedModel, dims: ParallelDims, shape: torch.Size, device: torch.device) -> torch.Tensor:
     """The hidden states of a batch of `shape` (rows, tokens) from the stage below."""
     hidden = torch.empty(*shape, staged.hidden_size, dtype=staged.compute_dtype, device=device)
-    dist.recv(hidden, mesh.rank_of(mesh.stage - 1))
+    dist.recv(hidden, dims.rank_of(dims.stage - 1))
     return hidden
 
 
@@ -174,17 +174,17 @@ class StageLink:
     """This rank's stage as pre-inference's stage writer reaches the others
     (`pipelines.pre_inference.stage_writer.StageLink`)."""
 
-    def __init__(self, staged: StagedModel, spans: list[LayerSpan], mesh: PipelineMesh, device: torch.device):
-        self.staged, self.spans, self.mesh, self.device = staged, spans, mesh, device
-        self.stage, self.replica, self.replicas = mesh.stage, mesh.replica, mesh.replicas
-        self.module = StageModule(staged, spans[mesh.stage])
+    def __init__(self, staged: StagedModel, spans: list[LayerSpan], dims: ParallelDims, device: torch.device):
+        self.staged, self.spans, self.dims, self.device = staged, spans, dims, device
+        self.stage, self.replica, self.replicas = dims.stage, dims.replica, dims.data
+        self.module = StageModule(staged, spans[dims.stage])
 
     def holding(self, layer: int) -> int:
         return stage_of(self.spans, layer)
 
     def gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        every = [torch.zeros_like(tensor) for _ in range(self.mesh.stages)]
-        dist.all_gather(every, tensor, group=self.mesh.pipe_group)
+        every = [torch.zeros_like(tensor) for _ in range(self.dims.pipeline)]
+        dist.all_gather(every, tensor, group=self.dims.pipe_group)
         return every
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -192,29 +192,29 @@ class StageLink:
             return self.module(x, attention_mask)
 
     def receive(self, shape: torch.Size) -> torch.Tensor:
-        return receive_hidden(self.staged, self.mesh, shape, self.device)
+        return receive_hidden(self.staged, self.dims, shape, self.device)
 
     def send(self, hidden: torch.Tensor) -> None:
-        dist.send(hidden.contiguous(), self.mesh.rank_of(self.mesh.stage + 1))
+        dist.send(hidden.contiguous(), self.dims.rank_of(self.dims.stage + 1))
 
 
 @torch.no_grad()
-def evaluate_stage(staged: StagedModel, stages: list[LayerSpan], mesh: PipelineMesh, batches: Iterable[dict],
+def evaluate_stage(staged: StagedModel, stages: list[LayerSpan], dims: ParallelDims, batches: Iterable[dict],
                    device: torch.device, source: int = 0) -> tuple[float, int]:
     """Whole eval batches (at boundary `source`) forward through the stages of this rank's replica from the one
     holding `source`: (loss sum, supervised tokens) on the last stage, (0, 0) elsewhere."""
     first = stage_of(stages, source)
-    if mesh.stage < first:
+    if dims.stage < first:
         return 0.0, 0
-    module = StageModule(staged, stages[mesh.stage], source=source)
+    module = StageModule(staged, stages[dims.stage], source=source)
     total, count = 0.0, 0
     for batch in batches:
         batch = {k: v.to(device) for k, v in batch.items()}
         mask = batch["attention_mask"]
-        x = stage_input(batch, staged) if mesh.stage == first else receive_hidden(staged, mesh, mask.shape, device)
+        x = stage_input(batch, staged) if dims.stage == first else receive_hidden(staged, dims, mask.shape, device)
         out = module(x, mask)
-        if not mesh.is_last:
-            dist.send(out.contiguous(), mesh.rank_of(mesh.stage + 1))
+        if not dims.is_last:
+            dist.send(out.contiguous(), dims.rank_of(dims.stage + 1))
             continue
         labels = batch["labels"].to(device)
         total += causal_lm_loss(out, labels, reduction="sum").item()

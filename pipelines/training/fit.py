@@ -14,13 +14,13 @@ import preinfer
 from preinfer.batch_source import VisitSources
 from preinfer.config import Config, load_config, resume_changes
 from preinfer.errors import CheckpointWriteError, PreinferError, remedy
-from preinfer.layout import Layout
 from preinfer.memory.meter import MemoryMeter
 from preinfer.metrics import ResolvedRecord, ResumeRecord
 from preinfer.partition import Partition
 from preinfer.config.resolved import ResolvedRun
 from preinfer.precision import Precision
 from preinfer.run_dir import RunDir
+from preinfer.seams import Seams
 from preinfer.trainer import Trainer
 from pipelines.data.corpus import CorpusDigest
 from pipelines.progress import Progress
@@ -31,16 +31,16 @@ from pipelines.training.signals import RunStopped, StopOnSignals
 
 def train(config: Config, staged: preinfer.StagedModel, partition: Partition, active: int | None,
           chosen: VisitSources, resume: bool, quiet: bool, notes: list[str] = (), command: str = "bcd",
-          layout: Layout | None = None, precision: Precision | None = None,
+          seams: Seams | None = None, precision: Precision | None = None,
           corpus: CorpusDigest | None = None, resolved: ResolvedRun | None = None) -> Trainer:
-    """Build the trainer on `layout` in `precision` (defaults: `Trainer`'s), with its memory meter and progress
+    """Build the trainer on `seams` in `precision` (defaults: `Trainer`'s), with its memory meter and progress
     display (shown by rank 0 only; it checks the block order), create the run directory (rank 0), resume if asked,
     and run it; a signal stops it with `RunStopped` after a checkpoint."""
     torch.manual_seed(config.run.seed)
     ui = Progress(quiet or (dist.is_initialized() and dist.get_rank() != 0), config.stop.steps_per_visit)
     run = RunDir(config.run.out)
     trainer = Trainer(staged, partition, config, chosen, run, MemoryMeter(staged.model), on_record=ui.record,
-                      active_block=active, layout=layout, precision=precision)
+                      active_block=active, seams=seams, precision=precision)
     if trainer.rank == 0:
         prepare_run_dir(run, config, resume, corpus)
     trackers = Trackers.open(config, run.path, trainer.rank)

@@ -1,7 +1,8 @@
 """The one run path of `preinfer bcd` and `preinfer train`: `run(config)` resolves the config into model, data,
-partition and sources, trains, then writes the run directory (its layout is `preinfer.run_dir.RunDir`). Where
-the model lives is the layout's business: one process or data-parallel replicas (`layout.OneProcess`), or a
-pipeline of `run.pipeline` stages (`pipelines.pipeline_parallel.layout.PipelineLayout`); the prefix runs live,
+partition and sources, trains, then writes the run directory (`preinfer.run_dir.RunDir`). The run's parallelism
+(`preinfer.parallel_dims.ParallelDims`: its degrees and mesh) is built once, here; which weights each rank holds is
+the placement's business: the whole model in one process or data-parallel replicas (`placement.WholeModel`), or a
+pipeline of `run.pipeline` stages (`pipelines.pipeline_parallel.placement.PipelinePlacement`); the prefix runs live,
 or a cache's stores (`store.path`) stand in for it (`store_input.StoreInput`). Everything a bad input can trip on
 is resolved before the run directory is created, so a refused run leaves nothing behind.
 
@@ -12,7 +13,7 @@ as an uninterrupted run. A second signal acts as usual."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -22,6 +23,7 @@ from preinfer.batch_source import VisitSources
 from preinfer.config import Config
 from preinfer.config.resolved import check_resolved, resolve_run
 from preinfer.moe import sparse_blocks
+from preinfer.parallel_dims import parallel_dims
 from preinfer.partition import Partition
 from preinfer.precision import Precision, weights_dtype
 from preinfer.run_dir import RunDir
@@ -30,7 +32,7 @@ from pipelines.data.tokenizer_choice import model_tokenizer
 from pipelines.data.tokenizers import Tokenizer
 from pipelines.training.distributed import init_distributed
 from pipelines.training.fit import stopped_writing, train
-from pipelines.training.layout import OneProcess
+from pipelines.training.placement import Placement, WholeModel
 from pipelines.data.corpus import CorpusDigest
 from pipelines.training.inputs import check_inputs, run_corpus
 from pipelines.pre_inference.stores import owning_store_dir
@@ -41,41 +43,36 @@ from pipelines.training.trackers import check_trackers
 from pipelines.cache import samples_per_shard
 from pipelines.data.run_data import live_sources, load_datasets
 
-if TYPE_CHECKING:  # torch.distributed.pipelining loads only for pipelines
-    from pipelines.pipeline_parallel.layout import PipelineLayout
-
 
 def run(config: Config, resume: bool = False, quiet: bool = False) -> dict:
     """Train as configured and write the run directory, held for the whole job; returns the summary."""
     check_trackers(config.run.report_to, config.run.out)  # a tracker not installed: refused before anything is made
-    rank, world = init_distributed(config.run.device)
+    rank = init_distributed(config.run.device)
     run_dir = RunDir(config.run.out)
     with owning_run(run_dir, resume, rank), owning_store_dir(config, rank):  # held, then checked
         corpus = run_corpus(config)  # read once: for the inputs (recorded, or checked on resume) and the token store
         if resume and rank == 0:
             check_inputs(run_dir, config, corpus)
-        return _run(config, run_dir, resume, quiet, rank, world, corpus)
+        return _run(config, run_dir, resume, quiet, corpus)
 
 
-def _run(config: Config, run_dir: RunDir, resume: bool, quiet: bool, rank: int, world: int,
-         corpus: CorpusDigest | None) -> dict:
+def _run(config: Config, run_dir: RunDir, resume: bool, quiet: bool, corpus: CorpusDigest | None) -> dict:
     store = StoreInput(config) if config.store.path is not None else None
     first = store.boundary if store is not None else 0
-    layout = layout_for(config, first)
-    layout.join(rank, world)
-    model, loaded, precision, staged, partition, active, resolved = resolve(config, layout, first)
-    notes = [precision.describe(loaded), *layout.notes()]
+    placement = placement_for(config, first)
+    model, loaded, precision, staged, partition, active, resolved = resolve(config, placement, first)
+    notes = [precision.describe(loaded), *placement.notes()]
     if store is not None:
-        notes.append(store.check_prefix(layout.prefix(first), config))
-    chosen, tokenizer = sources(config, layout, staged, store, quiet, corpus)
+        notes.append(store.check_prefix(placement.prefix(first), config))
+    chosen, tokenizer = sources(config, placement, staged, store, quiet, corpus)
     command = "bcd" if store is None else "train"
     trainer = train(config, staged, partition, active, chosen, resume, quiet, notes, command=command,
-                    layout=layout.seams(staged), precision=precision, corpus=corpus,
+                    seams=placement.seams(staged), precision=precision, corpus=corpus,
                     resolved=resolved)
-    layout.close()
+    placement.close()
 
     def export(directory: Path) -> None:
-        if not layout.export(directory):
+        if not placement.export(directory):
             print(f"no export written: {config.model.name} has no weights below boundary {first} (a preset's prefix "
                   f"exists only as the store's states); the trained layers are in {run_dir.checkpoint_weights}")
             return
@@ -102,12 +99,12 @@ class Resolution(NamedTuple):
     resolved: ResolvedRun
 
 
-def resolve(config: Config, layout: OneProcess | PipelineLayout, first: int) -> Resolution:
-    """Load the model on `layout`, resolve its precision (once: everything after reads it) and partition, and the
+def resolve(config: Config, placement: Placement, first: int) -> Resolution:
+    """Load the model as `placement` places it, resolve its precision (once: everything after reads it) and partition, and the
     run they make, judged by every rule (`check_resolved`: a rule of fp16-mixed holds for auto resolved to it)."""
-    model = layout.load(first)
+    model = placement.load(first)
     loaded = weights_dtype(model)
-    precision = layout.precision(model)
+    precision = placement.precision(model)
     precision.apply(model)
     staged = preinfer.stage(model)
     partition, active = partition_for(staged, config, first_layer=first, precision=precision)
@@ -116,25 +113,27 @@ def resolve(config: Config, layout: OneProcess | PipelineLayout, first: int) -> 
     return Resolution(model, loaded, precision, staged, partition, active, resolved)
 
 
-def sources(config: Config, layout: OneProcess | PipelineLayout, staged: preinfer.StagedModel,
+def sources(config: Config, placement: Placement, staged: preinfer.StagedModel,
             store: StoreInput | None, quiet: bool, corpus: CorpusDigest | None) -> tuple[VisitSources, Tokenizer]:
     """What each visit reads, and the tokenizer the export is saved with: a cache's stores, or the token store's
-    splits of the corpus fingerprinted `corpus` (with pre-inference, as the layout runs it)."""
+    splits of the corpus fingerprinted `corpus` (with pre-inference, as the placement runs it)."""
     if store is not None:
         m = config.model
         tokenizer = model_tokenizer(m.tokenizer, m.name, m.chat_template, m.chat_template_name).tokenizer
-        return store.sources(config, layout.replica, layout.replicas), tokenizer
+        return store.sources(config, placement.dims.replica, placement.dims.data), tokenizer
     data = load_datasets(config, quiet, corpus)
     shard = samples_per_shard(config, staged)
-    live = live_sources(data, config, shard, layout.replica, layout.replicas)
-    return layout.pre_inference(staged, data, live, shard, quiet), data.tokenizer
+    live = live_sources(data, config, shard, placement.dims.replica, placement.dims.data)
+    return placement.pre_inference(staged, data, live, shard, quiet), data.tokenizer
 
 
-def layout_for(config: Config, first: int) -> OneProcess | PipelineLayout:
-    """The run's layout: a pipeline when `run.pipeline` > 1 (its flags and stages checked here, before anything
-    is loaded), else one process."""
-    if config.run.pipeline > 1:
-        from pipelines.pipeline_parallel.layout import PipelineLayout  # torch.distributed.pipelining loads only here
+def placement_for(config: Config, first: int) -> Placement:
+    """The run's placement: a pipeline when `run.pipeline` > 1 (its flags and stages checked first, before anything
+    is loaded), else the whole model; on the run's parallelism, built here, once."""
+    r = config.run
+    if r.pipeline > 1:
+        from pipelines.pipeline_parallel.placement import PipelinePlacement, run_stages  # loads pipelining
 
-        return PipelineLayout(config, first)
-    return OneProcess(config)
+        plan = run_stages(config, first)
+        return PipelinePlacement(config, parallel_dims(r.pipeline, r.device), plan)
+    return WholeModel(config, parallel_dims(1, r.device))

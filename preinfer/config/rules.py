@@ -18,6 +18,7 @@ from preinfer.config.choices import (
 from preinfer.block_lr import FLOAT32_MAX, GRAMMAR, parse_block_lr
 from preinfer.errors import UsageError
 from preinfer.partition import parse_ufp
+from preinfer.config.sync_rules import dp_sync_problems
 from preinfer.torchao_extra import torchao_installed
 
 
@@ -87,7 +88,7 @@ BOUNDS: dict[str, Bound] = {
     "stop.min_delta": at_least(0), "stop.smoothing": SHARE, "stop.gain_window": at_least(1),
     "stop.total_steps": at_least(1),
     "run.seed": ANY_INTEGER, "run.checkpoint_every": at_least(0), "run.pipeline": at_least(1),
-    "run.microbatches": at_least(0),
+    "run.microbatches": at_least(0), "run.outer_lr": in_float32(above(0)), "run.outer_momentum": SHARE,
 }
 
 
@@ -179,6 +180,7 @@ def rule_problems(c: Any) -> Iterator[Problem]:
     yield from expand_problems(c)
     if r.pipeline > 1:
         yield from pipeline_problems(c)
+    yield from dp_sync_problems(c)
 
 
 def _parses(parse: Callable[[str], Any], text: str) -> bool:
@@ -280,6 +282,9 @@ def expand_conflicts(c: Any, expand: str) -> Iterator[Problem]:
     b = c.blocks
     if b.active is not None:
         yield "blocks", "expand", "none with {blocks.active} (it keeps the layers above the active block frozen)"
+    if expand == "sgd" and c.run.dp_sync != "step":
+        yield "blocks", "expand", "lowrank or none with {run.dp_sync} " + c.run.dp_sync + " (the sgd step updates " \
+                                  "the layers above the block, which the replicas' average does not cover)"
     if expand == "sgd" and c.run.precision == "fp16-mixed":
         yield "blocks", "expand", "lowrank or none under {run.precision} fp16-mixed (the sgd step does not " \
                                   "unscale the suffix's gradients)"

@@ -16,15 +16,25 @@ def flops_per_token(m: ModelShape, blocks: list[LayerSpan], epochs_per_visit: fl
     it). From a store, the forward skips the prefix but one caching pass per visit runs it over the dataset
     once (2N_below / epochs per visit, per trained token). Averaged over visits of equal token counts.
     """
-    head = m.vocab * m.hidden
-    per_block = [m.span_params(b.start, b.stop, active=True) + (head if b.head else 0) for b in blocks]
+    per_block = _matmul_params(m, blocks)
     n = sum(per_block)
-    live = store = 0.0
+    store = 0.0
     for k, own in enumerate(per_block):
         below, above = sum(per_block[:k]), sum(per_block[k + 1:])
-        live += 2 * n + 2 * above + 4 * own
         store += 2 * (own + above) + 2 * above + 4 * own + 2 * below / epochs_per_visit
-    return dict(full=6.0 * n, bcd_live=live / len(blocks), bcd_store=store / len(blocks))
+    return dict(full=6.0 * n, bcd_live=sum(visit_flops(m, blocks)) / len(blocks), bcd_store=store / len(blocks))
+
+
+def visit_flops(m: ModelShape, blocks: list[LayerSpan]) -> list[float]:
+    """Training FLOPs per token of a live visit of each block: forward 2N, backward 2N_above + 4N_k."""
+    per_block = _matmul_params(m, blocks)
+    return [2 * sum(per_block) + 2 * sum(per_block[k + 1:]) + 4 * own for k, own in enumerate(per_block)]
+
+
+def _matmul_params(m: ModelShape, blocks: list[LayerSpan]) -> list[int]:
+    """Per block, the matmul parameters a token runs through (an embedding lookup costs nothing)."""
+    head = m.vocab * m.hidden
+    return [m.span_params(b.start, b.stop, active=True) + (head if b.head else 0) for b in blocks]
 
 
 def cost(m: ModelShape, settings: Settings, blocks: list[LayerSpan]) -> dict | None:

@@ -14,6 +14,7 @@ from preinfer.memory.settings import DTYPES, GPUS, USABLE_FRACTION, Settings
 from preinfer.memory.shapes import ModelShape
 from preinfer.memory.streaming import stream_timing
 from preinfer.memory.stage_cut import stage_cost, stage_label, stage_rows
+from preinfer.memory.sync_cost import sync_cost
 from preinfer.memory.traffic import store_bytes_per_token, store_dtype, traffic
 
 
@@ -31,6 +32,7 @@ class MemoryPlan:
     store: dict
     traffic: dict
     cost: dict | None
+    dp_sync: dict | None  # with `nodes` > 1: seconds per step of each --dp-sync mode (`sync_cost`)
     notes: list[str] = field(default_factory=list)
     stages: list[dict] | None = None  # with `pipeline` > 1: BCD's stage cut, each stage's layers and peak bytes
     stream: dict | None = None  # with `stream_frozen` on a GPU: a streamed layer's copy against its compute
@@ -73,6 +75,7 @@ def plan_memory(m: ModelShape, settings: Settings) -> MemoryPlan:
         weight_bytes=m.total_params() * DTYPES[settings.dtype]["weight"],
         memory=memory, auto=auto, full_adam_pipeline_degree=full_pipeline_degree(m, settings),
         store=store, traffic=traffic(m, settings, degree), cost=cost(m, settings, blocks),
+        dp_sync=sync_cost(m, settings, blocks),
         notes=[
             f"fits = total <= {USABLE_FRACTION:.0%} of the GPU's memory (CUDA context and fragmentation)",
             "BCD rows are the worst visit; from a store excludes block 0, which has no prefix and trains live",

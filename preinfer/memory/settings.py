@@ -62,6 +62,8 @@ class Settings:
     separate_ends: bool = False  # the embedding and the head in blocks of their own (`blocks` splits the layers)
     tokens: int | None = None
     bandwidth_gbps: float = 25.0  # 2 x 25 Gbps links in the paper's clusters; one link assumed
+    nodes: int = 1  # data-parallel replicas, one link each, for the --dp-sync comparison
+    steps_per_visit: int = 100  # a visit's steps, for visit sync's bytes per step
     price_per_hour: float | None = None  # overrides the paper's price for the GPU
     mfu: float = 0.4  # model-FLOPs utilisation: fraction of peak FLOPs a training step achieves (assumption)
     compression: float | None = None  # store codec ratio; None: COMPRESSION of the store dtype

@@ -1,24 +1,26 @@
-"""The seams of a parallel layout: what the trainer asks of wherever the model lives.
+"""The step's seams: what the trainer asks of wherever the model lives.
 
-`preinfer.trainer.Trainer` runs the same sweeps, visits, stopping rules, records and checkpoints whatever the
-layout; a `Layout` does the parts that depend on where the weights are and how many processes share a step:
+`preinfer.trainer.Trainer` runs the same sweeps, visits, stopping rules, records and checkpoints wherever the
+model lives; its `Seams` do the parts that depend on where the weights are and how many processes share a step
+(the degrees and groups are the run's `preinfer.parallel_dims.ParallelDims`):
 
-seam                           one process        data parallel          a pipeline stage (`StageLayout`)
+seam                           one process        data parallel          a pipeline stage (`StageSeams`)
 trained(block)                 the block          the block              the part the stage holds and owns
-activate / deactivate          -                  gradient buckets       the visit's pipeline, tied-weight hooks
+activate / deactivate          -                  buckets; visit's avg   the visit's pipeline, tied-weight hooks
 fetch                          grad_accum batches this rank's share      none below the visit's store
 forward_backward               micro-batches      the same, buckets out  each batch through the stages
-sum_over_replicas / reduce     -                  all-reduce             all-reduce over the stage's replicas
-combine                        -                  loss over ranks        loss over stages and replicas
+sum_over_replicas / reduce     -                  all-reduce (step sync) all-reduce over the stage's replicas
+combine                        -                  loss over replicas     loss over stages and replicas
 clip                           clip_grad_norm_    the same               the norm over every stage
-after_update / zero_grad       -                  -                      the tied weight's values and gradient
+after_update / end_step        -                  every:N's average      the tied weight's values and gradient
 shared_cursor                  the cursor         the cursor             the cursor of the stage the store fed
 eval_sums                      the model          the model              through the stages, sums shared
 rank_memory                    None               None                   every rank's peaks
 stop_agreed                    the request        any rank's             any rank's
-checkpoint_dir / save / load   checkpoint/        rank 0 writes          checkpoint/stage-J/, weights gathered
+checkpoint_dir / save / load   checkpoint/        each replica its own   checkpoint/stage-J/, weights gathered
+wire                           None               the bytes sent         the bytes sent over the replicas
 
-`SingleProcess` and `DataParallel` are here; `StageLayout` is `pipelines.pipeline_parallel.stage`'s.
+`SingleProcess` and `DataParallel` are here; `StageSeams` is `pipelines.pipeline_parallel.stage`'s.
 """
 
 from __future__ import annotations
@@ -33,22 +35,27 @@ from torch import nn
 from preinfer.batch_source import BatchSource
 from preinfer.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from preinfer.config import Config
+from preinfer.config.sync_rules import parse_dp_sync
 from preinfer.evaluation import eval_sums
 from preinfer.forward_backward import forward_backward, to_device
 from preinfer.grad_buckets import BucketedAllReduce
 from preinfer.layer_major import layer_major
 from preinfer.moe import RouterLoss
+from preinfer.parallel_dims import ParallelDims
 from preinfer.partition import Block
+from preinfer.replica_sync import OuterStep
 from preinfer.run_dir import RunDir
 from preinfer.staged import StagedModel
 from preinfer.visit_optimizer import VisitOptimizer, clip_norm
+from preinfer.wire import Wire
 
 
-class Layout(Protocol):
+class Seams(Protocol):
     """Where the model lives, as the trainer asks (see the module's table)."""
 
     rank: int
     world_size: int
+    wire: Wire | None  # counts the bytes sent to the data-parallel replicas (None: there are none)
 
     def trained(self, block: Block) -> list[nn.Parameter]:
         """The parameters of `block` this process steps."""
@@ -89,8 +96,8 @@ class Layout(Protocol):
         """After the optimizer stepped and the masters were cast down."""
         ...
 
-    def zero_grad(self) -> None:
-        """Gradients beyond the optimizer's own, dropped after each step."""
+    def end_step(self) -> None:
+        """After each step: gradients beyond the optimizer's own dropped, replicas averaged when due."""
         ...
 
     def shared_cursor(self, cursor: dict | None) -> dict | None:
@@ -130,6 +137,8 @@ class SingleProcess:
     `preinfer.stream_frozen.LayerStream`) each step runs layer-major (`preinfer.layer_major`)."""
 
     rank, world_size = 0, 1
+    step_replicas = 1  # the replicas whose batches one step's gradient is the mean over
+    wire: Wire | None = None
     stream = None
 
     def __init__(self, staged: StagedModel, config: Config):
@@ -152,7 +161,7 @@ class SingleProcess:
     def forward_backward(self, batches: list[dict], block: Block, boundary: int, count: torch.Tensor,
                          visit: VisitOptimizer) -> tuple[float, int]:
         total, tokens = 0.0, 0
-        share = self.config.optim.grad_accum * self.world_size
+        share = self.config.optim.grad_accum * self.step_replicas
         if self.stream is not None:
             total = layer_major(self.staged, batches, block, boundary, count, visit, self.router_loss, share,
                                 self.config.run.recompute, self.stream)
@@ -176,7 +185,7 @@ class SingleProcess:
     def after_update(self) -> None:
         pass
 
-    def zero_grad(self) -> None:
+    def end_step(self) -> None:
         pass
 
     def shared_cursor(self, cursor: dict | None) -> dict | None:
@@ -207,58 +216,96 @@ class SingleProcess:
 
 
 class DataParallel(SingleProcess):
-    """The whole model in every process of torchrun's group, each a replica reading its share of every batch; the
-    active block's gradients are summed in buckets launched as backward completes them (`BucketedAllReduce`), and
-    the fused step steps each tensor once its bucket's sum is back."""
+    """The whole model in every process of torchrun's group, each a replica reading its share of every batch.
+    `--dp-sync step`: the active block's gradients are summed in buckets launched as backward completes them
+    (`BucketedAllReduce`; compressed with `--grad-compression`), and the fused step steps each tensor once its
+    bucket's sum is back. `visit`, `every:N`: each replica steps on its own share, and the replicas average the
+    block at the visit's end or every N steps (`preinfer.replica_sync`). Each replica checkpoints its own state.
+    Every collective goes through the replicas' `wire`, which counts the bytes sent."""
 
-    def __init__(self, staged: StagedModel, config: Config):
+    def __init__(self, staged: StagedModel, config: Config, dims: ParallelDims):
         super().__init__(staged, config)
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.rank, self.world_size = dims.rank, dims.data
+        self.wire = Wire(dims.data_group)
+        self.sync = parse_dp_sync(config.run.dp_sync)
+        self.step_replicas = self.world_size if self.sync.per_step else 1
         self.reducer: BucketedAllReduce | None = None
+        self.outer: OuterStep | None = None
+        self.saved_sync: list[torch.Tensor] = []  # from a mid-visit checkpoint, for the visit it resumes
 
     def activate(self, block: Block, boundary: int, visit: VisitOptimizer) -> None:
-        """The visit's buckets; the fused step, watching the block until now, steps each tensor once it is summed."""
-        self.reducer = BucketedAllReduce(visit.active.masters)
-        self.reducer.on_reduced = visit.active.watch(self.reducer.grad_ready)
+        """The visit's buckets (the fused step, watching the block until now, steps each tensor once it is summed),
+        or the outer step of visit and every:N sync."""
+        r = self.config.run
+        if self.sync.per_step:
+            self.reducer = BucketedAllReduce(visit.active.masters, wire=self.wire, compression=r.grad_compression,
+                                             state=self.saved_sync)
+            self.reducer.on_reduced = visit.active.watch(self.reducer.grad_ready)
+        else:
+            self.outer = OuterStep(visit.active.masters, self.wire, r.outer_lr, r.outer_momentum,
+                                   visit.active.cast_down, self.saved_sync)
+        self.saved_sync = []
 
     def sum_over_replicas(self, tensor: torch.Tensor) -> None:
-        dist.all_reduce(tensor)
+        """Summed under step sync; each replica's own otherwise."""
+        if self.sync.per_step:
+            self.wire.all_reduce(tensor)
 
     def reduce(self) -> None:
         """Wait for the buckets, write the sums into the gradients, and expect the next step's."""
-        self.reducer.finish()
-        self.reducer.start_step()
+        if self.reducer is not None:
+            self.reducer.finish()
+            self.reducer.start_step()
 
     def combine(self, total: float, tokens: int) -> tuple[float, int]:
+        """The step's loss: the sum of the replicas' shares (step sync), or the mean of their own losses."""
         summed = torch.tensor(total, device=self.device)
-        dist.all_reduce(summed)
-        return summed.item(), tokens
+        self.wire.all_reduce(summed)
+        return summed.item() / (1 if self.sync.per_step else self.world_size), tokens
+
+    def end_step(self) -> None:
+        """every:N: the replicas average the block after every N steps of the visit."""
+        if self.outer is not None:
+            self.outer.stepped()
+            if self.outer.steps == self.sync.every:
+                self.outer.sync()
 
     def deactivate(self) -> None:
-        self.reducer = None
+        """The replicas average the block, unless they did after the visit's last step."""
+        if self.outer is not None and self.outer.steps:
+            self.outer.sync()
+        self.reducer, self.outer = None, None
 
     def stop_agreed(self, requested: bool) -> bool:
-        return any_rank(requested, self.device)
+        return any_rank(requested, self.device, self.wire)
+
+    def checkpoint_dir(self, run_dir: RunDir) -> Path:
+        """Replica 0's is `checkpoint/`, every other one's its own (its data cursor, random state and, where the
+        replicas train apart, its weights and optimizer state are its own)."""
+        return run_dir.checkpoint if self.rank == 0 else run_dir.replica_checkpoint(self.rank)
+
+    def save(self, run_dir: RunDir, model: nn.Module, optimizers: dict[int, dict], trainer_state: dict,
+             masters: list[torch.Tensor]) -> None:
+        """Every replica's own checkpoint, with the sync's state mid-visit (the outer step's, or PowerSGD's)."""
+        sync = self.outer.state() if self.outer is not None else self.reducer.state() if self.reducer else []
+        save_checkpoint(self.checkpoint_dir(run_dir), model, optimizers, trainer_state, masters, sync)
 
     def load(self, run_dir: RunDir, model: nn.Module) -> Checkpoint:
-        """Rank 0's checkpoint, its data cursor made this replica's: every replica has read as many batches of its
-        own share of the data, so its reader stands where rank 0's does, with its own rank."""
-        checkpoint = super().load(run_dir, model)
-        cursor = checkpoint.trainer.get("cursor")
-        if isinstance(cursor, dict) and "rank" in cursor:
-            checkpoint.trainer["cursor"] = {**cursor, "rank": self.rank}
+        checkpoint = load_checkpoint(self.checkpoint_dir(run_dir), model)
+        self.saved_sync = checkpoint.sync
         return checkpoint
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """Whether `flag` is set on any rank of the default group."""
+def any_rank(flag: bool, device: torch.device, wire: Wire | None = None) -> bool:
+    """Whether `flag` is set on any rank of the wire's group (None: of the default group, not counted)."""
     summed = torch.tensor(float(flag), device=device)
-    dist.all_reduce(summed, op=dist.ReduceOp.MAX)
+    if wire is None:
+        dist.all_reduce(summed, op=dist.ReduceOp.MAX)
+    else:
+        wire.all_reduce(summed, op=dist.ReduceOp.MAX)
     return bool(summed.item())
 
 
-def replica_layout(staged: StagedModel, config: Config) -> SingleProcess:
-    """One process, or a data-parallel replica under torchrun."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        return DataParallel(staged, config)
-    return SingleProcess(staged, config)
+def replica_seams(staged: StagedModel, config: Config, dims: ParallelDims) -> SingleProcess:
+    """One process, or a data-parallel replica of `dims`."""
+    return DataParallel(staged, config, dims) if dims.data > 1 else SingleProcess(staged, config)

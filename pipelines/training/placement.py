@@ -1,11 +1,13 @@
-"""Where a run's model lives, as the one run path (`pipelines.training.runner.run`) asks: `OneProcess` holds the
-whole model (or the suffix above a store) in each process, one or data-parallel replicas under torchrun;
-`pipelines.pipeline_parallel.layout.PipelineLayout` holds one stage of a pipeline per rank. Each hands the trainer
-its seams (`seams`: a `preinfer.layout.Layout`) and the run's precision, resolved once (`precision`)."""
+"""Which weights each rank of a run loads, trains and exports, as the one run path (`pipelines.training.runner.run`)
+asks (`Placement`): `WholeModel` holds the whole model (or the suffix above a store) in each process, one or
+data-parallel replicas under torchrun; `pipelines.pipeline_parallel.placement.PipelinePlacement` holds one stage of
+a pipeline per rank. Each reads the run's `ParallelDims` (built once, by the runner), hands the trainer the step's
+seams (`seams`: a `preinfer.seams.Seams`) and the run's precision, resolved once (`precision`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Protocol
 
 from torch import nn
 
@@ -13,9 +15,10 @@ import preinfer
 from preinfer.batch_source import LiveSources, VisitSources
 from preinfer.config import Config
 from preinfer.errors import UsageError
-from preinfer.layout import Layout, replica_layout
 from preinfer.moe import EXPERTS_IN_ONE_PROCESS
+from preinfer.parallel_dims import ParallelDims
 from preinfer.precision import Precision, resolve_precision, weights_dtype
+from preinfer.seams import Seams, replica_seams
 from pipelines.models import resolve_model
 from pipelines.models.export import export_full, export_pretrained
 from pipelines.models.suffix import Suffix, load_suffix, to_device
@@ -23,20 +26,55 @@ from pipelines.pre_inference import PreInference
 from pipelines.data.run_data import Datasets
 
 
-class OneProcess:
+class Placement(Protocol):
+    """Which weights this rank loads, trains and exports, and how its visits are fed."""
+
+    dims: ParallelDims
+
+    def load(self, first: int) -> nn.Module:
+        """This rank's part of the model, above boundary `first`, on the run's device."""
+        ...
+
+    def precision(self, model: nn.Module) -> Precision:
+        """The run's precision, resolved once."""
+        ...
+
+    def seams(self, staged: preinfer.StagedModel) -> Seams:
+        """The step's seams the trainer runs on."""
+        ...
+
+    def notes(self) -> list[str]:
+        """Lines the run prints about where the model lives."""
+        ...
+
+    def prefix(self, boundary: int) -> Suffix:
+        """The digest of the weights below `boundary` (checked against a store's)."""
+        ...
+
+    def pre_inference(self, staged: preinfer.StagedModel, data: Datasets, live: LiveSources,
+                      shard: int, quiet: bool) -> VisitSources:
+        """The sources of each visit."""
+        ...
+
+    def export(self, directory: Path) -> bool:
+        """Write the trained model as a save_pretrained directory; False when it cannot be."""
+        ...
+
+    def close(self) -> None:
+        """Clean up what the run made for itself."""
+        ...
+
+
+class WholeModel:
     """The model whole in every process; under torchrun each rank is a data-parallel replica."""
 
-    def __init__(self, config: Config):
-        self.config = config
-        self.replica, self.replicas = 0, 1
+    def __init__(self, config: Config, dims: ParallelDims):
+        """Refused with --experts on several replicas, before anything loads."""
+        if config.blocks.experts is not None and dims.data > 1:
+            raise UsageError(EXPERTS_IN_ONE_PROCESS)
+        self.config, self.dims = config, dims
         self.model: nn.Module | None = None
         self.suffix: Suffix | None = None  # above a store's boundary
-
-    def join(self, rank: int, world: int) -> None:
-        """Take this rank's place among `world` replicas (refused with --experts, before anything loads)."""
-        if self.config.blocks.experts is not None and world > 1:
-            raise UsageError(EXPERTS_IN_ONE_PROCESS)
-        self.replica, self.replicas = rank, world
 
     def load(self, first: int) -> nn.Module:
         """The model on the run's device: whole, or above boundary `first` (the prefix on the meta device)."""
@@ -51,9 +89,9 @@ class OneProcess:
         """The run's precision: `run.precision`, auto following the loaded weights."""
         return resolve_precision(self.config.run.precision, weights_dtype(model))
 
-    def seams(self, staged: preinfer.StagedModel) -> Layout:
+    def seams(self, staged: preinfer.StagedModel) -> Seams:
         """What the trainer asks of one process, or of a data-parallel replica."""
-        return replica_layout(staged, self.config)
+        return replica_seams(staged, self.config, self.dims)
 
     def notes(self) -> list[str]:
         return []
@@ -68,7 +106,7 @@ class OneProcess:
         if self.config.pre_inference.mode == "off":
             return live
         return PreInference(staged, {"train": data.train, "eval": data.eval}, data.tokenizer, self.config, live,
-                            shard, self.replica, self.replicas)
+                            shard, self.dims.replica, self.dims.data)
 
     def export(self, directory: Path) -> bool:
         """Write the trained model as a save_pretrained directory; False when a suffix's prefix is not at hand

@@ -1,13 +1,14 @@
 """A run on a pipeline of N stages x D data-parallel replicas under torchrun, as the one run path
-(`pipelines.training.runner.run`) asks of a layout: the flags a pipeline cannot take and the stages (cut from the
+(`pipelines.training.runner.run`) asks of a placement: the flags a pipeline cannot take and the stages (cut from the
 model's shape alone) and the precision (resolved once, from the weight files' dtype) are checked before anything
-is loaded or written, then the world size; each rank loads only its stage's weights and trains it with the one
-`preinfer.trainer.Trainer` on its stage's seams (`pipelines.pipeline_parallel.stage.StageLayout`), and the export
-is gathered from the stages' checkpoint."""
+is loaded or written (the world size with the run's `ParallelDims`); each rank loads only its stage's weights
+and trains it with the one `preinfer.trainer.Trainer` on its stage's seams
+(`pipelines.pipeline_parallel.stage.StageSeams`), and the export is gathered from the stages' checkpoint."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -20,14 +21,14 @@ from preinfer.errors import UsageError
 from preinfer.memory.layer_spans import LayerSpan
 from preinfer.memory.settings import Settings
 from preinfer.memory.shapes import shape_from_config
-from preinfer.layout import Layout
+from preinfer.parallel_dims import ParallelDims
 from preinfer.precision import Precision, resolve_precision, weights_dtype
 from preinfer.run_dir import RunDir
+from preinfer.seams import Seams
 from preinfer.memory.stage_cut import cut_stages, describe_stages, stage_cost
 from pipelines.models.export import export_from_weights
 from pipelines.models.suffix import Suffix, load_modules, meta_model, prefix_digest, to_device
-from pipelines.pipeline_parallel.mesh import PipelineMesh, check_degree, make_mesh
-from pipelines.pipeline_parallel.stage import StageLayout
+from pipelines.pipeline_parallel.stage import StageSeams
 from pipelines.pipeline_parallel.visit import StageLink
 from pipelines.models.partition_choice import partition_for
 from pipelines.pre_inference import PreInference
@@ -35,48 +36,32 @@ from pipelines.pre_inference.stage_writer import stage_pre_inference
 from pipelines.data.run_data import Datasets
 
 
-class PipelineLayout:
-    """One stage of the pipeline per rank; stages cut layers [first, L) (above a store's boundary `first`)."""
+class PipelinePlacement:
+    """One stage of the pipeline per rank of `dims`, the stages those of `plan`. The fused step with replicas is
+    refused (their gradients are summed after backward)."""
 
-    def __init__(self, config: Config, first: int):
-        self.config = config
-        self.microbatches = microbatch_count(config)
-        self.stages, self.peaks, self.resolved = stage_layout(config, self.microbatches, first)
-        self.first = first
-        self.mesh: PipelineMesh | None = None
+    def __init__(self, config: Config, dims: ParallelDims, plan: StagePlan):
+        if config.optim.fused_step and dims.data > 1:
+            raise UsageError(f"--fused-step steps each tensor as backward completes its gradient, before the "
+                             f"{dims.data} replicas sum the gradients: drop --fused-step, or run one replica of the "
+                             f"pipeline (torchrun --nproc-per-node {config.run.pipeline})")
+        self.config, self.dims = config, dims
+        self.stages, self.peaks, self.resolved, self.microbatches, self.first = plan
         self.stores: PreInference | None = None
 
-    def join(self, rank: int, world: int) -> None:
-        """Refuse a world size the stages do not divide, and the fused step with replicas (their gradients are
-        summed after backward)."""
-        replicas = check_degree(self.config.run.pipeline, world)
-        if self.config.optim.fused_step and replicas > 1:
-            raise UsageError(f"--fused-step steps each tensor as backward completes its gradient, before the "
-                             f"{replicas} replicas sum the gradients: drop --fused-step, or run one replica of the "
-                             f"pipeline (torchrun --nproc-per-node {self.config.run.pipeline})")
-
-    @property
-    def replica(self) -> int:
-        return self.mesh.replica
-
-    @property
-    def replicas(self) -> int:
-        return self.mesh.replicas
-
     def load(self, first: int) -> nn.Module:
-        """Join the mesh and load this rank's stage (every other weight stays on the meta device)."""
+        """This rank's stage (every other weight stays on the meta device)."""
         r = self.config.run
-        self.mesh = make_mesh(r.pipeline, r.device)
-        stage = self.stages[self.mesh.stage]
+        stage = self.stages[self.dims.stage]
         model = load_modules(self.config.model.name, lambda s: s.stage_modules(stage.start, stage.stop, stage.embed,
                                                                                stage.head),
-                             f"stage {self.mesh.stage}", r.seed, self.config.model.attention)
+                             f"stage {self.dims.stage}", r.seed, self.config.model.attention)
         return to_device(model, r.device)
 
     def notes(self) -> list[str]:
         """The stages with their predicted peaks, and what pre-inference auto does on a pipeline."""
         r = self.config.run
-        notes = [describe_stages(self.stages, self.peaks, self.mesh.replicas, self.microbatches, r.pipeline_schedule)]
+        notes = [describe_stages(self.stages, self.peaks, self.dims.data, self.microbatches, r.pipeline_schedule)]
         if self.first == 0 and self.config.pre_inference.mode == "auto":
             notes.append("pre-inference auto: a pipeline run trains live (its sweep planner is not built for "
                          "pipelines; --pre-inference on reads a store for every visit above the input)")
@@ -91,7 +76,7 @@ class PipelineLayout:
         """Live sources, or with `--pre-inference on` stores the stages make for every visit above the input."""
         if self.config.pre_inference.mode != "on":
             return live
-        link = StageLink(staged, self.stages, self.mesh, torch.device(self.config.run.device))
+        link = StageLink(staged, self.stages, self.dims, torch.device(self.config.run.device))
         self.stores = stage_pre_inference(staged, link, data, self.config, live, shard, quiet)
         return self.stores
 
@@ -99,9 +84,9 @@ class PipelineLayout:
         """The run's precision, resolved with the stages from the weight files' dtype (the stage loads in it)."""
         return self.resolved
 
-    def seams(self, staged: preinfer.StagedModel) -> Layout:
+    def seams(self, staged: preinfer.StagedModel) -> Seams:
         """What the trainer asks of this rank's stage."""
-        return StageLayout(staged, self.config, self.mesh, self.stages, self.microbatches)
+        return StageSeams(staged, self.config, self.dims, self.stages, self.microbatches)
 
     def export(self, directory: Path) -> bool:
         """The model with the stages' gathered weights (`export_from_weights`)."""
@@ -120,10 +105,21 @@ def microbatch_count(config: Config) -> int:
     return config.run.microbatches or config.run.pipeline
 
 
-def stage_layout(config: Config, microbatches: int,
-                 first: int = 0) -> tuple[list[LayerSpan], list[int], Precision]:
-    """The stages of the run over layers `[first, L)`, each one's predicted peak and the run's precision (from the
-    model's shape and its weight files' dtype alone: no weights are read)."""
+class StagePlan(NamedTuple):
+    """A pipeline run's stages over layers [first, L) (above a store's boundary `first`), each one's predicted
+    peak, the run's precision and the micro-batches of a step."""
+
+    stages: list[LayerSpan]
+    peaks: list[int]
+    precision: Precision
+    microbatches: int
+    first: int
+
+
+def run_stages(config: Config, first: int = 0) -> StagePlan:
+    """The stages of the run over layers `[first, L)`, from the model's shape and its weight files' dtype alone
+    (no weights are read, no process group is asked)."""
+    microbatches = microbatch_count(config)
     model = meta_model(config.model.name, config.model.attention)
     staged = preinfer.stage(model)
     if staged.expert_shares():
@@ -141,4 +137,4 @@ def stage_layout(config: Config, microbatches: int,
     stages = cut_stages(shape, settings, r.pipeline, blocks, microbatches, r.pipeline_schedule, first)
     peaks = [stage_cost(shape, settings, stage, j, r.pipeline, blocks, microbatches, r.pipeline_schedule)
              for j, stage in enumerate(stages)]
-    return stages, peaks, precision
+    return StagePlan(stages, peaks, precision, microbatches, first)
