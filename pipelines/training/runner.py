@@ -25,7 +25,6 @@ from preinfer.moe import sparse_blocks
 from preinfer.partition import Partition
 from preinfer.precision import Precision, weights_dtype
 from preinfer.run_dir import RunDir
-from pipelines.flags import flag_naming
 from pipelines.data.tokenizer_choice import model_tokenizer
 from pipelines.data.tokenizers import Tokenizer
 from pipelines.training.distributed import init_distributed
@@ -111,8 +110,9 @@ def resolve(config: Config, layout: OneProcess | PipelineLayout, first: int) -> 
     precision.apply(model)
     staged = preinfer.stage(model)
     partition, active = partition_for(staged, config, first_layer=first, precision=precision)
-    resolved = resolve_run(check_resolved(config, precision, flag_naming(), len(partition)), precision,
-                           sparse=bool(sparse_blocks(staged.layers)), blocks=len(partition))
+    sparse = bool(sparse_blocks(staged.layers))
+    resolved = resolve_run(check_resolved(config, precision, blocks=len(partition), sparse=sparse), precision,
+                           sparse=sparse, blocks=len(partition))
     return Resolution(model, loaded, precision, staged, partition, active, resolved)
 
 

@@ -1,0 +1,50 @@
+"""What the config fuzzer found (tests/test_config_fuzz.py, issue 48 part 3), each a named regression test: a
+seed numpy cannot take (a traceback, then a hung reader), and messages of the resolved run's rules that named a
+flag for a key the TOML file gave."""
+
+import pytest
+
+from tests.helpers.cli_run import failure_line, run_cli
+
+TOML_HEAD = "[stop]\nsteps_per_visit = 1\n[data]\nseq_len = 16\neval_tokens = 64\n"
+
+
+def refused(argv: list[str], out, capsys) -> str:
+    code, _, err = run_cli([*argv, "--out", str(out)], capsys)
+    assert code == 2 and not out.exists()
+    return failure_line(err)
+
+
+@pytest.mark.parametrize("seed", [-3, 2**63])
+def test_a_seed_numpy_or_torch_cannot_take_is_refused_naming_the_toml_key(tmp_path, corpus, capsys, seed):
+    path = tmp_path / "c.toml"
+    path.write_text(f"{TOML_HEAD}[run]\nseed = {seed}\n")
+    line = refused(["bcd", "--config", str(path), "--model", "tiny-llama", "--data", corpus], tmp_path / "run",
+                   capsys)
+    assert line.endswith(f"{path}: [run] seed = {seed}: expected an integer in [0, 2**63 - 1]")
+
+
+def test_a_negative_seed_flag_is_refused_naming_the_flag(tmp_path, tiny, corpus, capsys):
+    line = refused(["bcd", *tiny, "--data", corpus, "--seed", "-1"], tmp_path / "run", capsys)
+    assert "--seed -1 ([run] seed): expected an integer in [0, 2**63 - 1]" in line
+
+
+@pytest.mark.parametrize("keys, toml_line, flag_line", [
+    ('[optim]\nblock_lr = "1,0.5"\n', "[optim] block_lr = '1,0.5': expected 3 factors, one per block",
+     "--block-lr 1,0.5 ([optim] block_lr): expected 3 factors"),
+    ('[blocks]\nexperts = "top:0.5"\n', "[blocks] experts = 'top:0.5': expected unset on a model without "
+     "mixture-of-experts layers", "--experts top:0.5 ([blocks] experts): expected unset on a model without"),
+], ids=["block_lr", "experts"])
+def test_a_rule_of_the_resolved_run_names_the_key_as_its_source_gave_it(tmp_path, corpus, capsys, keys, toml_line,
+                                                                        flag_line):
+    """The partition's size and the model's layers are known once the model is read: the rules judged then name a
+    TOML key by its file, and a flag by the flag."""
+    path = tmp_path / "c.toml"
+    path.write_text(TOML_HEAD + keys)
+    line = refused(["bcd", "--config", str(path), "--model", "tiny-llama", "--data", corpus], tmp_path / "a", capsys)
+    assert f"{path}: {toml_line}" in line and "--" not in line.split(": ", 1)[1]
+    key = keys.split("\n")[1].split(" = ")
+    flag = {"block_lr": "--block-lr", "experts": "--experts"}[key[0]]
+    line = refused(["bcd", "--model", "tiny-llama", "--data", corpus, "--steps-per-visit", "1", "--seq-len", "16",
+                    flag, key[1].strip('"')], tmp_path / "b", capsys)
+    assert flag_line in line
