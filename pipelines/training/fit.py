@@ -41,9 +41,13 @@ def train(config: Config, staged: preinfer.StagedModel, partition: Partition, ac
     run = RunDir(config.run.out)
     trainer = Trainer(staged, partition, config, chosen, run, MemoryMeter(staged.model), on_record=ui.record,
                       active_block=active, layout=layout, precision=precision)
+    trackers = Trackers.open(config, run.path, trainer.rank)  # a tracker that refuses leaves the run unwritten
     if trainer.rank == 0:
-        prepare_run_dir(run, config, resume, corpus)
-    trackers = Trackers.open(config, run.path, trainer.rank)
+        try:
+            prepare_run_dir(run, config, resume, corpus)
+        except BaseException:
+            trackers.close()
+            raise
     trainer.on_record = lambda record: (ui.record(record), trackers.record(record))
     if partition.budget is not None:
         trainer.emit(partition.budget)
