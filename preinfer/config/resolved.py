@@ -69,10 +69,16 @@ def check_resolved(config: Config, precision: str, naming: Naming | None = None,
 
 
 def model_problems(config: Config, blocks: int | None, sparse: bool | None) -> Iterator[Problem]:
-    """The rules of the model's partition and layers: a listed block rate per block; experts only where there are
-    sparse layers."""
+    """The rules of the model's partition and layers: a listed block rate per block, a fixed order of every block,
+    a start block among them; experts only where there are sparse layers."""
     rates = config.optim.block_lr
     if blocks is not None and rates is not None and ":" not in rates and len(names(rates)) != blocks:
         yield "optim", "block_lr", f"{blocks} factors, one per block of the partition (or a rule depth:LO..HI)"
+    fixed = config.blocks.fixed_order
+    if blocks is not None and fixed is not None and sorted(int(part) for part in fixed.split(",")) != [*range(blocks)]:
+        yield "blocks", "fixed_order", f"each of the partition's blocks 0-{blocks - 1} named once (it has {blocks})"
+    start = config.blocks.start_block
+    if blocks is not None and start is not None and start >= blocks:
+        yield "blocks", "start_block", f"one of the partition's blocks 0-{blocks - 1}"
     if sparse is False and config.blocks.experts is not None:
         yield "blocks", "experts", "unset on a model without mixture-of-experts layers (it has no experts to choose)"

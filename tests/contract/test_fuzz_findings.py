@@ -34,7 +34,11 @@ def test_a_negative_seed_flag_is_refused_naming_the_flag(tmp_path, tiny, corpus,
      "--block-lr 1,0.5 ([optim] block_lr): expected 3 factors"),
     ('[blocks]\nexperts = "top:0.5"\n', "[blocks] experts = 'top:0.5': expected unset on a model without "
      "mixture-of-experts layers", "--experts top:0.5 ([blocks] experts): expected unset on a model without"),
-], ids=["block_lr", "experts"])
+    ('[blocks]\nfixed_order = "1,0"\n', "[blocks] fixed_order = '1,0': expected each of the partition's blocks 0-2 "
+     "named once", "--fixed-order 1,0 ([blocks] fixed_order): expected each of the partition's blocks 0-2"),
+    ('[blocks]\nstart_block = 5\n', "[blocks] start_block = 5: expected one of the partition's blocks 0-2",
+     "--start-block 5 ([blocks] start_block): expected one of the partition's blocks 0-2"),
+], ids=["block_lr", "experts", "fixed_order", "start_block"])
 def test_a_rule_of_the_resolved_run_names_the_key_as_its_source_gave_it(tmp_path, corpus, capsys, keys, toml_line,
                                                                         flag_line):
     """The partition's size and the model's layers are known once the model is read: the rules judged then name a
@@ -44,7 +48,7 @@ def test_a_rule_of_the_resolved_run_names_the_key_as_its_source_gave_it(tmp_path
     line = refused(["bcd", "--config", str(path), "--model", "tiny-llama", "--data", corpus], tmp_path / "a", capsys)
     assert f"{path}: {toml_line}" in line and "--" not in line.split(": ", 1)[1]
     key = keys.split("\n")[1].split(" = ")
-    flag = {"block_lr": "--block-lr", "experts": "--experts"}[key[0]]
+    flag = "--" + key[0].replace("_", "-")
     line = refused(["bcd", "--model", "tiny-llama", "--data", corpus, "--steps-per-visit", "1", "--seq-len", "16",
                     flag, key[1].strip('"')], tmp_path / "b", capsys)
     assert flag_line in line
