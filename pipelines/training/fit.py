@@ -24,7 +24,7 @@ from preinfer.run_dir import RunDir
 from preinfer.trainer import Trainer
 from pipelines.data.corpus import CorpusDigest
 from pipelines.progress import Progress
-from pipelines.training.run_directory import prepare_run_dir
+from pipelines.training.run_directory import prepare_run_dir, unprepare_run_dir
 from pipelines.training.trackers import Trackers
 from pipelines.training.signals import RunStopped, StopOnSignals
 
@@ -41,13 +41,14 @@ def train(config: Config, staged: preinfer.StagedModel, partition: Partition, ac
     run = RunDir(config.run.out)
     trainer = Trainer(staged, partition, config, chosen, run, MemoryMeter(staged.model), on_record=ui.record,
                       active_block=active, layout=layout, precision=precision)
-    trackers = Trackers.open(config, run.path, trainer.rank)  # a tracker that refuses leaves the run unwritten
     if trainer.rank == 0:
-        try:
-            prepare_run_dir(run, config, resume, corpus)
-        except BaseException:
-            trackers.close()
-            raise
+        prepare_run_dir(run, config, resume, corpus)
+    try:
+        trackers = Trackers.open(config, run.path, trainer.rank)
+    except PreinferError:
+        if trainer.rank == 0 and not resume:
+            unprepare_run_dir(run)  # a tracker's refusal leaves no run started
+        raise
     trainer.on_record = lambda record: (ui.record(record), trackers.record(record))
     if partition.budget is not None:
         trainer.emit(partition.budget)
