@@ -34,10 +34,10 @@ def _usage_errors() -> tuple[type[Exception], ...]:
     """The errors that end a command with exit code 2, bad input: UsageError, and once `storage` is loaded a store
     location that cannot be used as the environment gives it (StoreAccessError, UnsupportedLocationError) or a
     store in a format this version cannot read (UnsupportedFormatError)."""
-    loaded = sys.modules.get("storage")
-    if loaded is None:
+    storage = sys.modules.get("storage")
+    if storage is None:
         return (UsageError,)
-    return UsageError, loaded.StoreAccessError, loaded.UnsupportedLocationError, loaded.UnsupportedFormatError
+    return UsageError, storage.StoreAccessError, storage.UnsupportedLocationError, storage.UnsupportedFormatError
 
 
 def _failures() -> tuple[type[Exception], ...]:
