@@ -1,17 +1,20 @@
 """What the config fuzzer found (tests/test_config_fuzz.py, issue 48 part 3), each a named regression test: a
-seed numpy cannot take (a traceback, then a hung reader), and messages of the resolved run's rules that named a
-flag for a key the TOML file gave."""
+seed numpy cannot take (a traceback, then a hung reader); the rules of the model's structure (the partition's size,
+its sparse layers) judged only once the model was built, and naming a flag for a key the TOML file gave."""
 
 import pytest
 
 from tests.helpers.cli_run import failure_line, run_cli
+from tests.helpers.composition import ModelBuilds
 
 TOML_HEAD = "[stop]\nsteps_per_visit = 1\n[data]\nseq_len = 16\neval_tokens = 64\n"
 
 
 def refused(argv: list[str], out, capsys) -> str:
-    code, _, err = run_cli([*argv, "--out", str(out)], capsys)
-    assert code == 2 and not out.exists()
+    """The one line of a run refused with exit code 2 before any model was built, leaving no --out."""
+    with ModelBuilds() as builds:
+        code, _, err = run_cli([*argv, "--out", str(out)], capsys)
+    assert code == 2 and not out.exists() and builds.count == 0, err
     return failure_line(err)
 
 
@@ -41,8 +44,8 @@ def test_a_negative_seed_flag_is_refused_naming_the_flag(tmp_path, tiny, corpus,
 ], ids=["block_lr", "experts", "fixed_order", "start_block"])
 def test_a_rule_of_the_resolved_run_names_the_key_as_its_source_gave_it(tmp_path, corpus, capsys, keys, toml_line,
                                                                         flag_line):
-    """The partition's size and the model's layers are known once the model is read: the rules judged then name a
-    TOML key by its file, and a flag by the flag."""
+    """The partition's size and the model's layers come from the model built on the meta device, before any
+    weight is read or a preset initialised: the rules judged then name a TOML key by its file, a flag by the flag."""
     path = tmp_path / "c.toml"
     path.write_text(TOML_HEAD + keys)
     line = refused(["bcd", "--config", str(path), "--model", "tiny-llama", "--data", corpus], tmp_path / "a", capsys)
