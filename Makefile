@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast docs constraints
+.PHONY: setup demo test test-fast fuzz docs constraints
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml constraints.txt Makefile
@@ -24,6 +24,14 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -n 2 -m "not slow and not distributed"
+
+# The config fuzzer (tests/test_config_fuzz.py) longer than CI's 24 examples: FUZZ_EXAMPLES generated configs from
+# FUZZ_SEED, each trained, stopped and resumed, or refused in one line (docs/reliability.md records the last run).
+FUZZ_EXAMPLES ?= 2000
+FUZZ_SEED ?= 4810
+fuzz: setup
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) FUZZ_SEED=$(FUZZ_SEED) $(PY) -m pytest -q -x -p no:cacheprovider \
+		--hypothesis-show-statistics tests/test_config_fuzz.py
 
 # The generated reference pages (docs/reference/): every command's flags, the config keys, the metrics records.
 docs: setup

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Any
 
-from preinfer.config import Config, DataConfig, SourceNaming, load_config, load_resumed
+from preinfer.config import Config, DataConfig, load_config, load_resumed
 from preinfer.errors import UsageError
 from pipelines.command_flags import COMMAND_FLAGS, FLAGS, SHARED_FLAGS
 from pipelines.flag_table import PRE_INFERENCE_FLAGS, STORE_FLAGS, TRAINING_FLAGS, Flag, shown
@@ -110,11 +110,6 @@ def data_flags(args: argparse.Namespace, base: Config) -> DataConfig:
                    skip_unrenderable=args.skip_unrenderable or data.skip_unrenderable,
                    eval_fraction=data.eval_fraction if args.eval_fraction is None else args.eval_fraction,
                    seq_len=getattr(args, "seq_len", None) or data.seq_len, **given)
-
-
-def flag_naming() -> SourceNaming:
-    """Names every config key by its flag (`--expand sgd ([blocks] expand)`), as a run's flags set them."""
-    return SourceNaming(None, set(), set(CONFIG_FLAGS), CONFIG_FLAGS)
 
 
 def config_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:

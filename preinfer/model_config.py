@@ -21,6 +21,7 @@ from transformers.utils import logging as framework_logging
 from preinfer.errors import UsageError
 from preinfer.presets import PRESETS, preset_config
 from preinfer.families import stage
+from preinfer.staged import StagedModel
 
 # Where the framework's messages while loading a model (transformers' load report, its warnings) go: logged at
 # INFO, which the command line shows with --verbose only.
@@ -73,11 +74,17 @@ def check_sizes(config: PreTrainedConfig, source: str) -> None:
 def check_stageable(config: PreTrainedConfig, spec: str) -> None:
     """Refuse, before any weight is read, a config whose sizes are out of range or whose causal LM preinfer cannot
     stage (it is built on the meta device: no memory)."""
+    skeleton(config, spec)
+
+
+def skeleton(config: PreTrainedConfig, spec: str) -> StagedModel:
+    """The causal LM of `config` built on the meta device (no memory, no weight read or initialised) and staged:
+    its structure, for the rules a run judges before it loads the model; refusals as `check_stageable`."""
     check_sizes(config, spec if spec.endswith(".json") or spec in PRESETS else f"{spec}/config.json")
     with config_refusals(f"--model '{spec}': no causal LM for model type '{config.model_type}'"), \
             framework_messages(), torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    stage(model)
+    return stage(model)
 
 
 @contextmanager

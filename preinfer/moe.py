@@ -200,9 +200,6 @@ class ExpertGranular:
         self.with_parts = parse_experts_with(with_parts)
         self.sample_batches = sample_batches
         self.sparse = sparse_blocks(staged.layers)
-        if self.share is not None and not self.sparse:
-            raise UsageError(f"--experts needs a mixture-of-experts model; this {type(staged.model).__name__} "
-                             "has no sparse layer")
         self.leaves: list[tuple[nn.Parameter, int, int, torch.Tensor]] = []  # (fused tensor, layer, expert, leaf)
         self.slots: list[int] = []  # each leaf's place among the tensors the visit steps
         self.counts: dict[int, torch.Tensor] = {}

@@ -36,7 +36,7 @@ from preinfer.frozen_weights import frozen_weight_hooks
 from preinfer.parallel_dims import parallel_dims
 from preinfer.seams import Seams, replica_seams
 from preinfer.metrics import MetricsLog, Record
-from preinfer.moe import EXPERTS_IN_ONE_PROCESS, ExpertGranular
+from preinfer.moe import ExpertGranular, sparse_blocks
 from preinfer.optim import StopRule
 from preinfer.partition import Block, Partition
 from preinfer.precision import LossScaler, Precision, apply_precision
@@ -77,7 +77,8 @@ class Trainer:
         self.position = RunPosition()
         self.wall_s = 0.0  # time spent in fit()
         self.precision = precision if precision is not None else apply_precision(staged.model, config.run.precision)
-        check_resolved(config, self.precision, blocks=len(partition))  # direct callers too: the resolved run
+        check_resolved(config, self.precision, blocks=len(partition),  # direct callers too: the resolved run
+                       sparse=bool(sparse_blocks(staged.layers)))
         self.optimizers = VisitOptimizers(config.optim, self.precision, torch.device(config.run.device).type,
                                           len(partition))
         self.visit: VisitOptimizer | None = None  # the visit's optimizer and masters; None between visits
@@ -87,7 +88,8 @@ class Trainer:
         b = config.blocks
         self.experts = ExpertGranular(staged, b.experts, b.experts_with, b.experts_sample)
         if b.experts and self.world_size > 1:
-            raise UsageError(EXPERTS_IN_ONE_PROCESS)
+            raise UsageError(f"{config.naming.value('blocks', 'experts', b.experts)}: expert-granular blocks run in "
+                             f"one process; drop it, or torchrun with {config.naming.key('run', 'pipeline')}")
         self.sweeps = Sweeps(staged, partition, config, sources, self.scaler, clock, self.emit,
                              lambda: self.checkpoint_dir / STATE, active_block, self.world_size)
         self.lifecycle = VisitLifecycle(staged, config, self.seams, self.optimizers, self.experts, meter,

@@ -33,3 +33,8 @@ class LayoutMismatchError(StorageError):
 
 class UnsupportedLocationError(StorageError):
     """A store location names a URL scheme stores cannot be written to, or whose package is not installed."""
+
+
+class StoreAccessError(StorageError):
+    """A store location that cannot be reached as the environment gives it: no credentials, an endpoint that does
+    not answer. The user's to fix (a job's exit code 2); nothing was written."""

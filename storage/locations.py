@@ -6,15 +6,17 @@ into a local directory. S3 takes its credentials, region and endpoint from the u
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Union
 
 import fsspec
 
-from storage.errors import UnsupportedLocationError
+from storage.errors import StoreAccessError, UnsupportedLocationError
 
 # The URL schemes a store can be written to, with the install that provides each (None: always there).
 SCHEMES = {"s3": "pip install 'preinfer[s3]'", "memory": None}
@@ -56,10 +58,57 @@ def storage_options(url: str) -> dict[str, Any]:
     return {"use_listings_cache": False, **({"endpoint_url": endpoint} if endpoint else {})}
 
 
-def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The fsspec filesystem of a checked URL and the path inside it."""
+def filesystem(url: str) -> tuple[RemoteFilesystem, str]:
+    """The fsspec filesystem of a checked URL (its refusals translated, `RemoteFilesystem`) and the path inside it."""
     check_url(url)
-    return fsspec.core.url_to_fs(url, **storage_options(url))
+    fs, path = fsspec.core.url_to_fs(url, **storage_options(url))
+    return RemoteFilesystem(fs, url), path
+
+
+def access_refusal(err: BaseException, url: str) -> StoreAccessError | None:
+    """The one-line StoreAccessError of an object store's refusal `err` at `url` (botocore's: no credentials, an
+    endpoint that does not answer), or None for any other error."""
+    botocore = sys.modules.get("botocore.exceptions")  # loaded by s3fs; an error of its can come from nowhere else
+    if botocore is None:
+        return None
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if isinstance(err, (botocore.NoCredentialsError, botocore.PartialCredentialsError)):
+        return StoreAccessError(f"{url}: no usable AWS credentials (botocore: {text}); set AWS_ACCESS_KEY_ID and "
+                                f"AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), then run the same command again")
+    if isinstance(err, botocore.ConnectionError):
+        return StoreAccessError(f"{url}: the S3 endpoint does not answer (botocore: {text}); check --s3-endpoint "
+                                f"(AWS_ENDPOINT_URL_S3) and the network, then run the same command again")
+    return None
+
+
+@contextlib.contextmanager
+def refusals_translated(url: str) -> Iterator[None]:
+    """Turn an object store's refusal inside the block into its StoreAccessError (`access_refusal`)."""
+    try:
+        yield
+    except Exception as err:
+        refusal = access_refusal(err, url)
+        if refusal is None:
+            raise
+        raise refusal from None
+
+
+class RemoteFilesystem:
+    """An fsspec filesystem whose every call turns an object store's refusal into a StoreAccessError naming the
+    location (`access_refusal`); any other error, and every attribute, as the filesystem's own."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, url: str) -> None:
+        self._fs, self._url = fs, url
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._fs, name)
+        return self._translated(attribute) if callable(attribute) else attribute
+
+    def _translated(self, method: Callable) -> Callable:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with refusals_translated(self._url):
+                return method(*args, **kwargs)
+        return call
 
 
 class UrlPath:

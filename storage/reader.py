@@ -84,10 +84,10 @@ class Reader:
         decode: torch.dtype | None = None,
     ) -> None:
         store.require_complete()
-        if batch_size <= 0 or world_size <= 0 or not 0 <= rank < world_size:
+        if batch_size <= 0 or world_size <= 0 or not 0 <= rank < world_size or seed < 0:
             raise StorageError(
-                f"reader of {store.path}: need batch_size > 0 and 0 <= rank < world_size, "
-                f"got batch_size={batch_size}, rank={rank}, world_size={world_size}"
+                f"reader of {store.path}: need batch_size > 0, 0 <= rank < world_size and seed >= 0, "
+                f"got batch_size={batch_size}, rank={rank}, world_size={world_size}, seed={seed}"
             )
         self.store, self.batch_size, self.seed = store, int(batch_size), int(seed)
         self.rank, self.world_size, self.shuffle, self.drop_last = rank, world_size, shuffle, drop_last
@@ -240,8 +240,7 @@ class Reader:
         def produce() -> None:
             pool = ThreadPoolExecutor(self.threads, thread_name_prefix="storage-reader")
             loading: OrderedDict[int, Future] = OrderedDict()
-            plan = list(self._batches(epoch, first))
-            upcoming = list(OrderedDict.fromkeys(shard for pieces in plan for shard, _ in pieces))
+            upcoming: list[int] = []
             ahead = max(self.threads, 2)
 
             def load(shard: int) -> dict[str, torch.Tensor]:
@@ -253,7 +252,9 @@ class Reader:
                 return loading[shard].result()
 
             seen: set[int] = set()
-            try:
+            try:  # the plan too: a failure anywhere in this thread reaches the consumer, which would wait forever
+                plan = list(self._batches(epoch, first))
+                upcoming.extend(OrderedDict.fromkeys(shard for pieces in plan for shard, _ in pieces))
                 for pieces in plan:
                     batch = self._assemble(pieces, load)
                     seen.update(shard for shard, _ in pieces)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from dataclasses import dataclass
@@ -13,10 +14,11 @@ import numpy as np
 import torch
 import zarr
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec, ShardingCodecIndexLocation, ZstdCodec
+from zarr.errors import UnknownCodecError
 
 from storage.codecs import zarr_compressors
 from storage.dtypes import from_numpy, numpy_dtype, to_numpy, torch_dtype
-from storage.errors import CorruptStoreError
+from storage.errors import CorruptStoreError, UnsupportedFormatError
 from storage.manifest import FORMAT
 from storage.store import Store
 
@@ -117,8 +119,16 @@ class ZarrStore(Store):
         zstore = self._blobs.zarr_store(self.data_prefix)
         self._arrays = {}
         for name, spec in self.fields.items():
+            self._check_zarr_format(name)
             try:
-                array = zarr.open_array(zstore, path=name, mode="r+")
+                array = zarr.open_array(zstore, path=name, mode="r+", zarr_format=3)
+            except UnknownCodecError as err:
+                raise UnsupportedFormatError(
+                    f"store {self.path}: the zarr array of field {name!r} ({self.data_prefix}/{name}/zarr.json) "
+                    f"names a codec this zarr {zarr.__version__} does not have ({err}; written by another zarr or "
+                    f"numcodecs version); rebuild the store with preinfer cache --overwrite, or read it where that "
+                    f"codec is installed"
+                ) from None
             except Exception as err:
                 raise CorruptStoreError(
                     f"store {self.path}: the zarr array of field {name!r} ({self.data_prefix}/{name}/zarr.json) is "
@@ -134,6 +144,24 @@ class ZarrStore(Store):
             # for a shard of zeros (an all-False mask), and a shard must have its files to be complete.
             self._arrays[name] = array.with_config({"write_empty_chunks": True})
         self._layouts = {name: shard_layout(array) for name, array in self._arrays.items()}
+
+    def _check_zarr_format(self, name: str) -> None:
+        """Refuse the array of field `name` when another zarr format wrote it (zarr 2's `.zarray`, a `zarr.json` of
+        another `zarr_format`): zarr would read a zarr 2 array as neither sharded nor with this store's codecs."""
+        key = f"{self.data_prefix}/{name}"
+        if self._blobs.size(f"{key}/zarr.json") is None:
+            found = 2 if self._blobs.size(f"{key}/.zarray") is not None else None
+        else:
+            try:
+                found = json.loads(self._blobs.read(f"{key}/zarr.json")).get("zarr_format")
+            except (ValueError, AttributeError):
+                return  # not JSON (or not an object): opening it says so
+        if found not in (None, 3):
+            raise UnsupportedFormatError(
+                f"store {self.path}: the array of field {name!r} ({key}) is in zarr format {found} (written by "
+                f"another zarr version or tool), this store's format is zarr 3; rebuild the store with preinfer "
+                f"cache --overwrite"
+            )
 
     def _shard_key(self, name: str, i: int) -> str:
         coords = (i,) + (0,) * len(self.fields[name].shape)

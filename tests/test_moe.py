@@ -252,5 +252,6 @@ def test_bad_expert_options_are_refused_in_one_line():
         expert_trainer(blocks__experts="half")
     with pytest.raises(UsageError, match=r"\[blocks\] experts_with = 'router,mlp'"):
         expert_trainer(blocks__experts_with="router,mlp")
-    with pytest.raises(UsageError, match="--experts needs a mixture-of-experts model"):
+    with pytest.raises(UsageError, match=r"\[blocks\] experts = 'top:0.5': expected unset on a model without "
+                                         r"mixture-of-experts layers"):
         make_trainer("tiny-llama", blocks__experts="top:0.5")

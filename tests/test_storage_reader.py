@@ -124,6 +124,23 @@ def test_bad_reader_arguments(store):
         store.reader(4, rank=2, world_size=2)
     with pytest.raises(StorageError, match="batch_size > 0"):
         store.reader(0)
+    with pytest.raises(StorageError, match="seed >= 0, got .*seed=-3"):  # numpy's generators take none (the fuzzer)
+        store.reader(4, seed=-3)
+
+
+def test_a_failure_planning_the_epoch_reaches_the_consumer_not_a_hang(store, monkeypatch):
+    """The fuzzer's hang: the background thread died planning the epoch and the consumer waited for ever."""
+    def failing(self, epoch, first):
+        raise ValueError("planning failed")
+        yield
+
+    monkeypatch.setattr(type(store.reader(4)), "_batches", failing)
+    result: list = []
+    worker = threading.Thread(target=lambda: result.append(pytest.raises(ValueError, list, store.reader(4))),
+                              daemon=True)
+    worker.start()
+    worker.join(timeout=20)
+    assert not worker.is_alive() and result and "planning failed" in str(result[0].value)
 
 
 def test_breaking_early_stops_the_background_thread(store):

@@ -53,6 +53,7 @@ def cache_boundary(staged: StagedModel, datasets: Mapping[str, TokenSamples], to
     if not datasets:
         raise UsageError("no splits to cache")
     out = location(out)
+    dask_runner.check_reachable(opts.dask)  # before anything is written
     with _owning(out, opts):
         check_out(out, list(datasets), opts.mode, opts.out_flag)
         prefix = prefix if prefix is not None else prefix_digest(staged, boundary)
@@ -87,6 +88,7 @@ def roll_forward(staged: StagedModel, source: str | os.PathLike, boundary: int, 
         found = {s: found[s] for s in splits}
     if source.resolve() == out.resolve() or any(p.resolve() == out.resolve() for p in found.values()):
         raise UsageError("--out must differ from --from-store (a roll-forward writes a new store)")
+    dask_runner.check_reachable(opts.dask)
     with _owning(out, opts):
         check_out(out, list(found), opts.mode, opts.out_flag)
         return _roll_forward_jobs(staged, found, source, boundary, out, opts, started)

@@ -209,18 +209,34 @@ def local_client(workers: int):
     return client
 
 
+CONNECT_TIMEOUT = "20s"  # how long a client tries to reach a scheduler
+
+
+def scheduler_client(dask: SchedulerAddress) -> Any:
+    """A client of the scheduler at `dask`; one that cannot be reached is one line naming --dask."""
+    from distributed import Client
+
+    try:
+        return Client(dask.address, timeout=CONNECT_TIMEOUT)
+    except (OSError, TimeoutError) as err:
+        raise UsageError(f"--dask {dask}: cannot reach the Dask scheduler ({err}); start it, or give the address "
+                         f"it listens on, then run the same command again") from None
+
+
+def check_reachable(dask: Any) -> None:
+    """Refuse a scheduler address that cannot be reached, before a job makes its stores (a local cluster or a
+    client of one starts, or is, reachable)."""
+    if isinstance(dask, SchedulerAddress):
+        scheduler_client(dask).close()
+
+
 def connect(dask: Any) -> tuple[Any, Callable[[], None], int | None]:
     """(client, close, torch threads per worker) for a `LocalWorkers`, a `SchedulerAddress` or a
     `distributed.Client`, with the import plugin registered."""
-    from distributed import Client
-
     if isinstance(dask, LocalWorkers):
         client, close, threads = local_client(dask.workers), lambda: None, dask.torch_threads
     elif isinstance(dask, SchedulerAddress):
-        try:
-            client = Client(dask.address, timeout="20s")
-        except (OSError, TimeoutError) as err:
-            raise UsageError(f"--dask {dask}: cannot reach the Dask scheduler ({err})") from None
+        client = scheduler_client(dask)
         close, threads = client.close, None
     else:
         client, close, threads = dask, lambda: None, None

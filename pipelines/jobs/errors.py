@@ -10,11 +10,11 @@ from preinfer.errors import PreinferError, UsageError, remedy
 
 
 def run_command(command: str, run: Callable[[], int | None]) -> int:
-    """Run the command `command`; its exit code: `run`'s (0 for None), 2 on a UsageError, 1 on another of our
-    errors or an OSError, 130 on Ctrl-C, each with one line on stderr."""
+    """Run the command `command`; its exit code: `run`'s (0 for None), 2 on bad input (`_usage_errors`), 1 on
+    another of our errors or an OSError, 130 on Ctrl-C, each with one line on stderr."""
     try:
         return run() or 0
-    except UsageError as err:
+    except _usage_errors() as err:
         return _fail(command, err, 2)
     except _failures() as err:
         return _fail(command, err, 1)
@@ -28,6 +28,16 @@ def run_command(command: str, run: Callable[[], int | None]) -> int:
 def _fail(command: str, err: Exception, code: int) -> int:
     print(f"preinfer {command}: error: {err}", file=sys.stderr)
     return code
+
+
+def _usage_errors() -> tuple[type[Exception], ...]:
+    """The errors that end a command with exit code 2, bad input: UsageError, and once `storage` is loaded a store
+    location that cannot be used as the environment gives it (StoreAccessError, UnsupportedLocationError) or a
+    store in a format this version cannot read (UnsupportedFormatError)."""
+    storage = sys.modules.get("storage")
+    if storage is None:
+        return (UsageError,)
+    return UsageError, storage.StoreAccessError, storage.UnsupportedLocationError, storage.UnsupportedFormatError
 
 
 def _failures() -> tuple[type[Exception], ...]:

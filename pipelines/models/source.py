@@ -59,3 +59,14 @@ def resolve_model(spec: str, seed: int = 0, attention: str = DEFAULT_ATTENTION) 
         load_resident_state(model, weights, run.checkpoint_weights)
         return model
     return load_model(spec, seed, attention)
+
+
+def config_source(spec: str) -> str:
+    """The preset or model directory whose config is the model `spec` names (`resolve_model`'s choice: a run
+    directory's current export, or its base model)."""
+    run = RunDir(spec)
+    if run.export_is_current():
+        return str(run.export)
+    if run.is_resumable():
+        return config_source(load_config(run.config).model.name)
+    return spec

@@ -24,7 +24,7 @@ from preinfer.seams import Seams
 from preinfer.trainer import Trainer
 from pipelines.data.corpus import CorpusDigest
 from pipelines.progress import Progress
-from pipelines.training.run_directory import prepare_run_dir
+from pipelines.training.run_directory import prepare_run_dir, unprepare_run_dir
 from pipelines.training.trackers import Trackers
 from pipelines.training.signals import RunStopped, StopOnSignals
 
@@ -43,7 +43,12 @@ def train(config: Config, staged: preinfer.StagedModel, partition: Partition, ac
                       active_block=active, seams=seams, precision=precision)
     if trainer.rank == 0:
         prepare_run_dir(run, config, resume, corpus)
-    trackers = Trackers.open(config, run.path, trainer.rank)
+    try:
+        trackers = Trackers.open(config, run.path, trainer.rank)
+    except PreinferError:
+        if trainer.rank == 0 and not resume:
+            unprepare_run_dir(run)  # a tracker's refusal leaves no run started
+        raise
     trainer.on_record = lambda record: (ui.record(record), trackers.record(record))
     if partition.budget is not None:
         trainer.emit(partition.budget)

@@ -84,6 +84,13 @@ def prepare_run_dir(run: RunDir, config: Config, resume: bool, corpus: CorpusDig
                             f"{remedy(err)}, then run the same command again") from None
 
 
+def unprepare_run_dir(run: RunDir) -> None:
+    """Remove what `prepare_run_dir` wrote for a new run (its config and inputs), where the run is refused before
+    its first step: the directory is as it was, and the same command starts the run."""
+    run.config.unlink(missing_ok=True)
+    run.inputs.unlink(missing_ok=True)
+
+
 def finish_run(trainer: Trainer, run: RunDir, export: Callable[[Path], object]) -> dict:
     """Export (`export` fills a directory published whole as the run's export: the previous one is kept until the
     new one is complete), plot and summarise a finished run (rank 0 writes; other ranks return the summary only)."""

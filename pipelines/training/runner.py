@@ -22,12 +22,12 @@ import preinfer
 from preinfer.batch_source import VisitSources
 from preinfer.config import Config
 from preinfer.config.resolved import check_resolved, resolve_run
+from preinfer.model_config import local_config, skeleton
 from preinfer.moe import sparse_blocks
 from preinfer.parallel_dims import parallel_dims
 from preinfer.partition import Partition
 from preinfer.precision import Precision, weights_dtype
 from preinfer.run_dir import RunDir
-from pipelines.flags import flag_naming
 from pipelines.data.tokenizer_choice import model_tokenizer
 from pipelines.data.tokenizers import Tokenizer
 from pipelines.training.distributed import init_distributed
@@ -37,6 +37,7 @@ from pipelines.data.corpus import CorpusDigest
 from pipelines.training.inputs import check_inputs, run_corpus
 from pipelines.pre_inference.stores import owning_store_dir
 from pipelines.models.partition_choice import partition_for
+from pipelines.models.source import config_source
 from pipelines.training.run_directory import finish_run, owning_run
 from pipelines.training.store_input import StoreInput
 from pipelines.training.trackers import check_trackers
@@ -100,17 +101,34 @@ class Resolution(NamedTuple):
 
 
 def resolve(config: Config, placement: Placement, first: int) -> Resolution:
-    """Load the model as `placement` places it, resolve its precision (once: everything after reads it) and partition, and the
-    run they make, judged by every rule (`check_resolved`: a rule of fp16-mixed holds for auto resolved to it)."""
+    """Load the model as `placement` places it, resolve its precision (once: everything after reads it) and
+    partition, and the run they make, judged by every rule (`check_resolved`: a rule of fp16-mixed holds for auto
+    resolved to it); the rules of the model's structure first on its skeleton (`check_structure`), before it is
+    loaded."""
+    if first == 0 and config.run.pipeline == 1:
+        check_structure(config)
     model = placement.load(first)
     loaded = weights_dtype(model)
     precision = placement.precision(model)
     precision.apply(model)
     staged = preinfer.stage(model)
     partition, active = partition_for(staged, config, first_layer=first, precision=precision)
-    resolved = resolve_run(check_resolved(config, precision, flag_naming(), len(partition)), precision,
-                           sparse=bool(sparse_blocks(staged.layers)), blocks=len(partition))
+    sparse = bool(sparse_blocks(staged.layers))
+    resolved = resolve_run(check_resolved(config, precision, blocks=len(partition), sparse=sparse), precision,
+                           sparse=sparse, blocks=len(partition))
     return Resolution(model, loaded, precision, staged, partition, active, resolved)
+
+
+def check_structure(config: Config) -> None:
+    """The rules of the model's structure (its partition's size, its sparse layers) judged on the model built on
+    the meta device: a run they refuse reads no weight and initialises no preset. A partition the memory budget
+    chooses (`ufp` auto) depends on the precision the weights resolve, so its size waits for them."""
+    source = config_source(config.model.name)
+    staged = skeleton(local_config(source), source)
+    b = config.blocks
+    budgeted = b.ufp == "auto" and b.active is None and b.ranges is None and b.blocks is None
+    blocks = None if budgeted else len(partition_for(staged, config)[0])
+    check_resolved(config, config.run.precision, blocks=blocks, sparse=bool(sparse_blocks(staged.layers)))
 
 
 def sources(config: Config, placement: Placement, staged: preinfer.StagedModel,

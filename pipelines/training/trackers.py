@@ -91,13 +91,11 @@ class MLflow:
     MLFLOW_ALLOW_FILE_STORE: a run that uses it sets that for its own process unless the environment does."""
 
     def __init__(self, out: Path, config: Config):
-        from mlflow.tracking import MlflowClient
-
         uri = os.environ.get("MLFLOW_TRACKING_URI")
         if uri is None:
             uri = RunDir(out).tracker_dir("mlflow").resolve().as_uri()
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        self.client = MlflowClient(tracking_uri=uri)
+        self.client = mlflow_client(uri)
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "preinfer")
         experiment = self.client.get_experiment_by_name(name)
         ident = experiment.experiment_id if experiment is not None else self.client.create_experiment(name)
@@ -113,6 +111,23 @@ class MLflow:
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
+
+
+def mlflow_client(uri: str):
+    """An MlflowClient of the tracking store at `uri`; MLflow's refusal of the store (a file store while it is in
+    maintenance mode, a scheme it has no store for) is one line naming MLFLOW_TRACKING_URI and what to set."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    try:
+        return MlflowClient(tracking_uri=uri)
+    except MlflowException as err:
+        refusal = first_line(err).strip().split(". ")[0]
+        source = " (MLFLOW_TRACKING_URI)" if os.environ.get("MLFLOW_TRACKING_URI") == uri else ""
+        raise UsageError(f"--report-to mlflow: MLflow refuses the tracking store {uri}{source}: "
+                         f"{refusal}; point MLFLOW_TRACKING_URI at a database (sqlite:///mlflow.db) or a tracking "
+                         f"server (http://HOST:5000), or set MLFLOW_ALLOW_FILE_STORE=true to keep a file store, then "
+                         f"run the same command again") from None
 
 
 KINDS: dict[str, type] = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow}

@@ -56,18 +56,29 @@ class ResolvedNaming(Naming):
         return self.naming.value(section, key, value)
 
 
-def check_resolved(config: Config, precision: str, naming: Naming | None = None, blocks: int | None = None) -> Config:
-    """`config` if every rule holds for the run it resolves to (the precision `auto` became: `precision`; the
-    partition's `blocks`, where it is known); else the one-line UsageError of `Config.validate`, naming a resolved
-    precision as what it resolved from and to."""
+def check_resolved(config: Config, precision: str, naming: Naming | None = None, blocks: int | None = None,
+                   sparse: bool | None = None) -> Config:
+    """`config` if every rule holds for the run it resolves to (the precision `auto` became: `precision`; where
+    they are known, the partition's `blocks` and whether the model has `sparse` (mixture-of-experts) layers); else
+    the one-line UsageError of `Config.validate`, naming a key as `naming` does (by default as its source gave it,
+    `config.naming`) and a resolved precision as what it resolved from and to."""
     resolved = dataclasses.replace(config, run=dataclasses.replace(config.run, precision=str(precision)))
-    check(resolved, ResolvedNaming(naming or Naming(), config.run.precision, str(precision)),
-          partition_problems(config, blocks))
+    check(resolved, ResolvedNaming(naming or config.naming, config.run.precision, str(precision)),
+          model_problems(config, blocks, sparse))
     return config
 
 
-def partition_problems(config: Config, blocks: int | None) -> Iterator[Problem]:
-    """The rules of the partition's size: a listed block rate per block."""
+def model_problems(config: Config, blocks: int | None, sparse: bool | None) -> Iterator[Problem]:
+    """The rules of the model's partition and layers: a listed block rate per block, a fixed order of every block,
+    a start block among them; experts only where there are sparse layers."""
     rates = config.optim.block_lr
     if blocks is not None and rates is not None and ":" not in rates and len(names(rates)) != blocks:
         yield "optim", "block_lr", f"{blocks} factors, one per block of the partition (or a rule depth:LO..HI)"
+    fixed = config.blocks.fixed_order
+    if blocks is not None and fixed is not None and sorted(int(part) for part in fixed.split(",")) != [*range(blocks)]:
+        yield "blocks", "fixed_order", f"each of the partition's blocks 0-{blocks - 1} named once (it has {blocks})"
+    start = config.blocks.start_block
+    if blocks is not None and start is not None and start >= blocks:
+        yield "blocks", "start_block", f"one of the partition's blocks 0-{blocks - 1}"
+    if sparse is False and config.blocks.experts is not None:
+        yield "blocks", "experts", "unset on a model without mixture-of-experts layers (it has no experts to choose)"

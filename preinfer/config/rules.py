@@ -68,7 +68,8 @@ def in_float32(bound: Bound) -> Bound:
 # A dataset split's name as Hugging Face `datasets` allows it (`datasets.splits`'s pattern).
 SPLIT_NAME = re.compile(r"\w+(\.\w+)*")
 SHARE = Bound("in [0, 1)", lambda value: 0 <= value < 1)
-ANY_INTEGER = Bound("", lambda value: True)
+# A seed: numpy's generators take none below 0, torch's none of 2**64 or more (and 64 bits go into JSON and hashes).
+SEED = Bound("in [0, 2**63 - 1]", lambda value: 0 <= value < 2**63)
 
 # Every number's range by "section.key"; an unset (None) key is not checked.
 BOUNDS: dict[str, Bound] = {
@@ -87,7 +88,7 @@ BOUNDS: dict[str, Bound] = {
     "stop.steps_per_visit": at_least(1), "stop.epochs_per_visit": above(0), "stop.patience": at_least(1),
     "stop.min_delta": at_least(0), "stop.smoothing": SHARE, "stop.gain_window": at_least(1),
     "stop.total_steps": at_least(1),
-    "run.seed": ANY_INTEGER, "run.checkpoint_every": at_least(0), "run.pipeline": at_least(1),
+    "run.seed": SEED, "run.checkpoint_every": at_least(0), "run.pipeline": at_least(1),
     "run.microbatches": at_least(0), "run.outer_lr": in_float32(above(0)), "run.outer_momentum": SHARE,
 }
 

@@ -159,12 +159,16 @@ class Config:
     pre_inference: PreInferenceConfig = field(default_factory=PreInferenceConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
 
+    naming = Naming()  # how the last `validate` named the keys by their sources; not a field (nor saved)
+
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return asdict(self)
 
     def validate(self, naming: Naming | None = None) -> Config:
         """This config, if every rule that needs only the config holds (types, choices, ranges and the rules
         between keys, `preinfer.config.rules`); else a one-line UsageError naming the key as `naming` does (by
-        default `[section] key = value`), its value and what was expected."""
+        default `[section] key = value`), its value and what was expected. `naming` is kept (`self.naming`), so
+        that the rules of the resolved run name a key as its source gave it too."""
         check(self, naming)
+        self.naming = naming or Naming()
         return self

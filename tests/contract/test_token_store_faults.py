@@ -114,3 +114,58 @@ def test_a_real_full_or_read_only_token_store_root_keeps_what_it_holds_and_the_s
     code, _, err = run_cli(argv, capsys)
     assert code == 0, err
     assert_finished_as(tmp_path / "run", expected.finished)
+
+
+def outside_staging(tree: dict[str, bytes]) -> dict[str, bytes]:
+    return {path: data for path, data in tree.items() if not path.startswith("staging/")}
+
+
+def test_tokenize_overwrite_failing_keeps_the_replaced_store_whole_and_the_same_command_replaces_it(
+        tmpfs, tmp_path, corpus, tokenized, capsys):
+    """`tokenize --overwrite` over a complete token store of another setting packs the new one beside it and swaps
+    it in. A real full disk in the middle of the new store's shards (the tmpfs shrunk there), and an injected full
+    or read-only one at the first and the last write of its shards, leave the replaced store bit for bit; a fault at
+    the new store's description (the last write, after the swap) leaves the new splits in place. Each time the same
+    command then ends with the bytes of an uninterrupted job."""
+    expected, _ = tokenized
+    out = tmpfs.path / "tokens"
+    code, _, err = run_cli(["tokenize", "--data", corpus, "--seq-len", "16", "--samples-per-shard", "8", "--quiet",
+                            "--out", str(out)], capsys)
+    assert code == 0, err
+    replaced, pristine = files(out), tmp_path / "replaced"
+    shutil.copytree(out, pristine)
+    argv = [*tokenize_args(corpus, out), "--overwrite"]
+    with pytest.MonkeyPatch.context() as patch:  # the writes of an uninterrupted replacement, in order
+        writes = FailingWrites(patch, under=out)
+        assert run_main(argv) == 0
+    assert outside_staging(files(out)) == expected
+    written = [path.relative_to(out).as_posix() for path in writes.paths]
+    shards = [at for at, path in enumerate(written, start=1) if path.startswith("staging/replacement/")]
+    assert len(shards) >= 4 and written[-1] == "token-store.json"
+
+    def restored() -> None:
+        shutil.rmtree(out)
+        shutil.copytree(pristine, out)
+
+    restored()
+    with pytest.MonkeyPatch.context() as patch:
+        FailingWrites(patch, shards[len(shards) // 2], None, under=out, before_fault=lambda _: tmpfs.leave_free(0))
+        failed(argv, capsys, ENOSPC)
+    assert outside_staging(files(out)) == replaced
+    tmpfs.writable()
+    code, _, err = run_cli(argv, capsys)
+    assert code == 0, err
+    assert files(out) == expected
+    for at, fault in ((shards[0], "full-disk"), (shards[-1], "read-only"), (len(written), "full-disk")):
+        restored()
+        with pytest.MonkeyPatch.context() as patch:
+            FailingWrites(patch, at, ERRORS[fault], under=out)
+            failed(argv, capsys, ERRORS[fault])
+        if at < len(written):
+            assert outside_staging(files(out)) == replaced, written[at - 1]
+        else:
+            assert {path for path in files(out) if not path.startswith("staging/")} == set(expected) - {
+                "token-store.json"}
+        code, _, err = run_cli(argv, capsys)
+        assert code == 0, f"{written[at - 1]}: {err}"
+        assert files(out) == expected, written[at - 1]

@@ -126,13 +126,16 @@ def _stopped(out: Path, err: OSError) -> PreinferError:
 def _build(
     options: TokenizeOptions, tokenizer: Tokenizer, fingerprint: storage.Fingerprint, out: Path, started: float
 ) -> TokenizeResult:
-    """Encode (what is not staged yet), pack, describe. A store being replaced (--overwrite) is removed only when
-    the new one is about to be written: a run that fails on bad input leaves it as it was."""
+    """Encode (what is not staged yet), pack, describe. A complete store being replaced (--overwrite) stays whole
+    until the new one is packed beside it (`Staging.replacement`), then the new splits are swapped in: a job that
+    fails before (bad input, a full disk) leaves it as it was, and the same command finishes a cut swap."""
     dtype = id_dtype(tokenizer.vocab_size)
     per_shard = options.samples_per_shard or default_samples_per_shard(options.seq_len, dtype)
     staging = Staging(out / STAGING)
     plan = {"fingerprint": fingerprint.to_json(), "chunk_chars": options.chunk_chars, "samples_per_shard": per_shard}
     resumed = _check_plan(staging, plan, out, options.overwrite)
+    replacing = (out / INFO).exists() or staging.replacement.exists()  # a complete store is there (--overwrite)
+    swapped = replacing and not (out / INFO).exists()  # a swap that was cut: the splits it moved are in place
     staging.start(plan)
     try:
         encoded, chunks_encoded = staging.encoded(), 0
@@ -140,14 +143,16 @@ def _build(
             chunks_encoded = encode_chunks(options, staging, tokenizer)
             encoded = staging.encoded()
         packing = Packing(options, fingerprint, staging, encoded, dtype, per_shard)
-        if packing.has_samples() and (not resumed or (out / INFO).exists()):  # what is there is the replaced store's
+        if packing.has_samples() and not resumed and not replacing:  # an unfinished store of another setting
             _remove_own(out, keep=STAGING)
-        splits = {split: packing.pack(out / split, split) for split in SPLITS}
+        splits = {split: packing.pack(_packed_at(out, staging, split, replacing, swapped), split) for split in SPLITS}
         if not any(split.samples for split in splits.values()):
             raise UsageError(splits["train"].problem)
     except UsageError:  # bad input: it must change before a run can succeed, so nothing staged for it is of use
         staging.remove()
         raise
+    if replacing:
+        _swap_in(out, staging, {split: info.samples > 0 for split, info in splits.items()})
     info = TokenStoreInfo(
         fingerprint=fingerprint.to_json(), kind=encoded["kind"], seq_len=options.seq_len, id_dtype=dtype.name,
         vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
@@ -156,6 +161,26 @@ def _build(
     write_json(out / INFO, info.to_json())
     staging.remove()
     return TokenizeResult(out, info, False, chunks_encoded, packing.shards_written, time.perf_counter() - started)
+
+
+def _packed_at(out: Path, staging: Staging, split: str, replacing: bool, swapped: bool) -> Path:
+    """Where `split` is packed: in --out; beside the complete store it replaces; in --out where a cut swap moved
+    it already."""
+    if not replacing or (swapped and not (staging.replacement / split).exists()):
+        return out / split
+    return staging.replacement / split
+
+
+def _swap_in(out: Path, staging: Staging, has_store: dict[str, bool]) -> None:
+    """The replacement's splits in place of the replaced store's: its description goes first (it is no longer
+    complete), then each split is swapped by a rename (a split of no samples has no store: the old one goes)."""
+    (out / INFO).unlink(missing_ok=True)
+    for split, stored in has_store.items():
+        new = staging.replacement / split
+        if new.exists() or not stored:
+            shutil.rmtree(out / split, ignore_errors=True)
+        if new.exists():
+            new.rename(out / split)
 
 
 # ---- what --out holds ----

@@ -4,6 +4,8 @@
     chunk-NNNNNN.npz     chunk N's encoded splits (`pipelines.data.samples.EncodedSplit` arrays)
     chunk-NNNNNN.json    chunk N's counts, written after its arrays: the chunk's completion record
     encoded.json         written once every chunk is staged: how many there are and the kind of data
+    replacement/         the new store's splits while it replaces a complete one (`--overwrite`): packed here, then
+                         swapped in, so that a job that fails before leaves the replaced store whole
 
 Every file is published atomically (written beside, then renamed), so a job killed at any moment leaves complete
 files or none; arrays are read back without pickle.
@@ -26,8 +28,9 @@ from pipelines.data.samples import SPLITS
 
 PLAN = "plan.json"
 ENCODED = "encoded.json"
+REPLACEMENT = "replacement"
 # The names of the staged files, and of their temporaries while they are written.
-STAGED = re.compile(r"\.?(plan\.json|encoded\.json|chunk-\d{6}\.(npz|json))(\.tmp-.*)?")
+STAGED = re.compile(r"\.?(plan\.json|encoded\.json|chunk-\d{6}\.(npz|json)|replacement)(\.tmp-.*)?")
 
 
 class StagingError(PreinferError):
@@ -46,6 +49,11 @@ class Staging:
         if not self.root.is_dir():
             return False
         return all(STAGED.fullmatch(entry.name) for entry in self.root.iterdir())
+
+    @property
+    def replacement(self) -> Path:
+        """Where the splits of a store replacing a complete one are packed before they are swapped in."""
+        return self.root / REPLACEMENT
 
     def plan(self) -> dict[str, Any] | None:
         """The plan of the work staged here, None if there is none."""
