@@ -10,7 +10,8 @@ ru_maxrss). In order:
 3. `bcd --ufp 1/3`: every visit, a few steps each, against the planner's worst visit;
 4. `bcd --frozen-dtype nf4` and `bcd --frozen-dtype nf4 --optimizer adamw8bit --fused-step` at one layer per
    block, their first visits (--total-steps), against the planner's largest of those visits: each run only when a
-   tiny-llama probe with its flags trains, else the probe's refusal is recorded.
+   tiny-llama probe with its flags trains, else the probe's refusal is recorded (--quick: the run is a tiny Llama
+   itself, its own probe).
 
     python -m bench.scale                  # SmolLM2-1.7B shape, seq 64, 2 steps per visit (minutes; ~14 GiB RAM)
     python -m bench.scale --quick          # a tiny Llama shape through the same steps (seconds)
@@ -165,16 +166,24 @@ def one_layer_per_block(model: Path, out: Path, settings: Settings, args: argpar
                         train: list[str]) -> dict:
     """A run of the model at one layer per block with `flags` into `out` (its probe's run too), its first
     --saver-visits visits, against the planner's largest of them (`settings`); or, when a tiny-llama probe with
-    `flags` does not train, the probe's refusal."""
-    probe, _ = measured(cli("bcd", "--model", "tiny-llama", "--blocks", "4", "--steps-per-visit", "1", "--total-steps",
-                            "1", "--seq-len", "32", "--batch-size", "2", "--eval-tokens", "64", "--pre-inference",
-                            "off", "--out", str(out / "probe"), *flags))
-    shutil.rmtree(out / "probe", ignore_errors=True)
-    if probe["exit"] != 0:
-        return dict(ran=False, probe=probe, note="bcd does not train with these flags yet: " + probe["last_line"])
+    `flags` does not train, the probe's refusal (--quick: the run's own refusal)."""
+    if not args.quick:
+        probe, _ = measured(cli("bcd", "--model", "tiny-llama", "--blocks", "4", "--steps-per-visit", "1",
+                                "--total-steps", "1", "--seq-len", "32", "--batch-size", "2", "--eval-tokens", "64",
+                                "--pre-inference", "off", "--out", str(out / "probe"), *flags))
+        shutil.rmtree(out / "probe", ignore_errors=True)
+        if probe["exit"] != 0:
+            return refused(probe)
     run, _ = measured(cli("bcd", "--model", str(model), "--blocks", str(settings.blocks), "--total-steps",
                           str(args.steps * args.saver_visits), "--out", str(out / "run"), *flags, *train))
+    if args.quick and run["exit"] != 0:
+        return refused(run)
     return dict(ran=True, flags=" ".join(flags), **with_ratio(run, planned_visits(model, settings, args.saver_visits)))
+
+
+def refused(probe: dict) -> dict:
+    """The row of a one-layer run that bcd refuses: the refused process's row and its last line."""
+    return dict(ran=False, probe=probe, note="bcd does not train with these flags yet: " + probe["last_line"])
 
 
 if __name__ == "__main__":

@@ -131,7 +131,7 @@ def minimax_cut(n: int, parts: int, cost: Callable[[int, int, int], float]) -> l
     for j in range(1, parts + 1):
         for i in range(j, n - (parts - j) + 1):
             for k in range(j - 1, i):
-                if best[j - 1][k] == math.inf:
+                if best[j - 1][k] >= best[j][i]:  # no cost of run j - 1 makes this cut better (and inf: none)
                     continue
                 value = max(best[j - 1][k], cost(j - 1, k, i))
                 if value < best[j][i]:

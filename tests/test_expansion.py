@@ -3,6 +3,7 @@ the sgd step is plain SGD on the model's own gradients, only layers above the ac
 valid and exact, and fingerprints change exactly with their prefix), and a resumed run ends bit for bit."""
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -247,19 +248,33 @@ def test_what_expansion_does_not_run_with_is_refused_in_one_line(change, message
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
 
 
+# (expand, expand lr, frozen dtype) of the two-rank runs, all of them in one torchrun launch (`two_rank_runs`).
+TWO_RANK_CASES = [("lowrank", 3e-3, "auto"), ("sgd", 0.05, "auto"), ("lowrank", 3e-3, "nf4"), ("sgd", 0.05, "int8")]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """One model, its cache above boundary 2, and `train --store` of each of TWO_RANK_CASES on two gloo ranks, in
+    one torchrun job: (the model directory, the store, the root whose `two-<index>` holds each run)."""
+    root = tmp_path_factory.mktemp("two-ranks")
+    corpus = paragraphs_corpus(root / "corpus.txt")
+    model_dir, store = cache_and_model(root, corpus)
+    torchrun(root, 2, [["train", "--store", store, "--model", model_dir, "--steps-per-visit", "3", "--lr", "1e-3",
+                        "--blocks", "2", "--seed", "0", "--batch-size", "2", "--expand", expand, "--expand-lr",
+                        str(lr), "--frozen-dtype", frozen, "--out", str(root / f"two-{index}")]
+                       for index, (expand, lr, frozen) in enumerate(TWO_RANK_CASES)])
+    return model_dir, store, root
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("expand,lr,frozen", [("lowrank", 3e-3, "auto"), ("sgd", 0.05, "auto"),
-                                              ("lowrank", 3e-3, "nf4"), ("sgd", 0.05, "int8")])
-def test_torchrun_two_ranks_expand_as_one_process_with_the_same_global_batch(tmp_path, expand, lr, frozen):
+@pytest.mark.parametrize("expand,lr,frozen", TWO_RANK_CASES)
+def test_torchrun_two_ranks_expand_as_one_process_with_the_same_global_batch(tmp_path, two_rank_runs, expand, lr,
+                                                                             frozen):
     """`train --store` (two blocks above boundary 2) with expansion on two gloo ranks ends with the weights of one
     process whose batch is both ranks' batches: the factors' gradients are summed with the block's, the sgd step's
     over the replicas; under a frozen dtype too (the suffix model's meta prefix not held, its layers in codes)."""
-    corpus = paragraphs_corpus(tmp_path / "corpus.txt")
-    model_dir, store = cache_and_model(tmp_path, corpus)
-    flags = ["--expand", expand, "--expand-lr", str(lr), "--frozen-dtype", frozen]
-    torchrun(tmp_path, 2, [["train", "--store", store, "--model", model_dir, "--steps-per-visit", "3", "--lr", "1e-3",
-                            "--blocks", "2", "--seed", "0", "--batch-size", "2", *flags, "--out", str(tmp_path / "two")]])
+    model_dir, store, root = two_rank_runs
     config = Config()
     config.model.name = model_dir
     config.data.batch_size = 4
@@ -274,9 +289,9 @@ def test_torchrun_two_ranks_expand_as_one_process_with_the_same_global_batch(tmp
     partition, _ = partition_for(staged, config, first_layer=2)
     sources = LiveSources(BothRanks(stores["train"], 2, 2, 0), ReaderBatches(stores["eval"], 2, 4, 0, shuffle=False))
     train(config, staged, partition, None, sources, resume=False, quiet=True)
-    one, two = weights(str(tmp_path / "one")), weights(str(tmp_path / "two"))
+    one, two = weights(str(tmp_path / "one")), weights(str(root / f"two-{TWO_RANK_CASES.index((expand, lr, frozen))}"))
     assert_close(one, two)
-    start = load_file(str(tmp_path / "model" / "model.safetensors"))
+    start = load_file(str(Path(model_dir) / "model.safetensors"))
     assert not torch.equal(two["model.layers.3.mlp.up_proj.weight"], start["model.layers.3.mlp.up_proj.weight"])
 
 

@@ -21,7 +21,7 @@ from preinfer.run_dir import RunDir
 pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 60
+STEPS = 6
 # `preinfer bcd` that, once it has logged its first step, waits until the test says it has sent its signal (the
 # file SIGNAL_SENT names appears): the signal arrives mid-visit however slowly the test is scheduled.
 HELD_BCD = """
