@@ -13,7 +13,7 @@ from preinfer.boundary_state import BoundaryState
 from preinfer.errors import PreinferError
 from preinfer.moe import RouterLoss
 from preinfer.partition import Block
-from preinfer.staged import StagedModel, causal_lm_loss
+from preinfer.staged import StagedModel
 
 
 def forward_backward(staged: StagedModel, batch: dict, block: Block, boundary: int, count: torch.Tensor,
@@ -24,7 +24,7 @@ def forward_backward(staged: StagedModel, batch: dict, block: Block, boundary: i
     state = input_state(staged, batch, block, boundary)
     with router_loss.capture(block.start):
         out = staged.run(state, block.start, staged.num_layers, recompute)
-    loss = causal_lm_loss(staged.logits(out), out.labels, reduction="sum") / count
+    loss = staged.loss_sum(out) / count
     loss = loss + router_loss.loss(out.attention_mask) / router_share
     scale_loss(loss).backward()
     return loss.item()

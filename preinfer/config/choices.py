@@ -38,6 +38,9 @@ FrozenDtype = Literal["auto", "bf16", "int8", "nf4"]
 # Landscape expansion over the suffix (preinfer.expansion): rank-r factors per linear weight, plain SGD, or none;
 # auto: lowrank where it runs (a dense model's BCD run without what it does not run with), else none.
 Expand = Literal["auto", "none", "lowrank", "sgd"]
+# How the next-token loss is computed (preinfer.chunked_loss): from the whole logits, in chunks of tokens (auto:
+# wherever the head is one linear map and its terms), or by Liger Kernel's fused kernel (CUDA, the liger extra).
+Loss = Literal["auto", "chunked", "plain", "liger"]
 
 # The reference paper's defaults of the optimizers.
 DEFAULT_LR = {"sgd": 0.1, "adam": 5e-5, "adamw": 5e-5, "adam8bit": 5e-5, "adamw8bit": 5e-5}

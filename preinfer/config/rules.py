@@ -15,6 +15,7 @@ from preinfer.config.choices import (
     DEFAULT_LR, IMPORTANCE_ORDERS, LOW_BIT_OPTIMIZERS, OPEN_ENDED_DECAYS, choices_of, field_hint, is_names,
     is_optional, names, parse_experts,
 )
+from preinfer.liger_extra import liger_installed
 from preinfer.block_lr import FLOAT32_MAX, GRAMMAR, parse_block_lr
 from preinfer.errors import UsageError
 from preinfer.partition import parse_ufp
@@ -87,7 +88,7 @@ BOUNDS: dict[str, Bound] = {
     "stop.min_delta": at_least(0), "stop.smoothing": SHARE, "stop.gain_window": at_least(1),
     "stop.total_steps": at_least(1),
     "run.seed": ANY_INTEGER, "run.checkpoint_every": at_least(0), "run.pipeline": at_least(1),
-    "run.microbatches": at_least(0),
+    "run.microbatches": at_least(0), "run.loss_chunk": at_least(1),
 }
 
 
@@ -156,6 +157,7 @@ def rule_problems(c: Any) -> Iterator[Problem]:
         yield "optim", "name", "sgd, adam or adamw: its 8-bit moments need torchao, which is not installed " \
                                "(pip install preinfer[quant])"
     yield from fused_step_problems(c)
+    yield from loss_problems(c)
     if o.block_lr is not None and not _parses(parse_block_lr, o.block_lr):
         yield "optim", "block_lr", GRAMMAR
     else:
@@ -231,6 +233,18 @@ def fused_step_problems(c: Any) -> Iterator[Problem]:
         yield "optim", "fused_step", why.format("{blocks.experts}", "the chosen experts' gradients are sliced out")
 
 
+def loss_problems(c: Any) -> Iterator[Problem]:
+    """Liger's kernel where it runs (installed, a CUDA device), and offload only of recomputation's checkpoints."""
+    r = c.run
+    if r.loss == "liger" and not liger_installed():
+        yield "run", "loss", "auto, chunked or plain: liger needs liger-kernel, which is not installed (pip install " \
+                             "preinfer[liger])"
+    elif r.loss == "liger" and not r.device.startswith("cuda"):
+        yield "run", "loss", "auto, chunked or plain unless {run.device} is cuda (Liger's kernel runs on CUDA only)"
+    if r.offload and not r.recompute:
+        yield "run", "offload", "false unless {run.recompute} is true (it offloads recomputation's checkpoints)"
+
+
 def partition_problems(c: Any) -> Iterator[Problem]:
     """The block partition's: a UFP, and the memory budget that only `ufp = "auto"` reads."""
     b = c.blocks
@@ -302,6 +316,8 @@ def pipeline_problems(c: Any) -> Iterator[Problem]:
         yield "run", "microbatches", "at least {run.pipeline} under {run.pipeline_schedule} 1f1b; or gpipe"
     if c.pre_inference.mode == "on" and c.pre_inference.dask:
         yield "pre_inference", "dask", "unset on a pipeline (its stages build the stores)"
+    if r.loss in ("chunked", "liger"):
+        yield "run", "loss", "auto or plain on a pipeline (its last stage computes the loss from the whole logits)"
 
 
 class _Keys:
