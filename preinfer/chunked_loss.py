@@ -5,10 +5,10 @@ the elementwise terms the model's own forward applies to its output (a logit sca
 an upcast), in order. `chunked_loss_sum(features, head, targets, chunk)` is the summed next-token cross entropy
 of `features` ([N, H], what the head's linear receives) against `targets` ([N]): forward computes each chunk's
 logits and loss and drops the logits; backward computes each chunk's logits again, and its gradients, one chunk
-alive at a time. The weight's (and bias's) gradient is summed over the chunks in float32 and handed to autograd
+alive at a time. The weight's (and bias's) gradient is summed over the chunks in its dtype and handed to autograd
 once, so a hook on it (the fused step, mixed precision's master gradients, the data-parallel reducer) fires once
 per backward, as with the plain loss. In float32 it equals the plain loss and its gradients to rounding (1e-6,
-tests/test_chunked_loss.py against the framework's own forward on every family that has a linear head).
+tests/test_families.py against the framework's own forward on every family that has a linear head).
 
 `--loss liger` hands the same features, weight and targets to Liger Kernel's fused linear cross entropy (a CUDA
 kernel; the `liger` extra), imported only when asked for.
@@ -41,7 +41,10 @@ class LinearHead:
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """The logits of `features`, with the ops the model's own forward runs (so in any dtype they are its own)."""
-        logits = F.linear(features, self.weight, self.bias)
+        return self.scaled(F.linear(features, self.weight, self.bias))
+
+    def scaled(self, logits: torch.Tensor) -> torch.Tensor:
+        """The terms applied to the linear map's output, in order."""
         for op, value in self.terms:
             if op == "mul":
                 logits = logits * value
@@ -54,19 +57,23 @@ class LinearHead:
         return logits
 
 
-def _chunk_loss(head: LinearHead, features: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(head.logits(features).float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+def _summed(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Summed cross entropy of `features` through `head`, chunk by chunk in forward and again in backward."""
+    """Summed cross entropy of `features` through the head, chunk by chunk in forward and again in backward.
+
+    Backward takes each chunk's gradient of the linear map's output `z` through the terms and the cross entropy
+    by autograd, then the input's (`g @ W`) and the weight's and bias's (`g^T x`, added in place into one
+    gradient in their dtype, as autograd sums a weight's gradients over its uses: no buffer beyond it)."""
 
     @staticmethod
     def forward(ctx, features, weight, bias, targets, terms, chunk):
         head = LinearHead(weight, bias, terms)
         total = torch.zeros((), dtype=torch.float32, device=features.device)
         for start in range(0, features.shape[0], chunk):
-            total += _chunk_loss(head, features[start:start + chunk], targets[start:start + chunk])
+            total += _summed(head.logits(features[start:start + chunk]), targets[start:start + chunk])
         ctx.save_for_backward(features, weight, bias, targets)
         ctx.terms, ctx.chunk = terms, chunk
         return total
@@ -74,28 +81,30 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):
         features, weight, bias, targets = ctx.saved_tensors
-        wants = ctx.needs_input_grad
-        grad_features = torch.empty_like(features) if wants[0] else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if wants[1] else None
-        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and wants[2] else None
-        w = weight.detach().requires_grad_(wants[1])
-        b = None if bias is None else bias.detach().requires_grad_(wants[2])
-        head = LinearHead(w, b, ctx.terms)
+        wants_x, wants_w, wants_b = ctx.needs_input_grad[:3]
+        head = LinearHead(weight, bias, ctx.terms)
+        grad_x = torch.empty_like(features) if wants_x else None
+        grad_w = torch.zeros_like(weight) if wants_w else None
+        grad_b = torch.zeros_like(bias) if bias is not None and wants_b else None
         for start in range(0, features.shape[0], ctx.chunk):
             rows = slice(start, start + ctx.chunk)
-            x = features[rows].detach().requires_grad_(wants[0])
-            with torch.enable_grad():
-                loss = _chunk_loss(head, x, targets[rows]) * grad_total
-                inputs = [t for t, want in ((x, wants[0]), (w, wants[1]), (b, wants[2])) if want and t is not None]
-                grads = iter(torch.autograd.grad(loss, inputs))
-            if wants[0]:
-                grad_features[rows] = next(grads)
-            if wants[1]:
-                grad_weight += next(grads)
-            if grad_bias is not None:
-                grad_bias += next(grads)
-        return (grad_features, None if grad_weight is None else grad_weight.to(weight.dtype),
-                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None)
+            g = _logit_gradient(head, features[rows], targets[rows], grad_total)
+            if grad_x is not None:
+                grad_x[rows] = g @ weight
+            if grad_w is not None:
+                grad_w.addmm_(g.t(), features[rows])
+            if grad_b is not None:
+                grad_b += g.sum(0)
+            del g  # before the next chunk's logits
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def _logit_gradient(head: LinearHead, x: torch.Tensor, targets: torch.Tensor, grad_total: torch.Tensor) -> torch.Tensor:
+    """The gradient of `grad_total` x the chunk's summed cross entropy with respect to the output of the head's
+    linear map (its logits computed again; they and their log-softmax freed on return)."""
+    z = F.linear(x, head.weight, head.bias).requires_grad_()
+    with torch.enable_grad():
+        return torch.autograd.grad(_summed(head.scaled(z), targets) * grad_total, z)[0]
 
 
 def chunked_loss_sum(features: torch.Tensor, head: LinearHead, targets: torch.Tensor, chunk: int) -> torch.Tensor:

@@ -71,7 +71,7 @@ def test_precision_and_recompute_change_the_plan():
     assert settings.dtype == "bf16-mixed"
     bf16 = blocks_for_budget(shape, settings, "bf16-mixed")
     recompute = blocks_for_budget(shape, replace(settings, recompute=True), "bf16-mixed")
-    assert recompute.blocks <= bf16.blocks and max(recompute.predicted) < max(bf16.predicted)
+    assert recompute.blocks < bf16.blocks and max(recompute.predicted) <= recompute.budget
     with pytest.raises(preinfer.UsageError, match="fp32"):
         budget_settings(2**30, "fp8", 1024, 1, recompute=False, attention="sdpa")
 
@@ -146,7 +146,7 @@ def test_impossible_or_malformed_budgets_exit_2_in_one_line_and_write_nothing(ar
 def test_nothing_fits_names_recompute_a_smaller_batch_and_the_pipeline_degree():
     shape = resolve_shape("tiny-llama")
     budget = (peaks(shape.layers, recompute=True) + peaks(shape.layers)) // 2
-    settings = budget_settings(budget, "fp32", SEQ, BATCH, recompute=False, attention="sdpa")
+    settings = budget_settings(budget, "fp32", SEQ, BATCH, recompute=False, attention="sdpa", loss="plain")
     assert fewest_blocks(shape, settings) is None
     with pytest.raises(preinfer.UsageError) as refused:
         blocks_for_budget(shape, settings, "fp32")

@@ -73,7 +73,15 @@ class _Stand(nn.Module):
 
 
 class _Capture(nn.Module):
-    """Stands in for the output embeddings: stops the forward with their input."""
+    """Stands in for the output embeddings: stops the forward with their input (their attributes readable, as a
+    forward may read their weight's dtype)."""
+
+    def __init__(self, output: nn.Module):
+        super().__init__()
+        self.__dict__["output"] = output
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["output"], name)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         raise _Stop(hidden)
@@ -155,7 +163,7 @@ class HFCausalLM(StagedModel):
         as_tuple = self._tuple_layers(state.hidden)
         parent, name = output_slot(self.model)
         output = parent._modules[name]
-        parent._modules[name] = _Capture()
+        parent._modules[name] = _Capture(output)
         try:
             with self._without_embedding(state.hidden), self._standing_in({}, None, as_tuple, output=state.hidden):
                 self._forward(state)

@@ -26,6 +26,7 @@ HEAD_TERMS: dict[str, tuple[tuple[str, str | None], ...]] = {
     "granite": GRANITE, "granite_swa": GRANITE, "granitemoe": GRANITE, "granitemoe_swa": GRANITE,
     "granitemoeshared": GRANITE,
     "hyperclovax": (("mul", "logits_scaling"),),
+    "recurrent_gemma": (("softcap", "logits_soft_cap"),),
 }
 
 PLAIN_LOSS: dict[str, str] = {}

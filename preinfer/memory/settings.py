@@ -73,6 +73,13 @@ class Settings:
     expand: str = "auto"  # landscape expansion of the suffix: none, lowrank (rank-r factors), sgd, or auto (lowrank
     # where a BCD run makes it: a dense model with frozen_dtype auto, one GPU; else none)
     expand_rank: int = 8  # lowrank: the factors' rank
+    loss: str = "auto"  # the next-token loss: chunked (auto, liger: priced as chunked) or plain (`preinfer.chunked_loss`)
+    loss_chunk: int = 1024  # tokens per chunk of the chunked loss
+    offload: bool = False  # with recompute: the layers' kept inputs in host memory until backward
+
+    def chunk(self) -> int | None:
+        """Tokens per chunk of the loss as the planner prices it; None for the plain loss."""
+        return None if self.loss == "plain" else self.loss_chunk
 
     def capacity(self) -> int:
         """Bytes a training process can fill on one GPU (the memory budget where one is given)."""
