@@ -113,14 +113,14 @@ def chunked_loss_sum(features: torch.Tensor, head: LinearHead, targets: torch.Te
     return _ChunkedCrossEntropy.apply(features, head.weight, head.bias, targets, head.terms, chunk)
 
 
-def counted_rows(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(features, targets) of the supervised positions of `hidden` [B, T, H]: position t of a row where label t+1
-    is not IGNORE_INDEX (the shift of a next-token loss), the others left out."""
+def shifted_rows(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(features [B * T, H], targets [B * T]) of `hidden` [B, T, H] for a next-token loss: position t's target is
+    label t+1, the last position's IGNORE_INDEX. Every position is kept (a view, no copy), so that every batch's
+    tensors have the same shapes; a masked one costs its share of the head's work and counts nothing."""
     batch, length = labels.shape
-    shifted = torch.full_like(labels, IGNORE_INDEX)
-    shifted[:, :-1] = labels[:, 1:]
-    index = (shifted.flatten() != IGNORE_INDEX).nonzero().squeeze(1)
-    return hidden.reshape(batch * length, -1).index_select(0, index), shifted.flatten()[index]
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    targets[:, :-1] = labels[:, 1:]
+    return hidden.reshape(batch * length, -1), targets.flatten()
 
 
 def liger_loss_sum(features: torch.Tensor, head: LinearHead, targets: torch.Tensor) -> torch.Tensor:

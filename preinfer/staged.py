@@ -21,7 +21,7 @@ from torch.autograd.graph import save_on_cpu
 from torch.utils.checkpoint import checkpoint
 
 from preinfer.chunked_loss import (
-    DEFAULT_CHUNK, IGNORE_INDEX, LinearHead, chunked_loss_sum, counted_rows, liger_loss_sum,
+    DEFAULT_CHUNK, IGNORE_INDEX, LinearHead, chunked_loss_sum, liger_loss_sum, shifted_rows,
 )
 from preinfer.errors import BoundaryStateError, UnsupportedModelError
 from preinfer.moe import expert_tensors
@@ -120,7 +120,7 @@ class StagedModel(ABC):
             raise BoundaryStateError("this boundary state carries no labels; pass labels to embed()")
         if self.loss_kind == "plain":
             return causal_lm_loss(self.logits(state), state.labels, reduction="sum")
-        features, targets = counted_rows(self.head_features(state), state.labels)
+        features, targets = shifted_rows(self.head_features(state), state.labels)
         head = self.linear_head()
         if self.loss_kind == "liger":
             return liger_loss_sum(features, head, targets)

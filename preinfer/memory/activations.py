@@ -120,8 +120,8 @@ def output_side_bytes(m: ModelShape, b: int, s: int, c: int, head_trains: bool, 
                       tied_trains: bool, loss_chunk: int | None = None) -> int:
     """Bytes the final norm, the LM head and the cross-entropy loss save for backward: with the plain loss
     (`loss_chunk` None) the float32 log-softmax of every position; with the chunked loss
-    (`preinfer.chunked_loss`) the head's input at the counted positions (b * (s - 1) of a packed batch), their
-    targets and index, and, while backward runs a chunk again, that chunk's float32 log-softmax."""
+    (`preinfer.chunked_loss`) the head's input and the targets of every position, and, while backward runs a
+    chunk again, that chunk's float32 log-softmax."""
     bs, bsh = b * s, b * s * m.hidden
     if not (head_trains or input_grad or tied_trains):
         return 0
@@ -134,9 +134,8 @@ def output_side_bytes(m: ModelShape, b: int, s: int, c: int, head_trains: bool, 
     if loss_chunk is None:
         head_input = bsh * c if head_weight_trains else 0  # the norm's output, for the head's weight gradient
         return total + head_input + bs * m.vocab * 4 + 8 * bs + 4  # float32 log-softmax (upcast), int64 targets
-    counted = b * (s - 1)
-    kept = counted * (m.hidden * c + 8 + 8)  # the counted rows of the head's input, their targets and index
-    return total + kept + min(loss_chunk, counted) * m.vocab * 4 + 4  # one chunk's log-softmax, its weight sum
+    kept = bsh * c + 8 * bs  # the head's input (the norm's output, to run chunks again) and the int64 targets
+    return total + kept + min(loss_chunk, bs) * m.vocab * 4 + 4  # one chunk's log-softmax, its weight sum
 
 
 def loss_workspace(m: ModelShape, b: int, s: int, c: int, loss_chunk: int | None) -> int:
@@ -146,8 +145,7 @@ def loss_workspace(m: ModelShape, b: int, s: int, c: int, loss_chunk: int | None
     themselves (c bytes each), computed again (tests/test_step_memory.py measures both)."""
     if loss_chunk is None:
         return 2 * b * s * m.vocab * 4
-    rows = min(loss_chunk, b * (s - 1))
-    return rows * m.vocab * (2 * 4 + c)
+    return min(loss_chunk, b * s) * m.vocab * (2 * 4 + c)
 
 
 
@@ -185,21 +183,24 @@ def step_activations(m: ModelShape, b: int, s: int, c: int, active: LayerSpan | 
     Layers below the active block run without grad (or are not resident, from a store): they save nothing.
     Recomputation (activation checkpointing of every layer in the gradient path) keeps each layer's 16/32-bit
     input and, during backward, one layer's full saved set at a time. With `offload` those inputs wait in host
-    memory (`offloaded`), and a layer's own comes back to the device while it runs again.
+    memory (`offloaded`), and a layer's own comes back to the device while it runs again (in float32 its set
+    holds it already, where the first norm keeps its input).
     """
     train = range(m.layers) if active is None else range(active.start, active.stop)
     embed_trains = active is None or active.embed
     head_trains = active is None or active.head
-    input_grad, per_layer = embed_trains, []
+    input_grad, per_layer, saves_input = embed_trains, [], []
     for layer in range(m.layers):
         per_layer.append(layer_activation_bytes(m, b, s, c, layer in train, input_grad, layer, attention))
+        saves_input.append(input_grad and c == 4)  # its first norm keeps the float32 input itself
         input_grad = input_grad or layer in train
     recomputed, offloaded = (), 0
     if recompute:
         recomputed = tuple(per_layer)
         per_layer = [b * s * m.hidden * c if full_bytes else 0 for full_bytes in recomputed]
-    if recompute and offload:
-        recomputed = tuple(full + kept for full, kept in zip(recomputed, per_layer))
+    if recompute and offload:  # a layer's input back on the device while it runs again, unless its set holds it
+        recomputed = tuple(full + (0 if saved else kept) for full, kept, saved in zip(recomputed, per_layer,
+                                                                                         saves_input))
         offloaded, per_layer = sum(per_layer), [0] * len(per_layer)
     tied_trains = m.tied and embed_trains
     return StepActs(
