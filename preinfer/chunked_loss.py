@@ -26,7 +26,6 @@ from preinfer.errors import UsageError
 from preinfer.liger_extra import liger_installed
 
 IGNORE_INDEX = -100
-DEFAULT_CHUNK = 1024  # tokens a chunk: one chunk of Llama-3's 128k vocabulary is 0.49 GiB of float32 logits
 
 Term = tuple[str, float]  # ("mul" | "div" | "softcap", value) or ("float", 0.0): applied to the logits in order
 

@@ -20,9 +20,8 @@ from torch import nn
 from torch.autograd.graph import save_on_cpu
 from torch.utils.checkpoint import checkpoint
 
-from preinfer.chunked_loss import (
-    DEFAULT_CHUNK, IGNORE_INDEX, LinearHead, chunked_loss_sum, liger_loss_sum, shifted_rows,
-)
+from preinfer.chunked_loss import IGNORE_INDEX, LinearHead, chunked_loss_sum, liger_loss_sum, shifted_rows
+from preinfer.config.choices import DEFAULT_LOSS_CHUNK
 from preinfer.errors import BoundaryStateError, UnsupportedModelError
 from preinfer.moe import expert_tensors
 from preinfer.boundary_state import BoundaryState
@@ -46,7 +45,7 @@ class StagedModel(ABC):
     `loss_chunk` tokens (`preinfer.chunked_loss`), `liger` by Liger Kernel's fused linear cross entropy."""
 
     loss_kind = "plain"
-    loss_chunk = DEFAULT_CHUNK
+    loss_chunk = DEFAULT_LOSS_CHUNK
     offload = False  # with recompute: each layer's kept input in host memory until backward (save_on_cpu)
 
     def __init__(self, model: nn.Module, layers: nn.ModuleList | list[nn.Module]):
@@ -126,7 +125,7 @@ class StagedModel(ABC):
             return liger_loss_sum(features, head, targets)
         return chunked_loss_sum(features, head, targets, self.loss_chunk)
 
-    def use_loss(self, choice: str, chunk: int = DEFAULT_CHUNK) -> str:
+    def use_loss(self, choice: str, chunk: int = DEFAULT_LOSS_CHUNK) -> str:
         """Compute the loss as `choice` says (auto: chunked where the head is a `LinearHead`, else plain; chunked,
         liger: refused with UnsupportedModelError where it is not); returns the loss chosen."""
         head = self.linear_head()

@@ -9,6 +9,7 @@ from dataclasses import replace
 from preinfer.errors import UsageError
 from preinfer.memory.footprint import best_fit, placements, visit_peaks, worst_bcd
 from preinfer.memory.layer_spans import partition
+from preinfer.config.choices import DEFAULT_LOSS_CHUNK
 from preinfer.memory.settings import GIB, PRECISION_DTYPES, Settings
 from preinfer.memory.shapes import ModelShape
 from preinfer.metrics import BudgetPlanRecord
@@ -23,7 +24,7 @@ def size_text(n: float) -> str:
 def budget_settings(budget: int, precision: str, seq_len: int, micro_batch: int, recompute: bool,
                     attention: str, *, frozen_dtype: str = "auto", optimizer: str = "adam", fused_step: bool = False,
                     host_device: bool = False, expand: str = "auto", expand_rank: int = 8,
-                    separate_ends: bool = False, loss: str = "auto", loss_chunk: int = 1024,
+                    separate_ends: bool = False, loss: str = "auto", loss_chunk: int = DEFAULT_LOSS_CHUNK,
                     offload: bool = False) -> Settings:
     """The planner's settings of a run under a memory budget of `budget` bytes, with the memory savers it uses
     (`separate_ends`: the run asks for the ends apart; else the plan chooses their placement)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from preinfer.config.choices import DEFAULT_ATTENTION
+from preinfer.config.choices import DEFAULT_ATTENTION, DEFAULT_LOSS_CHUNK
 
 
 GB = 10**9  # GPU memory is sold in decimal gigabytes (a "24 GB" RTX 4090 has 24e9 bytes, about 22.4 GiB)
@@ -74,7 +74,7 @@ class Settings:
     # where a BCD run makes it: a dense model with frozen_dtype auto, one GPU; else none)
     expand_rank: int = 8  # lowrank: the factors' rank
     loss: str = "auto"  # the next-token loss: chunked (auto, liger: priced as chunked) or plain (`preinfer.chunked_loss`)
-    loss_chunk: int = 1024  # tokens per chunk of the chunked loss
+    loss_chunk: int = DEFAULT_LOSS_CHUNK  # tokens per chunk of the chunked loss
     offload: bool = False  # with recompute: the layers' kept inputs in host memory until backward
 
     def chunk(self) -> int | None:
