@@ -13,7 +13,7 @@ from pipelines.training import partition_for
 from preinfer.errors import UsageError
 from preinfer.memory.budget import budget_settings, blocks_for_budget
 from preinfer.config import load_config
-from preinfer.memory.footprint import auto_choice, bcd_memory, fewest_blocks, worst_bcd
+from preinfer.memory.footprint import auto_choice, bcd_memory, best_fit, fewest_blocks, worst_bcd
 from preinfer.memory.layer_spans import partition
 from preinfer.memory.settings import Settings
 from preinfer.memory.shapes import resolve_shape, shape_for_size
@@ -146,7 +146,7 @@ def test_impossible_or_malformed_budgets_exit_2_in_one_line_and_write_nothing(ar
 def test_nothing_fits_names_recompute_a_smaller_batch_and_the_pipeline_degree():
     shape = resolve_shape("tiny-llama")
     budget = (peaks(shape.layers, recompute=True) + peaks(shape.layers)) // 2
-    settings = budget_settings(budget, "fp32", SEQ, BATCH, recompute=False, attention="sdpa", loss="plain")
+    settings = budget_settings(budget, "fp32", SEQ, BATCH, recompute=False, attention="sdpa")
     assert fewest_blocks(shape, settings) is None
     with pytest.raises(preinfer.UsageError) as refused:
         blocks_for_budget(shape, settings, "fp32")
@@ -154,9 +154,9 @@ def test_nothing_fits_names_recompute_a_smaller_batch_and_the_pipeline_degree():
     assert "even one layer per block needs" in message and "\n" not in message
     recompute = fewest_blocks(shape, replace(settings, recompute=True))
     assert f"--recompute ({recompute[0]} blocks" in message
-    assert fewest_blocks(shape, replace(settings, micro_batch=3)) is None
-    batch_two = fewest_blocks(shape, replace(settings, micro_batch=2))
-    assert f"--batch-size 2 ({batch_two[0]} blocks" in message
+    smaller = next(batch for batch in range(BATCH - 1, 0, -1) if best_fit(shape, replace(settings, micro_batch=batch)))
+    found = best_fit(shape, replace(settings, micro_batch=smaller))  # the largest batch that fits, ends placed
+    assert f"--batch-size {smaller} ({found.blocks} blocks{' + the embedding' if found.separate_ends else ''}" in message
     seven = budget_settings(int(24e9 * 0.9), "fp32", 1024, 1, recompute=False, attention="sdpa")
     message = str(pytest.raises(preinfer.UsageError, blocks_for_budget, shape_for_size("7b"), seven, "fp32").value)
     degree = auto_choice(shape_for_size("7b"), seven)["pipeline_degree"]
