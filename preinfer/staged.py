@@ -121,7 +121,7 @@ class StagedModel(ABC):
             return causal_lm_loss(self.logits(state), state.labels, reduction="sum")
         features, targets = shifted_rows(self.head_features(state), state.labels)
         head = self.linear_head()
-        if self.loss_kind == "liger":
+        if self.loss_kind == "liger" and torch.is_grad_enabled():  # its kernel takes the gradients in forward
             return liger_loss_sum(features, head, targets)
         return chunked_loss_sum(features, head, targets, self.loss_chunk)
 

@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import preinfer
+from preinfer import chunked_loss
 from preinfer.chunked_loss import LinearHead, chunked_loss_sum, shifted_rows
-from preinfer.errors import UnsupportedModelError
+from preinfer.errors import UnsupportedModelError, UsageError
 from preinfer.staged import IGNORE_INDEX, causal_lm_loss
 from tests.helpers.cli_run import failure_line, run_cli, tree
 from tests.helpers.trainers import make_trainer, snapshot
@@ -88,6 +89,14 @@ def test_a_chunked_run_ends_where_a_plain_one_does():
         runs[loss] = snapshot(trainer.staged.model)
     for name, weight in runs["plain"].items():
         torch.testing.assert_close(runs["chunked"][name], weight, rtol=1e-5, atol=1e-6)
+
+
+def test_the_liger_seam_refuses_in_one_line_without_the_extra(monkeypatch):
+    monkeypatch.setattr(chunked_loss, "liger_installed", lambda: False)
+    head = LinearHead(torch.randn(50, 16))
+    with pytest.raises(UsageError, match=r"^--loss liger needs liger-kernel, which is not installed: pip install "
+                                         r"preinfer\[liger\]$"):
+        chunked_loss.liger_loss_sum(torch.randn(3, 16), head, torch.zeros(3, dtype=torch.long))
 
 
 @pytest.mark.parametrize("flags,expected", [
