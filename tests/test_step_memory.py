@@ -98,7 +98,7 @@ def test_a_tied_embedding_s_backward_holds_three_gradients_at_once_as_the_planne
     assert tied_gradients(shape, settings, block0, weight) == weight  # less the activations freed by then
     assert tied_gradients(shape, settings, block1, 0) == 0
     unfused = Settings(dtype="float32", host_device=True)
-    loss = loss_workspace(shape, 1, 1024, 4, 1024)  # the loss's backward: a chunk's logits and two gradients
+    loss = loss_workspace(shape, 1, 1024, 4, unfused.loss_chunk)  # the loss's backward: a chunk's logits, two gradients
     assert transients(shape, unfused, block0, 0) == max(step_temporaries(shape, unfused, block0, 0), 2 * weight, loss)
 
 
