@@ -135,7 +135,7 @@ print(peak / (rows * {VOCAB} * 4))
 def test_the_loss_s_backward_allocates_what_the_planner_counts_plain_and_chunked():
     """The plain loss's backward holds two float32 gradients of the whole logits beyond the log-softmax it saved
     (the planner's `loss_workspace`); the chunked one, for one chunk: its log-softmax (the activation the planner
-    counts while a chunk runs again), its logits and the same two gradients."""
+    counts while a chunk runs again), its logits and the same two gradients, and the input's gradient."""
     shape = replace(resolve_shape("tiny-llama"), vocab=VOCAB)
     peaks = {}
     for loss in ("plain", "chunked"):
@@ -145,6 +145,6 @@ def test_the_loss_s_backward_allocates_what_the_planner_counts_plain_and_chunked
     unit = TOKENS * VOCAB * 4
     assert loss_workspace(shape, 1, TOKENS, 4, None) == 2 * unit
     assert peaks["plain"] == pytest.approx(2, abs=0.3)
-    chunk_unit = CHUNK * VOCAB * 4
-    assert loss_workspace(shape, 1, TOKENS, 4, CHUNK) + chunk_unit == 4 * chunk_unit
-    assert peaks["chunked"] == pytest.approx(4, abs=0.5)
+    chunk_unit, input_gradient = CHUNK * VOCAB * 4, TOKENS * 64 * 4
+    assert loss_workspace(shape, 1, TOKENS, 4, CHUNK) + chunk_unit == 4 * chunk_unit + input_gradient
+    assert peaks["chunked"] == pytest.approx(4 + input_gradient / chunk_unit, abs=0.3)

@@ -42,7 +42,7 @@ Expand = Literal["auto", "none", "lowrank", "sgd"]
 # wherever the head is one linear map and its terms), or by Liger Kernel's fused kernel (CUDA, the liger extra).
 Loss = Literal["auto", "chunked", "plain", "liger"]
 # Tokens a chunk of the chunked loss: one chunk of Llama-3's 128,256-token vocabulary is 0.12 GiB of float32 logits,
-# and its backward holds 0.31 GiB in bf16 (the planner's `loss_workspace`).
+# and its backward holds 0.31 GiB more in bf16, with the head input's gradient (the planner's `loss_workspace`).
 DEFAULT_LOSS_CHUNK = 256
 
 # The reference paper's defaults of the optimizers.

@@ -142,10 +142,11 @@ def loss_workspace(m: ModelShape, b: int, s: int, c: int, loss_chunk: int | None
     """Bytes the loss's backward allocates for a moment beyond what is saved for it, while every activation is
     still held: the float32 gradients of the log-softmax's output and input, each [rows, vocab] (rows: every
     position with the plain loss, one chunk with the chunked), and with the chunked loss the chunk's logits
-    themselves (c bytes each), computed again (tests/test_step_memory.py measures both)."""
+    themselves (c bytes each), computed again, and the gradient of the head's input, filled chunk by chunk
+    (tests/test_step_memory.py measures both)."""
     if loss_chunk is None:
         return 2 * b * s * m.vocab * 4
-    return min(loss_chunk, b * s) * m.vocab * (2 * 4 + c)
+    return min(loss_chunk, b * s) * m.vocab * (2 * 4 + c) + b * s * m.hidden * c
 
 
 
