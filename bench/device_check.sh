@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# The prepared GPU check of issue 37 (part 5), at most 8 minutes on one CUDA GPU:
+# The prepared GPU check of issues 37 (part 5) and 45 (part 5), on one CUDA GPU:
 #   1. the invariant tests marked `cuda` (pytest -m cuda);
 #   2. the planner against torch.cuda.max_memory_allocated on each memory row, and steps/s of `preinfer bcd`
-#      against a plain loop (python -m bench.device_memory, JSON in bench/out/device_memory.json).
-# On a machine without a CUDA GPU it says so in one line and exits 0.
+#      against a plain loop (python -m bench.device_memory, JSON in bench/out/device_memory.json);
+#   3. a streamed visit next to a resident one (--stream-frozen: pinned host copies, side-stream copies): each
+#      visit's device peak against the plan's, and the step time streamed / resident (python -m
+#      bench.stream_frozen --device cuda, JSON in bench/out/stream_frozen.json).
+# At most 8 minutes for 1-2 and 2 for 3; `bash bench/device_check.sh stream` runs 3 alone (a rerun that fits one
+# 10-minute command). On a machine without a CUDA GPU it says so in one line and exits 0.
 #
-#   bash bench/device_check.sh            # PYTHON=/path/to/python to choose the interpreter
+#   bash bench/device_check.sh [stream]   # PYTHON=/path/to/python to choose the interpreter
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
@@ -14,5 +18,9 @@ if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() el
     echo "device check: no CUDA GPU here (torch.cuda.is_available() is False); nothing to run"
     exit 0
 fi
-timeout 150 "$PYTHON" -m pytest -q -p no:cacheprovider -m cuda tests
-timeout 320 "$PYTHON" -m bench.device_memory
+if [ "${1:-}" != stream ]; then
+    timeout 150 "$PYTHON" -m pytest -q -p no:cacheprovider -m cuda tests
+    timeout 320 "$PYTHON" -m bench.device_memory
+fi
+timeout 120 "$PYTHON" -m bench.stream_frozen --device cuda --model medium-llama --precision bf16-mixed \
+    --frozen-dtype int8 --recompute --fused-step --seq-len 512 --batch-size 4 --grad-accum 2 --steps 6 --repeats 1

@@ -17,8 +17,16 @@ ascending order, for the same steps per block, with Adam (lr, betas, no weight d
   batches (their samples in order, `train_sampling_strategy="sequential"`, the same batch size) and blocks, with
   the same Adam and no clipping; steps/s from each visit's first step's start to its last step's end (Trainer's
   callbacks), tracked peak from the integration's own meter. Target: at least 0.95x `preinfer` (x_preinfer).
-- `preinfer`: the real command line, `python -m pipelines.cli bcd ... --pre-inference off` in its own process
-  (the settings above as flags); `preinfer-auto`: the same with `--pre-inference auto`.
+- `preinfer`: the real command line, `python -m pipelines.cli bcd ... --pre-inference off --expand none` in its
+  own process (the settings above as flags); `preinfer-auto`: the same with `--pre-inference auto`;
+  `preinfer-defaults`: the same with `bcd`'s default expansion (`--expand auto`: lowrank over the layers above the
+  block), which the peers do not make.
+
+Goals (issue 47), checked after every comparison that has BAdam beside them: `preinfer` at least 1.0x BAdam's
+steps/s, `preinfer-defaults` at least 0.95x (`X_BADAM_GOALS`). A missed goal is a line on stderr naming the method,
+its ratio and the goal, and the exit status is 1, so that `python -m bench.peers --guard` (BAdam, `preinfer` and
+`preinfer-defaults`, bf16-mixed, 3 rounds, no long visit) fails loudly: run it before every stop that touches the
+trainer's step.
 
 Each run is a process of its own, with the command line's own environment (`pipelines.cli.PROCESS_ENVIRONMENT`:
 `OMP_WAIT_POLICY=PASSIVE` unless the environment sets it), which `preinfer bcd` sets for itself: without it the
@@ -53,6 +61,7 @@ plain loop (median over the rounds of each window's ratio).
     python -m bench.peers                                  # bf16-mixed, all four, the long visit
     python -m bench.peers --precision fp32 --methods plain,preinfer --long-steps 0     # the hot path alone
     python -m bench.peers --quick                          # tiny-llama, a few steps, plain and preinfer (~1.5 min)
+    python -m bench.peers --guard                          # the goals against BAdam; exit 1 when one is missed
 
 bf16 matmuls are 5-25x slower than float32 on CPUs without AVX-512 BF16 or AMX (a small-llama step at seq 128 x 8:
 28 s against 1.1 s on the 2-core machine of docs/results.md), where the default bf16-mixed run takes hours:
@@ -84,8 +93,11 @@ from bench.lib.runs import bcd_flags, eval_loss, preinfer_result, split_batches
 from pipelines.cli import set_process_environment
 from preinfer.config import ATTENTIONS
 
-METHODS = ("plain", "badam", "hf-trainer", "preinfer", "preinfer-auto")
-TARGETS = dict(steps_per_s=1.0, window=0.97, eval_loss=0.01, hf_trainer_x_preinfer=0.95)
+METHODS = ("plain", "badam", "hf-trainer", "preinfer", "preinfer-auto", "preinfer-defaults")
+# Each method's least steps/s against BAdam's on the same work (median over rounds of the same round's ratio).
+X_BADAM_GOALS = {"preinfer": 1.0, "preinfer-defaults": 0.95}
+TARGETS = dict(steps_per_s=1.0, window=0.97, eval_loss=0.01, hf_trainer_x_preinfer=0.95, x_badam=X_BADAM_GOALS)
+GUARD_METHODS = "badam,preinfer,preinfer-defaults"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -132,7 +144,8 @@ def compare(args: argparse.Namespace, scratch: Path) -> dict:
         for method in methods:
             out = scratch / f"{method}-{round_}"
             flags = bcd_flags(args, out, args.steps, args.ranges, args.seq_len, args.batch_size,
-                              pre_inference="auto" if method == "preinfer-auto" else "off")
+                              pre_inference="auto" if method == "preinfer-auto" else "off",
+                              expand="auto" if method == "preinfer-defaults" else "none")
             batches = batches or eval_batches(args, flags)
             run = run_method(method, flags, scratch)
             run["eval_loss"] = eval_loss(run.pop("model_dir"), batches)
@@ -169,6 +182,16 @@ def add_ratios(rows: list[dict], runs: dict[str, list[dict]]) -> None:
         if "plain" in runs:
             plain = statistics.median(r["eval_loss"] for r in runs["plain"])
             row["eval_vs_plain"] = row["eval_loss"] / plain - 1
+
+
+def missed_goals(rows: list[dict]) -> list[str]:
+    """One line per method below its goal against BAdam (`X_BADAM_GOALS`; rows without BAdam beside them are not
+    judged)."""
+    missed = [row for row in rows if row["method"] in X_BADAM_GOALS and "x_badam" in row
+              and row["x_badam"] < X_BADAM_GOALS[row["method"]]]
+    return [f"bench.peers: goal missed: {row['method']} ran at {row['x_badam']:.3f}x BAdam's steps/s, below the "
+            f"goal of {X_BADAM_GOALS[row['method']]:.2f}x (its rounds: "
+            f"{', '.join(f'{v:.3f}' for v in row['steps_per_s_runs'])} steps/s)" for row in missed]
 
 
 def aligned_windows(trainer: dict, plain: dict, size: int, tokens_per_step: int) -> list[tuple[float, float]]:
@@ -254,12 +277,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=OUT / "peers.json")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: tiny-llama, seq 32, batch 2, 3 steps per block, plain and preinfer")
+    p.add_argument("--guard", action="store_true",
+                   help=f"the check before a stop: {GUARD_METHODS}, 10 steps per block, 3 rounds, no long visit; "
+                        f"exit 1 when a goal against BAdam is missed")
     p.add_argument("--worker", choices=["plain", "badam", "hf-trainer"], help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--ready", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--until", type=Path, help=argparse.SUPPRESS)
     p.add_argument("flags", nargs="*", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.guard:
+        args.methods, args.steps, args.repeats, args.long_steps, args.eval_batches = GUARD_METHODS, 10, 3, 0, 2
     if args.quick:
         args.model, args.seq_len, args.batch_size, args.steps, args.max_samples = "tiny-llama", 32, 2, 3, 64
         args.ranges, args.repeats, args.eval_batches = "0-1,2-3", 1, 2
@@ -294,7 +322,10 @@ def main(argv: list[str] | None = None) -> int:
     if long is not None:
         print(table(long["windows"], ["window", "plain", "preinfer", "ratio", "holds"]))
     print(f"wrote {args.out} in {result['wall_s']:.0f} s")
-    return 0
+    missed = missed_goals(result["rows"])
+    for line in missed:
+        print(line, file=sys.stderr)
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":

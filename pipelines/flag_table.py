@@ -96,11 +96,23 @@ TRAINING_FLAGS: list[Flag] = [
          "attention implementation: sdpa (PyTorch's scaled_dot_product_attention; on CUDA its flash and "
          "memory-efficient kernels, which keep no [T, T] attention probabilities for backward) or eager; the "
          "planner prices each, and a store records the one it was made with"),
+    Flag("--stream-frozen", "model", "stream_frozen",
+         "keep the frozen decoder layers in host memory (their codes under --frozen-dtype, else their weights; "
+         "pinned on CUDA) and copy each to the device only while it computes, the next one copied on a side "
+         "stream meanwhile: at most two frozen layers on the device. Each step runs its micro-batches layer-major "
+         "(one copy serves them all, their activations held together), bit-identical to a resident run; one "
+         "process, no --experts", SWITCH),
     Flag("--frozen-dtype", "model", "frozen_dtype",
          "how the linear weights of the decoder layers outside the active block are held for their forward: auto "
          "(the resident dtype, as today), bf16, int8 (per row) or nf4 (torchao, pip install preinfer[quant]); each "
          "block keeps an exact master in host memory, restored for its visit, and checkpoints, exports and stores "
          "are made from the masters"),
+    Flag("--masters", "model", "masters",
+         "where the masters live: host (memory) or disk, memory-mapped from safetensors files, never read whole into "
+         "memory: the model directory's (never written) until a block has trained, then the run's own (masters/ in "
+         "the run directory, each written crash-safe at its visit's end); a checkpoint then holds only what the "
+         "files do not, and the export is written tensor by tensor. disk needs a save_pretrained directory as "
+         "--model, one process on the CPU and no --expand"),
     Flag("--data", "data", "path", f"a corpus: {CORPUS}; or a token store written by preinfer tokenize"),
     Flag("--dataset-split", "data", "dataset_split",
          "the split of a dataset folder or repository that --data reads (train, validation, test or another it names "

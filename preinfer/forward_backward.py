@@ -24,10 +24,17 @@ def forward_backward(staged: StagedModel, batch: dict, block: Block, boundary: i
     state = input_state(staged, batch, block, boundary)
     with router_loss.capture(block.start):
         out = staged.run(state, block.start, staged.num_layers, recompute)
-    loss = staged.loss_sum(out) / count
-    loss = loss + router_loss.loss(out.attention_mask) / router_share
+    loss = micro_batch_loss(staged, out, count, router_loss, router_share)
     scale_loss(loss).backward()
     return loss.item()
+
+
+def micro_batch_loss(staged: StagedModel, out: BoundaryState, count: torch.Tensor, router_loss: RouterLoss,
+                     router_share: int) -> torch.Tensor:
+    """A final state's loss: its share of the mean over the `count` supervised tokens of the global batch, plus
+    its `1 / router_share` of the routers' loss (over the logits `router_loss` recorded)."""
+    loss = staged.loss_sum(out) / count
+    return loss + router_loss.loss(out.attention_mask) / router_share
 
 
 def input_state(staged: StagedModel, batch: dict, block: Block, boundary: int) -> BoundaryState:

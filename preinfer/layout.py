@@ -36,6 +36,7 @@ from preinfer.config import Config
 from preinfer.evaluation import eval_sums
 from preinfer.forward_backward import forward_backward, to_device
 from preinfer.grad_buckets import BucketedAllReduce
+from preinfer.layer_major import layer_major
 from preinfer.moe import RouterLoss
 from preinfer.partition import Block
 from preinfer.run_dir import RunDir
@@ -125,9 +126,11 @@ class Layout(Protocol):
 
 
 class SingleProcess:
-    """The whole model (or the suffix above a store) in one process."""
+    """The whole model (or the suffix above a store) in one process; with `stream` (`--stream-frozen`: a
+    `preinfer.stream_frozen.LayerStream`) each step runs layer-major (`preinfer.layer_major`)."""
 
     rank, world_size = 0, 1
+    stream = None
 
     def __init__(self, staged: StagedModel, config: Config):
         self.staged, self.config = staged, config
@@ -150,6 +153,10 @@ class SingleProcess:
                          visit: VisitOptimizer) -> tuple[float, int]:
         total, tokens = 0.0, 0
         share = self.config.optim.grad_accum * self.world_size
+        if self.stream is not None:
+            total = layer_major(self.staged, batches, block, boundary, count, visit, self.router_loss, share,
+                                self.config.run.recompute, self.stream)
+            return total, sum(int(batch["attention_mask"].sum()) for batch in batches)
         for index, batch in enumerate(batches):
             visit.active.last_micro_batch = index == len(batches) - 1
             total += forward_backward(self.staged, batch, block, boundary, count, visit.scale_loss,

@@ -51,7 +51,8 @@ class StepRecord(Record):
 @dataclass
 class VisitRecord(Record):
     """A finished visit of one block (also kept in the checkpoint and summary.json). `memory` holds the meter's
-    peaks over the visit's first 2 steps: params, masters (mixed precision's fp32 copies), grads, optimizer,
+    peaks over the visit's first 2 steps: params, frozen_device (streamed frozen layers on the device), masters
+    (mixed precision's fp32 copies), grads, optimizer,
     activations, tracked_peak, rss_peak, cuda_peak; with --keep-optimizer-state also host_optimizer, the bytes of
     the kept optimizer states in host memory after the visit."""
 

@@ -105,6 +105,26 @@ class StagedModel(ABC):
             hidden = self._run(state, start, stop, layer)
         return BoundaryState(hidden, state.attention_mask, state.position_ids, state.labels)
 
+    def layer_calls(self, state: BoundaryState, start: int, stop: int) -> list[LayerArgs]:
+        """Each of layers `[start, stop)` with the arguments `run` passes it beside the hidden states (masks, rotary
+        tables: `_run`'s own), for `run_layer` to apply one layer at a time."""
+        calls: list[LayerArgs] = []
+
+        def record(module: nn.Module, hidden: torch.Tensor, args: tuple = (), kwargs: dict | None = None):
+            calls.append((module, args, kwargs or {}))
+            return hidden
+
+        self._run(state, start, stop, record)
+        return calls
+
+    @staticmethod
+    def run_layer(call: LayerArgs, hidden: torch.Tensor, recompute: bool = False) -> torch.Tensor:
+        """One layer of `layer_calls` on `hidden`, as `run` applies it (`recompute`: under autograd, keeping only
+        its input)."""
+        module, args, kwargs = call
+        out = (_recomputed if recompute and torch.is_grad_enabled() else _direct)(module, hidden, args, kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
     def logits(self, state: BoundaryState) -> torch.Tensor:
         """Next-token logits `[B, T, V]` of a state at boundary `num_layers`."""
         return self._head(state)
@@ -195,6 +215,7 @@ class StagedModel(ABC):
 
 
 LayerCall = Callable[..., torch.Tensor]
+LayerArgs = tuple[nn.Module, tuple, dict]  # a decoder layer and the arguments it takes beside the hidden states
 
 
 def _direct(module: nn.Module, hidden: torch.Tensor, args: tuple = (), kwargs: dict | None = None) -> torch.Tensor:

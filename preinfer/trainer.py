@@ -42,6 +42,7 @@ from preinfer.precision import LossScaler, Precision, apply_precision
 from preinfer.run_dir import RunDir
 from preinfer.run_position import RunPosition
 from preinfer.staged import StagedModel
+from preinfer.stream_frozen import stream_frozen_hooks
 from preinfer.sweeps import Sweeps
 from preinfer.visit import VisitLifecycle
 from preinfer.visit_optimizer import VisitOptimizer, VisitOptimizers
@@ -94,6 +95,7 @@ class Trainer:
                              lambda: self.checkpoint_dir / STATE, active_block, self.world_size)
         self.lifecycle = VisitLifecycle(staged, config, self.layout, self.optimizers, self.experts, meter,
                                         hooks=[*frozen_weight_hooks(staged, config),
+                                               *stream_frozen_hooks(staged, config, self.layout),
                                                *expansion_hooks(staged, config, lambda: self.progress.global_step,
                                                                 self.layout.sum_over_replicas)])
         self.expand = expansion_of(staged, config)  # the run's landscape expansion, auto resolved

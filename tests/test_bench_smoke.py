@@ -483,3 +483,23 @@ def test_orders_quick_measures_each_order_against_full_adam_s_target(tmp_path):
     best = rows[result["best"]]
     assert table["1/3"]["tracked_peak_mib"] == best["tracked_peak"] / 2**20
     assert table["1/2"]["tracked_peak_mib"] > table["1/4"]["tracked_peak_mib"]
+
+
+def test_peers_fails_loudly_when_a_method_falls_below_its_goal_against_badam(capsys, monkeypatch, tmp_path):
+    """Measured ratios injected: preinfer at 0.97x BAdam misses its 1.0x goal (a line naming it, exit 1),
+    preinfer-defaults at 0.96x holds its 0.95x; no goal is judged without BAdam beside them."""
+    peers = _load("peers")
+    measured = dict(steps=30, tracked_peak_mib=85.9, peak_x_badam=1.0, eval_loss=3.4)
+    rows = [dict(method="badam", steps_per_s=2.0, steps_per_s_runs=[2.0], x_badam=1.0, **measured),
+            dict(method="preinfer", steps_per_s=1.94, steps_per_s_runs=[1.94], x_badam=0.97, **measured),
+            dict(method="preinfer-defaults", steps_per_s=1.92, steps_per_s_runs=[1.92], x_badam=0.96, **measured)]
+    missed = peers.missed_goals(rows)
+    assert len(missed) == 1 and "preinfer ran at 0.970x BAdam's steps/s, below the goal of 1.00x" in missed[0]
+    assert peers.missed_goals([{k: v for k, v in row.items() if k != "x_badam"} for row in rows]) == []
+    monkeypatch.setattr(peers, "compare", lambda args, scratch: dict(rows=rows, runs={}))
+    assert peers.main(["--guard", "--out", str(tmp_path / "peers.json")]) == 1
+    assert "goal missed: preinfer ran at 0.970x" in capsys.readouterr().err
+    rows[1]["x_badam"] = 1.01
+    assert peers.main(["--guard", "--out", str(tmp_path / "peers.json")]) == 0
+    guard = peers.parse_args(["--guard"])
+    assert (guard.methods, guard.long_steps) == ("badam,preinfer,preinfer-defaults", 0)

@@ -13,14 +13,15 @@ import torch
 
 
 def bcd_flags(args: argparse.Namespace, out: Path, steps: int, ranges: str, seq_len: int, batch: int,
-              active: str | None = None, pre_inference: str = "off") -> list[str]:
-    """The `preinfer bcd` flags of one run (the workers parse the same flags into the same config), without
-    landscape expansion: the plain loops and BAdam it is compared with train the active block alone."""
+              active: str | None = None, pre_inference: str = "off", expand: str = "none") -> list[str]:
+    """The `preinfer bcd` flags of one run (the workers parse the same flags into the same config), by default
+    without landscape expansion: the plain loops and BAdam it is compared with train the active block alone
+    (`expand="auto"`: `preinfer bcd`'s default)."""
     flags = ["--model", args.model, "--data", args.data, "--seq-len", str(seq_len), "--batch-size", str(batch),
              "--sweeps", "1", "--order", "ascending", "--steps-per-visit", str(steps), "--optimizer", "adam",
              "--lr", str(args.lr), "--weight-decay", "0", "--warmup-steps", "0", "--grad-clip", "0",
              "--precision", args.precision, "--eval-tokens", str(seq_len * batch), "--seed", "0",
-             "--pre-inference", pre_inference, "--expand", "none", "--out", str(out)]
+             "--pre-inference", pre_inference, "--expand", expand, "--out", str(out)]
     if args.max_samples:
         flags += ["--max-samples", str(args.max_samples)]
     if args.attention:

@@ -25,14 +25,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 "--attention": Settings.attention, "--frozen-dtype": Settings.frozen_dtype,
                 "--optimizer": Settings.optimizer, "--fused-step": Settings.fused_step,
                 "--separate-ends": Settings.separate_ends, "--expand": Settings.expand,
-                "--expand-rank": Settings.expand_rank, "--loss": Settings.loss,
-                "--loss-chunk": Settings.loss_chunk}
+                "--expand-rank": Settings.expand_rank, "--stream-frozen": Settings.stream_frozen,
+                "--masters": Settings.masters, "--loss": Settings.loss, "--loss-chunk": Settings.loss_chunk}
     plan = dict(command="plan", defaults=defaults)
     add_flags(parser, "--model", "--arch", "--device", "--gpu", "--gpu-mem", "--memory-budget", "--seq-len",
               "--micro-batch", **plan)
     add_flags(parser.add_mutually_exclusive_group(), "--ufp", "--blocks", **plan)
-    add_flags(parser, "--separate-ends", "--dtype", "--recompute", "--offload", "--loss", "--loss-chunk", "--attention", "--frozen-dtype", "--optimizer", "--fused-step",
-              "--expand", "--expand-rank", "--tokens", "--bandwidth-gbps", "--pipeline", "--epochs-per-visit", "--store-dtype", "--compression",
+    add_flags(parser, "--separate-ends", "--dtype", "--recompute", "--offload", "--loss", "--loss-chunk", "--attention",
+              "--frozen-dtype", "--optimizer", "--fused-step", "--stream-frozen", "--masters", "--expand",
+              "--expand-rank", "--tokens", "--bandwidth-gbps", "--pipeline", "--epochs-per-visit", "--store-dtype",
+              "--compression",
               "--price-per-hour", "--mfu", "--json", **plan)
 
 
@@ -58,7 +60,8 @@ def settings_from_args(args: argparse.Namespace, layers: int) -> Settings:
         compression=args.compression, store_dtype=args.store_dtype, pipeline=args.pipeline,
         epochs_per_visit=args.epochs_per_visit, budget_bytes=budget, frozen_dtype=args.frozen_dtype,
         optimizer=args.optimizer, fused_step=args.fused_step, host_device=on_host, expand=args.expand,
-        expand_rank=args.expand_rank, loss=args.loss, loss_chunk=args.loss_chunk, offload=args.offload,
+        expand_rank=args.expand_rank, stream_frozen=args.stream_frozen, masters=args.masters, loss=args.loss,
+        loss_chunk=args.loss_chunk, offload=args.offload,
     )
 
 
@@ -108,7 +111,9 @@ def run_flags(result: MemoryPlan, model_spec: str | None) -> list[tuple[str, obj
         ("--loss", None if s["loss"] == "auto" else s["loss"]),
         ("--loss-chunk", s["loss_chunk"] if s["loss_chunk"] != Settings.loss_chunk else None),
         ("--frozen-dtype", None if s["frozen_dtype"] == "auto" else s["frozen_dtype"]),
-        ("--optimizer", s["optimizer"]), ("--fused-step", s["fused_step"]), ("--expand", expand),
+        ("--optimizer", s["optimizer"]), ("--fused-step", s["fused_step"]),
+        ("--stream-frozen", s["stream_frozen"]), ("--masters", None if s["masters"] == "host" else s["masters"]),
+        ("--expand", expand),
         ("--expand-rank", s["expand_rank"] if expand == "lowrank" else None),
         ("--device", "cpu" if s["host_device"] else None),
     ]
@@ -155,6 +160,29 @@ def memory_table(result: MemoryPlan) -> list[str]:
     return [line(header), *(line(row) for row in rows)]
 
 
+def host_lines(result: MemoryPlan) -> list[str]:
+    """What the host column holds, and a streamed layer's copy against its compute."""
+    s, lines = result.settings, []
+    held = "masters of the frozen weights held as codes" + (" (none: on disk, memory-mapped)"
+                                                              if s["masters"] == "disk" else "")
+    held += " + the offloaded checkpoints" if s["offload"] and s["recompute"] else ""
+    if s["stream_frozen"] and not s["host_device"]:
+        held += " + the streamed frozen layers (at most two of them on the device, in weights)"
+    if s["host_device"]:
+        lines.append(f"host = {held}; on the CPU they share the budget (in the total)")
+    elif any(mem.host for mem in result.memory.values()) or s["stream_frozen"]:
+        lines.append(f"host = {held}, in host memory (not in the total)")
+    t = result.stream
+    if t is not None:
+        lines.append(
+            f"streaming: a frozen layer ({_gib(t['layer_bytes'])} GiB) copies in {t['copy_ms']:.1f} ms over "
+            f"{t['pcie']} ({t['pcie_gbs']:g} GB/s) while the layer before it computes {t['forward_ms']:.1f} ms "
+            f"forward, {t['backward_ms']:.1f} ms backward over {t['tokens']} tokens a step: "
+            + ("hidden" if t["hides"] else "NOT hidden, the copies set the pace")
+            + f" (hidden from {t['tokens_to_hide']} tokens a step: --micro-batch x --seq-len x grad accumulation)")
+    return lines
+
+
 def automatic_lines(result: MemoryPlan, model_spec: str | None) -> list[str]:
     """The automatic partition (the fewest visits that fit, the ends' placement too), and its run line."""
     auto = result.auto
@@ -192,11 +220,7 @@ def render(result: MemoryPlan, model_spec: str | None = None) -> str:
         lines.append("step = the largest of a moment's temporaries: the loss's backward (two float32 [rows, vocab] "
                      "gradients, rows: every token, or one chunk), the Adam step's denominator, a tied embedding's "
                      "two extra gradients at the end of backward; beyond the activations freed by then")
-    held = "masters of the frozen weights held as codes" + (" and offloaded checkpoints" if s["offload"] else "")
-    if s["host_device"]:
-        lines.append(f"host = {held}; on the CPU they share the budget (in the total)")
-    elif any(mem.host for mem in result.memory.values()):
-        lines.append(f"host = {held}, in host memory (not in the total)")
+    lines += host_lines(result)
     lines += ["", *automatic_lines(result, model_spec)]
     store = result.store
     size = "" if store["bytes_per_boundary"] is None else f", {_gib(store['bytes_per_boundary'])} GiB per boundary"

@@ -45,12 +45,14 @@ def budget_partition(staged: preinfer.StagedModel, config: Config, first_layer: 
         raise UsageError("--ufp auto plans whole-model runs (preinfer bcd); give --ufp or --blocks to train from "
                          "a store")
     shape = shape_from_config(staged.model.config)
+    together = config.optim.grad_accum if config.model.stream_frozen else 1  # layer-major: a step's micro-batches
     settings = budget_settings(memory_budget(config.blocks), precision, config.data.seq_len,
-                               config.data.batch_size, config.run.recompute, config.model.attention,
+                               config.data.batch_size * together, config.run.recompute, config.model.attention,
                                frozen_dtype=config.model.frozen_dtype, optimizer=config.optim.name,
                                fused_step=config.optim.fused_step, host_device=config.run.device == "cpu",
                                expand=expansion_of(staged, config), expand_rank=config.blocks.expand_rank,
-                               separate_ends=config.blocks.separate_ends,
+                               separate_ends=config.blocks.separate_ends, stream_frozen=config.model.stream_frozen,
+                               masters=config.model.masters,
                                loss=config.run.loss if isinstance(staged.linear_head(), LinearHead) else "plain",
                                loss_chunk=config.run.loss_chunk, offload=config.run.offload)
     plan = blocks_for_budget(shape, settings, precision)

@@ -180,6 +180,7 @@ def rule_problems(c: Any) -> Iterator[Problem]:
     yield from data_problems(c)
     yield from partition_problems(c)
     yield from frozen_dtype_problems(c)
+    yield from stream_frozen_problems(c)
     yield from expand_problems(c)
     if r.pipeline > 1:
         yield from pipeline_problems(c)
@@ -272,6 +273,19 @@ def frozen_dtype_problems(c: Any) -> Iterator[Problem]:
     if c.run.mode == "full":
         yield "model", "frozen_dtype", f"auto with {{run.mode}} full (every weight trains: none is frozen to hold " \
                                        f"in {frozen})"
+
+
+def stream_frozen_problems(c: Any) -> Iterator[Problem]:
+    """Frozen layers streamed from host memory (`preinfer.stream_frozen`): BCD in one process."""
+    if not c.model.stream_frozen:
+        return
+    why = "false with {}: frozen layers are streamed in one process's layer-major step"
+    if c.run.mode == "full":
+        yield "model", "stream_frozen", "false with {run.mode} full (every layer trains: none is frozen to stream)"
+    elif c.run.pipeline > 1:
+        yield "model", "stream_frozen", why.format("{run.pipeline} > 1")
+    elif c.blocks.experts is not None:
+        yield "model", "stream_frozen", why.format("{blocks.experts}")
 
 
 def expand_problems(c: Any) -> Iterator[Problem]:

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from preinfer.config.choices import (
-    DEFAULT_ATTENTION, DEFAULT_LOSS_CHUNK, DEFAULT_LR, DEFAULT_WEIGHT_DECAY, Attention, BlockOrder, Expand, ExpertPart, FrozenDtype, Loss, LrDecay, Mode, Names, Optimizer,
+    DEFAULT_ATTENTION, DEFAULT_LOSS_CHUNK, DEFAULT_LR, DEFAULT_WEIGHT_DECAY, Attention, BlockOrder, Expand, ExpertPart, FrozenDtype, Loss, LrDecay, Masters, Mode, Names, Optimizer,
     PipelineSchedule, Precision, PreInferenceMode, StopRuleName, StoreDtype, StoreFormat, Tracker,
 )
 from preinfer.config.rules import Naming, check
@@ -25,8 +25,10 @@ class ModelConfig:
     tokenizer: str = "auto"  # auto (the model's own; byte for a preset), byte, or a local HF tokenizer directory
     chat_template: str | None = None  # a file whose Jinja chat template replaces the tokenizer's own
     attention: Attention = DEFAULT_ATTENTION  # the attention implementation every job runs the model with
+    stream_frozen: bool = False  # frozen layers in host memory, each copied to the device only while it computes
     frozen_dtype: FrozenDtype = "auto"  # frozen decoder layers' linear weights for their forward; masters stay exact
     chat_template_name: str | None = None  # which of the tokenizer's named chat templates renders; None: default
+    masters: Masters = "host"  # host memory, or disk: memory-mapped from the model's and the run's safetensors files
 
 
 @dataclass

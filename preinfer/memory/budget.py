@@ -24,17 +24,18 @@ def size_text(n: float) -> str:
 def budget_settings(budget: int, precision: str, seq_len: int, micro_batch: int, recompute: bool,
                     attention: str, *, frozen_dtype: str = "auto", optimizer: str = "adam", fused_step: bool = False,
                     host_device: bool = False, expand: str = "auto", expand_rank: int = 8,
-                    separate_ends: bool = False, loss: str = "auto", loss_chunk: int = DEFAULT_LOSS_CHUNK,
-                    offload: bool = False) -> Settings:
+                    separate_ends: bool = False, stream_frozen: bool = False, masters: str = "host",
+                    loss: str = "auto", loss_chunk: int = DEFAULT_LOSS_CHUNK, offload: bool = False) -> Settings:
     """The planner's settings of a run under a memory budget of `budget` bytes, with the memory savers it uses
-    (`separate_ends`: the run asks for the ends apart; else the plan chooses their placement)."""
+    (`separate_ends`: the run asks for the ends apart; else the plan chooses their placement; `stream_frozen`,
+    `masters`: the run's `[model]` keys)."""
     if precision not in PRECISION_DTYPES:
         raise UsageError(f"precision '{precision}' is not one of {', '.join(PRECISION_DTYPES)}")
     return Settings(seq_len=seq_len, micro_batch=micro_batch, dtype=PRECISION_DTYPES[precision],
                     recompute=recompute, attention=attention, budget_bytes=budget, frozen_dtype=frozen_dtype,
                     optimizer=optimizer, fused_step=fused_step, host_device=host_device, expand=expand,
-                    expand_rank=expand_rank, separate_ends=separate_ends, loss=loss, loss_chunk=loss_chunk,
-                    offload=offload)
+                    expand_rank=expand_rank, separate_ends=separate_ends, stream_frozen=stream_frozen,
+                    masters=masters, loss=loss, loss_chunk=loss_chunk, offload=offload)
 
 
 def blocks_for_budget(m: ModelShape, settings: Settings, precision: str) -> BudgetPlanRecord:

@@ -52,6 +52,7 @@ def planned_config(settings: Settings) -> Config:
     config = Config()
     config.blocks.expand, config.blocks.expand_rank = settings.expand, settings.expand_rank
     config.model.frozen_dtype, config.model.attention = settings.frozen_dtype, settings.attention
+    config.model.stream_frozen, config.model.masters = settings.stream_frozen, settings.masters
     config.optim.name, config.optim.fused_step = settings.optimizer, settings.fused_step
     config.run.precision, config.run.recompute = RUN_PRECISIONS[settings.dtype], settings.recompute
     config.pre_inference.store_dtype = settings.store_dtype or "auto"

@@ -12,6 +12,7 @@ from preinfer.memory.layer_spans import LayerSpan, block_params, partition
 from preinfer.memory.quantized import active_state, adjust, block_tensors, frozen_weights
 from preinfer.memory.settings import DTYPES, Settings
 from preinfer.memory.shapes import ModelShape
+from preinfer.memory.streaming import streamed
 
 
 @dataclass
@@ -25,8 +26,8 @@ class Memory:
     total: int = 0
     fits: bool = False
     note: str = ""
-    host: int = 0  # host memory: the masters of frozen weights held in fewer bits, offloaded checkpoints (in the
-    # total on a CPU device)
+    host: int = 0  # host memory: the masters of frozen weights held in fewer bits (none on disk), the streamed
+    # frozen layers and offloaded checkpoints (in the total on a CPU device)
     step: int = 0  # a moment's temporaries beyond the held tensors and the activations freed by then (`transients`)
 
     @property
@@ -111,8 +112,10 @@ def bcd_memory(m: ModelShape, settings: Settings, blocks: list[LayerSpan], k: in
         resident += m.vocab * m.hidden if (m.tied and not block.embed) else 0
         resident += m.embed_params() if block.embed else 0
     acts = activations(m, settings, block, settings.recompute)
-    weights, grads, optimizer, host = adjust(m, settings, block, block.start if store else 0,
+    first = block.start if store else 0
+    weights, grads, optimizer, host = adjust(m, settings, block, first,
                                              _component_bytes(settings, resident, block_params(m, block)))
+    weights, host = streamed(m, settings, (block.start - first) + (m.layers - block.stop), weights, host)
     grads, optimizer, acts = expanded(m, settings, block, grads, optimizer, acts)
     step = transients(m, settings, block, acts.total())
     memory = Memory(weights, grads, optimizer, acts.total(), host=host + acts.offloaded, step=step)

@@ -12,6 +12,9 @@ How the peaks are measured (and why `tracked_peak` is coherent with the planner 
   optimizer steps that is not a parameter of the model is counted here, at every `sample()`. Under bf16-mixed:
   parameters = 2 bytes x all parameters; masters + gradients + Adam state = 16 bytes x the active block's
   parameters (plus Adam's 4-byte step counter per tensor).
+- frozen layers streamed from host memory (`--stream-frozen`, `preinfer.stream_frozen`): their weights are not
+  counted as parameters; `frozen_device` is the peak of their bytes on the device during the visit (at most two
+  layers: the one computing and the next being copied), the stream's own count, which `tracked_peak` adds.
 - optimizer state: every tensor in `optimizer.state`, at every `sample()` after `optimizer.step()`.
 - saved activations: inside `track()`, every tensor autograd saves for backward is seen by a
   `saved_tensors_hooks` pack hook, and released when autograd lets go of it (after its node ran in backward, or
@@ -113,7 +116,7 @@ class MemoryMeter:
 
     def reset(self) -> None:
         """Forget every peak (the process RSS peak cannot be reset; the CUDA peak is reset where present)."""
-        self._grads = self._masters = self._optimizer = self._activations = self._tracked = 0
+        self._grads = self._masters = self._optimizer = self._activations = self._tracked = self._params = 0
         self._step_activations = self._sampled = 0
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.reset_peak_memory_stats()
@@ -124,8 +127,15 @@ class MemoryMeter:
 
     def param_bytes(self) -> int:
         """Bytes of every parameter of the model as held on its device (`tensor_bytes`: a frozen weight's codes;
-        tied parameters once; the meta-device prefix of a suffix-only model has no storage and is not counted)."""
-        return sum(tensor_bytes(p) for p in self.model.parameters() if not p.is_meta)
+        tied parameters once; the meta-device prefix of a suffix-only model has no storage and is not counted;
+        a streamed layer's weights are `frozen_device_bytes`, not these)."""
+        return sum(tensor_bytes(p) for p in self.model.parameters() if not p.is_meta and not _streamed(p))
+
+    def frozen_device_bytes(self) -> int:
+        """The peak bytes of streamed frozen layers on the device (`--stream-frozen`: the stream that marked the
+        model's weights, `preinfer.stream_frozen`), since its visit began; 0 without streaming."""
+        streams = {id(s): s for s in map(_streamed, self.model.parameters()) if s is not None}
+        return sum(stream.peak for stream in streams.values())
 
     def grad_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> int:
         """Bytes of every `.grad` present now in the model or on the tensors `optimizer` steps (each once)."""
@@ -189,13 +199,16 @@ class MemoryMeter:
         self._grads = max(self._grads, grads)
         self._masters = max(self._masters, masters)
         self._optimizer = max(self._optimizer, state)
-        total = self.param_bytes() + masters + grads + state + self._step_activations
+        params = self.param_bytes()
+        self._params = max(self._params, params)
+        total = params + self.frozen_device_bytes() + masters + grads + state + self._step_activations
         self._tracked = max(self._tracked, total)
 
     def report(self) -> dict[str, int]:
         """Peak bytes by component, the tracked total, the process RSS peak and the CUDA peak."""
         return {
-            "params": self.param_bytes(),
+            "params": self._params or self.param_bytes(),  # the largest sampled (a visit's block on the device)
+            "frozen_device": self.frozen_device_bytes(),
             "masters": self._masters,
             "grads": self._grads,
             "optimizer": self._optimizer,
@@ -204,6 +217,11 @@ class MemoryMeter:
             "rss_peak": rss_peak_bytes(),
             "cuda_peak": cuda_peak_bytes(),
         }
+
+
+def _streamed(p: torch.Tensor):
+    """The stream that holds `p` in host memory between its uses (`streamed_by`), or None."""
+    return p.__dict__.get("streamed_by")
 
 
 def _parameter(t: torch.Tensor) -> bool:

@@ -12,6 +12,7 @@ from preinfer.memory.footprint import Memory, auto_choice, full_memory, full_pip
 from preinfer.memory.layer_spans import partition
 from preinfer.memory.settings import DTYPES, GPUS, USABLE_FRACTION, Settings
 from preinfer.memory.shapes import ModelShape
+from preinfer.memory.streaming import stream_timing
 from preinfer.memory.stage_cut import stage_cost, stage_label, stage_rows
 from preinfer.memory.traffic import store_bytes_per_token, store_dtype, traffic
 
@@ -32,6 +33,7 @@ class MemoryPlan:
     cost: dict | None
     notes: list[str] = field(default_factory=list)
     stages: list[dict] | None = None  # with `pipeline` > 1: BCD's stage cut, each stage's layers and peak bytes
+    stream: dict | None = None  # with `stream_frozen` on a GPU: a streamed layer's copy against its compute
 
     def to_dict(self) -> dict:
         """A JSON-ready dict."""
@@ -74,5 +76,5 @@ def plan_memory(m: ModelShape, settings: Settings) -> MemoryPlan:
         notes=[
             f"fits = total <= {USABLE_FRACTION:.0%} of the GPU's memory (CUDA context and fragmentation)",
             "BCD rows are the worst visit; from a store excludes block 0, which has no prefix and trains live",
-        ], stages=stages,
+        ], stages=stages, stream=stream_timing(m, settings),
     )

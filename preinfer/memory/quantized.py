@@ -105,11 +105,11 @@ def frozen_weights(m: ModelShape, settings: Settings, frozen: int, resident: int
         return 0, 0
     w = DTYPES[settings.dtype]["weight"]
     per_layer = sum(r * c for r, c in linear_shapes(m))
-    return frozen * (_coded_layer(m, settings.frozen_dtype, w) - per_layer * w), resident * per_layer * w
+    return frozen * (coded_layer_bytes(m, settings.frozen_dtype, w) - per_layer * w), resident * per_layer * w
 
 
 @functools.lru_cache(maxsize=64)
-def _coded_layer(m: ModelShape, frozen_dtype: str, weight_bytes: int) -> int:
+def coded_layer_bytes(m: ModelShape, frozen_dtype: str, weight_bytes: int) -> int:
     """Device bytes of one decoder layer's linear weights held in `frozen_dtype`."""
     return sum(frozen_linear_bytes(r, c, frozen_dtype, weight_bytes) for r, c in linear_shapes(m))
 

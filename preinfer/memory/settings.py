@@ -16,14 +16,17 @@ GIB = 2**30
 USABLE_FRACTION = 0.9
 
 # GPU table: memory, dense peak TFLOPS in bf16 (tensor cores, fp32 accumulate) and in float32 (no TF32, PyTorch's
-# default for float32 matmuls), and $/hour from the reference paper's cloud prices (None where it gives none).
+# default for float32 matmuls), $/hour from the reference paper's cloud prices (None where it gives none), and the
+# host link: its PCIe generation and width, and the host-to-device rate in GB/s a pinned copy achieves over it
+# (about 80% of the link's raw rate: PCIe 4.0 x16 is 31.5 GB/s raw, about 25 achieved; 3.0 x16 15.8, about 12).
+PCIE3, PCIE4 = dict(pcie="PCIe 3.0 x16", pcie_gbs=12.0), dict(pcie="PCIe 4.0 x16", pcie_gbs=25.0)
 GPUS: dict[str, dict] = {
-    "4090": dict(mem_gb=24, tflops_bf16=165.2, tflops_fp32=82.6, price=0.29),  # RTX 4090 (Ada), fp32-accumulate rate
-    "v100": dict(mem_gb=32, tflops_bf16=125.0, tflops_fp32=15.7, price=None),  # V100 SXM2: fp16 tensor cores (no bf16)
-    "a100-40": dict(mem_gb=40, tflops_bf16=312.0, tflops_fp32=19.5, price=1.20),  # A100 SXM4 40 GB
-    "a100-80": dict(mem_gb=80, tflops_bf16=312.0, tflops_fp32=19.5, price=1.20),  # A100 SXM4 80 GB
-    "a800": dict(mem_gb=80, tflops_bf16=312.0, tflops_fp32=19.5, price=0.69),  # A800: A100 silicon, slower NVLink
-    "dcu": dict(mem_gb=64, tflops_bf16=100.0, tflops_fp32=25.0, price=None),  # Hygon DCU K100 class, approximate
+    "4090": dict(mem_gb=24, tflops_bf16=165.2, tflops_fp32=82.6, price=0.29, **PCIE4),  # RTX 4090 (Ada), fp32 accumulate
+    "v100": dict(mem_gb=32, tflops_bf16=125.0, tflops_fp32=15.7, price=None, **PCIE3),  # V100 SXM2: fp16 tensor cores
+    "a100-40": dict(mem_gb=40, tflops_bf16=312.0, tflops_fp32=19.5, price=1.20, **PCIE4),  # A100 SXM4 40 GB
+    "a100-80": dict(mem_gb=80, tflops_bf16=312.0, tflops_fp32=19.5, price=1.20, **PCIE4),  # A100 SXM4 80 GB
+    "a800": dict(mem_gb=80, tflops_bf16=312.0, tflops_fp32=19.5, price=0.69, **PCIE4),  # A800: A100 silicon, slower NVLink
+    "dcu": dict(mem_gb=64, tflops_bf16=100.0, tflops_fp32=25.0, price=None, **PCIE4),  # Hygon DCU K100 class, approximate
 }
 
 # Bytes per parameter: (weight, gradient, float32 master copy, optimizer moments m + v), and activation bytes c.
@@ -73,6 +76,8 @@ class Settings:
     expand: str = "auto"  # landscape expansion of the suffix: none, lowrank (rank-r factors), sgd, or auto (lowrank
     # where a BCD run makes it: a dense model with frozen_dtype auto, one GPU; else none)
     expand_rank: int = 8  # lowrank: the factors' rank
+    stream_frozen: bool = False  # frozen layers in host memory, at most two on the device (preinfer.memory.streaming)
+    masters: str = "host"  # where the frozen weights' masters live: host memory, or disk (memory-mapped, not resident)
     loss: str = "auto"  # the next-token loss: chunked (auto, liger: priced as chunked) or plain (`preinfer.chunked_loss`)
     loss_chunk: int = DEFAULT_LOSS_CHUNK  # tokens per chunk of the chunked loss
     offload: bool = False  # with recompute: the layers' kept inputs in host memory until backward
