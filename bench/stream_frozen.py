@@ -74,7 +74,7 @@ def one_run(args: argparse.Namespace, stream: bool) -> dict:
     return dict(step_s=[b - a for ends in steps.values() for a, b in zip(ends[untracked:], ends[untracked + 1:])],
                 visits=[dict(block=v["block"], **{k: v["memory"].get(k) for k in
                                                   ("params", "frozen_device", "tracked_peak", "cuda_peak")})
-                        for v in trainer.progress.visits])
+                        for v in trainer.position.visits])
 
 
 def planned(args: argparse.Namespace, stream: bool) -> list[int]:

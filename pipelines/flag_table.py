@@ -203,8 +203,8 @@ TRAINING_FLAGS: list[Flag] = [
          "quarter of that for adam8bit/adamw8bit) instead of dropping it after each visit; its step count goes on, "
          "so bias correction does not restart", SWITCH),
     Flag("--fused-step", "optim", "fused_step", "step each tensor in backward as soon as its gradient is complete "
-         "and free that gradient at once (no step's gradients all resident; refused with --grad-clip, fp16-mixed, "
-         "--experts and data-parallel replicas)", SWITCH),
+         "and free that gradient at once (no step's gradients all resident; data-parallel replicas step each tensor "
+         "once its sum is back; refused with --grad-clip, fp16-mixed and a pipeline's replicas)", SWITCH),
     Flag("--block-lr", "optim", "block_lr", "per-block learning rates as factors of --lr: depth:LO..HI (linear in "
          "the block's index, LO at the first block, HI at the last) or a comma list of factors, one per block"),
     Flag("--steps-per-visit", "stop", "steps_per_visit", "step budget per visit", dict(type=positive_int)),

@@ -83,6 +83,7 @@ class Factors:
                  device: torch.device | str):
         self.module, self.transposed = module, transposed
         out_features, in_features = module.weight.shape[::-1] if transposed else module.weight.shape
+        rank = min(rank, out_features, in_features)  # a higher rank is full rank already there
         self.a = nn.Parameter(torch.randn(rank, in_features, generator=gen).div_(in_features ** 0.5).to(device))
         self.b = nn.Parameter(torch.zeros(out_features, rank, device=device))
         if lr is not None:
@@ -109,12 +110,13 @@ class Factors:
 
 
 def check_rank(staged: StagedModel, rank: int) -> None:
-    """Refuse, in one line, a rank above the smallest width (rows or columns) of the layers' linear weights."""
+    """Refuse, in one line, a rank above every linear weight's narrower width (rows or columns): each weight's
+    factors are at most that weight's full rank (a shared expert's gate of one row gets rank 1)."""
     widths = [min(module.weight.shape) for module, _ in linear_weights(list(staged.layers))]
-    if widths and rank > min(widths):
-        raise UsageError(f"--expand-rank {rank} ([blocks] expand_rank): expected at most {min(widths)}, the "
-                         f"narrowest width of the model's linear weights (a rank-{min(widths)} update is already "
-                         f"full rank there)")
+    if widths and rank > max(widths):
+        raise UsageError(f"--expand-rank {rank} ([blocks] expand_rank): expected at most {max(widths)}, the "
+                         f"widest narrow side of the model's linear weights (a rank-{max(widths)} update is already "
+                         f"full rank on every one)")
 
 
 class LowRankExpansion:
@@ -123,8 +125,8 @@ class LowRankExpansion:
     def __init__(self, staged: StagedModel, rank: int, lr: float | None, seed: int = 0,
                  step: Callable[[], int] = lambda: 0, device: torch.device | str = "cpu"):
         """`step`: the run's global step now (the factors of a visit are drawn from it, the seed and the block);
-        `device`: the run's, where the factors are made; a rank above the narrowest linear's width is refused (its
-        factors could hold no more than a full-rank update, at rank x (in + out) floats each)."""
+        `device`: the run's, where the factors are made; a rank above every linear's narrower width is refused (its
+        factors could hold no more than full-rank updates, at rank x (in + out) floats each)."""
         check_rank(staged, rank)
         self.staged, self.rank, self.lr, self.seed, self.step = staged, rank, lr, seed, step
         self.device = torch.device(device)

@@ -12,7 +12,9 @@ their order (`order`, `fixed_order`, `start_block`, `seed`), `steps_per_visit`, 
 (`warmup_steps`, `decay`), `precision` and landscape expansion over the suffix (`expand`, `expand_rank`,
 `expand_lr`: `preinfer.expansion`'s hooks, activated before each visit's optimizer opens, after each of its steps
 and at its end, as `preinfer bcd` runs them; a visit's low-rank factors are merged when it ends, and `close()` ends
-the open one). One visit trains one block for `steps_per_visit` optimizer steps (with
+the open one) and frozen weights in fewer bits (`frozen_dtype`: `preinfer.frozen_weights`' hook, as `preinfer bcd`
+runs it: every layer outside the active block runs from codes, its master exact; the model's state dict, and so
+every save, holds the masters), the hooks' tensors on the model's device. One visit trains one block for `steps_per_visit` optimizer steps (with
 gradient accumulation an optimizer step is `gradient_accumulation_steps` micro-batches), then the next block of the
 order; the sweeps go on until the Trainer's `max_steps`. The optimizer lifecycle is `preinfer bcd`'s own (`preinfer.visit_optimizer`).
 
@@ -54,6 +56,7 @@ from preinfer.config import ArgumentNaming, config_from_arguments
 from preinfer.config.resolved import check_resolved
 from preinfer.errors import UsageError
 from preinfer.expansion import expansion_hooks
+from preinfer.frozen_weights import frozen_weight_hooks
 from preinfer.hf_optimizer import BlockOptimizer, VisitSchedule
 from preinfer.memory.meter import MemoryMeter
 from preinfer.families import stage
@@ -68,7 +71,7 @@ ARGUMENTS = {"steps_per_visit": "stop.steps_per_visit", "ufp": "blocks.ufp", "bl
              "weight_decay": "optim.weight_decay", "warmup_steps": "optim.warmup_steps", "decay": "optim.decay",
              "keep_state": "optim.keep_state", "precision": "run.precision", "fused_step": "optim.fused_step",
              "block_lr": "optim.block_lr", "expand": "blocks.expand", "expand_rank": "blocks.expand_rank",
-             "expand_lr": "blocks.expand_lr"}
+             "expand_lr": "blocks.expand_lr", "frozen_dtype": "model.frozen_dtype"}
 NAMING = ArgumentNaming("BlockCoordinateDescent", {key: argument for argument, key in ARGUMENTS.items()})
 _BCD_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its BlockCoordinateDescent
 
@@ -138,6 +141,7 @@ class BlockCoordinateDescent:
                              "Trainer's max_steps ends the run)")
         config = config_from_arguments("BlockCoordinateDescent", ARGUMENTS, options)  # refused before the model
         # is cast or staged
+        config.run.device = str(next(model.parameters()).device)  # where the hooks put codes and factors
         b, seed = config.blocks, config.run.seed
         self.precision = resolve_precision(config.run.precision, weights_dtype(model))
         self.staged = stage(model)
@@ -156,7 +160,8 @@ class BlockCoordinateDescent:
             return sweep_order(b.order, count, sweep, seed, b.start_block, fixed)
 
         self.optimizer = BlockOptimizer(self.staged, self.partition, config, NAMING, visits, self.precision, meter,
-                                        lambda step: expansion_hooks(self.staged, config, step))
+                                        lambda step: [*frozen_weight_hooks(self.staged, config),
+                                                      *expansion_hooks(self.staged, config, step)])
         self.scheduler = VisitSchedule(self.optimizer)
         self.callback = BlockCallback(self.optimizer)
         self.hooks = [model.register_forward_hook(self._scale_loss)] if self.optimizer.scaler.enabled else []

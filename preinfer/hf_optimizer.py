@@ -100,7 +100,7 @@ class BlockOptimizer:
             raise UsageError(f"the optimizer state carries {len(masters)} master tensors where this visit steps "
                              f"{expected}: resume with the expand and expand_rank the checkpoint was trained with")
         self._current = self.optimizers.open(block.index, [*block.params, *extras], self.steps_per_visit,
-                                             masters if self.precision.mixed else None, state)
+                                             masters if self.precision.mixed else None, state, self.extras)
 
     def _deactivate(self) -> None:
         """Freeze the block again; free its masters, gradients and (unless kept) optimizer state; end the hooks'

@@ -208,7 +208,8 @@ class SingleProcess:
 
 class DataParallel(SingleProcess):
     """The whole model in every process of torchrun's group, each a replica reading its share of every batch; the
-    active block's gradients are summed in buckets launched as backward completes them (`BucketedAllReduce`)."""
+    active block's gradients are summed in buckets launched as backward completes them (`BucketedAllReduce`), and
+    the fused step steps each tensor once its bucket's sum is back."""
 
     def __init__(self, staged: StagedModel, config: Config):
         super().__init__(staged, config)
@@ -216,8 +217,9 @@ class DataParallel(SingleProcess):
         self.reducer: BucketedAllReduce | None = None
 
     def activate(self, block: Block, boundary: int, visit: VisitOptimizer) -> None:
+        """The visit's buckets; the fused step, watching the block until now, steps each tensor once it is summed."""
         self.reducer = BucketedAllReduce(visit.active.masters)
-        visit.active.watch(self.reducer.grad_ready)
+        self.reducer.on_reduced = visit.active.watch(self.reducer.grad_ready)
 
     def sum_over_replicas(self, tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor)
@@ -237,6 +239,15 @@ class DataParallel(SingleProcess):
 
     def stop_agreed(self, requested: bool) -> bool:
         return any_rank(requested, self.device)
+
+    def load(self, run_dir: RunDir, model: nn.Module) -> Checkpoint:
+        """Rank 0's checkpoint, its data cursor made this replica's: every replica has read as many batches of its
+        own share of the data, so its reader stands where rank 0's does, with its own rank."""
+        checkpoint = super().load(run_dir, model)
+        cursor = checkpoint.trainer.get("cursor")
+        if isinstance(cursor, dict) and "rank" in cursor:
+            checkpoint.trainer["cursor"] = {**cursor, "rank": self.rank}
+        return checkpoint
 
 
 def any_rank(flag: bool, device: torch.device) -> bool:

@@ -30,6 +30,11 @@ from preinfer.config.choices import EXPERT_PARTS, parse_experts
 from preinfer.errors import UsageError
 
 ROW_INVARIANT = "row_invariant"
+EXPERTS_IN_ONE_PROCESS = (
+    "--experts (expert-granular blocks) runs in one process: each data-parallel replica would choose its experts "
+    "from the routing of its own batches and skip the experts its own tokens missed, and the routers' "
+    "load-balancing loss is a product of means over the whole batch, not a sum over replicas; drop --experts, or "
+    "run one process")
 TILE_ROWS = 16
 
 
@@ -179,11 +184,14 @@ class ExpertGranular:
     the routed tokens, measured on a sample of training batches at the block's first visit.
 
     The optimizer steps one leaf per chosen expert and fused tensor, a view into the fused [E, ...] parameter's
-    storage, so its state covers only the chosen slices and the other experts' slices are never written. After
-    backward, each leaf takes its slice of the fused gradient; an expert that no token (padding included) reached
-    in the step gets no gradient, so the optimizer leaves it and its moments alone. `with_parts` trains with them
-    (`router`, `shared` expert and its gate, `attention`, `rest`: norms, dense MLPs, embedding and head); the others
-    stay frozen. Without `--experts`, or for a block with no sparse layer, the block trains whole.
+    storage, so its state covers only the chosen slices and the other experts' slices are never written. As
+    backward completes a micro-batch's fused gradient (a hook on the fused tensor), each leaf adds its slice into
+    the gradient the visit steps (`ActiveBlock.add_grad`: its fp32 master's under mixed precision; in the step's
+    last micro-batch the fused step then steps it) and the fused gradient is freed; an expert that no token
+    (padding included) has reached in the step gets no gradient, so the optimizer leaves it and its moments alone.
+    `with_parts` trains with them (`router`, `shared` expert and its gate, `attention`, `rest`: norms, dense MLPs,
+    embedding and head); the others stay frozen. Without `--experts`, or for a block with no sparse layer, the
+    block trains whole.
     """
 
     def __init__(self, staged, experts: str | None, with_parts: str, sample_batches: int):
@@ -196,6 +204,7 @@ class ExpertGranular:
             raise UsageError(f"--experts needs a mixture-of-experts model; this {type(staged.model).__name__} "
                              "has no sparse layer")
         self.leaves: list[tuple[nn.Parameter, int, int, torch.Tensor]] = []  # (fused tensor, layer, expert, leaf)
+        self.slots: list[int] = []  # each leaf's place among the tensors the visit steps
         self.counts: dict[int, torch.Tensor] = {}
         self.handles: list = []
 
@@ -249,6 +258,7 @@ class ExpertGranular:
                 for expert in selection[str(index)]:
                     leaf = fused.detach()[expert].requires_grad_()
                     self.leaves.append((fused, index, expert, leaf))
+                    self.slots.append(len(trained))
                     trained.append(leaf)
             self.counts[index] = torch.zeros(experts.num_experts)
             self.handles.append(self.sparse[index].gate.register_forward_hook(self._count(index)))
@@ -277,17 +287,29 @@ class ExpertGranular:
                         parts[id(param)] = part
         return parts
 
+    def attach(self, active) -> None:
+        """Hand each leaf its slice of every micro-batch's fused gradient through `active` (the visit's
+        `preinfer.precision.ActiveBlock`, stepping the tensors `activate` returned)."""
+        by_fused: dict[int, list[tuple[int, int, int]]] = {}
+        for (fused, index, expert, _), slot in zip(self.leaves, self.slots):
+            by_fused.setdefault(id(fused), []).append((slot, index, expert))
+        for fused in {id(f): f for f, *_ in self.leaves}.values():
+            self.handles.append(fused.register_post_accumulate_grad_hook(self._slice(active, by_fused[id(fused)])))
+
+    def _slice(self, active, leaves: list[tuple[int, int, int]]):
+        def sliced(fused: torch.Tensor) -> None:
+            grad, fused.grad = fused.grad, None
+            for slot, index, expert in leaves:
+                if self.counts[index][expert] > 0:  # reached by a token of the step so far
+                    active.add_grad(slot, grad[expert])
+        return sliced
+
     def before_step(self) -> None:
-        """Give each chosen expert's leaf its slice of the fused gradient (none if no token reached it)."""
-        for fused, index, expert, leaf in self.leaves:
-            reached = self.counts[index][expert] > 0
-            leaf.grad = fused.grad[expert].clone() if reached and fused.grad is not None else None
-        for fused, *_ in self.leaves:
-            fused.grad = None
+        """The step's backward is done: its routing counts start again."""
         for counts in self.counts.values():
             counts.zero_()
 
     def deactivate(self) -> None:
         for handle in self.handles:
             handle.remove()
-        self.leaves, self.counts, self.handles = [], {}, []
+        self.leaves, self.slots, self.counts, self.handles = [], [], {}, []

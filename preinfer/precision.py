@@ -207,7 +207,7 @@ class ActiveBlock:
     """The tensors one visit's optimizer steps and their gradients: the block's own weights under fp32, fp32
     master copies of them under mixed precision. `on_grad_ready(i)` is called when tensor i's gradient of the
     step's last micro-batch is complete (the data-parallel reducer launches its buckets from it; the fused step
-    steps tensor i)."""
+    steps tensor i, at once or once the reducer has summed it)."""
 
     def __init__(self, params: list[nn.Parameter], mixed: bool, masters: list[torch.Tensor] | None = None):
         self.params, self.mixed = params, mixed
@@ -223,34 +223,40 @@ class ActiveBlock:
         if mixed:
             self._install_hooks()
 
-    def watch(self, on_grad_ready: Callable[[int], None]) -> None:
-        """Call `on_grad_ready(i)` as each gradient of the last micro-batch completes (one watcher: the fused step
-        or the data-parallel reducer)."""
-        if self.on_grad_ready is not None:
-            raise UsageError("--fused-step steps each tensor as backward completes its gradient, before data "
-                             "parallelism sums the gradients over the replicas: drop --fused-step under torchrun")
-        self.on_grad_ready = on_grad_ready
+    def watch(self, on_grad_ready: Callable[[int], None]) -> Callable[[int], None] | None:
+        """Call `on_grad_ready(i)` as each gradient of the last micro-batch completes (one watcher: the fused step,
+        or the data-parallel reducer, which hands each summed gradient on to the fused step); returns the watcher
+        it replaces (None: none)."""
+        replaced, self.on_grad_ready = self.on_grad_ready, on_grad_ready
         if not self._hooks:
             self._install_hooks()
+        return replaced
 
     def _install_hooks(self) -> None:
         for index, param in enumerate(self.params):
             self._hooks.append(param.register_post_accumulate_grad_hook(self._hook(index)))
 
     def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        master = self.masters[index]
-
         def accumulated(param: torch.Tensor) -> None:
             if self.mixed:
                 grad, param.grad = param.grad, None
-                if master.grad is None:
-                    master.grad = grad.float()
-                else:
-                    master.grad.add_(grad)
-            if self.last_micro_batch and self.on_grad_ready is not None:
+                self.add_grad(index, grad)
+            elif self.last_micro_batch and self.on_grad_ready is not None:
                 self.on_grad_ready(index)
 
         return accumulated
+
+    def add_grad(self, index: int, grad: torch.Tensor) -> None:
+        """Add one micro-batch's `grad` of tensor `index` into the gradient the optimizer steps (its fp32 master's
+        under mixed precision), as backward accumulates it, and in the step's last micro-batch report it complete
+        (for a tensor backward does not reach itself: an expert's slice of a fused gradient)."""
+        master = self.masters[index]
+        if master.grad is None:
+            master.grad = grad.to(torch.float32, copy=True)
+        else:
+            master.grad.add_(grad)
+        if self.last_micro_batch and self.on_grad_ready is not None:
+            self.on_grad_ready(index)
 
     @torch.no_grad()
     def cast_down(self, index: int | None = None) -> None:

@@ -37,7 +37,7 @@ class RunPosition:
         known = {f.name for f in fields(cls)}
         for key, value in state.items():
             if key not in known:
-                raise CheckpointError(f"{source}: trainer.{key}: not a field of the trainer's progress")
+                raise CheckpointError(f"{source}: trainer.{key}: not a field of the trainer's run position")
             kind, expected = POSITION_FIELDS[key]
             if not isinstance(value, kind) or isinstance(value, bool):
                 raise CheckpointError(f"{source}: trainer.{key} = {value!r:.60}: expected {expected}")

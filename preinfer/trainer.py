@@ -35,7 +35,7 @@ from preinfer.expansion import expansion_hooks, expansion_of
 from preinfer.frozen_weights import frozen_weight_hooks
 from preinfer.layout import Layout, replica_layout
 from preinfer.metrics import MetricsLog, Record
-from preinfer.moe import ExpertGranular
+from preinfer.moe import EXPERTS_IN_ONE_PROCESS, ExpertGranular
 from preinfer.optim import StopRule
 from preinfer.partition import Block, Partition
 from preinfer.precision import LossScaler, Precision, apply_precision
@@ -71,7 +71,7 @@ class Trainer:
         self.layout = layout if layout is not None else replica_layout(staged, config)
         self.rank, self.world_size = self.layout.rank, self.layout.world_size
         self.log = MetricsLog(run_dir.metrics if run_dir and self.rank == 0 else None)
-        self.progress = RunPosition()
+        self.position = RunPosition()
         self.wall_s = 0.0  # time spent in fit()
         self.precision = precision if precision is not None else apply_precision(staged.model, config.run.precision)
         check_resolved(config, self.precision, blocks=len(partition))  # direct callers too: the resolved run
@@ -86,17 +86,13 @@ class Trainer:
         b = config.blocks
         self.experts = ExpertGranular(staged, b.experts, b.experts_with, b.experts_sample)
         if b.experts and self.world_size > 1:
-            raise UsageError("--experts (expert-granular blocks) runs in one process; drop it, or torchrun and "
-                             "--pipeline")
-        if b.experts and self.precision.mixed:
-            raise UsageError(f"--experts (expert-granular blocks) trains in fp32; drop it or --precision "
-                             f"{self.precision}")
+            raise UsageError(EXPERTS_IN_ONE_PROCESS)
         self.sweeps = Sweeps(staged, partition, config, sources, self.scaler, clock, self.emit,
                              lambda: self.checkpoint_dir / STATE, active_block, self.world_size)
         self.lifecycle = VisitLifecycle(staged, config, self.layout, self.optimizers, self.experts, meter,
                                         hooks=[*frozen_weight_hooks(staged, config),
                                                *stream_frozen_hooks(staged, config, self.layout),
-                                               *expansion_hooks(staged, config, lambda: self.progress.global_step,
+                                               *expansion_hooks(staged, config, lambda: self.position.global_step,
                                                                 self.layout.sum_over_replicas)])
         self.expand = expansion_of(staged, config)  # the run's landscape expansion, auto resolved
         sources.attach(self.emit)
@@ -132,11 +128,11 @@ class Trainer:
         state_file = self.checkpoint_dir / STATE  # (refuses a trainer without a run directory)
         checkpoint = self.layout.load(self.run_dir, self.staged.model)
         self.optimizers.kept = checkpoint.optimizers
-        self.progress = RunPosition.from_state(checkpoint.trainer, str(state_file),
+        self.position = RunPosition.from_state(checkpoint.trainer, str(state_file),
                                                self.config.blocks.sweeps, self.sweeps.visits_per_sweep())
         self.saved_masters = checkpoint.masters
-        if self.scaler.enabled and self.progress.loss_scaler is not None:
-            self.scaler.load_state_dict(self.progress.loss_scaler)
+        if self.scaler.enabled and self.position.loss_scaler is not None:
+            self.scaler.load_state_dict(self.position.loss_scaler)
 
     def fit(self, max_total_steps: int | None = None) -> list[dict]:
         """Run every remaining visit; stop early (after a checkpoint) once `max_total_steps` steps are done or
@@ -147,7 +143,7 @@ class Trainer:
             self.log.close()
 
     def _fit(self, max_total_steps: int | None) -> list[dict]:
-        p = self.progress
+        p = self.position
         while p.sweep < self.config.blocks.sweeps and not self.sweeps.budget_ends_before_visit(p):
             order = self.sweeps.order(p.sweep, p)
             if p.visit == 0:
@@ -165,9 +161,9 @@ class Trainer:
         return p.visits
 
     def _visit(self, block: Block, max_total_steps: int | None, order: list[int] = ()) -> bool:
-        """Train `block` (visit `progress.visit` of the sweep's `order`) until its stopping rule fires; False if the
+        """Train `block` (visit `position.visit` of the sweep's `order`) until its stopping rule fires; False if the
         run was halted by `max_total_steps` or a stop request."""
-        p, cfg = self.progress, self.config
+        p, cfg = self.position, self.config
         train, evaluation = self.visit_sources.sources(block)
         if p.cursor is not None:
             train.load_state_dict(p.cursor)
@@ -243,10 +239,10 @@ class Trainer:
 
     def _save_visit_state(self, train: BatchSource, visit: VisitOptimizer, block: Block, stop: StopRule) -> None:
         """Checkpoint mid-visit: the active block's optimizer state travels with the others."""
-        self.progress.cursor = train.state_dict()
-        self.progress.stop = stop.state_dict()
+        self.position.cursor = train.state_dict()
+        self.position.stop = stop.state_dict()
         self._checkpoint(self.optimizers.states(block.index, visit), self.lifecycle.checkpointed(visit))
 
     def _checkpoint(self, optimizers: dict[int, dict], masters: list[torch.Tensor] = ()) -> None:
         if self.run_dir is not None:
-            self.layout.save(self.run_dir, self.staged.model, optimizers, vars(self.progress), list(masters))
+            self.layout.save(self.run_dir, self.staged.model, optimizers, vars(self.position), list(masters))

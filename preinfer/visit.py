@@ -71,7 +71,9 @@ class VisitLifecycle:
         extras = activate_hooks(self.hooks, block, masters)
         self.extras = len(extras)
         mixed = self.optimizers.precision.mixed
-        visit = self.optimizers.open(block.index, [*params, *extras], steps, masters if mixed else None)
+        visit = self.optimizers.open(block.index, [*params, *extras], steps, masters if mixed else None,
+                                     extras=len(extras))
+        self.experts.attach(visit.active)
         self.layout.activate(block, train.boundary if train is not None else 0, visit)
         return visit
 

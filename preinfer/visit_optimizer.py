@@ -11,7 +11,9 @@ or dropped.
 
 Kept state (`keep_state`) lives in host memory between visits (`on_host`: CPU tensors, pinned where CUDA is; the
 8-bit optimizers' codes stay 8-bit), and is copied back onto the device when its block's next visit opens, so the
-device holds the active block's state only. The step count continues from the kept state: Adam's bias correction
+device holds the active block's state only. It is the state of the block's own tensors: a hook's tensors
+(expansion's factors, drawn anew at each visit) start with fresh moments at every visit, mid-visit checkpoints
+carry theirs. The step count continues from the kept state: Adam's bias correction
 does not restart at a block's next visit (its moments are not cold). A checkpoint saves the kept states and a
 resume brings them back, bit for bit.
 
@@ -19,11 +21,12 @@ The fused step (`fused_step`): each tensor's step runs in backward, as soon as i
 micro-batch is complete (`ActiveBlock.watch`), and the gradient is freed at once, so a step's gradients are never
 all resident (torchtune's optimizer in backward). The optimizer is the same one, stepping one tensor at a time
 (`preinfer.optim.step_tensor`), so the weights equal the unfused step's. Gradient accumulation works (the earlier
-micro-batches accumulate, the last one steps); what needs every gradient of a step before the first tensor steps is
-refused: global-norm clipping, fp16-mixed's loss scaling, expert slicing (`Config.validate`), and data
-parallelism's reducer (`ActiveBlock.watch`, at the visit's start; a pipeline's replicas, at the stage's). On a
-pipeline a stage tells its block which micro-batch's backward is the step's last
-(`pipelines.pipeline_parallel.visit`).
+micro-batches accumulate, the last one steps); under data parallelism each tensor steps once the reducer has
+summed its bucket (`preinfer.grad_buckets`, still in backward); an expert's slice steps once backward has
+completed its fused gradient (`preinfer.moe.ExpertGranular`). What needs every gradient of a step before the first
+tensor steps is refused: global-norm clipping and fp16-mixed's loss scaling (`Config.validate`), and a pipeline's
+replicas, whose stages sum their gradients after the whole step (at the stage's join). On a pipeline a stage tells
+its block which micro-batch's backward is the step's last (`pipelines.pipeline_parallel.visit`).
 """
 
 from __future__ import annotations
@@ -56,15 +59,19 @@ class VisitOptimizer:
     scaler."""
 
     def __init__(self, params: list[nn.Parameter], optim: OptimConfig, precision: Precision, scaler: LossScaler,
-                 steps: int | None, state: dict | None = None, masters: Sequence[torch.Tensor] | None = None):
+                 steps: int | None, state: dict | None = None, masters: Sequence[torch.Tensor] | None = None,
+                 extras: int = 0):
+        """`extras`: how many of the last `params` are a hook's, made anew each visit (expansion factors): a kept
+        state holds the block's own tensors only, and the extras start fresh."""
         self.active = ActiveBlock(list(params), precision.mixed, list(masters) if masters else None)
+        self.own = len(params) - extras
         # none: an optimizer over nothing, for a pipeline stage without part of the block
         self.optimizer = build_optimizer(param_groups(self.active) or [{"params": []}], optim)
         for group in self.optimizer.param_groups:
             group["initial_lr"] = group["lr"]
         if state is not None and self.active.masters:
             check_settings(state, self.optimizer)
-            self.optimizer.load_state_dict(state)
+            self.optimizer.load_state_dict(with_fresh_extras(state, self.optimizer.state_dict(), self.own))
         self.schedule = LrSchedule.for_visit(optim, steps, self.initial_lr)
         self.scaler, self.grad_clip, self.fused = scaler, optim.grad_clip, optim.fused_step
         if self.fused and self.active.masters:
@@ -118,6 +125,24 @@ class VisitOptimizer:
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()
+
+    def own_state(self) -> dict:
+        """The state of the block's own tensors (the first `own`), as a kept state holds it between visits."""
+        state = self.state_dict()
+        first = state["param_groups"][0]
+        return {"state": {i: entries for i, entries in state["state"].items() if i < self.own},
+                "param_groups": [{**first, "params": [i for i in first["params"] if i < self.own]}]}
+
+
+def with_fresh_extras(saved: dict, fresh: dict, own: int) -> dict:
+    """`saved` as the state of an optimizer whose state is `fresh`: a kept state covers the block's `own` tensors,
+    which lead the first group, and the hooks' tensors after them start fresh (the first group's settings are the
+    saved ones); any other state (a mid-visit checkpoint's covers every tensor) is `saved` itself."""
+    count = sum(len(group["params"]) for group in saved["param_groups"])
+    if count != own or own == sum(len(group["params"]) for group in fresh["param_groups"]):
+        return saved
+    first, *rest = fresh["param_groups"]
+    return {"state": saved["state"], "param_groups": [{**saved["param_groups"][0], "params": first["params"]}, *rest]}
 
 
 def param_groups(active: ActiveBlock) -> list[dict]:
@@ -174,11 +199,14 @@ class VisitOptimizers:
         return {**report, "host_optimizer": self.host_bytes()} if self.optim.keep_state else report
 
     def open(self, block: int, params: list[nn.Parameter], steps: int | None,
-             masters: Sequence[torch.Tensor] | None = None, state: dict | None = None) -> VisitOptimizer:
-        """The optimizer of a visit of block `block` stepping `params` for at most `steps` steps (None: open
-        ended), with `state` or the block's kept state, and `masters` from a mid-visit checkpoint."""
+             masters: Sequence[torch.Tensor] | None = None, state: dict | None = None,
+             extras: int = 0) -> VisitOptimizer:
+        """The optimizer of a visit of block `block` stepping `params` (the last `extras` of them a hook's) for at
+        most `steps` steps (None: open ended), with `state` or the block's kept state, and `masters` from a
+        mid-visit checkpoint."""
         saved = state if state is not None else self.kept.get(block)
-        return VisitOptimizer(params, self.visit_config(block), self.precision, self.scaler, steps, saved, masters)
+        return VisitOptimizer(params, self.visit_config(block), self.precision, self.scaler, steps, saved, masters,
+                              extras)
 
     def visit_config(self, block: int) -> OptimConfig:
         """The optimizer configuration of a visit of `block`: the run's, at the block's rate (`block_lr`)."""
@@ -190,7 +218,7 @@ class VisitOptimizers:
         """End the visit: keep its state in host memory (keep_state) or drop it, free its device state, its
         masters' gradients and its hooks."""
         if self.optim.keep_state:
-            self._kept[block] = on_host(visit.state_dict())
+            self._kept[block] = on_host(visit.own_state())
         else:
             self._kept.pop(block, None)
         visit.optimizer.state.clear()

@@ -42,8 +42,8 @@ def test_each_visit_trains_at_its_block_s_rate_and_the_records_show_it():
     factors = {0: 0.5, 1: 1.0, 2: 1.5}
     steps = [r for r in records if isinstance(r, StepRecord)]
     assert steps and all(r.lr == pytest.approx(1e-3 * factors[r.block], rel=1e-12) for r in steps)
-    assert [v["lr"] for v in trainer.progress.visits] == pytest.approx([1e-3 * factors[v["block"]]
-                                                                        for v in trainer.progress.visits])
+    assert [v["lr"] for v in trainer.position.visits] == pytest.approx([1e-3 * factors[v["block"]]
+                                                                        for v in trainer.position.visits])
 
 
 def test_a_factor_of_two_everywhere_trains_as_twice_the_rate():

@@ -235,8 +235,6 @@ def test_a_number_out_of_range_of_an_hf_argument_is_refused(section, key):
     ('[blocks]\nufp = "auto"\ngpu = "h100"', "[blocks] gpu = 'h100': expected one of 4090"),
     ('[blocks]\nufp = "auto"', "[blocks] ufp = 'auto': expected a fraction, or auto with exactly one of"),
     ('[blocks]\nexperts = "half"', "[blocks] experts = 'half': expected top:SHARE with SHARE in (0, 1]"),
-    ('[blocks]\nexperts = "top:0.5"\n[run]\nprecision = "bf16-mixed"', "[blocks] experts = 'top:0.5': expected "
-                                                                       "unset under [run] precision bf16-mixed"),
     ("[run]\npipeline = 2\nmicrobatches = 3", "[run] microbatches = 3: expected a divisor of --batch-size 8"),
     ("[run]\npipeline = 4\nmicrobatches = 2", "[run] microbatches = 2: expected at least [run] pipeline under"),
 ])

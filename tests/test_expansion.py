@@ -33,7 +33,7 @@ def test_expand_none_adds_no_hook_and_the_visit_steps_the_block_alone():
     trainer = make_trainer(blocks__expand="none")
     assert trainer.lifecycle.hooks == ()
     block = trainer.partition.blocks[0]
-    visit = trainer.lifecycle.activate(block, trainer.progress)
+    visit = trainer.lifecycle.activate(block, trainer.position)
     groups = visit.optimizer.param_groups
     assert len(groups) == 1 and [id(p) for p in groups[0]["params"]] == [id(p) for p in block.params]
     assert trainer.lifecycle.checkpointed(visit) == []
@@ -56,7 +56,7 @@ def test_a_run_with_no_expand_flag_trains_as_expand_lowrank_and_records_it():
     assert any(not torch.equal(p, q) for p, q in zip(top, none.partition.blocks[-1].params))
     visits = [r for r in records if r.kind == "visit"]
     assert [r.expand for r in visits] == ["lowrank", "lowrank", None]
-    assert [v.get("expand") for v in default.progress.visits] == ["lowrank", "lowrank", None]
+    assert [v.get("expand") for v in default.position.visits] == ["lowrank", "lowrank", None]
 
 
 @pytest.mark.parametrize("change", [dict(blocks__active="1-2"), dict(blocks__experts="top:0.5"),
@@ -144,7 +144,7 @@ def test_an_sgd_step_is_plain_sgd_on_the_model_s_own_gradients():
     grads = torch.autograd.grad(loss, [p for _, p in suffix])
     before = snapshot(model)
     trainer.fit()
-    assert [v["steps"] for v in trainer.progress.visits] == [1]
+    assert [v["steps"] for v in trainer.position.visits] == [1]
     trained = [p for layer in trainer.staged.layers[block.stop:] for p in layer.parameters()]
     for (name, start), grad, now in zip(suffix, grads, trained):
         expected = start.detach() - lr * grad
@@ -166,10 +166,10 @@ def test_only_layers_above_the_active_block_change_and_fingerprints_follow_their
     boundaries = range(staged.num_layers + 1)
     digests = [prefix_digest(staged, b) for b in boundaries]
     before = [[t.detach().clone() for m in staged.prefix_modules(b) for t in m.parameters()] for b in boundaries]
-    visit = trainer.lifecycle.activate(block, trainer.progress, trainer.visit_sources.train)
+    visit = trainer.lifecycle.activate(block, trainer.position, trainer.visit_sources.train)
     for _ in range(3):
         trainer.lifecycle.train_step(block, trainer.visit_sources.train, visit)
-    trainer.lifecycle.deactivate(block, visit, trainer.progress)
+    trainer.lifecycle.deactivate(block, visit, trainer.position)
     for b in boundaries:
         now = [t for m in staged.prefix_modules(b) for t in m.parameters()]
         changed = any(not torch.equal(x, y) for x, y in zip(before[b], now))
@@ -224,7 +224,7 @@ def test_resume_mid_visit_is_bit_identical(tmp_path, expand, precision, lr):
 def test_expand_lr_puts_the_factors_in_a_group_of_their_own_on_the_visit_s_schedule():
     trainer = make_trainer(blocks__expand="lowrank", blocks__expand_lr=2e-2, optim__warmup_steps=4)
     block = trainer.partition.blocks[0]
-    visit = trainer.lifecycle.activate(block, trainer.progress)
+    visit = trainer.lifecycle.activate(block, trainer.position)
     own, factors = visit.optimizer.param_groups
     assert len(own["params"]) == len(block.params) and len(factors["params"]) == trainer.lifecycle.extras > 0
     visit.set_rate(0)
@@ -234,7 +234,6 @@ def test_expand_lr_puts_the_factors_in_a_group_of_their_own_on_the_visit_s_sched
 @pytest.mark.parametrize("change,message", [
     (dict(active="1-2"), "[blocks] expand = 'sgd': expected none with [blocks] active"),
     (dict(precision="fp16-mixed"), "[blocks] expand = 'sgd': expected lowrank or none under [run] precision"),
-    (dict(expand="lowrank", keep_state=True), "[blocks] expand = 'lowrank': expected sgd or none with [optim]"),
     (dict(expand_rank=0), "[blocks] expand_rank = 0: expected an integer >= 1"),
 ])
 def test_what_expansion_does_not_run_with_is_refused_in_one_line(change, message):

@@ -76,9 +76,9 @@ def test_a_visit_expanding_codes_trains_the_suffix_masters_and_the_export_keeps_
     original = snapshot(build_preset("tiny-llama", seed=0))
     trainer = make_trainer(model__frozen_dtype=dtype, blocks__expand=expand, blocks__expand_lr=0.05)
     staged, block = trainer.staged, trainer.partition.blocks[1]
-    visit = trainer.lifecycle.activate(block, trainer.progress, trainer.visit_sources.train)
+    visit = trainer.lifecycle.activate(block, trainer.position, trainer.visit_sources.train)
     losses = [trainer.lifecycle.train_step(block, trainer.visit_sources.train, visit)[0] for _ in range(3)]
-    trainer.lifecycle.deactivate(block, visit, trainer.progress)
+    trainer.lifecycle.deactivate(block, visit, trainer.position)
     assert losses[-1] < losses[0]
     staged.model.save_pretrained(tmp_path / "export")
     exported = load_file(str(tmp_path / "export" / "model.safetensors"))
@@ -139,7 +139,7 @@ def test_resume_mid_visit_with_codes_and_expansion_is_bit_identical(tmp_path, dt
     resumed.fit()
     ref, got = snapshot(reference.staged.model), snapshot(resumed.staged.model)
     assert all(torch.equal(ref[k], got[k]) for k in ref)
-    assert [v["eval_loss"] for v in resumed.progress.visits] == [v["eval_loss"] for v in reference.progress.visits]
+    assert [v["eval_loss"] for v in resumed.position.visits] == [v["eval_loss"] for v in reference.position.visits]
 
 
 @pytest.mark.parametrize("dtype,expand,change", [("int8", "lowrank", dict(run__recompute=True)),

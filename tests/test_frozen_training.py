@@ -106,7 +106,7 @@ def same_run(reference, other) -> bool:
     other.fit()
     ref, got = snapshot(reference.staged.model), snapshot(other.staged.model)
     return all(torch.equal(ref[k], got[k]) for k in ref) and \
-        [v["eval_loss"] for v in other.progress.visits] == [v["eval_loss"] for v in reference.progress.visits]
+        [v["eval_loss"] for v in other.position.visits] == [v["eval_loss"] for v in reference.position.visits]
 
 
 def test_auto_installs_nothing_and_keeps_every_weight_as_it_was():
@@ -133,7 +133,7 @@ def test_a_quantized_run_differs_from_the_exact_one_only_within_the_codes_error(
     exact, int8 = make_trainer(blocks__expand="none"), make_trainer(model__frozen_dtype="int8", blocks__expand="none")
     exact.fit()
     int8.fit()
-    losses = [(a["eval_loss"], b["eval_loss"]) for a, b in zip(exact.progress.visits, int8.progress.visits)]
+    losses = [(a["eval_loss"], b["eval_loss"]) for a, b in zip(exact.position.visits, int8.position.visits)]
     assert all(a != b and abs(a - b) < 0.01 * a for a, b in losses)
 
 

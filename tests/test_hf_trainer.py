@@ -11,6 +11,7 @@ import preinfer
 from pipelines.data.batches import live_sources
 from preinfer.config import Config
 from preinfer.errors import UsageError
+from preinfer.frozen_weights import FrozenWeight
 from preinfer.hf import BlockCoordinateDescent
 from preinfer.memory.meter import MemoryMeter
 from preinfer.partition import make_partition
@@ -67,7 +68,7 @@ def test_hf_trainer_ends_with_preinfer_bcd_s_weights_over_the_same_batches(tmp_p
     model, bcd = hf_run(tmp_path, samples_of(live_batches(18)), gradient_accumulation_steps=2, meter=True)
     kept = ("params", "masters", "grads", "optimizer")  # the meter's peaks of the two, activations aside
     assert [{k: memory[k] for k in kept} for memory in bcd.optimizer.visit_memory] == [
-        {k: visit["memory"][k] for k in kept} for visit in ours.progress.visits]
+        {k: visit["memory"][k] for k in kept} for visit in ours.position.visits]
     expected, got = snapshot(staged.model), snapshot(model)
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
@@ -306,8 +307,8 @@ def test_a_mid_visit_resume_with_expansion_ends_as_the_uninterrupted_run(tmp_pat
 
 def test_an_expansion_the_hf_path_cannot_run_is_refused_by_its_argument():
     with pytest.raises(UsageError, match="expand") as refused:
-        BlockCoordinateDescent(build_preset("tiny-llama", seed=0), expand="lowrank", keep_state=True, **OPTIONS)
-    assert len(str(refused.value).splitlines()) == 1 and "keep_state" in str(refused.value)
+        BlockCoordinateDescent(build_preset("tiny-llama", seed=0), expand="sgd", precision="fp16-mixed", **OPTIONS)
+    assert len(str(refused.value).splitlines()) == 1 and "precision" in str(refused.value)
 
 
 @pytest.mark.parametrize("saved, resumed", [(dict(expand="lowrank"), dict(expand="none")),
@@ -322,17 +323,19 @@ def test_a_resume_with_another_expansion_is_refused_in_one_line(saved, resumed):
     assert len(str(refused.value).splitlines()) == 1
 
 
-@pytest.mark.parametrize("optimizer", ["adamw8bit", "adam8bit"])
-def test_the_hf_front_end_gives_the_cli_trainer_s_losses_with_expansion_and_8_bit_state(tmp_path, optimizer):
+@pytest.mark.parametrize("optimizer, frozen", [("adamw8bit", "auto"), ("adam8bit", "int8"), ("adamw8bit", "nf4")])
+def test_the_hf_front_end_gives_the_cli_trainer_s_losses_with_expansion_and_8_bit_state(tmp_path, optimizer, frozen):
     """Issue 44 part 4: one config and one visit lifecycle (its hooks, `preinfer.visit_optimizer`) behind both
-    front-ends. In fp32, with lowrank expansion and 8-bit moments, the trainer `preinfer bcd` runs (its step
-    records) and BlockCoordinateDescent under transformers.Trainer (the loss of each training forward) see the same
-    losses over the same batches, and end with the same weights."""
-    settings = dict(optimizer=optimizer, expand="lowrank", expand_rank=4, expand_lr=0.05, precision="fp32")
+    front-ends. In fp32, with lowrank expansion, 8-bit moments and frozen weights in int8 or nf4, the trainer
+    `preinfer bcd` runs (its step records) and BlockCoordinateDescent under transformers.Trainer (the loss of each
+    training forward) see the same losses over the same batches, and end with the same weights (masters)."""
+    settings = dict(optimizer=optimizer, expand="lowrank", expand_rank=4, expand_lr=0.05, precision="fp32",
+                    frozen_dtype=frozen)
     records = []
     ours = make_trainer(blocks__blocks=3, blocks__order="descending", optim__warmup_steps=1, optim__decay="cosine",
                         optim__name=optimizer, blocks__expand="lowrank", blocks__expand_rank=4,
-                        blocks__expand_lr=0.05, run__precision="fp32", on_record=records.append)
+                        blocks__expand_lr=0.05, run__precision="fp32", model__frozen_dtype=frozen,
+                        on_record=records.append)
     ours.fit()
     model = build_preset("tiny-llama", seed=0)
     bcd = BlockCoordinateDescent(model, **OPTIONS, **settings)
@@ -351,6 +354,8 @@ def test_the_hf_front_end_gives_the_cli_trainer_s_losses_with_expansion_and_8_bi
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(steps), rtol=1e-6, atol=0.0)
     assert len(set(steps)) == 9  # every step trained
     assert "OptimState8bit" in held
+    codes = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and isinstance(m.weight, FrozenWeight)]
+    assert bool(codes) == (frozen != "auto")  # the layers outside the open visit's block run from codes
     expected, got = snapshot(ours.staged.model), snapshot(model)
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)

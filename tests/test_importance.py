@@ -107,18 +107,18 @@ def test_importance_order_resumed_mid_sweep_is_bit_identical(tmp_path, halt):
     reference.fit()
     halted = make_trainer(run_dir=tmp_path / "b", **overrides)
     halted.fit(max_total_steps=halt)
-    saved = halted.progress.sweep_order
-    assert saved["sweep"] == 0 and halted.progress.visit == (halt - 1) // 3
+    saved = halted.position.sweep_order
+    assert saved["sweep"] == 0 and halted.position.visit == (halt - 1) // 3
     records = []
     resumed = make_trainer(run_dir=tmp_path / "b", on_record=records.append, **overrides)
     resumed.resume()
-    assert resumed.progress.sweep_order == saved  # read back from the checkpoint's JSON exactly
+    assert resumed.position.sweep_order == saved  # read back from the checkpoint's JSON exactly
     assert resumed.sweeps.block_scores()[0] != saved["scores"]  # the weights moved: measuring again would not do
     resumed.fit()
     ref, got = snapshot(reference.staged.model), snapshot(resumed.staged.model)
     assert all(torch.equal(ref[k], got[k]) for k in ref)
-    assert [(v["sweep"], v["block"], v["eval_loss"]) for v in resumed.progress.visits] == \
-        [(v["sweep"], v["block"], v["eval_loss"]) for v in reference.progress.visits]
+    assert [(v["sweep"], v["block"], v["eval_loss"]) for v in resumed.position.visits] == \
+        [(v["sweep"], v["block"], v["eval_loss"]) for v in reference.position.visits]
     assert [r.sweep for r in records if isinstance(r, ImportanceRecord)] == [1, 2]  # sweep 0's was not measured again
 
 

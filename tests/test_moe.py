@@ -63,7 +63,7 @@ def test_full_mode_loss_equals_the_frameworks_loss_with_router_logits():
         expected = model(**batch, output_router_logits=True)
         lm_only = model(**batch).loss
     assert expected.aux_loss.item() > 0 and expected.loss.item() != lm_only.item()
-    visit = trainer.lifecycle.activate(block, trainer.progress)
+    visit = trainer.lifecycle.activate(block, trainer.position)
     loss, _, _ = trainer.lifecycle.train_step(block, FixedBatch(batch), visit)
     assert loss == pytest.approx(expected.loss.item(), rel=1e-6, abs=1e-6)
 
@@ -92,7 +92,7 @@ def test_with_recompute_the_routers_still_get_the_balancing_gradient():
         trainer = make_trainer("tiny-moe", blocks__blocks=1, run__recompute=recompute)
         block = trainer.partition.blocks[0]
         router = sparse_blocks(trainer.staged.layers)[3].gate.weight
-        visit = trainer.lifecycle.activate(block, trainer.progress)
+        visit = trainer.lifecycle.activate(block, trainer.position)
         router_loss = trainer.layout.router_loss
         router_loss.coef = 1.0
         state = trainer.staged.embed(**{k: moe_batch()[k] for k in ("input_ids", "attention_mask")})
@@ -141,7 +141,7 @@ def test_an_expert_granular_visit_changes_only_the_chosen_experts_slices():
     model = trainer.staged.model
     before = snapshot(model)
     trainer.fit()
-    chosen = trainer.progress.experts["0"]
+    chosen = trainer.position.experts["0"]
     assert set(chosen) == {"1", "3"} and all(0 < len(c) < 8 for c in chosen.values())
     fused = fused_tensors(model)
     for name, param in model.named_parameters():
@@ -157,8 +157,8 @@ def test_an_expert_granular_visit_changes_only_the_chosen_experts_slices():
 def test_the_optimizer_state_is_the_chosen_slices():
     trainer = expert_trainer()
     block = trainer.partition.blocks[0]
-    trainer.progress.experts["0"] = {"1": [0, 5], "3": [2]}
-    visit = trainer.lifecycle.activate(block, trainer.progress)
+    trainer.position.experts["0"] = {"1": [0, 5], "3": [2]}
+    visit = trainer.lifecycle.activate(block, trainer.position)
     trainer.lifecycle.train_step(block, FixedBatch(moe_batch(8)), visit)
     optimizer = visit.optimizer
     slices = [p[e] for name, p in fused_tensors(trainer.staged.model).items()
@@ -171,8 +171,8 @@ def test_the_optimizer_state_is_the_chosen_slices():
 def test_a_chosen_expert_that_gets_no_tokens_is_not_moved():
     trainer = expert_trainer(optim__grad_clip=1.0)
     block = trainer.partition.blocks[0]
-    trainer.progress.experts["0"] = {"1": [0, 1], "3": [0, 1]}
-    visit = trainer.lifecycle.activate(block, trainer.progress)
+    trainer.position.experts["0"] = {"1": [0, 1], "3": [0, 1]}
+    visit = trainer.lifecycle.activate(block, trainer.position)
     optimizer = visit.optimizer
     batch = FixedBatch(moe_batch(8))
     trainer.lifecycle.train_step(block, batch, visit)  # both experts get tokens and momentum
@@ -193,6 +193,58 @@ def test_a_chosen_expert_that_gets_no_tokens_is_not_moved():
     assert torch.equal(experts.gate_up_proj[0], before[0])
     assert all(torch.equal(optimizer.state[leaf][k], v) for k, v in moments.items())
     assert not torch.equal(experts.gate_up_proj[1], before[1])
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
+def test_under_mixed_precision_only_the_chosen_slices_train_and_each_is_its_master_cast_down(precision):
+    trainer = expert_trainer(run__precision=precision)
+    model = trainer.staged.model
+    before = snapshot(model)
+    block = trainer.partition.blocks[0]
+    trainer.position.experts["0"] = {"1": [0, 5], "3": [2]}
+    visit = trainer.lifecycle.activate(block, trainer.position)
+    for _ in range(2):
+        visit.set_rate(0)
+        trainer.lifecycle.train_step(block, FixedBatch(moe_batch(8)), visit)
+    leaves = {id(leaf) for *_, leaf in trainer.experts.leaves}
+    stepped = [(param, master) for param, master in zip(visit.active.params, visit.active.masters)
+               if id(param) in leaves]
+    assert len(stepped) == 3 * 2 and all(m.dtype == torch.float32 for _, m in stepped)  # 3 experts, 2 tensors each
+    assert all(torch.equal(param, master.to(param.dtype)) for param, master in stepped)
+    for name, param in model.named_parameters():
+        if name not in fused_tensors(model):
+            assert torch.equal(param, before[name]), name
+            continue
+        chosen = [0, 5] if ".1." in name else [2]
+        for expert in range(8):
+            assert torch.equal(param[expert], before[name][expert]) == (expert not in chosen), (name, expert)
+
+
+@pytest.mark.parametrize("expand", ["lowrank", "sgd"])
+def test_expansion_beside_expert_granular_blocks_moves_only_the_suffix_and_the_chosen_experts(expand):
+    """Block 0 (layers 0-1) trains its chosen experts of layer 1; the suffix (layers 2-3) gets the expansion: lowrank
+    on its linear weights (a fused expert tensor is none), sgd on every weight it has a gradient for."""
+    trainer = make_trainer("tiny-moe", blocks__blocks=2, blocks__experts="top:0.5", blocks__experts_with="none",
+                           blocks__expand=expand, blocks__expand_lr=0.05)
+    model = trainer.staged.model
+    before = snapshot(model)
+    block = trainer.partition.blocks[0]
+    trainer.position.experts["0"] = {"1": [0, 5]}
+    visit = trainer.lifecycle.activate(block, trainer.position)
+    for _ in range(2):
+        visit.set_rate(0)
+        trainer.lifecycle.train_step(block, FixedBatch(moe_batch(8)), visit)
+    trainer.lifecycle.deactivate(block, visit, trainer.position)
+    moved = {name for name, param in model.named_parameters() if not torch.equal(param, before[name])}
+    below = {name for name in moved if any(f".layers.{i}." in name for i in (0, 1)) or "embed" in name}
+    assert {name for name in below if name not in fused_tensors(model)} == set()
+    for name in fused_tensors(model):
+        if ".layers.1." in name:
+            assert [e for e in range(8) if not torch.equal(model.get_parameter(name)[e], before[name][e])] == [0, 5]
+    suffix = moved - below
+    assert any(".layers.3.self_attn." in name for name in suffix)
+    assert any(".layers.3.mlp.experts." in name for name in suffix) == (expand == "sgd")
+    assert not any("lm_head" in name or name.endswith("model.norm.weight") for name in moved)
 
 
 def test_bad_expert_options_are_refused_in_one_line():

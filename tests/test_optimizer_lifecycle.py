@@ -85,7 +85,10 @@ def fused_against_unfused(**overrides) -> tuple[dict, dict]:
     dict(run__precision="fp32", optim__name="adamw", optim__warmup_steps=1, optim__decay="cosine"),
     dict(run__precision="fp32", optim__name="sgd"), dict(run__precision="fp32", optim__name="adamw8bit"),
     dict(run__precision="bf16-mixed"), dict(preset="tiny-gpt2", run__precision="fp32", run__recompute=True),
-], ids=["adam", "accumulated", "adamw-scheduled", "sgd", "adamw8bit", "bf16-mixed", "tied-recomputed"])
+    dict(preset="tiny-moe", run__precision="fp32", optim__grad_accum=2, blocks__experts="top:0.5"),
+    dict(preset="tiny-moe", run__precision="bf16-mixed", blocks__experts="top:0.5"),
+], ids=["adam", "accumulated", "adamw-scheduled", "sgd", "adamw8bit", "bf16-mixed", "tied-recomputed", "experts",
+        "experts-bf16-mixed"])
 def test_the_fused_step_equals_the_unfused_step(overrides):
     unfused, fused = fused_against_unfused(**overrides)
     initial = snapshot(build_preset(overrides.get("preset", "tiny-llama"), seed=0))
@@ -121,7 +124,6 @@ def test_the_fused_step_steps_in_backward_and_frees_each_gradient(precision):
                            "fused step steps each tensor in backward, before the global gradient norm is known"),
     (["--precision", "fp16-mixed"], "expected false with --precision fp16-mixed: the fused step steps each tensor "
                                     "in backward, before loss scaling checks every gradient"),
-    (["--experts", "top:0.5"], "expected false with --experts"),
 ])
 def test_the_fused_step_is_refused_where_it_cannot_apply(argv, line, tmp_path, capsys):
     out = tmp_path / "run"
@@ -129,15 +131,16 @@ def test_the_fused_step_is_refused_where_it_cannot_apply(argv, line, tmp_path, c
     assert code == 2 and line in failure_line(err) and not out.exists()
 
 
-def test_the_fused_step_is_refused_under_a_resolved_fp16_mixed_and_beside_a_reducer():
+def test_the_fused_step_is_refused_under_a_resolved_fp16_mixed_and_handed_to_a_reducer():
     optim = OptimConfig(fused_step=True)
     with pytest.raises(UsageError, match=r"^\[optim\] fused_step = True: expected false with \[run\] precision auto, "
                                          r"resolved from the model's weights to fp16-mixed: the fused step"):
         config = Config(optim=optim, stop=StopConfig(steps_per_visit=1))
         check_resolved(config, resolve_precision("auto", torch.float16))  # the one rule, on the resolved run
     visit = VisitOptimizers(optim, Precision.FP32, "cpu").open(0, [nn.Parameter(torch.ones(2))], 1)
-    with pytest.raises(UsageError, match=r"before data parallelism sums the gradients over the replicas: drop "):
-        visit.active.watch(lambda index: None)  # what the data-parallel layout does at a visit's start
+    reducer = lambda index: None  # noqa: E731 (what the data-parallel layout watches with at a visit's start)
+    assert visit.active.watch(reducer) == visit._step_one  # the fused step, which the reducer calls after each sum
+    assert visit.active.on_grad_ready is reducer
 
 
 @pytest.mark.parametrize("arguments, message", [

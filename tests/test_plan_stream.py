@@ -105,6 +105,6 @@ def test_the_planned_device_weights_of_each_visit_are_the_meter_s_streamed_run()
     shape = resolve_shape("tiny-llama")
     settings = Settings(dtype="float32", frozen_dtype="int8", stream_frozen=True, seq_len=16, micro_batch=4)
     blocks = partition(shape, 3)
-    for k, visit in enumerate(trainer.progress.visits[:3]):
+    for k, visit in enumerate(trainer.position.visits[:3]):
         measured = visit["memory"]["params"] + visit["memory"]["frozen_device"]
         assert bcd_memory(shape, settings, blocks, k, store=False).weights == measured

@@ -90,7 +90,7 @@ def test_meter_under_bf16_mixed_is_exact_against_tensor_sizes():
     trainer.meter = MemoryMeter(trainer.staged.model)
     trainer.fit()
     every = sum(p.numel() for p in trainer.staged.model.parameters())
-    for visit, block in zip(trainer.progress.visits, trainer.partition.blocks):
+    for visit, block in zip(trainer.position.visits, trainer.partition.blocks):
         memory, active = visit["memory"], sum(p.numel() for p in block.params)
         assert memory["params"] == 2 * every
         assert memory["masters"] == memory["grads"] == 4 * active
@@ -248,6 +248,17 @@ def _bucket_rank(rank: int, init_file: str, results: str) -> None:
             for i, n in enumerate(sizes)]
         assert len(reducer.buckets) > 2
         assert all(torch.equal(t.grad, e) for t, e in zip(tensors, expected)), (rank, step)
+    # the fused step's hand-over: each tensor once, summed, the buckets before the last launched during backward
+    handed = {}
+    stepping = BucketedAllReduce(tensors, bucket_bytes=4 * 320,
+                                 on_reduced=lambda i: handed.setdefault(i, tensors[i].grad.clone()))
+    for index in reversed(range(len(sizes))):  # backward's order: bucket 0 first
+        tensors[index].grad = torch.full((sizes[index],), float(index + rank))
+        stepping.grad_ready(index)
+    during_backward = set(handed)
+    stepping.finish()
+    assert during_backward and set(handed) == set(range(len(sizes))) and len(during_backward) < len(sizes)
+    assert all(torch.equal(handed[i], torch.full((n,), 2.0 * i + 1)) for i, n in enumerate(sizes))
     Path(results, str(rank)).write_text("ok")
     dist.destroy_process_group()
 

@@ -60,7 +60,7 @@ def test_the_meter_counts_at_most_two_streamed_layers_on_the_device_and_the_rest
     resident, _, _ = trained(False, "tiny-llama", meter=True, model__frozen_dtype="int8")
     stream: LayerStream = streamed.layout.stream
     layer = max(stream.layer_bytes(i) for i in range(len(stream.layers)))
-    for on, off in zip(streamed.progress.visits, resident.progress.visits):
+    for on, off in zip(streamed.position.visits, resident.position.visits):
         got, was = on["memory"], off["memory"]
         assert 0 < got["frozen_device"] <= 2 * layer
         assert was["frozen_device"] == 0
@@ -117,7 +117,7 @@ def test_a_streamed_run_halted_mid_visit_and_resumed_ends_as_the_resident_run(tm
         run.fit(max_total_steps=halt)
     ref, got = snapshot(reference.staged.model), snapshot(run.staged.model)
     assert all(torch.equal(ref[k], got[k]) for k in ref)
-    assert [v["eval_loss"] for v in run.progress.visits] == [v["eval_loss"] for v in reference.progress.visits]
+    assert [v["eval_loss"] for v in run.position.visits] == [v["eval_loss"] for v in reference.position.visits]
 
 
 def test_under_inference_mode_each_layer_is_fetched_for_its_forward_and_freed_after_it():

@@ -126,19 +126,19 @@ def test_total_steps_ends_the_run_mid_visit_and_mid_sweep_and_a_raised_budget_co
     visits = trainer.fit()
     assert [(v["sweep"], v["steps"], v["stop_reason"]) for v in visits] == \
         [(0, 3, "steps"), (0, 3, "steps"), (0, 1, "total-steps")]
-    assert trainer.progress.global_step == 7 and not trainer.stopped
+    assert trainer.position.global_step == 7 and not trainer.stopped
     assert sum(isinstance(r, StepRecord) for r in records) == 7
     weights = snapshot(trainer.staged.model)
     again = make_trainer(run_dir=tmp_path, stop__total_steps=7, **overrides)
     again.resume()
-    assert untimed(again.fit()) == untimed(visits) and again.progress.global_step == 7
+    assert untimed(again.fit()) == untimed(visits) and again.position.global_step == 7
     assert all(torch.equal(weights[k], p) for k, p in again.staged.model.named_parameters())
     raised = make_trainer(run_dir=tmp_path, stop__total_steps=9, **overrides)
     raised.resume()
     assert [(v["steps"], v["stop_reason"]) for v in raised.fit()] == [(3, "steps")] * 3
-    assert raised.progress.global_step == 9
+    assert raised.position.global_step == 9
     straight = make_trainer(run_dir=tmp_path / "straight", stop__total_steps=9, **overrides)
-    assert untimed(straight.fit()) == untimed(raised.progress.visits)
+    assert untimed(straight.fit()) == untimed(raised.position.visits)
     assert all(torch.equal(p, dict(straight.staged.model.named_parameters())[k])
                for k, p in raised.staged.model.named_parameters())
 
@@ -168,7 +168,7 @@ def test_resume_is_bit_identical(tmp_path, precision):
     resumed.fit()
     ref, got = snapshot(reference.staged.model), snapshot(resumed.staged.model)
     assert all(torch.equal(ref[k], got[k]) for k in ref)
-    assert [v["eval_loss"] for v in resumed.progress.visits] == [v["eval_loss"] for v in reference.progress.visits]
+    assert [v["eval_loss"] for v in resumed.position.visits] == [v["eval_loss"] for v in reference.position.visits]
     if precision == "fp16-mixed":
         assert halted.scaler.skipped > 0 and resumed.scaler.state_dict() == reference.scaler.state_dict()
 
@@ -180,6 +180,6 @@ def test_a_meter_tracking_the_first_steps_of_each_visit_reports_the_peaks_of_one
         trainer.meter = MemoryMeter(trainer.staged.model, steps_per_visit=steps)
         trainer.fit()
         reports[steps] = [{k: v for k, v in visit["memory"].items() if k not in ("rss_peak", "cuda_peak")}
-                          for visit in trainer.progress.visits]
+                          for visit in trainer.position.visits]
     assert reports[2] == reports[None]
     assert all(report["activations"] > 0 and report["optimizer"] > 0 for report in reports[2])

@@ -118,7 +118,7 @@ def run_method(args: argparse.Namespace, name: str, steps: int, run_dir: Path) -
         trainer.fit()
     except Plateaued:
         print(f"[{name}] plateaued at step {curve[-1]['step']}", flush=True)
-    p = trainer.progress
+    p = trainer.position
     if not curve or curve[-1]["step"] != p.global_step:
         measure(p.global_step, p.tokens)
     (run_dir / "eval.jsonl").write_text("".join(json.dumps(c) + "\n" for c in curve))

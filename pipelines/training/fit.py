@@ -66,7 +66,7 @@ def train(config: Config, staged: preinfer.StagedModel, partition: Partition, ac
     if trainer.stopped:
         signum = signals.received or signal.SIGTERM  # a rank stopped because another rank got the signal
         print(f"preinfer {command}: stopped by {signal.Signals(signum).name} after step "
-              f"{trainer.progress.global_step}; checkpoint written; resume with "
+              f"{trainer.position.global_step}; checkpoint written; resume with "
               f"`preinfer {command} --out {config.run.out} --resume`", file=sys.stderr)
         raise RunStopped(128 + signum)
     return trainer
@@ -87,6 +87,6 @@ def resume_run(trainer: Trainer, run: RunDir, config: Config) -> None:
     """Restore the checkpoint, drop what the log holds past it, and record the resume with the config keys the
     command changed (`preinfer.config.RESUMABLE_KEYS`)."""
     trainer.resume()
-    p = trainer.progress
+    p = trainer.position
     trainer.log.rewind(p.global_step, len(p.visits))
     trainer.emit(ResumeRecord(step=p.global_step, changed=resume_changes(load_config(run.config), config)))

@@ -12,7 +12,9 @@ from torch import nn
 import preinfer
 from preinfer.batch_source import LiveSources, VisitSources
 from preinfer.config import Config
+from preinfer.errors import UsageError
 from preinfer.layout import Layout, replica_layout
+from preinfer.moe import EXPERTS_IN_ONE_PROCESS
 from preinfer.precision import Precision, resolve_precision, weights_dtype
 from pipelines.models import resolve_model
 from pipelines.models.export import export_full, export_pretrained
@@ -31,7 +33,9 @@ class OneProcess:
         self.suffix: Suffix | None = None  # above a store's boundary
 
     def join(self, rank: int, world: int) -> None:
-        """Take this rank's place among `world` replicas."""
+        """Take this rank's place among `world` replicas (refused with --experts, before anything loads)."""
+        if self.config.blocks.experts is not None and world > 1:
+            raise UsageError(EXPERTS_IN_ONE_PROCESS)
         self.replica, self.replicas = rank, world
 
     def load(self, first: int) -> nn.Module:

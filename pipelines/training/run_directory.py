@@ -87,13 +87,13 @@ def prepare_run_dir(run: RunDir, config: Config, resume: bool, corpus: CorpusDig
 def finish_run(trainer: Trainer, run: RunDir, export: Callable[[Path], object]) -> dict:
     """Export (`export` fills a directory published whole as the run's export: the previous one is kept until the
     new one is complete), plot and summarise a finished run (rank 0 writes; other ranks return the summary only)."""
-    visits = trainer.progress.visits
+    visits = trainer.position.visits
     final = visits[-1]["eval_loss"] if visits else math.nan
     summary = {
         "final_eval_loss": final,
         "final_eval_ppl": math.exp(final) if final < 50 else math.inf,
-        "tokens": trainer.progress.tokens,
-        "steps": trainer.progress.global_step,
+        "tokens": trainer.position.tokens,
+        "steps": trainer.position.global_step,
         "wall_s": trainer.wall_s,
         "eval_s": sum(visit.get("eval_s", 0.0) for visit in visits),
         "peak_memory": {k: max(v["memory"].get(k, 0) for v in visits) for k in visits[0]["memory"]} if visits else {},

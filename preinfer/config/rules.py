@@ -174,9 +174,6 @@ def rule_problems(c: Any) -> Iterator[Problem]:
         yield "blocks", "fixed_order", "a comma list of block numbers such as 2,0,1"
     if b.experts is not None and not _parses(parse_experts, b.experts):
         yield "blocks", "experts", "top:SHARE with SHARE in (0, 1], e.g. top:0.5"
-    if b.experts is not None and r.precision in ("bf16-mixed", "fp16-mixed"):
-        yield "blocks", "experts", f"unset under {{run.precision}} {r.precision} (expert-granular blocks train in " \
-                                   f"fp32)"
     yield from data_problems(c)
     yield from partition_problems(c)
     yield from frozen_dtype_problems(c)
@@ -230,8 +227,6 @@ def fused_step_problems(c: Any) -> Iterator[Problem]:
         yield "optim", "fused_step", why.format("{optim.grad_clip} > 0", "the global gradient norm is known")
     if c.run.precision == "fp16-mixed":
         yield "optim", "fused_step", why.format("{run.precision} fp16-mixed", "loss scaling checks every gradient")
-    if c.blocks.experts is not None:
-        yield "optim", "fused_step", why.format("{blocks.experts}", "the chosen experts' gradients are sliced out")
 
 
 def loss_problems(c: Any) -> Iterator[Problem]:
@@ -299,24 +294,21 @@ def expand_conflicts(c: Any, expand: str) -> Iterator[Problem]:
     b = c.blocks
     if b.active is not None:
         yield "blocks", "expand", "none with {blocks.active} (it keeps the layers above the active block frozen)"
-    if b.experts is not None:
-        yield "blocks", "expand", "none with {blocks.experts} (expert-granular blocks update nothing outside them)"
-    if expand == "lowrank" and c.optim.keep_state:
-        yield "blocks", "expand", "sgd or none with {optim.keep_state} (each visit starts new factors, which " \
-                                  "the kept moments of the last visit's would not fit)"
     if expand == "sgd" and c.run.precision == "fp16-mixed":
         yield "blocks", "expand", "lowrank or none under {run.precision} fp16-mixed (the sgd step does not " \
                                   "unscale the suffix's gradients)"
 
 
 def resolved_expand(c: Any, sparse: bool = False) -> str:
-    """[blocks] expand with auto resolved: lowrank in a BCD run of a dense model (not `sparse`: a mixture of experts,
-    whose fused experts it would not reach) where nothing it does not run with is set, else none. The one rule of
-    `auto`: the trainer (`preinfer.expansion.expansion_of`), the planner (`preinfer.memory.expansion`) and the run
-    record (`preinfer.config.resolved`) all resolve it here."""
+    """[blocks] expand with auto resolved: lowrank in a BCD run of a dense model (not `sparse`, nor with
+    {blocks.experts}: a mixture of experts, whose fused experts it would not reach) where nothing it does not run
+    with is set and where it was measured (without {optim.keep_state}: lowrank runs with kept moments, but its gain
+    there is not measured), else none. The one rule of `auto`: the trainer (`preinfer.expansion.expansion_of`), the
+    planner (`preinfer.memory.expansion`) and the run record (`preinfer.config.resolved`) all resolve it here."""
     if c.blocks.expand != "auto":
         return c.blocks.expand
-    runs = c.run.mode == "bcd" and not sparse and not any(expand_conflicts(c, "lowrank"))
+    runs = c.run.mode == "bcd" and not (sparse or c.blocks.experts) and not c.optim.keep_state and \
+        not any(expand_conflicts(c, "lowrank"))
     return "lowrank" if runs else "none"
 
 

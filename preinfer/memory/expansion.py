@@ -66,8 +66,9 @@ def layer_linears(m: ModelShape) -> list[tuple[int, int]]:
 
 
 def factor_tensors(m: ModelShape, rank: int, layers: int) -> list[int]:
-    """Element counts of the lowrank factors (A, then B, per linear) of `layers` suffix layers."""
-    return [n for out, inp in layer_linears(m) for n in (rank * inp, rank * out)] * layers
+    """Element counts of the lowrank factors (A, then B, per linear) of `layers` suffix layers (a linear's rank at
+    most its narrower width, as `preinfer.expansion.Factors` draws them)."""
+    return [n for out, inp in layer_linears(m) for n in (min(rank, out, inp) * inp, min(rank, out, inp) * out)] * layers
 
 
 def expanded(m: ModelShape, settings: Settings, block: LayerSpan, grads: int, optimizer: int,

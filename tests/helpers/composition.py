@@ -5,12 +5,16 @@ lists the refused ones with their reasons."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import itertools
 import os
 import re
 import signal
 from dataclasses import dataclass
 from pathlib import Path
+
+from pipelines.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "combinations.md"
@@ -58,6 +62,22 @@ def combinations() -> list[tuple[str, ...]]:
     return [*pairs, *LARGEST]
 
 
+# Features that change how a run computes, not what it computes: without them a combination ends with the same
+# weights (float32, relative 1e-5): stores equal live (invariant 3), the fused step equals the unfused one, a pipeline
+# of 2 equals one process over the same micro-batches (invariant 10; checked where no data-parallel replica is).
+EXACT_REWRITES = ("stores-on", "stores-auto", "fused", "pipeline2")
+
+
+def reference(combination: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The combination without its exact rewrites (`EXACT_REWRITES`), which must end with its weights; None where
+    it has none. The fused step stays where the partition is chosen by memory (it needs less, so the blocks may
+    differ), a pipeline where data-parallel replicas are (their one-process run reads other batches)."""
+    kept = {"pipeline2"} if "dp2" in combination else set()
+    rewrites = set(EXACT_REWRITES) - kept - ({"fused"} if "ufp-auto" in combination else set())
+    plain = tuple(f for f in combination if f not in rewrites)
+    return plain if plain != combination else None
+
+
 def name(combination: tuple[str, ...]) -> str:
     return "+".join(combination)
 
@@ -67,26 +87,26 @@ def procs(combination: tuple[str, ...]) -> int:
     return max(1, sum(FEATURES[f].procs for f in combination if FEATURES[f].procs > 1))
 
 
-def bcd_args(combination: tuple[str, ...], corpus: str, out: Path, reference: bool = False) -> list[str]:
+def bcd_args(combination: tuple[str, ...], corpus: str, out: Path) -> list[str]:
     """`preinfer bcd` arguments of `combination`: 2 blocks (unless the partition is chosen), 2 steps a visit, 2
-    sweeps, batches of 4 samples of 16 tokens. A pipeline splits each batch into 2 micro-batches; its single-process
-    `reference` (and every other run) reads the same micro-batches, accumulating 2 per step."""
+    sweeps, batches of 4 samples of 16 tokens from the first 32 samples of each split. A pipeline splits each batch
+    into 2 micro-batches; every other run (its one-process reference too) reads the same micro-batches,
+    accumulating 2 per step."""
     moe = any(FEATURES[f].moe for f in combination)
     args = ["bcd", "--model", "tiny-moe" if moe else "tiny-llama", "--data", corpus, "--seq-len", "16",
-            "--samples-per-shard", "8", "--eval-fraction", "0.2", "--eval-tokens", "64", "--steps-per-visit", "2",
-            "--sweeps", "2", "--lr", "1e-3", "--seed", "0", "--out", str(out)]
-    features = [f for f in combination if not (reference and f == "pipeline2")]
-    if not any(f.startswith("stores") for f in features):
+            "--max-samples", "32", "--samples-per-shard", "8", "--eval-fraction", "0.2", "--eval-tokens", "64",
+            "--steps-per-visit", "2", "--sweeps", "2", "--lr", "1e-3", "--seed", "0", "--out", str(out)]
+    if not any(f.startswith("stores") for f in combination):
         args += ["--pre-inference", "off"]
-    if "ufp-auto" not in features:
+    if "ufp-auto" not in combination:
         args += ["--blocks", "2"]
-    if "expand" not in {FEATURES[f].key for f in features}:
+    if "expand" not in {FEATURES[f].key for f in combination}:
         args += ["--expand", "none"]  # the feature under test alone (auto expands where it runs)
-    if "pipeline2" in features:
+    if "pipeline2" in combination:
         args += ["--batch-size", "4", "--microbatches", "2"]
     else:
         args += ["--batch-size", "2", "--grad-accum", "2"]
-    for feature in features:
+    for feature in combination:
         args += FEATURES[feature].flags
     return args
 
@@ -95,6 +115,28 @@ def refusal_table() -> dict[str, str]:
     """docs/combinations.md's table of refused combinations: {name: reason}."""
     rows = re.findall(r"^\| `([^`]+)` \| (.+?) \|$", DOC.read_text(), flags=re.M)
     return {row: reason for row, reason in rows}
+
+
+def outcome(arguments: list[str]) -> dict:
+    """`preinfer ARGUMENTS` in this process: {"code": its exit code, "err": its stderr, "loaded": whether a model
+    was built}."""
+    err = io.StringIO()
+    with ModelBuilds() as builds, contextlib.redirect_stderr(err):
+        try:
+            code = main(arguments)
+        except SystemExit as exit_:
+            code = exit_.code
+    return {"code": code, "err": err.getvalue(), "loaded": builds.count > 0}
+
+
+def quick_finish(setattr_) -> None:
+    """Leave out, by `setattr_` (a monkeypatch's, or `setattr` in a process of its own), what the combinations do
+    not check: the loss plot and the fsync of each write (durability is tested where it is built)."""
+    import pipelines.training.run_directory
+    import preinfer.atomic_write
+
+    setattr_(pipelines.training.run_directory, "plot_losses", lambda *args, **kwargs: None)
+    setattr_(preinfer.atomic_write, "_fsync", lambda *args, **kwargs: None)
 
 
 class ModelBuilds:

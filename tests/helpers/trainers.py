@@ -62,7 +62,7 @@ def assert_resumes_as(reference, run_dir, **overrides) -> None:
     resumed.fit()
     ref, got = snapshot(reference.staged.model), snapshot(resumed.staged.model)
     assert all(torch.equal(ref[k], got[k]) for k in ref)
-    assert [v["eval_loss"] for v in resumed.progress.visits] == [v["eval_loss"] for v in reference.progress.visits]
+    assert [v["eval_loss"] for v in resumed.position.visits] == [v["eval_loss"] for v in reference.position.visits]
 
 
 def drive_as_hf_trainer(bcd, batches: list[dict]) -> None:
