@@ -237,6 +237,17 @@ TRAINING_FLAGS: list[Flag] = [
          "activation checkpointing: every layer in the gradient path (the active block and the frozen layers "
          "above it) keeps only its input and runs its forward again in backward: less activation memory, a "
          "second forward of those layers", SWITCH),
+    Flag("--offload", "run", "offload",
+         "with --recompute: the hidden state each layer keeps for backward goes to host memory (pinned on CUDA) "
+         "and comes back when backward runs the layer again: device memory for long sequences, a copy each way",
+         SWITCH),
+    Flag("--loss", "run", "loss",
+         "the next-token loss: chunked computes the head's logits --loss-chunk tokens at a time, in forward and "
+         "again in backward, so the [tokens, vocab] logits never exist at once (equal to plain to rounding); "
+         "auto is chunked wherever the model's head is one linear map (every family but those "
+         "docs/precision-and-memory.md names), else plain; liger: Liger Kernel's fused linear cross entropy "
+         "(CUDA, pip install 'preinfer[liger]')"),
+    Flag("--loss-chunk", "run", "loss_chunk", "tokens per chunk of the chunked loss", dict(type=positive_int)),
     Flag("--pipeline", "run", "pipeline", "pipeline stages: under torchrun with N x D processes, D data-parallel "
          "replicas of an N-stage pipeline; each rank holds only its stage's layers", dict(type=positive_int)),
     Flag("--microbatches", "run", "microbatches", "micro-batches each --batch-size batch is split into on a "

@@ -9,7 +9,7 @@ import torch
 
 from preinfer.batch_source import BatchSource
 from preinfer.forward_backward import batch_state, to_device
-from preinfer.staged import StagedModel, causal_lm_loss, supervised_tokens
+from preinfer.staged import StagedModel, supervised_tokens
 
 
 def evaluate(staged: StagedModel, source: BatchSource, device: torch.device, max_batches: int | None = None) -> float:
@@ -29,7 +29,7 @@ def eval_sums(staged: StagedModel, source: BatchSource, device: torch.device,
             break
         state = batch_state(staged, to_device(batch, device), source.boundary)
         out = staged.run(state, source.boundary, staged.num_layers)
-        total += causal_lm_loss(staged.logits(out), out.labels, reduction="sum").item()
+        total += staged.loss_sum(out).item()
         count += supervised_tokens(out.labels)
     return total, count
 

@@ -13,7 +13,7 @@ from preinfer.boundary_state import BoundaryState
 from preinfer.errors import PreinferError
 from preinfer.moe import RouterLoss
 from preinfer.partition import Block
-from preinfer.staged import StagedModel, causal_lm_loss
+from preinfer.staged import StagedModel
 
 
 def forward_backward(staged: StagedModel, batch: dict, block: Block, boundary: int, count: torch.Tensor,
@@ -33,7 +33,7 @@ def micro_batch_loss(staged: StagedModel, out: BoundaryState, count: torch.Tenso
                      router_share: int) -> torch.Tensor:
     """A final state's loss: its share of the mean over the `count` supervised tokens of the global batch, plus
     its `1 / router_share` of the routers' loss (over the logits `router_loss` recorded)."""
-    loss = causal_lm_loss(staged.logits(out), out.labels, reduction="sum") / count
+    loss = staged.loss_sum(out) / count
     return loss + router_loss.loss(out.attention_mask) / router_share
 
 

@@ -11,18 +11,20 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from contextlib import nullcontext
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.graph import save_on_cpu
 from torch.utils.checkpoint import checkpoint
 
-from preinfer.errors import BoundaryStateError
+from preinfer.chunked_loss import IGNORE_INDEX, LinearHead, chunked_loss_sum, liger_loss_sum, shifted_rows
+from preinfer.config.choices import DEFAULT_LOSS_CHUNK
+from preinfer.errors import BoundaryStateError, UnsupportedModelError
 from preinfer.moe import expert_tensors
 from preinfer.boundary_state import BoundaryState
-
-IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,14 @@ class Unit:
 
 
 class StagedModel(ABC):
-    """A view of a causal LM as embedding, a list of layers and a head, with boundary states in between."""
+    """A view of a causal LM as embedding, a list of layers and a head, with boundary states in between.
+
+    `loss_sum` computes the loss as `use_loss` chose (`loss_kind`): `plain` from the whole logits, `chunked` in chunks of
+    `loss_chunk` tokens (`preinfer.chunked_loss`), `liger` by Liger Kernel's fused linear cross entropy."""
+
+    loss_kind = "plain"
+    loss_chunk = DEFAULT_LOSS_CHUNK
+    offload = False  # with recompute: each layer's kept input in host memory until backward (save_on_cpu)
 
     def __init__(self, model: nn.Module, layers: nn.ModuleList | list[nn.Module]):
         self.model = model
@@ -83,13 +92,17 @@ class StagedModel(ABC):
     def run(self, state: BoundaryState, start: int, stop: int, recompute: bool = False) -> BoundaryState:
         """Run layers `[start, stop)` on a state at boundary `start`; returns the state at boundary `stop`.
 
-        `recompute`: under autograd, each layer saves only its input and is run again during backward."""
+        `recompute`: under autograd, each layer saves only its input and is run again during backward (with
+        `offload`, that input waits in host memory, pinned on CUDA)."""
         if not 0 <= start <= stop <= self.num_layers:
             raise BoundaryStateError(f"layer range [{start}, {stop}) is outside [0, {self.num_layers}]")
         if start == stop:
             return state
-        layer = _recomputed if recompute and torch.is_grad_enabled() else _direct
-        hidden = self._run(state, start, stop, layer)
+        recompute = recompute and torch.is_grad_enabled()
+        layer = _recomputed if recompute else _direct
+        kept = save_on_cpu(pin_memory=state.hidden.is_cuda) if recompute and self.offload else nullcontext()
+        with kept:
+            hidden = self._run(state, start, stop, layer)
         return BoundaryState(hidden, state.attention_mask, state.position_ids, state.labels)
 
     def layer_calls(self, state: BoundaryState, start: int, stop: int) -> list[LayerArgs]:
@@ -118,9 +131,40 @@ class StagedModel(ABC):
 
     def loss(self, state: BoundaryState) -> torch.Tensor:
         """Mean next-token cross entropy over the supervised (label != -100) positions of a final state."""
+        return self.loss_sum(state) / max(supervised_tokens(state.labels), 1)
+
+    def loss_sum(self, state: BoundaryState) -> torch.Tensor:
+        """Summed next-token cross entropy over the supervised positions of a final state, as `use_loss` chose."""
         if state.labels is None:
             raise BoundaryStateError("this boundary state carries no labels; pass labels to embed()")
-        return causal_lm_loss(self.logits(state), state.labels)
+        if self.loss_kind == "plain":
+            return causal_lm_loss(self.logits(state), state.labels, reduction="sum")
+        features, targets = shifted_rows(self.head_features(state), state.labels)
+        head = self.linear_head()
+        if self.loss_kind == "liger" and torch.is_grad_enabled():  # its kernel takes the gradients in forward
+            return liger_loss_sum(features, head, targets)
+        return chunked_loss_sum(features, head, targets, self.loss_chunk)
+
+    def use_loss(self, choice: str, chunk: int = DEFAULT_LOSS_CHUNK) -> str:
+        """Compute the loss as `choice` says (auto: chunked where the head is a `LinearHead`, else plain; chunked,
+        liger: refused with UnsupportedModelError where it is not); returns the loss chosen."""
+        head = self.linear_head()
+        if choice in ("chunked", "liger") and not isinstance(head, LinearHead):
+            raise UnsupportedModelError(f"--loss {choice}: {self.identity} computes its loss from the whole logits "
+                                        f"only: {head}; use --loss plain or auto")
+        self.loss_kind = "plain" if choice == "plain" or not isinstance(head, LinearHead) else \
+            "chunked" if choice == "auto" else choice
+        self.loss_chunk = chunk
+        return self.loss_kind
+
+    def linear_head(self) -> LinearHead | str:
+        """The head after its final norm as one linear map and its terms, or why it is not one."""
+        return "its head is not one nn.Linear"
+
+    def head_features(self, state: BoundaryState) -> torch.Tensor:
+        """What the head's linear map receives (`[B, T, H]`, after the final norm) from a state at boundary
+        `num_layers`: where `linear_head` is a `LinearHead`, its logits of these are the model's own."""
+        raise UnsupportedModelError(f"{self.identity}: {self.linear_head()}")
 
     def units(self) -> list[Unit]:
         """The model's parts in input-to-output order: `embed`, `layer.0` ... `layer.{L-1}`, `head`."""
@@ -223,3 +267,10 @@ class SequentialLM(StagedModel):
 
     def _head(self, state: BoundaryState) -> torch.Tensor:
         return self.model[-1](state.hidden)
+
+    def linear_head(self) -> LinearHead | str:
+        head = self.model[-1]
+        return LinearHead(head.weight, head.bias) if type(head) is nn.Linear else super().linear_head()
+
+    def head_features(self, state: BoundaryState) -> torch.Tensor:
+        return state.hidden

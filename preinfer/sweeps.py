@@ -28,7 +28,7 @@ from preinfer.metrics import ImportanceRecord, Record
 from preinfer.partition import Block, Partition
 from preinfer.precision import LossScaler
 from preinfer.run_position import RunPosition
-from preinfer.staged import StagedModel, causal_lm_loss, supervised_tokens
+from preinfer.staged import StagedModel, supervised_tokens
 
 
 class Sweeps:
@@ -115,7 +115,7 @@ class Sweeps:
                     break
                 state = batch_state(self.staged, to_device(batch, self.device), source.boundary)
                 out = self.staged.run(state, source.boundary, self.staged.num_layers, self.config.run.recompute)
-                loss = causal_lm_loss(self.staged.logits(out), out.labels, reduction="sum")
+                loss = self.staged.loss_sum(out)
                 (loss * scale / max(supervised_tokens(out.labels), 1)).backward()
                 grads.batch_done()
         return grads.scores(), grads.batches

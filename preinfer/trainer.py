@@ -79,6 +79,8 @@ class Trainer:
         self.precision = precision if precision is not None else apply_precision(staged.model, config.run.precision)
         check_resolved(config, self.precision, blocks=len(partition),  # direct callers too: the resolved run
                        sparse=bool(sparse_blocks(staged.layers)))
+        staged.use_loss(config.run.loss, config.run.loss_chunk)
+        staged.offload = config.run.offload
         self.optimizers = VisitOptimizers(config.optim, self.precision, torch.device(config.run.device).type,
                                           len(partition))
         self.visit: VisitOptimizer | None = None  # the visit's optimizer and masters; None between visits

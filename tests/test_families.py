@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import preinfer
+from preinfer.adapters.hf_head import PLAIN_LOSS
+from preinfer.boundary_state import BoundaryState
 from preinfer.errors import UnsupportedModelError
+from preinfer.staged import IGNORE_INDEX
 from preinfer.families import EXACT, REFUSED
 from tests.helpers.families import (
     NOT_BUILDABLE, OVERRIDES, TINY_PARAMETERS, VARIANTS, own_logits, tiny_batch, tiny_config, tiny_model,
@@ -70,6 +74,35 @@ def assert_units_cover_every_parameter(model: torch.nn.Module) -> None:
     assert shared <= {("embed", "head")}, shared
 
 
+def assert_chunked_loss_is_the_plain_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> None:
+    """Where the head is a LinearHead, the chunked loss (chunks of 4 tokens; padding and a masked span out) and its
+    gradients (of the final hidden states and of every head parameter, so of every parameter below too) equal
+    torch's cross entropy of the logits the model's own forward makes of those states (the composition check above
+    ties them to its logits from the tokens) and its gradients, float32, 1e-6; elsewhere the family is one
+    PLAIN_LOSS names, or its head is no nn.Linear. Only the head runs with autograd: the walk stays cheap."""
+    staged = preinfer.stage(model)
+    head = staged.linear_head()
+    if isinstance(head, str):
+        assert staged.family in PLAIN_LOSS or "nn.Linear" in head, head
+        return
+    labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
+    labels[0, 2:4] = IGNORE_INDEX
+    with torch.no_grad():
+        out = staged.run(staged.embed(ids, mask, labels), 0, staged.num_layers)
+    state = BoundaryState(out.hidden.detach().requires_grad_(), out.attention_mask, out.position_ids, labels)
+    wrt = [state.hidden, *{id(p): p for m in staged.head_modules() for p in m.parameters()}.values()]
+    logits = staged.logits(state)
+    expected = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX)
+    own = torch.autograd.grad(expected, wrt, allow_unused=True)
+    assert staged.use_loss("chunked", chunk=4) == "chunked"
+    loss = staged.loss(state)
+    ours = torch.autograd.grad(loss, wrt, allow_unused=True)
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+    assert [g is None for g in ours] == [g is None for g in own]
+    torch.testing.assert_close([g for g in ours if g is not None], [g for g in own if g is not None], rtol=1e-6,
+                               atol=1e-6)
+
+
 def assert_embedding_and_head_are_apart(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> None:
     """The boundary-0 state does not depend on the head's own parameters, nor the logits of a state on the
     embedding's (so fingerprints, partitions and suffix loading put each module where the forward uses it)."""
@@ -107,6 +140,7 @@ def test_family_is_exact_or_refused(family, variant):
     assert_composes(model, ids, mask)
     assert_units_cover_every_parameter(model)
     assert_embedding_and_head_are_apart(model, ids, mask)
+    assert_chunked_loss_is_the_plain_loss(model, ids, mask)
 
 
 @pytest.mark.slow

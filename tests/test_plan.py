@@ -24,9 +24,10 @@ from preinfer.presets import build_preset
 
 SEQ, BATCH, BLOCKS = 128, 4, 3
 # The hand-built steps below pass an additive float mask, which is what eager attention takes.
-# The measured steps train the block alone: no landscape expansion (priced in test_plan_expansion).
+# The measured steps train the block alone: no landscape expansion (priced in test_plan_expansion), with the plain
+# loss (the chunked one: test_plan_loss).
 SETTINGS = Settings(seq_len=SEQ, micro_batch=BATCH, dtype="float32", gpu="4090", blocks=BLOCKS, attention="eager",
-                    expand="none")
+                    expand="none", loss="plain")
 
 
 def _batch(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -4,9 +4,14 @@ bound the chunked 8-bit step keeps."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from dataclasses import replace
 
+import pytest
+
+from preinfer.memory.activations import loss_workspace
 from preinfer.memory.footprint import step_temporaries, tied_gradients, transients
 from preinfer.memory.layer_spans import LayerSpan
 from preinfer.memory.settings import Settings
@@ -93,4 +98,53 @@ def test_a_tied_embedding_s_backward_holds_three_gradients_at_once_as_the_planne
     assert tied_gradients(shape, settings, block0, weight) == weight  # less the activations freed by then
     assert tied_gradients(shape, settings, block1, 0) == 0
     unfused = Settings(dtype="float32", host_device=True)
-    assert transients(shape, unfused, block0, 0) == max(step_temporaries(shape, unfused, block0, 0), 2 * weight)
+    loss = loss_workspace(shape, 1, 1024, 4, unfused.loss_chunk)  # the loss's backward: a chunk's logits, two gradients
+    assert transients(shape, unfused, block0, 0) == max(step_temporaries(shape, unfused, block0, 0), 2 * weight, loss)
+
+
+# The loss's backward over 8192 tokens of a 2048-token vocabulary (a [tokens, vocab] float32 tensor is 64 MiB), the
+# plain loss from whole logits or the chunked one in chunks of 1024 tokens. Allocations are mmapped and given back
+# at any size (MALLOC_MMAP_THRESHOLD_), so the peak RSS follows the tensors alive; the peak is over the RSS just
+# before backward, in multiples of one [rows, vocab] float32 tensor (rows: every token, or one chunk).
+TOKENS, VOCAB, CHUNK = 8192, 2048, 1024
+PEAK_DURING_LOSS_BACKWARD = f"""
+import sys, torch
+from preinfer.chunked_loss import LinearHead, chunked_loss_sum
+from preinfer.staged import causal_lm_loss
+
+{STATUS}
+torch.manual_seed(0)
+weight = torch.nn.Parameter(torch.randn({VOCAB}, 64) / 8)
+features = torch.randn(1, {TOKENS} + 1, 64, requires_grad=True)
+labels = torch.randint(0, {VOCAB}, (1, {TOKENS} + 1))
+for _ in range(2):  # the second backward's, after the first's allocations
+    weight.grad = features.grad = None
+    if sys.argv[1] == "plain":
+        loss = causal_lm_loss(torch.nn.functional.linear(features, weight), labels, reduction="sum")
+    else:
+        loss = chunked_loss_sum(features[0, :-1], LinearHead(weight), labels[0, 1:], {CHUNK})
+    rss = status("VmRSS")
+    open("/proc/self/clear_refs", "w").write("5")
+    loss.backward()
+    peak = status("VmHWM") - rss
+rows = {TOKENS} if sys.argv[1] == "plain" else {CHUNK}
+print(peak / (rows * {VOCAB} * 4))
+"""
+
+
+def test_the_loss_s_backward_allocates_what_the_planner_counts_plain_and_chunked():
+    """The plain loss's backward holds two float32 gradients of the whole logits beyond the log-softmax it saved
+    (the planner's `loss_workspace`); the chunked one, for one chunk: its log-softmax (the activation the planner
+    counts while a chunk runs again), its logits and the same two gradients, and the input's gradient."""
+    shape = replace(resolve_shape("tiny-llama"), vocab=VOCAB)
+    peaks = {}
+    for loss in ("plain", "chunked"):
+        out = subprocess.run([sys.executable, "-c", PEAK_DURING_LOSS_BACKWARD, loss], capture_output=True,
+                             text=True, check=True, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}).stdout
+        peaks[loss] = float(out.split()[-1])
+    unit = TOKENS * VOCAB * 4
+    assert loss_workspace(shape, 1, TOKENS, 4, None) == 2 * unit
+    assert peaks["plain"] == pytest.approx(2, abs=0.3)
+    chunk_unit, input_gradient = CHUNK * VOCAB * 4, TOKENS * 64 * 4
+    assert loss_workspace(shape, 1, TOKENS, 4, CHUNK) + chunk_unit == 4 * chunk_unit + input_gradient
+    assert peaks["chunked"] == pytest.approx(4 + input_gradient / chunk_unit, abs=0.3)

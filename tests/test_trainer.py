@@ -146,9 +146,10 @@ def test_total_steps_ends_the_run_mid_visit_and_mid_sweep_and_a_raised_budget_co
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "fp16-mixed"])
 def test_resume_is_bit_identical(tmp_path, precision):
     overrides = dict(blocks__sweeps=2, optim__warmup_steps=2, optim__decay="cosine", stop__steps_per_visit=4,
-                     run__precision=precision)
+                     run__precision=precision, run__loss_chunk=16)  # the default loss, chunked: 3-4 chunks a batch
     reference = make_trainer(run_dir=tmp_path / "a", **overrides)
     halted = make_trainer(run_dir=tmp_path / "b", **overrides)
+    assert reference.staged.loss_kind == "chunked"
     if precision == "fp16-mixed":  # a scale that overflows at first: the loss scaler's state must resume too
         reference.scaler.scale = halted.scaler.scale = 2.0**20
     reference.fit()

@@ -26,15 +26,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 "--optimizer": Settings.optimizer, "--fused-step": Settings.fused_step,
                 "--separate-ends": Settings.separate_ends, "--expand": Settings.expand,
                 "--expand-rank": Settings.expand_rank, "--stream-frozen": Settings.stream_frozen,
-                "--masters": Settings.masters, "--steps-per-visit": Settings.steps_per_visit}
+                "--masters": Settings.masters, "--steps-per-visit": Settings.steps_per_visit, "--loss": Settings.loss,
+                "--loss-chunk": Settings.loss_chunk}
     plan = dict(command="plan", defaults=defaults)
     add_flags(parser, "--model", "--arch", "--device", "--gpu", "--gpu-mem", "--memory-budget", "--seq-len",
               "--micro-batch", **plan)
     add_flags(parser.add_mutually_exclusive_group(), "--ufp", "--blocks", **plan)
-    add_flags(parser, "--separate-ends", "--dtype", "--recompute", "--attention", "--frozen-dtype", "--optimizer",
-              "--fused-step", "--stream-frozen", "--masters", "--expand", "--expand-rank", "--tokens",
-              "--bandwidth-gbps", "--nodes", "--steps-per-visit", "--pipeline", "--epochs-per-visit",
-              "--store-dtype", "--compression",
+    add_flags(parser, "--separate-ends", "--dtype", "--recompute", "--offload", "--loss", "--loss-chunk", "--attention",
+              "--frozen-dtype", "--optimizer", "--fused-step", "--stream-frozen", "--masters", "--expand",
+              "--expand-rank", "--tokens", "--bandwidth-gbps", "--nodes", "--steps-per-visit", "--pipeline",
+              "--epochs-per-visit", "--store-dtype", "--compression",
               "--price-per-hour", "--mfu", "--json", **plan)
 
 
@@ -45,6 +46,8 @@ def host_memory() -> int:
 
 def settings_from_args(args: argparse.Namespace, layers: int) -> Settings:
     """Settings from parsed flags; the number of blocks from --blocks or --ufp."""
+    if args.offload and not args.recompute:
+        raise UsageError("--offload needs --recompute (it offloads recomputation's checkpoints)")
     if args.blocks is not None and args.blocks > layers:
         raise UsageError(f"--blocks {args.blocks} exceeds the model's {layers} layers")
     blocks = args.blocks or blocks_for_ufp(args.ufp, layers)
@@ -59,7 +62,8 @@ def settings_from_args(args: argparse.Namespace, layers: int) -> Settings:
         compression=args.compression, store_dtype=args.store_dtype, pipeline=args.pipeline,
         epochs_per_visit=args.epochs_per_visit, budget_bytes=budget, frozen_dtype=args.frozen_dtype,
         optimizer=args.optimizer, fused_step=args.fused_step, host_device=on_host, expand=args.expand,
-        expand_rank=args.expand_rank, stream_frozen=args.stream_frozen, masters=args.masters,
+        expand_rank=args.expand_rank, stream_frozen=args.stream_frozen, masters=args.masters, loss=args.loss,
+        loss_chunk=args.loss_chunk, offload=args.offload,
     )
 
 
@@ -82,6 +86,12 @@ def _expansion(s: dict) -> str:
     return f", expand {s['expand']}" + (f" rank {s['expand_rank']}" if s["expand"] == "lowrank" else "")
 
 
+def _loss(s: dict) -> str:
+    """The loss and checkpoint placement a plan prices, as the table's second line ends."""
+    loss = "plain loss" if s["loss"] == "plain" else f"chunked loss ({s['loss_chunk']} tokens a chunk)"
+    return loss + (", checkpoints offloaded to host" if s["offload"] and s["recompute"] else "")
+
+
 def _money(value: float | None) -> str:
     """Dollars, or a dash when no price is known."""
     return "-" if value is None else f"${value:,.2f}"
@@ -99,7 +109,9 @@ def run_flags(result: MemoryPlan, model_spec: str | None) -> list[tuple[str, obj
         ("--model", model_spec or f"<a {result.model['name']} model directory>"), ("--blocks", auto["blocks"]),
         ("--separate-ends", auto["separate_ends"]), ("--seq-len", s["seq_len"]),
         ("--batch-size", s["micro_batch"] * degree), ("--precision", RUN_PRECISIONS[s["dtype"]]),
-        ("--attention", s["attention"]), ("--recompute", s["recompute"]),
+        ("--attention", s["attention"]), ("--recompute", s["recompute"]), ("--offload", s["offload"]),
+        ("--loss", None if s["loss"] == "auto" else s["loss"]),
+        ("--loss-chunk", s["loss_chunk"] if s["loss_chunk"] != Settings.loss_chunk else None),
         ("--frozen-dtype", None if s["frozen_dtype"] == "auto" else s["frozen_dtype"]),
         ("--optimizer", s["optimizer"]), ("--fused-step", s["fused_step"]),
         ("--stream-frozen", s["stream_frozen"]), ("--masters", None if s["masters"] == "host" else s["masters"]),
@@ -155,6 +167,7 @@ def host_lines(result: MemoryPlan) -> list[str]:
     s, lines = result.settings, []
     held = "masters of the frozen weights held as codes" + (" (none: on disk, memory-mapped)"
                                                               if s["masters"] == "disk" else "")
+    held += " + the offloaded checkpoints" if s["offload"] and s["recompute"] else ""
     if s["stream_frozen"] and not s["host_device"]:
         held += " + the streamed frozen layers (at most two of them on the device, in weights)"
     if s["host_device"]:
@@ -198,7 +211,7 @@ def render(result: MemoryPlan, model_spec: str | None = None) -> str:
         f"{_device(s)}: {_gib(result.capacity_bytes)} GiB usable"
         f"{' (--memory-budget)' if s['budget_bytes'] and not s['host_device'] else ''}; "
         f"W (weight bytes) = {_gib(result.weight_bytes)} GiB; {s['optimizer']}, frozen dtype {s['frozen_dtype']}"
-        f"{', fused step' if s['fused_step'] else ''}{_expansion(s)}",
+        f"{', fused step' if s['fused_step'] else ''}{_expansion(s)}; {_loss(s)}",
         "",
         *memory_table(result),
     ]
@@ -206,8 +219,9 @@ def render(result: MemoryPlan, model_spec: str | None = None) -> str:
         lines.append(f"stages of BCD on --pipeline {s['pipeline']} (each its own card, cut as the run cuts them): "
                      + "; ".join(f"{stage['label']} {_gib(stage['peak_bytes'])}" for stage in result.stages))
     if any(mem.step for mem in result.memory.values()):
-        lines.append("step = the Adam step's temporaries (its denominator), or a tied embedding's two extra "
-                     "gradients at the end of backward, whichever is larger, beyond the activations freed by then")
+        lines.append("step = the largest of a moment's temporaries: the loss's backward (two float32 [rows, vocab] "
+                     "gradients, rows: every token, or one chunk), the Adam step's denominator, a tied embedding's "
+                     "two extra gradients at the end of backward; beyond the activations freed by then")
     lines += host_lines(result)
     lines += ["", *automatic_lines(result, model_spec)]
     store = result.store

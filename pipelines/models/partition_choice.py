@@ -7,6 +7,7 @@ from dataclasses import replace
 import preinfer
 from preinfer.memory.budget import blocks_for_budget, budget_settings
 from preinfer.config import BlockConfig, Config
+from preinfer.chunked_loss import LinearHead
 from preinfer.errors import UsageError
 from preinfer.expansion import expansion_of
 from preinfer.memory.settings import Settings
@@ -51,7 +52,9 @@ def budget_partition(staged: preinfer.StagedModel, config: Config, first_layer: 
                                fused_step=config.optim.fused_step, host_device=config.run.device == "cpu",
                                expand=expansion_of(staged, config), expand_rank=config.blocks.expand_rank,
                                separate_ends=config.blocks.separate_ends, stream_frozen=config.model.stream_frozen,
-                               masters=config.model.masters)
+                               masters=config.model.masters,
+                               loss=config.run.loss if isinstance(staged.linear_head(), LinearHead) else "plain",
+                               loss_chunk=config.run.loss_chunk, offload=config.run.offload)
     plan = blocks_for_budget(shape, settings, precision)
     return replace(make_partition(staged, num_blocks=plan.blocks, separate_ends=plan.separate_ends), budget=plan)
 

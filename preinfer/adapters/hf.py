@@ -27,7 +27,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from preinfer.adapters.hf_head import linear_head, output_slot
 from preinfer.boundary_state import BoundaryState
+from preinfer.chunked_loss import LinearHead
 from preinfer.errors import PreinferError, UnsupportedModelError
 from preinfer.moe import use_row_invariant_experts
 from preinfer.staged import LayerCall, StagedModel
@@ -68,6 +70,21 @@ class _Stand(nn.Module):
             raise _Stop(hidden)
         out = hidden if self.output is None else self.output
         return (out,) if self.as_tuple else out
+
+
+class _Capture(nn.Module):
+    """Stands in for the output embeddings: stops the forward with their input (their attributes readable, as a
+    forward may read their weight's dtype)."""
+
+    def __init__(self, output: nn.Module):
+        super().__init__()
+        self.__dict__["output"] = output
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["output"], name)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise _Stop(hidden)
 
 
 class HFCausalLM(StagedModel):
@@ -137,6 +154,24 @@ class HFCausalLM(StagedModel):
         as_tuple = self._tuple_layers(state.hidden)
         with self._without_embedding(state.hidden), self._standing_in({}, None, as_tuple, output=state.hidden):
             return self._forward(state).logits
+
+    def linear_head(self) -> LinearHead | str:
+        return linear_head(self.model, self.family)
+
+    def head_features(self, state: BoundaryState) -> torch.Tensor:
+        """The forward as in `_head`, stopped where it calls its output embeddings: their input."""
+        as_tuple = self._tuple_layers(state.hidden)
+        parent, name = output_slot(self.model)
+        output = parent._modules[name]
+        parent._modules[name] = _Capture(output)
+        try:
+            with self._without_embedding(state.hidden), self._standing_in({}, None, as_tuple, output=state.hidden):
+                self._forward(state)
+        except _Stop as stop:
+            return stop.hidden
+        finally:
+            parent._modules[name] = output
+        raise UnsupportedModelError(f"{self.family}: the forward never ran its output embeddings")
 
     def _forward(self, state: BoundaryState):
         """The model's forward on zeros shaped like the state's hidden states (a fresh tensor: some forwards scale

@@ -41,6 +41,12 @@ Masters = Literal["host", "disk"]
 # Landscape expansion over the suffix (preinfer.expansion): rank-r factors per linear weight, plain SGD, or none;
 # auto: lowrank where it runs (a dense model's BCD run without what it does not run with), else none.
 Expand = Literal["auto", "none", "lowrank", "sgd"]
+# How the next-token loss is computed (preinfer.chunked_loss): from the whole logits, in chunks of tokens (auto:
+# wherever the head is one linear map and its terms), or by Liger Kernel's fused kernel (CUDA, the liger extra).
+Loss = Literal["auto", "chunked", "plain", "liger"]
+# Tokens a chunk of the chunked loss: one chunk of Llama-3's 128,256-token vocabulary is 0.12 GiB of float32 logits,
+# and its backward holds 0.31 GiB more in bf16, with the head input's gradient (the planner's `loss_workspace`).
+DEFAULT_LOSS_CHUNK = 256
 
 # The reference paper's defaults of the optimizers.
 DEFAULT_LR = {"sgd": 0.1, "adam": 5e-5, "adamw": 5e-5, "adam8bit": 5e-5, "adamw8bit": 5e-5}

@@ -15,6 +15,7 @@ from preinfer.config.choices import (
     DEFAULT_LR, IMPORTANCE_ORDERS, LOW_BIT_OPTIMIZERS, OPEN_ENDED_DECAYS, choices_of, field_hint, is_names,
     is_optional, names, parse_experts,
 )
+from preinfer.liger_extra import liger_installed
 from preinfer.block_lr import FLOAT32_MAX, GRAMMAR, parse_block_lr
 from preinfer.errors import UsageError
 from preinfer.partition import parse_ufp
@@ -90,6 +91,7 @@ BOUNDS: dict[str, Bound] = {
     "stop.total_steps": at_least(1),
     "run.seed": SEED, "run.checkpoint_every": at_least(0), "run.pipeline": at_least(1),
     "run.microbatches": at_least(0), "run.outer_lr": in_float32(above(0)), "run.outer_momentum": SHARE,
+    "run.loss_chunk": at_least(1),
 }
 
 
@@ -158,6 +160,7 @@ def rule_problems(c: Any) -> Iterator[Problem]:
         yield "optim", "name", "sgd, adam or adamw: its 8-bit moments need torchao, which is not installed " \
                                "(pip install preinfer[quant])"
     yield from fused_step_problems(c)
+    yield from loss_problems(c)
     if o.block_lr is not None and not _parses(parse_block_lr, o.block_lr):
         yield "optim", "block_lr", GRAMMAR
     else:
@@ -228,6 +231,18 @@ def fused_step_problems(c: Any) -> Iterator[Problem]:
         yield "optim", "fused_step", why.format("{optim.grad_clip} > 0", "the global gradient norm is known")
     if c.run.precision == "fp16-mixed":
         yield "optim", "fused_step", why.format("{run.precision} fp16-mixed", "loss scaling checks every gradient")
+
+
+def loss_problems(c: Any) -> Iterator[Problem]:
+    """Liger's kernel where it runs (installed, a CUDA device), and offload only of recomputation's checkpoints."""
+    r = c.run
+    if r.loss == "liger" and not liger_installed():
+        yield "run", "loss", "auto, chunked or plain: liger needs liger-kernel, which is not installed (pip install " \
+                             "preinfer[liger])"
+    elif r.loss == "liger" and not r.device.startswith("cuda"):
+        yield "run", "loss", "auto, chunked or plain unless {run.device} is cuda (Liger's kernel runs on CUDA only)"
+    if r.offload and not r.recompute:
+        yield "run", "offload", "false unless {run.recompute} is true (it offloads recomputation's checkpoints)"
 
 
 def partition_problems(c: Any) -> Iterator[Problem]:
@@ -314,6 +329,8 @@ def pipeline_problems(c: Any) -> Iterator[Problem]:
         yield "run", "microbatches", "at least {run.pipeline} under {run.pipeline_schedule} 1f1b; or gpipe"
     if c.pre_inference.mode == "on" and c.pre_inference.dask:
         yield "pre_inference", "dask", "unset on a pipeline (its stages build the stores)"
+    if r.loss in ("chunked", "liger"):
+        yield "run", "loss", "auto or plain on a pipeline (its last stage computes the loss from the whole logits)"
 
 
 class _Keys:

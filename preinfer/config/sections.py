@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from preinfer.config.choices import (
-    DEFAULT_ATTENTION, DEFAULT_LR, DEFAULT_WEIGHT_DECAY, Attention, BlockOrder, Expand, ExpertPart, FrozenDtype, LrDecay, Masters, Mode, Names, Optimizer,
+    DEFAULT_ATTENTION, DEFAULT_LOSS_CHUNK, DEFAULT_LR, DEFAULT_WEIGHT_DECAY, Attention, BlockOrder, Expand, ExpertPart, FrozenDtype, Loss, LrDecay, Masters, Mode, Names, Optimizer,
     PipelineSchedule, Precision, PreInferenceMode, StopRuleName, StoreDtype, StoreFormat, Tracker,
 )
 from preinfer.config.rules import Naming, check
@@ -118,6 +118,9 @@ class RunConfig:
     device: str = "cpu"  # cpu, cuda, cuda:1, ...
     precision: Precision = "auto"  # auto follows the model's weights (bf16 -> bf16-mixed)
     recompute: bool = False  # keep one hidden state per layer in the gradient path; run the layer again in backward
+    offload: bool = False  # with recompute: those kept hidden states in host memory until backward needs them
+    loss: Loss = "auto"  # the next-token loss: chunked (auto, where the head allows), plain, liger
+    loss_chunk: int = DEFAULT_LOSS_CHUNK  # tokens per chunk of the chunked loss
     pipeline: int = 1  # pipeline stages (under torchrun: world size = pipeline x data-parallel replicas)
     microbatches: int = 0  # micro-batches per step through the pipeline; 0: as many as stages
     pipeline_schedule: PipelineSchedule = "1f1b"  # the pipeline's schedule (torch.distributed.pipelining)

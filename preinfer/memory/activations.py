@@ -117,18 +117,36 @@ def input_side_bytes(m: ModelShape, b: int, s: int, embed_trains: bool, any_laye
 
 
 def output_side_bytes(m: ModelShape, b: int, s: int, c: int, head_trains: bool, input_grad: bool,
-                      tied_trains: bool) -> int:
-    """Bytes the final norm, the LM head and the cross-entropy loss save for backward."""
+                      tied_trains: bool, loss_chunk: int | None = None) -> int:
+    """Bytes the final norm, the LM head and the cross-entropy loss save for backward: with the plain loss
+    (`loss_chunk` None) the float32 log-softmax of every position; with the chunked loss
+    (`preinfer.chunked_loss`) the head's input and the targets of every position, and, while backward runs a
+    chunk again, that chunk's float32 log-softmax."""
     bs, bsh = b * s, b * s * m.hidden
     if not (head_trains or input_grad or tied_trains):
         return 0
+    head_weight_trains = (tied_trains if m.tied else head_trains) if m.arch == "gpt2" else head_trains
     if m.arch == "gpt2":
         total = bsh * c + 2 * bs * 4  # ln_f: input, mean, rstd
-        total += bsh * c if (tied_trains if m.tied else head_trains) else 0  # LM head input, for its weight grad
     else:
         total = (bsh + bs) * 4 if input_grad else 0  # final RMSNorm: float32 input, rsqrt
-        total += 2 * bsh * c if head_trains else 0  # normalised input (norm weight grad), output (lm_head grad)
-    return total + bs * m.vocab * 4 + 8 * bs + 4  # float32 log-softmax output (logits upcast), int64 targets
+        total += bsh * c if head_trains else 0  # normalised input (norm weight grad)
+    if loss_chunk is None:
+        head_input = bsh * c if head_weight_trains else 0  # the norm's output, for the head's weight gradient
+        return total + head_input + bs * m.vocab * 4 + 8 * bs + 4  # float32 log-softmax (upcast), int64 targets
+    kept = bsh * c + 8 * bs  # the head's input (the norm's output, to run chunks again) and the int64 targets
+    return total + kept + min(loss_chunk, bs) * m.vocab * 4 + 4  # one chunk's log-softmax, its weight sum
+
+
+def loss_workspace(m: ModelShape, b: int, s: int, c: int, loss_chunk: int | None) -> int:
+    """Bytes the loss's backward allocates for a moment beyond what is saved for it, while every activation is
+    still held: the float32 gradients of the log-softmax's output and input, each [rows, vocab] (rows: every
+    position with the plain loss, one chunk with the chunked), and with the chunked loss the chunk's logits
+    themselves (c bytes each), computed again, and the gradient of the head's input, filled chunk by chunk
+    (tests/test_step_memory.py measures both)."""
+    if loss_chunk is None:
+        return 2 * b * s * m.vocab * 4
+    return min(loss_chunk, b * s) * m.vocab * (2 * 4 + c) + b * s * m.hidden * c
 
 
 
@@ -140,6 +158,7 @@ class StepActs:
     input_side: int
     output_side: int
     recomputed: tuple[int, ...] = ()  # with recomputation: each layer's full set, held while it runs again
+    offloaded: int = 0  # with offload: the layers' kept inputs, in host memory until backward
 
     def total(self, start: int = 0, stop: int | None = None, inputs: bool = True, outputs: bool = True) -> int:
         """Peak bytes of layers [start, stop), plus the input and output sides where asked.
@@ -158,29 +177,37 @@ class StepActs:
 
 @functools.lru_cache(maxsize=4096)
 def step_activations(m: ModelShape, b: int, s: int, c: int, active: LayerSpan | None, recompute: bool,
-                     attention: str) -> StepActs:
-    """Activations saved in one step with `active` training (None: every parameter trains, full Adam) and the
-    `attention` implementation (sdpa, eager).
+                     attention: str, loss_chunk: int | None = None, offload: bool = False) -> StepActs:
+    """Activations saved in one step with `active` training (None: every parameter trains, full Adam), the
+    `attention` implementation (sdpa, eager) and the loss (`output_side_bytes`).
 
     Layers below the active block run without grad (or are not resident, from a store): they save nothing.
     Recomputation (activation checkpointing of every layer in the gradient path) keeps each layer's 16/32-bit
-    input and, during backward, one layer's full saved set at a time.
+    input and, during backward, one layer's full saved set at a time. With `offload` those inputs wait in host
+    memory (`offloaded`), and a layer's own comes back to the device while it runs again (in float32 its set
+    holds it already, where the first norm keeps its input).
     """
     train = range(m.layers) if active is None else range(active.start, active.stop)
     embed_trains = active is None or active.embed
     head_trains = active is None or active.head
-    input_grad, per_layer = embed_trains, []
+    input_grad, per_layer, saves_input = embed_trains, [], []
     for layer in range(m.layers):
         per_layer.append(layer_activation_bytes(m, b, s, c, layer in train, input_grad, layer, attention))
+        saves_input.append(input_grad and c == 4)  # its first norm keeps the float32 input itself
         input_grad = input_grad or layer in train
-    recomputed = ()
+    recomputed, offloaded = (), 0
     if recompute:
         recomputed = tuple(per_layer)
         per_layer = [b * s * m.hidden * c if full_bytes else 0 for full_bytes in recomputed]
+    if recompute and offload:  # a layer's input back on the device while it runs again, unless its set holds it
+        recomputed = tuple(full + (0 if saved else kept) for full, kept, saved in zip(recomputed, per_layer,
+                                                                                         saves_input))
+        offloaded, per_layer = sum(per_layer), [0] * len(per_layer)
     tied_trains = m.tied and embed_trains
     return StepActs(
         tuple(per_layer),
         input_side_bytes(m, b, s, embed_trains, input_grad, c),
-        output_side_bytes(m, b, s, c, head_trains, input_grad, tied_trains),
+        output_side_bytes(m, b, s, c, head_trains, input_grad, tied_trains, loss_chunk),
         recomputed,
+        offloaded,
     )

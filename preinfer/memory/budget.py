@@ -9,6 +9,7 @@ from dataclasses import replace
 from preinfer.errors import UsageError
 from preinfer.memory.footprint import best_fit, placements, visit_peaks, worst_bcd
 from preinfer.memory.layer_spans import partition
+from preinfer.config.choices import DEFAULT_LOSS_CHUNK
 from preinfer.memory.settings import GIB, PRECISION_DTYPES, Settings
 from preinfer.memory.shapes import ModelShape
 from preinfer.metrics import BudgetPlanRecord
@@ -23,7 +24,8 @@ def size_text(n: float) -> str:
 def budget_settings(budget: int, precision: str, seq_len: int, micro_batch: int, recompute: bool,
                     attention: str, *, frozen_dtype: str = "auto", optimizer: str = "adam", fused_step: bool = False,
                     host_device: bool = False, expand: str = "auto", expand_rank: int = 8,
-                    separate_ends: bool = False, stream_frozen: bool = False, masters: str = "host") -> Settings:
+                    separate_ends: bool = False, stream_frozen: bool = False, masters: str = "host",
+                    loss: str = "auto", loss_chunk: int = DEFAULT_LOSS_CHUNK, offload: bool = False) -> Settings:
     """The planner's settings of a run under a memory budget of `budget` bytes, with the memory savers it uses
     (`separate_ends`: the run asks for the ends apart; else the plan chooses their placement; `stream_frozen`,
     `masters`: the run's `[model]` keys)."""
@@ -33,7 +35,7 @@ def budget_settings(budget: int, precision: str, seq_len: int, micro_batch: int,
                     recompute=recompute, attention=attention, budget_bytes=budget, frozen_dtype=frozen_dtype,
                     optimizer=optimizer, fused_step=fused_step, host_device=host_device, expand=expand,
                     expand_rank=expand_rank, separate_ends=separate_ends, stream_frozen=stream_frozen,
-                    masters=masters)
+                    masters=masters, loss=loss, loss_chunk=loss_chunk, offload=offload)
 
 
 def blocks_for_budget(m: ModelShape, settings: Settings, precision: str) -> BudgetPlanRecord:

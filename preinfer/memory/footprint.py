@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from preinfer.memory.activations import step_activations
+from preinfer.memory.activations import StepActs, loss_workspace, step_activations
 from preinfer.memory.expansion import expanded
 from preinfer.memory.layer_spans import LayerSpan, block_params, partition
 from preinfer.memory.quantized import active_state, adjust, block_tensors, frozen_weights
@@ -26,8 +26,8 @@ class Memory:
     total: int = 0
     fits: bool = False
     note: str = ""
-    host: int = 0  # host memory: the masters of frozen weights held in fewer bits (none on disk) and the streamed
-    # frozen layers (in the total on a CPU device)
+    host: int = 0  # host memory: the masters of frozen weights held in fewer bits (none on disk), the streamed
+    # frozen layers and offloaded checkpoints (in the total on a CPU device)
     step: int = 0  # a moment's temporaries beyond the held tensors and the activations freed by then (`transients`)
 
     @property
@@ -67,9 +67,17 @@ def tied_gradients(m: ModelShape, settings: Settings, span: LayerSpan, activatio
 
 
 def transients(m: ModelShape, settings: Settings, span: LayerSpan, activations: int) -> int:
-    """The largest of a visit's temporaries, each at its own moment: the optimizer step's (after backward) and a
-    tied embedding's gradients (at the end of backward)."""
-    return max(step_temporaries(m, settings, span, activations), tied_gradients(m, settings, span, activations))
+    """The largest of a visit's temporaries, each at its own moment: the loss's backward (at its start, every
+    activation held), the optimizer step's (after backward) and a tied embedding's gradients (at the end of
+    backward)."""
+    loss = loss_workspace(m, settings.micro_batch, settings.seq_len, DTYPES[settings.dtype]["act"], settings.chunk())
+    return max(loss, step_temporaries(m, settings, span, activations), tied_gradients(m, settings, span, activations))
+
+
+def activations(m: ModelShape, settings: Settings, active: LayerSpan | None, recompute: bool) -> StepActs:
+    """The activations of one step of `settings` with `active` training (None: full Adam)."""
+    return step_activations(m, settings.micro_batch, settings.seq_len, DTYPES[settings.dtype]["act"], active,
+                            recompute, settings.attention, settings.chunk(), settings.offload and recompute)
 
 
 def _component_bytes(settings: Settings, resident: int, trainable: int) -> tuple[int, int, int]:
@@ -83,13 +91,12 @@ def _component_bytes(settings: Settings, resident: int, trainable: int) -> tuple
 def full_memory(m: ModelShape, settings: Settings, recompute: bool) -> Memory:
     """Full-parameter Adam on one GPU (with the 8-bit optimizer and the fused step where set; no layer is frozen)."""
     n = m.total_params()
-    acts = step_activations(m, settings.micro_batch, settings.seq_len, DTYPES[settings.dtype]["act"], None, recompute,
-                            settings.attention)
+    acts = activations(m, settings, None, recompute)
     weights, grads, optimizer = _component_bytes(settings, n, n)
     everything = LayerSpan(0, m.layers, True, True)
     grads, optimizer = active_state(m, settings, everything, grads, optimizer)
     step = transients(m, settings, everything, acts.total())
-    return Memory(weights, grads, optimizer, acts.total(), step=step).finish(settings)
+    return Memory(weights, grads, optimizer, acts.total(), host=acts.offloaded, step=step).finish(settings)
 
 
 def bcd_memory(m: ModelShape, settings: Settings, blocks: list[LayerSpan], k: int, store: bool) -> Memory:
@@ -104,16 +111,14 @@ def bcd_memory(m: ModelShape, settings: Settings, blocks: list[LayerSpan], k: in
         resident = m.span_params(block.start, m.layers) + m.head_params()
         resident += m.vocab * m.hidden if (m.tied and not block.embed) else 0
         resident += m.embed_params() if block.embed else 0
-    c = DTYPES[settings.dtype]["act"]
-    acts = step_activations(m, settings.micro_batch, settings.seq_len, c, block, settings.recompute,
-                            settings.attention)
+    acts = activations(m, settings, block, settings.recompute)
     first = block.start if store else 0
     weights, grads, optimizer, host = adjust(m, settings, block, first,
                                              _component_bytes(settings, resident, block_params(m, block)))
     weights, host = streamed(m, settings, (block.start - first) + (m.layers - block.stop), weights, host)
     grads, optimizer, acts = expanded(m, settings, block, grads, optimizer, acts)
     step = transients(m, settings, block, acts.total())
-    memory = Memory(weights, grads, optimizer, acts.total(), host=host, step=step)
+    memory = Memory(weights, grads, optimizer, acts.total(), host=host + acts.offloaded, step=step)
     memory.note = f"block {k} ({block_text(block)})"
     return memory.finish(settings)
 
@@ -169,10 +174,9 @@ def stage_memory(m: ModelShape, settings: Settings, stage: LayerSpan, active: La
     """What one pipeline stage holds while `active` trains (None: full Adam), as its own card: its layers' weights
     (those outside the active block held in the frozen dtype, their masters in host memory), gradients and
     optimizer state (8-bit, fused) for the part of the active block it holds, the activations of `in_flight`
-    micro-batches (none below the active block, which runs forward only), and the step's temporaries beyond them."""
-    c = DTYPES[settings.dtype]["act"]
-    acts = step_activations(m, settings.micro_batch, settings.seq_len, c, active, settings.recompute,
-                            settings.attention)
+    micro-batches (none below the active block, which runs forward only; the last stage's loss from the whole
+    logits, as a pipeline computes it), and the step's temporaries beyond them."""
+    acts = activations(m, replace(settings, loss="plain"), active, settings.recompute)  # a pipeline's loss is plain
     params = block_params(m, stage)
     params += m.vocab * m.hidden if m.tied and stage.head and not stage.embed else 0  # its copy of the tied weight
     if active is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from preinfer.config.choices import DEFAULT_ATTENTION
+from preinfer.config.choices import DEFAULT_ATTENTION, DEFAULT_LOSS_CHUNK
 
 
 GB = 10**9  # GPU memory is sold in decimal gigabytes (a "24 GB" RTX 4090 has 24e9 bytes, about 22.4 GiB)
@@ -80,6 +80,13 @@ class Settings:
     expand_rank: int = 8  # lowrank: the factors' rank
     stream_frozen: bool = False  # frozen layers in host memory, at most two on the device (preinfer.memory.streaming)
     masters: str = "host"  # where the frozen weights' masters live: host memory, or disk (memory-mapped, not resident)
+    loss: str = "auto"  # the next-token loss: chunked (auto, liger: priced as chunked) or plain (`preinfer.chunked_loss`)
+    loss_chunk: int = DEFAULT_LOSS_CHUNK  # tokens per chunk of the chunked loss
+    offload: bool = False  # with recompute: the layers' kept inputs in host memory until backward
+
+    def chunk(self) -> int | None:
+        """Tokens per chunk of the loss as the planner prices it; None for the plain loss."""
+        return None if self.loss == "plain" else self.loss_chunk
 
     def capacity(self) -> int:
         """Bytes a training process can fill on one GPU (the memory budget where one is given)."""
