@@ -101,6 +101,12 @@ TRAINING_FLAGS: list[Flag] = [
          "(the resident dtype, as today), bf16, int8 (per row) or nf4 (torchao, pip install preinfer[quant]); each "
          "block keeps an exact master in host memory, restored for its visit, and checkpoints, exports and stores "
          "are made from the masters"),
+    Flag("--masters", "model", "masters",
+         "where the masters live: host (memory) or disk, memory-mapped from safetensors files, never read whole into "
+         "memory: the model directory's (never written) until a block has trained, then the run's own (masters/ in "
+         "the run directory, each written crash-safe at its visit's end); a checkpoint then holds only what the "
+         "files do not, and the export is written tensor by tensor. disk needs a save_pretrained directory as "
+         "--model, one process on the CPU and no --expand"),
     Flag("--data", "data", "path", f"a corpus: {CORPUS}; or a token store written by preinfer tokenize"),
     Flag("--dataset-split", "data", "dataset_split",
          "the split of a dataset folder or repository that --data reads (train, validation, test or another it names "

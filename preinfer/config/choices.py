@@ -35,6 +35,9 @@ ExpertPart = Literal["none", "router", "shared", "attention", "rest"]
 # How the frozen decoder layers' linear weights are held for their forward (preinfer.frozen_weights); auto: in the
 # resident dtype, as every other weight.
 FrozenDtype = Literal["auto", "bf16", "int8", "nf4"]
+# Where the masters live (preinfer.mapped_masters): in host memory, or memory-mapped from safetensors files (the
+# model's own, then the run's own for the blocks it has trained).
+Masters = Literal["host", "disk"]
 # Landscape expansion over the suffix (preinfer.expansion): rank-r factors per linear weight, plain SGD, or none;
 # auto: lowrank where it runs (a dense model's BCD run without what it does not run with), else none.
 Expand = Literal["auto", "none", "lowrank", "sgd"]

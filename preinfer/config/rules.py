@@ -178,6 +178,7 @@ def rule_problems(c: Any) -> Iterator[Problem]:
     yield from data_problems(c)
     yield from partition_problems(c)
     yield from frozen_dtype_problems(c)
+    yield from masters_problems(c)
     yield from expand_problems(c)
     if r.pipeline > 1:
         yield from pipeline_problems(c)
@@ -260,6 +261,19 @@ def frozen_dtype_problems(c: Any) -> Iterator[Problem]:
                                        f"in {frozen})"
 
 
+def masters_problems(c: Any) -> Iterator[Problem]:
+    """Masters on disk (`preinfer.mapped_masters`): one process on the CPU, training the model it maps."""
+    if c.model.masters != "disk":
+        return
+    why = "host with {}: masters on disk are mapped and written by one process on the CPU"
+    if c.run.pipeline > 1:
+        yield "model", "masters", why.format("{run.pipeline} > 1")
+    elif c.run.device != "cpu":
+        yield "model", "masters", why.format(f"{{run.device}} {c.run.device}")
+    elif c.store.path is not None:
+        yield "model", "masters", "host with {store.path} (a cache's suffix is trained from its files in memory)"
+
+
 def expand_problems(c: Any) -> Iterator[Problem]:
     """Landscape expansion's: what an explicit expansion does not run with (auto resolves to none there)."""
     if c.blocks.expand not in ("auto", "none"):
@@ -273,6 +287,8 @@ def expand_conflicts(c: Any, expand: str) -> Iterator[Problem]:
         yield "blocks", "expand", "none with {blocks.active} (it keeps the layers above the active block frozen)"
     if b.experts is not None:
         yield "blocks", "expand", "none with {blocks.experts} (expert-granular blocks update nothing outside them)"
+    if c.model.masters == "disk":
+        yield "blocks", "expand", "none with {model.masters} disk (a visit writes only its own block's masters)"
     if expand == "lowrank" and c.optim.keep_state:
         yield "blocks", "expand", "sgd or none with {optim.keep_state} (each visit starts new factors, which " \
                                   "the kept moments of the last visit's would not fit)"

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from preinfer.config.choices import (
-    DEFAULT_ATTENTION, DEFAULT_LR, DEFAULT_WEIGHT_DECAY, Attention, BlockOrder, Expand, ExpertPart, FrozenDtype, LrDecay, Mode, Names, Optimizer,
+    DEFAULT_ATTENTION, DEFAULT_LR, DEFAULT_WEIGHT_DECAY, Attention, BlockOrder, Expand, ExpertPart, FrozenDtype, LrDecay, Masters, Mode, Names, Optimizer,
     PipelineSchedule, Precision, PreInferenceMode, StopRuleName, StoreDtype, StoreFormat, Tracker,
 )
 from preinfer.config.rules import Naming, check
@@ -27,6 +27,7 @@ class ModelConfig:
     attention: Attention = DEFAULT_ATTENTION  # the attention implementation every job runs the model with
     frozen_dtype: FrozenDtype = "auto"  # frozen decoder layers' linear weights for their forward; masters stay exact
     chat_template_name: str | None = None  # which of the tokenizer's named chat templates renders; None: default
+    masters: Masters = "host"  # host memory, or disk: memory-mapped from the model's and the run's safetensors files
 
 
 @dataclass
