@@ -13,9 +13,11 @@ import preinfer
 from preinfer.batch_source import LiveSources, VisitSources
 from preinfer.config import Config
 from preinfer.layout import Layout, replica_layout
+from preinfer.mapped_masters import MappedLayout, MappedMasters
 from preinfer.precision import Precision, resolve_precision, weights_dtype
 from pipelines.models import resolve_model
-from pipelines.models.export import export_full, export_pretrained
+from pipelines.models.export import export_full, export_pretrained, export_streamed
+from pipelines.models.mapped import load_mapped
 from pipelines.models.suffix import Suffix, load_suffix, to_device
 from pipelines.pre_inference import PreInference
 from pipelines.data.run_data import Datasets
@@ -24,11 +26,12 @@ from pipelines.data.run_data import Datasets
 class OneProcess:
     """The model whole in every process; under torchrun each rank is a data-parallel replica."""
 
-    def __init__(self, config: Config):
-        self.config = config
+    def __init__(self, config: Config, resume: bool = False):
+        self.config, self.resume = config, resume
         self.replica, self.replicas = 0, 1
         self.model: nn.Module | None = None
         self.suffix: Suffix | None = None  # above a store's boundary
+        self.masters: MappedMasters | None = None  # --masters disk
 
     def join(self, rank: int, world: int) -> None:
         """Take this rank's place among `world` replicas."""
@@ -37,6 +40,9 @@ class OneProcess:
     def load(self, first: int) -> nn.Module:
         """The model on the run's device: whole, or above boundary `first` (the prefix on the meta device)."""
         run, model = self.config.run, self.config.model
+        if model.masters == "disk":  # one process on the CPU, from boundary 0 (`masters_problems`)
+            self.model, self.masters = load_mapped(self.config, self.resume)
+            return self.model
         if first == 0:
             self.model = resolve_model(model.name, run.seed, model.attention).to(run.device)
             return self.model
@@ -48,7 +54,9 @@ class OneProcess:
         return resolve_precision(self.config.run.precision, weights_dtype(model))
 
     def seams(self, staged: preinfer.StagedModel) -> Layout:
-        """What the trainer asks of one process, or of a data-parallel replica."""
+        """What the trainer asks of one process (its masters on disk or not), or of a data-parallel replica."""
+        if self.masters is not None:
+            return MappedLayout(staged, self.config, self.masters)
         return replica_layout(staged, self.config)
 
     def notes(self) -> list[str]:
@@ -71,6 +79,9 @@ class OneProcess:
         (`export_full`)."""
         if self.suffix is not None:
             return export_full(self.suffix, directory)
+        if self.masters is not None:
+            export_streamed(self.model, directory)
+            return True
         export_pretrained(self.model, directory)
         return True
 

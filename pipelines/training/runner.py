@@ -31,6 +31,7 @@ from pipelines.data.tokenizers import Tokenizer
 from pipelines.training.distributed import init_distributed
 from pipelines.training.fit import stopped_writing, train
 from pipelines.training.layout import OneProcess
+from pipelines.models.mapped import check_mapped_source
 from pipelines.data.corpus import CorpusDigest
 from pipelines.training.inputs import check_inputs, run_corpus
 from pipelines.pre_inference.stores import owning_store_dir
@@ -49,6 +50,7 @@ def run(config: Config, resume: bool = False, quiet: bool = False) -> dict:
     """Train as configured and write the run directory, held for the whole job; returns the summary."""
     check_trackers(config.run.report_to, config.run.out)  # a tracker not installed: refused before anything is made
     rank, world = init_distributed(config.run.device)
+    check_mapped_source(config, world)
     run_dir = RunDir(config.run.out)
     with owning_run(run_dir, resume, rank), owning_store_dir(config, rank):  # held, then checked
         corpus = run_corpus(config)  # read once: for the inputs (recorded, or checked on resume) and the token store
@@ -61,7 +63,7 @@ def _run(config: Config, run_dir: RunDir, resume: bool, quiet: bool, rank: int, 
          corpus: CorpusDigest | None) -> dict:
     store = StoreInput(config) if config.store.path is not None else None
     first = store.boundary if store is not None else 0
-    layout = layout_for(config, first)
+    layout = layout_for(config, first, resume)
     layout.join(rank, world)
     model, loaded, precision, staged, partition, active, resolved = resolve(config, layout, first)
     notes = [precision.describe(loaded), *layout.notes()]
@@ -130,11 +132,11 @@ def sources(config: Config, layout: OneProcess | PipelineLayout, staged: preinfe
     return layout.pre_inference(staged, data, live, shard, quiet), data.tokenizer
 
 
-def layout_for(config: Config, first: int) -> OneProcess | PipelineLayout:
+def layout_for(config: Config, first: int, resume: bool = False) -> OneProcess | PipelineLayout:
     """The run's layout: a pipeline when `run.pipeline` > 1 (its flags and stages checked here, before anything
-    is loaded), else one process."""
+    is loaded), else one process (`resume`: continuing the run in its directory)."""
     if config.run.pipeline > 1:
         from pipelines.pipeline_parallel.layout import PipelineLayout  # torch.distributed.pipelining loads only here
 
         return PipelineLayout(config, first)
-    return OneProcess(config)
+    return OneProcess(config, resume)
