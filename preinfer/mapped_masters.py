@@ -86,10 +86,15 @@ def write_safetensors(file: Path, tensors: Iterable[tuple[str, torch.Tensor]]) -
             stream.write(chunk)
             digest.update(chunk)
         for _, tensor in tensors:
-            data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
-            stream.write(data)
-            digest.update(data)
+            _write_tensor(stream, digest, tensor)
     return digest.hexdigest()
+
+
+def _write_tensor(stream, digest, tensor: torch.Tensor) -> None:
+    """Append `tensor`'s bytes (a contiguous copy of it at most) to `stream` and to `digest`."""
+    data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+    stream.write(data)
+    digest.update(data)
 
 
 def file_sha256(path: Path) -> str:
