@@ -97,6 +97,11 @@ def _write_tensor(stream, digest, tensor: torch.Tensor) -> None:
     digest.update(data)
 
 
+def recorded_paths(directory: Path, record: Mapping[str, dict]) -> list[Path]:
+    """The run's files a checkpoint's `record` names (block index -> {file, sha256}), in block order."""
+    return [directory / entry["file"] for _, entry in sorted(record.items(), key=lambda item: int(item[0]))]
+
+
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as stream:
@@ -124,7 +129,7 @@ class MappedMasters:
 
     def paths(self) -> list[Path]:
         """The run's files, in the order they override the model's."""
-        return [self.directory / entry["file"] for _, entry in sorted(self.files.items(), key=lambda e: int(e[0]))]
+        return recorded_paths(self.directory, self.files)
 
     def record(self) -> dict[str, dict]:
         """What a checkpoint records: which file holds each trained block."""

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from pipelines.data.tokenizers import ByteTokenizer
+from pipelines.models import resolve_model
 from pipelines.models.export import export_streamed
 from preinfer.mapped_masters import map_file, write_safetensors
 from preinfer.presets import build_preset
@@ -110,6 +111,11 @@ def test_a_sigkill_in_the_middle_of_a_visits_write_then_resume_ends_where_the_un
     left = sorted(p.name for p in masters.iterdir())
     assert len(left) == 2 and left[0].startswith(".block-0001-") and left[1].startswith("block-0000-")
     untouched = read_only_tree(model_dir)
+    held = dict(resolve_model(str(out)).state_dict())  # --model of the run: the model's, block 0's file, checkpoint's
+    original, block_0 = load_file(str(model_dir / "model.safetensors")), load_file(str(masters / left[1]))
+    active = load_file(str(RunDir(out).checkpoint_weights))  # block 1 mid-visit (--checkpoint-every 1)
+    assert sorted(active) == sorted(n for n in original if n.startswith(("model.layers.1.", "model.layers.2.")))
+    assert_same(held, {**original, **block_0, **active})
     from pipelines.cli import main
 
     assert main([*argv, "--resume"]) == 0

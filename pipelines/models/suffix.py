@@ -23,7 +23,7 @@ from preinfer.fingerprint import hash_tensors, named_prefix_tensors
 from preinfer.precision import cast_weights
 from preinfer.presets import PRESETS, build_preset, preset_config
 from preinfer.run_dir import RunDir
-from pipelines.models.source import is_run_dir
+from pipelines.models.source import is_run_dir, run_files
 from pipelines.models.tensor_files import TensorFiles, persistent_tensors, tensor_aliases
 
 
@@ -137,9 +137,11 @@ def config_and_files(spec: str) -> tuple[PreTrainedConfig, TensorFiles]:
     path = Path(spec)
     if is_run_dir(spec):
         run = RunDir(spec)
-        base = load_config(run.config).model.name
+        run_config = load_config(run.config)
+        base = run_config.model.name
         config = preset_config(base) if base in PRESETS else AutoConfig.from_pretrained(base, local_files_only=True)
-        return config, TensorFiles([run.checkpoint_weights])
+        own = TensorFiles.of_directory(Path(base)).files if run_config.model.masters == "disk" else []
+        return config, TensorFiles([*own, *run_files(run, run_config)])
     if not (path / "config.json").is_file():
         raise UsageError(f"--model '{spec}' is neither a preset ({', '.join(PRESETS)}), a run directory nor a "
                          f"save_pretrained directory")
