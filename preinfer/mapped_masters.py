@@ -33,6 +33,7 @@ from torch import nn
 
 from preinfer.atomic_write import write_atomically
 from preinfer.checkpoint import Checkpoint, load_checkpoint, refuse_non_finite, save_checkpoint
+from preinfer.config import Config
 from preinfer.errors import CheckpointError
 from preinfer.layout import SingleProcess
 from preinfer.partition import Block
@@ -162,7 +163,7 @@ class MappedLayout(SingleProcess):
     """One process whose masters are on disk: a visit's block is marked changed when it opens, written and mapped
     again when it ends; checkpoints hold what the files do not, and record the files."""
 
-    def __init__(self, staged: StagedModel, config, masters: MappedMasters):
+    def __init__(self, staged: StagedModel, config: Config, masters: MappedMasters):
         super().__init__(staged, config)
         self.masters = masters
         self.block: Block | None = None
