@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from pipelines.data.tokenizers import ByteTokenizer
 from pipelines.models import resolve_model
 from pipelines.models.export import export_streamed
-from preinfer.mapped_masters import map_file, write_safetensors
+from preinfer.mapped_masters import MappedMasters, map_file, write_safetensors
 from preinfer.presets import build_preset
 from preinfer.run_dir import RunDir
 from tests.helpers.cli_run import failure_line, run_cli
@@ -172,3 +172,18 @@ def test_where_disk_masters_cannot_apply_the_run_is_refused_in_one_line_and_writ
     assert code == 2
     assert re.search(expected, failure_line(err))
     assert not out.exists()
+
+
+def test_prune_deletes_only_the_block_files_no_checkpoint_names_and_a_killed_writes_temporary(tmp_path):
+    masters = MappedMasters(tmp_path, {}, ())
+    kept = masters.end(0, {"w": torch.ones(2)})
+    assert torch.equal(kept["w"], torch.ones(2)) and masters.clean == {"w"}
+    named = masters.files["0"]["file"]
+    masters.end(1, {"v": torch.zeros(3)})
+    masters.files.pop("1")  # as after a kill: written, not yet in a checkpoint
+    leftover = tmp_path / f".{named}.tmp-123-0123abcd"
+    foreign = [tmp_path / "notes.txt", tmp_path / "block-0001.safetensors"]
+    for path in (leftover, *foreign):
+        path.write_text("x")
+    masters.prune()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([named, *(p.name for p in foreign)])
