@@ -21,8 +21,8 @@ from preinfer.config.rules import resolved_expand
 from preinfer.partition import balanced_ranges
 
 # The `bcd` rows of issue 37, by method: their flags on top of `bcd`'s.
-LOW_BIT = {**{f"bcd-{dtype}": ["--frozen-dtype", dtype] for dtype in ("bf16", "int8", "nf4")},
-           "bcd-nf4-8bit": ["--frozen-dtype", "nf4", "--optimizer", "adam8bit", "--fused-step"]}
+LOW_BIT = {**{f"bcd-{dtype}": ["--frozen-dtype", dtype, "--expand", "none"] for dtype in ("bf16", "int8", "nf4")},
+           "bcd-nf4-8bit": ["--frozen-dtype", "nf4", "--expand", "none", "--optimizer", "adam8bit", "--fused-step"]}
 # The levers of issue 38, by method: their flags on top of `bcd`'s. Not in the default --methods (`--methods levers`).
 LEVERS = {"bcd-none": ["--expand", "none"], "bcd-lowrank": ["--expand", "lowrank"], "bcd-sgd": ["--expand", "sgd"],
           "bcd-depth-lr": ["--block-lr", "depth:0.5..1.5"], "bcd-depth-lr-down": ["--block-lr", "depth:1.5..0.5"],
