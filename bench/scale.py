@@ -25,15 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from bench.lib.common import ROOT, command_line, machine, write_json
+from bench.lib.common import command_line, machine, write_json
+from bench.lib.processes import cli, measured
 
 from preinfer.memory.footprint import bcd_memory
 from preinfer.memory.layer_spans import partition
@@ -56,27 +54,6 @@ ONE_LAYER_ROWS = {
     "savers": (["--frozen-dtype", "nf4", "--optimizer", "adamw8bit", "--fused-step"],
                dict(frozen_dtype="nf4", optimizer="adamw8bit", fused_step=True)),
 }
-
-
-def measured(command: list[str]) -> tuple[dict, str]:
-    """Run `command` under `nice -n 10`: its exit status, seconds, peak RSS in bytes and last line of stderr; and
-    its stdout."""
-    start = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        process = subprocess.Popen(["nice", "-n", "10", *command], cwd=ROOT, stdout=out, stderr=err,
-                                   env={**os.environ, "PYTHONPATH": str(ROOT)})
-        _, status, usage = os.wait4(process.pid, 0)
-        out.seek(0)
-        err.seek(0)
-        stdout, lines = out.read(), [line for line in err.read().splitlines() if line.strip()]
-    row = dict(command=" ".join(command), exit=os.waitstatus_to_exitcode(status),
-               seconds=round(time.perf_counter() - start, 1), peak_rss=usage.ru_maxrss * 1024,
-               last_line=lines[-1] if lines else "")
-    return row, stdout
-
-
-def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "pipelines.cli", *args]
 
 
 def write_model(directory: Path, config: dict) -> None:

@@ -37,14 +37,18 @@ class Checkpoint:
     trainer: dict
     masters: list[torch.Tensor] = field(default_factory=list)
     sync: list[torch.Tensor] = field(default_factory=list)
+    weights: set[str] = field(default_factory=set)  # the names of the weights it held
 
 
 def save_checkpoint(path: Path, model: nn.Module, optimizers: dict[int, dict], trainer_state: dict,
-                    masters: list[torch.Tensor] = (), sync: list[torch.Tensor] = ()) -> None:
+                    masters: list[torch.Tensor] = (), sync: list[torch.Tensor] = (), mapped: set[str] = frozenset(),
+                    files: dict[str, dict] | None = None) -> None:
     """Write weights, optimizer states (by block), the active block's masters, the replicas' sync state, trainer
     state and RNG states; atomically replaces `path` (see the module's docstring). Weights that are not finite are
-    refused: the checkpoint before stays."""
-    _refuse_non_finite(model, trainer_state.get("global_step"))
+    refused: the checkpoint before stays. Masters on disk (`preinfer.mapped_masters`): the weights named in
+    `mapped` equal their files and are left out, and state.json records `files`, the run's own files of them."""
+    weights = {name: t for name, t in resident_state(model).items() if name not in mapped}
+    refuse_non_finite(weights, f"after step {trainer_state.get('global_step')}")
     tmp, old = _sibling(path, ".tmp"), _sibling(path, ".old")
     try:
         _settle(path)
@@ -53,7 +57,7 @@ def save_checkpoint(path: Path, model: nn.Module, optimizers: dict[int, dict], t
     except OSError as err:
         raise _write_failed(path, path, err) from None
     try:
-        _write_whole(tmp, model, optimizers, trainer_state, masters, sync)
+        _write_whole(tmp, weights, optimizers, trainer_state, masters, sync, files or {})
     except (OSError, SafetensorError) as err:
         shutil.rmtree(tmp, ignore_errors=True)  # incomplete: its space back, the checkpoint before kept
         raise _write_failed(tmp, path, err) from None
@@ -66,11 +70,10 @@ def save_checkpoint(path: Path, model: nn.Module, optimizers: dict[int, dict], t
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_whole(tmp: Path, model: nn.Module, optimizers: dict[int, dict], trainer_state: dict,
-                 masters: list[torch.Tensor], sync: list[torch.Tensor]) -> None:
+def _write_whole(tmp: Path, weights: dict[str, torch.Tensor], optimizers: dict[int, dict], trainer_state: dict,
+                 masters: list[torch.Tensor], sync: list[torch.Tensor], files: dict[str, dict]) -> None:
     """Write a whole checkpoint into `tmp`, its digest last."""
     tmp.mkdir(parents=True)
-    weights = resident_state(model)
     write_atomically(tmp / WEIGHTS, lambda file: save_file(weights, str(file), metadata={"format": "pt"}))
     tensors, optim_meta = {}, {}
     for block, state in optimizers.items():
@@ -80,7 +83,7 @@ def _write_whole(tmp: Path, model: nn.Module, optimizers: dict[int, dict], train
     tensors.update(_torch_rng_states())
     write_atomically(tmp / TENSORS, lambda file: save_file(tensors, str(file)))
     meta = {"trainer": trainer_state, "optimizers": optim_meta, "masters": len(masters), "sync": len(sync),
-            "rng": _host_rng_state()}
+            "rng": _host_rng_state(), "mapped": files}
     write_atomically(tmp / STATE, json.dumps(meta, indent=1))
     _write_digest(tmp)
 
@@ -140,9 +143,9 @@ def _settle(path: Path) -> None:
     _publish(newest, path)
 
 
-def load_checkpoint(path: Path, model: nn.Module) -> Checkpoint:
+def load_checkpoint(path: Path, model: nn.Module, mapped: set[str] = frozenset()) -> Checkpoint:
     """Load weights into `model` and restore RNG states from the newest complete checkpoint at `path` (see
-    `newest_checkpoint`); returns the rest."""
+    `newest_checkpoint`); returns the rest. `mapped`: weights the checkpoint may leave out (masters on disk)."""
     found = newest_checkpoint(path)
     if found is None and path.is_dir():
         raise _why_incomplete(path)
@@ -150,7 +153,8 @@ def load_checkpoint(path: Path, model: nn.Module) -> Checkpoint:
         raise PreinferError(f"no complete checkpoint in {path} (expected {STATE}); start without --resume")
     meta = _read_state(found / STATE)
     tensors = read_tensors(found / TENSORS)
-    load_resident_state(model, read_tensors(found / WEIGHTS), found / WEIGHTS)
+    weights = read_tensors(found / WEIGHTS)
+    load_resident_state(model, weights, found / WEIGHTS, mapped)
     listed = [*(f"master.{i}" for i in range(meta["masters"])), *(f"sync.{i}" for i in range(meta["sync"]))]
     missing = [name for name in ["rng.torch", *listed] if name not in tensors]
     if missing:
@@ -164,11 +168,18 @@ def load_checkpoint(path: Path, model: nn.Module) -> Checkpoint:
                               f"the run cannot resume from this checkpoint") from None
     masters = [tensors[f"master.{index}"] for index in range(meta["masters"])]
     sync = [tensors[f"sync.{index}"] for index in range(meta["sync"])]
-    return Checkpoint(optimizers, meta["trainer"], masters, sync)
+    return Checkpoint(optimizers, meta["trainer"], masters, sync, set(weights))
+
+
+def mapped_files(path: Path) -> dict[str, dict]:
+    """The run's own master files the newest complete checkpoint at `path` records (`save_checkpoint`'s `files`);
+    none without one."""
+    found = newest_checkpoint(path)
+    return _read_state(found / STATE)["mapped"] if found is not None else {}
 
 
 # The top-level fields of state.json and their JSON types.
-STATE_FIELDS = {"trainer": dict, "optimizers": dict, "masters": int, "sync": int, "rng": dict}
+STATE_FIELDS = {"trainer": dict, "optimizers": dict, "masters": int, "sync": int, "rng": dict, "mapped": dict}
 
 
 def _why_incomplete(path: Path) -> CheckpointError:
@@ -198,6 +209,7 @@ def _read_state(file: Path) -> dict:
         raise CheckpointError(f"{file}: expected a JSON object, got {type(meta).__name__}")
     meta.setdefault("masters", 0)
     meta.setdefault("sync", 0)
+    meta.setdefault("mapped", {})
     for key, kind in STATE_FIELDS.items():
         value = meta.get(key)
         if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
@@ -215,14 +227,14 @@ def read_tensors(file: Path) -> dict[str, torch.Tensor]:
                               f"checkpoint") from None
 
 
-def _refuse_non_finite(model: nn.Module, step: int | None) -> None:
-    """A DivergedError naming the first weight with a NaN or infinity."""
-    floats = [(name, t) for name, t in _resident(model).items() if t.is_floating_point()]
+def refuse_non_finite(weights: dict[str, torch.Tensor], when: str) -> None:
+    """A DivergedError naming the first of `weights` with a NaN or infinity (`when`: after which step)."""
+    floats = [(name, t) for name, t in weights.items() if t.is_floating_point()]
     devices = {t.device for _, t in floats}  # frozen weights held in fewer bits have their masters on the host
     if all(bool(torch.stack([t.isfinite().all() for _, t in floats if t.device == d]).all()) for d in devices):
         return
     name = next(name for name, t in floats if not bool(t.isfinite().all()))
-    raise DivergedError(f"training diverged: weight {name} is not finite after step {step}; no checkpoint of it "
+    raise DivergedError(f"training diverged: weight {name} is not finite {when}; no checkpoint of it "
                         f"was written (the run directory keeps its last one); start again with a lower --lr or "
                         f"with --grad-clip")
 
@@ -245,11 +257,13 @@ def _resident(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_resident_state(model: nn.Module, tensors: dict[str, torch.Tensor], source: Path) -> None:
-    """Copy saved tensors into the model in place; the saved names must be exactly the model's resident ones."""
+def load_resident_state(model: nn.Module, tensors: dict[str, torch.Tensor], source: Path,
+                        mapped: set[str] = frozenset()) -> None:
+    """Copy saved tensors into the model in place; the saved names must be exactly the model's resident ones (those
+    in `mapped` may be left out)."""
     expected = _resident(model)
-    if set(expected) != set(tensors):
-        extra, missing = sorted(set(tensors) - set(expected)), sorted(set(expected) - set(tensors))
+    extra, missing = sorted(set(tensors) - set(expected)), sorted(set(expected) - set(tensors) - set(mapped))
+    if extra or missing:
         raise PreinferError(f"{source} does not fit this model (unexpected {extra[:3]}, missing {missing[:3]})")
     with torch.no_grad():
         for name, tensor in tensors.items():

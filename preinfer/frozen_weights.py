@@ -224,10 +224,17 @@ class FrozenWeights:
         return master if self.device.type == "cpu" else master.to(self.device, copy=True)
 
     def _sync_master(self, index: int) -> None:
+        """A restored layer's weights become its masters: on the CPU the weights' own storage (their storage
+        replaced during the visit, as masters on disk map a trained block from its new file, is taken), else
+        copied into the host masters."""
         if index not in self.quantized:
             for path, param in self.params[index].items():
                 master = self._masters[index][path]
-                if param.data_ptr() != master.data_ptr():
+                if param.data_ptr() == master.data_ptr():
+                    continue
+                if self.device.type == "cpu":
+                    self._masters[index][path] = param.detach()
+                else:
                     master.copy_(param.detach())
 
 

@@ -1,7 +1,7 @@
 """The layout of a run directory: `RunDir` is the one place that names its files (config.toml, inputs.json,
 metrics.jsonl, checkpoint/, replicas/ (the checkpoints of data-parallel replicas 1, 2, ...), export/, loss.png,
-summary.json, stores/, and the trackers' tensorboard/, mlruns/ and wandb/); everything else asks it for their
-paths."""
+summary.json, stores/, masters/, and the trackers' tensorboard/, mlruns/ and wandb/); everything else asks it for
+their paths."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from preinfer.checkpoint import WEIGHTS, newest_checkpoint
 FILES = frozenset({"config.toml", "inputs.json", "metrics.jsonl", "loss.png", "summary.json"})
 CHECKPOINTS = ("checkpoint", "checkpoint.tmp", "checkpoint.old")
 TRACKER_DIRS = {"tensorboard": "tensorboard", "mlflow": "mlruns", "wandb": "wandb"}  # by tracker name
-DIRECTORIES = frozenset({*CHECKPOINTS, "replicas", "export", "stores", *TRACKER_DIRS.values()})
+DIRECTORIES = frozenset({*CHECKPOINTS, "replicas", "export", "stores", "masters", *TRACKER_DIRS.values()})
 ENTRIES = FILES | DIRECTORIES
 
 
@@ -36,13 +36,14 @@ class RunDir:
     loss_plot: Path  # loss.png: training and eval loss against tokens
     summary: Path  # summary.json: the finished run's summary
     stores: Path  # where pre-inference keeps its stores by default
+    masters: Path  # masters/: with --masters disk, the files of the blocks the run has trained
 
     def __init__(self, path: str | Path):
         root = Path(path)
         layout = dict(path=root, config=root / "config.toml", metrics=root / "metrics.jsonl",
                       checkpoint=root / "checkpoint", checkpoint_weights=root / "checkpoint" / WEIGHTS,
                       export=root / "export", loss_plot=root / "loss.png", summary=root / "summary.json",
-                      stores=root / "stores", inputs=root / "inputs.json")
+                      stores=root / "stores", inputs=root / "inputs.json", masters=root / "masters")
         for name, value in layout.items():
             object.__setattr__(self, name, value)
 

@@ -7,11 +7,13 @@ tokenizer, seed) from the run's config when `--model` names one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from torch import nn
 
-from preinfer.checkpoint import load_resident_state, read_tensors
+from preinfer.checkpoint import load_resident_state, mapped_files, read_tensors
 from preinfer.config import DEFAULT_ATTENTION, Config, load_config
+from preinfer.mapped_masters import recorded_paths
 from preinfer.precision import cast_weights
 from preinfer.run_dir import RunDir
 from pipelines.models.pretrained import load_model
@@ -54,9 +56,10 @@ def resolve_model(spec: str, seed: int = 0, attention: str = DEFAULT_ATTENTION) 
     if run.is_resumable():
         config = load_config(run.config)
         model = load_model(config.model.name, config.run.seed, attention)
-        weights = read_tensors(run.checkpoint_weights)
+        weights = {name: t for file in run_files(run, config) for name, t in read_tensors(file).items()}
         cast_weights(model, next(t.dtype for t in weights.values() if t.is_floating_point()))
-        load_resident_state(model, weights, run.checkpoint_weights)
+        on_disk = set(model.state_dict()) if config.model.masters == "disk" else set()
+        load_resident_state(model, weights, run.checkpoint_weights, on_disk)
         return model
     return load_model(spec, seed, attention)
 
@@ -70,3 +73,11 @@ def config_source(spec: str) -> str:
     if run.is_resumable():
         return config_source(load_config(run.config).model.name)
     return spec
+
+
+def run_files(run: RunDir, config: Config) -> list[Path]:
+    """The files of a run's current weights over its base model's, a later one's tensor overriding: its
+    checkpoint's weights, after (with `--masters disk`, whose checkpoint holds only what they do not) the files of
+    the blocks it has trained."""
+    trained = recorded_paths(run.masters, mapped_files(run.checkpoint)) if config.model.masters == "disk" else []
+    return [*trained, run.checkpoint_weights]

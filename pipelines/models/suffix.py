@@ -23,7 +23,7 @@ from preinfer.fingerprint import hash_tensors, named_prefix_tensors
 from preinfer.precision import cast_weights
 from preinfer.presets import PRESETS, build_preset, preset_config
 from preinfer.run_dir import RunDir
-from pipelines.models.source import is_run_dir
+from pipelines.models.source import is_run_dir, run_files
 from pipelines.models.tensor_files import TensorFiles, persistent_tensors, tensor_aliases
 
 
@@ -64,9 +64,11 @@ def load_modules(spec: str, modules_of: Callable[[preinfer.StagedModel], list[nn
 
 
 def _load_modules(spec: str, modules_of: Callable[[preinfer.StagedModel], list[nn.Module]],
-                  what: str, attention: str) -> tuple[nn.Module, TensorFiles]:
-    """A model built on the meta device whose tensors used by `modules_of(staged)` are read from its files."""
-    config, files = config_and_files(spec)
+                  what: str, attention: str, files: TensorFiles | None = None) -> tuple[nn.Module, TensorFiles]:
+    """A model built on the meta device whose tensors used by `modules_of(staged)` are read from its files (or
+    from `files`, which hold them by the same names)."""
+    config, own = config_and_files(spec)
+    files = files if files is not None else own
     with torch.device("meta"):
         model = cast_weights(AutoModelForCausalLM.from_config(config, attn_implementation=attention), files.dtype())
     staged = preinfer.stage(model)
@@ -81,6 +83,11 @@ def _load_modules(spec: str, modules_of: Callable[[preinfer.StagedModel], list[n
         _replace(model, tensor, files.get(name).to(tensor.dtype))
     staged.rebuild_shared_modules()
     return model, files
+
+
+def load_from(spec: str, files: TensorFiles, attention: str = DEFAULT_ATTENTION) -> nn.Module:
+    """The whole model `spec` (a save_pretrained directory) with every tensor taken from `files` by name."""
+    return _load_modules(spec, lambda staged: [staged.model], "the model", attention, files)[0]
 
 
 def to_device(model: nn.Module, device: str | torch.device) -> nn.Module:
@@ -130,9 +137,11 @@ def config_and_files(spec: str) -> tuple[PreTrainedConfig, TensorFiles]:
     path = Path(spec)
     if is_run_dir(spec):
         run = RunDir(spec)
-        base = load_config(run.config).model.name
+        run_config = load_config(run.config)
+        base = run_config.model.name
         config = preset_config(base) if base in PRESETS else AutoConfig.from_pretrained(base, local_files_only=True)
-        return config, TensorFiles([run.checkpoint_weights])
+        own = TensorFiles.of_directory(Path(base)).files if run_config.model.masters == "disk" else []
+        return config, TensorFiles([*own, *run_files(run, run_config)])
     if not (path / "config.json").is_file():
         raise UsageError(f"--model '{spec}' is neither a preset ({', '.join(PRESETS)}), a run directory nor a "
                          f"save_pretrained directory")

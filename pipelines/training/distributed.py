@@ -10,15 +10,15 @@ import torch.distributed as dist
 from preinfer.errors import UsageError, first_line
 
 
-def init_distributed(device: str) -> int:
-    """This process's rank; under torchrun, joins the process group (NCCL on GPUs, gloo on CPU). With `--device
+def init_distributed(device: str) -> tuple[int, int]:
+    """(rank, world size); under torchrun, joins the process group (NCCL on GPUs, gloo on CPU). With `--device
     cuda` (no index) each rank makes its local rank's GPU its current one, so that `cuda` means its own GPU."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and device == "cuda" and torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     if world > 1 and not dist.is_initialized():
         join_process_group("nccl" if device.startswith("cuda") else "gloo")
-    return dist.get_rank() if dist.is_initialized() else 0
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 def join_process_group(backend: str) -> None:

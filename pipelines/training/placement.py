@@ -15,12 +15,14 @@ import preinfer
 from preinfer.batch_source import LiveSources, VisitSources
 from preinfer.config import Config
 from preinfer.errors import UsageError
+from preinfer.mapped_masters import MappedMasters, MappedSeams
 from preinfer.moe import EXPERTS_IN_ONE_PROCESS
 from preinfer.parallel_dims import ParallelDims
 from preinfer.precision import Precision, resolve_precision, weights_dtype
 from preinfer.seams import Seams, replica_seams
 from pipelines.models import resolve_model
-from pipelines.models.export import export_full, export_pretrained
+from pipelines.models.export import export_full, export_pretrained, export_streamed
+from pipelines.models.mapped import load_mapped
 from pipelines.models.suffix import Suffix, load_suffix, to_device
 from pipelines.pre_inference import PreInference
 from pipelines.data.run_data import Datasets
@@ -68,17 +70,22 @@ class Placement(Protocol):
 class WholeModel:
     """The model whole in every process; under torchrun each rank is a data-parallel replica."""
 
-    def __init__(self, config: Config, dims: ParallelDims):
-        """Refused with --experts on several replicas, before anything loads."""
+    def __init__(self, config: Config, dims: ParallelDims, resume: bool = False):
+        """Refused with --experts on several replicas, before anything loads (`resume`: continuing the run in its
+        directory)."""
         if config.blocks.experts is not None and dims.data > 1:
             raise UsageError(EXPERTS_IN_ONE_PROCESS)
-        self.config, self.dims = config, dims
+        self.config, self.dims, self.resume = config, dims, resume
         self.model: nn.Module | None = None
         self.suffix: Suffix | None = None  # above a store's boundary
+        self.masters: MappedMasters | None = None  # --masters disk
 
     def load(self, first: int) -> nn.Module:
         """The model on the run's device: whole, or above boundary `first` (the prefix on the meta device)."""
         run, model = self.config.run, self.config.model
+        if model.masters == "disk":  # one process on the CPU, from boundary 0 (`masters_problems`)
+            self.model, self.masters = load_mapped(self.config, self.resume)
+            return self.model
         if first == 0:
             self.model = resolve_model(model.name, run.seed, model.attention).to(run.device)
             return self.model
@@ -90,7 +97,9 @@ class WholeModel:
         return resolve_precision(self.config.run.precision, weights_dtype(model))
 
     def seams(self, staged: preinfer.StagedModel) -> Seams:
-        """What the trainer asks of one process, or of a data-parallel replica."""
+        """What the trainer asks of one process (its masters on disk or not), or of a data-parallel replica."""
+        if self.masters is not None:
+            return MappedSeams(staged, self.config, self.masters)
         return replica_seams(staged, self.config, self.dims)
 
     def notes(self) -> list[str]:
@@ -113,6 +122,9 @@ class WholeModel:
         (`export_full`)."""
         if self.suffix is not None:
             return export_full(self.suffix, directory)
+        if self.masters is not None:
+            export_streamed(self.model, directory)
+            return True
         export_pretrained(self.model, directory)
         return True
 

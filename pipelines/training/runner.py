@@ -33,6 +33,7 @@ from pipelines.data.tokenizers import Tokenizer
 from pipelines.training.distributed import init_distributed
 from pipelines.training.fit import stopped_writing, train
 from pipelines.training.placement import Placement, WholeModel
+from pipelines.models.mapped import check_mapped_source
 from pipelines.data.corpus import CorpusDigest
 from pipelines.training.inputs import check_inputs, run_corpus
 from pipelines.pre_inference.stores import owning_store_dir
@@ -48,7 +49,8 @@ from pipelines.data.run_data import live_sources, load_datasets
 def run(config: Config, resume: bool = False, quiet: bool = False) -> dict:
     """Train as configured and write the run directory, held for the whole job; returns the summary."""
     check_trackers(config.run.report_to, config.run.out)  # a tracker not installed: refused before anything is made
-    rank = init_distributed(config.run.device)
+    rank, world = init_distributed(config.run.device)
+    check_mapped_source(config, world)
     run_dir = RunDir(config.run.out)
     with owning_run(run_dir, resume, rank), owning_store_dir(config, rank):  # held, then checked
         corpus = run_corpus(config)  # read once: for the inputs (recorded, or checked on resume) and the token store
@@ -60,7 +62,7 @@ def run(config: Config, resume: bool = False, quiet: bool = False) -> dict:
 def _run(config: Config, run_dir: RunDir, resume: bool, quiet: bool, corpus: CorpusDigest | None) -> dict:
     store = StoreInput(config) if config.store.path is not None else None
     first = store.boundary if store is not None else 0
-    placement = placement_for(config, first)
+    placement = placement_for(config, first, resume)
     model, loaded, precision, staged, partition, active, resolved = resolve(config, placement, first)
     notes = [precision.describe(loaded), *placement.notes()]
     if store is not None:
@@ -145,13 +147,14 @@ def sources(config: Config, placement: Placement, staged: preinfer.StagedModel,
     return placement.pre_inference(staged, data, live, shard, quiet), data.tokenizer
 
 
-def placement_for(config: Config, first: int) -> Placement:
+def placement_for(config: Config, first: int, resume: bool = False) -> Placement:
     """The run's placement: a pipeline when `run.pipeline` > 1 (its flags and stages checked first, before anything
-    is loaded), else the whole model; on the run's parallelism, built here, once."""
+    is loaded), else the whole model (`resume`: continuing the run in its directory); on the run's parallelism,
+    built here, once."""
     r = config.run
     if r.pipeline > 1:
         from pipelines.pipeline_parallel.placement import PipelinePlacement, run_stages  # loads pipelining
 
         plan = run_stages(config, first)
         return PipelinePlacement(config, parallel_dims(r.pipeline, r.device), plan)
-    return WholeModel(config, parallel_dims(1, r.device))
+    return WholeModel(config, parallel_dims(1, r.device), resume)

@@ -181,6 +181,7 @@ def rule_problems(c: Any) -> Iterator[Problem]:
     yield from partition_problems(c)
     yield from frozen_dtype_problems(c)
     yield from stream_frozen_problems(c)
+    yield from masters_problems(c)
     yield from expand_problems(c)
     if r.pipeline > 1:
         yield from pipeline_problems(c)
@@ -287,6 +288,19 @@ def stream_frozen_problems(c: Any) -> Iterator[Problem]:
         yield "model", "stream_frozen", why.format("{blocks.experts}")
 
 
+def masters_problems(c: Any) -> Iterator[Problem]:
+    """Masters on disk (`preinfer.mapped_masters`): one process on the CPU, training the model it maps."""
+    if c.model.masters != "disk":
+        return
+    why = "host with {}: masters on disk are mapped and written by one process on the CPU"
+    if c.run.pipeline > 1:
+        yield "model", "masters", why.format("{run.pipeline} > 1")
+    elif c.run.device != "cpu":
+        yield "model", "masters", why.format(f"{{run.device}} {c.run.device}")
+    elif c.store.path is not None:
+        yield "model", "masters", "host with {store.path} (a cache's suffix is trained from its files in memory)"
+
+
 def expand_problems(c: Any) -> Iterator[Problem]:
     """Landscape expansion's: what an explicit expansion does not run with (auto resolves to none there)."""
     if c.blocks.expand not in ("auto", "none"):
@@ -298,6 +312,8 @@ def expand_conflicts(c: Any, expand: str) -> Iterator[Problem]:
     b = c.blocks
     if b.active is not None:
         yield "blocks", "expand", "none with {blocks.active} (it keeps the layers above the active block frozen)"
+    if c.model.masters == "disk":
+        yield "blocks", "expand", "none with {model.masters} disk (a visit writes only its own block's masters)"
     if expand == "sgd" and c.run.dp_sync != "step":
         yield "blocks", "expand", "lowrank or none with {run.dp_sync} " + c.run.dp_sync + " (the sgd step updates " \
                                   "the layers above the block, which the replicas' average does not cover)"

@@ -6,8 +6,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from preinfer.config.choices import (
-    DEFAULT_ATTENTION, DEFAULT_LOSS_CHUNK, DEFAULT_LR, DEFAULT_WEIGHT_DECAY, Attention, BlockOrder, Expand, ExpertPart, FrozenDtype, Loss, LrDecay, Masters, Mode, Names, Optimizer,
-    PipelineSchedule, Precision, PreInferenceMode, StopRuleName, StoreDtype, StoreFormat, Tracker,
+    DEFAULT_ATTENTION, DEFAULT_LOSS_CHUNK, DEFAULT_LR, DEFAULT_WEIGHT_DECAY, Attention, BlockOrder, Expand,
+    ExpertPart, FrozenDtype, Loss, LrDecay, Masters, Mode, Names, Optimizer, PipelineSchedule, PreInferenceMode,
+    Precision, StopRuleName, StoreDtype, StoreFormat, Tracker,
 )
 from preinfer.config.rules import Naming, check
 from preinfer.sizes import parse_size

@@ -28,7 +28,8 @@ from tests.helpers.cli_run import failure_line
 from tests.helpers.composition import ModelBuilds
 
 SKIPPED = {"run.out", "data.path", "run.device", "data.token_store", "pre_inference.store_dir", "store.path",
-           "pre_inference.dask", "model.chat_template", "model.chat_template_name"}  # set by the harness or need a service
+           "pre_inference.dask", "model.chat_template", "model.chat_template_name",  # set by the harness or need a service
+           "model.masters"}  # disk needs a model directory, and every model here is a preset (tests/test_disk_masters.py)
 NUMBERS = ([0, 1, 2, 3, 0.5, 1e-3, 2.0], [-2, -1.0, 1e40, math.inf])
 
 # key: (valid values, invalid ones); a set key takes an invalid value with chance `BAD`
