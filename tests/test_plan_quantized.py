@@ -197,9 +197,10 @@ def test_a_cpu_plan_budgets_this_machine_s_memory_and_counts_the_host_masters(tm
 @pytest.mark.slow
 def test_bench_scale_quick_runs_every_process_and_sets_its_peak_rss_beside_the_planner(tmp_path, capsys):
     from bench import scale
+    from bench.lib.common import ROOT
 
     assert scale.main(["--quick", "--work", str(tmp_path)]) == 0
-    result = json.loads((scale.ROOT / "bench" / "out" / "scale-quick.json").read_text())
+    result = json.loads((ROOT / "bench" / "out" / "scale-quick.json").read_text())
     assert result["plan"]["exit"] == 0 and result["plan"]["full_adam"] > result["plan"]["bcd_live_ufp_1_3"] > 0
     row = result["bcd_ufp_1_3"]
     assert row["exit"] == 0 and row["peak_rss"] > row["planned"] and row["rss_over_planned"] > 1

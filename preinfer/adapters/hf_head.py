@@ -13,6 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from preinfer.chunked_loss import LinearHead, Term
+from preinfer.errors import UnsupportedModelError
 
 SOFTCAP = (("softcap", "final_logit_softcapping"),)
 LOGIT_SCALE = (("mul", "logit_scale"),)
@@ -55,4 +56,5 @@ def output_slot(model: nn.Module) -> tuple[nn.Module, str]:
         for child_name, child in module.named_children():
             if child is output:
                 return module, child_name
-    raise LookupError("the output embeddings are no child of the model")
+    raise UnsupportedModelError(f"{type(model).__name__}: its output embeddings are no child module of the model, "
+                                "so its head cannot run chunk by chunk; use --loss plain")

@@ -70,10 +70,11 @@ EXACT_REWRITES = ("stores-on", "stores-auto", "fused", "pipeline2")
 
 def reference(combination: tuple[str, ...]) -> tuple[str, ...] | None:
     """The combination without its exact rewrites (`EXACT_REWRITES`), which must end with its weights; None where
-    it has none. The fused step stays where the partition is chosen by memory (it needs less, so the blocks may
-    differ), a pipeline where data-parallel replicas are (their one-process run reads other batches)."""
+    it has none. The fused step and a pipeline stay where the partition is chosen by memory (the fused step needs
+    less, and a pipeline's stages are priced each as its own card, so the blocks may differ), a pipeline where
+    data-parallel replicas are (their one-process run reads other batches)."""
     kept = {"pipeline2"} if "dp2" in combination else set()
-    rewrites = set(EXACT_REWRITES) - kept - ({"fused"} if "ufp-auto" in combination else set())
+    rewrites = set(EXACT_REWRITES) - kept - ({"fused", "pipeline2"} if "ufp-auto" in combination else set())
     plain = tuple(f for f in combination if f not in rewrites)
     return plain if plain != combination else None
 
