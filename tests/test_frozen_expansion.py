@@ -13,7 +13,7 @@ from preinfer.expansion import LowRankExpansion, linear_weights
 from preinfer.frozen_weights import FrozenWeight, QuantizedFrozenLayers, decode, encode
 from preinfer.partition import make_partition
 from preinfer.presets import build_preset
-from tests.helpers.trainers import live_batches, make_trainer, snapshot
+from tests.helpers.trainers import assert_resumes_as, live_batches, make_trainer, snapshot
 from tests.helpers.training_runs import assert_close
 
 
@@ -134,12 +134,7 @@ def test_resume_mid_visit_with_codes_and_expansion_is_bit_identical(tmp_path, dt
     halted = make_trainer(run_dir=tmp_path / "b", **overrides)
     reference.fit()
     halted.fit(max_total_steps=2)  # mid-visit: block 0, step 2 of 4, the suffix's codes expanded
-    resumed = make_trainer(run_dir=tmp_path / "b", **overrides)
-    resumed.resume()
-    resumed.fit()
-    ref, got = snapshot(reference.staged.model), snapshot(resumed.staged.model)
-    assert all(torch.equal(ref[k], got[k]) for k in ref)
-    assert [v["eval_loss"] for v in resumed.position.visits] == [v["eval_loss"] for v in reference.position.visits]
+    assert_resumes_as(reference, tmp_path / "b", **overrides)
 
 
 @pytest.mark.parametrize("dtype,expand,change", [("int8", "lowrank", dict(run__recompute=True)),

@@ -10,7 +10,7 @@ from preinfer.errors import UsageError
 from preinfer.memory.meter import MemoryMeter
 from preinfer.metrics import StepRecord
 from preinfer.block_order import sweep_order
-from tests.helpers.trainers import make_trainer, snapshot
+from tests.helpers.trainers import assert_resumes_as, make_trainer, snapshot
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])
@@ -163,12 +163,7 @@ def test_resume_is_bit_identical(tmp_path, precision):
     if precision != "fp32":  # the fp32 masters hold what the bf16 weights cannot, and travel with the checkpoint
         assert [m.shape for m in masters[:own]] == [p.shape for p in params]
         assert any(not torch.equal(m, p.float()) for m, p in zip(masters, params))
-    resumed = make_trainer(run_dir=tmp_path / "b", **overrides)
-    resumed.resume()
-    resumed.fit()
-    ref, got = snapshot(reference.staged.model), snapshot(resumed.staged.model)
-    assert all(torch.equal(ref[k], got[k]) for k in ref)
-    assert [v["eval_loss"] for v in resumed.position.visits] == [v["eval_loss"] for v in reference.position.visits]
+    resumed = assert_resumes_as(reference, tmp_path / "b", **overrides)
     if precision == "fp16-mixed":
         assert halted.scaler.skipped > 0 and resumed.scaler.state_dict() == reference.scaler.state_dict()
 

@@ -54,15 +54,16 @@ def snapshot(model):
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def assert_resumes_as(reference, run_dir, **overrides) -> None:
+def assert_resumes_as(reference, run_dir, **overrides):
     """A trainer resumed from `run_dir`'s checkpoint and run to the end has `reference`'s weights, bit for bit, and
-    its visits' eval losses."""
+    its visits' eval losses; returns it."""
     resumed = make_trainer(run_dir=run_dir, **overrides)
     resumed.resume()
     resumed.fit()
     ref, got = snapshot(reference.staged.model), snapshot(resumed.staged.model)
     assert all(torch.equal(ref[k], got[k]) for k in ref)
     assert [v["eval_loss"] for v in resumed.position.visits] == [v["eval_loss"] for v in reference.position.visits]
+    return resumed
 
 
 def drive_as_hf_trainer(bcd, batches: list[dict]) -> None:
