@@ -48,11 +48,10 @@ def test_bcd_on_and_off_end_with_the_same_weights(tmp_path, corpus, preset, atte
 def test_auto_forced_to_stores_ends_with_the_weights_of_off_and_revises_its_plan(tmp_path, corpus, monkeypatch,
                                                                                  pinned_rates):
     """A prefix forward first estimated 1000x slower than the stores then measure it (both given, not timed) makes
-    `auto` plan stores (visits of two epochs, rolled forward; no probe, so that the builds are first priced at the
-    live forward's rate); the first store built measures the builds' own rate, and the rest of the sweep is planned
-    again (logged). Weights equal `off`'s either way."""
+    `auto` plan stores (visits of two epochs, rolled forward; no probe: builds first priced at the live rate); the
+    first store built measures the builds' own rate, and the rest of the sweep is planned again (logged). Weights
+    equal `off`'s either way."""
     from pipelines.pre_inference import probe
-
     pin_layer_forward(monkeypatch.setattr, 1000 * pinned_rates.layer_seconds)
     monkeypatch.setattr(probe, "probe_seconds", lambda samples, sample_bytes, rates: math.inf)
     off_config = config_for(tmp_path, corpus, "off", mode="off")
@@ -113,21 +112,6 @@ def test_auto_times_the_disk_before_its_first_plan(tmp_path, corpus, monkeypatch
     assert not [r for r in cache_records(gated_config.run.out) if r.how == "probe"]
     short_plans = [r for r in read_metrics(RunDir(short_config.run.out).metrics) if isinstance(r, SweepPlanRecord)]
     assert short_plans[0].chosen == "live" and short_plans[0].write_bps == ASSUMED_WRITE_BPS
-
-
-def test_the_probe_is_priced_from_its_size_and_the_measured_forward_and_made_only_where_it_could_pay():
-    """Stores that save a little beyond the margin on a free disk (a sweep of 32-step visits over 64 samples, the
-    rates given): a probe of one sample (one sample a shard) is worth its cost, one of 64 samples at the same
-    forward per sample is not; a faster build forward makes the larger one worth it too."""
-    from pipelines.pre_inference import probe
-    from pipelines.pre_inference.sweep_plan import Throughputs, Visit, Workload
-
-    work = Workload(visits=tuple(Visit(b, 2 * b, 32) for b in range(3)), num_layers=6, samples_per_step=4,
-                    train_samples=64, eval_split_samples=16, eval_samples=16, sample_bytes=1000, free_bytes=math.inf)
-    slow, fast = (Throughputs(1e-3, 1e9, 1e9, 0.0, build_layer_seconds=s) for s in (2.1e-3, 1e-3))
-    assert probe.probe_seconds(64, 1000, slow) > probe.probe_seconds(1, 1000, slow) > 0
-    assert probe.stores_could_pay(work, slow, shard=1) and not probe.stores_could_pay(work, slow, shard=64)
-    assert probe.stores_could_pay(work, fast, shard=64)
 
 
 @pytest.mark.slow
