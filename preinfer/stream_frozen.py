@@ -54,8 +54,10 @@ class LayerStream:
     (see the module's docstring). `copies`: move the bytes (default: where the device is not the host)."""
 
     def __init__(self, layers: Sequence[nn.Module], device: torch.device | str, codes: bool,
-                 copies: bool | None = None):
-        self.layers, self.device, self.codes = list(layers), torch.device(device), codes
+                 copies: bool | None = None, pin: bool = True):
+        """`pin`: a parameter loaded in host memory gets a pinned copy there (else it is its own host copy: a
+        memory-mapped master, which a pinned copy would read whole into memory)."""
+        self.layers, self.device, self.codes, self.pin = list(layers), torch.device(device), codes, pin
         self.copies = self.device.type != "cpu" if copies is None else copies
         self.side = torch.cuda.Stream(self.device) if self.copies and self.device.type == "cuda" else None
         self.streamed: set[int] = set()
@@ -155,17 +157,36 @@ class LayerStream:
             code.untyped_storage().resize_(0)  # on the compute stream, which allocated it: reused in its order
 
     def _param_to_host(self, param: nn.Parameter) -> None:
-        """`param` pointed at its host copy (up to date with what it held on the device), the device's freed."""
+        """`param` pointed at its host copy (up to date with what it held on the device, or the host tensor that
+        replaced its device one: a trained block mapped from its new file), the device's freed."""
         state = param.__dict__.get("stream_state")
         if state is None:
-            state = param.__dict__["stream_state"] = [param.data, self._host_like(param).copy_(param.data), None]
+            state = param.__dict__["stream_state"] = self._first_state(param)
         device, host, version = state
-        if param.data.data_ptr() == host.data_ptr():
+        current = param.data
+        if current.data_ptr() == host.data_ptr():
             return
-        if version is not None and param._version != version:  # written on the device: the host copy follows
-            host.copy_(param.data)
+        if current.data_ptr() != device.data_ptr() and current.device.type == "cpu":  # replaced, in host memory
+            state[1] = host = current
+        elif current.data_ptr() != device.data_ptr():  # replaced on the device
+            state[0] = device = current
+            host.copy_(current)
+        elif version is not None and param._version != version:  # written on the device: the host copy follows
+            host.copy_(current)
         param.data = host
         device.untyped_storage().resize_(0)
+
+    def _first_state(self, param: nn.Parameter) -> list:
+        """[device tensor, host copy, version written on the device] of a parameter first evicted: one on the
+        device gets a host copy; one loaded in host memory (the placement left it there) gets a device tensor
+        with no storage, and points at its host copy at once (itself, or a pinned copy with `pin`)."""
+        if param.device.type == self.device.type:
+            return [param.data, self._host_like(param).copy_(param.data), None]
+        device = torch.empty(param.shape, dtype=param.dtype, device=self.device)
+        device.untyped_storage().resize_(0)
+        if self.pin:
+            param.data = self._host_like(param).copy_(param.data)
+        return [device, param.data, None]
 
     def _fill(self, index: int) -> torch.cuda.Event | None:
         """Allocate layer `index`'s streamed tensors on the device (on the compute stream) and copy them there (on
@@ -225,7 +246,8 @@ class StreamedFrozenLayers:
 
     def __init__(self, staged: StagedModel, config: Config):
         self.held = [i for i, layer in enumerate(staged.layers) if not any(p.is_meta for p in layer.parameters())]
-        self.stream = LayerStream(staged.layers, config.run.device, config.model.frozen_dtype != "auto")
+        self.stream = LayerStream(staged.layers, config.run.device, config.model.frozen_dtype != "auto",
+                                  pin=config.model.masters == "host")
         self.stream.stream(self.held)
 
     def activate(self, block: Block) -> list[nn.Parameter]:
