@@ -7,10 +7,11 @@ the device now. What a streamed layer keeps in host memory:
   already); the layer's norms and biases stay resident;
 - with frozen dtype auto: every parameter of the layer, in its resident dtype.
 
-On CUDA the host copies are pinned; `fetch` allocates the layer's device storage and copies it on a side stream
-(the compute stream waits for that copy only where it uses the layer: `use`), and `evict` frees it. A tensor keeps
-its identity across the two: a code tensor's storage is resized to nothing and back, so autograd's references to
-it (the backward through a frozen weight) see the refilled codes; a parameter points at its host copy while
+On CUDA the host copies are pinned (but a parameter memory-mapped with `--masters disk`, which is its own host
+copy: `pin`); a layer loaded in host memory (`preinfer.device_placement`) starts evicted. `fetch` allocates the
+layer's device storage and copies it on a side stream (the compute stream waits for that copy only where it uses
+the layer: `use`), and `evict` frees it. A tensor keeps its identity across the two: a code tensor's storage is
+resized to nothing and back, so autograd's references to it (the backward through a frozen weight) see the refilled codes; a parameter points at its host copy while
 evicted (state dicts, checkpoints and exports read it there, and a write there is the one a later `fetch` copies)
 and at its refilled device tensor while fetched (autograd saved the parameter, which then reads the device again).
 Everything runs where the device is the host too, the copies then no-ops (`copies=False`), so the CPU runs the
