@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import preinfer
-from pipelines.training.placement import WholeModel
+from pipelines.training import placement
 from preinfer.config import Config
 from preinfer.device_placement import host_tensors, streamed_tensors
 from preinfer.frozen_weights import FrozenWeight, QuantizedFrozenLayers
@@ -54,7 +54,7 @@ def test_a_streamed_load_leaves_the_frozen_layers_in_host_memory_and_places_what
     original_to = nn.Module.to
     monkeypatch.setattr(nn.Module, "to", lambda self, *a, **k: moves.append(
         torch._C._nn._parse_to(*a, **k)[0]) or original_to(self, *a, **k))
-    model = WholeModel(streamed_config("meta", frozen_dtype), parallel_dims(1, "cpu")).load(0)
+    model = placement.WholeModel(streamed_config("meta", frozen_dtype), parallel_dims(1, "cpu")).load(0)
     assert not [device for device in moves if device is not None]
     staged, reference = preinfer.stage(model), build_preset("tiny-llama", seed=0).state_dict()
     codes = frozen_dtype != "auto"
@@ -74,6 +74,19 @@ def test_a_streamed_load_leaves_the_frozen_layers_in_host_memory_and_places_what
         visit = nbytes(on_device) + nbytes(block) + min(RESIDENT_STREAMED, frozen) * \
             streamed_layer_bytes(shape, settings)
         assert visit == bcd_memory(shape, settings, spans, k, store=False).weights, k
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_on_the_cpu_the_load_moves_nothing(stream, monkeypatch):
+    """The CPU's run path: the model the load builds is the one the run trains, every tensor its own object over its
+    own storage (no copy, no new Parameter), streamed or not."""
+    built = build_preset("tiny-llama", seed=0)
+    tensors = [(id(t), t.data_ptr()) for t in (*built.parameters(), *built.buffers())]
+    monkeypatch.setattr(placement, "resolve_model", lambda *args: built)
+    config = streamed_config("cpu", "int8")
+    config.model.stream_frozen = stream
+    model = placement.WholeModel(config, parallel_dims(1, "cpu")).load(0)
+    assert model is built and [(id(t), t.data_ptr()) for t in (*model.parameters(), *model.buffers())] == tensors
 
 
 def test_the_decision_holds_everything_in_host_memory_on_the_cpu_and_nothing_without_streaming():
@@ -151,7 +164,7 @@ def test_on_cuda_a_streamed_disk_run_exports_the_streamed_host_run_and_loads_onl
     config.model.name, config.run.out = str(model_dir), str(tmp_path / "probe")
     torch.cuda.reset_peak_memory_stats()
     start = torch.cuda.memory_allocated()
-    model = WholeModel(config, parallel_dims(1, "cpu")).load(0)
+    model = placement.WholeModel(config, parallel_dims(1, "cpu")).load(0)
     placed = [t for t in (*model.parameters(), *model.buffers()) if t.is_cuda]
     assert torch.cuda.max_memory_allocated() - start <= sum(-(-nbytes([t]) // 512) * 512 for t in placed)
     assert all(not t.is_cuda for layer in preinfer.stage(model).layers
