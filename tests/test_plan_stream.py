@@ -93,6 +93,9 @@ def test_plan_prints_the_host_column_and_the_streaming_line_and_ufp_auto_counts_
     line = next(line for line in text.splitlines() if line.startswith("run it: "))
     assert line.startswith("run it: preinfer bcd ") and line.endswith("--stream-frozen --masters disk --expand none "
                                                                        "--device cuda")
+    assert main(["plan", "--model", "tiny-llama", "--masters", "disk"]) == 0  # on a GPU: with streamed layers only
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("run it: "))
+    assert line.startswith("run it: none offered: bcd would refuse it") and "cuda unless --stream-frozen" in line
     # without streaming not even one layer a block fits (the first test); bcd --ufp auto plans with streaming
     budget = budget_settings(GOAL.capacity(), "bf16-mixed", 1024, 1, True, "sdpa", frozen_dtype="nf4",
                              optimizer="adamw8bit", fused_step=True, expand="none", separate_ends=True,
