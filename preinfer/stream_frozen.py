@@ -11,9 +11,10 @@ On CUDA the host copies are pinned (but a parameter memory-mapped with `--master
 copy: `pin`); a layer loaded in host memory (`preinfer.device_placement`) starts evicted. `fetch` allocates the
 layer's device storage and copies it on a side stream (the compute stream waits for that copy only where it uses
 the layer: `use`), and `evict` frees it. A tensor keeps its identity across the two: a code tensor's storage is
-resized to nothing and back, so autograd's references to it (the backward through a frozen weight) see the refilled codes; a parameter points at its host copy while
-evicted (state dicts, checkpoints and exports read it there, and a write there is the one a later `fetch` copies)
-and at its refilled device tensor while fetched (autograd saved the parameter, which then reads the device again).
+resized to nothing and back, so autograd's references to it (the backward through a frozen weight) see the
+refilled codes; a parameter points at its host copy while evicted (state dicts, checkpoints and exports read it
+there, and a write there is the one a later `fetch` copies) and at its refilled device tensor while fetched
+(autograd saved the parameter, which then reads the device again).
 Everything runs where the device is the host too, the copies then no-ops (`copies=False`), so the CPU runs the
 same bookkeeping: what is on the device, and its peak (`peak`: at most two layers in a step, the one computing
 and the one being copied).
@@ -167,11 +168,8 @@ class LayerStream:
         current = param.data
         if current.data_ptr() == host.data_ptr():
             return
-        if current.data_ptr() != device.data_ptr() and current.device.type == "cpu":  # replaced, in host memory
+        if current.data_ptr() != device.data_ptr():  # replaced while fetched (masters on disk: the block's new file)
             state[1] = host = current
-        elif current.data_ptr() != device.data_ptr():  # replaced on the device
-            state[0] = device = current
-            host.copy_(current)
         elif version is not None and param._version != version:  # written on the device: the host copy follows
             host.copy_(current)
         param.data = host

@@ -175,7 +175,8 @@ def test_on_cuda_a_streamed_disk_run_exports_the_streamed_host_run_and_loads_onl
                      "--blocks", "3", "--steps-per-visit", "2", "--lr", "1e-3", "--eval-tokens", "32",
                      "--max-samples", "8", "--pre-inference", "off", "--expand", "none", "--frozen-dtype",
                      frozen_dtype, "--optimizer", "adamw8bit", "--fused-step", "--checkpoint-every", "1",
-                     "--stream-frozen", "--device", "cuda", "--masters", masters, "--out", str(tmp_path / masters)]) == 0
+                     "--stream-frozen", "--device", "cuda", "--masters", masters,
+                     "--out", str(tmp_path / masters)]) == 0
     host, disk = (load_file(str(tmp_path / m / "export" / "model.safetensors")) for m in ("host", "disk"))
     assert host.keys() == disk.keys() and all(torch.equal(host[k], disk[k]) for k in host)
     assert load_file(str(RunDir(tmp_path / "disk").checkpoint_weights)) == {}  # every block in its file
