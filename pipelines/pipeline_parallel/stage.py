@@ -11,8 +11,9 @@ steps it), which adds it to its own as the micro-batch's backward reaches the em
 gets the updated values back after the step. Only stages holding part of the active block keep optimizer state (the
 others step an optimizer over no tensors); the active block's gradients are summed across replicas per stage.
 The loss, gradient norm and eval loss are combined across stages so that every rank takes the same decisions.
-Checkpoints are written per stage (`checkpoint/stage-J/`, by the first replica), and rank 0 gathers the stages'
-weights into `checkpoint/model.safetensors`, which the export and `--model RUN_DIR` read.
+Checkpoints are written per stage and replica (`checkpoint/stage-J/` by the first replica, each other one's under
+`replicas/`, with its own data cursor), and rank 0 gathers the first replica's stages' weights into
+`checkpoint/model.safetensors`, which the export and `--model RUN_DIR` read.
 """
 
 from __future__ import annotations
@@ -179,13 +180,16 @@ class StageSeams:
         return any_rank(requested, self.device)
 
     def checkpoint_dir(self, run_dir: RunDir) -> Path:
-        return run_dir.checkpoint / f"stage-{self.dims.stage}"
+        """The first replica's stage J checkpoints in `checkpoint/stage-J/`, replica R's in
+        `replicas/checkpoint-R/stage-J/` (its own data cursor, which reads its own share, and random state)."""
+        replica = self.dims.replica
+        mine = run_dir.checkpoint if replica == 0 else run_dir.replica_checkpoint(replica)
+        return mine / f"stage-{self.dims.stage}"
 
     def save(self, run_dir: RunDir, model: nn.Module, optimizers: dict[int, dict], trainer_state: dict,
              masters: list[torch.Tensor]) -> None:
-        """Each stage's checkpoint (first replica), then rank 0 gathers the stages' weights into one file."""
-        if self.dims.replica == 0:
-            save_checkpoint(self.checkpoint_dir(run_dir), model, optimizers, trainer_state, masters)
+        """Each rank's stage checkpoint, then rank 0 gathers the first replica's stages' weights into one file."""
+        save_checkpoint(self.checkpoint_dir(run_dir), model, optimizers, trainer_state, masters)
         dist.barrier()
         if self.rank == 0:
             gather_weights([run_dir.checkpoint / f"stage-{j}" / WEIGHTS for j in range(self.dims.pipeline)],
