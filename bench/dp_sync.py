@@ -9,7 +9,8 @@ compute seconds of a step (its wall on this machine, where the ranks' link is th
 modelled at 10 and 25 Gbps: compute + bytes / bandwidth (no overlap). Ratios are to step sync's row of the same
 ranks: bytes, eval loss (percent above), modelled wall. Every row trains the same steps (--steps-per-visit a visit,
 100 by default: the visit rows sync once in 100 steps), so the rows are at equal tokens. The plot (--plot, a PNG)
-draws each row's training loss against the bytes its rank 0 had sent by then, one panel per world size. The
+draws each row's training loss against the bytes its rank 0 had sent by then, and its final eval loss at its total
+bytes, one panel per world size. The
 machine is shared and small (2 cores; 4 ranks share them): keep runs short, read medians and ratios, not absolute
 seconds. The wall measured over a rate-limited link is `bench.dp_sync_link`'s.
 
@@ -67,9 +68,10 @@ def plot(rows: list[dict], work: Path, path: str) -> None:
     for axis, ranks in zip(axes[0], worlds):
         for row in (r for r in rows if r["ranks"] == ranks):
             sent, loss = loss_against_bytes(work / f"{ranks}-{row['mode']}")
-            axis.plot([max(b, 1) for b in sent], loss, label=row["mode"], linewidth=1)
+            line, = axis.plot([max(b, 1) for b in sent], loss, label=row["mode"], linewidth=0.8, alpha=0.7)
+            axis.plot(sent[-1], row["eval_loss"], "o", color=line.get_color(), markersize=5)
         axis.set(xscale="log", title=f"{ranks} ranks", xlabel="bytes sent by a rank")
-    axes[0][0].set_ylabel("training loss")
+    axes[0][0].set_ylabel("training loss (dots: final eval loss)")
     axes[0][-1].legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=80)

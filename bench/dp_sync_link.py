@@ -4,13 +4,14 @@ Needs root (`ip netns`, `tc`). Two ranks, each in a network namespace of its own
 egress is held to --rate-mbit by a tbf qdisc. Each rank is a torchrun agent of its own (`--nnodes 2`, the static
 rendezvous at rank 0's veth address) and gloo runs over the veth (`GLOO_SOCKET_IFNAME`), as two nodes would.
 
-First both modes run over the veth unlimited: their wall per step there is the compute (the veth's own time is
-small). The rate is then chosen, unless given, so that step sync's bytes of a step take as long as a visit-sync
-step's unlimited wall: step sync's all-reduce costs about the step's compute, as an 8B block's does on 10 Gbps.
-Under the rate, both modes run again. Per mode: the measured wall per step (the visits' `wall_s`, their closing
-syncs included, over the steps), the bytes a rank sent per step (counted at the collectives), the link's throughput
-(one TCP transfer between the namespaces, timed at the receiver) and the model's prediction: the unlimited wall
-per step + bytes per step / throughput (no overlap). The runs are `bench.dp_sync`'s rows (its model, corpus,
+First both modes run over the veth unlimited; visit sync's wall per step there is a step's compute (its steps send
+no block, and its one sync a visit is cheap on the free link). The rate is then chosen, unless given, so that step
+sync's bytes of a step take as long as that compute: step sync's all-reduce costs about the step's compute, as an
+8B block's does on 10 Gbps. Under the rate, both modes run again. Per mode: the measured wall per step (the visits'
+`wall_s`, their closing syncs included, over the steps), the bytes a rank sent per step (counted at the
+collectives), the link's throughput (one TCP transfer between the namespaces, timed at the receiver) and the
+model's prediction: compute + bytes per step / throughput (no overlap), as `preinfer plan --bandwidth-gbps` and
+`bench.dp_sync` model it. The runs are `bench.dp_sync`'s rows (its model, corpus,
 batches and --steps-per-visit). The namespaces are removed at the end, on failure and on SIGTERM too. The machine
 is shared and small (2 cores): read the ratios.
 
@@ -142,9 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         limited = measure(args, link, data, work, "limited")
         seconds = time.perf_counter() - started
-    rows = []
+    rows, compute = [], free["visit"]["wall_s"]  # a step's compute: a step with no block to send, the link free
     for mode in MODES:
-        predicted = free[mode]["wall_s"] + limited[mode]["bytes_per_step"] * 8 / (mbit * 1e6)
+        predicted = compute + limited[mode]["bytes_per_step"] * 8 / (mbit * 1e6)
         wall = limited[mode]["wall_s"]
         rows.append(dict(mode=mode, rate_mbit=rate, measured_mbit=mbit, bytes_per_step=limited[mode]["bytes_per_step"],
                          free_wall_s=free[mode]["wall_s"], wall_s=wall, predicted_s=predicted,
