@@ -29,14 +29,13 @@ from preinfer.atomic_write import write_atomically
 from preinfer.batch_source import BatchSource
 from preinfer.checkpoint import WEIGHTS, Checkpoint, load_checkpoint, save_checkpoint
 from preinfer.config import Config
-from preinfer.errors import PreinferError
 from preinfer.forward_backward import to_device
 from preinfer.grad_buckets import BucketedAllReduce
 from preinfer.memory.layer_spans import LayerSpan
 from preinfer.parallel_dims import ParallelDims
 from preinfer.partition import Block
 from preinfer.run_dir import RunDir
-from preinfer.seams import any_rank
+from preinfer.seams import any_rank, require_one_step
 from preinfer.staged import StagedModel
 from preinfer.visit_optimizer import VisitOptimizer
 from preinfer.wire import Wire
@@ -199,13 +198,7 @@ class StageSeams:
     def load(self, run_dir: RunDir, model: nn.Module) -> Checkpoint:
         """This stage's checkpoint (every stage's must be of the same step)."""
         checkpoint = load_checkpoint(self.checkpoint_dir(run_dir), model)
-        step = torch.tensor(checkpoint.trainer["global_step"], dtype=torch.int64)
-        lowest, highest = step.clone(), step.clone()
-        dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
-        dist.all_reduce(highest, op=dist.ReduceOp.MAX)
-        if lowest != highest:
-            raise PreinferError(f"the stage checkpoints in {run_dir.checkpoint} are of different steps "
-                                f"({int(lowest)} to {int(highest)}); the run cannot resume from them")
+        require_one_step(checkpoint, run_dir, "stage")
         return checkpoint
 
     def _owns_tied(self, block: Block) -> bool:
