@@ -64,7 +64,7 @@ class VisitRecord(Record):
     steps: int  # optimizer steps of the visit
     stop_reason: str  # what ended the visit: steps (a step or epoch budget), plateau, gain or total-steps (the run's)
     eval_loss: float  # mean loss over the eval split after the visit
-    wall_s: float  # the visit's training time
+    wall_s: float  # the visit's training time (data parallel: its closing sync included)
     tokens: int  # as in the step records, at the end of the visit
     source_boundary: int  # 0: token batches (prefix run live); k > 0: trained from a store at boundary k
     lr: float | None = None  # the visit's full learning rate: --lr times the block's --block-lr factor
