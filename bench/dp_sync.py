@@ -81,7 +81,7 @@ def plot(rows: list[dict], work: Path, path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = arguments("python -m bench.dp_sync", __doc__).parse_args(argv)
     work = Path(args.work)
-    data = corpus(work)
+    data = corpus(work, args.corpus)
     rows = []
     for ranks in (int(r) for r in args.ranks.split(",")):
         for mode in args.modes.split(","):

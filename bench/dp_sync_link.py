@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate-mbit", type=float, help="the link's rate (default: chosen from the free runs)")
     args = parser.parse_args(argv)
     work = Path(args.work)
-    data = corpus(work)
+    data = corpus(work, args.corpus)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the namespaces are removed
     with Link() as link:
         free = measure(args, link, data, work, "free")

@@ -263,8 +263,9 @@ TRAINING_FLAGS: list[Flag] = [
     Flag("--outer-momentum", "run", "outer_momentum", "visit, every:N: the outer step's Nesterov momentum, in "
          "[0, 1) (DiLoCo's: 0.9)", dict(type=float)),
     Flag("--grad-compression", "run", "grad_compression", "--dp-sync step: how the replicas sum the gradients: "
-         "none (fp32), bf16 (half the bytes), powersgd:R (PowerSGD's rank-R factors with error feedback)",
-         dict(metavar="{none,bf16,powersgd:R}")),
+         "none (fp32), bf16 (half the bytes), powersgd:R[:W] (PowerSGD's rank-R factors with error feedback; the "
+         "first W steps of each visit summed uncompressed, torch's start_powerSGD_iter, 0 by default)",
+         dict(metavar="{none,bf16,powersgd:R[:W]}")),
     Flag("--report-to", "run", "report_to", f"experiment trackers the run's records go to (rank 0): a comma list of "
          f"{', '.join(TRACKERS)}, offline by default (event files, W&B offline, an MLflow file store in --out); "
          f"each needs its extra, pip install 'preinfer[tensorboard]'"),

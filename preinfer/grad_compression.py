@@ -8,7 +8,10 @@
   summed and orthonormalised, then Q = M^T P summed, and the sum taken as P Q^T; one power iteration a step, Q
   warm-started from the last step's. The other tensors of the bucket are summed uncompressed. Error feedback:
   each replica adds to its next gradient what the factors left out of its own, M - P (M^T P)^T, so nothing is
-  lost, only delayed. The Q and error tensors are the compressor's state, which a mid-visit checkpoint carries.
+  lost, only delayed. `powersgd:R:W` sums the first W steps of each visit uncompressed (torch's
+  `start_powerSGD_iter`, whose default is 1000 steps of a run: the first steps' gradients are the largest and
+  change fastest, and Adam's moments are built from them). The steps, Q and error tensors are the compressor's
+  state, which a mid-visit checkpoint carries; a new visit (a new block) starts them afresh.
   Its sums run when the step's backward has ended (two rounds, not overlapped with backward).
 """
 
@@ -56,11 +59,13 @@ class Bf16Sum(PlainSum):
 
 
 class PowerSgdSum(PlainSum):
-    """`powersgd:R` over buckets of tensors of `shapes` (per bucket, in the bucket's order)."""
+    """`powersgd:R:W` over buckets of tensors of `shapes` (per bucket, in the bucket's order), the first `warmup`
+    steps summed plainly."""
 
-    def __init__(self, wire: Wire, rank: int, shapes: list[list[torch.Size]], device: torch.device):
+    def __init__(self, wire: Wire, rank: int, shapes: list[list[torch.Size]], device: torch.device, warmup: int = 0):
         super().__init__(wire)
-        self.shapes = shapes
+        self.shapes, self.warmup = shapes, warmup
+        self.steps = torch.zeros(1, dtype=torch.int64)  # begun, of this visit
         self.q: dict[tuple[int, int], torch.Tensor] = {}
         self.error: dict[tuple[int, int], torch.Tensor] = {}
         for b, bucket in enumerate(shapes):
@@ -73,8 +78,8 @@ class PowerSgdSum(PlainSum):
                     self.error[b, i] = torch.zeros(n, m, device=device)
 
     def state(self) -> list[torch.Tensor]:
-        """Every Q, then every error, in bucket order."""
-        return [*self.q.values(), *self.error.values()]
+        """The steps begun, every Q, then every error, in bucket order."""
+        return [self.steps, *self.q.values(), *self.error.values()]
 
     def load(self, state: list[torch.Tensor]) -> None:
         """Continue from a mid-visit checkpoint's `state` (none: a fresh start)."""
@@ -88,6 +93,11 @@ class PowerSgdSum(PlainSum):
             tensor.copy_(saved)
 
     def launch(self, bucket: int, flat: torch.Tensor) -> Callable[[], None]:
+        """Start summing `flat` (bucket 0 begins a step): plainly during the warm-up, else once backward ends."""
+        if bucket == 0:
+            self.steps += 1
+        if int(self.steps) <= self.warmup:
+            return super().launch(bucket, flat)
         return lambda: self._sum(bucket, flat)
 
     @torch.no_grad()
@@ -127,7 +137,8 @@ class PowerSgdSum(PlainSum):
 
 def gradient_sum(compression: str, wire: Wire, shapes: list[list[torch.Size]], device: torch.device) -> PlainSum:
     """The bucket sum `compression` names, over buckets of tensors of `shapes` on `device`."""
-    rank = parse_grad_compression(compression)
-    if rank is not None:
-        return PowerSgdSum(wire, rank, shapes, device)
+    powersgd = parse_grad_compression(compression)
+    if powersgd is not None:
+        rank, warmup = powersgd
+        return PowerSgdSum(wire, rank, shapes, device, warmup)
     return Bf16Sum(wire) if compression == "bf16" else PlainSum(wire)

@@ -1,7 +1,8 @@
 """`--grad-compression`'s bucket sums (`preinfer.grad_compression`) on two gloo processes started once: bf16 equals
 torch's own `bf16_compress_hook` (times the world size: the buckets hold shares of the mean, not gradients to
 average); PowerSGD sums gradients of rank at most R exactly, its error feedback loses nothing over the steps (the
-compressed sums plus the replicas' errors are the exact sums), and the bytes each rank sends are the factors'."""
+compressed sums plus the replicas' errors are the exact sums), the bytes each rank sends are the factors', and
+its warm-up steps are plain fp32 sums."""
 
 import json
 from pathlib import Path
@@ -83,6 +84,12 @@ def _rank(rank: int, init_file: str, results: str) -> None:
     out["feedback_error"] = max(((total[i] + e - exact[i]).norm() / exact[i].norm()).item()
                                 for i, e in errors.items())
     out["vector_error"] = ((total[1] - exact[1]).norm() / exact[1].norm()).item()  # summed whole
+    plain, _ = summed(gradients(rank, 0, low_rank=False), "none")
+    warm, reducer = summed(gradients(rank, 0, low_rank=False), "powersgd:2:1")  # one plain step, then PowerSGD
+    out["warmup_equal"] = all(torch.equal(a, b) for a, b in zip(warm, plain))
+    out["warmup_bytes"] = reducer.sum.wire.step_bytes
+    _, reducer = summed(gradients(rank, 1, low_rank=False), "powersgd:2:1", reducer.state())
+    out["after_warmup_bytes"] = reducer.sum.wire.step_bytes
     Path(results, f"{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 
@@ -112,7 +119,22 @@ def test_powersgd_error_feedback_loses_nothing_over_the_steps(two_ranks):
     assert all(rank["feedback_error"] <= 1e-5 and rank["vector_error"] <= 1e-6 for rank in two_ranks)
 
 
-@pytest.mark.parametrize("text", ["powersgd", "powersgd:0", "bf8", "powersgd:x"])
+@pytest.mark.distributed
+def test_powersgd_warm_up_sums_its_steps_plainly_then_compresses(two_ranks):
+    """`powersgd:2:1`: the first step's sum is fp32 all-reduce's bit for bit, the second (the state carried) sends
+    the factors."""
+    elements = sum(torch.Size(shape).numel() for shape in SHAPES)
+    factors = sum((shape[0] + shape[1]) * 2 for shape in SHAPES if len(shape) == 2)
+    assert all(rank["warmup_equal"] and rank["warmup_bytes"] == 4 * elements
+               and rank["after_warmup_bytes"] == 4 * (factors + 40) for rank in two_ranks)
+
+
+def test_compression_parses_rank_and_warm_up():
+    assert [parse_grad_compression(t) for t in ("none", "bf16", "powersgd:4", "powersgd:8:20")] == \
+        [None, None, (4, 0), (8, 20)]
+
+
+@pytest.mark.parametrize("text", ["powersgd", "powersgd:0", "bf8", "powersgd:x", "powersgd:4:", "powersgd:4:1:2"])
 def test_a_bad_compression_is_refused(text):
     with pytest.raises(UsageError, match=f"^--grad-compression {text}: expected none, bf16 or powersgd:R"):
         parse_grad_compression(text)

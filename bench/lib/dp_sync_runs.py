@@ -5,6 +5,7 @@ on), seed and global batch, and what a run's rank 0 recorded (eval loss, bytes s
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import shutil
 import statistics
@@ -36,16 +37,18 @@ def arguments(prog: str, description: str) -> argparse.ArgumentParser:
     parser.add_argument("--global-batch", type=int, default=8, help="sequences a step over all ranks")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--corpus", default="argparse",
+                        help="the Python standard library module whose source is the corpus (argparse: the rows' own)")
     parser.add_argument("--work", default=str(ROOT / "runs" / "bench-dp-sync"), help="where the runs go")
     parser.add_argument("--plot", help="a PNG of training loss against bytes sent (default: none)")
     return parser
 
 
-def corpus(work: Path) -> str:
-    """The source of Python's `argparse` module as a text corpus."""
+def corpus(work: Path, module: str = "argparse") -> str:
+    """The source of Python's standard library module `module` as a text corpus."""
     path = work / "corpus.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(Path(argparse.__file__).read_text())
+    path.write_text(Path(importlib.import_module(module).__file__).read_text())
     return str(path)
 
 

@@ -128,7 +128,7 @@ class RunConfig:
     dp_sync: str = "step"  # data-parallel replicas agree: step (gradients), visit or every:N (the block averaged)
     outer_lr: float = 1.0  # visit, every:N: the outer step's rate (1 with momentum 0: the plain average)
     outer_momentum: float = 0.0  # visit, every:N: the outer step's Nesterov momentum (DiLoCo: 0.9)
-    grad_compression: str = "none"  # step sync: how the gradients are summed: none (fp32), bf16 or powersgd:R
+    grad_compression: str = "none"  # step sync: how the gradients are summed: none (fp32), bf16 or powersgd:R[:W]
     report_to: Names[Tracker] = comma_list("none")  # experiment trackers, each named once (rank 0 reports)
 
 

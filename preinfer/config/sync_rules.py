@@ -64,14 +64,16 @@ def parse_dp_sync(text: str) -> DpSync:
     raise UsageError(f"--dp-sync {text}: expected {DP_SYNC_GRAMMAR}")
 
 
-COMPRESSION_GRAMMAR = "none, bf16 or powersgd:R (R an integer >= 1)"
+COMPRESSION_GRAMMAR = ("none, bf16 or powersgd:R[:W] (R an integer >= 1, the rank; W an integer >= 0, the steps "
+                       "of each visit summed uncompressed first, 0 by default)")
 
 
-def parse_grad_compression(text: str) -> int | None:
-    """The PowerSGD rank of `text` (None for none and bf16); a UsageError when it is none of the three."""
+def parse_grad_compression(text: str) -> tuple[int, int] | None:
+    """PowerSGD's rank and warm-up steps of `text` (None for none and bf16); a UsageError when it is none of the
+    three."""
     if text in ("none", "bf16"):
         return None
-    head, _, rank = text.partition(":")
-    if head == "powersgd" and rank.isdigit() and int(rank) >= 1:
-        return int(rank)
+    head, *numbers = text.split(":")
+    if head == "powersgd" and len(numbers) in (1, 2) and all(n.isdigit() for n in numbers) and int(numbers[0]) >= 1:
+        return int(numbers[0]), int(numbers[1]) if len(numbers) == 2 else 0
     raise UsageError(f"--grad-compression {text}: expected {COMPRESSION_GRAMMAR}")
