@@ -1,6 +1,6 @@
 """The rows `bench.dp_sync` and `bench.dp_sync_link` run: each `--dp-sync` / `--grad-compression` mode's `preinfer
 bcd` command line over one model, corpus (the source of Python's own `argparse` module, which no default was tuned
-on), seed and global batch, and what a run's rank 0 recorded (eval loss, bytes sent, the step's wall)."""
+on, or another standard library module's), seed and global batch, and what a run's rank 0 recorded (eval loss, bytes sent, the step's wall)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,10 @@ MODES = {  # row: flags
     "step": ["--dp-sync", "step"],
     "step+bf16": ["--dp-sync", "step", "--grad-compression", "bf16"],
     "step+powersgd:4": ["--dp-sync", "step", "--grad-compression", "powersgd:4"],
+    "step+powersgd:4:2": ["--dp-sync", "step", "--grad-compression", "powersgd:4:2"],
+    "step+powersgd:4:20": ["--dp-sync", "step", "--grad-compression", "powersgd:4:20"],
+    "step+powersgd:8": ["--dp-sync", "step", "--grad-compression", "powersgd:8"],
+    "step+powersgd:8:20": ["--dp-sync", "step", "--grad-compression", "powersgd:8:20"],
     "every:10": ["--dp-sync", "every:10"],
     "visit": ["--dp-sync", "visit"],
     "visit+outer": ["--dp-sync", "visit", "--outer-lr", "0.7", "--outer-momentum", "0.9"],
