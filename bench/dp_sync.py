@@ -1,8 +1,8 @@
 """How data-parallel replicas agree, side by side (issue 46): `--dp-sync` step, visit (plain average and DiLoCo's
 outer Nesterov step) and every:N, and step sync's `--grad-compression` bf16 and powersgd:R, each a torchrun job of
 --ranks gloo CPU processes over the same model, corpus, seed and global batch (equal tokens: --global-batch split
-over the ranks), on a corpus no default was tuned on (the source text of Python's own `argparse` module; `--corpus MODULE`
-another standard library module's).
+over the ranks), on a corpus no default was tuned on (the source text of Python's own `argparse` module;
+`--corpus MODULE` another standard library module's).
 
 Measured per row, from the run's metrics.jsonl: the eval loss after the last visit; the bytes each rank sent per
 step (`sent_bytes`, counted at the collectives: step and visit records, the visits' closing syncs included); the

@@ -1,6 +1,7 @@
 """The rows `bench.dp_sync` and `bench.dp_sync_link` run: each `--dp-sync` / `--grad-compression` mode's `preinfer
 bcd` command line over one model, corpus (the source of Python's own `argparse` module, which no default was tuned
-on, or another standard library module's), seed and global batch, and what a run's rank 0 recorded (eval loss, bytes sent, the step's wall)."""
+on, or another standard library module's), seed and global batch, and what a run's rank 0 recorded (eval loss,
+bytes sent, the step's wall)."""
 
 from __future__ import annotations
 
