@@ -22,6 +22,7 @@ import preinfer
 from preinfer.batch_source import VisitSources
 from preinfer.config import Config
 from preinfer.config.resolved import check_resolved, resolve_run
+from preinfer.expansion import widest_rank
 from preinfer.model_config import local_config, skeleton
 from preinfer.moe import sparse_blocks
 from preinfer.parallel_dims import parallel_dims
@@ -36,6 +37,7 @@ from pipelines.training.placement import Placement, WholeModel
 from pipelines.models.mapped import check_mapped_source
 from pipelines.data.corpus import CorpusDigest
 from pipelines.training.inputs import check_inputs, run_corpus
+from pipelines.training.memory_check import check_memory
 from pipelines.pre_inference.stores import owning_store_dir
 from pipelines.models.partition_choice import partition_for
 from pipelines.models.source import config_source, stored_dtype
@@ -116,8 +118,8 @@ def resolve(config: Config, placement: Placement, first: int) -> Resolution:
     staged = preinfer.stage(model)
     partition, active = partition_for(staged, config, first_layer=first, precision=precision)
     sparse = bool(sparse_blocks(staged.layers))
-    resolved = resolve_run(check_resolved(config, precision, blocks=len(partition), sparse=sparse), precision,
-                           sparse=sparse, blocks=len(partition))
+    checked = check_resolved(config, precision, blocks=len(partition), sparse=sparse, widest=widest_rank(staged))
+    resolved = resolve_run(checked, precision, sparse=sparse, blocks=len(partition))
     return Resolution(model, loaded, precision, staged, partition, active, resolved)
 
 
@@ -125,12 +127,15 @@ def check_structure(config: Config) -> None:
     """The rules of the model's structure (its partition's size, its sparse layers) and of the precision `auto`
     resolves to, judged on the model built on the meta device and the dtype its weights are stored in: a run they
     refuse reads no weight and initialises no preset. A partition the memory budget chooses (`ufp` auto) is
-    planned here in that precision, as the loaded run plans it."""
+    planned here in that precision, as the loaded run plans it; then the plan's largest visit is held against the
+    device's memory (`check_memory`)."""
     source = config_source(config.model.name)
     staged = skeleton(local_config(source), source)
     precision = resolve_precision(config.run.precision, stored_dtype(config.model.name))
-    blocks = len(partition_for(staged, config, precision=precision)[0])
-    check_resolved(config, precision, blocks=blocks, sparse=bool(sparse_blocks(staged.layers)))
+    partition, active = partition_for(staged, config, precision=precision)
+    check_resolved(config, precision, blocks=len(partition), sparse=bool(sparse_blocks(staged.layers)),
+                   widest=widest_rank(staged))
+    check_memory(config, staged, partition, active, precision)
 
 
 def sources(config: Config, placement: Placement, staged: preinfer.StagedModel,

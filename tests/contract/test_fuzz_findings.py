@@ -77,7 +77,8 @@ def test_a_partition_the_memory_budget_chooses_is_judged_before_the_model_loads(
 def test_the_budget_s_partition_before_the_load_is_planned_in_the_precision_the_stored_weights_resolve(
         tmp_path, corpus, capsys, monkeypatch):
     """A 6 MiB budget holds tiny-llama in 2 blocks in fp32, in 1 in fp16-mixed: saved in float16, precision auto
-    resolves to fp16-mixed, and the plan made before the load (no weight read) has the loaded run's 1 block."""
+    resolves to fp16-mixed, and the plan made before the load (no weight read) has the loaded run's 1 block; a
+    rule of fp16-mixed (issue 48 case 1) is judged then as well."""
     import torch
 
     import pipelines.models.source
@@ -95,6 +96,9 @@ def test_the_budget_s_partition_before_the_load_is_planned_in_the_precision_the_
     code, _, err = run_cli(["bcd", "--config", str(path), "--data", corpus, "--out", str(tmp_path / "run")], capsys)
     assert code == 2 and not (tmp_path / "run").exists(), err
     assert f"{path}: [optim] block_lr = '1,0.5': expected 1 factors, one per block" in failure_line(err)
+    code, _, err = run_cli(["bcd", "--model", str(model), "--data", corpus, "--blocks", "2", "--expand", "sgd",
+                            "--out", str(tmp_path / "run")], capsys)  # case 1's rule: judged before the load too
+    assert code == 2 and "--precision auto, resolved from the model's weights to fp16-mixed" in failure_line(err)
     path.write_text(f'{TOML_HEAD}[optim]\nblock_lr = "0.5"\n{budget}')
     check_structure(load_config(path))  # the loaded run's partition: one block
     path.write_text(f'{TOML_HEAD}[optim]\nblock_lr = "1,0.5"\n{budget}[run]\nprecision = "fp32"\n')
