@@ -39,7 +39,9 @@ def available_memory(device: str) -> tuple[int, str] | None:
 def check_memory(config: Config, staged: preinfer.StagedModel, partition: Partition, active: int | None,
                  precision: str) -> None:
     """Refuse, in one line, a run whose largest visit (of the `active` block alone, where one is) the planner puts
-    above the memory its device has: on the CPU, shared by the ranks of this host."""
+    above the memory its device has: on the CPU, shared by the ranks of this host. A run the planner does not price
+    (it refuses to: a mixture-of-experts model with a frozen dtype, 8-bit moments, the fused step or expansion,
+    which `preinfer plan` prices for dense models only) is not checked."""
     if config.run.skip_memory_check:
         return
     found = available_memory(config.run.device)
@@ -48,10 +50,13 @@ def check_memory(config: Config, staged: preinfer.StagedModel, partition: Partit
     available, where = found
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if config.run.device == "cpu" else 1
     spans = block_spans(partition)
-    settings = run_settings(staged, config, precision, available // ranks)
-    shape = shape_from_config(staged.model.config)
     visits = range(len(spans)) if active is None else [active]
-    largest = max((bcd_memory(shape, settings, spans, k, store=False) for k in visits), key=lambda m: m.total)
+    try:
+        settings = run_settings(staged, config, precision, available // ranks)
+        shape = shape_from_config(staged.model.config)
+        largest = max((bcd_memory(shape, settings, spans, k, store=False) for k in visits), key=lambda m: m.total)
+    except UsageError:  # a run the planner does not price (a frozen dtype or 8-bit moments on experts): unchecked
+        return
     if largest.total * ranks <= available:
         return
     each = f" for each of the host's {ranks} ranks" if ranks > 1 else ""

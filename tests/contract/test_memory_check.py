@@ -93,6 +93,28 @@ def test_a_toml_run_that_cannot_fit_names_what_to_change_by_its_keys(corpus, tmp
     check_structure(load_config(path))  # told to skip: nothing refused
 
 
+@pytest.mark.parametrize("keys, checked", [
+    ({}, True), ({"optim": {"name": "adam8bit"}}, False), ({"blocks": {"expand": "lowrank"}}, False),
+    ({"optim": {"fused_step": True}}, False),
+], ids=["priced", "adam8bit", "lowrank", "fused-step"])
+def test_a_run_the_planner_does_not_price_is_not_refused_by_its_memory_check(monkeypatch, keys, checked):
+    """The planner prices 8-bit moments, the fused step and expansion for dense models only; a mixture-of-experts
+    run with them, which bcd trains, is not checked (it was refused with the planner's words), one without is."""
+    from pipelines.flags import CONFIG_FLAGS
+    from pipelines.training.runner import check_structure
+    from preinfer.config import load_config
+    from preinfer.errors import UsageError
+
+    config = load_config(overrides={"model": {"name": "tiny-moe"}, "data": {"seq_len": 16}, **keys},
+                         flags=CONFIG_FLAGS)
+    available(monkeypatch, 1 << 20)
+    if checked:
+        with pytest.raises(UsageError, match="the plan puts this run's largest visit"):
+            check_structure(config)
+    else:
+        check_structure(config)
+
+
 def test_the_memory_available_is_the_kernel_s_estimate_on_the_host_and_the_card_s_free_memory(tmp_path, monkeypatch):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       16000000 kB\nMemFree:          100000 kB\nMemAvailable:    2097152 kB\n")
