@@ -48,7 +48,6 @@ from transformers.pytorch_utils import Conv1D
 
 from preinfer.config import Config
 from preinfer.config.rules import resolved_expand
-from preinfer.errors import UsageError
 from preinfer.moe import sparse_blocks
 from preinfer.optim import resolved_lr
 from preinfer.partition import Block
