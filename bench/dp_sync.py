@@ -7,83 +7,25 @@ Measured per row, from the run's metrics.jsonl: the eval loss after the last vis
 step (`sent_bytes`, counted at the collectives: step and visit records, the visits' closing syncs included); the
 compute seconds of a step (its wall on this machine, where the ranks' link is the loopback); and the wall per step
 modelled at 10 and 25 Gbps: compute + bytes / bandwidth (no overlap). Ratios are to step sync's row of the same
-ranks: bytes, eval loss (percent above), modelled wall. The machine is shared and small (2 cores): keep runs short,
-read medians and ratios, not absolute seconds. The wall over a rate-limited link (network namespaces joined by a
-veth pair under a tbf qdisc) is not built here: it needs root and `ip`/`tc`.
+ranks: bytes, eval loss (percent above), modelled wall. Every row trains the same steps (--steps-per-visit a visit,
+100 by default: the visit rows sync once in 100 steps), so the rows are at equal tokens. The plot (--plot, a PNG)
+draws each row's training loss against the bytes its rank 0 had sent by then, and its final eval loss at its total
+bytes, one panel per world size. The
+machine is shared and small (2 cores; 4 ranks share them): keep runs short, read medians and ratios, not absolute
+seconds. The wall measured over a rate-limited link is `bench.dp_sync_link`'s.
 
-    python -m bench.dp_sync --ranks 2 --steps-per-visit 10
+    python -m bench.dp_sync --ranks 2,4 --plot docs/dp_sync.png
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import shutil
-import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-from bench.lib.common import ROOT, command_line, machine, table, write_json
+from bench.lib.common import command_line, machine, table, write_json
+from bench.lib.dp_sync_runs import arguments, corpus, measured, records, run
 
-MODES = {  # row: flags
-    "step": ["--dp-sync", "step"],
-    "step+bf16": ["--dp-sync", "step", "--grad-compression", "bf16"],
-    "step+powersgd:4": ["--dp-sync", "step", "--grad-compression", "powersgd:4"],
-    "every:10": ["--dp-sync", "every:10"],
-    "visit": ["--dp-sync", "visit"],
-    "visit+outer": ["--dp-sync", "visit", "--outer-lr", "0.7", "--outer-momentum", "0.9"],
-}
 GBPS = (10, 25)
-
-
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.dp_sync", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", default="2", help="comma list of world sizes, e.g. 2,4")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
-    parser.add_argument("--model", default="tiny-llama")
-    parser.add_argument("--blocks", type=int, default=2)
-    parser.add_argument("--sweeps", type=int, default=2)
-    parser.add_argument("--steps-per-visit", type=int, default=10)
-    parser.add_argument("--global-batch", type=int, default=8, help="sequences a step over all ranks")
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--work", default=str(ROOT / "runs" / "bench-dp-sync"), help="where the runs go")
-    return parser.parse_args(argv)
-
-
-def corpus(work: Path) -> str:
-    """The source of Python's `argparse` module as a text corpus."""
-    path = work / "corpus.txt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(Path(argparse.__file__).read_text())
-    return str(path)
-
-
-def run(args: argparse.Namespace, ranks: int, mode: str, data: str, out: Path) -> None:
-    """One row's torchrun job."""
-    flags = ["bcd", "--model", args.model, "--data", data, "--blocks", str(args.blocks), "--sweeps",
-             str(args.sweeps), "--steps-per-visit", str(args.steps_per_visit), "--batch-size",
-             str(args.global_batch // ranks), "--seq-len", str(args.seq_len), "--lr", str(args.lr), "--seed", "0",
-             "--pre-inference", "off", "--expand", "none", "--grad-clip", "0", "--order", "ascending",
-             "--out", str(out), *MODES[mode]]
-    shutil.rmtree(out, ignore_errors=True)  # this benchmark's own run of an earlier invocation
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-                    "-m", "pipelines.cli", *flags], cwd=ROOT, check=True, capture_output=True,
-                   env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-
-
-def measured(out: Path) -> dict:
-    """Eval loss, bytes a step and compute seconds a step of one run (rank 0's records)."""
-    from preinfer.metrics import StepRecord, VisitRecord, read_metrics
-    from preinfer.run_dir import RunDir
-
-    records = read_metrics(RunDir(out).metrics)
-    steps = [r for r in records if isinstance(r, StepRecord)]
-    visits = [r for r in records if isinstance(r, VisitRecord)]
-    seconds = [(b.tokens - a.tokens) / b.tokens_per_s for a, b in zip(steps, steps[1:])]  # this step's tokens
-    return dict(eval_loss=visits[-1].eval_loss, bytes_per_step=sum(v.sent_bytes for v in visits) / len(steps),
-                compute_s=statistics.median(seconds), steps=len(steps))
 
 
 def with_ratios(rows: list[dict]) -> list[dict]:
@@ -99,8 +41,45 @@ def with_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
+def loss_against_bytes(out: Path) -> tuple[list[float], list[float]]:
+    """Each step's training loss, and the bytes rank 0 had sent by its end (a visit's closing sync counted at the
+    visit's last step)."""
+    steps, visits = records(out)
+    closing = {}  # the last step of each visit: its sync's bytes (the visit's beyond its steps')
+    for visit in visits:
+        mine = [s for s in steps if (s.sweep, s.block) == (visit.sweep, visit.block)]
+        closing[mine[-1].step] = visit.sent_bytes - sum(s.sent_bytes for s in mine)
+    sent, total = [], 0
+    for step in steps:
+        total += step.sent_bytes + closing.get(step.step, 0)
+        sent.append(total)
+    return sent, [s.loss for s in steps]
+
+
+def plot(rows: list[dict], work: Path, path: str) -> None:
+    """Training loss against bytes sent, one panel per world size, one line per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    worlds = sorted({row["ranks"] for row in rows})
+    figure, axes = plt.subplots(1, len(worlds), figsize=(4.2 * len(worlds), 3.2), squeeze=False, sharey=True)
+    for axis, ranks in zip(axes[0], worlds):
+        for row in (r for r in rows if r["ranks"] == ranks):
+            sent, loss = loss_against_bytes(work / f"{ranks}-{row['mode']}")
+            line, = axis.plot([max(b, 1) for b in sent], loss, label=row["mode"], linewidth=0.8, alpha=0.7)
+            axis.plot(sent[-1], row["eval_loss"], "o", color=line.get_color(), markersize=5)
+        axis.set(xscale="log", title=f"{ranks} ranks", xlabel="bytes sent by a rank")
+    axes[0][0].set_ylabel("training loss (dots: final eval loss)")
+    axes[0][-1].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=80)
+    print(f"wrote {path}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
+    args = arguments("python -m bench.dp_sync", __doc__).parse_args(argv)
     work = Path(args.work)
     data = corpus(work)
     rows = []
@@ -115,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     path = write_json("dp_sync", dict(command=command_line("dp_sync", argv or sys.argv[1:]), machine=machine(),
                                       settings=vars(args), rows=rows))
     print(f"wrote {path}")
+    if args.plot:
+        plot(rows, work, args.plot)
     return 0
 
 

@@ -28,7 +28,8 @@ Prints a table and writes bench/out/train.json.
 5. With --scenarios, instead of 1-4: issue 16's scenario table. Whole `bcd` runs with `--pre-inference` auto
    against on and auto against off, each pair at the same time on one core each (so that both meet the same
    machine), --scenario-repeats times, auto over each mode the median of the pairs' ratios, for every scenario
-   {ascending, descending} x {a tenth of an epoch, 1 epoch, 3 epochs per visit} x --sweeps sweeps on each of
+   --scenario-orders x --scenario-epochs per visit (by default {ascending, descending} x {a tenth of an epoch, 1
+   epoch, 3 epochs}) x --sweeps sweeps on each of
    --scenario-models, UFP 1/3, --scenario-samples samples per split, float32 stores, each run in a process of its
    own (its times leave out the process's start and imports). Wall time of each run (and its process CPU
    time), auto over the better of on and off (the larger of the two ratios; target <= 1.05), the final eval
@@ -40,6 +41,8 @@ Prints a table and writes bench/out/train.json.
     python -m bench.train --quick      # tiny-llama, seq 32, a few steps (seconds): a smoke test
     python -m bench.train --store-dtype float8_e4m3,float8_e5m2,int8 --trained RUN_DIR   # lossy stores (issue 14)
     python -m bench.train --scenarios  # the scenario table
+    python -m bench.train --scenarios --scenario-models small-llama,tiny-gpt2 --scenario-orders ascending \
+        --scenario-epochs 2 --sweeps 1 --scenario-repeats 3   # one sweep of 20-step visits (issue 47)
 """
 
 from __future__ import annotations
@@ -91,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scenario-models", default="small-llama,medium-llama", help="[small-llama,medium-llama]")
     p.add_argument("--scenario-samples", type=int, default=80,
                    help="max_samples of each split in the scenario runs [80: 10 steps per epoch at batch 8]")
+    p.add_argument("--scenario-orders", default="ascending,descending", help="[ascending,descending]")
+    p.add_argument("--scenario-epochs", default="0.1,1,3", help="epochs a visit of the scenarios [0.1,1,3]")
     p.add_argument("--scenario-repeats", type=int, default=2,
                    help="pairs (auto, on) and (auto, off) per scenario, run side by side; medians [2]")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny-llama, seq 32, batch 2, a few steps")

@@ -13,9 +13,9 @@ from torch import nn
 
 import preinfer
 from preinfer.config import DEFAULT_ATTENTION
+from preinfer.config.choices import DEFAULT_LOSS_CHUNK
 from preinfer.errors import UsageError
 from preinfer.partition import make_partition
-from preinfer.staged import causal_lm_loss, supervised_tokens
 from preinfer.forward_backward import batch_state
 from pipelines.cache import open_cache
 from pipelines.data.batches import ReaderBatches
@@ -51,13 +51,15 @@ class StoreBatches(torch.utils.data.IterableDataset):
 class StoreSuffix(nn.Module):
     """The layers from `boundary` on and the head of a model whose prefix stays on the meta device (never read).
     Called on a `StoreBatches` batch it returns the mean next-token loss over the batch's supervised tokens, as
-    the trainer computes it; `trainable_parameters()` are the ones `train --store --blocks 1` trains (the only
-ones that require a gradient)."""
+    the trainer computes it (`loss`: the trainer's `--loss` choice, auto by default: chunked where the head is one
+    linear map); `trainable_parameters()` are the ones `train --store --blocks 1` trains (the only ones that
+    require a gradient)."""
 
-    def __init__(self, model: nn.Module, boundary: int):
+    def __init__(self, model: nn.Module, boundary: int, loss: str = "auto", loss_chunk: int = DEFAULT_LOSS_CHUNK):
         super().__init__()
         self.model, self.boundary = model, boundary
         self.staged = preinfer.stage(model)
+        self.staged.use_loss(loss, loss_chunk)
         # what `train --blocks 1` trains above the boundary (a tied embedding stays frozen, as the prefix's)
         self.block = make_partition(self.staged, num_blocks=1, first_layer=boundary).blocks[0]
         model.requires_grad_(False)
@@ -70,18 +72,19 @@ ones that require a gradient)."""
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         device = self.block.params[0].device
         state = batch_state(self.staged, {k: v.to(device) for k, v in batch.items()}, self.boundary)
-        out = self.staged.run(state, self.boundary, self.staged.num_layers)
-        return causal_lm_loss(self.staged.logits(out), out.labels, reduction="sum") / supervised_tokens(out.labels)
+        return self.staged.loss(self.staged.run(state, self.boundary, self.staged.num_layers))
 
 
 def load_store_suffix(model: str, boundary: int, device: str = "cpu", seed: int = 0,
-                      attention: str = DEFAULT_ATTENTION) -> StoreSuffix:
+                      attention: str = DEFAULT_ATTENTION, loss: str = "auto",
+                      loss_chunk: int = DEFAULT_LOSS_CHUNK) -> StoreSuffix:
     """The suffix of `model` (a preset, save_pretrained or run directory) above `boundary`, on `device`, as
-    `train --store` loads it (a preset is built from `seed`; its prefix then dropped). A boundary outside
+    `train --store` loads it (a preset is built from `seed`; its prefix then dropped), computing the loss as
+    `--loss` and `--loss-chunk` say. A boundary outside
     [1, layers] (where a store can be) is refused in one line before anything is loaded."""
     layers = preinfer.stage(meta_model(model, attention)).num_layers
     if isinstance(boundary, bool) or not isinstance(boundary, int) or not 1 <= boundary <= layers:
         raise UsageError(f"load_store_suffix: boundary {boundary!r} is outside [1, {layers}]: {model} has {layers} "
                          f"layers and a store at boundary k holds the input of layer k")
     suffix = load_suffix(model, boundary, seed, attention)
-    return StoreSuffix(to_device(suffix.model, device), boundary)
+    return StoreSuffix(to_device(suffix.model, device), boundary, loss, loss_chunk)

@@ -64,7 +64,7 @@ class VisitRecord(Record):
     steps: int  # optimizer steps of the visit
     stop_reason: str  # what ended the visit: steps (a step or epoch budget), plateau, gain or total-steps (the run's)
     eval_loss: float  # mean loss over the eval split after the visit
-    wall_s: float  # the visit's training time
+    wall_s: float  # the visit's training time (data parallel: its closing sync included)
     tokens: int  # as in the step records, at the end of the visit
     source_boundary: int  # 0: token batches (prefix run live); k > 0: trained from a store at boundary k
     lr: float | None = None  # the visit's full learning rate: --lr times the block's --block-lr factor
@@ -149,20 +149,22 @@ class SweepPlanRecord(Record):
     builds: list[dict]  # per store made: boundary, from (0: the input), before_visit, seconds
     peak_bytes: int  # new store bytes on disk at the plan's peak
     free_bytes: int  # free disk where the stores go
-    layer_seconds: float  # the throughputs assumed: one layer's forward over one sample
+    layer_seconds: float  # the throughputs assumed: one layer's forward over one sample (live and evaluation)
     write_bps: float  # store bytes written per second
     read_bps: float  # store bytes read per second
     store_overhead_s: float  # making one store beyond its forward and bytes
     alternative_s: float | None = None  # None: no alternative
     note: str | None = None  # said once: the order gives stores no reuse
+    build_layer_seconds: float | None = None  # one layer's forward over one sample inside a store's build
 
     def line(self) -> str:
         alternative = "" if self.alternative_s is None else f" {self.alternative_s:.1f} s"
         text = (f"sweep {self.sweep} pre-inference plan ({self.reason}): {self.chosen}, predicted "
                 f"{self.predicted_s:.1f} s; alternative {self.alternative}{alternative}; live {self.live_s:.1f} s; "
                 f"peak disk {self.peak_bytes / 2**20:.1f} MiB of {self.free_bytes / 2**30:.1f} GiB free; "
-                f"assumed layer {1e3 * self.layer_seconds:.3g} ms/sample, write {self.write_bps / 1e6:,.1f} MB/s, "
-                f"read {self.read_bps / 1e6:,.1f} MB/s")
+                f"assumed layer {1e3 * self.layer_seconds:.3g} ms/sample"
+                + ("" if self.build_layer_seconds is None else f" ({1e3 * self.build_layer_seconds:.3g} building)")
+                + f", write {self.write_bps / 1e6:,.1f} MB/s, read {self.read_bps / 1e6:,.1f} MB/s")
         return text if self.note is None else f"{text}\n{self.note}"
 
 

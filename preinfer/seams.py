@@ -36,6 +36,7 @@ from preinfer.batch_source import BatchSource
 from preinfer.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from preinfer.config import Config
 from preinfer.config.sync_rules import parse_dp_sync
+from preinfer.errors import PreinferError
 from preinfer.evaluation import eval_sums
 from preinfer.forward_backward import forward_backward, to_device
 from preinfer.grad_buckets import BucketedAllReduce
@@ -291,9 +292,23 @@ class DataParallel(SingleProcess):
         save_checkpoint(self.checkpoint_dir(run_dir), model, optimizers, trainer_state, masters, sync)
 
     def load(self, run_dir: RunDir, model: nn.Module) -> Checkpoint:
+        """This replica's own checkpoint (every replica's must be of one step: a rank killed in a save may leave its
+        previous one)."""
         checkpoint = load_checkpoint(self.checkpoint_dir(run_dir), model)
+        require_one_step(checkpoint, run_dir, "replicas'")
         self.saved_sync = checkpoint.sync
         return checkpoint
+
+
+def require_one_step(checkpoint: Checkpoint, run_dir: RunDir, whose: str) -> None:
+    """Refuse checkpoints of different steps across the default group's ranks (each rank passes its own)."""
+    step = torch.tensor(checkpoint.trainer["global_step"], dtype=torch.int64)
+    lowest, highest = step.clone(), step.clone()
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+    if lowest != highest:
+        raise PreinferError(f"the {whose} checkpoints in {run_dir.path} are of different steps ({int(lowest)} to "
+                            f"{int(highest)}); the run cannot resume from them")
 
 
 def any_rank(flag: bool, device: torch.device, wire: Wire | None = None) -> bool:

@@ -137,9 +137,18 @@ class StagedModel(ABC):
         """Summed next-token cross entropy over the supervised positions of a final state, as `use_loss` chose."""
         if state.labels is None:
             raise BoundaryStateError("this boundary state carries no labels; pass labels to embed()")
+        return self.output_loss_sum(self.head_output(state), state.labels)
+
+    def head_output(self, state: BoundaryState) -> torch.Tensor:
+        """What the loss chosen by `use_loss` takes from a state at boundary `num_layers`: the logits `[B, T, V]`
+        (plain), else the head's features `[B, T, H]` (a pipeline's last stage sends this to its loss)."""
+        return self.logits(state) if self.loss_kind == "plain" else self.head_features(state)
+
+    def output_loss_sum(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed next-token cross entropy of `head_output`'s `output` against `labels`, as `use_loss` chose."""
         if self.loss_kind == "plain":
-            return causal_lm_loss(self.logits(state), state.labels, reduction="sum")
-        features, targets = shifted_rows(self.head_features(state), state.labels)
+            return causal_lm_loss(output, labels, reduction="sum")
+        features, targets = shifted_rows(output, labels)
         head = self.linear_head()
         if self.loss_kind == "liger" and torch.is_grad_enabled():  # its kernel takes the gradients in forward
             return liger_loss_sum(features, head, targets)

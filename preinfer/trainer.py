@@ -211,8 +211,8 @@ class Trainer:
             every = cfg.run.checkpoint_every
             if reason == "total-steps" or (every and p.global_step % every == 0 and reason is None):
                 self._save_visit_state(train, visit, block, stop)  # a raised budget continues a cut visit
-        wall = time.perf_counter() - started
         self.lifecycle.deactivate(block, visit, p)
+        wall = time.perf_counter() - started  # the replicas' closing sync included
         self.visit = None
         evaluated = time.perf_counter()
         eval_loss = self.evaluate(evaluation)

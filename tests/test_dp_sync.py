@@ -3,7 +3,8 @@
 visit sync with a plain average ends with the mean of the replicas' independently trained blocks (each replica's
 training run in one process on its shard); the outer Nesterov step moves the start by lr (1 + momentum) times
 the replicas' mean change at a visit's one sync; every:1 with SGD (linear in the gradient) ends as step sync; a
-run halted mid-visit and resumed ends bit-identical in each mode (PowerSGD's too); and the bytes each rank sent,
+run halted mid-visit and resumed ends bit-identical in each mode (PowerSGD's too), and so does one whose rank 1 was
+SIGKILLed mid-visit (visit sync), resumed in a new job from the last checkpoint; and the bytes each rank sent,
 counted at the collectives, are those of the block's tensors (compressed: bf16's, PowerSGD's factors) once a step
 or once a visit.
 """
@@ -17,7 +18,7 @@ from safetensors.torch import load_file
 import pipelines.training.placement as placement
 import pipelines.training.runner as runner
 from pipelines.cli import main
-from preinfer.metrics import StepRecord, VisitRecord, read_metrics
+from preinfer.metrics import ResumeRecord, StepRecord, VisitRecord, read_metrics
 from preinfer.parallel_dims import ParallelDims
 from preinfer.presets import build_preset
 from preinfer.run_dir import RunDir
@@ -42,6 +43,7 @@ RUNS = {  # name: flags (each run one sweep of one 4-step visit of layers 2-3)
 }
 RESUMED = {"sgd-step": 2, "every-2-outer": 3, "sgd-powersgd": 2}  # halted after this step (every:2: after its first
 # sync, the outer step's anchor, momentum and step count in each replica's checkpoint; PowerSGD: its Q and errors)
+KILLED = (1, 3)  # the "visit" run again, checkpointed every 2 steps: rank 1 SIGKILLed at the forward of step 3
 
 
 def bcd(corpus: str, out: Path, *flags: str) -> list[str]:
@@ -50,9 +52,12 @@ def bcd(corpus: str, out: Path, *flags: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory, corpus) -> Path:
-    """Every RUNS entry on two ranks, and the RESUMED ones again, halted mid-visit and resumed."""
+    """Every RUNS entry on two ranks, then the KILLED run, whose job fails by the kill; in a second job that run
+    resumed, and the RESUMED ones again, halted mid-visit and resumed."""
     tmp = tmp_path_factory.mktemp("dp-sync")
-    runs, halts = [bcd(corpus, tmp / name, *flags) for name, flags in RUNS.items()], {}
+    killed = bcd(corpus, tmp / "visit-killed", *RUNS["visit"], "--checkpoint-every", "2")
+    torchrun(tmp, 2, [*(bcd(corpus, tmp / name, *flags) for name, flags in RUNS.items()), killed], kill=KILLED)
+    runs, halts = [["bcd", "--out", str(tmp / "visit-killed"), "--resume"]], {}
     two_blocks = [*BASE[:2], *BASE[4:], "--blocks", "2"]  # BASE without --active 2-3: layers 0-1, then 2-3
     runs.append(["bcd", *two_blocks, "--data", corpus, "--dp-sync", "visit", "--out", str(tmp / "visit-expanded")])
     for name, step in RESUMED.items():
@@ -109,6 +114,22 @@ def test_every_step_averaging_with_sgd_ends_as_step_sync(two_ranks):
     assert any(not torch.equal(step[name], initial[name]) for name in step)
     for name in step:
         assert relative(every[name], step[name]) <= 1e-6, name
+
+
+def test_a_run_whose_rank_was_killed_mid_visit_resumes_from_its_last_checkpoint_with_nothing_lost(two_ranks):
+    """The job failed at step 3 (its last checkpoint: step 2's, each replica's own); the resumed job's steps 3 and 4
+    and the visit's end are the uninterrupted run's, its weights bit for bit."""
+    killed, whole = RunDir(two_ranks / "visit-killed"), RunDir(two_ranks / "visit")
+    records, uninterrupted = read_metrics(killed.metrics), read_metrics(whole.metrics)
+    assert [r.step for r in records if isinstance(r, ResumeRecord)] == [2]
+    steps = [(r.step, r.loss) for r in records if isinstance(r, StepRecord)]
+    assert steps == [(r.step, r.loss) for r in uninterrupted if isinstance(r, StepRecord)] and len(steps) == 4
+    assert [r.eval_loss for r in records if isinstance(r, VisitRecord)] == [
+        r.eval_loss for r in uninterrupted if isinstance(r, VisitRecord)]
+    resumed, reference = weights(str(killed.path)), weights(str(whole.path))
+    assert set(resumed) == set(reference) and all(torch.equal(resumed[k], v) for k, v in reference.items())
+    replica = load_file(str(killed.replica_checkpoint(1) / "model.safetensors"))
+    assert all(torch.equal(replica[k], v) for k, v in reference.items())
 
 
 @pytest.mark.parametrize("name", list(RESUMED))

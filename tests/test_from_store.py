@@ -1,6 +1,7 @@
 """Training from stored boundary states: equal to live training, never touching the prefix, never stale."""
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -47,9 +48,12 @@ def test_bcd_on_and_off_end_with_the_same_weights(tmp_path, corpus, preset, atte
 def test_auto_forced_to_stores_ends_with_the_weights_of_off_and_revises_its_plan(tmp_path, corpus, monkeypatch,
                                                                                  pinned_rates):
     """A prefix forward first estimated 1000x slower than the stores then measure it (both given, not timed) makes
-    `auto` plan stores (visits of two epochs, rolled forward); the first store built measures the other speed, and
-    the rest of the sweep is planned again (logged). Weights equal `off`'s either way."""
+    `auto` plan stores (visits of two epochs, rolled forward; no probe: builds first priced at the live rate); the
+    first store built measures the builds' own rate, and the rest of the sweep is planned again (logged). Weights
+    equal `off`'s either way."""
+    from pipelines.pre_inference import probe
     pin_layer_forward(monkeypatch.setattr, 1000 * pinned_rates.layer_seconds)
+    monkeypatch.setattr(probe, "probe_seconds", lambda samples, sample_bytes, rates: math.inf)
     off_config = config_for(tmp_path, corpus, "off", mode="off")
     auto_config = config_for(tmp_path, corpus, "auto", mode="auto")
     for config in (off_config, auto_config):
@@ -62,7 +66,8 @@ def test_auto_forced_to_stores_ends_with_the_weights_of_off_and_revises_its_plan
     assert plans[0].reason == "sweep start" and plans[0].sources[1] > 0 and plans[0].predicted_s < plans[0].live_s
     # the store for block 1 is made; whether block 1 still reads it is the revised plan's call
     assert any(r.boundary == plans[0].sources[1] and r.how == "input" for r in cache_records(auto_config.run.out))
-    assert any(p.reason.startswith("revised: layer_seconds") for p in plans[1:])
+    assert any(p.reason.startswith("revised: build_layer") for p in plans[1:])
+    assert all(p.layer_seconds == plans[0].layer_seconds for p in plans)  # builds do not price the live prefix
     outcome = [r for r in records if isinstance(r, PlanOutcomeRecord)]
     assert len(outcome) == 1 and outcome[0].measured_s > 0 and outcome[0].run_predicted_s == outcome[0].predicted_s
 
@@ -72,9 +77,9 @@ def test_auto_times_the_disk_before_its_first_plan(tmp_path, corpus, monkeypatch
     """`auto`'s first plan uses write and read speeds measured here (a probe store, deleted after), not the
     assumed ones (visits of two epochs, the assumed fixed cost of a store and of the probe set to 0); `on` needs no
     probe, nor does `auto` when no store could pay even on a free disk (one step a visit: a store's prefix forward
-    over the split costs more than the visit's), nor when the stores of this tiny model could not save the probe's
-    own assumed cost (the same run as the first, `PROBE_COST_S` left as it is). The layer forward those choices
-    weigh is given (`PINNED`), not timed; the disk is measured."""
+    over the split costs more than the visit's), nor when the probe would cost more than the stores could save
+    (the same run as the first, the probe priced at 10 s). The layer forward those choices weigh is given
+    (`PINNED`), not timed; the disk is measured, and so is the builds' layer forward."""
     from pipelines.pre_inference import probe
     from pipelines.pre_inference.probe import ASSUMED_READ_BPS, ASSUMED_WRITE_BPS
 
@@ -88,8 +93,9 @@ def test_auto_times_the_disk_before_its_first_plan(tmp_path, corpus, monkeypatch
         config.data.max_samples, config.stop.steps_per_visit = 16, 8  # two epochs a visit
     short_config.data.max_samples, short_config.stop.steps_per_visit = 16, 1
     monkeypatch.setattr(probe, "ASSUMED_STORE_OVERHEAD_S", 0.0)
-    training.run(gated_config, quiet=True)
-    monkeypatch.setattr(probe, "PROBE_COST_S", 0.0)
+    with monkeypatch.context() as priced:
+        priced.setattr(probe, "probe_seconds", lambda samples, sample_bytes, rates: 10.0)
+        training.run(gated_config, quiet=True)
     for config in (auto_config, on_config, short_config):
         training.run(config, quiet=True)
     records = read_metrics(RunDir(auto_config.run.out).metrics)
@@ -98,7 +104,7 @@ def test_auto_times_the_disk_before_its_first_plan(tmp_path, corpus, monkeypatch
     assert len(probes) == 1 and probes[0] < plans[0] and records[probes[0]].bytes > 0
     first = records[plans[0]]
     assert first.write_bps != ASSUMED_WRITE_BPS and first.read_bps != ASSUMED_READ_BPS
-    assert first.write_bps > 0 and first.read_bps > 0
+    assert first.write_bps > 0 and first.read_bps > 0 and first.build_layer_seconds > 0
     assert not list(Path(RunDir(auto_config.run.out).stores).glob("probe*"))
     assert first.store_overhead_s > 0  # the probe store's own fixed cost
     assert not [r for r in cache_records(on_config.run.out) if r.how == "probe"]

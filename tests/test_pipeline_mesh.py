@@ -1,12 +1,16 @@
 """A pipeline x data mesh (`bcd --pipeline 2` under torchrun with 4 processes: 2 replicas of a 2-stage pipeline)
 against one process reading both replicas' batches (invariant 10), in float32 and with the features whose sums
 cross the replicas: fp16-mixed's found-inf agreed over every stage and replica with the low-rank factors' gradients
-summed, and the sgd expansion's step summed over each stage's replicas.
+summed, and the sgd expansion's step summed over each stage's replicas; and the plain run halted mid-visit and
+resumed, each replica from its own checkpoints (its own data cursor).
 """
 
 from pathlib import Path
 
+import json
+
 import pytest
+import torch
 
 import preinfer
 from pipelines.data.batches import token_batches
@@ -65,11 +69,14 @@ MESH_RUNS = {  # name: (flags of the 2 x 2 mesh's run, the same settings of the 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory, corpus) -> Path:
-    """Every MESH_RUNS entry on 2 replicas of a 2-stage pipeline, in one torchrun job of 4 processes."""
+    """Every MESH_RUNS entry on 2 replicas of a 2-stage pipeline, in one torchrun job of 4 processes, and the plain
+    one again, halted after step 3 (the second visit's first) and resumed."""
     tmp = tmp_path_factory.mktemp("mesh")
-    torchrun(tmp, 4, [["bcd", "--model", "tiny-llama", "--blocks", "2", "--data", corpus, *COMMON, *flags,
-                       "--batch-size", "4", "--pipeline", "2", "--attention", "eager", "--out", str(tmp / name)]
-                      for name, (flags, _) in MESH_RUNS.items()])
+    runs = [["bcd", "--model", "tiny-llama", "--blocks", "2", "--data", corpus, *COMMON, *flags, "--batch-size", "4",
+             "--pipeline", "2", "--attention", "eager", "--out", str(tmp / name)]
+            for name, (flags, _) in MESH_RUNS.items()]
+    runs += [[*runs[0][:-1], str(tmp / "plain-resumed")], ["bcd", "--out", str(tmp / "plain-resumed"), "--resume"]]
+    torchrun(tmp, 4, runs, halts={len(runs) - 2: 3})
     return tmp
 
 
@@ -102,6 +109,21 @@ def test_a_pipeline_of_two_times_two_replicas_equals_one_process_reading_both_re
     train(config, staged, blocks, None, LiveSources(ReplicaMicroBatches(data.train, 4, 8), evaluation),
           resume=False, quiet=True)
     assert_close(weights(str(mesh / name)), weights(str(tmp_path / "one")))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_pipeline_with_replicas_resumes_each_replica_from_its_own_cursor(mesh):
+    """Each replica's stages checkpoint their own state (replica 1's under replicas/checkpoint-1/), its data cursor
+    that of its own share; resumed mid-visit, the run ends with the uninterrupted run's weights bit for bit."""
+    run = RunDir(mesh / "plain-resumed")
+    for replica, checkpoint in enumerate((run.checkpoint, run.replica_checkpoint(1))):
+        for stage in range(2):
+            cursor = json.loads((checkpoint / f"stage-{stage}" / "state.json").read_text())["trainer"]["cursor"]
+            assert (cursor["rank"], cursor["world_size"]) == (replica, 2)
+    resumed, whole = weights(str(run.path)), weights(str(mesh / "plain"))
+    assert set(resumed) == set(whole) and all(torch.equal(resumed[k], v) for k, v in whole.items())
 
 
 def test_the_parallel_dims_place_each_replica_s_stages_on_consecutive_ranks():

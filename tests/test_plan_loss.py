@@ -1,5 +1,6 @@
 """The planner's rows of the chunked loss and of checkpoints offloaded to host memory against the meter, on real CPU
-steps of the presets (and of a preset with a vocabulary large enough for the logits to dominate): within 2%."""
+steps of the presets (and of a preset with a vocabulary large enough for the logits to dominate): within 2%; on a
+suffix trained from a store and on a pipeline's last stage, the chunked loss counted as on one process."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import preinfer
-from preinfer.memory.footprint import bcd_memory, full_memory
-from preinfer.memory.layer_spans import partition
+from pipelines.store_training import StoreSuffix
+from preinfer.memory.footprint import bcd_memory, full_memory, stage_memory
+from preinfer.memory.layer_spans import LayerSpan, partition
 from preinfer.memory.meter import MemoryMeter
 from preinfer.memory.settings import Settings
 from preinfer.memory.shapes import shape_from_config
@@ -85,3 +87,42 @@ def test_the_chunked_loss_keeps_far_less_than_the_plain_one_where_the_vocabulary
     plain = bcd_memory(shape, replace(SETTINGS, loss="plain"), partition(shape, BLOCKS), 2, store=False)
     logits = BATCH * SEQ * 4096 * 4
     assert plain.activations - chunked.activations > 0.7 * logits and plain.step > 3 * chunked.step
+
+
+def _store_step_peak(name: str, loss: str) -> int:
+    """tracked_peak of one Adam step of `StoreSuffix` (layers 2.. and the head, vocabulary 4096) on random stored
+    states at boundary 2, with `loss`."""
+    model = _model(name, 4096)
+    suffix = StoreSuffix(model, 2, loss, CHUNK)
+    draws = torch.Generator().manual_seed(0)
+    batch = dict(hidden=torch.randn(BATCH, SEQ, model.config.get_text_config().hidden_size, generator=draws),
+                 attention_mask=torch.ones(BATCH, SEQ, dtype=torch.bool),
+                 position_ids=torch.arange(SEQ).expand(BATCH, SEQ),
+                 labels=torch.randint(0, 4096, (BATCH, SEQ), generator=draws))
+    meter = MemoryMeter(model)
+    optimizer = torch.optim.Adam(suffix.trainable_parameters(), lr=1e-3)
+    with meter.track():
+        suffix(batch).backward()
+    meter.sample(optimizer)
+    optimizer.step()
+    meter.sample(optimizer)
+    return meter.report()["tracked_peak"]
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
+def test_a_store_suffix_and_a_pipelines_last_stage_count_the_chunked_loss_as_one_process_does(name):
+    """What the chunked loss saves against the plain one: on a suffix trained from a store, the planner's (a visit
+    from the store, `store=True`) within 2% of the meter's on a real step; on a pipeline's last stage holding the
+    same layers, the same saving per micro-batch in flight."""
+    shape = shape_from_config(_model(name, 4096).config)
+    above = LayerSpan(2, shape.layers, False, True)
+    blocks = [LayerSpan(0, 2, True, False), above]
+    planned = {loss: bcd_memory(shape, replace(SETTINGS, loss=loss), blocks, 1, store=True)
+               for loss in ("chunked", "plain")}
+    saving = planned["plain"].held - planned["chunked"].held
+    assert saving == pytest.approx(_store_step_peak(name, "plain") - _store_step_peak(name, "chunked"), rel=0.02)
+    for in_flight in (1, 3):
+        stages = {loss: stage_memory(shape, replace(SETTINGS, loss=loss), above, above, in_flight)
+                  for loss in ("chunked", "plain")}
+        assert stages["plain"].activations - stages["chunked"].activations == in_flight * (
+            planned["plain"].activations - planned["chunked"].activations) > 0

@@ -21,8 +21,8 @@ from tests.helpers.corpus_samples import write_corpus
 pytestmark = pytest.mark.distributed
 
 # What each rank measured: the agreed throughputs take the largest time and the smallest speed of each.
-MEASURED = [Throughputs(1e-3, 2e8, 3e8, 0.05, {1: 0.2, 2: 0.4}),
-            Throughputs(2e-3, 1e8, math.inf, 0.01, {1: 0.3, 2: 0.1})]
+MEASURED = [Throughputs(1e-3, 2e8, 3e8, 0.05, {1: 0.2, 2: 0.4}, build_layer_seconds=4e-3),
+            Throughputs(2e-3, 1e8, math.inf, 0.01, {1: 0.3, 2: 0.1}, build_layer_seconds=3e-3)]
 
 
 def _rank(rank: int, init_file: str, corpus: str, root: str) -> None:
@@ -85,4 +85,5 @@ def test_data_parallel_ranks_plan_with_the_slowest_rank_s_throughputs(two_ranks)
     for part in two_ranks[2]:
         agreed = part["agreed"]
         assert agreed.pop("step_seconds") == pytest.approx({"1": 0.3, "2": 0.4})
-        assert agreed == pytest.approx(dict(layer_seconds=2e-3, write_bps=1e8, read_bps=3e8, store_overhead_s=0.05))
+        assert agreed == pytest.approx(dict(layer_seconds=2e-3, write_bps=1e8, read_bps=3e8, store_overhead_s=0.05,
+                                            build_layer_seconds=4e-3))

@@ -1,6 +1,8 @@
-"""Whole-sweep pre-inference plans: the plan for fixed throughputs is the expected one, and never exceeds the disk."""
+"""Whole-sweep pre-inference plans: the plan for fixed throughputs is the expected one, and never exceeds the disk;
+builds are priced at their own layer rate, and the probe from its size and the measured forward."""
 
 import dataclasses
+import math
 import random
 
 import pytest
@@ -207,3 +209,28 @@ def test_the_switching_cost_of_the_gain_rule_is_the_store_s_build_or_the_live_pr
         store_cost(work, RATES, 4, [2])[1] == pytest.approx(2 * 1100 * 5e-4 + 2 * STORE / 1e9)
     assert sweep_plan.switch_seconds(work, RATES, Visit(block=1, start=2, steps=EPOCH), stores_read=True) == 0.0
     assert sweep_plan.switch_seconds(work, RATES, Visit(block=0, start=0, steps=EPOCH), stores_read=False) == 0.0
+
+
+def test_builds_are_priced_at_the_builds_layer_rate_and_the_live_prefix_at_the_live_one():
+    """A build's forward measured twice as slow as the live one: a store costs its forward at the builds' rate,
+    while a visit that runs its prefix live is priced as before."""
+    work, visit = workload(), Visit(block=1, start=2, steps=EPOCH)
+    slow = dataclasses.replace(RATES, build_layer_seconds=2 * RATES.layer_seconds)
+    forward = 2 * RATES.layer_seconds * (work.train_samples + work.eval_split_samples)  # boundary 2
+    assert store_cost(work, slow, 2, [])[1] - store_cost(work, RATES, 2, [])[1] == pytest.approx(forward)
+    assert sweep_plan.visit_seconds(work, slow, visit, 0) == sweep_plan.visit_seconds(work, RATES, visit, 0)
+    assert slow.differs(RATES) == ["build_layer"]
+
+
+def test_the_probe_is_priced_from_its_size_and_the_measured_forward_and_made_only_where_it_could_pay():
+    """Stores that save a little beyond the margin on a free disk (a sweep of 32-step visits over 64 samples, the
+    rates given): a probe of one sample (one sample a shard) is worth its cost, one of 64 samples at the same
+    forward per sample is not; a faster build forward makes the larger one worth it too."""
+    from pipelines.pre_inference import probe
+
+    work = Workload(visits=tuple(Visit(b, 2 * b, 32) for b in range(3)), num_layers=6, samples_per_step=4,
+                    train_samples=64, eval_split_samples=16, eval_samples=16, sample_bytes=1000, free_bytes=math.inf)
+    slow, fast = (Throughputs(1e-3, 1e9, 1e9, 0.0, build_layer_seconds=s) for s in (2.1e-3, 1e-3))
+    assert probe.probe_seconds(64, 1000, slow) > probe.probe_seconds(1, 1000, slow) > 0
+    assert probe.stores_could_pay(work, slow, shard=1) and not probe.stores_could_pay(work, slow, shard=64)
+    assert probe.stores_could_pay(work, fast, shard=64)

@@ -15,9 +15,8 @@ import torch
 
 from bench.lib.common import ROOT, command_line, machine, module_command, run_side_by_side, table
 from bench.lib.train_runs import base_config, timed_run
-from preinfer.metrics import PlanOutcomeRecord, SweepPlanRecord
+from preinfer.metrics import CacheRecord, PlanOutcomeRecord, SweepPlanRecord
 
-SCENARIO_EPOCHS = (0.1, 1.0, 3.0)
 SCENARIO_MODES = ("auto", "on", "off")
 
 
@@ -30,7 +29,8 @@ def scenario_run(args: argparse.Namespace, model: str, order: str, epochs: float
     summary, records, wall, cpu = timed_run(config, out)
     plans = [r for r in records if isinstance(r, SweepPlanRecord)]
     outcome = [r for r in records if isinstance(r, PlanOutcomeRecord)]
-    return dict(mode=mode, wall_s=wall, cpu_s=cpu, load_average=os.getloadavg()[0], fit_s=summary["wall_s"],
+    probes = [r.seconds for r in records if isinstance(r, CacheRecord) and r.how == "probe"]
+    return dict(mode=mode, wall_s=wall, probe_s=sum(probes), cpu_s=cpu, load_average=os.getloadavg()[0], fit_s=summary["wall_s"],
                 final_eval_loss=summary["final_eval_loss"],
                 steps=summary["steps"], sources=[v["source_boundary"] for v in summary["visits"]],
                 plans=[dict(sweep=p.sweep, reason=p.reason, chosen=p.chosen, predicted_s=p.predicted_s,
@@ -75,10 +75,11 @@ def scenarios(args: argparse.Namespace, root: Path, on_row=lambda rows: None) ->
     better of the two: the larger of those (auto <= 1.05 x min(on, off) iff both ratios are <= 1.05). `on_row`
     sees the rows so far after each scenario."""
     rows = []
+    epochs_list = [float(e) for e in args.scenario_epochs.split(",")]
     for model in args.scenario_models.split(","):
-        scenario_pair(args, model, "ascending", SCENARIO_EPOCHS[0], ("on", "off"), root / f"warm-up-{model}")
-        for order in ("ascending", "descending"):
-            for epochs in SCENARIO_EPOCHS:
+        scenario_pair(args, model, "ascending", epochs_list[0], ("on", "off"), root / f"warm-up-{model}")
+        for order in args.scenario_orders.split(","):
+            for epochs in epochs_list:
                 name = f"{model}-{order}-{epochs:g}"
                 repeats: dict[str, list[dict]] = {mode: [] for mode in SCENARIO_MODES}
                 ratios: dict[str, dict[str, list[float]]] = {m: {"wall_s": [], "cpu_s": []} for m in ("on", "off")}
@@ -129,7 +130,7 @@ def scenario_report(rows: list[dict]) -> str:
             auto_over_best=f"{row['auto_over_best']:.3f}", cpu_auto_over_best=f"{row['auto_over_best_cpu']:.3f}",
             auto_sources=" ".join(map(str, auto["sources"])),
             on_sources=" ".join(map(str, on["sources"])),
-            auto_predicted_s=auto["predicted_s"], auto_measured_s=auto["measured_s"],
+            auto_probe_s=auto["probe_s"], auto_predicted_s=auto["predicted_s"], auto_measured_s=auto["measured_s"],
             on_predicted_s=on["predicted_s"], on_measured_s=on["measured_s"],
             loss_diff=f"{row['max_rel_eval_loss_diff']:.1e}"))
     return table(lines, list(lines[0]) if lines else [])
@@ -150,6 +151,7 @@ def scenario_main(args: argparse.Namespace, root: Path) -> dict:
         machine=machine(), load_average=load, wall_s=time.perf_counter() - started,
         settings=dict(models=args.scenario_models, data="builtin:pydoc", seq_len=args.seq_len,
                       batch_size=args.batch_size, max_samples=args.scenario_samples, sweeps=args.sweeps, ufp="1/3",
+                      orders=args.scenario_orders, epochs_per_visit=args.scenario_epochs,
                       repeats=args.scenario_repeats, optimizer="adam", lr=2e-3, store="zarr, float32",
                       threads=torch.get_num_threads()),
         target="auto_over_best <= 1.05", scenarios=rows,

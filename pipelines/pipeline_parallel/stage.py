@@ -11,8 +11,9 @@ steps it), which adds it to its own as the micro-batch's backward reaches the em
 gets the updated values back after the step. Only stages holding part of the active block keep optimizer state (the
 others step an optimizer over no tensors); the active block's gradients are summed across replicas per stage.
 The loss, gradient norm and eval loss are combined across stages so that every rank takes the same decisions.
-Checkpoints are written per stage (`checkpoint/stage-J/`, by the first replica), and rank 0 gathers the stages'
-weights into `checkpoint/model.safetensors`, which the export and `--model RUN_DIR` read.
+Checkpoints are written per stage and replica (`checkpoint/stage-J/` by the first replica, each other one's under
+`replicas/`, with its own data cursor), and rank 0 gathers the first replica's stages' weights into
+`checkpoint/model.safetensors`, which the export and `--model RUN_DIR` read.
 """
 
 from __future__ import annotations
@@ -28,14 +29,13 @@ from preinfer.atomic_write import write_atomically
 from preinfer.batch_source import BatchSource
 from preinfer.checkpoint import WEIGHTS, Checkpoint, load_checkpoint, save_checkpoint
 from preinfer.config import Config
-from preinfer.errors import PreinferError
 from preinfer.forward_backward import to_device
 from preinfer.grad_buckets import BucketedAllReduce
 from preinfer.memory.layer_spans import LayerSpan
 from preinfer.parallel_dims import ParallelDims
 from preinfer.partition import Block
 from preinfer.run_dir import RunDir
-from preinfer.seams import any_rank
+from preinfer.seams import any_rank, require_one_step
 from preinfer.staged import StagedModel
 from preinfer.visit_optimizer import VisitOptimizer
 from preinfer.wire import Wire
@@ -179,13 +179,16 @@ class StageSeams:
         return any_rank(requested, self.device)
 
     def checkpoint_dir(self, run_dir: RunDir) -> Path:
-        return run_dir.checkpoint / f"stage-{self.dims.stage}"
+        """The first replica's stage J checkpoints in `checkpoint/stage-J/`, replica R's in
+        `replicas/checkpoint-R/stage-J/` (its own data cursor, which reads its own share, and random state)."""
+        replica = self.dims.replica
+        mine = run_dir.checkpoint if replica == 0 else run_dir.replica_checkpoint(replica)
+        return mine / f"stage-{self.dims.stage}"
 
     def save(self, run_dir: RunDir, model: nn.Module, optimizers: dict[int, dict], trainer_state: dict,
              masters: list[torch.Tensor]) -> None:
-        """Each stage's checkpoint (first replica), then rank 0 gathers the stages' weights into one file."""
-        if self.dims.replica == 0:
-            save_checkpoint(self.checkpoint_dir(run_dir), model, optimizers, trainer_state, masters)
+        """Each rank's stage checkpoint, then rank 0 gathers the first replica's stages' weights into one file."""
+        save_checkpoint(self.checkpoint_dir(run_dir), model, optimizers, trainer_state, masters)
         dist.barrier()
         if self.rank == 0:
             gather_weights([run_dir.checkpoint / f"stage-{j}" / WEIGHTS for j in range(self.dims.pipeline)],
@@ -195,13 +198,7 @@ class StageSeams:
     def load(self, run_dir: RunDir, model: nn.Module) -> Checkpoint:
         """This stage's checkpoint (every stage's must be of the same step)."""
         checkpoint = load_checkpoint(self.checkpoint_dir(run_dir), model)
-        step = torch.tensor(checkpoint.trainer["global_step"], dtype=torch.int64)
-        lowest, highest = step.clone(), step.clone()
-        dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
-        dist.all_reduce(highest, op=dist.ReduceOp.MAX)
-        if lowest != highest:
-            raise PreinferError(f"the stage checkpoints in {run_dir.checkpoint} are of different steps "
-                                f"({int(lowest)} to {int(highest)}); the run cannot resume from them")
+        require_one_step(checkpoint, run_dir, "stage")
         return checkpoint
 
     def _owns_tied(self, block: Block) -> bool:

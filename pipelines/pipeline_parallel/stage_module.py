@@ -1,5 +1,6 @@
 """One pipeline stage's part of a staged model as the module `PipelineStage` runs: token ids (first stage) or
-hidden states in, hidden states (or, on the last stage, logits) out.
+hidden states in, hidden states (or, on the last stage, what its loss takes: `StagedModel.head_output`, the logits
+of the plain loss or the head's features of the chunked one) out.
 
 Side tensors are rebuilt per stage rather than sent: every rank of a replica reads the same batches, so each
 stage passes its micro-batch's attention mask as a keyword argument and recomputes the position ids (as
@@ -50,5 +51,5 @@ class StageModule(nn.Module):
         with torch.no_grad():
             state = staged.run(state, self.start, split)
         state = staged.run(state, split, stage.stop, self.recompute)
-        return staged.logits(state) if stage.head else state.hidden
+        return staged.head_output(state) if stage.head else state.hidden
 

@@ -33,7 +33,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from preinfer.memory.layer_spans import LayerSpan
 from preinfer.parallel_dims import ParallelDims
 from preinfer.partition import Block
-from preinfer.staged import StagedModel, causal_lm_loss, supervised_tokens
+from preinfer.staged import StagedModel, supervised_tokens
 from preinfer.visit_optimizer import VisitOptimizer
 from pipelines.pipeline_parallel.stage_module import StageModule
 
@@ -106,9 +106,9 @@ class VisitPipeline:
             schedule.step(*args, **kwargs)
         return float(sum(loss.item() for loss in losses)) / self.visit.scaler.scale
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The micro-batch's loss, scaled (fp16-mixed) for its backward."""
-        return self.visit.scale_loss(causal_lm_loss(logits, labels, reduction="sum") / self.count)
+    def _loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's loss of the last stage's `head_output`, scaled (fp16-mixed) for its backward."""
+        return self.visit.scale_loss(self.staged.output_loss_sum(output, labels) / self.count)
 
     def _before_backward(self, part: int) -> None:
         self.visit.active.last_micro_batch = self.last_batch and part == self.parts - 1
@@ -143,7 +143,8 @@ class VisitPipeline:
                 example_in = torch.empty(rows, length, self.staged.hidden_size, dtype=self.staged.compute_dtype,
                                          device="meta", requires_grad=index > 0)
             stage = self.stages[self.dims.stage]
-            width = self.staged.model.config.vocab_size if stage.head else self.staged.hidden_size
+            logits = stage.head and self.staged.loss_kind == "plain"
+            width = self.staged.model.config.vocab_size if logits else self.staged.hidden_size
             example_out = torch.empty(rows, length, width, dtype=self.staged.compute_dtype, device="meta",
                                       requires_grad=True)
             pipeline_stage = VisitStage(self.module, index, count, self.device, input_args=example_in,
@@ -217,6 +218,6 @@ def evaluate_stage(staged: StagedModel, stages: list[LayerSpan], dims: ParallelD
             dist.send(out.contiguous(), dims.rank_of(dims.stage + 1))
             continue
         labels = batch["labels"].to(device)
-        total += causal_lm_loss(out, labels, reduction="sum").item()
+        total += staged.output_loss_sum(out, labels).item()
         count += supervised_tokens(labels)
     return total, count

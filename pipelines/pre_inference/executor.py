@@ -169,7 +169,7 @@ class PreInference:
             self.rates.current = probe.first_estimate(self.staged,
                                                       self.datasets["train"][: self.config.data.batch_size])
             self.rates.agree()
-            if self.mode == "auto" and probe.stores_could_pay(self.work, self.rates.current):
+            if self.mode == "auto" and probe.stores_could_pay(self.work, self.rates.current, self.shard):
                 self._probe_store()
         rates = self.rates.agree()
         chosen = plan_sweep(self.work, rates, self.mode, self.writer.rolls_forward)
@@ -194,7 +194,8 @@ class PreInference:
             builds=[{"boundary": b.boundary, "from": b.source, "before_visit": self.position + b.slot,
                      "seconds": b.seconds} for b in plan.builds],
             peak_bytes=plan.peak_bytes, free_bytes=self.work.free_bytes, layer_seconds=rates.layer_seconds,
-            write_bps=rates.write_bps, read_bps=rates.read_bps, store_overhead_s=rates.store_overhead_s, note=note)
+            write_bps=rates.write_bps, read_bps=rates.read_bps, store_overhead_s=rates.store_overhead_s, note=note,
+            build_layer_seconds=rates.build_layer_seconds)
 
     def _log_visit(self, block: Block, boundary: int) -> None:
         """One visit's part of the plan (a `pre_inference` record); nothing for a block that reads the input."""

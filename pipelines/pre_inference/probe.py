@@ -31,12 +31,8 @@ PROBE_BYTES = 8 * 2**20
 ASSUMED_WRITE_BPS = 150e6
 ASSUMED_READ_BPS = 300e6
 # Until the probe or a store has measured it, a store's fixed cost (seconds: open, check, finalize, index, delete;
-# the probe measured 0.04-0.06 s on the development machine, later stores 0.01-0.04 s).
+# the probe measured 0.04-0.17 s on the development machine, later stores 0.01-0.04 s).
 ASSUMED_STORE_OVERHEAD_S = 0.05
-# What the probe itself is assumed to cost (seconds; 0.14-0.35 s in a fresh process on the development machine):
-# it is made only when a store could save more than this beyond `sweep_plan.STORE_MARGIN`, so that runs too short
-# for stores to matter do not pay for it.
-PROBE_COST_S = 0.2
 
 
 def first_estimate(staged: StagedModel, batch: dict) -> Throughputs:
@@ -68,30 +64,50 @@ def layer_seconds(staged: StagedModel, batch: dict) -> float:
     return statistics.median(times) / len(ids)
 
 
-def stores_could_pay(work: Workload, rates: Throughputs) -> bool:
-    """Whether stores could save more than the probe costs (`PROBE_COST_S`) beyond `STORE_MARGIN` on a disk that
-    costs nothing to write and read, each store still costing its fixed overhead (if not, timing the disk cannot
-    pay for itself, and the probe is not made)."""
+def probe_samples(shard: int, train_samples: int, sample_bytes: int) -> int:
+    """The probe store's samples: the first training samples, one shard, at most `PROBE_BYTES` of states."""
+    return max(1, min(shard, train_samples, PROBE_BYTES // sample_bytes))
+
+
+def probe_seconds(samples: int, sample_bytes: int, rates: Throughputs) -> float:
+    """What the probe will cost, priced as a store of `samples` at boundary 1 with `rates` (the layer forward
+    measured on this run's model and machine, the disk assumed until the probe times it): its forward, its bytes
+    written once and read twice, and a store's fixed cost. Its forward is what grows with the model (one layer of
+    SmolLM2 over 28 samples: about 1 s of the 1.9 s it measured there, where a constant 0.2 s was assumed)."""
+    nbytes = samples * sample_bytes
+    return (samples * rates.build_layer + nbytes / rates.write_bps + 2 * nbytes / rates.read_bps
+            + rates.store_overhead_s)
+
+
+def stores_could_pay(work: Workload, rates: Throughputs, shard: int) -> bool:
+    """Whether stores could save more than the probe would cost (`probe_seconds`) beyond `STORE_MARGIN` on a disk
+    that costs nothing to write and read, each store still costing its fixed overhead (if not, timing the disk
+    cannot pay for itself, and the probe is not made)."""
+    probe_s = probe_seconds(probe_samples(shard, work.train_samples, work.sample_bytes), work.sample_bytes, rates)
     free = plan_sweep(work, dataclasses.replace(rates, write_bps=math.inf, read_bps=math.inf), "auto")
     return free.best_store is not None and (
-        free.best_store.seconds + PROBE_COST_S < (1 - sweep_plan.STORE_MARGIN) * free.live.seconds)
+        free.best_store.seconds + probe_s < (1 - sweep_plan.STORE_MARGIN) * free.live.seconds)
 
 
 def probe_store(staged: StagedModel, train, tokenizer, out: Location, options: CacheOptions, shard: int,
                 batch_size: int, sample_bytes: int, rates: Throughputs) -> tuple[Throughputs, CacheRecord]:
-    """`rates` with the first estimate of the write and read speeds and of a store's fixed cost, and the probe's
-    record: the store at boundary 1 of the first training samples (one shard, at most `PROBE_BYTES`), made by the
-    caching job's code at `out`, read back once and deleted. The first real store replaces the estimates."""
+    """`rates` with the first estimate of the builds' layer forward, the write and read speeds and a store's fixed
+    cost, and the probe's record: the store at boundary 1 of `probe_samples`, made by the caching job's code at
+    `out`, read back twice (the faster pass: the first pays the reader's start, which a visit pays once over many
+    more bytes) and deleted. The first real store replaces the estimates."""
     started = time.perf_counter()
-    samples = max(1, min(shard, len(train), PROBE_BYTES // sample_bytes))
+    samples = probe_samples(shard, len(train), sample_bytes)
     check_out(out, ["probe"], "overwrite", "--store-dir")  # a directory that is not a probe's is refused, untouched
     with owning(out, "--store-dir", temporary=True):  # held around the caching job's own hold of it
         try:
             result = cache_boundary(staged, {"probe": train.head(samples)}, tokenizer, 1, out, options)
             if result.write_seconds > 0:
                 rates = dataclasses.replace(rates, write_bps=samples * sample_bytes / result.write_seconds)
-            if (speed := read_bps(out, "probe", batch_size, sample_bytes)) is not None:
-                rates = dataclasses.replace(rates, read_bps=speed)
+            if result.forward_seconds > 0:
+                rates = dataclasses.replace(rates, build_layer_seconds=result.forward_seconds / samples)
+            speeds = [s for s in (read_bps(out, "probe", batch_size, sample_bytes) for _ in range(2)) if s]
+            if speeds:
+                rates = dataclasses.replace(rates, read_bps=max(speeds))
         finally:
             deleting = time.perf_counter()
             blobs_for(out).remove_all()  # the probe's own store (the directory goes with the lock)

@@ -26,10 +26,11 @@ def slowest(rates: Throughputs, device: torch.device) -> Throughputs:
     """Under data parallelism, the throughputs every rank plans with: the slowest rank's (a step waits for every
     rank), so that all ranks make the same plans and build and read the same stores."""
     blocks = sorted(rates.step_seconds)  # the same visits on every rank
-    values = [rates.layer_seconds, _inverse(rates.write_bps), _inverse(rates.read_bps), rates.store_overhead_s,
-              *(rates.step_seconds[b] for b in blocks)]
-    layer, write, read, overhead, *steps = _all_reduce(values, dist.ReduceOp.MAX, device)
-    return Throughputs(layer, _inverse(write), _inverse(read), overhead, dict(zip(blocks, steps)))
+    values = [rates.layer_seconds, rates.build_layer, _inverse(rates.write_bps), _inverse(rates.read_bps),
+              rates.store_overhead_s, *(rates.step_seconds[b] for b in blocks)]
+    layer, build, write, read, overhead, *steps = _all_reduce(values, dist.ReduceOp.MAX, device)
+    return Throughputs(layer, _inverse(write), _inverse(read), overhead, dict(zip(blocks, steps)),
+                       None if rates.build_layer_seconds is None else build)
 
 
 def _all_reduce(values: list[float], op: dist.ReduceOp, device: torch.device) -> list[float]:

@@ -62,15 +62,17 @@ class MeasuredRates:
             self.update(store_overhead_s=self.tally.overhead_seconds / self.tally.builds)
 
     def add_build(self, result: Built, source: int, sample_bytes: int) -> None:
-        """The layer forward and write speed over every store made so far, the one just made included."""
+        """The builds' layer forward (`Throughputs.build_layer`: not the live prefix's, which runs in training's
+        batches with no writer beside it) and write speed over every store made so far, the one just made
+        included."""
         tally, rates = self.tally, self.current
         tally.forward_seconds += result.forward_seconds
         tally.layer_samples += (result.boundary - source) * result.samples_computed
         tally.write_seconds += result.write_seconds
         tally.write_bytes += result.samples_computed * sample_bytes  # the cost model's bytes: uncompressed
         self.update(
-            layer_seconds=tally.forward_seconds / tally.layer_samples if tally.forward_seconds else
-            rates.layer_seconds,
+            build_layer_seconds=tally.forward_seconds / tally.layer_samples if tally.forward_seconds else
+            rates.build_layer_seconds,
             write_bps=tally.write_bytes / tally.write_seconds if tally.write_seconds > 0 else rates.write_bps)
 
     def add_read(self, path: Location, split: str, batch_size: int, sample_bytes: int) -> None:

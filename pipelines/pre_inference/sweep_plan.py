@@ -53,16 +53,23 @@ class Visit:
 class Throughputs:
     """What this run measured (or assumes until it has): seconds and bytes per second."""
 
-    layer_seconds: float  # no_grad forward of one layer over one sample
+    layer_seconds: float  # no_grad forward of one layer over one sample, as a live prefix and an evaluation run it
     write_bps: float
     read_bps: float
     store_overhead_s: float = 0.0  # a store beyond its forward and its bytes (open, check, finalize, delete)
     step_seconds: Mapping[int, float] = field(default_factory=dict)  # block -> one step from its own boundary
+    build_layer_seconds: float | None = None  # the same inside a store's build (None: not measured yet)
+
+    @property
+    def build_layer(self) -> float:
+        """One layer's forward over one sample in a store's build (the caching job's batches, beside its writer
+        thread): measured by the probe and every build; until then, `layer_seconds`."""
+        return self.layer_seconds if self.build_layer_seconds is None else self.build_layer_seconds
 
     def differs(self, other: Throughputs, margin: float = REVISE_MARGIN) -> list[str]:
         """The throughputs that differ from `other`'s by more than `margin` of `other`'s (the store overhead: by
         more than `OVERHEAD_FLOOR_S` too)."""
-        names = ("layer_seconds", "write_bps", "read_bps")
+        names = ("layer_seconds", "build_layer", "write_bps", "read_bps")
         moved = [n for n in names if abs(getattr(self, n) - getattr(other, n)) > margin * getattr(other, n)]
         change = abs(self.store_overhead_s - other.store_overhead_s)
         if change > max(margin * other.store_overhead_s, OVERHEAD_FLOOR_S):
@@ -258,12 +265,13 @@ def plan_for(work: Workload, rates: Throughputs, uses: tuple[bool, ...], eager: 
 
 def store_cost(work: Workload, rates: Throughputs, boundary: int, below: list[int]) -> tuple[int, float]:
     """(source boundary, seconds) of the cheapest way to make the store at `boundary`: a fresh prefix run from
-    the input, or a roll-forward from one of the valid stores `below` it (each rank making its share)."""
+    the input, or a roll-forward from one of the valid stores `below` it (each rank making its share), its
+    forward at the builds' own rate (`Throughputs.build_layer`)."""
     samples = (work.train_samples + work.eval_split_samples) / work.ranks
     nbytes = work.store_bytes / work.ranks
     write = nbytes / rates.write_bps + rates.store_overhead_s
-    options = [(boundary * rates.layer_seconds * samples + write, 0)]
-    options += [((boundary - j) * rates.layer_seconds * samples + write + nbytes / rates.read_bps, j)
+    options = [(boundary * rates.build_layer * samples + write, 0)]
+    options += [((boundary - j) * rates.build_layer * samples + write + nbytes / rates.read_bps, j)
                 for j in below]
     seconds, source = min(options)
     return source, seconds

@@ -288,8 +288,8 @@ def pipeline_problems(c: Any) -> Iterator[Problem]:
         yield "run", "microbatches", "at least {run.pipeline} under {run.pipeline_schedule} 1f1b; or gpipe"
     if c.pre_inference.mode == "on" and c.pre_inference.dask:
         yield "pre_inference", "dask", "unset on a pipeline (its stages build the stores)"
-    if r.loss in ("chunked", "liger"):
-        yield "run", "loss", "auto or plain on a pipeline (its last stage computes the loss from the whole logits)"
+    if r.loss == "liger":
+        yield "run", "loss", "auto, chunked or plain on a pipeline (its stages do not run Liger's kernel)"
 
 
 class _Keys:

@@ -174,9 +174,9 @@ def stage_memory(m: ModelShape, settings: Settings, stage: LayerSpan, active: La
     """What one pipeline stage holds while `active` trains (None: full Adam), as its own card: its layers' weights
     (those outside the active block held in the frozen dtype, their masters in host memory), gradients and
     optimizer state (8-bit, fused) for the part of the active block it holds, the activations of `in_flight`
-    micro-batches (none below the active block, which runs forward only; the last stage's loss from the whole
-    logits, as a pipeline computes it), and the step's temporaries beyond them."""
-    acts = activations(m, replace(settings, loss="plain"), active, settings.recompute)  # a pipeline's loss is plain
+    micro-batches (none below the active block, which runs forward only; the last stage's loss as on one process,
+    chunked or plain), and the step's temporaries beyond them."""
+    acts = activations(m, settings, active, settings.recompute)
     params = block_params(m, stage)
     params += m.vocab * m.hidden if m.tied and stage.head and not stage.embed else 0  # its copy of the tied weight
     if active is None:

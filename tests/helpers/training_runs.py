@@ -51,18 +51,22 @@ def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
 
 
 def torchrun(tmp_path: Path, procs: int, runs: list[list[str]], pinned: bool = False,
-             halts: dict[int, int] | None = None) -> subprocess.CompletedProcess:
+             halts: dict[int, int] | None = None, kill: tuple[int, int] | None = None) -> subprocess.CompletedProcess:
     """The `preinfer` command lines `runs` in one torchrun job of `procs` gloo ranks (`pinned`: pre-inference plans
     with `pinned_rates.PINNED`, not with what it measures; `halts`: {run index: the global step its fit halts
-    after, with a checkpoint})."""
-    listing = tmp_path / f"runs-{procs}.json"
-    listing.write_text(json.dumps({"pinned": pinned, "runs": runs, "halts": halts or {}}))
+    after, with a checkpoint}; `kill`: (rank, step): the last run's process of that rank SIGKILLs itself at the
+    forward of that step, and the job must fail by that signal)."""
+    listing = tmp_path / f"runs-{procs}{'-killed' if kill else ''}.json"
+    listing.write_text(json.dumps({"pinned": pinned, "runs": runs, "halts": halts or {}, "kill": kill}))
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--standalone",
          str(ROOT / "tests" / "helpers" / "pipeline_driver.py"), str(listing)],
         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=500,
     )
-    assert done.returncode == 0, done.stderr[-4000:]
+    if kill:
+        assert done.returncode != 0 and "Signal 9 (SIGKILL)" in done.stderr, done.stderr[-4000:]
+    else:
+        assert done.returncode == 0, done.stderr[-4000:]
     return done
 
 
