@@ -74,10 +74,13 @@ def transients(m: ModelShape, settings: Settings, span: LayerSpan, activations: 
     return max(loss, step_temporaries(m, settings, span, activations), tied_gradients(m, settings, span, activations))
 
 
-def activations(m: ModelShape, settings: Settings, active: LayerSpan | None, recompute: bool) -> StepActs:
-    """The activations of one step of `settings` with `active` training (None: full Adam)."""
+def activations(m: ModelShape, settings: Settings, active: LayerSpan | None, recompute: bool,
+                plain_loss: bool = False) -> StepActs:
+    """The activations of one step of `settings` with `active` training (None: full Adam); `plain_loss`: with the
+    plain loss whatever `settings.loss` says."""
+    chunk = None if plain_loss else settings.chunk()
     return step_activations(m, settings.micro_batch, settings.seq_len, DTYPES[settings.dtype]["act"], active,
-                            recompute, settings.attention, settings.chunk(), settings.offload and recompute)
+                            recompute, settings.attention, chunk, settings.offload and recompute)
 
 
 def _component_bytes(settings: Settings, resident: int, trainable: int) -> tuple[int, int, int]:
@@ -176,7 +179,7 @@ def stage_memory(m: ModelShape, settings: Settings, stage: LayerSpan, active: La
     optimizer state (8-bit, fused) for the part of the active block it holds, the activations of `in_flight`
     micro-batches (none below the active block, which runs forward only; the last stage's loss from the whole
     logits, as a pipeline computes it), and the step's temporaries beyond them."""
-    acts = activations(m, replace(settings, loss="plain"), active, settings.recompute)  # a pipeline's loss is plain
+    acts = activations(m, settings, active, settings.recompute, plain_loss=True)  # a pipeline's loss is plain
     params = block_params(m, stage)
     params += m.vocab * m.hidden if m.tied and stage.head and not stage.embed else 0  # its copy of the tied weight
     if active is None:
