@@ -452,12 +452,12 @@ def test_orders_target_is_full_adam_s_best_once_its_plateau_is_seen():
 
 @pytest.mark.slow
 def test_orders_quick_measures_each_order_against_full_adam_s_target(tmp_path):
-    """bench.orders --quick, two of its orders (each run is a process: about 7 s of start-up each): full Adam and
+    """bench.orders --quick --in-process, two of its orders (each run in this process): full Adam and
     each order on tiny-llama; each row's time and epochs to the target are those of its curve's first point at or
     below it, and the UFP table reuses the best row's UFP 1/3 run."""
     out = tmp_path / "orders.json"
     orders = _load("orders")
-    assert orders.main(["--quick", "--orders", "ascending,importance", "--out", str(out)]) == 0
+    assert orders.main(["--quick", "--in-process", "--orders", "ascending,importance", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     full, rows = result["full"], {row["row"]: row for row in result["rows"]}
     assert set(rows) == {"ascending", "importance"} and Path(result["plot"]).stat().st_size > 0
