@@ -28,7 +28,9 @@ import preinfer
 from bench.lib.common import command_line, machine, write_json
 from pipelines.data.batches import live_sources
 from pipelines.data.in_memory import TokenDataset
+from pipelines.models.suffix import to_device
 from preinfer.config import Config
+from preinfer.device_placement import host_tensors
 from preinfer.memory.footprint import bcd_memory
 from preinfer.memory.layer_spans import partition
 from preinfer.memory.meter import MemoryMeter
@@ -56,7 +58,8 @@ def one_run(args: argparse.Namespace, stream: bool) -> dict:
     config.optim.grad_accum, config.optim.lr, config.data.batch_size = args.grad_accum, 1e-4, args.batch_size
     config.optim.fused_step, config.blocks.expand = args.fused_step, "none"
     config.stop.steps_per_visit = args.steps
-    staged = preinfer.stage(build_preset(args.model, seed=0).to(args.device))
+    model = build_preset(args.model, seed=0)  # placed as a run places it: streamed tensors stay in host memory
+    staged = preinfer.stage(to_device(model, args.device, host_tensors(preinfer.stage(model), config)))
     vocab = staged.model.config.vocab_size
     samples = args.batch_size * args.grad_accum * args.steps * args.blocks
     sources = live_sources(tokens(samples, args.seq_len, vocab, 0, "train"),

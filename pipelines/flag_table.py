@@ -99,7 +99,8 @@ TRAINING_FLAGS: list[Flag] = [
     Flag("--stream-frozen", "model", "stream_frozen",
          "keep the frozen decoder layers in host memory (their codes under --frozen-dtype, else their weights; "
          "pinned on CUDA) and copy each to the device only while it computes, the next one copied on a side "
-         "stream meanwhile: at most two frozen layers on the device. Each step runs its micro-batches layer-major "
+         "stream meanwhile: at most two frozen layers on the device (the model is loaded in host memory and never "
+         "placed on the device whole). Each step runs its micro-batches layer-major "
          "(one copy serves them all, their activations held together), bit-identical to a resident run; one "
          "process, no --experts", SWITCH),
     Flag("--frozen-dtype", "model", "frozen_dtype",
@@ -112,7 +113,7 @@ TRAINING_FLAGS: list[Flag] = [
          "memory: the model directory's (never written) until a block has trained, then the run's own (masters/ in "
          "the run directory, each written crash-safe at its visit's end); a checkpoint then holds only what the "
          "files do not, and the export is written tensor by tensor. disk needs a save_pretrained directory as "
-         "--model, one process on the CPU and no --expand"),
+         "--model, one process (on a GPU, with --stream-frozen) and no --expand"),
     Flag("--data", "data", "path", f"a corpus: {CORPUS}; or a token store written by preinfer tokenize"),
     Flag("--dataset-split", "data", "dataset_split",
          "the split of a dataset folder or repository that --data reads (train, validation, test or another it names "

@@ -11,9 +11,10 @@ fingerprint adds how it is held (the frozen dtype).
 The two verbs are `FrozenWeights(layers, dtype, device).quantize(indices)` and `.restore(indices)`, on any decoder
 layers (a process's whole model, or the layers a pipeline stage holds). Every managed weight (the `nn.Linear`
 submodules of the layers; the embedding and the LM head stay in their resident dtype) has a master in host memory:
-these are the authoritative weights. On an accelerator each master is a copy (pinned when the device is CUDA); on
-the CPU the master is the loaded weight's own storage, never a second copy, so that a model loaded at W bytes stays
-at W bytes plus its codes. `quantize` sets each such linear's weight to a `FrozenWeight` with codes built from the
+these are the authoritative weights. A weight loaded on an accelerator gets a host copy as its master (pinned
+when the device is CUDA); a weight in host memory (on the CPU, or left there by `--stream-frozen`'s placement,
+`preinfer.device_placement`) is its own master, never a second copy, so that a model loaded at W bytes stays at W
+bytes plus its codes. `quantize` sets each such linear's weight to a `FrozenWeight` with codes built from the
 master on the device, and points the layer's own weight Parameter at its host master (its device storage freed);
 `restore` puts that Parameter back (the same object, which the block's optimizer steps) with the master copied onto
 the device bit for bit (on the CPU: the master itself, trained in place), for a block's visit. Quantizing a
@@ -42,7 +43,7 @@ of W:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -181,9 +182,10 @@ class FrozenWeights:
             _check_nf4(self._masters)
         self.quantized: set[int] = set()
 
-    def quantize(self, indices: Iterable[int]) -> None:
+    def quantize(self, indices: Iterable[int], then: Callable[[int], None] | None = None) -> None:
         """Hold layers `indices` as codes built from their masters (a restored layer's weight, trained during its
-        visit, becomes its master first); an already quantized layer stays as it is."""
+        visit, becomes its master first); an already quantized layer stays as it is. `then(index)` follows each
+        layer's quantization (`--stream-frozen` evicts its codes there, before the next layer's are built)."""
         for index in indices:
             if index in self.quantized:
                 continue
@@ -193,6 +195,8 @@ class FrozenWeights:
                 self.params[index][path].data = master  # its device storage freed
                 linear.weight = FrozenWeight(master, self.dtype, self.device)
             self.quantized.add(index)
+            if then is not None:
+                then(index)
 
     def restore(self, indices: Iterable[int]) -> None:
         """Put layers `indices` back with their own weight Parameters, the masters on the device bit for bit."""
@@ -215,24 +219,25 @@ class FrozenWeights:
                 for index, found in enumerate(self._masters) for path, master in found.items()}
 
     def _host_master(self, weight: torch.Tensor) -> torch.Tensor:
-        """The master of `weight`: its own storage when it is in host memory already (on the CPU), else a host
-        copy (pinned for CUDA)."""
-        return host_copy(weight, pin=self.device.type == "cuda")
+        """The master of `weight`: its own storage when it is in host memory already (on the CPU, or left there
+        by `--stream-frozen`'s placement, memory-mapped with `--masters disk`), else a host copy (pinned for
+        CUDA)."""
+        return host_copy(weight, pin=weight.device.type == "cuda")
 
     def _on_device(self, master: torch.Tensor) -> torch.Tensor:
         """The weight a restored linear trains: the master itself on the CPU, else its copy on the device."""
         return master if self.device.type == "cpu" else master.to(self.device, copy=True)
 
     def _sync_master(self, index: int) -> None:
-        """A restored layer's weights become its masters: on the CPU the weights' own storage (their storage
-        replaced during the visit, as masters on disk map a trained block from its new file, is taken), else
-        copied into the host masters."""
+        """A restored layer's weights become its masters: a weight in host memory by its own storage (on the CPU;
+        or its storage replaced at the visit's end, as masters on disk map a trained block from its new file),
+        one on the device copied into its host master."""
         if index not in self.quantized:
             for path, param in self.params[index].items():
                 master = self._masters[index][path]
                 if param.data_ptr() == master.data_ptr():
                     continue
-                if self.device.type == "cpu":
+                if param.device.type == "cpu":
                     self._masters[index][path] = param.detach()
                 else:
                     master.copy_(param.detach())
@@ -244,11 +249,13 @@ class QuantizedFrozenLayers:
     meta device, is not held). Every held layer is quantized when the hook is made, so the model runs its codes
     between visits too (pre-inference, evaluation)."""
 
-    def __init__(self, staged: StagedModel, dtype: str, device: torch.device | str):
+    def __init__(self, staged: StagedModel, dtype: str, device: torch.device | str,
+                 placed: Callable[[int], None] | None = None):
+        """`placed(layer)` follows the quantization of each held layer (by its index in `staged`)."""
         held = [i for i, layer in enumerate(staged.layers) if not any(p.is_meta for p in layer.parameters())]
         self.weights = FrozenWeights([staged.layers[i] for i in held], dtype, device)
         self.local = {layer: index for index, layer in enumerate(held)}
-        self.weights.quantize(self.local.values())
+        self.weights.quantize(self.local.values(), None if placed is None else lambda index: placed(held[index]))
 
     def activate(self, block: Block) -> list[nn.Parameter]:
         """The block's layers restored from their masters, every other held layer quantized; no extra parameters."""
@@ -268,10 +275,12 @@ class QuantizedFrozenLayers:
         return [self.local[layer] for layer in range(block.start, block.stop) if layer in self.local]
 
 
-def frozen_weight_hooks(staged: StagedModel, config: Config) -> list[QuantizedFrozenLayers]:
-    """The run's visit hooks for `[model] frozen_dtype`: none for auto (every weight resident as it is)."""
+def frozen_weight_hooks(staged: StagedModel, config: Config,
+                        placed: Callable[[int], None] | None = None) -> list[QuantizedFrozenLayers]:
+    """The run's visit hooks for `[model] frozen_dtype`: none for auto (every weight resident as it is);
+    `placed(layer)` after each layer's first quantization (`QuantizedFrozenLayers`)."""
     dtype = config.model.frozen_dtype
-    return [] if dtype == "auto" else [QuantizedFrozenLayers(staged, dtype, config.run.device)]
+    return [] if dtype == "auto" else [QuantizedFrozenLayers(staged, dtype, config.run.device, placed)]
 
 
 def _linears(layer: nn.Module) -> dict[str, nn.Linear]:

@@ -34,6 +34,7 @@ from torch import nn
 from preinfer.atomic_write import write_atomically
 from preinfer.checkpoint import Checkpoint, load_checkpoint, refuse_non_finite, save_checkpoint
 from preinfer.config import Config
+from preinfer.device_placement import host_tensors
 from preinfer.errors import CheckpointError
 from preinfer.seams import SingleProcess
 from preinfer.partition import Block
@@ -92,8 +93,8 @@ def write_safetensors(file: Path, tensors: Iterable[tuple[str, torch.Tensor]]) -
 
 
 def _write_tensor(stream, digest, tensor: torch.Tensor) -> None:
-    """Append `tensor`'s bytes (a contiguous copy of it at most) to `stream` and to `digest`."""
-    data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+    """Append `tensor`'s bytes (a contiguous copy of it in host memory at most) to `stream` and to `digest`."""
+    data = tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
     stream.write(data)
     digest.update(data)
 
@@ -161,12 +162,16 @@ class MappedMasters:
 
 class MappedSeams(SingleProcess):
     """One process whose masters are on disk: a visit's block is marked changed when it opens, written and mapped
-    again when it ends; checkpoints hold what the files do not, and record the files."""
+    again when it ends; checkpoints hold what the files do not, and record the files. On an accelerator the block
+    trains on the device (its masters read from their files there as the visit opens); at its end the tensors
+    that live in host memory between visits (`preinfer.device_placement.host_tensors`) are mapped from the new
+    file, and those the device holds throughout (the ends, the layers' norms) stay there, equal to it."""
 
     def __init__(self, staged: StagedModel, config: Config, masters: MappedMasters):
         super().__init__(staged, config)
         self.masters = masters
         self.block: Block | None = None
+        self.host = host_tensors(staged, config)
 
     def activate(self, block: Block, boundary: int, visit: VisitOptimizer) -> None:
         self.block = block
@@ -177,7 +182,8 @@ class MappedSeams(SingleProcess):
         named = self._named(self.block)
         mapped = self.masters.end(self.block.index, named)
         for name, param in named.items():
-            param.data = mapped[name]
+            if id(param) in self.host:
+                param.data = mapped[name]
         self.block = None
 
     def save(self, run_dir: RunDir, model: nn.Module, optimizers: dict[int, dict], trainer_state: dict,

@@ -7,12 +7,14 @@ the device now. What a streamed layer keeps in host memory:
   already); the layer's norms and biases stay resident;
 - with frozen dtype auto: every parameter of the layer, in its resident dtype.
 
-On CUDA the host copies are pinned; `fetch` allocates the layer's device storage and copies it on a side stream
-(the compute stream waits for that copy only where it uses the layer: `use`), and `evict` frees it. A tensor keeps
-its identity across the two: a code tensor's storage is resized to nothing and back, so autograd's references to
-it (the backward through a frozen weight) see the refilled codes; a parameter points at its host copy while
-evicted (state dicts, checkpoints and exports read it there, and a write there is the one a later `fetch` copies)
-and at its refilled device tensor while fetched (autograd saved the parameter, which then reads the device again).
+On CUDA the host copies are pinned (but a parameter memory-mapped with `--masters disk`, which is its own host
+copy: `pin`); a layer loaded in host memory (`preinfer.device_placement`) starts evicted. `fetch` allocates the
+layer's device storage and copies it on a side stream (the compute stream waits for that copy only where it uses
+the layer: `use`), and `evict` frees it. A tensor keeps its identity across the two: a code tensor's storage is
+resized to nothing and back, so autograd's references to it (the backward through a frozen weight) see the
+refilled codes; a parameter points at its host copy while evicted (state dicts, checkpoints and exports read it
+there, and a write there is the one a later `fetch` copies) and at its refilled device tensor while fetched
+(autograd saved the parameter, which then reads the device again).
 Everything runs where the device is the host too, the copies then no-ops (`copies=False`), so the CPU runs the
 same bookkeeping: what is on the device, and its peak (`peak`: at most two layers in a step, the one computing
 and the one being copied).
@@ -54,8 +56,10 @@ class LayerStream:
     (see the module's docstring). `copies`: move the bytes (default: where the device is not the host)."""
 
     def __init__(self, layers: Sequence[nn.Module], device: torch.device | str, codes: bool,
-                 copies: bool | None = None):
-        self.layers, self.device, self.codes = list(layers), torch.device(device), codes
+                 copies: bool | None = None, pin: bool = True):
+        """`pin`: a parameter loaded in host memory gets a pinned copy there (else it is its own host copy: a
+        memory-mapped master, which a pinned copy would read whole into memory)."""
+        self.layers, self.device, self.codes, self.pin = list(layers), torch.device(device), codes, pin
         self.copies = self.device.type != "cpu" if copies is None else copies
         self.side = torch.cuda.Stream(self.device) if self.copies and self.device.type == "cuda" else None
         self.streamed: set[int] = set()
@@ -155,17 +159,33 @@ class LayerStream:
             code.untyped_storage().resize_(0)  # on the compute stream, which allocated it: reused in its order
 
     def _param_to_host(self, param: nn.Parameter) -> None:
-        """`param` pointed at its host copy (up to date with what it held on the device), the device's freed."""
+        """`param` pointed at its host copy (up to date with what it held on the device, or the host tensor that
+        replaced its device one: a trained block mapped from its new file), the device's freed."""
         state = param.__dict__.get("stream_state")
         if state is None:
-            state = param.__dict__["stream_state"] = [param.data, self._host_like(param).copy_(param.data), None]
+            state = param.__dict__["stream_state"] = self._first_state(param)
         device, host, version = state
-        if param.data.data_ptr() == host.data_ptr():
+        current = param.data
+        if current.data_ptr() == host.data_ptr():
             return
-        if version is not None and param._version != version:  # written on the device: the host copy follows
-            host.copy_(param.data)
+        if current.data_ptr() != device.data_ptr():  # replaced while fetched (masters on disk: the block's new file)
+            state[1] = host = current
+        elif version is not None and param._version != version:  # written on the device: the host copy follows
+            host.copy_(current)
         param.data = host
         device.untyped_storage().resize_(0)
+
+    def _first_state(self, param: nn.Parameter) -> list:
+        """[device tensor, host copy, version written on the device] of a parameter first evicted: one on the
+        device gets a host copy; one loaded in host memory (the placement left it there) gets a device tensor
+        with no storage, and points at its host copy at once (itself, or a pinned copy with `pin`)."""
+        if param.device.type == self.device.type:
+            return [param.data, self._host_like(param).copy_(param.data), None]
+        device = torch.empty(param.shape, dtype=param.dtype, device=self.device)
+        device.untyped_storage().resize_(0)
+        if self.pin:
+            param.data = self._host_like(param).copy_(param.data)
+        return [device, param.data, None]
 
     def _fill(self, index: int) -> torch.cuda.Event | None:
         """Allocate layer `index`'s streamed tensors on the device (on the compute stream) and copy them there (on
@@ -225,7 +245,8 @@ class StreamedFrozenLayers:
 
     def __init__(self, staged: StagedModel, config: Config):
         self.held = [i for i, layer in enumerate(staged.layers) if not any(p.is_meta for p in layer.parameters())]
-        self.stream = LayerStream(staged.layers, config.run.device, config.model.frozen_dtype != "auto")
+        self.stream = LayerStream(staged.layers, config.run.device, config.model.frozen_dtype != "auto",
+                                  pin=config.model.masters == "host")
         self.stream.stream(self.held)
 
     def activate(self, block: Block) -> list[nn.Parameter]:

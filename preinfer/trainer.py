@@ -94,9 +94,10 @@ class Trainer:
                              f"one process; drop it, or torchrun with {config.naming.key('run', 'pipeline')}")
         self.sweeps = Sweeps(staged, partition, config, sources, self.scaler, clock, self.emit,
                              lambda: self.checkpoint_dir / STATE, active_block, self.world_size)
+        streamed = stream_frozen_hooks(staged, config, self.seams)  # first: each layer's codes leave as made
+        frozen = frozen_weight_hooks(staged, config, streamed[0].stream.evict if streamed else None)
         self.lifecycle = VisitLifecycle(staged, config, self.seams, self.optimizers, self.experts, meter,
-                                        hooks=[*frozen_weight_hooks(staged, config),
-                                               *stream_frozen_hooks(staged, config, self.seams),
+                                        hooks=[*frozen, *streamed,
                                                *expansion_hooks(staged, config, lambda: self.position.global_step,
                                                                 self.seams.sum_over_replicas)])
         self.expand = expansion_of(staged, config)  # the run's landscape expansion, auto resolved

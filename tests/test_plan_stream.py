@@ -7,6 +7,8 @@ import json
 import pytest
 
 from pipelines.cli import main
+from preinfer.config import Config
+from preinfer.errors import UsageError
 from preinfer.memory.budget import blocks_for_budget, budget_settings
 from preinfer.memory.footprint import bcd_memory
 from preinfer.memory.layer_spans import partition
@@ -88,6 +90,12 @@ def test_plan_prints_the_host_column_and_the_streaming_line_and_ufp_auto_counts_
     assert main([*argv, "--stream-frozen", "--masters", "disk"]) == 0
     text = capsys.readouterr().out
     assert "streaming: a frozen layer" in text and "PCIe 4.0 x16" in text and "(none: on disk" in text
+    line = next(line for line in text.splitlines() if line.startswith("run it: "))
+    assert line.startswith("run it: preinfer bcd ") and line.endswith("--stream-frozen --masters disk --expand none "
+                                                                       "--device cuda")
+    assert main(["plan", "--model", "tiny-llama", "--masters", "disk"]) == 0  # on a GPU: with streamed layers only
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("run it: "))
+    assert line.startswith("run it: none offered: bcd would refuse it") and "cuda unless --stream-frozen" in line
     # without streaming not even one layer a block fits (the first test); bcd --ufp auto plans with streaming
     budget = budget_settings(GOAL.capacity(), "bf16-mixed", 1024, 1, True, "sdpa", frozen_dtype="nf4",
                              optimizer="adamw8bit", fused_step=True, expand="none", separate_ends=True,
@@ -108,3 +116,15 @@ def test_the_planned_device_weights_of_each_visit_are_the_meter_s_streamed_run()
     for k, visit in enumerate(trainer.position.visits[:3]):
         measured = visit["memory"]["params"] + visit["memory"]["frozen_device"]
         assert bcd_memory(shape, settings, blocks, k, store=False).weights == measured
+
+
+def test_masters_on_disk_run_on_a_gpu_with_streamed_frozen_layers_and_are_refused_without_them():
+    config = Config()
+    config.model.masters, config.model.stream_frozen, config.run.device = "disk", True, "cuda"
+    config.stop.steps_per_visit = 1
+    config.validate()
+    config.model.stream_frozen = False
+    with pytest.raises(UsageError, match=r"\[model\] masters = 'disk': expected host with \[run\] device cuda "
+                                         r"unless \[model\] stream_frozen") as refused:
+        config.validate()
+    assert "\n" not in str(refused.value)

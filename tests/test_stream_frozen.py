@@ -134,3 +134,21 @@ def test_under_inference_mode_each_layer_is_fetched_for_its_forward_and_freed_af
     assert torch.equal(got, expected)
     assert stream.fetches == len(layers) and stream.bytes == 0 and stream.peak <= 2 * stream.layer_bytes(0)
     assert all(p.__dict__["stream_state"][0].untyped_storage().nbytes() == 0 for p in layers.parameters())
+
+
+def test_a_parameter_replaced_in_host_memory_while_fetched_becomes_its_host_copy():
+    """As `--masters disk` maps a trained block from its new file at the visit's end (frozen dtype auto, copies
+    on): the eviction keeps the replacing tensor (not the stale host copy), and the next fetch copies it."""
+    layers = build_preset("tiny-llama", seed=0).model.layers
+    stream = LayerStream(layers, "cpu", codes=False, copies=True)
+    stream.stream(range(len(layers)))
+    stream.stream([0, 2, 3])  # layer 1 on the device, as in its visit
+    param = layers[1].mlp.up_proj.weight
+    mapped = param.detach().clone() + 1
+    param.data = mapped
+    stream.stream(range(len(layers)))
+    assert param.data_ptr() == mapped.data_ptr()
+    stream.use(1)
+    assert param.data_ptr() != mapped.data_ptr() and torch.equal(param, mapped)
+    stream.evict(1)
+    assert param.data_ptr() == mapped.data_ptr() and torch.equal(param, mapped)

@@ -101,7 +101,8 @@ def run_flags(result: MemoryPlan, model_spec: str | None) -> list[tuple[str, obj
     """The flags of the `bcd` run of the plan's automatic choice, with the values it priced: its blocks and the
     ends' placement, its savers and expansion (none on a pipeline, whose stages are priced without it), and on a
     pipeline of N, N stages and N micro-batches of the planned micro-batch a step (1F1B keeps at most N - j of them
-    in flight on stage j, as the planner counts). True stands for a switch."""
+    in flight on stage j, as the planner counts). A GPU's run that streams or maps its masters names its device (on
+    the CPU, the default, nothing streams, and masters on disk need no streaming). True stands for a switch."""
     s, auto = result.settings, result.auto
     degree = auto["pipeline_degree"]
     expand = s["expand"] if degree == 1 else "none"
@@ -117,7 +118,8 @@ def run_flags(result: MemoryPlan, model_spec: str | None) -> list[tuple[str, obj
         ("--stream-frozen", s["stream_frozen"]), ("--masters", None if s["masters"] == "host" else s["masters"]),
         ("--expand", expand),
         ("--expand-rank", s["expand_rank"] if expand == "lowrank" else None),
-        ("--device", "cpu" if s["host_device"] else None),
+        ("--device", "cpu" if s["host_device"] else
+         "cuda" if s["stream_frozen"] or s["masters"] == "disk" else None),
     ]
     if degree > 1:
         flags += [("--pipeline", degree), ("--microbatches", degree)]

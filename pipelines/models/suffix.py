@@ -8,7 +8,7 @@ The prefix's fingerprint is hashed by streaming its tensors from the same files 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,13 +90,14 @@ def load_from(spec: str, files: TensorFiles, attention: str = DEFAULT_ATTENTION)
     return _load_modules(spec, lambda staged: [staged.model], "the model", attention, files)[0]
 
 
-def to_device(model: nn.Module, device: str | torch.device) -> nn.Module:
-    """Move the resident tensors (not the meta prefix) to `device`, keeping tied weights tied."""
+def to_device(model: nn.Module, device: str | torch.device, host: Collection[int] = ()) -> nn.Module:
+    """Move the resident tensors (not the meta prefix, nor the tensors whose ids are in `host`: those stay where
+    they are) to `device`, keeping tied weights tied."""
     moved: dict[int, torch.Tensor] = {}
     for module in model.modules():
         for registry in (module._parameters, module._buffers):
             for key, tensor in registry.items():
-                if tensor is None or tensor.is_meta:
+                if tensor is None or tensor.is_meta or id(tensor) in host:
                     continue
                 if id(tensor) not in moved:
                     data = tensor.data.to(device)

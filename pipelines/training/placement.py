@@ -14,6 +14,7 @@ from torch import nn
 import preinfer
 from preinfer.batch_source import LiveSources, VisitSources
 from preinfer.config import Config
+from preinfer.device_placement import host_tensors
 from preinfer.errors import UsageError
 from preinfer.mapped_masters import MappedMasters, MappedSeams
 from preinfer.moe import EXPERTS_IN_ONE_PROCESS
@@ -81,16 +82,18 @@ class WholeModel:
         self.masters: MappedMasters | None = None  # --masters disk
 
     def load(self, first: int) -> nn.Module:
-        """The model on the run's device: whole, or above boundary `first` (the prefix on the meta device)."""
+        """The model, whole or above boundary `first` (the prefix on the meta device), loaded in host memory and
+        then placed: what the run's device holds from the start moved there (`preinfer.device_placement`)."""
         run, model = self.config.run, self.config.model
-        if model.masters == "disk":  # one process on the CPU, from boundary 0 (`masters_problems`)
+        if model.masters == "disk":  # one process, from boundary 0 (`masters_problems`)
             self.model, self.masters = load_mapped(self.config, self.resume)
-            return self.model
-        if first == 0:
-            self.model = resolve_model(model.name, run.seed, model.attention).to(run.device)
-            return self.model
-        self.suffix = load_suffix(model.name, first, run.seed, model.attention)
-        return to_device(self.suffix.model, run.device)
+            loaded = self.model
+        elif first == 0:
+            loaded = self.model = resolve_model(model.name, run.seed, model.attention)
+        else:
+            self.suffix = load_suffix(model.name, first, run.seed, model.attention)
+            loaded = self.suffix.model
+        return to_device(loaded, run.device, host_tensors(preinfer.stage(loaded), self.config))
 
     def precision(self, model: nn.Module) -> Precision:
         """The run's precision: `run.precision`, auto following the loaded weights."""

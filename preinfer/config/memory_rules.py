@@ -58,13 +58,14 @@ def stream_frozen_problems(c: Any) -> Iterator[Problem]:
 
 
 def masters_problems(c: Any) -> Iterator[Problem]:
-    """Masters on disk (`preinfer.mapped_masters`): one process on the CPU, training the model it maps."""
+    """Masters on disk (`preinfer.mapped_masters`): one process training the model it maps, on an accelerator with
+    its frozen layers streamed (the mapped masters stay in host memory, `preinfer.device_placement`)."""
     if c.model.masters != "disk":
         return
-    why = "host with {}: masters on disk are mapped and written by one process on the CPU"
     if c.run.pipeline > 1:
-        yield "model", "masters", why.format("{run.pipeline} > 1")
-    elif c.run.device != "cpu":
-        yield "model", "masters", why.format(f"{{run.device}} {c.run.device}")
+        yield "model", "masters", "host with {run.pipeline} > 1: masters on disk are mapped and written by one process"
+    elif c.run.device != "cpu" and not c.model.stream_frozen:
+        yield "model", "masters", f"host with {{run.device}} {c.run.device} unless {{model.stream_frozen}} (on a " \
+                                  f"GPU the mapped masters stay in host memory while the frozen layers stream)"
     elif c.store.path is not None:
         yield "model", "masters", "host with {store.path} (a cache's suffix is trained from its files in memory)"
