@@ -18,7 +18,9 @@ demo: setup
 	$(VENV)/bin/preinfer demo
 
 # Two pytest-xdist workers: most tests wait on a process of their own (a job, torchrun, a Dask cluster) or run
-# single-threaded (tests/conftest.py), so two run side by side on two cores.
+# single-threaded (tests/conftest.py), so two run side by side on two cores. pyproject's --dist loadscope sends a
+# module's tests to one worker, which builds its module fixtures (a torchrun job, reference runs) once; xdist's
+# loadgroup would be finer but reads no xdist_group under pytest 9 (it rewrites a node id pytest 9 no longer keeps).
 test: setup
 	$(PY) -m pytest -q -n 2
 

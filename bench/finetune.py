@@ -70,7 +70,7 @@ counted.
         --grid "full=3e-5;bcd=3e-5" --steps-per-visit 3 --eval-batches 4 --no-speed   # Gemma 3 270M (10 min)
     python -m bench.finetune --tasks chat --methods full,lora16,badam,levers --grid "full=3e-5;bcd=1e-4;badam=1e-4;lora=3e-4" \
         --steps-per-visit 20 --no-speed --out bench/out/levers.json        # issue 38's levers, 60 steps
-    python -m bench.finetune --quick             # smoke run: tiny-llama, 2 steps per method (`make test` runs it)
+    python -m bench.finetune --quick             # smoke run: tiny-llama, 2 steps per method (`make test`: --in-process)
 
 Writes bench/out/finetune.json (--out) and a plot of eval loss against training time beside it (same stem,
 .png); each run's row is also appended to <stem>.rows.jsonl as soon as it is measured, so a failed invocation
@@ -197,7 +197,7 @@ def speed(args: argparse.Namespace, scratch: Path) -> list[dict]:
         for round_ in range(args.speed_repeats):
             for method in rates:
                 out = scratch / f"speed-{method}-{blocks}-{round_}"
-                result = run(method, run_flags(setup, method, data, 1e-4, out), scratch, 1)
+                result = run(method, run_flags(setup, method, data, 1e-4, out), scratch, 1, args.in_process)
                 shutil.rmtree(out, ignore_errors=True)
                 rates[method].append(result["steps"] * args.batch_size * args.seq_len / result["train_s"])
         ratio = statistics.median(b / a for a, b in zip(rates["lora16"], rates["bcd-store"]))
@@ -279,6 +279,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true",
                    help="take each run already measured with the same task and flags from <stem>.rows.jsonl of "
                         "--out (an earlier invocation's, e.g. one stopped part-way) instead of running it again")
+    p.add_argument("--in-process", action="store_true",
+                   help="run every method in this process (smoke tests; each row's RSS is then this process's peak "
+                        "so far)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: tiny-llama, the chat task, seq 128, batch 2, 2 steps per method")
     p.add_argument("--worker", choices=LOOP_METHODS, help=argparse.SUPPRESS)

@@ -73,6 +73,7 @@ against training time and against epochs, one line per row plus full Adam, the t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import subprocess
@@ -85,6 +86,7 @@ from pathlib import Path
 from bench.lib.common import OUT, ROOT, command_line, machine, table
 from bench.lib.order_curves import TARGETS, add_epochs, best_row, full_summary, order_summary, ufp_row
 from bench.lib.runs import cli_result
+from pipelines import cli
 from pipelines.cli import set_process_environment
 
 ORDERS = ("ascending", "descending", "random", "importance", "importance-cached")
@@ -146,18 +148,23 @@ def rows_of(args: argparse.Namespace) -> list[str]:
     return orders + gain + [f"{o}+{lever}" for o in orders for lever in levers]
 
 
-def run(name: str, flags: list[str]) -> dict:
-    """Run `preinfer bcd FLAGS` in a process of its own; its curve (eval loss at each visit's end against training
-    time), tracked peak and store-building time, its blocks, and the process's seconds."""
+def run(name: str, flags: list[str], in_process: bool = False) -> dict:
+    """Run `preinfer bcd FLAGS` in a process of its own (`in_process`: in this one, its prints in the same log); its
+    curve (eval loss at each visit's end against training time), tracked peak and store-building time, its blocks,
+    and the process's seconds."""
     started = time.perf_counter()
     out = Path(flags[flags.index("--out") + 1])
     log = out.with_suffix(".log")
     with log.open("w") as sink:
-        done = subprocess.run([sys.executable, "-m", "pipelines.cli", "bcd", *flags], cwd=ROOT, stdout=sink,
-                              stderr=subprocess.STDOUT)
-    if done.returncode:
+        if in_process:
+            with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+                code = cli.main(["bcd", *flags])
+        else:
+            code = subprocess.run([sys.executable, "-m", "pipelines.cli", "bcd", *flags], cwd=ROOT, stdout=sink,
+                                  stderr=subprocess.STDOUT).returncode
+    if code:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-        raise SystemExit(f"orders: the {name} run failed (exit {done.returncode}); its output ends:\n{tail}")
+        raise SystemExit(f"orders: the {name} run failed (exit {code}); its output ends:\n{tail}")
     result = cli_result(out)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     scores = [r["scores"] for r in records if r["kind"] == "importance"]
@@ -172,9 +179,9 @@ def run(name: str, flags: list[str]) -> dict:
 # The comparison.
 
 
-def measured(name: str, flags: list[str], epoch_steps: float) -> dict:
+def measured(name: str, flags: list[str], epoch_steps: float, in_process: bool) -> dict:
     """`run`, its curve in epochs of `epoch_steps` steps."""
-    result = run(name, flags)
+    result = run(name, flags, in_process)
     return dict(result, curve=add_epochs(result["curve"], epoch_steps))
 
 
@@ -182,7 +189,7 @@ def compare(args: argparse.Namespace, scratch: Path) -> dict:
     """Full Adam, every row at UFP 1/3, then the UFP table at the best row."""
     rel, window = args.plateau_rel, args.plateau_window
     print(f"[orders] full Adam: up to {args.full_epochs} epochs", flush=True)
-    full = run("full", full_flags(args, scratch / "full"))
+    full = run("full", full_flags(args, scratch / "full"), args.in_process)
     visit_steps = full["curve"][0]["step"]
     epoch_steps = visit_steps / float(args.visit_epochs)
     full = full_summary(dict(full, curve=add_epochs(full["curve"], epoch_steps)), rel, window)
@@ -190,7 +197,8 @@ def compare(args: argparse.Namespace, scratch: Path) -> dict:
           f"after {full['time_to_target']:.1f} s, {full['epochs_to_target']:.2f} epochs", flush=True)
     rows = []
     for name in rows_of(args):
-        result = measured(name, bcd_flags(args, scratch / name, name, "1/3", visit_steps), epoch_steps)
+        result = measured(name, bcd_flags(args, scratch / name, name, "1/3", visit_steps), epoch_steps,
+                          args.in_process)
         rows.append(order_summary(name, result, full, rel, window))
         print(f"[orders] {name}: best {rows[-1]['best_eval_loss']:.4f} ({rows[-1]['best_vs_full_pct']:+.2f}%), "
               f"x_time {cell(rows[-1]['x_time'])}, x_epochs {cell(rows[-1]['x_epochs'])}", flush=True)
@@ -203,7 +211,7 @@ def compare(args: argparse.Namespace, scratch: Path) -> dict:
             out = scratch / f"{best['row']}-ufp{ufp.replace('/', '_')}"
             done = order_summary(best["row"], measured(f"{best['row']} at UFP {ufp}",
                                                       bcd_flags(args, out, best["row"], ufp, visit_steps),
-                                                      epoch_steps),
+                                                      epoch_steps, args.in_process),
                                  full, rel, window)
         ufps.append(ufp_row(ufp, done, full))
     return dict(epoch_steps=epoch_steps, full=full, rows=rows, best=best["row"], ufp_table=ufps)
@@ -272,6 +280,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    f"{', '.join(UFPS)}")
     p.add_argument("--ufp-order", help="the row (ORDER or ORDER+gain) of the UFP table [the fastest to the target]")
     p.add_argument("--out", type=Path, default=OUT / "orders.json")
+    p.add_argument("--in-process", action="store_true", help="run every row in this process (smoke tests)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: tiny-llama, seq 32, batch 4, 32 samples, full Adam 2 epochs, 2 sweeps")
     args = p.parse_args(argv)

@@ -242,6 +242,10 @@ TRAINING_FLAGS: list[Flag] = [
          "with --recompute: the hidden state each layer keeps for backward goes to host memory (pinned on CUDA) "
          "and comes back when backward runs the layer again: device memory for long sequences, a copy each way",
          SWITCH),
+    Flag("--skip-memory-check", "run", "skip_memory_check",
+         "run even where the planner's figure for the largest visit (preinfer plan's bcd live row for the same "
+         "flags) is above the memory the device has: the host's MemAvailable on the CPU, the card's free memory on "
+         "CUDA (checked before the model loads)", SWITCH),
     Flag("--loss", "run", "loss",
          "the next-token loss: chunked computes the head's logits --loss-chunk tokens at a time, in forward and "
          "again in backward, so the [tokens, vocab] logits never exist at once (equal to plain to rounding); "

@@ -48,7 +48,6 @@ from transformers.pytorch_utils import Conv1D
 
 from preinfer.config import Config
 from preinfer.config.rules import resolved_expand
-from preinfer.errors import UsageError
 from preinfer.moe import sparse_blocks
 from preinfer.optim import resolved_lr
 from preinfer.partition import Block
@@ -109,14 +108,11 @@ class Factors:
         self.handle.remove()
 
 
-def check_rank(staged: StagedModel, rank: int) -> None:
-    """Refuse, in one line, a rank above every linear weight's narrower width (rows or columns): each weight's
-    factors are at most that weight's full rank (a shared expert's gate of one row gets rank 1)."""
-    widths = [min(module.weight.shape) for module, _ in linear_weights(list(staged.layers))]
-    if widths and rank > max(widths):
-        raise UsageError(f"--expand-rank {rank} ([blocks] expand_rank): expected at most {max(widths)}, the "
-                         f"widest narrow side of the model's linear weights (a rank-{max(widths)} update is already "
-                         f"full rank on every one)")
+def widest_rank(staged: StagedModel) -> int | None:
+    """The widest narrow side (rows or columns) of the layers' linear weights: the largest rank a low-rank update
+    of any of them can have (each weight's factors are at most its full rank: a shared expert's gate of one row
+    gets rank 1); None without a linear weight. The rank's bound (`preinfer.config.resolved.check_resolved`)."""
+    return max((min(module.weight.shape) for module, _ in linear_weights(list(staged.layers))), default=None)
 
 
 class LowRankExpansion:
@@ -125,9 +121,8 @@ class LowRankExpansion:
     def __init__(self, staged: StagedModel, rank: int, lr: float | None, seed: int = 0,
                  step: Callable[[], int] = lambda: 0, device: torch.device | str = "cpu"):
         """`step`: the run's global step now (the factors of a visit are drawn from it, the seed and the block);
-        `device`: the run's, where the factors are made; a rank above every linear's narrower width is refused (its
-        factors could hold no more than full-rank updates, at rank x (in + out) floats each)."""
-        check_rank(staged, rank)
+        `device`: the run's, where the factors are made; each linear's factors have at most its full rank (the
+        run's rules bound `rank` by `widest_rank`)."""
         self.staged, self.rank, self.lr, self.seed, self.step = staged, rank, lr, seed, step
         self.device = torch.device(device)
         self.factors: list[Factors] = []

@@ -55,11 +55,12 @@ from preinfer.block_order import parse_fixed_order, sweep_order
 from preinfer.config import ArgumentNaming, config_from_arguments
 from preinfer.config.resolved import check_resolved
 from preinfer.errors import UsageError
-from preinfer.expansion import expansion_hooks
+from preinfer.expansion import expansion_hooks, widest_rank
 from preinfer.frozen_weights import frozen_weight_hooks
 from preinfer.hf_optimizer import BlockOptimizer, VisitSchedule
 from preinfer.memory.meter import MemoryMeter
 from preinfer.families import stage
+from preinfer.moe import sparse_blocks
 from preinfer.partition import make_partition, parse_ufp
 from preinfer.precision import resolve_precision, weights_dtype
 
@@ -147,7 +148,8 @@ class BlockCoordinateDescent:
         self.staged = stage(model)
         self.partition = make_partition(self.staged, ufp=None if b.ufp is None else parse_ufp(b.ufp),
                                         num_blocks=b.blocks, ranges=b.ranges, separate_ends=b.separate_ends)
-        check_resolved(config, self.precision, NAMING, len(self.partition))  # the rules judge the resolved run
+        check_resolved(config, self.precision, NAMING, len(self.partition),  # the rules judge the resolved run
+                       sparse=bool(sparse_blocks(self.staged.layers)), widest=widest_rank(self.staged))
         previous = _BCD_OF.get(model)
         if previous is not None:  # one BCD at a time holds a model's hooks and masters: the newer one
             previous.close()

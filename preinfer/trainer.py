@@ -31,7 +31,7 @@ from preinfer.config import Config
 from preinfer.errors import DivergedError, PreinferError, UsageError
 from preinfer.evaluation import eval_mode
 from preinfer.config.resolved import check_resolved
-from preinfer.expansion import expansion_hooks, expansion_of
+from preinfer.expansion import expansion_hooks, expansion_of, widest_rank
 from preinfer.frozen_weights import frozen_weight_hooks
 from preinfer.parallel_dims import parallel_dims
 from preinfer.seams import Seams, replica_seams
@@ -78,7 +78,7 @@ class Trainer:
         self.wall_s = 0.0  # time spent in fit()
         self.precision = precision if precision is not None else apply_precision(staged.model, config.run.precision)
         check_resolved(config, self.precision, blocks=len(partition),  # direct callers too: the resolved run
-                       sparse=bool(sparse_blocks(staged.layers)))
+                       sparse=bool(sparse_blocks(staged.layers)), widest=widest_rank(staged))
         staged.use_loss(config.run.loss, config.run.loss_chunk)
         staged.offload = config.run.offload
         self.optimizers = VisitOptimizers(config.optim, self.precision, torch.device(config.run.device).type,

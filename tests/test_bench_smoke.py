@@ -304,7 +304,7 @@ def test_finetune_quick_compares_every_method_on_the_same_batches(tmp_path, monk
                                for i in range(40)))
     out = tmp_path / "finetune.json"
     finetune = _load("finetune")
-    assert finetune.main(["--quick", "--general", str(general), "--out", str(out)]) == 0
+    assert finetune.main(["--quick", "--in-process", "--general", str(general), "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     rows = {row["method"]: row for row in result["rows"]}
     assert set(rows) == set(finetune.METHODS) and {row["task"] for row in result["rows"]} == {"chat"}
@@ -376,7 +376,7 @@ def test_finetune_resume_takes_the_rows_measured_with_the_same_flags_and_runs_th
     assert len(first) == 1 and "--out" not in first[0]["key"] and "<scratch>/base" in first[0]["key"]
     assert finetune.main([*quick, "--resume"]) == 0
     assert rows() == first and json.loads(out.read_text())["rows"][0]["eval_loss"] == first[0]["eval_loss"]
-    assert finetune.main([*quick, "--resume", "--seed", "1"]) == 0
+    assert finetune.main([*quick, "--resume", "--seed", "1", "--in-process"]) == 0  # a row run either way
     assert len(rows()) == 2 and rows()[1]["seed"] == 1
     args = argparse.Namespace(source="tiny-llama")  # BAdam's and LoRA's runs read bcd's flags: keyed apart
     assert len({finetune_runs.run_key(args, "chat", m, ["--lr", "1e-4"], tmp_path) for m in ("bcd", "badam", "lora16")}) == 3
@@ -452,12 +452,12 @@ def test_orders_target_is_full_adam_s_best_once_its_plateau_is_seen():
 
 @pytest.mark.slow
 def test_orders_quick_measures_each_order_against_full_adam_s_target(tmp_path):
-    """bench.orders --quick, two of its orders (each run is a process: about 7 s of start-up each): full Adam and
+    """bench.orders --quick --in-process, two of its orders (each run in this process): full Adam and
     each order on tiny-llama; each row's time and epochs to the target are those of its curve's first point at or
     below it, and the UFP table reuses the best row's UFP 1/3 run."""
     out = tmp_path / "orders.json"
     orders = _load("orders")
-    assert orders.main(["--quick", "--orders", "ascending,importance", "--out", str(out)]) == 0
+    assert orders.main(["--quick", "--in-process", "--orders", "ascending,importance", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     full, rows = result["full"], {row["row"]: row for row in result["rows"]}
     assert set(rows) == {"ascending", "importance"} and Path(result["plot"]).stat().st_size > 0

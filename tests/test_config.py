@@ -31,7 +31,7 @@ def test_each_section_holds_its_own_keys():
     assert set(vars(config.run)) == {"out", "mode", "seed", "checkpoint_every", "device", "precision", "recompute",
                                      "pipeline", "microbatches", "pipeline_schedule", "dp_sync", "outer_lr",
                                      "outer_momentum", "grad_compression", "loss", "loss_chunk", "offload",
-                                     "report_to"}
+                                     "skip_memory_check", "report_to"}
     assert set(vars(config.pre_inference)) == {"mode", "store_dir", "store_format", "store_dtype", "keep_stores",
                                                "dask"}
     assert set(vars(config.store)) == {"path", "trust"}

@@ -4,8 +4,11 @@ and a run of a method as a process of its own, kept in the rows file for --resum
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -14,7 +17,7 @@ from pathlib import Path
 
 from bench.lib.chat_records import records
 from bench.lib.common import ROOT, module_command
-from bench.lib.peer_loops import LORA_RANK
+from bench.lib.peer_loops import LORA_RANK, loop_worker
 from bench.lib.pretrained import checkpoint_dir
 from bench.lib.runs import cli_result, eval_loss, parse_config
 from preinfer.config.rules import resolved_expand
@@ -135,8 +138,11 @@ def run_flags(args: argparse.Namespace, method: str, data: str, lr: float, out: 
 # One run, as a process of its own.
 
 
-def run(method: str, flags: list[str], scratch: Path, eval_count: int) -> dict:
-    """Run `method` with `flags`; its result with the process's peak RSS."""
+def run(method: str, flags: list[str], scratch: Path, eval_count: int, in_process: bool = False) -> dict:
+    """Run `method` with `flags`; its result with the process's peak RSS (`in_process`: run in this process, whose
+    peak so far it reports)."""
+    if in_process:
+        return run_here(method, flags, eval_count)
     out = Path(flags[flags.index("--out") + 1])
     if method in LOOP_METHODS:
         result_file = scratch / f"{out.name}.json"
@@ -156,6 +162,23 @@ def run(method: str, flags: list[str], scratch: Path, eval_count: int) -> dict:
     return result
 
 
+def run_here(method: str, flags: list[str], eval_count: int) -> dict:
+    """`run` in this process (smoke tests): the loop worker or `preinfer bcd`'s main, its prints discarded."""
+    from pipelines.cli import main
+
+    started = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()):
+        if method in LOOP_METHODS:
+            result = loop_worker(method, flags, eval_count)
+        elif (code := main(["bcd", *flags])) != 0:
+            raise RuntimeError(f"finetune: {method}'s run exited {code}")
+    if method not in LOOP_METHODS:
+        result = cli_result(Path(flags[flags.index("--out") + 1]))
+    result["rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result["wall_s"] = time.perf_counter() - started
+    return result
+
+
 def measured(args: argparse.Namespace, method: str, task: str, lr: float, scratch: Path, evals: dict,
              budget: float = 0.0) -> dict:
     """One run of `method` on `task` at `lr`, evaluated on the task and the general corpus."""
@@ -166,7 +189,7 @@ def measured(args: argparse.Namespace, method: str, task: str, lr: float, scratc
         print(f"[finetune] {task} {method} lr {lr:g} seed {args.seed}: eval {row['eval_loss']:.4f}, measured "
               f"before (--resume)", flush=True)
         return row
-    result = run(method, flags, scratch, args.eval_batches)
+    result = run(method, flags, scratch, args.eval_batches, args.in_process)
     model_dir = result.pop("model_dir")
     tokens = result["steps"] * args.batch_size * args.seq_len
     row = dict(task=task, method=method, lr=lr, seed=args.seed, steps=result["steps"], eval_loss=eval_loss(model_dir, evals["task"]),

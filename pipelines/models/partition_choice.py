@@ -45,18 +45,23 @@ def budget_partition(staged: preinfer.StagedModel, config: Config, first_layer: 
         raise UsageError("--ufp auto plans whole-model runs (preinfer bcd); give --ufp or --blocks to train from "
                          "a store")
     shape = shape_from_config(staged.model.config)
-    together = config.optim.grad_accum if config.model.stream_frozen else 1  # layer-major: a step's micro-batches
-    settings = budget_settings(memory_budget(config.blocks), precision, config.data.seq_len,
-                               config.data.batch_size * together, config.run.recompute, config.model.attention,
-                               frozen_dtype=config.model.frozen_dtype, optimizer=config.optim.name,
-                               fused_step=config.optim.fused_step, host_device=config.run.device == "cpu",
-                               expand=expansion_of(staged, config), expand_rank=config.blocks.expand_rank,
-                               separate_ends=config.blocks.separate_ends, stream_frozen=config.model.stream_frozen,
-                               masters=config.model.masters,
-                               loss=config.run.loss if isinstance(staged.linear_head(), LinearHead) else "plain",
-                               loss_chunk=config.run.loss_chunk, offload=config.run.offload)
+    settings = run_settings(staged, config, precision, memory_budget(config.blocks))
     plan = blocks_for_budget(shape, settings, precision)
     return replace(make_partition(staged, num_blocks=plan.blocks, separate_ends=plan.separate_ends), budget=plan)
+
+
+def run_settings(staged: preinfer.StagedModel, config: Config, precision: str, budget: int) -> Settings:
+    """The planner's settings of the run `config` on `staged` in `precision` (its memory savers, expansion and loss
+    as the run applies them), under a budget of `budget` bytes: what `preinfer plan` prices for the same flags."""
+    together = config.optim.grad_accum if config.model.stream_frozen else 1  # layer-major: a step's micro-batches
+    return budget_settings(budget, precision, config.data.seq_len, config.data.batch_size * together,
+                           config.run.recompute, config.model.attention, frozen_dtype=config.model.frozen_dtype,
+                           optimizer=config.optim.name, fused_step=config.optim.fused_step,
+                           host_device=config.run.device == "cpu", expand=expansion_of(staged, config),
+                           expand_rank=config.blocks.expand_rank, separate_ends=config.blocks.separate_ends,
+                           stream_frozen=config.model.stream_frozen, masters=config.model.masters,
+                           loss=config.run.loss if isinstance(staged.linear_head(), LinearHead) else "plain",
+                           loss_chunk=config.run.loss_chunk, offload=config.run.offload)
 
 
 def memory_budget(blocks: BlockConfig) -> int:

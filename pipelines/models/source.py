@@ -9,14 +9,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from preinfer.checkpoint import load_resident_state, mapped_files, read_tensors
 from preinfer.config import DEFAULT_ATTENTION, Config, load_config
 from preinfer.mapped_masters import recorded_paths
+from preinfer.model_config import local_config
+from preinfer.presets import PRESETS
 from preinfer.precision import cast_weights
 from preinfer.run_dir import RunDir
 from pipelines.models.pretrained import load_model
+from pipelines.models.tensor_files import TensorFiles
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,24 @@ def config_source(spec: str) -> str:
     if run.is_resumable():
         return config_source(load_config(run.config).model.name)
     return spec
+
+
+def stored_dtype(spec: str) -> torch.dtype:
+    """The dtype `resolve_model(spec)` loads the weights in, read without loading them: a preset's float32, a
+    model directory's config `dtype` or else its first floating-point tensor's (transformers' `dtype="auto"`), a run
+    directory's current export's, or its checkpoint's weights'."""
+    run = RunDir(spec)
+    if run.export_is_current():
+        return stored_dtype(str(run.export))
+    if run.is_resumable():
+        return TensorFiles(run_files(run, load_config(run.config))).dtype()
+    if spec in PRESETS:
+        return torch.float32
+    declared = local_config(spec).dtype
+    if declared is not None:
+        return getattr(torch, declared) if isinstance(declared, str) else declared
+    weighed = any((Path(spec) / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json"))
+    return TensorFiles.of_directory(Path(spec)).dtype() if weighed else torch.float32  # the load refuses it
 
 
 def run_files(run: RunDir, config: Config) -> list[Path]:

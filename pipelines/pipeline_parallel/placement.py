@@ -18,7 +18,7 @@ from preinfer.batch_source import LiveSources, VisitSources
 from preinfer.memory.budget import PRECISION_DTYPES
 from preinfer.config import Config
 from preinfer.errors import UsageError
-from preinfer.memory.layer_spans import LayerSpan
+from preinfer.memory.layer_spans import LayerSpan, block_spans
 from preinfer.memory.settings import Settings
 from preinfer.memory.shapes import shape_from_config
 from preinfer.parallel_dims import ParallelDims
@@ -127,7 +127,7 @@ def run_stages(config: Config, first: int = 0) -> StagePlan:
                          f"stages, which is not built yet")
     precision = resolve_precision(config.run.precision, weights_dtype(model))
     partition, _ = partition_for(staged, config, first_layer=first, precision=precision)
-    blocks = [LayerSpan(b.start, b.stop, b.has_embed, b.has_head) for b in partition.blocks]
+    blocks = block_spans(partition)
     shape = shape_from_config(model.config)
     r = config.run
     settings = Settings(seq_len=config.data.seq_len, micro_batch=config.data.batch_size // microbatches,

@@ -22,11 +22,12 @@ import preinfer
 from preinfer.batch_source import VisitSources
 from preinfer.config import Config
 from preinfer.config.resolved import check_resolved, resolve_run
+from preinfer.expansion import widest_rank
 from preinfer.model_config import local_config, skeleton
 from preinfer.moe import sparse_blocks
 from preinfer.parallel_dims import parallel_dims
 from preinfer.partition import Partition
-from preinfer.precision import Precision, weights_dtype
+from preinfer.precision import Precision, resolve_precision, weights_dtype
 from preinfer.run_dir import RunDir
 from pipelines.data.tokenizer_choice import model_tokenizer
 from pipelines.data.tokenizers import Tokenizer
@@ -36,9 +37,10 @@ from pipelines.training.placement import Placement, WholeModel
 from pipelines.models.mapped import check_mapped_source
 from pipelines.data.corpus import CorpusDigest
 from pipelines.training.inputs import check_inputs, run_corpus
+from pipelines.training.memory_check import check_memory
 from pipelines.pre_inference.stores import owning_store_dir
 from pipelines.models.partition_choice import partition_for
-from pipelines.models.source import config_source
+from pipelines.models.source import config_source, stored_dtype
 from pipelines.training.run_directory import finish_run, owning_run
 from pipelines.training.store_input import StoreInput
 from pipelines.training.trackers import check_trackers
@@ -116,21 +118,24 @@ def resolve(config: Config, placement: Placement, first: int) -> Resolution:
     staged = preinfer.stage(model)
     partition, active = partition_for(staged, config, first_layer=first, precision=precision)
     sparse = bool(sparse_blocks(staged.layers))
-    resolved = resolve_run(check_resolved(config, precision, blocks=len(partition), sparse=sparse), precision,
-                           sparse=sparse, blocks=len(partition))
+    checked = check_resolved(config, precision, blocks=len(partition), sparse=sparse, widest=widest_rank(staged))
+    resolved = resolve_run(checked, precision, sparse=sparse, blocks=len(partition))
     return Resolution(model, loaded, precision, staged, partition, active, resolved)
 
 
 def check_structure(config: Config) -> None:
-    """The rules of the model's structure (its partition's size, its sparse layers) judged on the model built on
-    the meta device: a run they refuse reads no weight and initialises no preset. A partition the memory budget
-    chooses (`ufp` auto) depends on the precision the weights resolve, so its size waits for them."""
+    """The rules of the model's structure (its partition's size, its sparse layers) and of the precision `auto`
+    resolves to, judged on the model built on the meta device and the dtype its weights are stored in: a run they
+    refuse reads no weight and initialises no preset. A partition the memory budget chooses (`ufp` auto) is
+    planned here in that precision, as the loaded run plans it; then the plan's largest visit is held against the
+    device's memory (`check_memory`)."""
     source = config_source(config.model.name)
     staged = skeleton(local_config(source), source)
-    b = config.blocks
-    budgeted = b.ufp == "auto" and b.active is None and b.ranges is None and b.blocks is None
-    blocks = None if budgeted else len(partition_for(staged, config)[0])
-    check_resolved(config, config.run.precision, blocks=blocks, sparse=bool(sparse_blocks(staged.layers)))
+    precision = resolve_precision(config.run.precision, stored_dtype(config.model.name))
+    partition, active = partition_for(staged, config, precision=precision)
+    check_resolved(config, precision, blocks=len(partition), sparse=bool(sparse_blocks(staged.layers)),
+                   widest=widest_rank(staged))
+    check_memory(config, staged, partition, active, precision)
 
 
 def sources(config: Config, placement: Placement, staged: preinfer.StagedModel,

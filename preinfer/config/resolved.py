@@ -57,20 +57,23 @@ class ResolvedNaming(Naming):
 
 
 def check_resolved(config: Config, precision: str, naming: Naming | None = None, blocks: int | None = None,
-                   sparse: bool | None = None) -> Config:
+                   sparse: bool | None = None, widest: int | None = None) -> Config:
     """`config` if every rule holds for the run it resolves to (the precision `auto` became: `precision`; where
-    they are known, the partition's `blocks` and whether the model has `sparse` (mixture-of-experts) layers); else
+    they are known, the partition's `blocks`, whether the model has `sparse` (mixture-of-experts) layers and the
+    `widest` narrow side of its layers' linear weights, `preinfer.expansion.widest_rank`); else
     the one-line UsageError of `Config.validate`, naming a key as `naming` does (by default as its source gave it,
     `config.naming`) and a resolved precision as what it resolved from and to."""
     resolved = dataclasses.replace(config, run=dataclasses.replace(config.run, precision=str(precision)))
     check(resolved, ResolvedNaming(naming or config.naming, config.run.precision, str(precision)),
-          model_problems(config, blocks, sparse))
+          model_problems(config, blocks, sparse, widest))
     return config
 
 
-def model_problems(config: Config, blocks: int | None, sparse: bool | None) -> Iterator[Problem]:
+def model_problems(config: Config, blocks: int | None, sparse: bool | None,
+                   widest: int | None = None) -> Iterator[Problem]:
     """The rules of the model's partition and layers: a listed block rate per block, a fixed order of every block,
-    a start block among them; experts only where there are sparse layers."""
+    a start block among them; experts only where there are sparse layers; a low-rank expansion's rank no wider than
+    the `widest` narrow side of the linear weights (a wider one holds no more, at rank x (in + out) floats each)."""
     rates = config.optim.block_lr
     if blocks is not None and rates is not None and ":" not in rates and len(names(rates)) != blocks:
         yield "optim", "block_lr", f"{blocks} factors, one per block of the partition (or a rule depth:LO..HI)"
@@ -80,5 +83,9 @@ def model_problems(config: Config, blocks: int | None, sparse: bool | None) -> I
     start = config.blocks.start_block
     if blocks is not None and start is not None and start >= blocks:
         yield "blocks", "start_block", f"one of the partition's blocks 0-{blocks - 1}"
+    rank = config.blocks.expand_rank
+    if widest is not None and rank > widest and resolved_expand(config, bool(sparse)) == "lowrank":
+        yield "blocks", "expand_rank", (f"at most {widest}, the widest narrow side of the model's linear weights (a "
+                                        f"rank-{widest} update is already full rank on every one)")
     if sparse is False and config.blocks.experts is not None:
         yield "blocks", "experts", "unset on a model without mixture-of-experts layers (it has no experts to choose)"

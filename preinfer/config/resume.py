@@ -9,11 +9,11 @@ from preinfer.config.sections import Config
 from preinfer.errors import UsageError
 
 # Config keys a resumed run may change: where and how it runs, not what it trains, the number of sweeps (a run
-# resumed for more sweeps ends as one run of that many) and the step budget (a raised one continues at the next
-# visit; the visit it cut stays cut). Each change is recorded in metrics.jsonl as a `resume` record; a change of any
-# other key refuses --resume.
-RESUMABLE_KEYS = ("run.checkpoint_every", "run.device", "run.report_to", "data.token_store", "pre_inference.dask",
-                  "blocks.sweeps", "stop.total_steps")
+# resumed for more sweeps ends as one run of that many) and the step budget (a raised one continues the visit it
+# cut and ends as one run of that budget, bit for bit) and whether its memory is checked against the plan. Each
+# change is recorded in metrics.jsonl as a `resume` record; a change of any other key refuses --resume.
+RESUMABLE_KEYS = ("run.checkpoint_every", "run.device", "run.skip_memory_check", "run.report_to", "data.token_store",
+                  "pre_inference.dask", "blocks.sweeps", "stop.total_steps")
 # The block partition: the first of these that is set wins (ranges, then blocks, then ufp).
 PARTITION_ORDER = ("ranges", "blocks", "ufp")
 

@@ -120,6 +120,7 @@ class RunConfig:
     precision: Precision = "auto"  # auto follows the model's weights (bf16 -> bf16-mixed)
     recompute: bool = False  # keep one hidden state per layer in the gradient path; run the layer again in backward
     offload: bool = False  # with recompute: those kept hidden states in host memory until backward needs them
+    skip_memory_check: bool = False  # run even where the plan puts the largest visit above the device's memory
     loss: Loss = "auto"  # the next-token loss: chunked (auto, where the head allows), plain, liger
     loss_chunk: int = DEFAULT_LOSS_CHUNK  # tokens per chunk of the chunked loss
     pipeline: int = 1  # pipeline stages (under torchrun: world size = pipeline x data-parallel replicas)

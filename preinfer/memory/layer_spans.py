@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from preinfer.errors import UsageError
 from preinfer.memory.shapes import ModelShape
-from preinfer.partition import balanced_ranges
+from preinfer.partition import Partition, balanced_ranges
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,11 @@ class LayerSpan:
     stop: int
     embed: bool
     head: bool
+
+
+def block_spans(blocks: Partition) -> list[LayerSpan]:
+    """A run's partition (`preinfer.partition.Partition`) as the memory model prices its blocks."""
+    return [LayerSpan(b.start, b.stop, b.has_embed, b.has_head) for b in blocks.blocks]
 
 
 def partition(m: ModelShape, blocks: int, separate_ends: bool = False) -> list[LayerSpan]:

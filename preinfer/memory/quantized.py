@@ -48,7 +48,12 @@ def layer_tensors(m: ModelShape) -> list[int]:
 
 def block_tensors(m: ModelShape, block: LayerSpan) -> list[int]:
     """Element counts of the active block's trainable tensors."""
-    tensors = layer_tensors(m) * (block.stop - block.start)
+    return layer_tensors(m) * (block.stop - block.start) + end_tensors(m, block)
+
+
+def end_tensors(m: ModelShape, block: LayerSpan) -> list[int]:
+    """Element counts of the trainable tensors of the block's ends: the embedding, the final norm and the head."""
+    tensors = []
     if block.embed:
         tensors += [m.vocab * m.hidden] + ([m.positions * m.hidden] if m.positions else [])
     if block.head:
@@ -119,12 +124,13 @@ def active_state(m: ModelShape, settings: Settings, span: LayerSpan, grads: int,
     from today's `grads` and `optimizer`."""
     check_settings(m, settings)
     d = DTYPES[settings.dtype]
-    tensors = block_tensors(m, span)
-    if settings.optimizer in LOW_BIT_OPTIMIZERS:
+    layers, layer, ends = span.stop - span.start, layer_tensors(m), end_tensors(m, span)
+    if settings.optimizer in LOW_BIT_OPTIMIZERS:  # each layer's tensors alike: summed once, times the layers
         plain = 4 if d["master"] else d["moments"] // 2
-        optimizer = sum(tensors) * d["master"] + sum(moment_bytes(n, plain) for n in tensors)
+        optimizer = ((layers * sum(layer) + sum(ends)) * d["master"]
+                     + layers * sum(moment_bytes(n, plain) for n in layer) + sum(moment_bytes(n, plain) for n in ends))
     if settings.fused_step:
-        grads = max(tensors) * d["grad"]
+        grads = max([*(layer if layers else []), *ends]) * d["grad"]
     return grads, optimizer
 
 

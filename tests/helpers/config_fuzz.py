@@ -55,7 +55,7 @@ DOMAIN: dict[str, tuple[list, list]] = {
     "blocks.experts_sample": ([1, 2], [0]),
     "blocks.importance_batches": ([1, 2], [0]),
     "blocks.importance_floor": ([1, 2], [0]),
-    "blocks.expand_rank": ([2, 8], [0, 10**6]),
+    "blocks.expand_rank": ([2, 8, 64], [0, 65, 10**6]),  # the tiny models' widest narrow side is 64
     "blocks.expand_lr": ([1e-3], [0.0, 1e40]),
     "blocks.sweeps": ([1, 2], [0]),
     "optim.lr": ([1e-3, 1e-2], [0.0, 1e40]),
