@@ -113,9 +113,11 @@ def planned(model: Path, settings: Settings, visits: int) -> dict:
 
 
 def step_seconds(run: Path) -> list[float]:
-    """Each step's seconds, from its record (tokens over tokens per second)."""
+    """Each step's seconds, from its record (`visit_s` is the visit's wall up to the step's end)."""
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [round(r["tokens"] / r["tokens_per_s"], 1) for r in records if r.get("kind") == "step"]
+    steps = [r for r in records if r.get("kind") == "step"]
+    before = [0.0 if r["visit_step"] == 1 else p["visit_s"] for p, r in zip([None, *steps], steps)]
+    return [round(r["visit_s"] - b, 1) for r, b in zip(steps, before)]
 
 
 def main(argv: list[str] | None = None) -> int:
