@@ -15,7 +15,8 @@ from storage.locations import Location, disk_bytes, free_bytes, location, remove
 from storage.manifest import FieldSpec, Fingerprint
 from storage.owner import OWNER_ENTRIES, owning
 from storage.reader import Reader
-from storage.store import Store, format_ranges
+from storage.shard_input import format_ranges
+from storage.store import Store
 from storage.verify import verify
 
 __all__ = [

@@ -17,7 +17,8 @@ from storage.manifest import (
 from storage.memory_backend import MemoryStore
 from storage.owner import OWNER_ENTRIES
 from storage.safetensors_backend import INDEX, SafetensorsStore
-from storage.store import MARKERS, Store, format_ranges
+from storage.shard_input import format_ranges
+from storage.store import MARKERS, Store
 from storage.zarr_backend import ZarrStore
 
 _STORES: dict[str, type[Store]] = {"zarr": ZarrStore, "safetensors": SafetensorsStore, "memory": MemoryStore}

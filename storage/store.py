@@ -17,24 +17,13 @@ import torch
 from storage.blobs import Blobs
 from storage.checksums import crc32c_tensor
 from storage.dtypes import torch_dtype
-from storage.encodings import ENCODINGS, SCALE_SUFFIX, Encoding, error_stats, merge_stats, nonfinite_rows
+from storage.encodings import ENCODINGS, SCALE_SUFFIX, Encoding, merge_stats
 from storage.errors import CorruptStoreError, IncompleteStoreError, StorageError
 from storage.manifest import MANIFEST, FieldSpec, Fingerprint
 from storage.reader import Reader
+from storage.shard_input import checked_tensors, encoded, format_ranges
 
 MARKERS = "done"
-
-
-def format_ranges(indices: list[int], limit: int = 20) -> str:
-    """Shard indices as compact ranges: '0-3, 7, 9-12'."""
-    runs: list[list[int]] = []
-    for i in sorted(indices):
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    text = [f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:limit]]
-    return ", ".join(text) + (f", ... ({len(runs) - limit} more runs)" if len(runs) > limit else "")
 
 
 class Store(ABC):
@@ -168,56 +157,10 @@ class Store(ABC):
         scales = {name + SCALE_SUFFIX for name in self.encodings}
         return [name for name in self.fields if name not in scales]
 
-    def _checked_tensors(self, i: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        start, stop = self.shard_range(i)
-        where = f"store {self.path}: write_shard({i}) (samples {start}..{stop})"
-        if not isinstance(tensors, dict) or set(tensors) != set(self.written_fields):
-            got = sorted(tensors) if isinstance(tensors, dict) else type(tensors).__name__
-            raise StorageError(f"{where}: expected exactly the fields {sorted(self.written_fields)}, got {got}")
-        checked = {}
-        for name in self.written_fields:
-            spec, tensor = self.fields[name], tensors[name]
-            expected = (stop - start, *spec.shape)
-            if not isinstance(tensor, torch.Tensor):
-                raise StorageError(f"{where}: field {name!r} must be a torch.Tensor, not {type(tensor).__name__}")
-            lossy = name in self.encodings
-            dtype_ok = tensor.is_floating_point() if lossy else tensor.dtype == torch_dtype(spec.dtype)
-            if tuple(tensor.shape) != expected or not dtype_ok:
-                wanted = f"a floating dtype (encoded to {spec.dtype})" if lossy else f"dtype {spec.dtype}"
-                raise StorageError(
-                    f"{where}: field {name!r} must have shape {list(expected)} and {wanted}, "
-                    f"got shape {list(tensor.shape)} and dtype {str(tensor.dtype).removeprefix('torch.')}"
-                )
-            checked[name] = tensor.detach().cpu().contiguous()
-        return checked
-
-    def _encoded(self, i: int, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
-        """The tensors with each lossy field encoded (codes and scale), and the decoding error of each; refuses
-        non-finite values, naming the samples."""
-        out, errors = dict(tensors), {}
-        for name, encoding in self.encodings.items():
-            x = tensors[name]
-            self._refuse_rows(i, name, nonfinite_rows(x), f"NaN or inf; a {encoding.name} store cannot hold them")
-            codes, scale = encoding.encode(x)
-            decoded = encoding.decode(codes, scale)
-            # |x| within a rounding of float32's largest: q * s overflows
-            self._refuse_rows(i, name, nonfinite_rows(decoded), f"values too close to float32's largest; a "
-                                                                 f"{encoding.name} store cannot hold them")
-            out[name], out[name + SCALE_SUFFIX] = codes, scale
-            errors[name] = error_stats(x, decoded, scale, encoding.bound)
-        return out, errors
-
-    def _refuse_rows(self, i: int, name: str, rows: list[int], what: str) -> None:
-        """Raise StorageError naming the samples of shard `i` at `rows` (indices in the shard), if any."""
-        if rows:
-            start, stop = self.shard_range(i)
-            raise StorageError(f"store {self.path}: shard {i} (samples {start}..{stop}): field {name!r} holds {what} "
-                               f"(samples {format_ranges([start + r for r in rows])})")
-
     def write_shard(self, i: int, tensors: dict[str, torch.Tensor]) -> None:
         """Write shard `i` whole and publish it atomically; rewriting identical content is a no-op. A lossy field
         is given in any floating dtype and encoded here; its decoding error goes into the completion record."""
-        tensors, errors = self._encoded(i, self._checked_tensors(i, tensors))
+        tensors, errors = encoded(self, i, checked_tensors(self, i, tensors))
         start, stop = self.shard_range(i)
         fields = {name: {"crc32c": crc32c_tensor(t), "bytes": t.nbytes} for name, t in tensors.items()}
         with self._blobs.lock(f"shard-{i:06d}"):

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from storage.api import open_store
 from storage.errors import StorageError
-from storage.store import format_ranges
+from storage.shard_input import format_ranges
 
 
 @dataclass
