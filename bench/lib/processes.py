@@ -12,15 +12,17 @@ import time
 
 from bench.lib.common import ROOT
 
+NICENESS = 10  # each measured process's `nice -n`: a benchmark's steps yield to the machine's other work
+
 
 def measured(command: list[str], sample_s: float = 0.0) -> tuple[dict, str]:
-    """Run `command` under `nice -n 10`: its exit status, seconds, peak RSS in bytes and last line of stderr (with
+    """Run `command` under `nice -n NICENESS`: its exit status, seconds, peak RSS in bytes and last line of stderr (with
     `sample_s` > 0, also the peaks of RssAnon and RssFile read from /proc every `sample_s` seconds); and its
     stdout."""
     start = time.perf_counter()
     peaks = {"RssAnon": 0, "RssFile": 0}
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        process = subprocess.Popen(["nice", "-n", "10", *command], cwd=ROOT, stdout=out, stderr=err,
+        process = subprocess.Popen(["nice", "-n", str(NICENESS), *command], cwd=ROOT, stdout=out, stderr=err,
                                    env={**os.environ, "PYTHONPATH": str(ROOT)})
         sampler = threading.Thread(target=_sample, args=(process, peaks, sample_s), daemon=True)
         if sample_s > 0:
