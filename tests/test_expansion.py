@@ -181,21 +181,38 @@ def test_only_layers_above_the_active_block_change_and_fingerprints_follow_their
     assert any(not torch.equal(x, y) for x, y in zip(suffix_before, suffix_now))
 
 
+def expansion_run(directory: Path, corpus: str, name: str, mode: str, order: str, expand: str) -> tuple:
+    """(config, result) of a two-sweep run in `order` with pre-inference `mode` and `expand`."""
+    config = config_for(directory, corpus, name, mode=mode)
+    config.blocks.order, config.blocks.sweeps = order, 2
+    config.blocks.expand, config.blocks.expand_lr = expand, 0.05
+    return config, training.run(config, quiet=True)
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    """`plain_run(order, corpus)`: the run in `order` without expansion (stores on), made once per order, so that
+    both expansions of an order compare their stores with the same one."""
+    directory, made = tmp_path_factory.mktemp("plain"), {}
+
+    def run(order: str, corpus: str) -> tuple:
+        if order not in made:
+            made[order] = expansion_run(directory, corpus, order, "on", order, "none")
+        return made[order]
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("expand", ["lowrank", "sgd"])
 @pytest.mark.parametrize("order", ["ascending", "descending"])
-def test_bcd_from_stores_ends_as_live_with_expansion(tmp_path, corpus, expand, order, pinned_rates):
+def test_bcd_from_stores_ends_as_live_with_expansion(tmp_path, corpus, expand, order, pinned_rates, plain_run):
     """Pre-inference on (stores, rolled forward where ascending) and off (live), expansion on: the same weights
     (relative 1e-5) and eval losses, every visit above the input read from a store, and the stores made and
     reused as without expansion (it never makes one stale that the block's own training does not; the plans from
     pinned throughputs, so that how a store is made does not follow the machine's load)."""
-    runs = {}
-    for name, mode, expansion in [("off", "off", expand), ("on", "on", expand), ("plain", "on", "none")]:
-        config = config_for(tmp_path, corpus, name, mode=mode)
-        config.blocks.order, config.blocks.sweeps = order, 2
-        config.blocks.expand, config.blocks.expand_lr = expansion, 0.05
-        runs[name] = (config, training.run(config, quiet=True))
-    (off_config, off), (on_config, on), (plain_config, _) = runs["off"], runs["on"], runs["plain"]
+    off_config, off = expansion_run(tmp_path, corpus, "off", "off", order, expand)
+    on_config, on = expansion_run(tmp_path, corpus, "on", "on", order, expand)
+    plain_config, _ = plain_run(order, corpus)
     assert_close(weights(on_config.run.out), weights(off_config.run.out))
     assert [v["eval_loss"] for v in on["visits"]] == pytest.approx([v["eval_loss"] for v in off["visits"]], rel=1e-5)
     assert all(v["source_boundary"] > 0 for v in on["visits"] if v["block"] > 0)
