@@ -4,6 +4,7 @@ A field typed `Names[X]` holds a comma list of X's values (as its flag takes it)
 
 from __future__ import annotations
 
+import functools
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
@@ -68,14 +69,21 @@ def _plain(hint: Any) -> Any:
     return hint
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """`cls`'s field hints, `Names[X]` kept: resolved once per class (a config's validation asks hundreds of times,
+    and each resolution evaluates every hint of the class again)."""
+    return get_type_hints(cls, include_extras=True)
+
+
 def field_hint(cls: type, name: str) -> Any:
     """The type of field `name` of the dataclass `cls`, None left out, `Names[X]` kept."""
-    return _plain(get_type_hints(cls, include_extras=True)[name])
+    return _plain(_hints(cls)[name])
 
 
 def is_optional(cls: type, name: str) -> bool:
     """Whether field `name` of section `cls` may be None (unset)."""
-    return type(None) in get_args(get_type_hints(cls)[name])
+    return type(None) in get_args(_hints(cls)[name])
 
 
 def is_names(hint: Any) -> bool:
