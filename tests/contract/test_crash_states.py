@@ -4,9 +4,6 @@ leave it: `inject.py`), then run again or resumed, ends bit for bit where an uni
 (a writer that raises ENOSPC) says which path and how to go on, and that way works."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,18 +15,16 @@ from preinfer.checkpoint import is_complete
 from preinfer.run_dir import RunDir
 from tests.helpers.cli_run import run_cli
 from tests.helpers.disk_faults import ENOSPC, files, full_disk, stopped, works_once_freed
+from tests.helpers.inject import forked
 
-REPO = Path(__file__).resolve().parents[2]
-INJECT = Path(__file__).parents[1] / "helpers" / "inject.py"
 KILLED = 137
 
 
-def killed_at(spec: str, argv: list[str]) -> None:
-    """Run `preinfer ARGV` in a child killed at the phase `spec` names (see inject.py); assert it died there."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(INJECT), f"{spec}=exit", "--", *argv], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == KILLED, done.stderr[-2000:]
+def killed_at(spec: str, argv: list[str], log: Path) -> None:
+    """Run `preinfer ARGV` in a child process (forked: see inject.py's `forked`) killed at the phase `spec` names;
+    assert it died there (its output in `log`)."""
+    code = forked([f"{spec}=exit"], argv, log)
+    assert code == KILLED, (code, log.read_text()[-2000:])
 
 
 def reference_run(tmp_path_factory, argv: list[str]) -> Path:
@@ -72,7 +67,7 @@ CHECKPOINT_PHASES = {
 def test_a_save_killed_at_any_phase_resumes_to_the_uninterrupted_weights(phase, tmp_path, corpus, uninterrupted,
                                                                         capsys):
     out = tmp_path / "run"
-    killed_at(phase, bcd_args(corpus, out))
+    killed_at(phase, bcd_args(corpus, out), tmp_path / "killed.log")
     assert {p.name for p in out.iterdir() if p.name.startswith("checkpoint")} == CHECKPOINT_PHASES[phase]
     code, _, err = run_cli([*bcd_args(corpus, out), "--resume"], capsys)
     assert code == 0, err
@@ -194,7 +189,7 @@ def test_an_export_killed_mid_write_keeps_the_previous_export_which_is_then_not_
     assert code == 0, err
     previous = files(out / "export")
     again = ["bcd", "--out", str(out), "--resume", "--total-steps", "6"]
-    killed_at("pipelines.models.export:export_pretrained@after", again)
+    killed_at("pipelines.models.export:export_pretrained@after", again, tmp_path / "killed.log")
     assert files(out / "export") == previous and not RunDir(out).export_is_current()
     assert [p.name for p in out.iterdir() if p.name.startswith(".export.tmp-")] != []  # the killed export's
     code, _, err = run_cli(again, capsys)
@@ -258,7 +253,7 @@ def test_a_job_killed_at_any_publish_phase_resumes_to_the_same_bytes(job, phase,
     argv = {"cache": cache_args, "tokenize": tokenize_args}[job]
     uninterrupted = request.getfixturevalue({"cache": "cached", "tokenize": "tokenized"}[job])
     out = tmp_path / "out"
-    killed_at(phase, argv(corpus, out))
+    killed_at(phase, argv(corpus, out), tmp_path / "killed.log")
     code, _, err = run_cli(argv(corpus, out), capsys)
     assert code == 0, err
     assert files(out) == uninterrupted
