@@ -4,9 +4,10 @@ visit sync with a plain average ends with the mean of the replicas' independentl
 training run in one process on its shard); the outer Nesterov step moves the start by lr (1 + momentum) times
 the replicas' mean change at a visit's one sync; every:1 with SGD (linear in the gradient) ends as step sync; a
 run halted mid-visit and resumed ends bit-identical in each mode (PowerSGD's too), and so does one whose rank 1 was
-SIGKILLed mid-visit (visit sync), resumed in a new job from the last checkpoint; and the bytes each rank sent,
-counted at the collectives, are those of the block's tensors (compressed: bf16's, PowerSGD's factors) once a step
-or once a visit.
+SIGKILLed mid-visit, resumed from its last checkpoint in new processes (visit sync's in the second torchrun job; step
+sync's, killed at the end of that job, in two ranks forked from this process); a resume from replicas' checkpoints
+of different steps is refused in one line and changes nothing; and the bytes each rank sent, counted at the
+collectives, are those of the block's tensors (compressed: bf16's, PowerSGD's factors) once a step or once a visit.
 """
 
 import shutil

@@ -65,4 +65,4 @@ if __name__ == "__main__":
         stderr = Path(sys.argv[1]).with_name(f"refused-{index}-rank-{rank}.txt")
         code = refused_run(arguments, stderr) if index in refused else main(arguments)
         if code != refused.get(index, 0):
-            sys.exit(code or 1)
+            sys.exit(code or f"pipeline_driver: run {index} exited 0, not with its refusal's {refused[index]}")
