@@ -4,16 +4,18 @@ Needs root (`ip netns`, `tc`). Two ranks, each in a network namespace of its own
 egress is held to --rate-mbit by a tbf qdisc. Each rank is a torchrun agent of its own (`--nnodes 2`, the static
 rendezvous at rank 0's veth address) and gloo runs over the veth (`GLOO_SOCKET_IFNAME`), as two nodes would.
 
-First both modes run over the veth unlimited; visit sync's wall per step there is a step's compute (its steps send
-no block, and its one sync a visit is cheap on the free link). The rate is then chosen, unless given, so that step
-sync's bytes of a step take as long as that compute: step sync's all-reduce costs about the step's compute, as an
-8B block's does on 10 Gbps. Under the rate, both modes run again. Per mode: the measured wall per step (the visits'
-`wall_s`, their closing syncs included, over the steps), the bytes a rank sent per step (counted at the
+The benchmark runs in rounds (--rounds). In each, both modes first run over the veth unlimited: that mode's wall
+per step there is its compute (the step, and whatever the collectives cost over a free link: gloo's copies,
+PowerSGD's factorisations). The rate is then chosen in the first round, unless given, so that step sync's bytes of
+a step take as long as visit sync's free step: step sync's all-reduce costs about the step's compute, as an 8B
+block's does on 10 Gbps. Under the rate, both modes run again. Per mode and round: the measured wall per step (the
+visits' `wall_s`, their closing syncs included, over the steps), the bytes a rank sent per step (counted at the
 collectives), the link's throughput (one TCP transfer between the namespaces, timed at the receiver) and the
-model's prediction: compute + bytes per step / throughput (no overlap), as `preinfer plan --bandwidth-gbps` and
-`bench.dp_sync` model it. The runs are `bench.dp_sync`'s rows (its model, corpus,
-batches and --steps-per-visit). The namespaces are removed at the end, on failure and on SIGTERM too. The machine
-is shared and small (2 cores): read the ratios.
+model's prediction: the mode's free wall + bytes per step / throughput (no overlap), as `preinfer plan
+--bandwidth-gbps` and `bench.dp_sync` model it. A round's free and limited runs are minutes apart at most, so the
+machine's load moves less between them; the table holds the medians over the rounds. The runs are
+`bench.dp_sync`'s rows (its model, corpus, batches and --steps-per-visit). The namespaces are removed at the end,
+on failure and on SIGTERM too. The machine is shared and small (2 cores): read the ratios.
 
     python -m bench.dp_sync_link --steps-per-visit 100
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -34,6 +37,8 @@ from bench.lib.dp_sync_runs import arguments, bcd, corpus, measured, records
 ADDRESSES = ("10.46.0.1", "10.46.0.2")
 PORT = 29546
 MODES = ("step", "visit")
+COLUMNS = ["mode", "rate_mbit", "measured_mbit", "bytes_per_step", "free_ms", "wall_ms", "predicted_ms",
+           "predicted_x", "wall_x_step"]
 RECEIVER = """import socket, sys, time
 server = socket.create_server((sys.argv[1], int(sys.argv[2])))
 print("ready", flush=True)
@@ -72,6 +77,12 @@ class Link:
     def __exit__(self, *exc) -> None:
         for space in self.spaces:  # the veth pair goes with its namespaces
             subprocess.run(["ip", "netns", "del", space], capture_output=True)
+
+    def unlimit(self) -> None:
+        """Each end's egress free again (its default qdisc)."""
+        for space, device in zip(self.spaces, self.devices):
+            subprocess.run(["ip", "netns", "exec", space, "tc", "qdisc", "del", "dev", device, "root"],
+                           capture_output=True)
 
     def limit(self, rate_mbit: float) -> None:
         """Each end's egress at `rate_mbit` (a tbf qdisc)."""
@@ -128,35 +139,54 @@ def measure(args: argparse.Namespace, link: Link, data: str, work: Path, label: 
     return rows
 
 
+def one_round(args: argparse.Namespace, link: Link, data: str, work: Path, rate: float | None) -> list[dict]:
+    """Both modes over the free link, then under `rate` (None: chosen from these free runs): a row per mode."""
+    link.unlimit()
+    free = measure(args, link, data, work, "free")
+    rate = rate or free["step"]["bytes_per_step"] * 8 / free["visit"]["wall_s"] / 1e6
+    link.limit(rate)
+    mbit = link.throughput()
+    limited = measure(args, link, data, work, "limited")
+    rows = []
+    for mode in MODES:
+        sent, wall = limited[mode]["bytes_per_step"], limited[mode]["wall_s"]
+        predicted = free[mode]["wall_s"] + sent * 8 / (mbit * 1e6)
+        rows.append(dict(mode=mode, rate_mbit=rate, measured_mbit=mbit, bytes_per_step=sent,
+                         free_ms=free[mode]["wall_s"] * 1e3, wall_ms=wall * 1e3, predicted_ms=predicted * 1e3,
+                         predicted_x=predicted / wall, wall_x_step=wall / limited["step"]["wall_s"]))
+    return rows
+
+
+def medians(rounds: list[list[dict]]) -> list[dict]:
+    """Each mode's row: the medians over the rounds (the per-round ratios' medians, not ratios of medians)."""
+    rows = []
+    for index, first in enumerate(rounds[0]):
+        column = [r[index] for r in rounds]
+        rows.append({"mode": first["mode"], "bytes_per_step": first["bytes_per_step"],
+                     **{key: statistics.median(r[key] for r in column)
+                        for key in first if key not in ("mode", "bytes_per_step")}})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = arguments("python -m bench.dp_sync_link", __doc__)
-    parser.add_argument("--rate-mbit", type=float, help="the link's rate (default: chosen from the free runs)")
+    parser.add_argument("--rate-mbit", type=float, help="the link's rate (default: chosen from the first free runs)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of free then limited runs [3]")
     args = parser.parse_args(argv)
     work = Path(args.work)
     data = corpus(work, args.corpus)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the namespaces are removed
+    started, rounds, rate = time.perf_counter(), [], args.rate_mbit
     with Link() as link:
-        free = measure(args, link, data, work, "free")
-        rate = args.rate_mbit or free["step"]["bytes_per_step"] * 8 / free["visit"]["wall_s"] / 1e6
-        link.limit(rate)
-        mbit = link.throughput()
-        started = time.perf_counter()
-        limited = measure(args, link, data, work, "limited")
-        seconds = time.perf_counter() - started
-    rows, compute = [], free["visit"]["wall_s"]  # a step's compute: a step with no block to send, the link free
-    for mode in MODES:
-        predicted = compute + limited[mode]["bytes_per_step"] * 8 / (mbit * 1e6)
-        wall = limited[mode]["wall_s"]
-        rows.append(dict(mode=mode, rate_mbit=rate, measured_mbit=mbit, bytes_per_step=limited[mode]["bytes_per_step"],
-                         free_wall_s=free[mode]["wall_s"], wall_s=wall, predicted_s=predicted,
-                         predicted_x=predicted / wall))
-    for row in rows:
-        row["wall_x_step"] = row["wall_s"] / rows[0]["wall_s"]
-    print(table(rows, ["mode", "rate_mbit", "measured_mbit", "bytes_per_step", "free_wall_s", "wall_s",
-                       "predicted_s", "predicted_x", "wall_x_step"]))
+        for _ in range(args.rounds):
+            rounds.append(one_round(args, link, data, work, rate))
+            rate = rounds[0][0]["rate_mbit"]
+            print(table(rounds[-1], COLUMNS), flush=True)
+    rows = medians(rounds)
+    print(f"medians over {len(rounds)} rounds:\n{table(rows, COLUMNS)}")
     path = write_json("dp_sync_link", dict(command=command_line("dp_sync_link", argv or sys.argv[1:]),
-                                           machine=machine(), settings=vars(args), rows=rows,
-                                           limited_runs_s=seconds))
+                                           machine=machine(), settings=vars(args), rows=rows, rounds=rounds,
+                                           seconds=time.perf_counter() - started))
     print(f"wrote {path}")
     return 0
 

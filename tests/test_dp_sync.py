@@ -4,11 +4,13 @@ visit sync with a plain average ends with the mean of the replicas' independentl
 training run in one process on its shard); the outer Nesterov step moves the start by lr (1 + momentum) times
 the replicas' mean change at a visit's one sync; every:1 with SGD (linear in the gradient) ends as step sync; a
 run halted mid-visit and resumed ends bit-identical in each mode (PowerSGD's too), and so does one whose rank 1 was
-SIGKILLed mid-visit (visit sync), resumed in a new job from the last checkpoint; and the bytes each rank sent,
-counted at the collectives, are those of the block's tensors (compressed: bf16's, PowerSGD's factors) once a step
-or once a visit.
+SIGKILLed mid-visit, resumed from its last checkpoint in new processes (visit sync's in the second torchrun job; step
+sync's, killed at the end of that job, in two ranks forked from this process); a resume from replicas' checkpoints
+of different steps is refused in one line and changes nothing; and the bytes each rank sent, counted at the
+collectives, are those of the block's tensors (compressed: bf16's, PowerSGD's factors) once a step or once a visit.
 """
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,8 @@ from preinfer.parallel_dims import ParallelDims
 from preinfer.presets import build_preset
 from preinfer.run_dir import RunDir
 from preinfer.seams import SingleProcess
-from tests.helpers.training_runs import torchrun, weights
+from tests.helpers.cli_run import failure_line, tree
+from tests.helpers.training_runs import forked_ranks, torchrun, weights
 
 pytestmark = pytest.mark.distributed
 
@@ -43,28 +46,47 @@ RUNS = {  # name: flags (each run one sweep of one 4-step visit of layers 2-3)
 }
 RESUMED = {"sgd-step": 2, "every-2-outer": 3, "sgd-powersgd": 2}  # halted after this step (every:2: after its first
 # sync, the outer step's anchor, momentum and step count in each replica's checkpoint; PowerSGD: its Q and errors)
-KILLED = (1, 3)  # the "visit" run again, checkpointed every 2 steps: rank 1 SIGKILLed at the forward of step 3
+KILLED = (1, 3)  # "visit" and "sgd-step" again, checkpointed every 2 steps: rank 1 SIGKILLed at the forward of step 3
 
 
 def bcd(corpus: str, out: Path, *flags: str) -> list[str]:
     return ["bcd", *BASE, "--data", corpus, *flags, "--out", str(out)]
 
 
+def resume(out: Path) -> list[str]:
+    return ["bcd", "--out", str(out), "--resume"]
+
+
+def mixed_steps(tmp: Path) -> RunDir:
+    """A copy of the finished "visit" run whose replica 1 holds the killed run's step-2 checkpoint (as a rank
+    killed in its last save leaves its previous one), and a copy of that in `mixed-steps-before`."""
+    mixed = RunDir(tmp / "mixed-steps")
+    shutil.copytree(tmp / "visit", mixed.path)
+    shutil.rmtree(mixed.replica_checkpoint(1))
+    shutil.copytree(RunDir(tmp / "visit-killed").replica_checkpoint(1), mixed.replica_checkpoint(1))
+    shutil.copytree(mixed.path, tmp / "mixed-steps-before")
+    return mixed
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory, corpus) -> Path:
-    """Every RUNS entry on two ranks, then the KILLED run, whose job fails by the kill; in a second job that run
-    resumed, and the RESUMED ones again, halted mid-visit and resumed."""
+    """Every RUNS entry on two ranks, then "visit" killed (KILLED), whose job fails by the kill; in a second job that
+    run resumed, the mixed-steps run's resume refused, the RESUMED ones again, halted mid-visit and resumed, and
+    "sgd-step" killed, resumed in two ranks forked from this process."""
     tmp = tmp_path_factory.mktemp("dp-sync")
-    killed = bcd(corpus, tmp / "visit-killed", *RUNS["visit"], "--checkpoint-every", "2")
-    torchrun(tmp, 2, [*(bcd(corpus, tmp / name, *flags) for name, flags in RUNS.items()), killed], kill=KILLED)
-    runs, halts = [["bcd", "--out", str(tmp / "visit-killed"), "--resume"]], {}
+    killed = {name: bcd(corpus, tmp / f"{name}-killed", *RUNS[name], "--checkpoint-every", "2")
+              for name in ("visit", "sgd-step")}
+    torchrun(tmp, 2, [*(bcd(corpus, tmp / name, *flags) for name, flags in RUNS.items()), killed["visit"]], kill=KILLED)
+    runs, halts = [resume(tmp / "visit-killed"), resume(mixed_steps(tmp).path)], {}
     two_blocks = [*BASE[:2], *BASE[4:], "--blocks", "2"]  # BASE without --active 2-3: layers 0-1, then 2-3
     runs.append(["bcd", *two_blocks, "--data", corpus, "--dp-sync", "visit", "--out", str(tmp / "visit-expanded")])
     for name, step in RESUMED.items():
         halts[len(runs)] = step
         runs.append(bcd(corpus, tmp / f"{name}-resumed", *RUNS[name]))
-        runs.append(["bcd", "--out", str(tmp / f"{name}-resumed"), "--resume"])
-    torchrun(tmp, 2, runs, halts=halts)
+        runs.append(resume(tmp / f"{name}-resumed"))
+    refused = {1: 1}  # the mixed-steps resume: exit code 1, as a checkpoint that cannot be resumed from has
+    torchrun(tmp, 2, [*runs, killed["sgd-step"]], halts=halts, refused=refused, kill=KILLED)
+    forked_ranks(2, resume(tmp / "sgd-step-killed"))
     return tmp
 
 
@@ -116,10 +138,11 @@ def test_every_step_averaging_with_sgd_ends_as_step_sync(two_ranks):
         assert relative(every[name], step[name]) <= 1e-6, name
 
 
-def test_a_run_whose_rank_was_killed_mid_visit_resumes_from_its_last_checkpoint_with_nothing_lost(two_ranks):
+@pytest.mark.parametrize("name", ["visit", "sgd-step"])
+def test_a_run_whose_rank_was_killed_mid_visit_resumes_from_its_last_checkpoint_with_nothing_lost(two_ranks, name):
     """The job failed at step 3 (its last checkpoint: step 2's, each replica's own); the resumed job's steps 3 and 4
     and the visit's end are the uninterrupted run's, its weights bit for bit."""
-    killed, whole = RunDir(two_ranks / "visit-killed"), RunDir(two_ranks / "visit")
+    killed, whole = RunDir(two_ranks / f"{name}-killed"), RunDir(two_ranks / name)
     records, uninterrupted = read_metrics(killed.metrics), read_metrics(whole.metrics)
     assert [r.step for r in records if isinstance(r, ResumeRecord)] == [2]
     steps = [(r.step, r.loss) for r in records if isinstance(r, StepRecord)]
@@ -130,6 +153,18 @@ def test_a_run_whose_rank_was_killed_mid_visit_resumes_from_its_last_checkpoint_
     assert set(resumed) == set(reference) and all(torch.equal(resumed[k], v) for k, v in reference.items())
     replica = load_file(str(killed.replica_checkpoint(1) / "model.safetensors"))
     assert all(torch.equal(replica[k], v) for k, v in reference.items())
+
+
+def test_replicas_checkpoints_of_different_steps_are_refused_in_one_line_and_left_as_they_were(two_ranks):
+    """Replica 0's checkpoint is of step 4, replica 1's of step 2: each rank's resume fails with one line naming
+    the run directory and the steps, before anything is written."""
+    mixed = two_ranks / "mixed-steps"
+    stderr = sorted(two_ranks.glob("refused-*-rank-*.txt"))  # the run's, on each rank
+    assert len(stderr) == 2
+    for printed in stderr:
+        assert failure_line(printed.read_text()) == (f"preinfer bcd: error: the replicas' checkpoints in {mixed} are "
+                                                     f"of different steps (2 to 4); the run cannot resume from them")
+    assert tree(mixed) == tree(two_ranks / "mixed-steps-before")
 
 
 @pytest.mark.parametrize("name", list(RESUMED))

@@ -3,11 +3,13 @@ records."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from pipelines.cli import main
@@ -51,13 +53,17 @@ def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
 
 
 def torchrun(tmp_path: Path, procs: int, runs: list[list[str]], pinned: bool = False,
-             halts: dict[int, int] | None = None, kill: tuple[int, int] | None = None) -> subprocess.CompletedProcess:
+             halts: dict[int, int] | None = None, refused: dict[int, int] | None = None,
+             kill: tuple[int, int] | None = None) -> subprocess.CompletedProcess:
     """The `preinfer` command lines `runs` in one torchrun job of `procs` gloo ranks (`pinned`: pre-inference plans
     with `pinned_rates.PINNED`, not with what it measures; `halts`: {run index: the global step its fit halts
-    after, with a checkpoint}; `kill`: (rank, step): the last run's process of that rank SIGKILLs itself at the
-    forward of that step, and the job must fail by that signal)."""
+    after, with a checkpoint}; `refused`: {run index: the exit code it must fail with}, each rank's stderr of it
+    in `tmp_path / f"refused-{index}-rank-{rank}.txt"`; `kill`: (rank, step): the last run's process of that rank
+    SIGKILLs itself at the forward of that step, and the job must fail by that signal; a killed run is resumed in
+    the next job, or, the last job's, by `forked_ranks`)."""
     listing = tmp_path / f"runs-{procs}{'-killed' if kill else ''}.json"
-    listing.write_text(json.dumps({"pinned": pinned, "runs": runs, "halts": halts or {}, "kill": kill}))
+    listing.write_text(json.dumps({"pinned": pinned, "runs": runs, "halts": halts or {}, "refused": refused or {},
+                                   "kill": kill}))
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--standalone",
          str(ROOT / "tests" / "helpers" / "pipeline_driver.py"), str(listing)],
@@ -68,6 +74,22 @@ def torchrun(tmp_path: Path, procs: int, runs: list[list[str]], pinned: bool = F
     else:
         assert done.returncode == 0, done.stderr[-4000:]
     return done
+
+
+def forked_ranks(procs: int, arguments: list[str]) -> None:
+    """The `preinfer` command line `arguments` on `procs` gloo ranks forked from this process (so they pay no
+    start-up: its imports are theirs), each with torchrun's variables and a port of their own; each must exit 0.
+    For one run after a module's torchrun jobs: the resume of the last job's killed run."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    mp.start_processes(_forked_rank, (procs, port, arguments), nprocs=procs, start_method="fork")
+
+
+def _forked_rank(rank: int, procs: int, port: int, arguments: list[str]) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(procs), LOCAL_WORLD_SIZE=str(procs),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    assert main(arguments) == 0, f"rank {rank} of {arguments}"
 
 
 def cache_records(run_dir: str) -> list[CacheRecord]:
