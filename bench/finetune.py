@@ -43,6 +43,8 @@ clipping:
   makes of these runs, or `sgd`), `bcd-depth-lr` (`--block-lr depth:0.5..1.5`: half the rate at the first
   block, 1.5x at the last; `bcd-depth-lr-down` the other way round), `bcd-x4` (the same steps as 4x the sweeps of visits a quarter as long),
   `bcd-x4-keep` (with `--keep-optimizer-state`) and `bcd-x4-lowrank` (with `--expand lowrank`);
+  `bcd-expand-lr-3e-4` and `bcd-expand-lr-1e-3` (lowrank with the factors at `--expand-lr` 3e-4, LoRA r16's rate,
+  or 1e-3, instead of the visit's);
 - `qlora`: QLoRA, `lora16` on an NF4 base: every linear weight that LoRA adapts is replaced, before training, by
   torchao's NF4 tensor (`torchao...nf4_tensor.to_nf4`, the blocks of `--frozen-dtype nf4`: 64 elements, scaler
   blocks of 256), whose `F.linear` dequantizes it for each matmul, as torchtune's QLoRA does; the embedding and the

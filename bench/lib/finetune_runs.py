@@ -30,7 +30,8 @@ LOW_BIT = {**{f"bcd-{dtype}": ["--frozen-dtype", dtype, "--expand", "none"] for 
 LEVERS = {"bcd-none": ["--expand", "none"], "bcd-lowrank": ["--expand", "lowrank"], "bcd-sgd": ["--expand", "sgd"],
           "bcd-depth-lr": ["--block-lr", "depth:0.5..1.5"], "bcd-depth-lr-down": ["--block-lr", "depth:1.5..0.5"],
           "bcd-x4": [],
-          "bcd-x4-keep": ["--keep-optimizer-state"], "bcd-x4-lowrank": ["--expand", "lowrank"]}
+          "bcd-x4-keep": ["--keep-optimizer-state"], "bcd-x4-lowrank": ["--expand", "lowrank"],
+          **{f"bcd-expand-lr-{rate}": ["--expand", "lowrank", "--expand-lr", rate] for rate in ("3e-4", "1e-3")}}
 # Rows that spend the same steps in SHORTER-times more sweeps of SHORTER-times shorter visits.
 SHORTER = 4
 LOOP_METHODS = ("badam", *LORA_RANK)  # the methods of `loop_worker`
