@@ -350,6 +350,8 @@ def test_finetune_lever_rows_parse_into_bcd_with_their_lever_at_the_same_step_co
     assert configs["bcd-lowrank"].blocks.expand == configs["bcd-x4-lowrank"].blocks.expand == "lowrank"
     assert configs["bcd-sgd"].blocks.expand == "sgd" and configs["bcd-x4-keep"].optim.keep_state
     assert configs["bcd-depth-lr"].optim.block_lr == "depth:0.5..1.5"
+    assert [configs[f"bcd-expand-lr-{r}"].blocks.expand_lr for r in ("3e-4", "1e-3")] == [3e-4, 1e-3]
+    assert configs["bcd-expand-lr-3e-4"].blocks.expand == "lowrank" and configs["bcd"].blocks.expand_lr is None
     assert not configs["bcd"].optim.keep_state and configs["bcd"].blocks.expand == "auto"  # the defaults
     assert resolved_expand(configs["bcd"]) == "lowrank" and configs["bcd-none"].blocks.expand == "none"
     with pytest.raises(SystemExit, match="multiple of 4"):
